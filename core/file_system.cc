@@ -1,0 +1,1 @@
+// Placeholder until the file-system layer lands (owned by the checkpoint work).

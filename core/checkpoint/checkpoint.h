@@ -1,0 +1,158 @@
+// Layout-independent training checkpoints (DESIGN.md invariant 4): tensors stored by
+// global name in safetensors shard files, beside a manifest.json, committed atomically.
+//
+// NOTE [checkpoint directory layout]
+//   <save>/latest                      "iter_0000020\n": the newest committed checkpoint
+//   <save>/iter_0000020/manifest.json  caller's fields + format_version, iteration,
+//                                      files {name: {bytes}}, and the tensor table
+//                                      tensors {global name: {file, dtype, shape, xxh3}}
+//   <save>/iter_0000020/<shard>.safetensors     tensors written by one writer (rank)
+//   <save>/iter_0000020/<shard>.index.json      that shard's tensor table (see below)
+//   <save>/.tmp_iter_0000020/          a save in progress; never read
+//   <save>/.old_iter_0000020/          an older iter_0000020 moved aside while the same
+//                                      iteration is re-saved; removed once the new one is in
+// Tensors are keyed by global name ("layers.3.attention.qkv.weight",
+// "optimizer.layers.3.attention.qkv.weight.exp_avg"), never by rank, so a checkpoint can be
+// loaded under any tp/pp/ep/dp layout: which shard holds a tensor is only a lookup.
+//
+// NOTE [checkpoint crash safety] A save writes everything into .tmp_iter_N, fsyncs it,
+// renames it to iter_N, fsyncs <save>, and only then atomically replaces `latest` (write
+// latest.tmp, fsync, rename, fsync <save>). A crash at any point therefore leaves `latest`
+// naming a complete checkpoint (or absent if none was ever committed). Re-saving an
+// existing iteration moves the old directory aside to .old_iter_N before the new one is
+// renamed in; a crash between those two renames leaves `latest` naming a missing iter_N,
+// which CheckpointReader resolves to .old_iter_N and the next Begin() renames back.
+//
+// Multi-rank saving: one rank calls CheckpointWriter::Begin, then (after a barrier) every
+// other rank calls Join; each rank WriteShard()s its own shard with a distinct name; after
+// a second barrier one rank calls Commit, which merges every <shard>.index.json found in
+// the temporary directory into the manifest. The file system must be shared by the ranks.
+// Only one save per save directory may be in flight at a time.
+//
+// Thread-safety: a CheckpointWriter is used from one thread. A CheckpointReader is
+// immutable after Open; its const methods may be called from many threads at once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/checkpoint/manifest.h"
+#include "core/checkpoint/safetensors.h"
+#include "core/file_system.h"
+
+namespace fulcrum::ckpt {
+
+/// Writes one checkpoint directory. Movable, not copyable.
+class CheckpointWriter {
+ public:
+  /// Starts the save of `iteration` into `save_dir` (created if missing): finishes or
+  /// undoes whatever an interrupted earlier save left (stale .tmp_iter_* directories are
+  /// deleted, a moved-aside .old_iter_* is restored or deleted) and creates an empty
+  /// <save_dir>/.tmp_iter_NNNNNNN. Call on one rank only.
+  static absl::StatusOr<CheckpointWriter> Begin(FileSystem* fs, const std::string& save_dir,
+                                                int64_t iteration);
+  /// Attaches to the temporary directory that Begin created (possibly on another rank),
+  /// without cleaning anything. FailedPrecondition if it does not exist yet.
+  static absl::StatusOr<CheckpointWriter> Join(FileSystem* fs, const std::string& save_dir,
+                                               int64_t iteration);
+
+  /// Writes `tensors` (global names) to <temp dir>/<shard_name>.safetensors and their table
+  /// (dtype, shape, xxh3 of the stored bytes) to <shard_name>.index.json, both fsync'ed.
+  /// `shard_name` must match [A-Za-z0-9_-][A-Za-z0-9_.-]* (e.g. "model", "pp1_tp0") and be
+  /// unique within the checkpoint.
+  absl::Status WriteShard(const std::string& shard_name,
+                          const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
+  /// Makes the checkpoint visible: merges every shard's index (a tensor name in two shards
+  /// is an error), writes manifest.json with `manifest_fields` (a JSON object; its keys
+  /// "format_version", "files" and "tensors" are reserved, and "iteration" must match if
+  /// given) plus the tensor table, renames the temp dir to iter_NNNNNNN and points `latest`
+  /// at it, with the fsyncs that make each step durable (NOTE [checkpoint crash safety]).
+  absl::Status Commit(const nlohmann::json& manifest_fields);
+
+  int64_t iteration() const { return iteration_; }
+  const std::string& save_dir() const { return save_dir_; }
+  /// <save_dir>/.tmp_iter_NNNNNNN, where shards are written.
+  const std::string& temp_dir() const { return temp_dir_; }
+  /// <save_dir>/iter_NNNNNNN, where the checkpoint lives once committed.
+  std::string final_dir() const;
+
+ private:
+  CheckpointWriter(FileSystem* fs, std::string save_dir, int64_t iteration);
+
+  // Renames the temp dir to final_dir(), moving an existing final_dir() aside first.
+  absl::Status MoveIntoPlace();
+
+  FileSystem* fs_;
+  std::string save_dir_;
+  int64_t iteration_;
+  std::string temp_dir_;
+  std::set<std::string> shards_written_;  // By this writer; other ranks' are found on disk.
+  bool committed_ = false;
+};
+
+/// A committed checkpoint, opened for reading. Cheap to copy (shares its state).
+class CheckpointReader {
+ public:
+  /// `path` is a save directory (follows `latest`; if `latest` is missing, the newest
+  /// complete iter_* directory is used with a warning) or a checkpoint directory
+  /// (iter_NNNNNNN). Open parses the manifest, checks each shard file's size against the
+  /// manifest, validates every shard header and checks that every tensor in the manifest
+  /// is in its file with the recorded dtype and shape; only checksums are left to Read and
+  /// VerifyAll. Errors name the file: NotFound if there is no checkpoint, DataLoss if one is
+  /// damaged.
+  static absl::StatusOr<CheckpointReader> Open(FileSystem* fs, const std::string& path);
+  /// Open() on DefaultFileSystem().
+  static absl::StatusOr<CheckpointReader> Open(const std::string& path);
+
+  /// The checkpoint directory actually read (e.g. /save/iter_0000020).
+  const std::string& dir() const { return state_->dir; }
+  /// The whole manifest, caller fields included.
+  const nlohmann::json& manifest() const;
+  int64_t iteration() const { return state_->iteration; }
+  /// All tensor names, sorted.
+  std::vector<std::string> names() const;
+  /// The tensor table, by name.
+  const TensorTable& entries() const { return state_->entries; }
+  bool Has(std::string_view name) const { return entries().count(name) > 0; }
+
+  /// Reads `name` into a new CPU tensor after checking its checksum; a mismatch is
+  /// DataLoss naming the tensor and its file. NotFound if the checkpoint has no `name`.
+  absl::StatusOr<at::Tensor> Read(std::string_view name) const;
+
+  /// Checks every tensor's checksum. (That every file is present with its recorded size
+  /// and every tensor is in its file with the recorded dtype and shape was checked by Open:
+  /// a reader exists only for a structurally sound checkpoint.) On failure, DataLoss listing
+  /// the first few bad tensors with their files, and how many there are in all.
+  absl::Status VerifyAll() const;
+
+ private:
+  struct State {
+    std::string dir;
+    std::shared_ptr<const nlohmann::json> manifest;
+    int64_t iteration = 0;
+    TensorTable entries;
+    std::map<std::string, std::unique_ptr<SafetensorsReader>> files;  // By file name.
+  };
+  explicit CheckpointReader(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+  static absl::StatusOr<CheckpointReader> OpenDir(FileSystem* fs, const std::string& dir);
+  // The bytes of `name` after checking them against the manifest's checksum.
+  absl::StatusOr<std::string_view> VerifiedBytes(const std::string& name,
+                                                 const ManifestEntry& entry) const;
+
+  std::shared_ptr<const State> state_;
+};
+
+}  // namespace fulcrum::ckpt

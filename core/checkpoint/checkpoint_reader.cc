@@ -1,0 +1,220 @@
+// CheckpointReader: finds the checkpoint a path refers to, validates its structure on
+// Open, and checks checksums on every read.
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/checksum.h"
+#include "core/logging.h"
+#include "core/status.h"
+
+namespace fulcrum::ckpt {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// How many bad tensors VerifyAll lists before summarising the rest as a count.
+constexpr size_t kMaxListedErrors = 10;
+
+// The checkpoint directory that `latest` in `save_dir` names. If that directory is missing
+// but a moved-aside copy exists, a re-save was interrupted between its two renames and the
+// copy is the checkpoint `latest` means (NOTE [checkpoint crash safety]).
+absl::StatusOr<std::string> FollowLatest(FileSystem* fs, const std::string& save_dir) {
+  const std::string latest_path = JoinPath(save_dir, kLatestFileName);
+  FULCRUM_ASSIGN_OR_RETURN(const std::string contents, fs->ReadFile(latest_path));
+  const std::string name(absl::StripAsciiWhitespace(contents));
+  if (!ParseIterationDirName(name).has_value()) {
+    return absl::DataLossError(absl::StrCat(latest_path, ": expected a directory name like ",
+                                            IterationDirName(20), ", found '", name, "'"));
+  }
+  const std::string dir = JoinPath(save_dir, name);
+  if (fs->IsDirectory(dir)) return dir;
+  const std::string old_dir = JoinPath(save_dir, absl::StrCat(kOldDirPrefix, name));
+  if (fs->FileExists(JoinPath(old_dir, kManifestFileName))) {
+    FULCRUM_LOG(WARNING) << latest_path << " names " << name << ", which a re-save had moved "
+                         << "aside when it was interrupted; reading " << old_dir;
+    return old_dir;
+  }
+  return absl::NotFoundError(
+      absl::StrCat(latest_path, " names ", name, " but ", dir, " does not exist"));
+}
+
+// The newest iter_* directory of `save_dir` that holds a manifest, for a save dir whose
+// `latest` is missing (a crash between the first commit's directory rename and its
+// `latest` write).
+absl::StatusOr<std::string> NewestCheckpointDir(FileSystem* fs, const std::string& save_dir) {
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<std::string> names, fs->ListDir(save_dir));
+  std::optional<int64_t> newest;
+  for (const std::string& name : names) {
+    const std::optional<int64_t> iteration = ParseIterationDirName(name);
+    if (iteration.has_value() && (!newest.has_value() || *iteration > *newest) &&
+        fs->FileExists(JoinPath(JoinPath(save_dir, name), kManifestFileName))) {
+      newest = iteration;
+    }
+  }
+  if (!newest.has_value()) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint in ", save_dir, ": ",
+                                            JoinPath(save_dir, kLatestFileName),
+                                            " is missing and there is no iter_* directory"));
+  }
+  const std::string dir = JoinPath(save_dir, IterationDirName(*newest));
+  FULCRUM_LOG(WARNING) << JoinPath(save_dir, kLatestFileName) << " is missing; reading the "
+                       << "newest complete checkpoint, " << dir;
+  return dir;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path) {
+  return Open(DefaultFileSystem(), path);
+}
+
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const std::string& path) {
+  if (fs->FileExists(JoinPath(path, kManifestFileName))) return OpenDir(fs, path);
+  if (!fs->IsDirectory(path)) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint at ", path, ": no such directory"));
+  }
+  if (ParseIterationDirName(BaseName(path)).has_value()) {
+    return absl::DataLossError(absl::StrCat(
+        path, " is not a complete checkpoint: ", JoinPath(path, kManifestFileName), " is missing"));
+  }
+  if (fs->FileExists(JoinPath(path, kLatestFileName))) {
+    FULCRUM_ASSIGN_OR_RETURN(const std::string dir, FollowLatest(fs, path));
+    return OpenDir(fs, dir);
+  }
+  FULCRUM_ASSIGN_OR_RETURN(const std::string dir, NewestCheckpointDir(fs, path));
+  return OpenDir(fs, dir);
+}
+
+absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir) {
+  const std::string manifest_path = JoinPath(dir, kManifestFileName);
+  FULCRUM_ASSIGN_OR_RETURN(const std::string text, fs->ReadFile(manifest_path));
+  auto manifest = std::make_shared<nlohmann::json>(
+      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false));
+  auto error = [&](absl::string_view what) {
+    return absl::DataLossError(absl::StrCat(manifest_path, ": ", what));
+  };
+  if (manifest->is_discarded()) return error("not valid JSON");
+  if (!manifest->is_object()) return error("expected a JSON object");
+  const auto version = manifest->find("format_version");
+  if (version == manifest->end() || !version->is_number_integer()) {
+    return error("missing integer field 'format_version'");
+  }
+  if (version->get<int64_t>() > kManifestFormatVersion) {
+    return error(absl::StrCat("format_version ", version->get<int64_t>(),
+                              " is newer than this build understands (", kManifestFormatVersion,
+                              ")"));
+  }
+  const auto iteration = manifest->find("iteration");
+  if (iteration == manifest->end() || !iteration->is_number_integer()) {
+    return error("missing integer field 'iteration'");
+  }
+  const auto files = manifest->find("files");
+  if (files == manifest->end() || !files->is_object()) return error("missing object 'files'");
+  const auto tensors = manifest->find("tensors");
+  if (tensors == manifest->end()) return error("missing object 'tensors'");
+
+  auto state = std::make_shared<State>();
+  state->dir = dir;
+  state->iteration = iteration->get<int64_t>();
+  FULCRUM_ASSIGN_OR_RETURN(state->entries, ParseTensorTable(*tensors, manifest_path));
+
+  // Open every shard: a missing, truncated or corrupt file is reported here, naming it,
+  // before any tensor is handed out.
+  for (const auto& [file_name, file_info] : files->items()) {
+    const std::string path = JoinPath(dir, file_name);
+    if (BaseName(file_name) != file_name || file_name.empty() || file_name[0] == '.') {
+      return error(absl::StrCat("'files' entry '", file_name, "' is not a plain file name"));
+    }
+    if (!fs->FileExists(path)) {
+      return absl::DataLossError(absl::StrCat(path, " is missing (listed in ", manifest_path, ")"));
+    }
+    FULCRUM_ASSIGN_OR_RETURN(const uint64_t bytes, fs->FileSize(path));
+    if (!file_info.contains("bytes") || file_info["bytes"] != bytes) {
+      return absl::DataLossError(absl::StrCat(path, " has ", bytes, " bytes but ", manifest_path,
+                                              " recorded ", file_info.dump(),
+                                              " (truncated or rewritten?)"));
+    }
+    FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
+                             SafetensorsReader::Open(fs, path));
+    state->files.emplace(file_name, std::move(reader));
+  }
+
+  for (const auto& [name, entry] : state->entries) {
+    const auto file = state->files.find(entry.file);
+    if (file == state->files.end()) {
+      return error(absl::StrCat("tensor '", name, "' is in '", entry.file,
+                                "', which is not listed in 'files'"));
+    }
+    const SafetensorsTensorInfo* info = file->second->info(name);
+    if (info == nullptr) {
+      return absl::DataLossError(absl::StrCat(file->second->path(), " has no tensor '", name,
+                                              "' (listed in ", manifest_path, ")"));
+    }
+    if (info->dtype != entry.dtype || info->shape != entry.shape) {
+      return absl::DataLossError(absl::StrCat(
+          file->second->path(), ": tensor '", name, "' is ", c10::toString(info->dtype), " ",
+          ShapeString(info->shape), " but ", manifest_path, " recorded ",
+          c10::toString(entry.dtype), " ", ShapeString(entry.shape)));
+    }
+  }
+  state->manifest = std::move(manifest);
+  return CheckpointReader(std::move(state));
+}
+
+const nlohmann::json& CheckpointReader::manifest() const { return *state_->manifest; }
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> names;
+  names.reserve(state_->entries.size());
+  for (const auto& [name, entry] : state_->entries) names.push_back(name);
+  return names;
+}
+
+absl::StatusOr<std::string_view> CheckpointReader::VerifiedBytes(const std::string& name,
+                                                                 const ManifestEntry& entry) const {
+  const SafetensorsReader& file = *state_->files.at(entry.file);
+  FULCRUM_ASSIGN_OR_RETURN(const std::string_view bytes, file.RawBytes(name));
+  const uint64_t checksum = Xxh3Checksum(bytes);
+  if (checksum != entry.xxh3) {
+    return absl::DataLossError(absl::StrCat(
+        "checksum mismatch for tensor '", name, "' in ", file.path(), ": manifest says ",
+        ChecksumToHex(entry.xxh3), ", the stored bytes hash to ", ChecksumToHex(checksum)));
+  }
+  return bytes;
+}
+
+absl::StatusOr<at::Tensor> CheckpointReader::Read(std::string_view name) const {
+  const auto it = state_->entries.find(name);
+  if (it == state_->entries.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", state_->dir, " has no tensor '", std::string(name), "'"));
+  }
+  FULCRUM_RETURN_IF_ERROR(VerifiedBytes(it->first, it->second).status());
+  // Verified bytes, decoded by the shard reader (one copy into a fresh tensor).
+  return state_->files.at(it->second.file)->Read(name);
+}
+
+absl::Status CheckpointReader::VerifyAll() const {
+  std::vector<std::string> errors;
+  size_t failed = 0;
+  for (const auto& [name, entry] : state_->entries) {
+    const absl::Status status = VerifiedBytes(name, entry).status();
+    if (status.ok()) continue;
+    ++failed;
+    if (errors.size() < kMaxListedErrors) errors.emplace_back(status.message());
+  }
+  if (failed == 0) return absl::OkStatus();
+  std::string message =
+      absl::StrCat(failed, " of ", state_->entries.size(), " tensors in ", state_->dir,
+                   " failed verification:\n  ", absl::StrJoin(errors, "\n  "));
+  if (failed > errors.size())
+    absl::StrAppend(&message, "\n  ... and ", failed - errors.size(), " more");
+  return absl::DataLossError(message);
+}
+
+}  // namespace fulcrum::ckpt

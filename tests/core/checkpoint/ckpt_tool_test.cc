@@ -1,0 +1,121 @@
+// Runs the built fulcrum_ckpt binary on good and damaged checkpoints and checks its output
+// and exit codes (0 ok, 1 damaged or missing, 2 wrong usage).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/checkpoint/checkpoint.h"
+#include "tests/core/checkpoint/test_util.h"
+
+namespace fulcrum::ckpt {
+namespace {
+
+using ::fulcrum::testing_util::FlipByte;
+using ::fulcrum::testing_util::ScopedTempDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together.
+};
+
+const std::string& ToolPath() {
+  static const std::string path = std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt";
+  return path;
+}
+
+RunResult RunTool(const std::string& args) {
+  RunResult result;
+  FILE* pipe = ::popen((ToolPath() + " " + args + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
+  const int status = ::pclose(pipe);
+  if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
+  return result;
+}
+
+class CkptToolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!DefaultFileSystem()->FileExists(ToolPath())) {
+      GTEST_SKIP() << ToolPath() << " is not built (ninja fulcrum_ckpt)";
+    }
+    absl::StatusOr<CheckpointWriter> writer =
+        CheckpointWriter::Begin(DefaultFileSystem(), save_.path(), 20);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE(writer
+                    ->WriteShard("model", {{"layers.0.mlp.fc1.weight", torch::ones({4, 3})},
+                                           {"optimizer.layers.0.mlp.fc1.weight.exp_avg",
+                                            torch::zeros({4, 3})},
+                                           {"optimizer.step", torch::tensor(int64_t{20})}})
+                    .ok());
+    ASSERT_TRUE(writer->Commit({{"consumed_samples", 640}, {"config", {{"hidden_size", 3}}}}).ok());
+  }
+
+  ScopedTempDir save_;
+};
+
+TEST_F(CkptToolTest, ListPrintsFieldsTableAndTotals) {
+  const RunResult result = RunTool("list " + save_.path());
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output,
+              AllOf(HasSubstr("iteration:  20"), HasSubstr("consumed_samples: 640"),
+                    HasSubstr(R"(config: {"hidden_size":3})"), HasSubstr("layers.0.mlp.fc1.weight"),
+                    HasSubstr("[4, 3]"), HasSubstr("model.safetensors"),
+                    HasSubstr("total: 3 tensors, 12 parameters, 13 optimizer-state elements"),
+                    HasSubstr("104 bytes, 1 shard files")));
+}
+
+TEST_F(CkptToolTest, VerifyReportsOkThenCorruption) {
+  RunResult result = RunTool("verify " + save_.path());
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("OK: 3 tensors"));
+
+  FlipByte(save_.Join("iter_0000020/model.safetensors"), -1);
+  result = RunTool("verify " + save_.Join("iter_0000020"));
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output, AllOf(HasSubstr("FAILED"), HasSubstr("checksum mismatch")));
+
+  ::fulcrum::testing_util::TruncateTo(save_.Join("iter_0000020/model.safetensors"), 50);
+  result = RunTool("verify " + save_.path());
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output, AllOf(HasSubstr("model.safetensors"), HasSubstr("truncated")));
+}
+
+TEST_F(CkptToolTest, ShowPrintsOneField) {
+  RunResult result = RunTool("show " + save_.path() + " --key=iteration");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(result.output, "20\n");
+  result = RunTool("show " + save_.path() + " --key=/config/hidden_size");
+  EXPECT_EQ(result.output, "3\n");
+  result = RunTool("show " + save_.path());
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_THAT(result.output, AllOf(HasSubstr("\"consumed_samples\": 640"), Not(HasSubstr("xxh3"))));
+  result = RunTool("show " + save_.path() + " --key=nope");
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_THAT(result.output, HasSubstr("no field 'nope'"));
+}
+
+TEST_F(CkptToolTest, WrongUsageExitsTwoAndMissingCheckpointOne) {
+  EXPECT_EQ(RunTool("").exit_code, 2);
+  EXPECT_EQ(RunTool("frobnicate " + save_.path()).exit_code, 2);
+  EXPECT_EQ(RunTool("list " + save_.path() + " --key=iteration").exit_code, 2);
+  EXPECT_EQ(RunTool("list " + save_.path() + " --frobnicate").exit_code, 2);
+  const RunResult help = RunTool("--help");
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.output, AllOf(HasSubstr("verify PATH"), HasSubstr("--key")));
+  const RunResult missing = RunTool("list " + save_.Join("empty"));
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.output, HasSubstr("no checkpoint at"));
+}
+
+}  // namespace
+}  // namespace fulcrum::ckpt

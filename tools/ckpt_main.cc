@@ -1,0 +1,203 @@
+// fulcrum_ckpt: inspect and verify Fulcrum checkpoints from the command line.
+//
+//   fulcrum_ckpt list   /ckpt            iteration, manifest fields, tensor table, totals
+//   fulcrum_ckpt verify /ckpt            every checksum; exit 1 on corruption
+//   fulcrum_ckpt show   /ckpt --key=iteration
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/logging.h"
+
+DEFINE_string(key, "",
+              "For `show`: the manifest field to print, a top-level name (iteration, "
+              "consumed_samples, config, ...) or a JSON pointer (/config/hidden_size). "
+              "Empty: every field except the tensor table.");
+
+namespace fulcrum {
+namespace {
+
+constexpr char kUsageText[] =
+    R"(inspects and verifies Fulcrum checkpoints.
+
+Usage:
+  fulcrum_ckpt list   PATH             iteration, manifest fields and the tensor table
+                                       (name, dtype, shape, file, numel) with totals
+  fulcrum_ckpt verify PATH             checks every tensor's xxh3 checksum; prints OK or
+                                       the bad tensors and exits 1
+  fulcrum_ckpt show   PATH [--key=K]   prints manifest field K as JSON (a top-level name
+                                       or a JSON pointer such as /config/hidden_size);
+                                       without --key, all fields but the tensor table
+
+PATH is a save directory (its `latest` file names the checkpoint) or one checkpoint
+directory such as /ckpt/iter_0000020.
+
+Exit status: 0 success, 1 missing or damaged checkpoint (or unknown --key), 2 wrong usage.)";
+
+// Tensors whose global name starts with this hold optimizer state, not parameters.
+constexpr char kOptimizerPrefix[] = "optimizer.";
+// Longest manifest field value `list` prints before eliding the rest.
+constexpr size_t kMaxFieldChars = 100;
+
+enum ExitCode { kOk = 0, kFailed = 1, kUsageError = 2 };
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int UsageError(const std::string& message) {
+  std::cerr << "fulcrum_ckpt: " << message << "\n\nfulcrum_ckpt " << gflags::ProgramUsage() << "\n";
+  return kUsageError;
+}
+
+int Fail(const absl::Status& status) {
+  std::cerr << "fulcrum_ckpt: " << status.message() << "\n";
+  return kFailed;
+}
+
+int List(const ckpt::CheckpointReader& reader) {
+  std::cout << "checkpoint: " << reader.dir() << "\n"
+            << "iteration:  " << reader.iteration() << "\n"
+            << "fields:\n";
+  for (const auto& [key, value] : reader.manifest().items()) {
+    if (key == "tensors" || key == "files" || key == "iteration") continue;
+    std::string text = value.dump();
+    if (text.size() > kMaxFieldChars) text = text.substr(0, kMaxFieldChars) + "...";
+    std::cout << "  " << key << ": " << text << "\n";
+  }
+
+  struct Row {
+    std::string name, dtype, shape, file, numel;
+  };
+  std::vector<Row> rows = {{"NAME", "DTYPE", "SHAPE", "FILE", "NUMEL"}};
+  int64_t parameters = 0;
+  int64_t optimizer_elements = 0;
+  uint64_t bytes = 0;
+  for (const auto& [name, entry] : reader.entries()) {
+    rows.push_back({name, *ckpt::SafetensorsDtypeName(entry.dtype), ShapeString(entry.shape),
+                    entry.file, absl::StrCat(entry.numel())});
+    (name.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_elements : parameters) += entry.numel();
+    bytes += entry.byte_size();
+  }
+  size_t widths[4] = {0, 0, 0, 0};
+  for (const Row& row : rows) {
+    widths[0] = std::max(widths[0], row.name.size());
+    widths[1] = std::max(widths[1], row.dtype.size());
+    widths[2] = std::max(widths[2], row.shape.size());
+    widths[3] = std::max(widths[3], row.file.size());
+  }
+  std::cout << "tensors:\n";
+  for (const Row& row : rows) {
+    std::cout << absl::StrFormat("  %-*s  %-*s  %-*s  %-*s  %12s\n", widths[0], row.name, widths[1],
+                                 row.dtype, widths[2], row.shape, widths[3], row.file, row.numel);
+  }
+  std::cout << absl::StrFormat(
+      "total: %d tensors, %d parameters, %d optimizer-state elements (names under '%s'), "
+      "%d bytes, %d shard files\n",
+      reader.entries().size(), parameters, optimizer_elements, kOptimizerPrefix, bytes,
+      reader.manifest()["files"].size());
+  return kOk;
+}
+
+int Verify(const ckpt::CheckpointReader& reader) {
+  const absl::Status status = reader.VerifyAll();
+  if (!status.ok()) {
+    std::cout << "FAILED: " << status.message() << "\n";
+    return kFailed;
+  }
+  std::cout << "OK: " << reader.entries().size() << " tensors in "
+            << reader.manifest()["files"].size() << " files match their checksums (" << reader.dir()
+            << ", iteration " << reader.iteration() << ")\n";
+  return kOk;
+}
+
+int Show(const ckpt::CheckpointReader& reader, const std::string& key) {
+  const nlohmann::json& manifest = reader.manifest();
+  if (key.empty()) {
+    nlohmann::json fields = manifest;
+    fields.erase("tensors");
+    std::cout << fields.dump(2) << "\n";
+    return kOk;
+  }
+  const nlohmann::json* value = nullptr;
+  if (key[0] == '/') {
+    try {
+      const nlohmann::json::json_pointer pointer(key);
+      if (manifest.contains(pointer)) value = &manifest.at(pointer);
+    } catch (const nlohmann::json::exception& e) {
+      return UsageError(absl::StrCat("--key=", key, " is not a valid JSON pointer: ", e.what()));
+    }
+  } else if (manifest.contains(key)) {
+    value = &manifest.at(key);
+  }
+  if (value == nullptr) {
+    std::vector<std::string> keys;
+    for (const auto& [name, field] : manifest.items()) keys.push_back(name);
+    std::cerr << "fulcrum_ckpt: " << JoinPath(reader.dir(), ckpt::kManifestFileName)
+              << " has no field '" << key << "'; top-level fields: " << absl::StrJoin(keys, ", ")
+              << "\n";
+    return kFailed;
+  }
+  std::cout << value->dump(2) << "\n";
+  return kOk;
+}
+
+int Main(int argc, char** argv) {
+  gflags::SetUsageMessage(kUsageText);
+  // gflags' own --help lists the flags of every linked library; ours says what matters.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "help") {
+      std::cout << "fulcrum_ckpt " << gflags::ProgramUsage()
+                << "\n\nFlags:\n  --key: " << gflags::GetCommandLineFlagInfoOrDie("key").description
+                << "\n";
+      return kOk;
+    }
+  }
+  // gflags exits with status 1 on an unknown flag; wrong usage here means status 2.
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg.empty() || arg[0] != '-') continue;
+    const std::string_view name = arg.substr(arg.find_first_not_of('-'));
+    if (name.substr(0, name.find('=')) != "key") {
+      return UsageError(absl::StrCat("unknown flag '", std::string(arg), "'"));
+    }
+  }
+  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  InitLogging(argv[0]);
+
+  if (argc != 3) return UsageError("expected a command and a PATH");
+  const std::string command = argv[1];
+  const std::string path = argv[2];
+  if (command != "list" && command != "verify" && command != "show") {
+    return UsageError(absl::StrCat("unknown command '", command, "'"));
+  }
+  if (!FLAGS_key.empty() && command != "show") {
+    return UsageError("--key only applies to `show`");
+  }
+
+  absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(path);
+  if (!reader.ok()) {
+    if (command == "verify") {
+      std::cout << "FAILED: " << reader.status().message() << "\n";
+      return kFailed;
+    }
+    return Fail(reader.status());
+  }
+  if (command == "list") return List(*reader);
+  if (command == "verify") return Verify(*reader);
+  return Show(*reader, FLAGS_key);
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) { return fulcrum::Main(argc, argv); }

@@ -1,0 +1,78 @@
+// Options structs for the model, optimizer, learning-rate schedule and training loop.
+// These are plain values with documented defaults; flags become these structs in
+// recipes/ (and only there). Each struct validates itself before any work starts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace fulcrum {
+
+enum class PositionEmbedding { kLearned, kRotary };
+enum class LrDecayStyle { kConstant, kLinear, kCosine };
+
+/// "learned" / "rope" (also "rotary") → enum; error names the flag otherwise.
+absl::Status ParsePositionEmbedding(const std::string& text, PositionEmbedding* out);
+const char* PositionEmbeddingName(PositionEmbedding p);
+absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out);
+const char* LrDecayStyleName(LrDecayStyle s);
+
+struct ModelOptions {
+  int64_t num_layers = 4;             // Default: 4. Must be ≥ 1.
+  int64_t hidden_size = 128;          // Default: 128. Must be divisible by num_attention_heads.
+  int64_t num_attention_heads = 4;    // Default: 4.
+  int64_t ffn_hidden_size = 512;      // Default: 512 (4 × hidden_size in the recipes).
+  int64_t vocab_size = 0;             // Padded vocabulary size. Must be > 0 (set from the data).
+  int64_t seq_length = 128;           // Default: 128. Also the number of learned positions.
+  PositionEmbedding position_embedding = PositionEmbedding::kLearned;
+  double rotary_base = 10000.0;       // Default: 10000 (RoFormer).
+  bool tie_embeddings = true;         // Default: true. LM head reuses the word embeddings.
+  double init_method_std = 0.02;      // Default: 0.02. Output projections get std/√(2·layers).
+  double layernorm_epsilon = 1e-5;    // Default: 1e-5.
+  double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
+  double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
+  uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  absl::Status Validate() const;
+};
+
+struct OptimizerOptions {
+  double lr = 1e-3;                   // Default: 1e-3. Peak learning rate.
+  double min_lr = 0.0;                // Default: 0. Floor of the decay.
+  double weight_decay = 0.01;         // Default: 0.01. Decoupled (AdamW); none on biases/norms.
+  double adam_beta1 = 0.9;            // Default: 0.9.
+  double adam_beta2 = 0.999;          // Default: 0.999.
+  double adam_eps = 1e-8;             // Default: 1e-8.
+  double clip_grad = 1.0;             // Default: 1.0. Global L2 norm; 0 disables clipping.
+  absl::Status Validate() const;
+};
+
+struct LrScheduleOptions {
+  double lr = 1e-3;                   // Default: 1e-3. Peak, reached at the end of warmup.
+  double min_lr = 0.0;                // Default: 0.
+  int64_t warmup_iters = 0;           // Default: 0. Linear warmup from 0 over these steps.
+  int64_t decay_iters = 0;            // Default: 0 = train_iters. Decay ends here at min_lr.
+  LrDecayStyle decay_style = LrDecayStyle::kCosine;  // Default: cosine.
+  absl::Status Validate() const;
+};
+
+struct TrainOptions {
+  int64_t micro_batch_size = 8;       // Default: 8. Samples per forward/backward.
+  int64_t global_batch_size = 16;     // Default: 16. Must be a multiple of micro_batch_size
+                                      //   (times data-parallel size).
+  int64_t train_iters = 100;          // Default: 100. Total optimizer steps of the run.
+  int64_t exit_interval = 0;          // Default: 0 (off). Save and stop at a multiple of this.
+  int64_t log_interval = 10;          // Default: 10.
+  int64_t eval_interval = 0;          // Default: 0 (off).
+  int64_t eval_iters = 10;            // Default: 10. Global batches per evaluation.
+  int64_t save_interval = 0;          // Default: 0 (only at exit and at the end when save set).
+  std::string save;                   // Default: none. Checkpoint directory.
+  std::string load;                   // Default: none. Checkpoint directory (or iter_ dir).
+  std::string metrics_file;           // Default: none. JSON lines, one per iteration.
+  absl::Status Validate() const;
+};
+
+}  // namespace fulcrum

@@ -1,0 +1,88 @@
+#include "core/optimizer.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+namespace fulcrum {
+
+double AdamW::GradSquaredSum(const std::vector<Unit*>& units) {
+  double sum = 0.0;
+  for (Unit* unit : units) {
+    for (const Parameter& p : unit->parameters()) {
+      const at::Tensor& g = p.value.grad();
+      if (!g.defined()) continue;
+      sum += g.to(at::kDouble).pow(2).sum().item<double>();
+    }
+  }
+  return sum;
+}
+
+void AdamW::ScaleGradients(const std::vector<Unit*>& units, double factor) {
+  for (Unit* unit : units) {
+    for (Parameter& p : unit->parameters()) {
+      at::Tensor& g = p.value.mutable_grad();
+      if (g.defined()) g.mul_(factor);
+    }
+  }
+}
+
+double AdamW::ClipFactor(double grad_norm) const {
+  if (options_.clip_grad <= 0) return 1.0;
+  const double factor = options_.clip_grad / (grad_norm + 1e-6);
+  return factor < 1.0 ? factor : 1.0;
+}
+
+void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
+  at::NoGradGuard no_grad;
+  const double beta1 = options_.adam_beta1;
+  const double beta2 = options_.adam_beta2;
+  for (Unit* unit : units) {
+    const int64_t step = unit->optimizer_step() + 1;
+    unit->set_optimizer_step(step);
+    const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+    const double step_size = lr / bias_correction1;
+    const double sqrt_bc2 = std::sqrt(bias_correction2);
+    for (Parameter& p : unit->parameters()) {
+      const at::Tensor& grad = p.value.grad();
+      if (!grad.defined()) continue;
+      if (!p.exp_avg.defined()) {
+        p.exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
+        p.exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
+      }
+      // Decoupled decay first, on the pre-update weights: w ← w·(1 − lr·λ).
+      if (p.weight_decay && options_.weight_decay != 0.0) {
+        p.value.mul_(1.0 - lr * options_.weight_decay);
+      }
+      p.exp_avg.mul_(beta1).add_(grad, 1.0 - beta1);
+      p.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1.0 - beta2);
+      at::Tensor denom = (p.exp_avg_sq.sqrt() / sqrt_bc2).add_(options_.adam_eps);
+      p.value.addcdiv_(p.exp_avg, denom, -step_size);
+    }
+  }
+}
+
+LrSchedule::LrSchedule(const LrScheduleOptions& options, int64_t train_iters)
+    : options_(options), decay_iters_(options.decay_iters > 0 ? options.decay_iters : train_iters) {}
+
+double LrSchedule::At(int64_t step) const {
+  const double max_lr = options_.lr;
+  const double min_lr = options_.min_lr;
+  const int64_t warmup = options_.warmup_iters;
+  if (warmup > 0 && step <= warmup) {
+    return max_lr * static_cast<double>(step) / static_cast<double>(warmup);
+  }
+  if (options_.decay_style == LrDecayStyle::kConstant) return max_lr;
+  if (step >= decay_iters_) return min_lr;
+  const double ratio = static_cast<double>(step - warmup) / static_cast<double>(decay_iters_ - warmup);
+  double coeff = 0.0;
+  switch (options_.decay_style) {
+    case LrDecayStyle::kLinear: coeff = 1.0 - ratio; break;
+    case LrDecayStyle::kCosine: coeff = 0.5 * (std::cos(M_PI * ratio) + 1.0); break;
+    case LrDecayStyle::kConstant: coeff = 1.0; break;
+  }
+  return min_lr + coeff * (max_lr - min_lr);
+}
+
+}  // namespace fulcrum

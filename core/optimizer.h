@@ -1,0 +1,53 @@
+// AdamW with decoupled weight decay (Loshchilov & Hutter, ICLR 2019, Algorithm 2) and
+// global gradient-norm clipping, over units. The optimizer object holds only
+// hyper-parameters: every moment and step counter lives in the unit it belongs to
+// (invariant 2), so the same call works on whatever units a stage holds today.
+#pragma once
+
+#include <vector>
+
+#include "core/config.h"
+#include "core/unit.h"
+
+namespace fulcrum {
+
+class AdamW {
+ public:
+  explicit AdamW(const OptimizerOptions& options) : options_(options) {}
+
+  /// Sum over the units' gradients of their squared L2 norms (computed in double).
+  /// A stage's part of the global norm; parallel callers sum it over ranks.
+  static double GradSquaredSum(const std::vector<Unit*>& units);
+
+  /// Multiplies every gradient by `factor`.
+  static void ScaleGradients(const std::vector<Unit*>& units, double factor);
+
+  /// The factor that clips a global norm `grad_norm` to options().clip_grad (1 when
+  /// clipping is off or the norm is within bounds), as Megatron: clip/(norm + 1e-6).
+  double ClipFactor(double grad_norm) const;
+
+  /// One AdamW update of every parameter that has a gradient, at learning rate `lr`.
+  /// Each unit's step counter advances by one.
+  void Step(const std::vector<Unit*>& units, double lr) const;
+
+  const OptimizerOptions& options() const { return options_; }
+
+ private:
+  OptimizerOptions options_;
+};
+
+/// Learning rate at optimizer step `step` (1-based: the first update is step 1).
+/// Warmup: lr·step/warmup for step ≤ warmup. Then decay from lr to min_lr over
+/// (warmup, decay_iters] — constant, linear or half-cosine — and min_lr afterwards.
+class LrSchedule {
+ public:
+  /// `train_iters` is used when options.decay_iters is 0.
+  LrSchedule(const LrScheduleOptions& options, int64_t train_iters);
+  double At(int64_t step) const;
+
+ private:
+  LrScheduleOptions options_;
+  int64_t decay_iters_;
+};
+
+}  // namespace fulcrum

@@ -1,0 +1,79 @@
+// The units of a GPT decoder (Megatron-core parameter names):
+//   Embedding         "embedding": word_embeddings.weight [V, h], position_embeddings.weight [S, h]
+//   TransformerLayer  "layers.<i>": pre-norm causal self-attention and GeLU MLP
+//   Head              "head": final_layernorm.*, output_layer.weight (untied only)
+//
+// Activations are [sequence, batch, hidden] like Megatron, so sequence parallelism can
+// later split dimension 0 contiguously.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string_view>
+
+#include "core/config.h"
+#include "core/unit.h"
+
+namespace fulcrum {
+
+/// What a forward pass needs besides its input: training mode and the counters that key
+/// dropout masks (NOTE [layout-independent randomness] in core/random.h).
+struct ForwardContext {
+  bool training = true;
+  int64_t iteration = 0;     // Optimizer step being computed (1-based during training).
+  int64_t first_sample = 0;  // Global index of the micro-batch's first sample.
+};
+
+/// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).
+at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
+                   int64_t layer, const ForwardContext& ctx);
+
+class Embedding : public Unit {
+ public:
+  explicit Embedding(const ModelOptions& options);
+  /// tokens [b, s] (int64) → hidden [s, b, h].
+  at::Tensor Forward(const at::Tensor& tokens, const ForwardContext& ctx) const;
+  const at::Tensor& word_embeddings() const { return word_embeddings_; }
+
+ private:
+  ModelOptions options_;
+  at::Tensor word_embeddings_;
+  at::Tensor position_embeddings_;  // Undefined with rotary positions.
+};
+
+class TransformerLayer : public Unit {
+ public:
+  TransformerLayer(const ModelOptions& options, int64_t layer_index);
+  int64_t layer_index() const { return layer_index_; }
+  /// hidden [s, b, h] → [s, b, h].
+  at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
+
+ private:
+  at::Tensor Attention(const at::Tensor& x, const ForwardContext& ctx) const;
+  at::Tensor Mlp(const at::Tensor& x, const ForwardContext& ctx) const;
+
+  ModelOptions options_;
+  int64_t layer_index_;
+  at::Tensor ln1_weight_, ln1_bias_, qkv_weight_, qkv_bias_, proj_weight_, proj_bias_;
+  at::Tensor ln2_weight_, ln2_bias_, fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;
+};
+
+class Head : public Unit {
+ public:
+  explicit Head(const ModelOptions& options);
+  /// hidden [s, b, h] → logits [s, b, V]. `word_embeddings` is the tied output weight
+  /// (ignored when the options untie it).
+  at::Tensor Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const;
+
+ private:
+  ModelOptions options_;
+  at::Tensor ln_weight_, ln_bias_;
+  at::Tensor output_weight_;  // Undefined when tied.
+};
+
+/// Applies rotary position embedding (RoFormer, Su et al. 2021, eq. 34; the "rotate half"
+/// pairing of GPT-NeoX) to x [b, heads, s, d].
+at::Tensor ApplyRotary(const at::Tensor& x, double base);
+
+}  // namespace fulcrum

@@ -1,0 +1,96 @@
+#include "core/unit.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace fulcrum {
+
+Unit::Unit(std::string name) : name_(std::move(name)) {}
+Unit::~Unit() = default;
+
+Parameter* Unit::FindParameter(const std::string& local_name) {
+  for (auto& p : parameters_) {
+    if (p.name == local_name) return &p;
+  }
+  return nullptr;
+}
+
+int64_t Unit::NumParameterElements() const {
+  int64_t n = 0;
+  for (const auto& p : parameters_) n += p.value.numel();
+  return n;
+}
+
+void Unit::ZeroGrad() {
+  for (auto& p : parameters_) p.value.mutable_grad() = at::Tensor();
+}
+
+at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
+                               bool weight_decay) {
+  TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
+                        GlobalName(local_name));
+  at::Tensor value = init.to(at::kFloat).contiguous().detach();
+  value.set_requires_grad(true);
+  parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, {}, {}});
+  return parameters_.back().value;
+}
+
+NamedTensors Unit::ParameterTensors() const {
+  NamedTensors out;
+  out.reserve(parameters_.size());
+  for (const auto& p : parameters_) out.emplace_back(GlobalName(p.name), p.value.detach());
+  return out;
+}
+
+NamedTensors Unit::StateTensors() const {
+  NamedTensors out = ParameterTensors();
+  if (optimizer_step_ == 0) return out;
+  for (const auto& p : parameters_) {
+    const std::string base = "optimizer." + GlobalName(p.name);
+    out.emplace_back(base + ".exp_avg", p.exp_avg);
+    out.emplace_back(base + ".exp_avg_sq", p.exp_avg_sq);
+  }
+  out.emplace_back("optimizer." + name_ + ".step",
+                   at::scalar_tensor(optimizer_step_, at::TensorOptions().dtype(at::kLong)));
+  return out;
+}
+
+absl::Status Unit::LoadStateTensors(
+    const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
+    bool with_optimizer) {
+  auto load_into = [&](const std::string& name, const at::Tensor& like,
+                       at::Tensor* out) -> absl::Status {
+    FULCRUM_ASSIGN_OR_RETURN(at::Tensor t, lookup(name));
+    if (t.sizes() != like.sizes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", name, " has shape ", c10::str(t.sizes()), ", the model expects ",
+          c10::str(like.sizes())));
+    }
+    *out = t.to(at::kFloat).contiguous().clone();
+    return absl::OkStatus();
+  };
+  for (auto& p : parameters_) {
+    at::Tensor loaded;
+    FULCRUM_RETURN_IF_ERROR(load_into(GlobalName(p.name), p.value, &loaded));
+    at::NoGradGuard no_grad;
+    p.value.copy_(loaded);
+  }
+  if (!with_optimizer) return absl::OkStatus();
+  auto step = lookup("optimizer." + name_ + ".step");
+  if (!step.ok()) {
+    if (!absl::IsNotFound(step.status())) return step.status();
+    // A checkpoint saved before the first optimizer step has no optimizer state.
+    optimizer_step_ = 0;
+    for (auto& p : parameters_) p.exp_avg = p.exp_avg_sq = at::Tensor();
+    return absl::OkStatus();
+  }
+  optimizer_step_ = step->item<int64_t>();
+  for (auto& p : parameters_) {
+    const std::string base = "optimizer." + GlobalName(p.name);
+    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg", p.value, &p.exp_avg));
+    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg_sq", p.value, &p.exp_avg_sq));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fulcrum

@@ -1,0 +1,99 @@
+// A Unit is the movable piece of a model: one transformer layer, the embedding, or the
+// output head. Invariant 2 of DESIGN.md lives here: a unit owns its parameters, their
+// gradients (in the parameter tensors' .grad) and their optimizer state, all addressable
+// by global name, so it can be checkpointed, restored or sent to another pipeline stage
+// on its own without touching any other unit.
+//
+// Global names: a parameter `self_attention.linear_qkv.weight` of unit `layers.3` is
+// `layers.3.self_attention.linear_qkv.weight`; its Adam moments are
+// `optimizer.layers.3.self_attention.linear_qkv.weight.exp_avg` / `.exp_avg_sq`, and the
+// unit's step counter is `optimizer.layers.3.step`.
+//
+// NOTE [parameter identity]
+// A parameter's `value` tensor is created once, in the unit's constructor, and never
+// replaced: optimizer steps and checkpoint loads write into it in place. Units keep
+// handles to their parameters (sharing the tensor) for their forward code and rely on it.
+//
+// Not thread-safe; a unit belongs to one stage at a time.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fulcrum {
+
+/// One trainable tensor of a unit and the AdamW state that travels with it.
+struct Parameter {
+  std::string name;      // Local name inside the unit, e.g. "mlp.linear_fc1.weight".
+  at::Tensor value;      // fp32 leaf tensor with requires_grad; its .grad() is the gradient.
+  bool weight_decay;     // False for biases and norm parameters (no decoupled decay).
+  at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
+  at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
+};
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+class Unit {
+ public:
+  explicit Unit(std::string name);
+  virtual ~Unit();
+  Unit(const Unit&) = delete;
+  Unit& operator=(const Unit&) = delete;
+
+  /// Global unit name: "embedding", "layers.<i>", "head".
+  const std::string& name() const { return name_; }
+
+  std::vector<Parameter>& parameters() { return parameters_; }
+  const std::vector<Parameter>& parameters() const { return parameters_; }
+
+  /// The parameter with local name `local_name`, or nullptr.
+  Parameter* FindParameter(const std::string& local_name);
+
+  /// Number of optimizer steps applied to this unit (AdamW bias correction uses it).
+  int64_t optimizer_step() const { return optimizer_step_; }
+  void set_optimizer_step(int64_t step) { optimizer_step_ = step; }
+
+  /// Total number of scalars in this unit's parameters.
+  int64_t NumParameterElements() const;
+
+  /// Clears every parameter's gradient (sets it to undefined).
+  void ZeroGrad();
+
+  /// Parameter values under their global names.
+  NamedTensors ParameterTensors() const;
+
+  /// Parameter values, then (when the optimizer has stepped) moments and the step counter,
+  /// under their global names. This is the unit's whole persistent state.
+  NamedTensors StateTensors() const;
+
+  /// Restores what StateTensors() produced. `lookup(global_name)` returns the tensor, a
+  /// NotFound error when it is absent, or another error. Every parameter must be present
+  /// with the right shape. With `with_optimizer`, the moments are read when the step
+  /// counter is present (absent: the checkpoint predates the first step, state resets).
+  absl::Status LoadStateTensors(
+      const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
+      bool with_optimizer);
+
+  /// The global name of a local parameter name.
+  std::string GlobalName(const std::string& local_name) const { return name_ + "." + local_name; }
+
+ protected:
+  /// Registers a parameter during construction. `init` is the full initial value; it is
+  /// made a fp32 leaf that requires grad. Returns the stored tensor.
+  at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay);
+
+ private:
+  std::string name_;
+  std::vector<Parameter> parameters_;
+  int64_t optimizer_step_ = 0;
+};
+
+}  // namespace fulcrum

@@ -1,0 +1,140 @@
+// AdamW against a hand-computed update, gradient clipping, and learning-rate schedules.
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "core/optimizer.h"
+#include "core/unit.h"
+#include "gtest/gtest.h"
+
+namespace fulcrum {
+namespace {
+
+class TwoParameterUnit : public Unit {
+ public:
+  TwoParameterUnit() : Unit("toy") {
+    AddParameter("weight", at::tensor({1.0f, -2.0f, 0.5f}), /*weight_decay=*/true);
+    AddParameter("bias", at::tensor({0.25f}), /*weight_decay=*/false);
+  }
+};
+
+void SetGrads(Unit& unit, std::vector<float> w, std::vector<float> b) {
+  unit.parameters()[0].value.mutable_grad() = at::tensor(w);
+  unit.parameters()[1].value.mutable_grad() = at::tensor(b);
+}
+
+// The AdamW update written out in double precision, element by element.
+struct ScalarAdamW {
+  double p, m = 0, v = 0;
+  void Step(double g, int t, double lr, double wd, double b1, double b2, double eps) {
+    p = p * (1 - lr * wd);
+    m = b1 * m + (1 - b1) * g;
+    v = b2 * v + (1 - b2) * g * g;
+    const double m_hat = m / (1 - std::pow(b1, t));
+    const double v_hat = v / (1 - std::pow(b2, t));
+    p = p - lr * m_hat / (std::sqrt(v_hat) + eps);
+  }
+};
+
+TEST(AdamWTest, TwoStepsMatchHandComputedUpdate) {
+  OptimizerOptions options;
+  options.weight_decay = 0.1;
+  options.adam_beta1 = 0.9;
+  options.adam_beta2 = 0.99;
+  options.adam_eps = 1e-8;
+  AdamW adamw(options);
+  TwoParameterUnit unit;
+  std::vector<ScalarAdamW> w_ref{{1.0}, {-2.0}, {0.5}};
+  ScalarAdamW b_ref{0.25};
+  const std::vector<std::vector<float>> w_grads{{0.5f, -0.25f, 2.0f}, {-1.0f, 0.75f, 0.125f}};
+  const std::vector<float> b_grads{0.3f, -0.6f};
+  const std::vector<double> lrs{0.01, 0.02};
+  for (int step = 0; step < 2; ++step) {
+    SetGrads(unit, w_grads[step], {b_grads[step]});
+    adamw.Step({&unit}, lrs[step]);
+    for (int i = 0; i < 3; ++i) {
+      w_ref[i].Step(w_grads[step][i], step + 1, lrs[step], 0.1, 0.9, 0.99, 1e-8);
+    }
+    b_ref.Step(b_grads[step], step + 1, lrs[step], /*wd=*/0.0, 0.9, 0.99, 1e-8);
+  }
+  EXPECT_EQ(unit.optimizer_step(), 2);
+  const at::Tensor w = unit.parameters()[0].value;
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(w[i].item<double>(), w_ref[i].p, 1e-6) << i;
+  EXPECT_NEAR(unit.parameters()[1].value[0].item<double>(), b_ref.p, 1e-6);
+  EXPECT_NEAR(unit.parameters()[0].exp_avg[2].item<double>(), w_ref[2].m, 1e-6);
+  EXPECT_NEAR(unit.parameters()[0].exp_avg_sq[2].item<double>(), w_ref[2].v, 1e-6);
+}
+
+// First step, no decay: m̂ = g, v̂ = g², so every weight moves by lr·g/(|g|+eps) ≈ lr·sign(g).
+TEST(AdamWTest, FirstStepMovesBySignOfGradient) {
+  OptimizerOptions options;
+  options.weight_decay = 0.0;
+  TwoParameterUnit unit;
+  SetGrads(unit, {3.0f, -0.001f, 0.0f}, {10.0f});
+  AdamW(options).Step({&unit}, 0.1);
+  const at::Tensor w = unit.parameters()[0].value;
+  EXPECT_NEAR(w[0].item<double>(), 1.0 - 0.1, 1e-6);
+  EXPECT_NEAR(w[1].item<double>(), -2.0 + 0.1, 1e-5);
+  EXPECT_NEAR(w[2].item<double>(), 0.5, 1e-7) << "zero gradient, zero update";
+}
+
+TEST(AdamWTest, ParametersWithoutGradientsAreLeftAlone) {
+  TwoParameterUnit unit;
+  unit.parameters()[0].value.mutable_grad() = at::tensor({1.0f, 1.0f, 1.0f});
+  AdamW(OptimizerOptions()).Step({&unit}, 0.1);
+  EXPECT_FLOAT_EQ(unit.parameters()[1].value[0].item<float>(), 0.25f);
+  EXPECT_FALSE(unit.parameters()[1].exp_avg.defined());
+}
+
+TEST(AdamWTest, GradNormAndClipping) {
+  TwoParameterUnit unit;
+  SetGrads(unit, {3.0f, 0.0f, 0.0f}, {4.0f});
+  EXPECT_DOUBLE_EQ(AdamW::GradSquaredSum({&unit}), 25.0);
+  OptimizerOptions options;
+  options.clip_grad = 1.0;
+  AdamW adamw(options);
+  const double factor = adamw.ClipFactor(5.0);
+  EXPECT_NEAR(factor, 1.0 / (5.0 + 1e-6), 1e-12);
+  AdamW::ScaleGradients({&unit}, factor);
+  EXPECT_NEAR(std::sqrt(AdamW::GradSquaredSum({&unit})), 1.0, 1e-6);
+  EXPECT_EQ(adamw.ClipFactor(0.5), 1.0) << "norms under the bound are not scaled";
+  options.clip_grad = 0.0;
+  EXPECT_EQ(AdamW(options).ClipFactor(1e9), 1.0) << "clip_grad=0 disables clipping";
+}
+
+TEST(LrScheduleTest, WarmupThenCosine) {
+  LrScheduleOptions o;
+  o.lr = 1.0;
+  o.min_lr = 0.1;
+  o.warmup_iters = 10;
+  o.decay_iters = 110;
+  o.decay_style = LrDecayStyle::kCosine;
+  LrSchedule schedule(o, /*train_iters=*/1000);
+  EXPECT_DOUBLE_EQ(schedule.At(1), 0.1);
+  EXPECT_DOUBLE_EQ(schedule.At(5), 0.5);
+  EXPECT_DOUBLE_EQ(schedule.At(10), 1.0);
+  EXPECT_NEAR(schedule.At(60), 0.55, 1e-12) << "half way: (max + min) / 2";
+  EXPECT_NEAR(schedule.At(35), 0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 0.25)), 1e-12);
+  EXPECT_DOUBLE_EQ(schedule.At(110), 0.1);
+  EXPECT_DOUBLE_EQ(schedule.At(500), 0.1);
+}
+
+TEST(LrScheduleTest, LinearAndConstant) {
+  LrScheduleOptions o;
+  o.lr = 2.0;
+  o.min_lr = 0.0;
+  o.decay_style = LrDecayStyle::kLinear;
+  LrSchedule linear(o, /*train_iters=*/100);  // decay_iters 0 → train_iters
+  EXPECT_DOUBLE_EQ(linear.At(0), 2.0);
+  EXPECT_DOUBLE_EQ(linear.At(25), 1.5);
+  EXPECT_DOUBLE_EQ(linear.At(100), 0.0);
+  o.decay_style = LrDecayStyle::kConstant;
+  o.warmup_iters = 4;
+  LrSchedule constant(o, 100);
+  EXPECT_DOUBLE_EQ(constant.At(2), 1.0);
+  EXPECT_DOUBLE_EQ(constant.At(4), 2.0);
+  EXPECT_DOUBLE_EQ(constant.At(99), 2.0);
+}
+
+}  // namespace
+}  // namespace fulcrum

@@ -1,0 +1,335 @@
+#include "core/trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/checkpoint/checkpoint.h"
+#include "core/logging.h"
+#include "core/status.h"
+
+namespace fulcrum {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MillisecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+std::string FormatDuration(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
+// Configuration fields that must agree between a checkpoint and the run loading it.
+constexpr const char* kShapeFields[] = {"num_layers",     "hidden_size",   "num_attention_heads",
+                                        "ffn_hidden_size", "vocab_size",   "seq_length",
+                                        "position_embedding_type", "tie_embeddings"};
+
+}  // namespace
+
+nlohmann::json ConfigToJson(const TrainerConfig& c) {
+  nlohmann::json j;
+  j["model"] = {{"num_layers", c.model.num_layers},
+                {"hidden_size", c.model.hidden_size},
+                {"num_attention_heads", c.model.num_attention_heads},
+                {"ffn_hidden_size", c.model.ffn_hidden_size},
+                {"vocab_size", c.model.vocab_size},
+                {"seq_length", c.model.seq_length},
+                {"position_embedding_type", PositionEmbeddingName(c.model.position_embedding)},
+                {"rotary_base", c.model.rotary_base},
+                {"tie_embeddings", c.model.tie_embeddings},
+                {"init_method_std", c.model.init_method_std},
+                {"layernorm_epsilon", c.model.layernorm_epsilon},
+                {"hidden_dropout", c.model.hidden_dropout},
+                {"attention_dropout", c.model.attention_dropout},
+                {"seed", c.model.seed}};
+  j["optimizer"] = {{"lr", c.optimizer.lr},
+                    {"min_lr", c.optimizer.min_lr},
+                    {"weight_decay", c.optimizer.weight_decay},
+                    {"adam_beta1", c.optimizer.adam_beta1},
+                    {"adam_beta2", c.optimizer.adam_beta2},
+                    {"adam_eps", c.optimizer.adam_eps},
+                    {"clip_grad", c.optimizer.clip_grad}};
+  j["lr_schedule"] = {{"lr", c.schedule.lr},
+                      {"min_lr", c.schedule.min_lr},
+                      {"warmup_iters", c.schedule.warmup_iters},
+                      {"decay_iters", c.schedule.decay_iters},
+                      {"decay_style", LrDecayStyleName(c.schedule.decay_style)}};
+  j["train"] = {{"micro_batch_size", c.train.micro_batch_size},
+                {"global_batch_size", c.train.global_batch_size},
+                {"train_iters", c.train.train_iters}};
+  j["data"] = {{"seq_length", c.data.seq_length}, {"seed", c.data.seed}, {"split", c.data.split}};
+  return j;
+}
+
+absl::Status TrainerConfig::Validate() const {
+  FULCRUM_RETURN_IF_ERROR(model.Validate());
+  FULCRUM_RETURN_IF_ERROR(optimizer.Validate());
+  FULCRUM_RETURN_IF_ERROR(schedule.Validate());
+  FULCRUM_RETURN_IF_ERROR(train.Validate());
+  if (data.seq_length != model.seq_length) {
+    return absl::InvalidArgumentError(absl::StrCat("data seq_length ", data.seq_length,
+                                                   " differs from model seq_length ",
+                                                   model.seq_length));
+  }
+  return absl::OkStatus();
+}
+
+Trainer::Trainer(const TrainerConfig& config, FileSystem* fs)
+    : config_(config),
+      fs_(fs),
+      optimizer_(config.optimizer),
+      schedule_(config.schedule, config.train.train_iters) {}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
+    const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
+    FileSystem* fs) {
+  FULCRUM_RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<Trainer> trainer(new Trainer(config, fs));
+  FULCRUM_ASSIGN_OR_RETURN(trainer->train_data_,
+                           data::GptDataset::Create(corpus, data::Split::kTrain, config.data));
+  if (config.train.eval_interval > 0) {
+    FULCRUM_ASSIGN_OR_RETURN(trainer->valid_data_,
+                             data::GptDataset::Create(corpus, data::Split::kValid, config.data));
+  }
+  const int64_t max_token = corpus->MaxToken();
+  if (max_token >= config.model.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the data holds token id ", max_token, " but the vocabulary has ",
+        config.model.vocab_size, " entries (--vocab_size / --tokenizer_model)"));
+  }
+  if (!config.train.metrics_file.empty()) {
+    FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_, MetricsWriter::Open(config.train.metrics_file));
+  }
+  trainer->model_ = std::make_unique<GptModel>(config.model);
+  return trainer;
+}
+
+at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const {
+  const int64_t mbs = config_.train.micro_batch_size;
+  const int64_t width = config_.data.seq_length + 1;
+  at::Tensor tokens = at::empty({mbs, width}, at::kLong);
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < mbs; ++i) dataset.GetSample(first_sample + i, out + i * width);
+  return tokens;
+}
+
+absl::StatusOr<IterationStats> Trainer::TrainIteration() {
+  const auto start = Clock::now();
+  const TrainOptions& t = config_.train;
+  const int64_t num_micro = t.global_batch_size / t.micro_batch_size;
+  const double total_tokens =
+      static_cast<double>(t.global_batch_size) * static_cast<double>(config_.data.seq_length);
+  const int64_t iteration = iteration_ + 1;
+  const std::vector<Unit*> units = model_->Units();
+
+  model_->ZeroGrad();
+  double loss_sum = 0.0;
+  for (int64_t m = 0; m < num_micro; ++m) {
+    const int64_t first = consumed_samples_ + m * t.micro_batch_size;
+    ForwardContext ctx{/*training=*/true, iteration, first};
+    LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
+    // Scale each micro-batch by the global token count, so accumulated gradients are those
+    // of the mean loss over the global batch whatever the micro-batch size.
+    (loss.sum / total_tokens).backward();
+    loss_sum += loss.sum.item<double>();
+  }
+  const double grad_norm = std::sqrt(AdamW::GradSquaredSum(units));
+  if (!std::isfinite(grad_norm)) {
+    return absl::InternalError(absl::StrCat("iteration ", iteration, ": gradient norm is ",
+                                            grad_norm, " (loss ", loss_sum / total_tokens,
+                                            "); lower --lr or check the data"));
+  }
+  const double clip = optimizer_.ClipFactor(grad_norm);
+  if (clip < 1.0) AdamW::ScaleGradients(units, clip);
+  const double lr = schedule_.At(iteration);
+  optimizer_.Step(units, lr);
+  model_->ZeroGrad();
+
+  iteration_ = iteration;
+  consumed_samples_ += t.global_batch_size;
+  IterationStats stats;
+  stats.iteration = iteration;
+  stats.loss = loss_sum / total_tokens;
+  stats.lr = lr;
+  stats.grad_norm = grad_norm;
+  stats.iteration_ms = MillisecondsSince(start);
+  stats.tokens_per_second = total_tokens / (stats.iteration_ms / 1000.0);
+  return stats;
+}
+
+absl::StatusOr<double> Trainer::Evaluate() {
+  if (!valid_data_) {
+    return absl::FailedPreconditionError("evaluation needs a non-empty valid split (--split)");
+  }
+  at::NoGradGuard no_grad;
+  const TrainOptions& t = config_.train;
+  const int64_t num_micro = t.global_batch_size / t.micro_batch_size;
+  double loss_sum = 0.0;
+  int64_t tokens = 0;
+  for (int64_t batch = 0; batch < t.eval_iters; ++batch) {
+    for (int64_t m = 0; m < num_micro; ++m) {
+      const int64_t first = (batch * num_micro + m) * t.micro_batch_size;
+      ForwardContext ctx{/*training=*/false, iteration_, first};
+      LossSum loss = model_->ForwardLoss(MicroBatch(*valid_data_, first), ctx);
+      loss_sum += loss.sum.item<double>();
+      tokens += loss.tokens;
+    }
+  }
+  return loss_sum / static_cast<double>(tokens);
+}
+
+nlohmann::json Trainer::ManifestFields() const {
+  nlohmann::json m;
+  m["iteration"] = iteration_;
+  m["consumed_samples"] = consumed_samples_;
+  m["optimizer_step"] = iteration_;
+  m["lr_schedule"] = {{"step", iteration_}, {"lr", iteration_ > 0 ? schedule_.At(iteration_) : 0.0}};
+  // The data position is consumed_samples alone (NOTE [Stateless data position]); the
+  // sampler's seed and split are recorded so a resume can check they did not change.
+  m["sampler"] = {{"seed", config_.data.seed},
+                  {"split", config_.data.split},
+                  {"seq_length", config_.data.seq_length},
+                  {"consumed_samples", consumed_samples_},
+                  {"samples_per_epoch", train_data_->samples_per_epoch()},
+                  {"epoch", consumed_samples_ / train_data_->samples_per_epoch()}};
+  m["rng"] = {{"torch_cpu", "rng.torch_cpu"},
+              {"note", "dropout and initialisation are keyed by (seed, name, counters)"}};
+  m["config"] = ConfigToJson(config_);
+  m["parallel"] = {{"tp", 1}, {"pp", 1}, {"dp", 1}, {"ep", 1}};
+  m["layer_placement"] = nlohmann::json::array(
+      {{{"stage", 0}, {"layer_begin", 0}, {"layer_end", config_.model.num_layers}}});
+  return m;
+}
+
+absl::Status Trainer::Save() {
+  const std::string& dir = config_.train.save;
+  if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
+  const auto start = Clock::now();
+  NamedTensors tensors;
+  for (Unit* unit : model_->Units()) {
+    NamedTensors state = unit->StateTensors();
+    tensors.insert(tensors.end(), state.begin(), state.end());
+  }
+  // The default generator is not used by training itself (NOTE [layout-independent
+  // randomness]) but user and plugin code may draw from it; restore it on resume.
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    tensors.emplace_back("rng.torch_cpu", generator.get_state());
+  }
+  FULCRUM_ASSIGN_OR_RETURN(auto writer, ckpt::CheckpointWriter::Begin(fs_, dir, iteration_));
+  FULCRUM_RETURN_IF_ERROR(writer.WriteShard("rank_00000", tensors));
+  FULCRUM_RETURN_IF_ERROR(writer.Commit(ManifestFields()));
+  FULCRUM_LOG(INFO) << "saved checkpoint of iteration " << iteration_ << " to " << dir << "/"
+                    << ckpt::IterationDirName(iteration_) << " in "
+                    << absl::StrFormat("%.2f s", MillisecondsSince(start) / 1000.0);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Load(const std::string& path) {
+  FULCRUM_ASSIGN_OR_RETURN(auto reader, ckpt::CheckpointReader::Open(fs_, path));
+  const nlohmann::json& manifest = reader.manifest();
+  if (!manifest.contains("config") || !manifest.contains("consumed_samples")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": manifest lacks config/consumed_samples; not a Fulcrum checkpoint"));
+  }
+  const nlohmann::json saved = manifest["config"]["model"];
+  const nlohmann::json ours = ConfigToJson(config_)["model"];
+  for (const char* field : kShapeFields) {
+    if (saved.value(field, nlohmann::json()) != ours[field]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": checkpoint has ", field, "=", saved.value(field, nlohmann::json()).dump(),
+          " but this run has ", field, "=", ours[field].dump()));
+    }
+  }
+  auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
+  for (Unit* unit : model_->Units()) {
+    FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*with_optimizer=*/true));
+  }
+  if (reader.Has("rng.torch_cpu")) {
+    FULCRUM_ASSIGN_OR_RETURN(at::Tensor rng, reader.Read("rng.torch_cpu"));
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(rng);
+  }
+  iteration_ = manifest["iteration"].get<int64_t>();
+  consumed_samples_ = manifest["consumed_samples"].get<int64_t>();
+  const nlohmann::json& sampler = manifest["sampler"];
+  if (sampler.value("seed", config_.data.seed) != config_.data.seed ||
+      sampler.value("split", config_.data.split) != config_.data.split) {
+    FULCRUM_LOG(WARNING) << "the checkpoint's data seed/split differ from this run's; the "
+                            "data order will not continue the saved run's";
+  }
+  FULCRUM_LOG(INFO) << "loaded checkpoint " << reader.dir() << ": iteration " << iteration_
+                    << ", consumed samples " << consumed_samples_;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Run() {
+  const TrainOptions& t = config_.train;
+  const int64_t tokens_per_iteration = t.global_batch_size * config_.data.seq_length;
+  FULCRUM_LOG(INFO) << "training " << model_->NumParameterElements() << " parameters from iteration "
+                    << iteration_ << " to " << t.train_iters << "; " << tokens_per_iteration
+                    << " tokens per iteration; " << train_data_->samples_per_epoch()
+                    << " samples per epoch";
+  const auto run_start = Clock::now();
+  const int64_t first_iteration = iteration_;
+  double interval_loss = 0.0;
+  int64_t interval_count = 0;
+  while (iteration_ < t.train_iters) {
+    FULCRUM_ASSIGN_OR_RETURN(IterationStats stats, TrainIteration());
+    interval_loss += stats.loss;
+    ++interval_count;
+    nlohmann::json record = {{"iteration", stats.iteration},
+                             {"loss", stats.loss},
+                             {"lr", stats.lr},
+                             {"grad_norm", stats.grad_norm},
+                             {"tokens_per_second", stats.tokens_per_second},
+                             {"iteration_ms", stats.iteration_ms},
+                             {"consumed_samples", consumed_samples_}};
+    if (stats.iteration % t.log_interval == 0 || stats.iteration == t.train_iters) {
+      const double elapsed = MillisecondsSince(run_start) / 1000.0;
+      const double per_iteration = elapsed / static_cast<double>(iteration_ - first_iteration);
+      FULCRUM_LOG(INFO) << absl::StrFormat(
+          "iteration %6d/%d | loss %.4f (avg %.4f) | lr %.3e | grad norm %.3f | %.0f tokens/s | "
+          "%.0f ms | ETA %s",
+          stats.iteration, t.train_iters, stats.loss, interval_loss / interval_count, stats.lr,
+          stats.grad_norm, stats.tokens_per_second, stats.iteration_ms,
+          FormatDuration(per_iteration * static_cast<double>(t.train_iters - iteration_)));
+      interval_loss = 0.0;
+      interval_count = 0;
+    }
+    if (t.eval_interval > 0 &&
+        (stats.iteration % t.eval_interval == 0 || stats.iteration == t.train_iters)) {
+      FULCRUM_ASSIGN_OR_RETURN(double valid_loss, Evaluate());
+      FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
+                                           stats.iteration, valid_loss, std::exp(valid_loss));
+      record["valid_loss"] = valid_loss;
+    }
+    if (metrics_) FULCRUM_RETURN_IF_ERROR(metrics_->Write(record));
+    const bool exiting = t.exit_interval > 0 && iteration_ % t.exit_interval == 0;
+    const bool finished = iteration_ == t.train_iters;
+    const bool interval_save = t.save_interval > 0 && iteration_ % t.save_interval == 0;
+    if (!t.save.empty() && (interval_save || exiting || finished)) {
+      FULCRUM_RETURN_IF_ERROR(Save());
+    }
+    if (exiting && !finished) {
+      FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
+                        << t.exit_interval << ")";
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fulcrum

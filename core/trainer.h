@@ -1,0 +1,102 @@
+// The training loop of one process: data → micro-batches → forward/backward with gradient
+// accumulation → global grad-norm clipping → AdamW step on the learning-rate schedule →
+// logs, metrics, evaluation and checkpoints.
+//
+// The loop's whole state is (model units, iteration, consumed samples): the data position
+// is the number of consumed samples (NOTE [Stateless data position]) and every random draw
+// is keyed by counters (NOTE [layout-independent randomness]), so a run saved at iteration
+// N and resumed reproduces the uninterrupted run bit for bit on CPU.
+//
+// Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/config.h"
+#include "core/data/gpt_dataset.h"
+#include "core/data/indexed_dataset.h"
+#include "core/file_system.h"
+#include "core/gpt_model.h"
+#include "core/metrics.h"
+#include "core/optimizer.h"
+
+namespace fulcrum {
+
+/// Everything a training run is configured by.
+struct TrainerConfig {
+  ModelOptions model;
+  OptimizerOptions optimizer;
+  LrScheduleOptions schedule;
+  TrainOptions train;
+  data::GptDatasetOptions data;  // seq_length must equal model.seq_length.
+  absl::Status Validate() const;
+};
+
+/// What one iteration measured.
+struct IterationStats {
+  int64_t iteration = 0;
+  double loss = 0;         // Mean token cross-entropy over the global batch.
+  double lr = 0;
+  double grad_norm = 0;    // Global L2 norm before clipping.
+  double iteration_ms = 0;
+  double tokens_per_second = 0;
+};
+
+class Trainer {
+ public:
+  /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
+  /// first; nothing heavy happens before validation passes.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
+      FileSystem* fs = DefaultFileSystem());
+
+  /// Restores model, optimizer state, iteration and data position from `path` (a save
+  /// directory following its `latest`, or one iteration directory).
+  absl::Status Load(const std::string& path);
+
+  /// Trains until train_iters (or the next multiple of exit_interval), saving on the
+  /// configured intervals and at the end.
+  absl::Status Run();
+
+  /// One optimizer step over one global batch.
+  absl::StatusOr<IterationStats> TrainIteration();
+
+  /// Mean validation loss over eval_iters global batches from the start of the valid
+  /// split (the same batches every time, so values are comparable across evaluations).
+  absl::StatusOr<double> Evaluate();
+
+  /// Writes a checkpoint of the current state into train.save.
+  absl::Status Save();
+
+  GptModel& model() { return *model_; }
+  int64_t iteration() const { return iteration_; }
+  int64_t consumed_samples() const { return consumed_samples_; }
+  const TrainerConfig& config() const { return config_; }
+
+ private:
+  Trainer(const TrainerConfig& config, FileSystem* fs);
+  at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
+  nlohmann::json ManifestFields() const;
+
+  TrainerConfig config_;
+  FileSystem* fs_;
+  std::unique_ptr<GptModel> model_;
+  AdamW optimizer_;
+  LrSchedule schedule_;
+  std::unique_ptr<data::GptDataset> train_data_;
+  std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.
+  std::unique_ptr<MetricsWriter> metrics_;
+  int64_t iteration_ = 0;
+  int64_t consumed_samples_ = 0;
+};
+
+/// The configuration as JSON (recorded in checkpoint manifests and logged at start).
+nlohmann::json ConfigToJson(const TrainerConfig& config);
+
+}  // namespace fulcrum

@@ -1,0 +1,46 @@
+// The built-in recipes. Sizes are chosen for what each is for: `tiny` shows a falling loss
+// in about a minute on two CPU cores; `gpt_20m` is a ~20M-parameter GPT for benchmarks and
+// longer CPU runs.
+#include "recipes/recipes.h"
+
+namespace fulcrum {
+
+FULCRUM_REGISTER(Recipe, tiny,
+                 "4-layer, 128-wide GPT on the embedded corpus; trains in about a minute on 2 cores",
+                 (Recipe{{{"num_layers", "4"},
+                          {"hidden_size", "128"},
+                          {"num_attention_heads", "4"},
+                          {"seq_length", "128"},
+                          {"micro_batch_size", "8"},
+                          {"global_batch_size", "16"},
+                          {"train_iters", "300"},
+                          {"lr", "3e-3"},
+                          {"min_lr", "3e-4"},
+                          {"lr_warmup_iters", "20"},
+                          {"lr_decay_style", "cosine"},
+                          {"weight_decay", "0.01"},
+                          {"clip_grad", "1.0"},
+                          {"log_interval", "20"},
+                          {"eval_interval", "100"},
+                          {"eval_iters", "4"}}}));
+
+FULCRUM_REGISTER(Recipe, gpt_20m,
+                 "6-layer, 512-wide GPT (~20M parameters with a small vocabulary)",
+                 (Recipe{{{"num_layers", "6"},
+                          {"hidden_size", "512"},
+                          {"num_attention_heads", "8"},
+                          {"seq_length", "256"},
+                          {"micro_batch_size", "4"},
+                          {"global_batch_size", "16"},
+                          {"train_iters", "2000"},
+                          {"lr", "6e-4"},
+                          {"min_lr", "6e-5"},
+                          {"lr_warmup_iters", "100"},
+                          {"lr_decay_style", "cosine"},
+                          {"weight_decay", "0.1"},
+                          {"clip_grad", "1.0"},
+                          {"log_interval", "10"},
+                          {"eval_interval", "200"},
+                          {"eval_iters", "8"}}}));
+
+}  // namespace fulcrum

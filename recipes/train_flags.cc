@@ -1,0 +1,192 @@
+#include "recipes/train_flags.h"
+
+#include <gflags/gflags.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/data/default_corpus.h"
+#include "core/data/tokenizer.h"
+#include "core/status.h"
+#include "recipes/recipes.h"
+
+// Model.
+DEFINE_string(recipe, "tiny", "Preset of flags (see the list above); explicit flags override it.");
+DEFINE_int64(num_layers, 4, "Number of transformer layers.");
+DEFINE_int64(hidden_size, 128, "Transformer hidden size.");
+DEFINE_int64(num_attention_heads, 4, "Attention heads; must divide --hidden_size.");
+DEFINE_int64(ffn_hidden_size, 0, "MLP hidden size; 0 = 4 x --hidden_size.");
+DEFINE_int64(seq_length, 128, "Tokens per sample (and learned positions).");
+DEFINE_string(position_embedding_type, "learned_absolute", "learned_absolute or rope.");
+DEFINE_double(rotary_base, 10000.0, "Base of the rotary frequencies (with rope).");
+DEFINE_bool(untie_embeddings_and_output_weights, false,
+            "Give the LM head its own weight instead of the word embeddings.");
+DEFINE_double(init_method_std, 0.02, "Std of the normal initialisation.");
+DEFINE_double(layernorm_epsilon, 1e-5, "LayerNorm epsilon.");
+DEFINE_double(hidden_dropout, 0.0, "Dropout after attention and MLP outputs and embeddings.");
+DEFINE_double(attention_dropout, 0.0, "Dropout on attention probabilities.");
+DEFINE_int64(make_vocab_size_divisible_by, 128, "Pad the vocabulary to a multiple of this.");
+DEFINE_uint64(seed, 1234, "Seed of initialisation, dropout and data shuffling.");
+// Optimizer and schedule.
+DEFINE_double(lr, 1e-3, "Peak learning rate.");
+DEFINE_double(min_lr, 0.0, "Minimum learning rate at the end of decay.");
+DEFINE_int64(lr_warmup_iters, 0, "Linear warmup iterations.");
+DEFINE_int64(lr_decay_iters, 0, "Iterations of decay (0 = --train_iters).");
+DEFINE_string(lr_decay_style, "cosine", "constant, linear or cosine.");
+DEFINE_double(weight_decay, 0.01, "Decoupled weight decay (not on biases and norms).");
+DEFINE_double(adam_beta1, 0.9, "Adam beta1.");
+DEFINE_double(adam_beta2, 0.999, "Adam beta2.");
+DEFINE_double(adam_eps, 1e-8, "Adam epsilon.");
+DEFINE_double(clip_grad, 1.0, "Clip the global gradient L2 norm to this; 0 disables.");
+// Batches and iterations.
+DEFINE_int64(micro_batch_size, 8, "Samples per forward/backward.");
+DEFINE_int64(global_batch_size, 16, "Samples per optimizer step (accumulated micro-batches).");
+DEFINE_int64(train_iters, 100, "Total iterations (optimizer steps) of the run.");
+DEFINE_int64(exit_interval, 0, "Save and exit when the iteration is a multiple of this.");
+DEFINE_int64(log_interval, 10, "Log every this many iterations.");
+DEFINE_int64(eval_interval, 0, "Evaluate on the valid split every this many iterations (0 = never).");
+DEFINE_int64(eval_iters, 10, "Global batches per evaluation.");
+// Data.
+DEFINE_string(data_path, "",
+              "Prefix of a Megatron indexed dataset (PREFIX.bin/.idx); empty = the embedded "
+              "corpus (/usr/share/common-licenses, byte tokens).");
+DEFINE_string(split, "969,30,1", "Train/valid/test proportions of the documents.");
+DEFINE_string(tokenizer_model, "", "SentencePiece model of --data_path (gives the vocab size).");
+DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_model is given.");
+// Checkpoints and outputs.
+DEFINE_string(save, "", "Directory to save checkpoints into.");
+DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
+DEFINE_int64(save_interval, 0, "Save every this many iterations (also saved at exit and end).");
+DEFINE_string(metrics_file, "", "Append one JSON object per iteration to this file.");
+
+namespace fulcrum {
+namespace {
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+int64_t PadVocab(int64_t vocab, int64_t multiple) {
+  return multiple <= 1 ? vocab : (vocab + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace
+
+std::string TrainUsage() {
+  std::string usage =
+      "Trains a GPT model (Megatron-style flags).\n\n"
+      "  fulcrum_train [--recipe=NAME] [--flag=value ...] [--flagfile=FILE]\n\n"
+      "With no --data_path it trains on the embedded corpus. Recipes:\n";
+  for (const auto* entry : RecipeRegistry::Global().List()) {
+    usage += absl::StrCat("  ", entry->name, std::string(12 - std::min<size_t>(11, entry->name.size()), ' '),
+                          entry->help, "\n");
+  }
+  return usage;
+}
+
+absl::Status ApplyRecipe() {
+  const auto* recipe = RecipeRegistry::Global().Find(FLAGS_recipe);
+  if (recipe == nullptr) {
+    return Invalid(absl::StrCat("--recipe='", FLAGS_recipe, "' is unknown; recipes: ",
+                                RecipeRegistry::Global().Names()));
+  }
+  for (const auto& [name, value] : recipe->value.flags) {
+    // SET_FLAG_IF_DEFAULT leaves flags the user set (command line or flagfile) alone.
+    if (gflags::SetCommandLineOptionWithMode(name.c_str(), value.c_str(),
+                                             gflags::SET_FLAG_IF_DEFAULT)
+            .empty()) {
+      gflags::CommandLineFlagInfo info;
+      if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+        return absl::InternalError(absl::StrCat("recipe ", FLAGS_recipe, " sets unknown flag --", name));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainData> LoadTrainData() {
+  TrainData out;
+  if (FLAGS_data_path.empty()) {
+    data::ByteTokenizer tokenizer;
+    FULCRUM_ASSIGN_OR_RETURN(out.corpus, data::BuildDefaultCorpus(tokenizer));
+    out.vocab_size = tokenizer.vocab_size();
+    out.description = data::DefaultCorpusDescription() + ", byte tokens";
+    if (!FLAGS_tokenizer_model.empty() || FLAGS_vocab_size > 0) {
+      return Invalid("--tokenizer_model / --vocab_size need --data_path (the embedded corpus "
+                     "uses byte tokens)");
+    }
+    return out;
+  }
+  FULCRUM_ASSIGN_OR_RETURN(out.corpus, data::IndexedDataset::Open(FLAGS_data_path));
+  if (!FLAGS_tokenizer_model.empty()) {
+    FULCRUM_ASSIGN_OR_RETURN(auto tokenizer,
+                             data::SentencePieceTokenizer::Load(FLAGS_tokenizer_model));
+    out.vocab_size = tokenizer->vocab_size();
+  } else if (FLAGS_vocab_size > 0) {
+    out.vocab_size = FLAGS_vocab_size;
+  } else {
+    out.vocab_size = out.corpus->MaxToken() + 1;
+  }
+  out.description = absl::StrCat(FLAGS_data_path, " (", out.corpus->num_sequences(),
+                                 " documents, ", out.corpus->num_tokens(), " tokens)");
+  return out;
+}
+
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size) {
+  TrainerConfig c;
+  ModelOptions& m = c.model;
+  m.num_layers = FLAGS_num_layers;
+  m.hidden_size = FLAGS_hidden_size;
+  m.num_attention_heads = FLAGS_num_attention_heads;
+  m.ffn_hidden_size = FLAGS_ffn_hidden_size > 0 ? FLAGS_ffn_hidden_size : 4 * FLAGS_hidden_size;
+  m.seq_length = FLAGS_seq_length;
+  FULCRUM_RETURN_IF_ERROR(ParsePositionEmbedding(FLAGS_position_embedding_type,
+                                                 &m.position_embedding));
+  m.rotary_base = FLAGS_rotary_base;
+  m.tie_embeddings = !FLAGS_untie_embeddings_and_output_weights;
+  m.init_method_std = FLAGS_init_method_std;
+  m.layernorm_epsilon = FLAGS_layernorm_epsilon;
+  m.hidden_dropout = FLAGS_hidden_dropout;
+  m.attention_dropout = FLAGS_attention_dropout;
+  m.seed = FLAGS_seed;
+  if (FLAGS_make_vocab_size_divisible_by < 1) {
+    return Invalid(absl::StrCat("--make_vocab_size_divisible_by=",
+                                FLAGS_make_vocab_size_divisible_by, " must be ≥ 1"));
+  }
+  m.vocab_size = PadVocab(vocab_size, FLAGS_make_vocab_size_divisible_by);
+
+  OptimizerOptions& o = c.optimizer;
+  o.lr = FLAGS_lr;
+  o.min_lr = FLAGS_min_lr;
+  o.weight_decay = FLAGS_weight_decay;
+  o.adam_beta1 = FLAGS_adam_beta1;
+  o.adam_beta2 = FLAGS_adam_beta2;
+  o.adam_eps = FLAGS_adam_eps;
+  o.clip_grad = FLAGS_clip_grad;
+
+  LrScheduleOptions& s = c.schedule;
+  s.lr = FLAGS_lr;
+  s.min_lr = FLAGS_min_lr;
+  s.warmup_iters = FLAGS_lr_warmup_iters;
+  s.decay_iters = FLAGS_lr_decay_iters;
+  FULCRUM_RETURN_IF_ERROR(ParseLrDecayStyle(FLAGS_lr_decay_style, &s.decay_style));
+
+  TrainOptions& t = c.train;
+  t.micro_batch_size = FLAGS_micro_batch_size;
+  t.global_batch_size = FLAGS_global_batch_size;
+  t.train_iters = FLAGS_train_iters;
+  t.exit_interval = FLAGS_exit_interval;
+  t.log_interval = FLAGS_log_interval;
+  t.eval_interval = FLAGS_eval_interval;
+  t.eval_iters = FLAGS_eval_iters;
+  t.save_interval = FLAGS_save_interval;
+  t.save = FLAGS_save;
+  t.load = FLAGS_load;
+  t.metrics_file = FLAGS_metrics_file;
+
+  c.data.seq_length = FLAGS_seq_length;
+  c.data.seed = FLAGS_seed;
+  c.data.split = FLAGS_split;
+  FULCRUM_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+std::string LoadPathFlag() { return FLAGS_load; }
+
+}  // namespace fulcrum

@@ -1,0 +1,198 @@
+// bench_train: framework overhead of fulcrum_train's training step.
+//
+// For each model (the `tiny` recipe's shape and the ~20M `gpt_20m` shape) it times, in one
+// process and interleaved round by round, (a) Fulcrum's Trainer::TrainIteration on the
+// embedded corpus and (b) the same model and optimizer written as a plain LibTorch loop
+// (torch::nn modules, torch::optim::AdamW, clip_grad_norm_, gradient accumulation) on
+// pre-generated tokens, with no framework around it. It prints the median tokens/s of both
+// and their ratio; the goal is framework overhead ≤ 5% (ratio ≥ 0.95).
+//
+//   build/bin/fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]
+#include <gflags/gflags.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_split.h"
+#include "core/data/default_corpus.h"
+#include "core/data/tokenizer.h"
+#include "core/logging.h"
+#include "core/trainer.h"
+
+DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");
+DEFINE_int32(iters_per_round, 5, "Training iterations per round and implementation.");
+DEFINE_int32(warmup_iters, 2, "Untimed iterations of each implementation before measuring.");
+DEFINE_string(models, "tiny,gpt_20m", "Which model shapes to measure.");
+
+namespace fulcrum {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  std::string name;
+  int64_t layers, hidden, heads, ffn, seq, micro_batch, global_batch;
+};
+
+const Shape kShapes[] = {{"tiny", 4, 128, 4, 512, 128, 8, 16},
+                         {"gpt_20m", 6, 512, 8, 2048, 256, 4, 16}};
+
+// ---- The plain LibTorch reference: same math, no framework. ---------------------------
+struct PlainBlockImpl : torch::nn::Module {
+  PlainBlockImpl(const Shape& s) : heads(s.heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.hidden})));
+    qkv = register_module("qkv", torch::nn::Linear(s.hidden, 3 * s.hidden));
+    proj = register_module("proj", torch::nn::Linear(s.hidden, s.hidden));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.hidden})));
+    fc1 = register_module("fc1", torch::nn::Linear(s.hidden, s.ffn));
+    fc2 = register_module("fc2", torch::nn::Linear(s.ffn, s.hidden));
+  }
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& future) {  // [s, b, h]
+    const int64_t s = x.size(0), b = x.size(1), h = x.size(2), d = h / heads;
+    auto t = qkv(ln1(x)).view({s, b, heads, 3, d});
+    auto q = t.select(3, 0).permute({1, 2, 0, 3});
+    auto k = t.select(3, 1).permute({1, 2, 0, 3});
+    auto v = t.select(3, 2).permute({1, 2, 0, 3});
+    auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(d)));
+    auto probs = torch::softmax(scores.masked_fill(future, -INFINITY), -1);
+    auto context = torch::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, h});
+    x = x + proj(context);
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(PlainBlock);
+
+struct PlainGptImpl : torch::nn::Module {
+  PlainGptImpl(const Shape& s, int64_t vocab) {
+    wte = register_module("wte", torch::nn::Embedding(vocab, s.hidden));
+    wpe = register_module("wpe", torch::nn::Embedding(s.seq, s.hidden));
+    for (int64_t i = 0; i < s.layers; ++i) {
+      blocks.push_back(register_module("block" + std::to_string(i), PlainBlock(s)));
+    }
+    lnf = register_module("lnf", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.hidden})));
+    future = torch::ones({s.seq, s.seq}, torch::kBool).triu(1);
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {  // [b, s+1] → summed loss
+    const int64_t s = tokens.size(1) - 1;
+    auto x = wte(tokens.narrow(1, 0, s).t()) + wpe->weight.narrow(0, 0, s).unsqueeze(1);
+    for (auto& block : blocks) x = block->forward(x, future);
+    auto logits = torch::matmul(lnf(x), wte->weight.t());
+    return torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), tokens.narrow(1, 1, s).t().reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  std::vector<PlainBlock> blocks;
+  torch::nn::LayerNorm lnf{nullptr};
+  torch::Tensor future;
+};
+TORCH_MODULE(PlainGpt);
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> corpus,
+             int64_t vocab) {
+  TrainerConfig config;
+  config.model.num_layers = shape.layers;
+  config.model.hidden_size = shape.hidden;
+  config.model.num_attention_heads = shape.heads;
+  config.model.ffn_hidden_size = shape.ffn;
+  config.model.seq_length = shape.seq;
+  config.model.vocab_size = vocab;
+  config.train.micro_batch_size = shape.micro_batch;
+  config.train.global_batch_size = shape.global_batch;
+  config.train.train_iters = 1 << 30;
+  config.data.seq_length = shape.seq;
+  config.data.split = "100,0,0";
+  auto trainer = Trainer::Create(config, corpus);
+  if (!trainer.ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", std::string(trainer.status().message()).c_str());
+    std::exit(1);
+  }
+
+  PlainGpt plain(shape, vocab);
+  torch::optim::AdamW adamw(plain->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  const int64_t micro = shape.global_batch / shape.micro_batch;
+  const double tokens = double(shape.global_batch) * double(shape.seq);
+  torch::Tensor batches = torch::randint(vocab, {micro, shape.micro_batch, shape.seq + 1}, torch::kLong);
+  auto plain_step = [&]() {
+    adamw.zero_grad();
+    for (int64_t m = 0; m < micro; ++m) (plain->forward(batches[m]) / tokens).backward();
+    torch::nn::utils::clip_grad_norm_(plain->parameters(), 1.0);
+    adamw.step();
+  };
+  auto fulcrum_step = [&]() {
+    auto stats = (*trainer)->TrainIteration();
+    if (!stats.ok()) std::exit(1);
+  };
+  auto time_iters = [&](const std::function<void()>& step) {
+    const auto start = Clock::now();
+    for (int i = 0; i < FLAGS_iters_per_round; ++i) step();
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    return tokens * FLAGS_iters_per_round / seconds;
+  };
+  for (int i = 0; i < FLAGS_warmup_iters; ++i) {
+    plain_step();
+    fulcrum_step();
+  }
+  std::vector<double> ours, theirs, ratios;
+  for (int r = 0; r < FLAGS_rounds; ++r) {
+    // Alternate which goes first so drift in machine load hits both alike.
+    double a, b;
+    if (r % 2 == 0) {
+      a = time_iters(fulcrum_step);
+      b = time_iters(plain_step);
+    } else {
+      b = time_iters(plain_step);
+      a = time_iters(fulcrum_step);
+    }
+    ours.push_back(a);
+    theirs.push_back(b);
+    ratios.push_back(a / b);
+  }
+  std::printf("%-8s %10lld params | fulcrum %9.0f tok/s | plain libtorch %9.0f tok/s | "
+              "ratio %.3f (median of %d rounds; overhead %+.1f%%)\n",
+              shape.name.c_str(), static_cast<long long>((*trainer)->model().NumParameterElements()),
+              Median(ours), Median(theirs), Median(ratios), FLAGS_rounds,
+              (1.0 - Median(ratios)) * 100.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::InitLogging(argv[0]);
+  fulcrum::data::ByteTokenizer tokenizer;
+  auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
+  if (!corpus.ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", std::string(corpus.status().message()).c_str());
+    return 1;
+  }
+  std::printf("threads: %d intra-op\n", at::get_num_threads());
+  for (absl::string_view name : absl::StrSplit(FLAGS_models, ',')) {
+    bool found = false;
+    for (const auto& shape : fulcrum::kShapes) {
+      if (shape.name == name) {
+        fulcrum::Measure(shape, *corpus, /*vocab=*/384);
+        found = true;
+      }
+    }
+    if (!found) {
+      std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m)\n", std::string(name).c_str());
+      return 2;
+    }
+  }
+  return 0;
+}

@@ -12,6 +12,7 @@ FULCRUM_BUILD_DIR="${FULCRUM_BUILD_DIR:-$FULCRUM_ROOT/build}"
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
   libtorch-dev libopenblas0-pthread   # without OpenBLAS matrix products run ~30x slower
+  libgloo-dev                         # c10d ProcessGroupGloo headers
   libgoogle-glog-dev libgflags-dev libabsl-dev
   libgtest-dev libgmock-dev
   libsentencepiece-dev nlohmann-json3-dev libxxhash-dev zlib1g-dev

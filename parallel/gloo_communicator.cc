@@ -1,0 +1,471 @@
+#include "parallel/gloo_communicator.h"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/logging.h"
+#include "parallel/internal/c10d_compat.h"
+#include "parallel/internal/communicator_util.h"
+
+namespace fulcrum::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using internal::TensorPlace;
+
+// Fulcrum issues one collective at a time and waits for it, so one worker thread per
+// process group suffices (c10d's default of two only adds idle threads, and every Split
+// makes another group). Point-to-point operations do not use the workers.
+constexpr int kGlooThreads = 1;
+
+// Gloo enforces the same timeout inside its own operations and reports it with more
+// detail ("Timed out waiting 3000ms for recv operation to complete", or the peer address
+// that closed the connection) than c10d's wait does ("Operation timed out!"); waiting a
+// little longer than the timeout lets that message arrive first.
+constexpr std::chrono::milliseconds kWaitGrace{250};
+
+// After a collective fails, how long the members are given to report in (see
+// ProbeSilentMembers): long enough for live processes that failed at the same moment, short
+// enough not to matter next to the timeout that usually came before.
+constexpr std::chrono::milliseconds kProbeWindow{1000};
+
+// Gloo has no bfloat16; moving data only needs a 16-bit type it knows, and float16 words
+// go through untouched (Gloo copies them, it never does arithmetic on moved data).
+at::Tensor Movable(const at::Tensor& tensor) {
+  return tensor.scalar_type() == at::kBFloat16 ? tensor.view(at::kHalf) : tensor;
+}
+
+void IgnoreSigpipe() {
+  // A write to a socket whose peer died raises SIGPIPE, which kills the process by
+  // default; Gloo's TCP transport reports the failed write itself, so ignoring the
+  // signal turns a silent death into a CommError. Python does the same at start-up.
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
+
+// The failure state shared by a communicator and its pending point-to-point handles: the
+// first failure poisons both.
+struct Health {
+  std::string first_error;  // Empty while healthy.
+};
+
+class GlooWork final : public CommWork {
+ public:
+  GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string what, std::chrono::milliseconds timeout,
+           std::shared_ptr<Health> health)
+      : work_(std::move(work)),
+        what_(std::move(what)),
+        timeout_(timeout),
+        health_(std::move(health)) {}
+
+  ~GlooWork() override {
+    // Destroying an unfinished Gloo send or recv frees the buffer the transport may still
+    // write; waiting (bounded by the timeout) keeps that memory valid.
+    if (!done_) {
+      try {
+        Wait();
+      } catch (const std::exception& e) {
+        FULCRUM_LOG(WARNING) << "dropping an unwaited operation that failed: " << e.what();
+      }
+    }
+  }
+
+  void Wait() override {
+    if (done_) {
+      if (!error_.empty()) throw CommError(error_);
+      return;
+    }
+    done_ = true;
+    const auto start = Clock::now();
+    try {
+      work_->wait(timeout_);
+      return;
+    } catch (const std::exception& e) {
+      std::string cause = internal::ExceptionMessage(e);
+      if (Clock::now() - start >= timeout_) {
+        cause = absl::StrCat("timed out after ", timeout_.count(), " ms (", cause, ")");
+      }
+      error_ = absl::StrCat(what_, ": ", cause);
+    }
+    if (health_->first_error.empty()) health_->first_error = error_;
+    throw CommError(error_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;  // "send on 'pp' (ranks 0,1) to rank 1 (world rank 1), tag 3"
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Health> health_;
+  bool done_ = false;
+  std::string error_;
+};
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, internal::GlooDevice device,
+                   c10::intrusive_ptr<c10d::ProcessGroupGloo> group, int rank,
+                   std::vector<int> global_ranks, std::string name, std::string key,
+                   std::chrono::milliseconds timeout)
+      : root_store_(std::move(root_store)),
+        device_(std::move(device)),
+        pg_(std::move(group)),
+        rank_(rank),
+        global_ranks_(std::move(global_ranks)),
+        name_(std::move(name)),
+        key_(std::move(key)),
+        timeout_(timeout),
+        group_(internal::DescribeGroup(name_, global_ranks_)),
+        health_(std::make_shared<Health>()) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(global_ranks_.size()); }
+  const std::vector<int>& global_ranks() const override { return global_ranks_; }
+  const std::string& name() const override { return name_; }
+  const char* backend() const override { return "gloo"; }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
+  void AllReduce(at::Tensor& tensor, ReduceOp op) override {
+    constexpr const char* kOp = "all_reduce";
+    CheckUsable(kOp);
+    internal::CheckTensor(tensor, kOp, group_, "tensor", TensorPlace::kCpu);
+    // bfloat16 is reduced in float32 (Gloo has no bfloat16 arithmetic); the result is
+    // rounded once, at the end, which is also more accurate than summing in bfloat16.
+    const bool staged = tensor.scalar_type() == at::kBFloat16;
+    at::Tensor target = staged ? tensor.to(at::kFloat) : tensor;
+    Run(kOp, [&] {
+      std::vector<at::Tensor> tensors{target};
+      c10d::AllreduceOptions options;
+      options.reduceOp = internal::ToC10dReduceOp(op);
+      return pg_->allreduce(tensors, options);
+    });
+    if (staged) tensor.copy_(target);
+  }
+
+  at::Tensor AllGather(const at::Tensor& input) override {
+    constexpr const char* kOp = "all_gather";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    CheckHasRows(input, kOp);
+    std::vector<int64_t> sizes = input.sizes().vec();
+    const int64_t rows = sizes[0];
+    sizes[0] *= size();
+    at::Tensor output = at::empty(sizes, input.options());
+    Run(kOp, [&] {
+      // Chunk r of `output` receives rank r's rows: dim-0 slices of a contiguous tensor
+      // are contiguous, so Gloo writes straight into place.
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      at::Tensor movable_output = Movable(output);
+      for (int r = 0; r < size(); ++r) {
+        outputs[0].push_back(movable_output.narrow(0, r * rows, rows));
+      }
+      std::vector<at::Tensor> inputs{Movable(input)};
+      return pg_->allgather(outputs, inputs);
+    });
+    return output;
+  }
+
+  at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op) override {
+    constexpr const char* kOp = "reduce_scatter";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    CheckHasRows(input, kOp);
+    internal::CheckDivisible(input.size(0), size(), kOp, group_);
+    // Gloo in LibTorch 1.13 has no reduce_scatter: all_reduce a copy and keep this rank's
+    // chunk. Cost: 2(n-1)/n of the input's bytes on the wire per rank, twice a ring
+    // reduce-scatter's (n-1)/n, plus a full-size copy and the full reduction on every rank.
+    // Correct for every dtype and op; a ring of n-1 send/recv rounds would halve the bytes
+    // but add n-1 dependent latencies and a hand-written reduction. (LibTorch 2.x Gloo has
+    // _reduce_scatter_base; c10d_compat.h is where a 2.x build would switch to it.)
+    const bool staged = input.scalar_type() == at::kBFloat16;
+    at::Tensor full = staged ? input.to(at::kFloat) : input.clone();
+    Run(kOp, [&] {
+      std::vector<at::Tensor> tensors{full};
+      c10d::AllreduceOptions options;
+      options.reduceOp = internal::ToC10dReduceOp(op);
+      return pg_->allreduce(tensors, options);
+    });
+    const int64_t chunk = input.size(0) / size();
+    at::Tensor mine = full.narrow(0, rank_ * chunk, chunk);
+    return staged ? mine.to(at::kBFloat16) : mine.clone();
+  }
+
+  void Broadcast(at::Tensor& tensor, int root) override {
+    constexpr const char* kOp = "broadcast";
+    CheckUsable(kOp);
+    internal::CheckTensor(tensor, kOp, group_, "tensor", TensorPlace::kCpu);
+    internal::CheckPeer(root, size(), kOp, group_);
+    Run(kOp, [&] {
+      std::vector<at::Tensor> tensors{Movable(tensor)};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      return pg_->broadcast(tensors, options);
+    });
+  }
+
+  at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                      const std::vector<int64_t>& output_splits) override {
+    constexpr const char* kOp = "all_to_all";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    const internal::AllToAllRows rows =
+        internal::ResolveAllToAllRows(input, input_splits, output_splits, size(), group_);
+    std::vector<int64_t> sizes = input.sizes().vec();
+    sizes[0] = rows.recv_total;
+    at::Tensor output = at::empty(sizes, input.options());
+    Run(kOp, [&] {
+      at::Tensor movable_output = Movable(output);
+      at::Tensor movable_input = Movable(input);
+      // c10d counts in rows of dimension 0, as Fulcrum does.
+      std::vector<int64_t> recv = rows.recv;
+      std::vector<int64_t> send = rows.send;
+      return pg_->alltoall_base(movable_output, movable_input, recv, send);
+    });
+    return output;
+  }
+
+  std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override {
+    constexpr const char* kOp = "send";
+    CheckUsable(kOp);
+    internal::CheckTensor(tensor, kOp, group_, "tensor", TensorPlace::kCpu);
+    internal::CheckPeer(dst, size(), kOp, group_);
+    const std::string what = absl::StrCat(
+        kOp, " on ", group_, " to ", internal::DescribePeer(dst, global_ranks_), ", tag ", tag);
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      // The work keeps a reference to the tensor until the transport is done with it.
+      std::vector<at::Tensor> tensors{tensor};
+      work = pg_->send(tensors, dst, tag);
+    } catch (const std::exception& e) {
+      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
+    }
+    return std::make_unique<GlooWork>(std::move(work), what, timeout_, health_);
+  }
+
+  std::unique_ptr<CommWork> IRecv(at::Tensor& tensor, int src, int tag) override {
+    constexpr const char* kOp = "recv";
+    CheckUsable(kOp);
+    internal::CheckTensor(tensor, kOp, group_, "tensor", TensorPlace::kCpu);
+    internal::CheckPeer(src, size(), kOp, group_);
+    const std::string what = absl::StrCat(
+        kOp, " on ", group_, " from ", internal::DescribePeer(src, global_ranks_), ", tag ", tag);
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      std::vector<at::Tensor> tensors{tensor};
+      work = pg_->recv(tensors, src, tag);
+    } catch (const std::exception& e) {
+      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
+    }
+    return std::make_unique<GlooWork>(std::move(work), what, timeout_, health_);
+  }
+
+  void Barrier() override {
+    constexpr const char* kOp = "barrier";
+    CheckUsable(kOp);
+    Run(kOp, [&] { return pg_->barrier(); });
+  }
+
+  std::unique_ptr<Communicator> Split(const std::vector<int>& ranks,
+                                      const std::string& name) override {
+    constexpr const char* kOp = "split";
+    CheckUsable(kOp);
+    internal::CheckSplit(ranks, name, rank_, size(), group_);
+    std::vector<int> member_globals;
+    member_globals.reserve(ranks.size());
+    for (int r : ranks) member_globals.push_back(global_ranks_[r]);
+    // Members call Split in the same order, so counting repeats locally gives every member
+    // the same generation without talking to anyone (NOTE [split keys]).
+    const std::string base = internal::SplitKey(key_, name, member_globals, 0);
+    const int generation = split_generations_[base]++;
+    const std::string key = internal::SplitKey(key_, name, member_globals, generation);
+    const int new_rank =
+        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+    const std::string sub_group = internal::DescribeGroup(name, member_globals);
+    const auto start = Clock::now();
+    try {
+      auto group = internal::MakeGlooProcessGroup(internal::MakePrefixStore(key, root_store_),
+                                                  new_rank, static_cast<int>(ranks.size()),
+                                                  timeout_, device_, kGlooThreads);
+      return std::make_unique<GlooCommunicator>(root_store_, device_, std::move(group), new_rank,
+                                                std::move(member_globals), name, key, timeout_);
+    } catch (const std::exception& e) {
+      std::string cause = internal::ExceptionMessage(e);
+      if (Clock::now() - start >= timeout_) {
+        cause = absl::StrCat("not every member called Split within ", timeout_.count(), " ms (",
+                             cause, ")");
+      }
+      // A half-built group leaves no state behind in this communicator, so it stays usable.
+      throw CommError(absl::StrCat("split of ", group_, " into ", sub_group, ": ", cause));
+    }
+  }
+
+ private:
+  void CheckUsable(const char* op) const {
+    if (!health_->first_error.empty()) {
+      throw CommError(absl::StrCat(op, " on ", group_,
+                                   ": unusable after an earlier failure: ", health_->first_error));
+    }
+  }
+
+  void CheckHasRows(const at::Tensor& tensor, const char* op) const {
+    if (tensor.dim() == 0) {
+      throw CommError(
+          absl::StrCat(op, " on ", group_, ": input is 0-dimensional; rows are along dimension 0"));
+    }
+  }
+
+  [[noreturn]] void Fail(const std::string& message) {
+    if (health_->first_error.empty()) health_->first_error = message;
+    throw CommError(message);
+  }
+
+  // Issues a collective and waits for it; any failure becomes a CommError that names the
+  // operation, this communicator and the members that did not report the failure too.
+  template <typename Issue>
+  void Run(const char* op, Issue&& issue) {
+    const uint64_t sequence = ++collective_sequence_;
+    const auto start = Clock::now();
+    std::string cause;
+    try {
+      c10::intrusive_ptr<c10d::Work> work = issue();
+      work->wait(timeout_ + kWaitGrace);
+      return;
+    } catch (const std::exception& e) {
+      cause = internal::ExceptionMessage(e);
+    }
+    if (Clock::now() - start >= timeout_) {
+      cause = absl::StrCat("timed out after ", timeout_.count(), " ms (", cause, ")");
+    }
+    Fail(absl::StrCat(op, " on ", group_, ": ", cause, "; ", ProbeSilentMembers(sequence)));
+  }
+
+  // Finds out which members are gone after collective number `sequence` failed: every
+  // member that sees the failure leaves a mark in the store, and those without a mark
+  // after a short window are the suspects. Gloo's own messages name socket addresses,
+  // not ranks; this turns them into ranks. Bounded by kProbeWindow (and by the store's
+  // timeout if the store host is alive but stuck).
+  std::string ProbeSilentMembers(uint64_t sequence) {
+    if (size() == 1) return "no other member";
+    const std::string prefix = absl::StrCat(key_, "/failed/", sequence, "/");
+    std::vector<int> silent;
+    try {
+      root_store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+      for (int r = 0; r < size(); ++r) {
+        if (r != rank_) silent.push_back(r);
+      }
+      const auto deadline = Clock::now() + std::min(kProbeWindow, timeout_);
+      while (!silent.empty()) {
+        silent.erase(
+            std::remove_if(silent.begin(), silent.end(),
+                           [&](int r) { return root_store_->check({prefix + std::to_string(r)}); }),
+            silent.end());
+        if (silent.empty() || Clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception& e) {
+      return absl::StrCat(
+          "the rendezvous store is unreachable too, so world rank 0 (its "
+          "host) is probably gone (",
+          internal::ExceptionMessage(e), ")");
+    }
+    if (silent.empty()) return "every member saw the failure";
+    std::vector<std::string> names;
+    for (int r : silent) names.push_back(internal::DescribePeer(r, global_ranks_));
+    return absl::StrCat("no sign of ", absl::StrJoin(names, ", "),
+                        " (dead, stuck, or in a different call)");
+  }
+
+  c10::intrusive_ptr<c10d::Store> root_store_;  // Unprefixed: splits and probes key into it.
+  internal::GlooDevice device_;                 // Shared by every group of this process.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int rank_;
+  std::vector<int> global_ranks_;
+  std::string name_;
+  std::string key_;  // Unique store key of this communicator (NOTE [split keys]).
+  std::chrono::milliseconds timeout_;
+  std::string group_;  // DescribeGroup(name_, global_ranks_), for messages.
+  std::shared_ptr<Health> health_;
+  uint64_t collective_sequence_ = 0;
+  std::map<std::string, int> split_generations_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
+    const GlooOptions& options) {
+  if (!store) return absl::InvalidArgumentError("gloo: the store is null");
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gloo: rank ", rank, " is outside a world of ", size, " processes"));
+  }
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gloo: timeout must be positive, got ", timeout.count(), " ms"));
+  }
+  IgnoreSigpipe();
+
+  std::string interface = options.interface;
+  if (interface.empty()) {
+    if (const char* env = std::getenv("GLOO_SOCKET_IFNAME"); env != nullptr) interface = env;
+  }
+  internal::GlooDevice device;
+  try {
+    device = internal::MakeGlooDevice(interface, options.hostname);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("gloo: cannot bind the TCP transport (",
+                     !interface.empty()          ? absl::StrCat("interface '", interface, "'")
+                     : !options.hostname.empty() ? absl::StrCat("host '", options.hostname, "'")
+                                                 : std::string("this machine's hostname"),
+                     ") on rank ", rank, ": ", internal::ExceptionMessage(e),
+                     "; set GLOO_SOCKET_IFNAME to a working interface"));
+  }
+
+  // Each rank counts the world communicators it created on this store; ranks create them
+  // in the same order, so the count keys a fresh namespace, and a second world
+  // communicator never reads the first one's addresses.
+  std::string key;
+  try {
+    const int64_t generation = store->add(absl::StrCat("fulcrum/gloo/world_count/", rank), 1);
+    key = absl::StrCat("fulcrum/gloo/world#", generation);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("gloo: the rendezvous store failed on rank ", rank,
+                                               ": ", internal::ExceptionMessage(e)));
+  }
+
+  const auto start = Clock::now();
+  try {
+    auto group = internal::MakeGlooProcessGroup(internal::MakePrefixStore(key, store), rank, size,
+                                                timeout, device, kGlooThreads);
+    std::vector<int> global_ranks(size);
+    for (int r = 0; r < size; ++r) global_ranks[r] = r;
+    return std::unique_ptr<Communicator>(
+        std::make_unique<GlooCommunicator>(std::move(store), std::move(device), std::move(group),
+                                           rank, std::move(global_ranks), "world", key, timeout));
+  } catch (const std::exception& e) {
+    const std::string cause = internal::ExceptionMessage(e);
+    if (Clock::now() - start >= timeout * 9 / 10) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "gloo: rank ", rank, " of ", size, " could not connect to every peer within ",
+          timeout.count(), " ms; did every rank start and create its communicator? (", cause, ")"));
+    }
+    return absl::UnavailableError(absl::StrCat("gloo: rank ", rank, " of ", size,
+                                               " could not connect to its peers: ", cause));
+  }
+}
+
+}  // namespace fulcrum::parallel

@@ -1,0 +1,111 @@
+#include "parallel/rendezvous.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/logging.h"
+#include "parallel/internal/c10d_compat.h"
+#include "parallel/internal/communicator_util.h"
+
+namespace fulcrum::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Counts the ranks that reached the store (see ConnectStore).
+constexpr char kJoinedKey[] = "fulcrum/rendezvous/joined";
+
+// c10d reports a connect or join timeout as c10d::TimeoutError in 1.13 and as other types
+// in 2.x; the elapsed time tells a timeout apart from a quick refusal in both.
+bool LooksLikeTimeout(const std::exception& e, Clock::duration elapsed,
+                      std::chrono::milliseconds timeout) {
+  if (internal::IsC10dTimeout(e)) return true;
+  return elapsed >= timeout * 9 / 10;
+}
+
+}  // namespace
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& world,
+                                                             std::chrono::milliseconds timeout) {
+  if (world.world_size < 1 || world.rank < 0 || world.rank >= world.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous: rank ", world.rank,
+                                                   " is outside a world of ", world.world_size,
+                                                   " processes"));
+  }
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous: timeout must be positive, got ", timeout.count(), " ms"));
+  }
+  // One process needs no network: an in-memory store serves the communicator's own keys,
+  // and no port is opened that another job could collide with.
+  if (world.world_size == 1) return internal::MakeHashStore(timeout);
+
+  if (world.master_port <= 0 || world.master_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous: MASTER_PORT must be in [1, 65535], got ", world.master_port));
+  }
+  if (world.master_addr.empty()) {
+    return absl::InvalidArgumentError("rendezvous: MASTER_ADDR is empty");
+  }
+  const std::string where = absl::StrCat(world.master_addr, ":", world.master_port);
+  const bool is_server = world.rank == 0;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = internal::MakeTcpStore(world.master_addr, static_cast<uint16_t>(world.master_port),
+                                   is_server, world.world_size,
+                                   is_server ? timeout : timeout + internal::kTcpStoreConnectSlack);
+    store->setTimeout(timeout);
+  } catch (const std::exception& e) {
+    const std::string cause = internal::ExceptionMessage(e);
+    if (is_server) {
+      return absl::UnavailableError(absl::StrCat("rendezvous: rank 0 could not host the master at ",
+                                                 where, ": ", cause,
+                                                 "; is MASTER_PORT already in use?"));
+    }
+    if (LooksLikeTimeout(e, Clock::now() - start, timeout)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous: could not reach the master at ", where, " within ",
+                       timeout.count(), " ms (rank ", world.rank, " of ", world.world_size,
+                       "); is rank 0 running and MASTER_ADDR/MASTER_PORT right?"));
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "rendezvous: could not reach the master at ", where, " (rank ", world.rank, " of ",
+        world.world_size, "): ", cause, "; is rank 0 running and MASTER_ADDR/MASTER_PORT right?"));
+  }
+
+  // Every rank counts itself in and waits for the others, so a rank that never started is
+  // reported here, with the count, instead of later as an opaque communicator timeout.
+  // (c10d's own wait for workers gives up silently in 1.13.)
+  int64_t joined = 0;
+  try {
+    joined = store->add(kJoinedKey, 1);
+    auto pause = std::chrono::milliseconds(5);
+    while (joined < world.world_size && Clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+      joined = store->add(kJoinedKey, 0);
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rendezvous: lost the master at ", where, " while waiting for the other ranks (rank ",
+        world.rank, " of ", world.world_size, "): ", internal::ExceptionMessage(e)));
+  }
+  if (joined < world.world_size) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rendezvous: only ", joined, " of ", world.world_size, " ranks reached the master at ",
+        where, " within ", timeout.count(), " ms (rank ", world.rank, " of ", world.world_size,
+        "); were all ranks started, with the same MASTER_ADDR/MASTER_PORT?"));
+  }
+  FULCRUM_LOG(INFO) << "rendezvous: rank " << world.rank << " of " << world.world_size
+                    << (is_server ? " hosts" : " joined") << " the store at " << where;
+  return store;
+}
+
+}  // namespace fulcrum::parallel

@@ -1,0 +1,52 @@
+// The process supervisor behind fulcrum_launch: starts the ranks of one node, relays their
+// output line by line with a "[rank K] " prefix, forwards stop signals and tears the whole
+// node down as soon as one rank fails, so a broken job never sits idle on its allocation.
+//
+// NOTE [process groups] Each rank runs in its own process group (its pid is the group id)
+// and every signal goes to the whole group. A rank is often a shell or a wrapper whose real
+// work is a grandchild (`sh -c 'python train.py'`); signalling only the direct child would
+// leave the grandchild running and holding the output pipe open. Own groups also mean a
+// terminal's Ctrl-C reaches only the launcher, which forwards it once. Ranks read stdin
+// from /dev/null (a background group reading the terminal would be stopped by SIGTTIN) and
+// get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG), so none outlives it.
+//
+// Thread-safety: RunChildren installs process-wide signal handlers and reaps child
+// processes; call it once, from the main thread of a single-threaded program.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fulcrum::launch {
+
+/// One process to start.
+struct ChildSpec {
+  int rank = 0;                   // Global rank, shown as "[rank K] " before each line.
+  std::vector<std::string> argv;  // argv[0] is looked up in PATH like execvp does.
+  std::vector<std::string> env;   // The child's complete environment, "NAME=value" each.
+};
+
+struct SupervisorOptions {
+  /// Seconds a rank gets between SIGTERM and SIGKILL when the node is stopped. Default: 5.
+  double kill_timeout_s = 5;
+  /// When not empty, an existing directory: each rank's output (stdout and stderr, without
+  /// the prefix) is also written to log_dir/rank_K.log. Default: empty.
+  std::string log_dir;
+};
+
+/// Starts `children` and supervises them until every one has exited. Returns the exit code
+/// for the launcher:
+///  - 0 when every child exited with status 0;
+///  - otherwise the code of the first child that failed (128+N when it died from signal N),
+///    after SIGTERM — then SIGKILL once kill_timeout_s passed — to all others;
+///  - 128+N when the launcher first received signal N (SIGINT, SIGTERM or SIGHUP), which
+///    is forwarded to every child; a second such signal SIGKILLs them. SIGINT and SIGHUP
+///    that the launcher inherited as ignored (nohup, background jobs) stay ignored;
+///  - 1 when a child could not be started (fork or pipe failed) or a log file could not be
+///    opened.
+/// A child whose program cannot be executed reports it on its stderr and exits 127 (126
+/// when not executable), like a shell. The launcher's own messages go to stderr, prefixed
+/// "fulcrum_launch: ".
+int RunChildren(const std::vector<ChildSpec>& children, const SupervisorOptions& options);
+
+}  // namespace fulcrum::launch

@@ -1,0 +1,307 @@
+// fulcrum_launch: starts the processes of one node of a distributed job, like torchrun.
+//
+//   fulcrum_launch --nproc_per_node=4 -- ./fulcrum_train --recipe=tiny
+//   fulcrum_launch --nnodes=2 --node_rank=1 --master_addr=node0 --nproc_per_node=8 -- ...
+//
+// Each rank finds its place in the job through the environment (parallel/world.h reads
+// it). The supervision — output prefixes, signal forwarding, tearing down the node when a
+// rank fails — lives in tools/internal/launch_supervisor.h.
+#include <gflags/gflags.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "tools/internal/launch_supervisor.h"
+
+extern char** environ;
+
+DEFINE_int32(nproc_per_node, 1,
+             "Processes to start on this node (one per GPU; on CPU, one per group of cores).");
+DEFINE_int32(nnodes, 1, "Nodes in the job; each runs its own fulcrum_launch.");
+DEFINE_int32(node_rank, 0,
+             "This node's index, 0..nnodes-1: it runs ranks node_rank*nproc_per_node up to "
+             "(node_rank+1)*nproc_per_node-1.");
+DEFINE_string(master_addr, "127.0.0.1",
+              "Host of rank 0, where the rendezvous store listens. With --nnodes>1, node 0's "
+              "address as the other nodes reach it.");
+DEFINE_int32(master_port, 29500,
+             "Port of the rendezvous store. 0 picks a free port on this host (only with "
+             "--nnodes=1: other nodes could not learn it).");
+DEFINE_double(kill_timeout_s, 5,
+              "Seconds the ranks get to exit after SIGTERM (when a rank failed or the launcher "
+              "was signalled) before SIGKILL.");
+DEFINE_string(log_dir, "",
+              "If set, each rank's output is also written to DIR/rank_K.log (created if "
+              "missing; K is the global rank).");
+
+namespace fulcrum {
+namespace {
+
+constexpr char kUsageText[] =
+    R"(starts the processes of one node of a distributed job, like torchrun.
+
+Usage:
+  fulcrum_launch [--nproc_per_node=N] [--nnodes=M --node_rank=I --master_addr=HOST]
+                 [--master_port=P] [--kill_timeout_s=S] [--log_dir=DIR] -- PROGRAM [ARGS...]
+
+Each of the N processes gets in its environment:
+  RANK=I*N+L  LOCAL_RANK=L  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=I
+  MASTER_ADDR  MASTER_PORT  and OMP_NUM_THREADS=max(1, usable cores / N) unless
+  OMP_NUM_THREADS is already set (N processes with one thread per core each would
+  oversubscribe the node many times over).
+Its stdin is /dev/null. Every line it writes to stdout or stderr comes out whole on the
+launcher's stdout or stderr, prefixed "[rank K] ".
+
+When a process exits non-zero or dies from a signal, the others get SIGTERM (their whole
+process group), then SIGKILL after --kill_timeout_s. SIGINT, SIGTERM and SIGHUP sent to
+the launcher are forwarded the same way; a second one kills every process at once.
+
+Exit status: 0 when every process exits 0; otherwise the first failure's code (128+S for
+signal S, also when the launcher itself was stopped by signal S); 2 for wrong usage.)";
+
+constexpr int kUsageError = 2;
+
+int UsageError(const std::string& message) {
+  std::cerr << "fulcrum_launch: " << message << "\nRun `fulcrum_launch --help` for usage.\n";
+  return kUsageError;
+}
+
+// Sets the launcher's flags from the arguments before the child command and stores the
+// index of the command's first word in `program_index` (argc when there is none). The
+// command starts after `--`, or else at the first argument that is neither a flag nor a
+// flag's value, so `fulcrum_launch --nproc_per_node 2 ./train --lr=1` works too. Parsed
+// here rather than by gflags::ParseCommandLineFlags, which would both take the program's
+// own flags for ours and exit(1) on a mistake where a usage error must exit 2.
+bool ParseLauncherFlags(int argc, char** argv, int* program_index, bool* help,
+                        std::string* error) {
+  *help = false;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') break;
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    const size_t equals = arg.find('=');
+    std::string name(arg.substr(0, equals));
+    std::optional<std::string> value;
+    if (equals != std::string_view::npos) value = std::string(arg.substr(equals + 1));
+    if (name == "help" || name == "helpfull" || name == "helpshort" || name == "h") {
+      *help = true;
+      continue;
+    }
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      if (!value && absl::StartsWith(name, "no") &&
+          gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) && info.type == "bool") {
+        name = name.substr(2);
+        value = "false";
+      } else {
+        *error = absl::StrFormat("unknown flag '%s'; a flag of PROGRAM goes after `--`",
+                                 argv[i]);
+        return false;
+      }
+    }
+    if (!value) {
+      if (info.type == "bool") {
+        value = "true";
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        *error = absl::StrFormat("--%s needs a value (%s)", name, info.type);
+        return false;
+      }
+    }
+    if (gflags::SetCommandLineOption(name.c_str(), value->c_str()).empty()) {
+      *error = absl::StrFormat("--%s=%s: expected a value of type %s", name, *value, info.type);
+      return false;
+    }
+  }
+  *program_index = i;
+  return true;
+}
+
+// Checks the flags together; returns an error message or an empty string.
+std::string ValidateFlags() {
+  if (FLAGS_nproc_per_node < 1) {
+    return absl::StrFormat("--nproc_per_node=%d must be at least 1", FLAGS_nproc_per_node);
+  }
+  if (FLAGS_nnodes < 1) return absl::StrFormat("--nnodes=%d must be at least 1", FLAGS_nnodes);
+  if (FLAGS_node_rank < 0 || FLAGS_node_rank >= FLAGS_nnodes) {
+    return absl::StrFormat("--node_rank=%d must be in 0..%d (--nnodes=%d)", FLAGS_node_rank,
+                           FLAGS_nnodes - 1, FLAGS_nnodes);
+  }
+  if (static_cast<int64_t>(FLAGS_nnodes) * FLAGS_nproc_per_node > (1 << 20)) {
+    return absl::StrFormat("--nnodes=%d × --nproc_per_node=%d is not a plausible world size",
+                           FLAGS_nnodes, FLAGS_nproc_per_node);
+  }
+  if (FLAGS_master_port < 0 || FLAGS_master_port > 65535) {
+    return absl::StrFormat("--master_port=%d is not a TCP port (expected 0..65535)",
+                           FLAGS_master_port);
+  }
+  if (FLAGS_master_port == 0 && FLAGS_nnodes > 1) {
+    return absl::StrFormat(
+        "--master_port=0 (pick a free port) needs --nnodes=1, not %d: the other nodes could "
+        "not learn the port; pass the same --master_port to every node",
+        FLAGS_nnodes);
+  }
+  if (FLAGS_master_addr.empty()) return "--master_addr must not be empty";
+  if (!(FLAGS_kill_timeout_s >= 0) || !std::isfinite(FLAGS_kill_timeout_s)) {
+    return absl::StrFormat("--kill_timeout_s=%g must be a non-negative number of seconds",
+                           FLAGS_kill_timeout_s);
+  }
+  return "";
+}
+
+// Asks the kernel for a free TCP port by binding to port 0. The port is released before
+// the ranks start, so another process could take it first; the window is milliseconds
+// (torchrun accepts the same race), and then rank 0's store fails to bind, loudly.
+std::optional<int> PickFreePort(std::string* error) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *error = absl::StrCat("socket: ", strerror(errno));
+    return std::nullopt;
+  }
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  std::optional<int> port;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    *error = absl::StrCat("bind: ", strerror(errno));
+  } else if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    *error = absl::StrCat("getsockname: ", strerror(errno));
+  } else {
+    port = ntohs(address.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// Cores this process may run on (its affinity mask: what taskset, cgroups cpusets or
+// SLURM's --cpus-per-task grant), which can be far fewer than the machine has.
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// Creates `path` and its missing parents, like `mkdir -p`.
+bool MakeDirectories(const std::string& path, std::string* error) {
+  for (size_t slash = path.find('/', 1);; slash = path.find('/', slash + 1)) {
+    const std::string prefix = path.substr(0, slash);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      *error = absl::StrFormat("cannot create %s: %s", prefix, strerror(errno));
+      return false;
+    }
+    if (slash == std::string::npos) break;
+  }
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    *error = absl::StrFormat("%s is not a directory", path);
+    return false;
+  }
+  return true;
+}
+
+// The environment of local rank `local_rank`: the launcher's own, with the rendezvous
+// variables replaced.
+std::vector<std::string> ChildEnvironment(int local_rank, int master_port) {
+  const int nproc = FLAGS_nproc_per_node;
+  std::vector<std::pair<std::string, std::string>> assigned = {
+      {"RANK", absl::StrCat(FLAGS_node_rank * nproc + local_rank)},
+      {"LOCAL_RANK", absl::StrCat(local_rank)},
+      {"WORLD_SIZE", absl::StrCat(FLAGS_nnodes * nproc)},
+      {"LOCAL_WORLD_SIZE", absl::StrCat(nproc)},
+      {"GROUP_RANK", absl::StrCat(FLAGS_node_rank)},
+      {"MASTER_ADDR", FLAGS_master_addr},
+      {"MASTER_PORT", absl::StrCat(master_port)},
+  };
+  const char* omp_threads = getenv("OMP_NUM_THREADS");
+  if (omp_threads == nullptr || *omp_threads == '\0') {
+    assigned.emplace_back("OMP_NUM_THREADS", absl::StrCat(std::max(1, UsableCores() / nproc)));
+  }
+  std::vector<std::string> env;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string_view name = std::string_view(*entry).substr(0, strcspn(*entry, "="));
+    const bool replaced = std::any_of(assigned.begin(), assigned.end(),
+                                      [&](const auto& kv) { return kv.first == name; });
+    if (!replaced) env.emplace_back(*entry);
+  }
+  for (const auto& [name, value] : assigned) env.push_back(absl::StrCat(name, "=", value));
+  return env;
+}
+
+int Main(int argc, char** argv) {
+  gflags::SetUsageMessage(kUsageText);
+  int program_index = argc;
+  bool help = false;
+  std::string error;
+  if (!ParseLauncherFlags(argc, argv, &program_index, &help, &error)) return UsageError(error);
+  if (help) {
+    gflags::ShowUsageWithFlagsRestrict(argv[0], "launch_main");
+    return 0;
+  }
+  if (program_index >= argc) {
+    return UsageError(
+        "no program to run; put it after `--`, e.g. fulcrum_launch --nproc_per_node=2 -- "
+        "./fulcrum_train");
+  }
+  if (error = ValidateFlags(); !error.empty()) return UsageError(error);
+  if (!FLAGS_log_dir.empty() && !MakeDirectories(FLAGS_log_dir, &error)) {
+    return UsageError(absl::StrCat("--log_dir: ", error));
+  }
+
+  int master_port = FLAGS_master_port;
+  if (master_port == 0) {
+    std::optional<int> port = PickFreePort(&error);
+    if (!port) {
+      std::cerr << "fulcrum_launch: cannot pick a free port for --master_port=0: " << error
+                << "\n";
+      return 1;
+    }
+    master_port = *port;
+  }
+
+  const std::vector<std::string> command(argv + program_index, argv + argc);
+  std::vector<launch::ChildSpec> children;
+  for (int local_rank = 0; local_rank < FLAGS_nproc_per_node; ++local_rank) {
+    children.push_back({FLAGS_node_rank * FLAGS_nproc_per_node + local_rank, command,
+                        ChildEnvironment(local_rank, master_port)});
+  }
+  std::cerr << absl::StrFormat(
+      "fulcrum_launch: node %d of %d starts ranks %d..%d of %d, master %s:%d: %s\n",
+      FLAGS_node_rank, FLAGS_nnodes, children.front().rank, children.back().rank,
+      FLAGS_nnodes * FLAGS_nproc_per_node, FLAGS_master_addr, master_port,
+      absl::StrJoin(command, " "));
+  std::cerr.flush();
+
+  launch::SupervisorOptions options;
+  options.kill_timeout_s = FLAGS_kill_timeout_s;
+  options.log_dir = FLAGS_log_dir;
+  return launch::RunChildren(children, options);
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) { return fulcrum::Main(argc, argv); }

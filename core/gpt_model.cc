@@ -2,18 +2,24 @@
 
 namespace fulcrum {
 
-GptModel::GptModel(const ModelOptions& options, const StageSpec& stage) : options_(options) {
+GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp)
+    : options_(options), tp_(tp) {
+  const int tp_size = tp ? tp->size() : 1;
+  TORCH_CHECK(options.num_attention_heads % tp_size == 0 && options.ffn_hidden_size % tp_size == 0 &&
+                  options.vocab_size % tp_size == 0,
+              "heads (", options.num_attention_heads, "), ffn size (", options.ffn_hidden_size,
+              ") and vocabulary (", options.vocab_size, ") must be divisible by tp=", tp_size);
   const int64_t end = stage.layer_end < 0 ? options.num_layers : stage.layer_end;
   TORCH_CHECK(0 <= stage.layer_begin && stage.layer_begin <= end && end <= options.num_layers,
               "stage layer range [", stage.layer_begin, ", ", end, ") is outside [0, ",
               options.num_layers, ")");
   TORCH_CHECK(!(options.tie_embeddings && stage.has_head && !stage.has_embedding),
               "a tied output layer on a stage without the embedding is not supported yet");
-  if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options);
+  if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
   for (int64_t i = stage.layer_begin; i < end; ++i) {
-    layers_.emplace(i, std::make_unique<TransformerLayer>(options, i));
+    layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp));
   }
-  if (stage.has_head) head_ = std::make_unique<Head>(options);
+  if (stage.has_head) head_ = std::make_unique<Head>(options, tp);
 }
 
 std::vector<Unit*> GptModel::Units() const {
@@ -30,6 +36,16 @@ int64_t GptModel::NumParameterElements() const {
   return n;
 }
 
+int64_t GptModel::NumModelParameterElements() const {
+  int64_t n = 0;
+  for (Unit* unit : Units()) {
+    for (const Parameter& p : unit->parameters()) {
+      n += p.value.numel() * (p.tp_shard_dim >= 0 ? unit->tp_size() : 1);
+    }
+  }
+  return n;
+}
+
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {
   for (const auto& [index, layer] : layers_) hidden = layer->Forward(hidden, ctx);
   return hidden;
@@ -37,13 +53,9 @@ at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx)
 
 LossSum GptModel::HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) const {
   TORCH_CHECK(head_, "this stage holds no head");
-  at::Tensor logits = head_->Logits(
-      hidden, embedding_ ? embedding_->word_embeddings() : at::Tensor());  // [s, b, V]
-  const int64_t vocab = logits.size(-1);
-  at::Tensor flat_labels = labels.t().reshape({-1});  // [s·b] in the logits' order
-  at::Tensor sum = at::cross_entropy_loss(logits.reshape({-1, vocab}), flat_labels,
-                                          /*weight=*/{}, at::Reduction::Sum);
-  return LossSum{sum, flat_labels.numel()};
+  at::Tensor losses = head_->TokenLosses(
+      hidden, embedding_ ? embedding_->word_embeddings() : at::Tensor(), labels.t());  // [s, b]
+  return LossSum{losses.sum(), losses.numel()};
 }
 
 LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ctx) const {

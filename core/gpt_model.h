@@ -36,7 +36,9 @@ struct LossSum {
 
 class GptModel {
  public:
-  explicit GptModel(const ModelOptions& options, const StageSpec& stage = StageSpec());
+  /// `tp` (may be null: one rank) must outlive the model.
+  explicit GptModel(const ModelOptions& options, const StageSpec& stage = StageSpec(),
+                    TensorParallelGroup* tp = nullptr);
 
   const ModelOptions& options() const { return options_; }
 
@@ -47,8 +49,11 @@ class GptModel {
   Head* head() const { return head_.get(); }
   const std::map<int64_t, std::unique_ptr<TransformerLayer>>& layers() const { return layers_; }
 
-  /// Total parameter scalars held (a tied output weight counts once).
+  /// Total parameter scalars held by this rank (a tied output weight counts once).
   int64_t NumParameterElements() const;
+  /// Parameter scalars of the whole model (shards counted at full size).
+  int64_t NumModelParameterElements() const;
+  TensorParallelGroup* tensor_parallel() const { return tp_; }
 
   /// Whole-model forward of a micro-batch. `tokens` is [b, s+1]: inputs are the first s
   /// columns, labels the last s. Needs the embedding, every layer and the head.
@@ -64,6 +69,7 @@ class GptModel {
 
  private:
   ModelOptions options_;
+  TensorParallelGroup* tp_;
   std::unique_ptr<Embedding> embedding_;
   std::map<int64_t, std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Head> head_;

@@ -15,9 +15,11 @@ class AdamW {
  public:
   explicit AdamW(const OptimizerOptions& options) : options_(options) {}
 
-  /// Sum over the units' gradients of their squared L2 norms (computed in double).
-  /// A stage's part of the global norm; parallel callers sum it over ranks.
-  static double GradSquaredSum(const std::vector<Unit*>& units);
+  /// Sum over the units' gradients of their squared L2 norms (computed in double): this
+  /// rank's part of the global norm, which parallel callers sum over model-parallel ranks.
+  /// Replicated (not tensor-parallel-sharded) parameters count only when
+  /// `include_replicated`, so that the group counts them once.
+  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated = true);
 
   /// Multiplies every gradient by `factor`.
   static void ScaleGradients(const std::vector<Unit*>& units, double factor);

@@ -84,17 +84,25 @@ absl::Status TrainerConfig::Validate() const {
   return absl::OkStatus();
 }
 
-Trainer::Trainer(const TrainerConfig& config, FileSystem* fs)
+Trainer::Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSystem* fs)
     : config_(config),
+      parallel_(parallel),
       fs_(fs),
       optimizer_(config.optimizer),
       schedule_(config.schedule, config.train.train_iters) {}
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-    FileSystem* fs) {
+    ParallelContext* parallel, FileSystem* fs) {
   FULCRUM_RETURN_IF_ERROR(config.Validate());
-  std::unique_ptr<Trainer> trainer(new Trainer(config, fs));
+  const int dp = parallel ? parallel->dp_size() : 1;
+  if (config.train.global_batch_size % (config.train.micro_batch_size * dp) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--global_batch_size=", config.train.global_batch_size,
+        " is not a multiple of --micro_batch_size=", config.train.micro_batch_size,
+        " × data-parallel size ", dp));
+  }
+  std::unique_ptr<Trainer> trainer(new Trainer(config, parallel, fs));
   FULCRUM_ASSIGN_OR_RETURN(trainer->train_data_,
                            data::GptDataset::Create(corpus, data::Split::kTrain, config.data));
   if (config.train.eval_interval > 0) {
@@ -107,10 +115,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         "the data holds token id ", max_token, " but the vocabulary has ",
         config.model.vocab_size, " entries (--vocab_size / --tokenizer_model)"));
   }
-  if (!config.train.metrics_file.empty()) {
+  if (!config.train.metrics_file.empty() && trainer->is_logging_rank()) {
     FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_, MetricsWriter::Open(config.train.metrics_file));
   }
-  trainer->model_ = std::make_unique<GptModel>(config.model);
+  trainer->model_ = std::make_unique<GptModel>(config.model, StageSpec(),
+                                               parallel ? parallel->tensor_parallel() : nullptr);
   return trainer;
 }
 
@@ -126,7 +135,10 @@ at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sa
 absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const auto start = Clock::now();
   const TrainOptions& t = config_.train;
-  const int64_t num_micro = t.global_batch_size / t.micro_batch_size;
+  // Micro-batch m of the global batch covers samples [m·mbs, (m+1)·mbs) after the consumed
+  // ones whatever the layout; data-parallel rank d runs a contiguous block of them.
+  const int64_t local_micro = t.global_batch_size / (t.micro_batch_size * dp_size());
+  const int64_t first_micro = dp_rank() * local_micro;
   const double total_tokens =
       static_cast<double>(t.global_batch_size) * static_cast<double>(config_.data.seq_length);
   const int64_t iteration = iteration_ + 1;
@@ -134,16 +146,27 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
 
   model_->ZeroGrad();
   double loss_sum = 0.0;
-  for (int64_t m = 0; m < num_micro; ++m) {
-    const int64_t first = consumed_samples_ + m * t.micro_batch_size;
+  for (int64_t m = 0; m < local_micro; ++m) {
+    const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
     ForwardContext ctx{/*training=*/true, iteration, first};
     LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
-    // Scale each micro-batch by the global token count, so accumulated gradients are those
-    // of the mean loss over the global batch whatever the micro-batch size.
+    // Scale each micro-batch by the global token count, so accumulated (and data-parallel
+    // summed) gradients are those of the mean loss over the global batch.
     (loss.sum / total_tokens).backward();
     loss_sum += loss.sum.item<double>();
   }
-  const double grad_norm = std::sqrt(AdamW::GradSquaredSum(units));
+  // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
+  // ones (identical on all ranks of the group) once.
+  std::vector<double> sums{loss_sum};
+  if (parallel_ != nullptr) {
+    parallel_->AllReduceGradients(units);
+    parallel_->SumOverDataParallel(sums);
+  }
+  std::vector<double> grad_sq{AdamW::GradSquaredSum(units, /*include_replicated=*/
+                                                    units.empty() || units[0]->tp_rank() == 0)};
+  if (parallel_ != nullptr) parallel_->SumOverModelParallel(grad_sq);
+  const double grad_norm = std::sqrt(grad_sq[0]);
+  loss_sum = sums[0];
   if (!std::isfinite(grad_norm)) {
     return absl::InternalError(absl::StrCat("iteration ", iteration, ": gradient norm is ",
                                             grad_norm, " (loss ", loss_sum / total_tokens,
@@ -173,19 +196,20 @@ absl::StatusOr<double> Trainer::Evaluate() {
   }
   at::NoGradGuard no_grad;
   const TrainOptions& t = config_.train;
-  const int64_t num_micro = t.global_batch_size / t.micro_batch_size;
-  double loss_sum = 0.0;
-  int64_t tokens = 0;
+  const int64_t local_micro = t.global_batch_size / (t.micro_batch_size * dp_size());
+  std::vector<double> sums{0.0, 0.0};  // loss, tokens
   for (int64_t batch = 0; batch < t.eval_iters; ++batch) {
-    for (int64_t m = 0; m < num_micro; ++m) {
-      const int64_t first = (batch * num_micro + m) * t.micro_batch_size;
+    for (int64_t m = 0; m < local_micro; ++m) {
+      const int64_t micro = batch * (local_micro * dp_size()) + dp_rank() * local_micro + m;
+      const int64_t first = micro * t.micro_batch_size;
       ForwardContext ctx{/*training=*/false, iteration_, first};
       LossSum loss = model_->ForwardLoss(MicroBatch(*valid_data_, first), ctx);
-      loss_sum += loss.sum.item<double>();
-      tokens += loss.tokens;
+      sums[0] += loss.sum.item<double>();
+      sums[1] += static_cast<double>(loss.tokens);
     }
   }
-  return loss_sum / static_cast<double>(tokens);
+  if (parallel_ != nullptr) parallel_->SumOverDataParallel(sums);
+  return sums[0] / sums[1];
 }
 
 nlohmann::json Trainer::ManifestFields() const {
@@ -205,7 +229,10 @@ nlohmann::json Trainer::ManifestFields() const {
   m["rng"] = {{"torch_cpu", "rng.torch_cpu"},
               {"note", "dropout and initialisation are keyed by (seed, name, counters)"}};
   m["config"] = ConfigToJson(config_);
-  m["parallel"] = {{"tp", 1}, {"pp", 1}, {"dp", 1}, {"ep", 1}};
+  m["parallel"] = {{"tp", parallel_ ? parallel_->tp_size() : 1},
+                   {"pp", parallel_ ? parallel_->pp_size() : 1},
+                   {"dp", dp_size()},
+                   {"ep", parallel_ ? parallel_->ep_size() : 1}};
   m["layer_placement"] = nlohmann::json::array(
       {{{"stage", 0}, {"layer_begin", 0}, {"layer_end", config_.model.num_layers}}});
   return m;
@@ -215,25 +242,70 @@ absl::Status Trainer::Save() {
   const std::string& dir = config_.train.save;
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
   const auto start = Clock::now();
+  // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
+  // every rank of the group takes part in; data-parallel replicas hold the same state.
+  const bool writer = parallel_ == nullptr || parallel_->writes_checkpoint_shard();
+  const bool committer = parallel_ == nullptr || parallel_->commits_checkpoint();
+  TensorParallelGroup* tp = parallel_ ? parallel_->tensor_parallel() : nullptr;
+  const bool gathers = writer || (tp != nullptr && parallel_->dp_rank() == 0);
   NamedTensors tensors;
-  for (Unit* unit : model_->Units()) {
-    NamedTensors state = unit->StateTensors();
-    tensors.insert(tensors.end(), state.begin(), state.end());
+  if (gathers) {
+    Unit::ShardGatherer gather;
+    if (tp != nullptr) {
+      gather = [tp](const at::Tensor& shard, int64_t dim) { return tp->AllGather(shard, dim); };
+    }
+    for (Unit* unit : model_->Units()) {
+      NamedTensors state = unit->StateTensors(gather);
+      tensors.insert(tensors.end(), state.begin(), state.end());
+    }
   }
-  // The default generator is not used by training itself (NOTE [layout-independent
-  // randomness]) but user and plugin code may draw from it; restore it on resume.
-  {
+  if (committer) {
+    // The default generator is not used by training itself (NOTE [layout-independent
+    // randomness]) but user and plugin code may draw from it; restore it on resume.
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
     tensors.emplace_back("rng.torch_cpu", generator.get_state());
   }
-  FULCRUM_ASSIGN_OR_RETURN(auto writer, ckpt::CheckpointWriter::Begin(fs_, dir, iteration_));
-  FULCRUM_RETURN_IF_ERROR(writer.WriteShard("rank_00000", tensors));
-  FULCRUM_RETURN_IF_ERROR(writer.Commit(ManifestFields()));
-  FULCRUM_LOG(INFO) << "saved checkpoint of iteration " << iteration_ << " to " << dir << "/"
-                    << ckpt::IterationDirName(iteration_) << " in "
-                    << absl::StrFormat("%.2f s", MillisecondsSince(start) / 1000.0);
-  return absl::OkStatus();
+  // The committer creates the temporary directory; the other writers join it once it
+  // exists, and the committer commits once every shard is written. Every rank passes every
+  // barrier whatever fails, so an error on one rank is reported, never turned into a hang.
+  absl::Status status = absl::OkStatus();
+  std::optional<ckpt::CheckpointWriter> ckpt_writer;
+  if (committer) {
+    auto begun = ckpt::CheckpointWriter::Begin(fs_, dir, iteration_);
+    if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
+  }
+  if (parallel_ != nullptr) parallel_->Barrier();
+  if (writer && !committer) {
+    auto joined = ckpt::CheckpointWriter::Join(fs_, dir, iteration_);
+    if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
+  }
+  if (writer && status.ok()) {
+    status = ckpt_writer->WriteShard(
+        parallel_ ? parallel_->checkpoint_shard_name() : "rank_00000", tensors);
+  }
+  if (parallel_ != nullptr) parallel_->Barrier();
+  // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
+  // only if it knows the set: the committer also checks every writer reported success.
+  std::vector<double> failures{status.ok() ? 0.0 : 1.0};
+  if (parallel_ != nullptr) {
+    parallel_->SumOverDataParallel(failures);
+    parallel_->SumOverModelParallel(failures);
+  }
+  if (committer && status.ok()) {
+    if (failures[0] > 0) {
+      status = absl::InternalError(absl::StrCat("checkpoint of iteration ", iteration_, ": ",
+                                                failures[0], " rank(s) failed to write their shard"));
+    } else {
+      status = ckpt_writer->Commit(ManifestFields());
+    }
+    if (status.ok()) {
+      FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration_ << " written in "
+                        << absl::StrFormat("%.2f s", MillisecondsSince(start) / 1000.0);
+    }
+  }
+  if (parallel_ != nullptr) parallel_->Barrier();
+  return status;
 }
 
 absl::Status Trainer::Load(const std::string& path) {
@@ -278,10 +350,12 @@ absl::Status Trainer::Load(const std::string& path) {
 absl::Status Trainer::Run() {
   const TrainOptions& t = config_.train;
   const int64_t tokens_per_iteration = t.global_batch_size * config_.data.seq_length;
-  FULCRUM_LOG(INFO) << "training " << model_->NumParameterElements() << " parameters from iteration "
-                    << iteration_ << " to " << t.train_iters << "; " << tokens_per_iteration
-                    << " tokens per iteration; " << train_data_->samples_per_epoch()
-                    << " samples per epoch";
+  if (is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "training " << model_->NumModelParameterElements()
+                      << " parameters from iteration " << iteration_ << " to " << t.train_iters
+                      << "; " << tokens_per_iteration << " tokens per iteration; "
+                      << train_data_->samples_per_epoch() << " samples per epoch";
+  }
   const auto run_start = Clock::now();
   const int64_t first_iteration = iteration_;
   double interval_loss = 0.0;
@@ -297,7 +371,8 @@ absl::Status Trainer::Run() {
                              {"tokens_per_second", stats.tokens_per_second},
                              {"iteration_ms", stats.iteration_ms},
                              {"consumed_samples", consumed_samples_}};
-    if (stats.iteration % t.log_interval == 0 || stats.iteration == t.train_iters) {
+    if (is_logging_rank() &&
+        (stats.iteration % t.log_interval == 0 || stats.iteration == t.train_iters)) {
       const double elapsed = MillisecondsSince(run_start) / 1000.0;
       const double per_iteration = elapsed / static_cast<double>(iteration_ - first_iteration);
       FULCRUM_LOG(INFO) << absl::StrFormat(
@@ -312,7 +387,7 @@ absl::Status Trainer::Run() {
     if (t.eval_interval > 0 &&
         (stats.iteration % t.eval_interval == 0 || stats.iteration == t.train_iters)) {
       FULCRUM_ASSIGN_OR_RETURN(double valid_loss, Evaluate());
-      FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
+      if (is_logging_rank()) FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
                                            stats.iteration, valid_loss, std::exp(valid_loss));
       record["valid_loss"] = valid_loss;
     }
@@ -324,7 +399,7 @@ absl::Status Trainer::Run() {
       FULCRUM_RETURN_IF_ERROR(Save());
     }
     if (exiting && !finished) {
-      FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
+      if (is_logging_rank()) FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
                         << t.exit_interval << ")";
       break;
     }

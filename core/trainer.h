@@ -25,6 +25,7 @@
 #include "core/gpt_model.h"
 #include "core/metrics.h"
 #include "core/optimizer.h"
+#include "core/parallel_context.h"
 
 namespace fulcrum {
 
@@ -51,10 +52,11 @@ struct IterationStats {
 class Trainer {
  public:
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
-  /// first; nothing heavy happens before validation passes.
+  /// first; nothing heavy happens before validation passes. `parallel` (null: one process)
+  /// must outlive the trainer.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-      FileSystem* fs = DefaultFileSystem());
+      ParallelContext* parallel = nullptr, FileSystem* fs = DefaultFileSystem());
 
   /// Restores model, optimizer state, iteration and data position from `path` (a save
   /// directory following its `latest`, or one iteration directory).
@@ -80,11 +82,15 @@ class Trainer {
   const TrainerConfig& config() const { return config_; }
 
  private:
-  Trainer(const TrainerConfig& config, FileSystem* fs);
+  Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSystem* fs);
+  int dp_rank() const { return parallel_ ? parallel_->dp_rank() : 0; }
+  int dp_size() const { return parallel_ ? parallel_->dp_size() : 1; }
+  bool is_logging_rank() const { return parallel_ == nullptr || parallel_->is_logging_rank(); }
   at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
   nlohmann::json ManifestFields() const;
 
   TrainerConfig config_;
+  ParallelContext* parallel_;
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
   AdamW optimizer_;

@@ -20,6 +20,17 @@ at::Tensor NormalInit(uint64_t seed, const std::string& global_name, at::IntArra
 at::Tensor Zeros(at::IntArrayRef shape) { return at::zeros(shape, at::kFloat); }
 at::Tensor Ones(at::IntArrayRef shape) { return at::ones(shape, at::kFloat); }
 
+int TpRank(TensorParallelGroup* tp) { return tp ? tp->rank() : 0; }
+int TpSize(TensorParallelGroup* tp) { return tp ? tp->size() : 1; }
+
+// f and g of Megatron: identities on one rank.
+at::Tensor CopyToRegion(TensorParallelGroup* tp, const at::Tensor& x) {
+  return tp ? tp->CopyToRegion(x) : x;
+}
+at::Tensor ReduceFromRegion(TensorParallelGroup* tp, const at::Tensor& x) {
+  return tp ? tp->ReduceFromRegion(x) : x;
+}
+
 }  // namespace
 
 at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
@@ -46,13 +57,19 @@ at::Tensor ApplyRotary(const at::Tensor& x, double base) {
 }
 
 // ---------------------------------------------------------------------------------------
-Embedding::Embedding(const ModelOptions& options) : Unit("embedding"), options_(options) {
+Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
+    : Unit("embedding", TpRank(tp), TpSize(tp)),
+      options_(options),
+      tp_(tp),
+      vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
   const int64_t h = options.hidden_size;
+  // Vocab-parallel: each rank keeps a contiguous block of rows.
   word_embeddings_ = AddParameter(
       "word_embeddings.weight",
-      NormalInit(options.seed, GlobalName("word_embeddings.weight"), {options.vocab_size, h},
-                 options.init_method_std),
-      /*weight_decay=*/true);
+      ShardOf(NormalInit(options.seed, GlobalName("word_embeddings.weight"),
+                         {options.vocab_size, h}, options.init_method_std),
+              0, tp_rank(), tp_size()),
+      /*weight_decay=*/true, /*tp_shard_dim=*/0);
   if (options.position_embedding == PositionEmbedding::kLearned) {
     position_embeddings_ = AddParameter(
         "position_embeddings.weight",
@@ -67,7 +84,19 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
   const int64_t s = tokens.size(1);
   TORCH_CHECK(s <= options_.seq_length, "sequence of ", s, " tokens exceeds seq_length ",
               options_.seq_length);
-  at::Tensor hidden = at::embedding(word_embeddings_, tokens.t());  // [s, b, h]
+  at::Tensor ids = tokens.t();  // [s, b]
+  at::Tensor hidden;
+  if (tp_size() == 1) {
+    hidden = at::embedding(word_embeddings_, ids);  // [s, b, h]
+  } else {
+    // Tokens outside this rank's rows look up row 0 and are zeroed; the sum over ranks then
+    // holds every token's embedding exactly once.
+    const int64_t rows = word_embeddings_.size(0);
+    at::Tensor outside = (ids < vocab_start_).logical_or_(ids >= vocab_start_ + rows);
+    at::Tensor local = (ids - vocab_start_).masked_fill_(outside, 0);
+    hidden = at::embedding(word_embeddings_, local).masked_fill(outside.unsqueeze(-1), 0.0);
+    hidden = tp_->ReduceFromRegion(hidden);
+  }
   if (position_embeddings_.defined()) {
     hidden = hidden + position_embeddings_.narrow(0, 0, s).unsqueeze(1);
   }
@@ -75,42 +104,52 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
 }
 
 // ---------------------------------------------------------------------------------------
-TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_index)
-    : Unit(absl::StrCat("layers.", layer_index)), options_(options), layer_index_(layer_index) {
+TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_index,
+                                   TensorParallelGroup* tp)
+    : Unit(absl::StrCat("layers.", layer_index), TpRank(tp), TpSize(tp)),
+      options_(options),
+      tp_(tp),
+      layer_index_(layer_index),
+      local_heads_(options.num_attention_heads / TpSize(tp)) {
   const int64_t h = options.hidden_size;
   const int64_t f = options.ffn_hidden_size;
   const double std = options.init_method_std;
   // Output projections feed the residual stream: scaled init (GPT-2 / Megatron).
   const double out_std = std / std::sqrt(2.0 * options.num_layers);
-  auto normal = [&](const char* name, at::IntArrayRef shape, double s) {
-    return NormalInit(options.seed, GlobalName(name), shape, s);
+  const int r = tp_rank();
+  const int n = tp_size();
+  // Full initial value from the seed, then this rank's shard (NOTE [tensor-parallel sharding]).
+  auto weight = [&](const char* name, at::IntArrayRef shape, double s, int64_t shard_dim) {
+    return AddParameter(name, ShardOf(NormalInit(options.seed, GlobalName(name), shape, s),
+                                      shard_dim, r, n),
+                        /*weight_decay=*/true, shard_dim);
   };
-  ln1_weight_ = AddParameter("input_layernorm.weight", Ones({h}), false);
-  ln1_bias_ = AddParameter("input_layernorm.bias", Zeros({h}), false);
-  // Rows of linear_qkv are ordered (head, {q, k, v}, head_dim), so a split of the rows by
-  // tensor-parallel rank hands each rank whole heads.
-  qkv_weight_ = AddParameter("self_attention.linear_qkv.weight",
-                             normal("self_attention.linear_qkv.weight", {3 * h, h}, std), true);
-  qkv_bias_ = AddParameter("self_attention.linear_qkv.bias", Zeros({3 * h}), false);
-  proj_weight_ = AddParameter("self_attention.linear_proj.weight",
-                              normal("self_attention.linear_proj.weight", {h, h}, out_std), true);
-  proj_bias_ = AddParameter("self_attention.linear_proj.bias", Zeros({h}), false);
-  ln2_weight_ = AddParameter("pre_mlp_layernorm.weight", Ones({h}), false);
-  ln2_bias_ = AddParameter("pre_mlp_layernorm.bias", Zeros({h}), false);
-  fc1_weight_ = AddParameter("mlp.linear_fc1.weight", normal("mlp.linear_fc1.weight", {f, h}, std),
-                             true);
-  fc1_bias_ = AddParameter("mlp.linear_fc1.bias", Zeros({f}), false);
-  fc2_weight_ = AddParameter("mlp.linear_fc2.weight",
-                             normal("mlp.linear_fc2.weight", {h, f}, out_std), true);
-  fc2_bias_ = AddParameter("mlp.linear_fc2.bias", Zeros({h}), false);
+  auto constant = [&](const char* name, at::Tensor full, int64_t shard_dim) {
+    return AddParameter(name, ShardOf(full, shard_dim, r, n), /*weight_decay=*/false, shard_dim);
+  };
+  ln1_weight_ = constant("input_layernorm.weight", Ones({h}), -1);
+  ln1_bias_ = constant("input_layernorm.bias", Zeros({h}), -1);
+  // Column-parallel; rows ordered (head, {q, k, v}, head_dim) so each shard is whole heads.
+  qkv_weight_ = weight("self_attention.linear_qkv.weight", {3 * h, h}, std, 0);
+  qkv_bias_ = constant("self_attention.linear_qkv.bias", Zeros({3 * h}), 0);
+  // Row-parallel; the bias is added once, after the reduction.
+  proj_weight_ = weight("self_attention.linear_proj.weight", {h, h}, out_std, 1);
+  proj_bias_ = constant("self_attention.linear_proj.bias", Zeros({h}), -1);
+  ln2_weight_ = constant("pre_mlp_layernorm.weight", Ones({h}), -1);
+  ln2_bias_ = constant("pre_mlp_layernorm.bias", Zeros({h}), -1);
+  fc1_weight_ = weight("mlp.linear_fc1.weight", {f, h}, std, 0);
+  fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({f}), 0);
+  fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
+  fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
 }
 
 at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext& ctx) const {
   const int64_t s = x.size(0);
   const int64_t b = x.size(1);
-  const int64_t heads = options_.num_attention_heads;
+  const int64_t heads = local_heads_;
   const int64_t d = options_.head_dim();
-  at::Tensor qkv = LinearForward(x, qkv_weight_, qkv_bias_).view({s, b, heads, 3, d});
+  at::Tensor qkv =
+      LinearForward(CopyToRegion(tp_, x), qkv_weight_, qkv_bias_).view({s, b, heads, 3, d});
   // [s, b, heads, d] → [b, heads, s, d]
   at::Tensor q = qkv.select(3, 0).permute({1, 2, 0, 3});
   at::Tensor k = qkv.select(3, 1).permute({1, 2, 0, 3});
@@ -123,17 +162,29 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
   at::Tensor probs = at::softmax(scores, -1);
-  probs = Dropout(probs, options_.attention_dropout, options_.seed, "attention_dropout",
-                  layer_index_, ctx);
+  if (ctx.training && options_.attention_dropout > 0) {
+    // One mask per global head, so a head draws the same mask on whichever rank holds it.
+    const int64_t first_head = tp_rank() * heads;
+    std::vector<at::Tensor> per_head;
+    per_head.reserve(heads);
+    for (int64_t i = 0; i < heads; ++i) {
+      per_head.push_back(Dropout(probs.select(1, i), options_.attention_dropout, options_.seed,
+                                 "attention_dropout",
+                                 layer_index_ * options_.num_attention_heads + first_head + i,
+                                 ctx));
+    }
+    probs = at::stack(per_head, 1);
+  }
   at::Tensor context = at::matmul(probs, v)                 // [b, heads, s, d]
                            .permute({2, 0, 1, 3})           // [s, b, heads, d]
                            .reshape({s, b, heads * d});
-  return LinearForward(context, proj_weight_, proj_bias_);
+  // Row-parallel: partial products summed over the group, then the bias once.
+  return ReduceFromRegion(tp_, LinearForward(context, proj_weight_, at::Tensor())) + proj_bias_;
 }
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
-  at::Tensor h = at::gelu(LinearForward(x, fc1_weight_, fc1_bias_));
-  return LinearForward(h, fc2_weight_, fc2_bias_);
+  at::Tensor h = at::gelu(LinearForward(CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
+  return ReduceFromRegion(tp_, LinearForward(h, fc2_weight_, at::Tensor())) + fc2_bias_;
 }
 
 at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardContext& ctx) const {
@@ -148,16 +199,21 @@ at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardCont
 }
 
 // ---------------------------------------------------------------------------------------
-Head::Head(const ModelOptions& options) : Unit("head"), options_(options) {
+Head::Head(const ModelOptions& options, TensorParallelGroup* tp)
+    : Unit("head", TpRank(tp), TpSize(tp)),
+      options_(options),
+      tp_(tp),
+      vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
   const int64_t h = options.hidden_size;
   ln_weight_ = AddParameter("final_layernorm.weight", Ones({h}), false);
   ln_bias_ = AddParameter("final_layernorm.bias", Zeros({h}), false);
   if (!options.tie_embeddings) {
     output_weight_ = AddParameter(
         "output_layer.weight",
-        NormalInit(options.seed, GlobalName("output_layer.weight"), {options.vocab_size, h},
-                   options.init_method_std),
-        true);
+        ShardOf(NormalInit(options.seed, GlobalName("output_layer.weight"),
+                           {options.vocab_size, h}, options.init_method_std),
+                0, tp_rank(), tp_size()),
+        true, /*tp_shard_dim=*/0);
   }
 }
 
@@ -166,7 +222,14 @@ at::Tensor Head::Logits(const at::Tensor& hidden, const at::Tensor& word_embeddi
                                 options_.layernorm_epsilon);
   const at::Tensor& w = output_weight_.defined() ? output_weight_ : word_embeddings;
   TORCH_CHECK(w.defined(), "tied output layer needs the word embeddings");
-  return LinearForward(x, w, at::Tensor());
+  // Vocab-parallel output layer: column-parallel over the vocabulary.
+  return LinearForward(CopyToRegion(tp_, x), w, at::Tensor());
+}
+
+at::Tensor Head::TokenLosses(const at::Tensor& hidden, const at::Tensor& word_embeddings,
+                             const at::Tensor& labels) const {
+  // The full logits are never gathered (NOTE [tensor-parallel sharding]).
+  return VocabParallelCrossEntropy(Logits(hidden, word_embeddings), labels, vocab_start_, tp_);
 }
 
 }  // namespace fulcrum

@@ -4,7 +4,8 @@
 //   Head              "head": final_layernorm.*, output_layer.weight (untied only)
 //
 // Activations are [sequence, batch, hidden] like Megatron, so sequence parallelism can
-// later split dimension 0 contiguously.
+// later split dimension 0 contiguously. With a tensor-parallel group each unit holds its
+// shards (NOTE [tensor-parallel sharding]); the group pointer must outlive the unit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,7 @@
 #include <string_view>
 
 #include "core/config.h"
+#include "core/tensor_parallel.h"
 #include "core/unit.h"
 
 namespace fulcrum {
@@ -31,20 +33,25 @@ at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_vie
 
 class Embedding : public Unit {
  public:
-  explicit Embedding(const ModelOptions& options);
-  /// tokens [b, s] (int64) → hidden [s, b, h].
+  explicit Embedding(const ModelOptions& options, TensorParallelGroup* tp = nullptr);
+  /// tokens [b, s] (int64) → hidden [s, b, h] (replicated over the tensor-parallel group).
   at::Tensor Forward(const at::Tensor& tokens, const ForwardContext& ctx) const;
+  /// This rank's rows of the word embeddings: [V/tp, h], starting at vocab_start().
   const at::Tensor& word_embeddings() const { return word_embeddings_; }
+  int64_t vocab_start() const { return vocab_start_; }
 
  private:
   ModelOptions options_;
+  TensorParallelGroup* tp_;
+  int64_t vocab_start_;
   at::Tensor word_embeddings_;
   at::Tensor position_embeddings_;  // Undefined with rotary positions.
 };
 
 class TransformerLayer : public Unit {
  public:
-  TransformerLayer(const ModelOptions& options, int64_t layer_index);
+  TransformerLayer(const ModelOptions& options, int64_t layer_index,
+                   TensorParallelGroup* tp = nullptr);
   int64_t layer_index() const { return layer_index_; }
   /// hidden [s, b, h] → [s, b, h].
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
@@ -54,20 +61,27 @@ class TransformerLayer : public Unit {
   at::Tensor Mlp(const at::Tensor& x, const ForwardContext& ctx) const;
 
   ModelOptions options_;
+  TensorParallelGroup* tp_;
   int64_t layer_index_;
+  int64_t local_heads_;  // Attention heads on this rank: num_attention_heads / tp.
   at::Tensor ln1_weight_, ln1_bias_, qkv_weight_, qkv_bias_, proj_weight_, proj_bias_;
   at::Tensor ln2_weight_, ln2_bias_, fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;
 };
 
 class Head : public Unit {
  public:
-  explicit Head(const ModelOptions& options);
-  /// hidden [s, b, h] → logits [s, b, V]. `word_embeddings` is the tied output weight
-  /// (ignored when the options untie it).
+  explicit Head(const ModelOptions& options, TensorParallelGroup* tp = nullptr);
+  /// hidden [s, b, h] → this rank's vocabulary columns of the logits, [s, b, V/tp].
+  /// `word_embeddings` is the tied output weight shard (ignored when untied).
   at::Tensor Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const;
+  /// Per-token cross-entropy [s, b] of hidden [s, b, h] against labels [s, b].
+  at::Tensor TokenLosses(const at::Tensor& hidden, const at::Tensor& word_embeddings,
+                         const at::Tensor& labels) const;
 
  private:
   ModelOptions options_;
+  TensorParallelGroup* tp_;
+  int64_t vocab_start_;
   at::Tensor ln_weight_, ln_bias_;
   at::Tensor output_weight_;  // Undefined when tied.
 };

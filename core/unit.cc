@@ -2,10 +2,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "core/tensor_parallel.h"
 
 namespace fulcrum {
 
-Unit::Unit(std::string name) : name_(std::move(name)) {}
+Unit::Unit(std::string name, int tp_rank, int tp_size)
+    : name_(std::move(name)), tp_rank_(tp_rank), tp_size_(tp_size) {}
 Unit::~Unit() = default;
 
 Parameter* Unit::FindParameter(const std::string& local_name) {
@@ -26,12 +28,13 @@ void Unit::ZeroGrad() {
 }
 
 at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
-                               bool weight_decay) {
+                               bool weight_decay, int64_t tp_shard_dim) {
   TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
                         GlobalName(local_name));
   at::Tensor value = init.to(at::kFloat).contiguous().detach();
   value.set_requires_grad(true);
-  parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, {}, {}});
+  parameters_.push_back(
+      Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {}, {}});
   return parameters_.back().value;
 }
 
@@ -42,13 +45,18 @@ NamedTensors Unit::ParameterTensors() const {
   return out;
 }
 
-NamedTensors Unit::StateTensors() const {
-  NamedTensors out = ParameterTensors();
+NamedTensors Unit::StateTensors(const ShardGatherer& gather) const {
+  auto full = [&](const Parameter& p, const at::Tensor& t) {
+    return (gather && p.tp_shard_dim >= 0 && tp_size_ > 1) ? gather(t, p.tp_shard_dim)
+                                                            : t.detach();
+  };
+  NamedTensors out;
+  for (const auto& p : parameters_) out.emplace_back(GlobalName(p.name), full(p, p.value));
   if (optimizer_step_ == 0) return out;
   for (const auto& p : parameters_) {
     const std::string base = "optimizer." + GlobalName(p.name);
-    out.emplace_back(base + ".exp_avg", p.exp_avg);
-    out.emplace_back(base + ".exp_avg_sq", p.exp_avg_sq);
+    out.emplace_back(base + ".exp_avg", full(p, p.exp_avg));
+    out.emplace_back(base + ".exp_avg_sq", full(p, p.exp_avg_sq));
   }
   out.emplace_back("optimizer." + name_ + ".step",
                    at::scalar_tensor(optimizer_step_, at::TensorOptions().dtype(at::kLong)));
@@ -58,9 +66,19 @@ NamedTensors Unit::StateTensors() const {
 absl::Status Unit::LoadStateTensors(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
     bool with_optimizer) {
-  auto load_into = [&](const std::string& name, const at::Tensor& like,
+  auto load_into = [&](const std::string& name, const Parameter& p,
                        at::Tensor* out) -> absl::Status {
+    const at::Tensor& like = p.value;
     FULCRUM_ASSIGN_OR_RETURN(at::Tensor t, lookup(name));
+    if (p.tp_shard_dim >= 0 && tp_size_ > 1) {
+      if (p.tp_shard_dim >= t.dim() || t.size(p.tp_shard_dim) != like.size(p.tp_shard_dim) * tp_size_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", name, " has shape ", c10::str(t.sizes()), "; sharding it over ", tp_size_,
+            " tensor-parallel ranks along dimension ", p.tp_shard_dim, " cannot give ",
+            c10::str(like.sizes())));
+      }
+      t = ShardOf(t, p.tp_shard_dim, tp_rank_, tp_size_);
+    }
     if (t.sizes() != like.sizes()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", name, " has shape ", c10::str(t.sizes()), ", the model expects ",
@@ -71,7 +89,7 @@ absl::Status Unit::LoadStateTensors(
   };
   for (auto& p : parameters_) {
     at::Tensor loaded;
-    FULCRUM_RETURN_IF_ERROR(load_into(GlobalName(p.name), p.value, &loaded));
+    FULCRUM_RETURN_IF_ERROR(load_into(GlobalName(p.name), p, &loaded));
     at::NoGradGuard no_grad;
     p.value.copy_(loaded);
   }
@@ -87,8 +105,8 @@ absl::Status Unit::LoadStateTensors(
   optimizer_step_ = step->item<int64_t>();
   for (auto& p : parameters_) {
     const std::string base = "optimizer." + GlobalName(p.name);
-    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg", p.value, &p.exp_avg));
-    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg_sq", p.value, &p.exp_avg_sq));
+    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg", p, &p.exp_avg));
+    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg_sq", p, &p.exp_avg_sq));
   }
   return absl::OkStatus();
 }

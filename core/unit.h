@@ -35,6 +35,8 @@ struct Parameter {
   std::string name;      // Local name inside the unit, e.g. "mlp.linear_fc1.weight".
   at::Tensor value;      // fp32 leaf tensor with requires_grad; its .grad() is the gradient.
   bool weight_decay;     // False for biases and norm parameters (no decoupled decay).
+  int64_t tp_shard_dim;  // Dimension split over the tensor-parallel group, -1 if replicated
+                         // (NOTE [tensor-parallel sharding] in core/tensor_parallel.h).
   at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
   at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
 };
@@ -43,13 +45,17 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 class Unit {
  public:
-  explicit Unit(std::string name);
+  /// `tp_rank`/`tp_size`: this rank's place in the tensor-parallel group, which decides the
+  /// slice of each sharded parameter it holds.
+  explicit Unit(std::string name, int tp_rank = 0, int tp_size = 1);
   virtual ~Unit();
   Unit(const Unit&) = delete;
   Unit& operator=(const Unit&) = delete;
 
   /// Global unit name: "embedding", "layers.<i>", "head".
   const std::string& name() const { return name_; }
+  int tp_rank() const { return tp_rank_; }
+  int tp_size() const { return tp_size_; }
 
   std::vector<Parameter>& parameters() { return parameters_; }
   const std::vector<Parameter>& parameters() const { return parameters_; }
@@ -70,11 +76,17 @@ class Unit {
   /// Parameter values under their global names.
   NamedTensors ParameterTensors() const;
 
-  /// Parameter values, then (when the optimizer has stepped) moments and the step counter,
-  /// under their global names. This is the unit's whole persistent state.
-  NamedTensors StateTensors() const;
+  /// Gathers a shard split along `dim` over the tensor-parallel group into the full tensor.
+  using ShardGatherer = std::function<at::Tensor(const at::Tensor& shard, int64_t dim)>;
 
-  /// Restores what StateTensors() produced. `lookup(global_name)` returns the tensor, a
+  /// Parameter values, then (when the optimizer has stepped) moments and the step counter,
+  /// under their global names. This is the unit's whole persistent state. Sharded tensors
+  /// are this rank's shards, or the full tensors when `gather` is given (checkpoints store
+  /// full tensors, so any tensor-parallel size can load them).
+  NamedTensors StateTensors(const ShardGatherer& gather = nullptr) const;
+
+  /// Restores what StateTensors(gather) produced: full tensors, of which this rank keeps its
+  /// shard. `lookup(global_name)` returns the tensor, a
   /// NotFound error when it is absent, or another error. Every parameter must be present
   /// with the right shape. With `with_optimizer`, the moments are read when the step
   /// counter is present (absent: the checkpoint predates the first step, state resets).
@@ -86,12 +98,16 @@ class Unit {
   std::string GlobalName(const std::string& local_name) const { return name_ + "." + local_name; }
 
  protected:
-  /// Registers a parameter during construction. `init` is the full initial value; it is
-  /// made a fp32 leaf that requires grad. Returns the stored tensor.
-  at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay);
+  /// Registers a parameter during construction. `init` is this rank's initial value (a
+  /// shard along `tp_shard_dim`, or the whole tensor when -1); it is made a fp32 leaf that
+  /// requires grad. Returns the stored tensor.
+  at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay,
+                           int64_t tp_shard_dim = -1);
 
  private:
   std::string name_;
+  int tp_rank_;
+  int tp_size_;
   std::vector<Parameter> parameters_;
   int64_t optimizer_step_ = 0;
 };

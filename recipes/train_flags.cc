@@ -51,6 +51,13 @@ DEFINE_string(data_path, "",
 DEFINE_string(split, "969,30,1", "Train/valid/test proportions of the documents.");
 DEFINE_string(tokenizer_model, "", "SentencePiece model of --data_path (gives the vocab size).");
 DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_model is given.");
+// Parallelism.
+DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
+DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (not yet runnable).");
+DEFINE_int32(expert_model_parallel_size, 1, "Expert-parallel size (needs MoE; not yet runnable).");
+DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
+DEFINE_int64(distributed_timeout_minutes, 10,
+             "Bound on rendezvous and on every collective; a dead peer fails after this.");
 // Checkpoints and outputs.
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
@@ -128,7 +135,41 @@ absl::StatusOr<TrainData> LoadTrainData() {
   return out;
 }
 
-absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size) {
+absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size) {
+  parallel::ParallelConfig config;
+  config.world_size = world_size;
+  config.tp = FLAGS_tensor_model_parallel_size;
+  config.pp = FLAGS_pipeline_model_parallel_size;
+  config.ep = FLAGS_expert_model_parallel_size;
+  FULCRUM_RETURN_IF_ERROR(config.Validate());
+  const int64_t ffn = FLAGS_ffn_hidden_size > 0 ? FLAGS_ffn_hidden_size : 4 * FLAGS_hidden_size;
+  if (FLAGS_num_attention_heads % config.tp != 0) {
+    return Invalid(absl::StrCat("--num_attention_heads=", FLAGS_num_attention_heads,
+                                " is not divisible by --tensor_model_parallel_size=", config.tp));
+  }
+  if (ffn % config.tp != 0) {
+    return Invalid(absl::StrCat("the MLP size ", ffn,
+                                " is not divisible by --tensor_model_parallel_size=", config.tp));
+  }
+  if (config.pp > 1) {
+    return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp,
+                                ": pipeline parallelism is not implemented yet"));
+  }
+  if (config.ep > 1) {
+    return Invalid(absl::StrCat("--expert_model_parallel_size=", config.ep,
+                                " needs an MoE model, which is not implemented yet"));
+  }
+  if (FLAGS_distributed_timeout_minutes < 1) {
+    return Invalid(absl::StrCat("--distributed_timeout_minutes=", FLAGS_distributed_timeout_minutes,
+                                " must be ≥ 1"));
+  }
+  return config;
+}
+
+std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
+int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
+
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   TrainerConfig c;
   ModelOptions& m = c.model;
   m.num_layers = FLAGS_num_layers;
@@ -149,7 +190,15 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size) {
     return Invalid(absl::StrCat("--make_vocab_size_divisible_by=",
                                 FLAGS_make_vocab_size_divisible_by, " must be ≥ 1"));
   }
+  // Padding depends on the flag alone, never on the layout: the padded rows take part in the
+  // softmax, so the same model under any tp needs the same padded size (unlike Megatron,
+  // which pads to a multiple of divisible_by × tp).
   m.vocab_size = PadVocab(vocab_size, FLAGS_make_vocab_size_divisible_by);
+  if (m.vocab_size % tp != 0) {
+    return Invalid(absl::StrCat("the padded vocabulary (", m.vocab_size,
+                                ") is not divisible by --tensor_model_parallel_size=", tp,
+                                "; make --make_vocab_size_divisible_by a multiple of it"));
+  }
 
   OptimizerOptions& o = c.optimizer;
   o.lr = FLAGS_lr;

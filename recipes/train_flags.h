@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
+#include "parallel/parallel_config.h"
 
 namespace fulcrum {
 
@@ -27,8 +28,19 @@ struct TrainData {
 };
 absl::StatusOr<TrainData> LoadTrainData();
 
-/// Flags → TrainerConfig (vocabulary padded to --make_vocab_size_divisible_by), validated.
-absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size);
+/// The parallel layout of the flags over `world_size` processes, validated: sizes divide
+/// the world, and the model's heads / MLP / vocabulary divide by tp. Pipeline and expert
+/// parallelism are validated but not yet runnable (their issues are open).
+absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size);
+
+/// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
+/// --make_vocab_size_divisible_by whatever the layout (the padded size changes the softmax),
+/// which tp must divide.
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
+
+/// --distributed_backend and --distributed_timeout_minutes.
+std::string DistributedBackendFlag();
+int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.
 std::string LoadPathFlag();

@@ -6,6 +6,9 @@
 
 #include "core/logging.h"
 #include "core/trainer.h"
+#include "parallel/parallel_context.h"
+#include "parallel/world.h"
+#include "parallel/world_communicator.h"
 #include "recipes/train_flags.h"
 
 namespace {
@@ -41,24 +44,52 @@ int main(int argc, char** argv) {
   }
   fulcrum::InitLogging(argv[0]);
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
-  // Validate the flags before reading any data: a vocabulary of 1 stands in for the real one.
-  if (auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/1); !early.ok()) {
+
+  // Validate everything that needs no data or peers before any work: the layout against
+  // the job's size, then the model and training flags (a vocabulary of 1 stands in).
+  auto world = fulcrum::parallel::WorldInfoFromEnvironment();
+  if (!world.ok()) return Fail(world.status());
+  auto layout = fulcrum::ParallelConfigFromFlags(world->world_size);
+  if (!layout.ok()) return Fail(layout.status());
+  auto backend = fulcrum::parallel::ParseBackend(fulcrum::DistributedBackendFlag());
+  if (!backend.ok()) return Fail(backend.status());
+  if (auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/1, layout->tp); !early.ok()) {
     return Fail(early.status());
   }
+  fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
+
   auto data = fulcrum::LoadTrainData();
   if (!data.ok()) return Fail(data.status());
-  auto config = fulcrum::ConfigFromFlags(data->vocab_size);
+  auto config = fulcrum::ConfigFromFlags(data->vocab_size, layout->tp);
   if (!config.ok()) return Fail(config.status());
-  FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
-                    << " padded to " << config->model.vocab_size;
 
-  auto trainer = fulcrum::Trainer::Create(*config, data->corpus);
-  if (!trainer.ok()) return Fail(trainer.status());
-  if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
-    if (absl::Status s = (*trainer)->Load(load); !s.ok()) return Fail(s);
+  std::unique_ptr<fulcrum::parallel::ProcessGroupContext> parallel;
+  if (world->world_size > 1) {
+    const std::chrono::minutes timeout(fulcrum::DistributedTimeoutMinutesFlag());
+    auto comm = fulcrum::parallel::CreateWorldCommunicator(*world, *backend, timeout);
+    if (!comm.ok()) return Fail(comm.status());
+    auto ctx = fulcrum::parallel::ProcessGroupContext::Create(std::move(*comm), *layout);
+    if (!ctx.ok()) return Fail(ctx.status());
+    parallel = std::move(*ctx);
   }
-  if (absl::Status s = (*trainer)->Run(); !s.ok()) return Fail(s);
-  if (!config->train.save.empty()) {
+  if (parallel == nullptr || parallel->is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
+                      << " padded to " << config->model.vocab_size << "; layout "
+                      << layout->ToString();
+  }
+
+  auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get());
+  if (!trainer.ok()) return Fail(trainer.status());
+  try {
+    if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
+      if (absl::Status s = (*trainer)->Load(load); !s.ok()) return Fail(s);
+    }
+    if (absl::Status s = (*trainer)->Run(); !s.ok()) return Fail(s);
+  } catch (const fulcrum::parallel::CommError& e) {
+    std::cerr << "fulcrum_train: " << e.what() << std::endl;
+    return 1;
+  }
+  if (!config->train.save.empty() && (parallel == nullptr || parallel->is_logging_rank())) {
     FULCRUM_LOG(INFO) << "checkpoints are in " << config->train.save;
   }
   return 0;

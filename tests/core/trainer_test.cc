@@ -135,7 +135,7 @@ TEST(TrainerTest, FailedSaveKeepsPreviousCheckpoint) {
   ASSERT_TRUE((*trainer)->Save().ok());
 
   FailingFileSystem failing(DefaultFileSystem(), /*budget=*/20000);
-  auto doomed = Trainer::Create(config, corpus, &failing);
+  auto doomed = Trainer::Create(config, corpus, /*parallel=*/nullptr, &failing);
   ASSERT_TRUE(doomed.ok());
   ASSERT_TRUE((*doomed)->Load(config.train.save).ok());
   ASSERT_TRUE((*doomed)->TrainIteration().ok());

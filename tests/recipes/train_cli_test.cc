@@ -17,9 +17,12 @@ namespace {
 const std::string kTrain = std::string(FULCRUM_BIN_DIR) + "/fulcrum_train";
 
 struct BadInputCase {
+  std::string name;
   std::string flags;
   std::string expected_message;
 };
+
+void PrintTo(const BadInputCase& c, std::ostream* os) { *os << c.flags; }
 
 class BadInputTest : public ::testing::TestWithParam<BadInputCase> {};
 
@@ -34,22 +37,26 @@ TEST_P(BadInputTest, ExitsTwoWithAClearMessage) {
 INSTANTIATE_TEST_SUITE_P(
     Flags, BadInputTest,
     ::testing::Values(
-        BadInputCase{"--recipe=tiny --hidden_size=30 --num_attention_heads=4",
+        BadInputCase{"HeadsDoNotDivideHidden", "--recipe=tiny --hidden_size=30 --num_attention_heads=4",
                      "--hidden_size=30 is not divisible by --num_attention_heads=4"},
-        BadInputCase{"--global_batch_size=10 --micro_batch_size=4",
+        BadInputCase{"GlobalBatchNotMultiple", "--global_batch_size=10 --micro_batch_size=4",
                      "--global_batch_size=10 is not a multiple of --micro_batch_size=4"},
-        BadInputCase{"--recipe=nope", "--recipe='nope' is unknown; recipes: gpt_20m, tiny"},
-        BadInputCase{"--data_path=/nonexistent/corpus", "/nonexistent/corpus"},
-        BadInputCase{"--lr_decay_style=exponential", "--lr_decay_style='exponential' is unknown"},
-        BadInputCase{"--position_embedding_type=alibi", "--position_embedding_type='alibi'"},
-        BadInputCase{"--train_iters=0", "--train_iters=0 must be"},
-        BadInputCase{"--lr=-1", "--lr=-1 must be > 0"},
-        BadInputCase{"--min_lr=1 --lr=0.1", "--min_lr=1 must be in"},
-        BadInputCase{"--hidden_dropout=1.5", "--hidden_dropout=1.5 must be in [0, 1)"},
-        BadInputCase{"--save_interval=5", "--save_interval=5 needs --save"},
-        BadInputCase{"--load=/nonexistent/ckpt", "/nonexistent/ckpt"},
-        BadInputCase{"--vocab_size=100", "need --data_path"},
-        BadInputCase{"stray_argument", "unexpected argument 'stray_argument'"}));
+        BadInputCase{"UnknownRecipe", "--recipe=nope", "--recipe='nope' is unknown; recipes: gpt_20m, tiny"},
+        BadInputCase{"MissingDataPath", "--data_path=/nonexistent/corpus", "/nonexistent/corpus"},
+        BadInputCase{"UnknownDecayStyle", "--lr_decay_style=exponential", "--lr_decay_style='exponential' is unknown"},
+        BadInputCase{"UnknownPositionEmbedding", "--position_embedding_type=alibi", "--position_embedding_type='alibi'"},
+        BadInputCase{"ZeroTrainIters", "--train_iters=0", "--train_iters=0 must be"},
+        BadInputCase{"NegativeLr", "--lr=-1", "--lr=-1 must be > 0"},
+        BadInputCase{"MinLrAboveLr", "--min_lr=1 --lr=0.1", "--min_lr=1 must be in"},
+        BadInputCase{"DropoutOutOfRange", "--hidden_dropout=1.5", "--hidden_dropout=1.5 must be in [0, 1)"},
+        BadInputCase{"SaveIntervalWithoutSave", "--save_interval=5", "--save_interval=5 needs --save"},
+        BadInputCase{"MissingCheckpoint", "--load=/nonexistent/ckpt", "/nonexistent/ckpt"},
+        BadInputCase{"VocabSizeWithoutData", "--vocab_size=100", "need --data_path"},
+        BadInputCase{"StrayArgument", "stray_argument", "unexpected argument 'stray_argument'"},
+        BadInputCase{"TpDoesNotDivideWorld", "--tensor_model_parallel_size=2",
+                     "world size 1 is not divisible by --tensor_model_parallel_size=2"},
+        BadInputCase{"UnknownBackend", "--distributed_backend=mpi", "mpi"}),
+    [](const ::testing::TestParamInfo<BadInputCase>& info) { return info.param.name; });
 
 std::vector<nlohmann::json> ReadMetrics(const std::string& path) {
   std::vector<nlohmann::json> records;

@@ -1,0 +1,78 @@
+#include "core/tensor_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace fulcrum {
+namespace {
+
+// Megatron's vocab-parallel cross-entropy (Shoeybi et al. 2019, §3): per-token statistics
+// (max logit, Σexp, the target's logit) are reduced over the group, so only [tokens]-sized
+// tensors cross the wire; the softmax itself stays sharded for the backward.
+class VocabParallelCrossEntropyFunction
+    : public torch::autograd::Function<VocabParallelCrossEntropyFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets, int64_t vocab_start,
+                            TensorParallelGroup* group) {
+    const int64_t local_vocab = logits.size(-1);
+    at::Tensor flat = logits.reshape({-1, local_vocab}).to(at::kFloat);
+    at::Tensor flat_targets = targets.reshape({-1});
+
+    at::Tensor max = std::get<0>(flat.max(-1));
+    group->AllReduceMax(max);
+    at::Tensor shifted = flat - max.unsqueeze(1);
+
+    at::Tensor in_range = (flat_targets >= vocab_start).logical_and_(
+        flat_targets < vocab_start + local_vocab);
+    at::Tensor local_index = (flat_targets - vocab_start).masked_fill_(in_range.logical_not(), 0);
+    at::Tensor target_logit =
+        shifted.gather(1, local_index.unsqueeze(1)).squeeze(1).masked_fill_(in_range.logical_not(), 0.0);
+    group->AllReduceSum(target_logit);
+
+    at::Tensor exp = shifted.exp();
+    at::Tensor sum_exp = exp.sum(-1);
+    group->AllReduceSum(sum_exp);
+    at::Tensor loss = sum_exp.log() - target_logit;
+
+    at::Tensor softmax = exp.div_(sum_exp.unsqueeze(1));
+    ctx->save_for_backward({softmax, in_range, local_index});
+    ctx->saved_data["shape"] = logits.sizes().vec();
+    return loss.view(targets.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();  // softmax, [tokens, V/size]
+    const at::Tensor& in_range = saved[1];
+    const at::Tensor& local_index = saved[2];
+    // d loss / d logit = softmax − one_hot(target) on the rank that holds the target.
+    grad.scatter_add_(1, local_index.unsqueeze(1), in_range.to(grad.scalar_type()).neg().unsqueeze(1));
+    grad.mul_(grads[0].reshape({-1, 1}));
+    return {grad.view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size) {
+  if (size == 1 || dim < 0) return full;
+  TORCH_CHECK(full.size(dim) % size == 0, "cannot shard dimension ", dim, " of size ",
+              full.size(dim), " over ", size, " ranks");
+  const int64_t chunk = full.size(dim) / size;
+  return full.narrow(dim, rank * chunk, chunk).contiguous();
+}
+
+at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
+                                     int64_t vocab_start, TensorParallelGroup* group) {
+  if (group == nullptr || group->size() == 1) {
+    const int64_t vocab = logits.size(-1);
+    return at::cross_entropy_loss(logits.reshape({-1, vocab}), targets.reshape({-1}), {},
+                                  at::Reduction::None)
+        .view(targets.sizes());
+  }
+  return VocabParallelCrossEntropyFunction::apply(logits, targets, vocab_start, group);
+}
+
+}  // namespace fulcrum

@@ -1,0 +1,33 @@
+// Data-parallel gradient reduction: gradients are summed over the data-parallel group in
+// buckets (flattened runs of consecutive gradients up to a byte budget), so the number of
+// collectives stays small whatever the number of parameters. The trainer scales the loss by
+// the global token count, so the sum is the gradient of the global-batch mean.
+//
+// Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/unit.h"
+#include "parallel/communicator.h"
+
+namespace fulcrum::parallel {
+
+class GradientReducer {
+ public:
+  /// `dp` must outlive the reducer. Default bucket: 25 MB (Megatron's default).
+  explicit GradientReducer(Communicator* dp, int64_t bucket_bytes = 25 * 1024 * 1024)
+      : dp_(dp), bucket_bytes_(bucket_bytes) {}
+
+  /// Sums every defined gradient of `units` over the group, in place. Gradients are
+  /// bucketed per dtype in unit and parameter order, identical on every rank (the units of a
+  /// data-parallel group hold the same parameters).
+  void AllReduce(const std::vector<Unit*>& units);
+
+ private:
+  Communicator* dp_;
+  int64_t bucket_bytes_;
+};
+
+}  // namespace fulcrum::parallel

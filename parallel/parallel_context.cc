@@ -1,0 +1,80 @@
+#include "parallel/parallel_context.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace fulcrum::parallel {
+namespace {
+
+constexpr GroupKind kGroupKinds[] = {GroupKind::kTensor, GroupKind::kPipeline, GroupKind::kData,
+                                     GroupKind::kExpert, GroupKind::kExpertData, GroupKind::kModel};
+constexpr const char* kGroupNames[] = {"tp", "pp", "dp", "ep", "edp", "mp"};
+
+void SumDoubles(Communicator& comm, std::vector<double>& values) {
+  if (comm.size() == 1 || values.empty()) return;
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, at::kDouble);
+  std::copy(values.begin(), values.end(), t.data_ptr<double>());
+  comm.AllReduce(t, ReduceOp::kSum);
+  std::copy(t.data_ptr<double>(), t.data_ptr<double>() + values.size(), values.begin());
+}
+
+}  // namespace
+
+ProcessGroupContext::ProcessGroupContext(std::unique_ptr<Communicator> world,
+                                         const ParallelConfig& config)
+    : config_(config), coords_(config.Coords(world->rank())), world_(std::move(world)) {}
+
+absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create(
+    std::unique_ptr<Communicator> world, const ParallelConfig& config) {
+  if (absl::Status s = config.Validate(); !s.ok()) return s;
+  if (config.world_size != world->size()) {
+    return absl::InvalidArgumentError(absl::StrCat("parallel layout ", config.ToString(),
+                                                   " does not match the ", world->size(),
+                                                   " processes of the job"));
+  }
+  std::unique_ptr<ProcessGroupContext> ctx(new ProcessGroupContext(std::move(world), config));
+  const int rank = ctx->world_->rank();
+  for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
+    ctx->groups_.push_back(
+        ctx->world_->Split(config.GroupOf(kGroupKinds[i], rank), kGroupNames[i]));
+  }
+  ctx->tensor_parallel_ = std::make_unique<CommTensorParallelGroup>(&ctx->group(GroupKind::kTensor));
+  ctx->gradient_reducer_ = std::make_unique<GradientReducer>(&ctx->group(GroupKind::kData));
+  return ctx;
+}
+
+Communicator& ProcessGroupContext::group(GroupKind kind) {
+  for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
+    if (kGroupKinds[i] == kind) return *groups_[i];
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown group kind");
+}
+
+void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
+  gradient_reducer_->AllReduce(units);
+}
+
+void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {
+  SumDoubles(group(GroupKind::kData), values);
+}
+
+void ProcessGroupContext::SumOverModelParallel(std::vector<double>& values) {
+  SumDoubles(group(GroupKind::kModel), values);
+}
+
+bool ProcessGroupContext::is_logging_rank() const {
+  // The rank that owns the loss: last pipeline stage, first tensor- and data-parallel rank.
+  return coords_.tp == 0 && coords_.dp == 0 && coords_.pp == config_.pp - 1;
+}
+
+bool ProcessGroupContext::writes_checkpoint_shard() const {
+  // One writer per pipeline stage: tensor-parallel shards are gathered to tp rank 0, and
+  // data-parallel replicas hold identical state.
+  return coords_.tp == 0 && coords_.dp == 0;
+}
+
+std::string ProcessGroupContext::checkpoint_shard_name() const {
+  return absl::StrFormat("stage_%03d", coords_.pp);
+}
+
+}  // namespace fulcrum::parallel

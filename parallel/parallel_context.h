@@ -1,0 +1,65 @@
+// This process's place in a tp × pp × ep × dp job: one communicator per group kind, built
+// from the world communicator and a ParallelConfig, and the ParallelContext the trainer
+// uses (tensor-parallel mappings, data-parallel gradient reduction, reductions of scalars,
+// who logs and who writes checkpoints).
+//
+// Not thread-safe; Create is collective over the world.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/parallel_context.h"
+#include "parallel/communicator.h"
+#include "parallel/data_parallel.h"
+#include "parallel/parallel_config.h"
+#include "parallel/tensor_parallel.h"
+
+namespace fulcrum::parallel {
+
+class ProcessGroupContext final : public ParallelContext {
+ public:
+  /// Splits `world` into this rank's tensor, pipeline, data, expert, expert-data and model
+  /// groups (every rank calls Split once per kind, in the same order). `config` must be
+  /// valid and match the world size.
+  static absl::StatusOr<std::unique_ptr<ProcessGroupContext>> Create(
+      std::unique_ptr<Communicator> world, const ParallelConfig& config);
+
+  const ParallelConfig& config() const { return config_; }
+  const RankCoords& coords() const { return coords_; }
+  Communicator& world() { return *world_; }
+  Communicator& group(GroupKind kind);
+
+  int world_rank() const override { return world_->rank(); }
+  int world_size() const override { return world_->size(); }
+  int tp_size() const override { return config_.tp; }
+  int pp_size() const override { return config_.pp; }
+  int ep_size() const override { return config_.ep; }
+  int dp_rank() const override { return coords_.dp; }
+  int dp_size() const override { return config_.dp(); }
+  TensorParallelGroup* tensor_parallel() override {
+    return config_.tp > 1 ? tensor_parallel_.get() : nullptr;
+  }
+  void AllReduceGradients(const std::vector<Unit*>& units) override;
+  void SumOverDataParallel(std::vector<double>& values) override;
+  void SumOverModelParallel(std::vector<double>& values) override;
+  void Barrier() override { world_->Barrier(); }
+  bool is_logging_rank() const override;
+  bool writes_checkpoint_shard() const override;
+  bool commits_checkpoint() const override { return world_->rank() == 0; }
+  std::string checkpoint_shard_name() const override;
+
+ private:
+  ProcessGroupContext(std::unique_ptr<Communicator> world, const ParallelConfig& config);
+
+  ParallelConfig config_;
+  RankCoords coords_;
+  std::unique_ptr<Communicator> world_;
+  std::vector<std::unique_ptr<Communicator>> groups_;  // Indexed by GroupKind.
+  std::unique_ptr<CommTensorParallelGroup> tensor_parallel_;
+  std::unique_ptr<GradientReducer> gradient_reducer_;
+};
+
+}  // namespace fulcrum::parallel

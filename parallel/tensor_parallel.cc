@@ -1,0 +1,96 @@
+#include "parallel/tensor_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace fulcrum::parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Every rank's `t` concatenated along `dim` (the communicator concatenates along dim 0).
+at::Tensor GatherAlong(Communicator* comm, const at::Tensor& t, int64_t dim) {
+  dim = dim < 0 ? dim + t.dim() : dim;
+  if (dim == 0) return comm->AllGather(t.contiguous());
+  at::Tensor gathered = comm->AllGather(t.movedim(dim, 0).contiguous());
+  return gathered.movedim(0, dim).contiguous();
+}
+
+at::Tensor SliceOfRank(Communicator* comm, const at::Tensor& t, int64_t dim) {
+  const int64_t chunk = t.size(dim) / comm->size();
+  return t.narrow(dim, comm->rank() * chunk, chunk).contiguous();
+}
+
+// Autograd contexts hold IValues, which cannot hold a raw pointer; the communicator outlives
+// every graph that uses it, so its address travels as an integer.
+void SaveCommunicator(AutogradContext* ctx, Communicator* comm) {
+  ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
+}
+Communicator* SavedCommunicator(AutogradContext* ctx) {
+  return reinterpret_cast<Communicator*>(static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+}
+
+// f: identity forward, all-reduce backward.
+class CopyToRegionFunction : public torch::autograd::Function<CopyToRegionFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Communicator* comm = SavedCommunicator(ctx);
+    at::Tensor grad = grads[0].contiguous().clone();
+    comm->AllReduce(grad, ReduceOp::kSum);
+    return {grad, at::Tensor()};
+  }
+};
+
+// g: all-reduce forward, identity backward.
+class ReduceFromRegionFunction : public torch::autograd::Function<ReduceFromRegionFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    at::Tensor out = x.contiguous().clone();
+    comm->AllReduce(out, ReduceOp::kSum);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// All-gather along the last dimension forward; this rank's slice of the gradient backward.
+class GatherFromRegionFunction : public torch::autograd::Function<GatherFromRegionFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return GatherAlong(comm, x, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Communicator* comm = SavedCommunicator(ctx);
+    return {SliceOfRank(comm, grads[0], grads[0].dim() - 1), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor CommTensorParallelGroup::CopyToRegion(const at::Tensor& x) {
+  return CopyToRegionFunction::apply(x, comm_);
+}
+
+at::Tensor CommTensorParallelGroup::ReduceFromRegion(const at::Tensor& x) {
+  return ReduceFromRegionFunction::apply(x, comm_);
+}
+
+at::Tensor CommTensorParallelGroup::GatherFromRegion(const at::Tensor& x) {
+  return GatherFromRegionFunction::apply(x, comm_);
+}
+
+void CommTensorParallelGroup::AllReduceSum(at::Tensor& t) { comm_->AllReduce(t, ReduceOp::kSum); }
+
+void CommTensorParallelGroup::AllReduceMax(at::Tensor& t) { comm_->AllReduce(t, ReduceOp::kMax); }
+
+at::Tensor CommTensorParallelGroup::AllGather(const at::Tensor& t, int64_t dim) {
+  return GatherAlong(comm_, t.detach(), dim);
+}
+
+}  // namespace fulcrum::parallel

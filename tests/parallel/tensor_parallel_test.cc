@@ -1,0 +1,181 @@
+// Each tensor-parallel piece against its single-process twin, on real processes: every rank
+// builds the sharded unit (tp = 2 or 4 over Gloo) and the unsharded one from the same seed,
+// runs the same input forward and backward, and checks that outputs and input gradients
+// match and that each sharded parameter's gradient is its slice of the full gradient.
+//
+// The TpWorker cases run only under fulcrum_launch, started by SlowTensorParallelTest.
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "core/gpt_model.h"
+#include "core/random.h"
+#include "core/tensor_parallel.h"
+#include "core/transformer_layer.h"
+#include "parallel/tensor_parallel.h"
+#include "parallel/world.h"
+#include "parallel/world_communicator.h"
+
+namespace fulcrum::parallel {
+namespace {
+
+constexpr double kTolerance = 2e-5;
+
+bool IsWorker() {
+  const char* worker = std::getenv("FULCRUM_TP_WORKER");
+  return worker != nullptr && std::string(worker) == "1" && std::getenv("RANK") != nullptr;
+}
+
+Communicator& World() {
+  static std::unique_ptr<Communicator> world = [] {
+    auto info = WorldInfoFromEnvironment();
+    if (!info.ok()) throw CommError(std::string(info.status().message()));
+    auto comm = CreateWorldCommunicator(*info, Backend::kGloo, std::chrono::seconds(30));
+    if (!comm.ok()) throw CommError(std::string(comm.status().message()));
+    return std::move(comm).value();
+  }();
+  return *world;
+}
+
+ModelOptions Options() {
+  ModelOptions o;
+  o.num_layers = 2;
+  o.hidden_size = 32;
+  o.num_attention_heads = 4;
+  o.ffn_hidden_size = 64;
+  o.vocab_size = 64;
+  o.seq_length = 8;
+  o.seed = 11;
+  o.hidden_dropout = 0.1;     // masks are keyed by global head / site, so they must agree
+  o.attention_dropout = 0.1;
+  return o;
+}
+
+double MaxDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// Gradients of a sharded unit against the full unit's: slices for sharded parameters,
+// equality for replicated ones.
+void ExpectShardedGradients(const Unit& sharded, const Unit& full, int rank, int size) {
+  ASSERT_EQ(sharded.parameters().size(), full.parameters().size());
+  for (size_t i = 0; i < full.parameters().size(); ++i) {
+    const Parameter& s = sharded.parameters()[i];
+    const Parameter& f = full.parameters()[i];
+    ASSERT_TRUE(s.value.grad().defined()) << s.name;
+    const at::Tensor expected = ShardOf(f.value.grad(), s.tp_shard_dim, rank, size);
+    EXPECT_LT(MaxDiff(s.value.grad(), expected), kTolerance) << full.GlobalName(f.name);
+    EXPECT_TRUE(at::equal(s.value, ShardOf(f.value, s.tp_shard_dim, rank, size)))
+        << "initial value of " << full.GlobalName(f.name) << " is a slice of the full one";
+  }
+}
+
+TEST(TpWorker, TransformerLayerMatchesSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  const ModelOptions options = Options();
+  for (PositionEmbedding pe : {PositionEmbedding::kLearned, PositionEmbedding::kRotary}) {
+    ModelOptions o = options;
+    o.position_embedding = pe;
+    TransformerLayer full(o, 1);
+    TransformerLayer sharded(o, 1, &tp);
+    at::Generator gen = MakeGenerator(3, "tp_input");
+    at::Tensor x = at::randn({o.seq_length, 3, o.hidden_size}, gen, at::kFloat);
+    at::Tensor upstream = at::randn({o.seq_length, 3, o.hidden_size}, gen, at::kFloat);
+    ForwardContext ctx{true, 5, 40};
+    at::Tensor x_full = x.clone().requires_grad_(true);
+    at::Tensor x_sharded = x.clone().requires_grad_(true);
+    at::Tensor y_full = full.Forward(x_full, ctx);
+    at::Tensor y_sharded = sharded.Forward(x_sharded, ctx);
+    EXPECT_LT(MaxDiff(y_full, y_sharded), kTolerance) << PositionEmbeddingName(pe);
+    (y_full * upstream).sum().backward();
+    (y_sharded * upstream).sum().backward();
+    EXPECT_LT(MaxDiff(x_full.grad(), x_sharded.grad()), kTolerance);
+    ExpectShardedGradients(sharded, full, world.rank(), world.size());
+  }
+}
+
+TEST(TpWorker, VocabParallelEmbeddingAndHeadMatchSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  for (bool tied : {true, false}) {
+    ModelOptions o = Options();
+    o.tie_embeddings = tied;
+    GptModel full(o);
+    GptModel sharded(o, StageSpec(), &tp);
+    at::Generator gen = MakeGenerator(4, "tp_tokens");
+    at::Tensor tokens = at::randint(o.vocab_size, {3, o.seq_length + 1}, gen,
+                                    at::TensorOptions().dtype(at::kLong));
+    ForwardContext ctx{true, 2, 8};
+    LossSum a = full.ForwardLoss(tokens, ctx);
+    LossSum b = sharded.ForwardLoss(tokens, ctx);
+    EXPECT_NEAR(a.sum.item<double>(), b.sum.item<double>(), kTolerance * a.sum.item<double>())
+        << (tied ? "tied" : "untied");
+    a.sum.backward();
+    b.sum.backward();
+    auto full_units = full.Units();
+    auto sharded_units = sharded.Units();
+    ASSERT_EQ(full_units.size(), sharded_units.size());
+    for (size_t u = 0; u < full_units.size(); ++u) {
+      ExpectShardedGradients(*sharded_units[u], *full_units[u], world.rank(), world.size());
+    }
+  }
+}
+
+TEST(TpWorker, VocabParallelCrossEntropyMatchesDense) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  const int64_t vocab = 12 * world.size(), tokens = 10;
+  at::Generator gen = MakeGenerator(5, "tp_ce");
+  at::Tensor logits = at::randn({tokens, vocab}, gen, at::kFloat) * 3;
+  at::Tensor targets = at::randint(vocab, {tokens}, gen, at::TensorOptions().dtype(at::kLong));
+  at::Tensor dense = logits.clone().requires_grad_(true);
+  at::Tensor shard = ShardOf(logits, 1, world.rank(), world.size()).requires_grad_(true);
+  at::Tensor expected = at::cross_entropy_loss(dense, targets, {}, at::Reduction::None);
+  at::Tensor got = VocabParallelCrossEntropy(shard, targets, world.rank() * (vocab / world.size()), &tp);
+  EXPECT_LT(MaxDiff(expected, got), 1e-5);
+  at::Tensor weights = at::arange(tokens, at::kFloat);
+  (expected * weights).sum().backward();
+  (got * weights).sum().backward();
+  // Gradients are weighted by up to 9: fp32 rounding of ~1e-7 relative.
+  EXPECT_LT(MaxDiff(ShardOf(dense.grad(), 1, world.rank(), world.size()), shard.grad()), 1e-5);
+}
+
+std::string RunWorkers(int n, int* code) {
+  const std::string bin = FULCRUM_BIN_DIR;
+  const std::string command = "FULCRUM_TP_WORKER=1 " + bin + "/fulcrum_launch --nproc_per_node=" +
+                              std::to_string(n) + " --master_port=0 -- " + bin +
+                              "/parallel_test --gtest_filter=TpWorker.* 2>&1";
+  std::string output;
+  FILE* pipe = popen(command.c_str(), "r");
+  char buffer[4096];
+  size_t got;
+  while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, got);
+  const int status = pclose(pipe);
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return output;
+}
+
+TEST(SlowTensorParallelTest, TwoRanks) {
+  int code = 0;
+  const std::string output = RunWorkers(2, &code);
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_NE(output.find("[  PASSED  ] 3 tests"), std::string::npos) << output;
+}
+
+TEST(SlowTensorParallelTest, FourRanks) {
+  int code = 0;
+  const std::string output = RunWorkers(4, &code);
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_NE(output.find("[  PASSED  ] 3 tests"), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace fulcrum::parallel

@@ -7,7 +7,12 @@
 // pre-generated tokens, with no framework around it. It prints the median tokens/s of both
 // and their ratio; the goal is framework overhead ≤ 5% (ratio ≥ 0.95).
 //
+// Then, with --layouts, it trains the tiny recipe under each parallel layout (through
+// fulcrum_launch and Gloo, on this machine's cores) and prints the median tokens/s of each
+// next to one process's.
+//
 //   build/bin/fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]
+//                                 [--layouts=1,tp2,dp2,tp2dp2] [--layout_iters=30]
 #include <gflags/gflags.h>
 #include <torch/torch.h>
 
@@ -15,6 +20,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <unistd.h>
 
 #include "absl/strings/str_split.h"
 #include "core/data/default_corpus.h"
@@ -26,6 +34,10 @@ DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");
 DEFINE_int32(iters_per_round, 5, "Training iterations per round and implementation.");
 DEFINE_int32(warmup_iters, 2, "Untimed iterations of each implementation before measuring.");
 DEFINE_string(models, "tiny,gpt_20m", "Which model shapes to measure.");
+DEFINE_string(layouts, "1,tp2,dp2,tp2dp2",
+              "Parallel layouts to time with the tiny recipe: 1 (one process), tpN, dpN, tpNdpM; "
+              "empty skips them.");
+DEFINE_int32(layout_iters, 30, "Iterations per layout run (the first 5 are not counted).");
 
 namespace fulcrum {
 namespace {
@@ -167,6 +179,62 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   std::fflush(stdout);
 }
 
+// Runs fulcrum_train under `layout` and returns the median tokens/s of its iterations
+// after the first five (start-up, first-touch allocation), or a negative value on failure.
+double LayoutTokensPerSecond(const std::string& bin_dir, const std::string& layout) {
+  int tp = 1, dp = 1;
+  if (layout != "1" && std::sscanf(layout.c_str(), "tp%ddp%d", &tp, &dp) != 2 &&
+      std::sscanf(layout.c_str(), "tp%d", &tp) != 1 && std::sscanf(layout.c_str(), "dp%d", &dp) != 1) {
+    std::fprintf(stderr, "bench_train: cannot parse layout '%s'\n", layout.c_str());
+    return -1;
+  }
+  const int n = tp * dp;
+  char metrics[] = "/tmp/fulcrum_bench_layout_XXXXXX";
+  const int fd = mkstemp(metrics);
+  if (fd < 0) return -1;
+  close(fd);
+  const std::string train = bin_dir + "/fulcrum_train --recipe=tiny --eval_interval=0 --log_interval=1000 "
+                            "--train_iters=" + std::to_string(FLAGS_layout_iters) +
+                            " --tensor_model_parallel_size=" + std::to_string(tp) +
+                            " --metrics_file=" + metrics;
+  const std::string command =
+      (n == 1 ? train
+              : bin_dir + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) +
+                    " --master_port=0 -- " + train) + " > /dev/null 2>&1";
+  const int status = std::system(command.c_str());
+  std::vector<double> rates;
+  if (status == 0) {
+    std::FILE* in = std::fopen(metrics, "r");
+    char line[4096];
+    while (in != nullptr && std::fgets(line, sizeof(line), in) != nullptr) {
+      const char* field = std::strstr(line, "\"tokens_per_second\":");
+      if (field != nullptr) rates.push_back(std::atof(field + 20));
+    }
+    if (in != nullptr) std::fclose(in);
+  }
+  std::remove(metrics);
+  if (rates.size() <= 5) return -1;
+  return Median(std::vector<double>(rates.begin() + 5, rates.end()));
+}
+
+void MeasureLayouts(const std::string& bin_dir) {
+  std::printf("\nparallel layouts, tiny recipe, %d iterations each (Gloo on this machine):\n",
+              FLAGS_layout_iters);
+  double single = -1;
+  for (absl::string_view layout : absl::StrSplit(FLAGS_layouts, ',', absl::SkipEmpty())) {
+    const double rate = LayoutTokensPerSecond(bin_dir, std::string(layout));
+    if (rate < 0) {
+      std::printf("  %-8s failed\n", std::string(layout).c_str());
+      continue;
+    }
+    if (layout == "1") single = rate;
+    std::printf("  %-8s %9.0f tok/s", std::string(layout).c_str(), rate);
+    if (single > 0) std::printf("   (%.2f x one process)", rate / single);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 }  // namespace fulcrum
 
@@ -193,6 +261,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m)\n", std::string(name).c_str());
       return 2;
     }
+  }
+  if (!FLAGS_layouts.empty()) {
+    std::string bin_dir = argv[0];
+    bin_dir = bin_dir.substr(0, bin_dir.find_last_of('/') == std::string::npos ? 0 : bin_dir.find_last_of('/'));
+    fulcrum::MeasureLayouts(bin_dir.empty() ? "." : bin_dir);
   }
   return 0;
 }

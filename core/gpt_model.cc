@@ -1,5 +1,7 @@
 #include "core/gpt_model.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace fulcrum {
 
 GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp)
@@ -15,6 +17,8 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
               options.num_layers, ")");
   TORCH_CHECK(!(options.tie_embeddings && stage.has_head && !stage.has_embedding),
               "a tied output layer on a stage without the embedding is not supported yet");
+  layer_begin_ = stage.layer_begin;
+  layer_end_ = end;
   if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
   for (int64_t i = stage.layer_begin; i < end; ++i) {
     layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp));
@@ -34,6 +38,40 @@ int64_t GptModel::NumParameterElements() const {
   int64_t n = 0;
   for (Unit* unit : Units()) n += unit->NumParameterElements();
   return n;
+}
+
+absl::StatusOr<std::unique_ptr<TransformerLayer>> GptModel::ReleaseLayer(int64_t index) {
+  if (index != layer_begin_ && index != layer_end_ - 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", index, " is not at a boundary of this stage's range [",
+                     layer_begin_, ", ", layer_end_, ")"));
+  }
+  if (layer_end_ - layer_begin_ == 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", index, " is the only layer of its stage; a stage keeps one"));
+  }
+  auto it = layers_.find(index);
+  TORCH_INTERNAL_ASSERT(it != layers_.end(), "layer ", index, " missing inside the range");
+  std::unique_ptr<TransformerLayer> layer = std::move(it->second);
+  layers_.erase(it);
+  if (index == layer_begin_) ++layer_begin_; else --layer_end_;
+  return layer;
+}
+
+absl::Status GptModel::AdoptLayer(std::unique_ptr<TransformerLayer> layer) {
+  const int64_t index = layer->layer_index();
+  if (index != layer_begin_ - 1 && index != layer_end_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", index, " is not adjacent to this stage's range [", layer_begin_,
+                     ", ", layer_end_, ")"));
+  }
+  if (index == layer_begin_ - 1) --layer_begin_; else ++layer_end_;
+  layers_.emplace(index, std::move(layer));
+  return absl::OkStatus();
+}
+
+std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
+  return std::make_unique<TransformerLayer>(options_, index, tp_, /*initialize=*/false);
 }
 
 int64_t GptModel::NumModelParameterElements() const {

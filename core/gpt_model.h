@@ -3,6 +3,15 @@
 // single process holds all of them. The pipeline engine gives each stage its range and
 // changes it at run time; nothing here depends on where a range starts (invariant 1).
 //
+// NOTE [layer migration]
+// A stage's range changes one boundary layer at a time: ReleaseLayer takes the first or
+// last layer out of the range, its MigrationTensors() (values, gradients, Adam moments,
+// step — invariant 2) travel to the neighbouring stage, which builds a shell with
+// NewLayerShell, restores it with LoadMigrationTensors and AdoptLayer()s it at the adjacent
+// end of its own range. The arithmetic of training never sees where a layer runs: its
+// initial values, dropout masks and optimizer update depend only on its global identity
+// and state, so moving layers leaves every loss bit-identical (invariant 3).
+//
 // Not thread-safe.
 #pragma once
 
@@ -12,6 +21,9 @@
 #include <map>
 #include <memory>
 #include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 #include "core/config.h"
 #include "core/transformer_layer.h"
@@ -49,6 +61,18 @@ class GptModel {
   Head* head() const { return head_.get(); }
   const std::map<int64_t, std::unique_ptr<TransformerLayer>>& layers() const { return layers_; }
 
+  /// The global layer range [layer_begin, layer_end) this stage holds.
+  int64_t layer_begin() const { return layer_begin_; }
+  int64_t layer_end() const { return layer_end_; }
+
+  /// Takes layer `index` — the first or the last of the range — out of this stage (NOTE
+  /// [layer migration]). A stage keeps at least one layer.
+  absl::StatusOr<std::unique_ptr<TransformerLayer>> ReleaseLayer(int64_t index);
+  /// Adds `layer` at the end of the range it is adjacent to (index begin−1 or end).
+  absl::Status AdoptLayer(std::unique_ptr<TransformerLayer> layer);
+  /// An uninitialised layer `index` to receive migrated state.
+  std::unique_ptr<TransformerLayer> NewLayerShell(int64_t index) const;
+
   /// Total parameter scalars held by this rank (a tied output weight counts once).
   int64_t NumParameterElements() const;
   /// Parameter scalars of the whole model (shards counted at full size).
@@ -70,6 +94,8 @@ class GptModel {
  private:
   ModelOptions options_;
   TensorParallelGroup* tp_;
+  int64_t layer_begin_ = 0;
+  int64_t layer_end_ = 0;
   std::unique_ptr<Embedding> embedding_;
   std::map<int64_t, std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Head> head_;

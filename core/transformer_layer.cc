@@ -105,7 +105,7 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
 
 // ---------------------------------------------------------------------------------------
 TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_index,
-                                   TensorParallelGroup* tp)
+                                   TensorParallelGroup* tp, bool initialize)
     : Unit(absl::StrCat("layers.", layer_index), TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
@@ -119,13 +119,21 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
   const int r = tp_rank();
   const int n = tp_size();
   // Full initial value from the seed, then this rank's shard (NOTE [tensor-parallel sharding]).
+  // A shell skips the random draws: its state arrives by migration.
+  auto shell = [&](at::IntArrayRef shape, int64_t shard_dim) {
+    std::vector<int64_t> local = shape.vec();
+    if (shard_dim >= 0) local[shard_dim] /= n;
+    return at::empty(local, at::kFloat);
+  };
   auto weight = [&](const char* name, at::IntArrayRef shape, double s, int64_t shard_dim) {
-    return AddParameter(name, ShardOf(NormalInit(options.seed, GlobalName(name), shape, s),
-                                      shard_dim, r, n),
-                        /*weight_decay=*/true, shard_dim);
+    at::Tensor init = initialize ? ShardOf(NormalInit(options.seed, GlobalName(name), shape, s),
+                                           shard_dim, r, n)
+                                 : shell(shape, shard_dim);
+    return AddParameter(name, init, /*weight_decay=*/true, shard_dim);
   };
   auto constant = [&](const char* name, at::Tensor full, int64_t shard_dim) {
-    return AddParameter(name, ShardOf(full, shard_dim, r, n), /*weight_decay=*/false, shard_dim);
+    at::Tensor init = initialize ? ShardOf(full, shard_dim, r, n) : shell(full.sizes(), shard_dim);
+    return AddParameter(name, init, /*weight_decay=*/false, shard_dim);
   };
   ln1_weight_ = constant("input_layernorm.weight", Ones({h}), -1);
   ln1_bias_ = constant("input_layernorm.bias", Zeros({h}), -1);

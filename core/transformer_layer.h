@@ -50,8 +50,10 @@ class Embedding : public Unit {
 
 class TransformerLayer : public Unit {
  public:
+  /// Parameters are initialised from the seed, or — with `initialize` false — left
+  /// uninitialised, for a shell that receives a migrated layer's state.
   TransformerLayer(const ModelOptions& options, int64_t layer_index,
-                   TensorParallelGroup* tp = nullptr);
+                   TensorParallelGroup* tp = nullptr, bool initialize = true);
   int64_t layer_index() const { return layer_index_; }
   /// hidden [s, b, h] → [s, b, h].
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;

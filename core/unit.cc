@@ -63,6 +63,60 @@ NamedTensors Unit::StateTensors(const ShardGatherer& gather) const {
   return out;
 }
 
+NamedTensors Unit::MigrationTensors() const {
+  NamedTensors out = StateTensors();
+  for (const auto& p : parameters_) {
+    if (p.value.grad().defined()) out.emplace_back(GlobalName(p.name) + ".grad", p.value.grad());
+  }
+  return out;
+}
+
+absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors) {
+  auto find = [&](const std::string& name) -> const at::Tensor* {
+    auto it = tensors.find(name);
+    return it == tensors.end() ? nullptr : &it->second;
+  };
+  auto check_shape = [](const std::string& name, const at::Tensor& got,
+                        const at::Tensor& like) -> absl::Status {
+    if (got.sizes() != like.sizes()) {
+      return absl::InvalidArgumentError(absl::StrCat("migrated tensor ", name, " has shape ",
+                                                     c10::str(got.sizes()), ", expected ",
+                                                     c10::str(like.sizes())));
+    }
+    return absl::OkStatus();
+  };
+  const at::Tensor* step = find("optimizer." + name_ + ".step");
+  optimizer_step_ = step ? step->item<int64_t>() : 0;
+  at::NoGradGuard no_grad;
+  for (auto& p : parameters_) {
+    const std::string name = GlobalName(p.name);
+    const at::Tensor* value = find(name);
+    if (value == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("migrated unit ", name_, " lacks ", name));
+    }
+    FULCRUM_RETURN_IF_ERROR(check_shape(name, *value, p.value));
+    p.value.copy_(*value);  // in place: NOTE [parameter identity]
+    const at::Tensor* grad = find(name + ".grad");
+    if (grad != nullptr) FULCRUM_RETURN_IF_ERROR(check_shape(name + ".grad", *grad, p.value));
+    p.value.mutable_grad() = grad ? grad->clone() : at::Tensor();
+    if (step != nullptr) {
+      const at::Tensor* m = find("optimizer." + name + ".exp_avg");
+      const at::Tensor* v = find("optimizer." + name + ".exp_avg_sq");
+      if (m == nullptr || v == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("migrated unit ", name_, " lacks the Adam moments of ", name));
+      }
+      FULCRUM_RETURN_IF_ERROR(check_shape(name, *m, p.value));
+      FULCRUM_RETURN_IF_ERROR(check_shape(name, *v, p.value));
+      p.exp_avg = m->clone();
+      p.exp_avg_sq = v->clone();
+    } else {
+      p.exp_avg = p.exp_avg_sq = at::Tensor();
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Unit::LoadStateTensors(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
     bool with_optimizer) {

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,6 +94,16 @@ class Unit {
   absl::Status LoadStateTensors(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
       bool with_optimizer);
+
+  /// Everything that travels with the unit when it moves to another pipeline stage (NOTE
+  /// [layer migration] in core/gpt_model.h), under global names: values, gradients
+  /// ("<name>.grad", when defined), moments and the step counter. Tensor-parallel shards
+  /// travel as they are: a unit moves between stages of the same tensor-parallel rank.
+  NamedTensors MigrationTensors() const;
+
+  /// Restores what MigrationTensors() produced into this unit (a shell of the same layer).
+  /// Values and moments are copied bit for bit; gradients are installed as they arrived.
+  absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors);
 
   /// The global name of a local parameter name.
   std::string GlobalName(const std::string& local_name) const { return name_ + "." + local_name; }

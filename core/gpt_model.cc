@@ -15,15 +15,16 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
   TORCH_CHECK(0 <= stage.layer_begin && stage.layer_begin <= end && end <= options.num_layers,
               "stage layer range [", stage.layer_begin, ", ", end, ") is outside [0, ",
               options.num_layers, ")");
-  TORCH_CHECK(!(options.tie_embeddings && stage.has_head && !stage.has_embedding),
-              "a tied output layer on a stage without the embedding is not supported yet");
   layer_begin_ = stage.layer_begin;
   layer_end_ = end;
   if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
   for (int64_t i = stage.layer_begin; i < end; ++i) {
     layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp));
   }
-  if (stage.has_head) head_ = std::make_unique<Head>(options, tp);
+  if (stage.has_head) {
+    head_ = std::make_unique<Head>(options, tp,
+                                   /*mirror_word_embeddings=*/options.tie_embeddings && !stage.has_embedding);
+  }
 }
 
 std::vector<Unit*> GptModel::Units() const {

@@ -13,6 +13,7 @@ double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool include_repli
       const at::Tensor& g = p.value.grad();
       if (!g.defined()) continue;
       if (!include_replicated && !(p.tp_shard_dim >= 0 && unit->tp_size() > 1)) continue;
+      if (!p.mirror_of.empty()) continue;  // its source counts it
       sum += g.to(at::kDouble).pow(2).sum().item<double>();
     }
   }

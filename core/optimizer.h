@@ -18,7 +18,8 @@ class AdamW {
   /// Sum over the units' gradients of their squared L2 norms (computed in double): this
   /// rank's part of the global norm, which parallel callers sum over model-parallel ranks.
   /// Replicated (not tensor-parallel-sharded) parameters count only when
-  /// `include_replicated`, so that the group counts them once.
+  /// `include_replicated`, so that the group counts them once; mirrors never count (their
+  /// source does).
   static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated = true);
 
   /// Multiplies every gradient by `factor`.

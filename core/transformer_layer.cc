@@ -207,7 +207,7 @@ at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardCont
 }
 
 // ---------------------------------------------------------------------------------------
-Head::Head(const ModelOptions& options, TensorParallelGroup* tp)
+Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_word_embeddings)
     : Unit("head", TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
@@ -222,6 +222,14 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp)
                            {options.vocab_size, h}, options.init_method_std),
                 0, tp_rank(), tp_size()),
         true, /*tp_shard_dim=*/0);
+  } else if (mirror_word_embeddings) {
+    // Same key as the embedding's initialisation, so the mirror starts equal to it.
+    const std::string source = "embedding.word_embeddings.weight";
+    output_weight_ = AddParameter(
+        "word_embeddings_mirror.weight",
+        ShardOf(NormalInit(options.seed, source, {options.vocab_size, h}, options.init_method_std),
+                0, tp_rank(), tp_size()),
+        true, /*tp_shard_dim=*/0, /*mirror_of=*/source);
   }
 }
 

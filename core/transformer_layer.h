@@ -72,7 +72,11 @@ class TransformerLayer : public Unit {
 
 class Head : public Unit {
  public:
-  explicit Head(const ModelOptions& options, TensorParallelGroup* tp = nullptr);
+  /// With `mirror_word_embeddings` (a tied head on a stage without the embedding), the head
+  /// keeps a mirror of the word embeddings, "word_embeddings_mirror.weight" (see
+  /// Parameter::mirror_of), initialised like them.
+  explicit Head(const ModelOptions& options, TensorParallelGroup* tp = nullptr,
+                bool mirror_word_embeddings = false);
   /// hidden [s, b, h] → this rank's vocabulary columns of the logits, [s, b, V/tp].
   /// `word_embeddings` is the tied output weight shard (ignored when untied).
   at::Tensor Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const;
@@ -85,7 +89,7 @@ class Head : public Unit {
   TensorParallelGroup* tp_;
   int64_t vocab_start_;
   at::Tensor ln_weight_, ln_bias_;
-  at::Tensor output_weight_;  // Undefined when tied.
+  at::Tensor output_weight_;  // Undefined when tied to an embedding on the same stage.
 };
 
 /// Applies rotary position embedding (RoFormer, Su et al. 2021, eq. 34; the "rotate half"

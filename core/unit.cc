@@ -28,13 +28,14 @@ void Unit::ZeroGrad() {
 }
 
 at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
-                               bool weight_decay, int64_t tp_shard_dim) {
+                               bool weight_decay, int64_t tp_shard_dim,
+                               const std::string& mirror_of) {
   TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
                         GlobalName(local_name));
   at::Tensor value = init.to(at::kFloat).contiguous().detach();
   value.set_requires_grad(true);
   parameters_.push_back(
-      Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {}, {}});
+      Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {}, {}, mirror_of});
   return parameters_.back().value;
 }
 
@@ -51,9 +52,12 @@ NamedTensors Unit::StateTensors(const ShardGatherer& gather) const {
                                                             : t.detach();
   };
   NamedTensors out;
-  for (const auto& p : parameters_) out.emplace_back(GlobalName(p.name), full(p, p.value));
+  for (const auto& p : parameters_) {
+    if (p.mirror_of.empty()) out.emplace_back(GlobalName(p.name), full(p, p.value));
+  }
   if (optimizer_step_ == 0) return out;
   for (const auto& p : parameters_) {
+    if (!p.mirror_of.empty()) continue;
     const std::string base = "optimizer." + GlobalName(p.name);
     out.emplace_back(base + ".exp_avg", full(p, p.exp_avg));
     out.emplace_back(base + ".exp_avg_sq", full(p, p.exp_avg_sq));
@@ -141,9 +145,13 @@ absl::Status Unit::LoadStateTensors(
     *out = t.to(at::kFloat).contiguous().clone();
     return absl::OkStatus();
   };
+  // A mirror loads its source's tensors (Parameter::mirror_of).
+  auto stored_name = [&](const Parameter& p) {
+    return p.mirror_of.empty() ? GlobalName(p.name) : p.mirror_of;
+  };
   for (auto& p : parameters_) {
     at::Tensor loaded;
-    FULCRUM_RETURN_IF_ERROR(load_into(GlobalName(p.name), p, &loaded));
+    FULCRUM_RETURN_IF_ERROR(load_into(stored_name(p), p, &loaded));
     at::NoGradGuard no_grad;
     p.value.copy_(loaded);
   }
@@ -158,7 +166,7 @@ absl::Status Unit::LoadStateTensors(
   }
   optimizer_step_ = step->item<int64_t>();
   for (auto& p : parameters_) {
-    const std::string base = "optimizer." + GlobalName(p.name);
+    const std::string base = "optimizer." + stored_name(p);
     FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg", p, &p.exp_avg));
     FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg_sq", p, &p.exp_avg_sq));
   }

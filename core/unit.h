@@ -40,6 +40,12 @@ struct Parameter {
                          // (NOTE [tensor-parallel sharding] in core/tensor_parallel.h).
   at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
   at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
+  // Global name of the parameter this one mirrors, or empty. A mirror is a replica kept on
+  // another pipeline stage (the tied output weight on the last stage mirrors
+  // embedding.word_embeddings.weight): both receive the summed gradient and the same
+  // update, so they stay equal. A mirror is not checkpointed (it loads from its source)
+  // and not counted in the gradient norm.
+  std::string mirror_of;
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -113,7 +119,7 @@ class Unit {
   /// shard along `tp_shard_dim`, or the whole tensor when -1); it is made a fp32 leaf that
   /// requires grad. Returns the stored tensor.
   at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay,
-                           int64_t tp_shard_dim = -1);
+                           int64_t tp_shard_dim = -1, const std::string& mirror_of = "");
 
  private:
   std::string name_;

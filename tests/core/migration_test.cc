@@ -193,3 +193,41 @@ TEST(MigrationTest, MigrationTensorsCarryGradientsAndAdamState) {
 
 }  // namespace
 }  // namespace fulcrum
+
+namespace fulcrum {
+namespace {
+
+// A tied head on a stage without the embedding keeps a mirror of the word embeddings that
+// starts equal, is not checkpointed, loads from the embedding's name and is left out of
+// the gradient norm.
+TEST(MirrorTest, TiedHeadOnAnotherStageMirrorsTheWordEmbeddings) {
+  ModelOptions o = testing::SmallModel();
+  o.tie_embeddings = true;
+  GptModel first(o, StageSpec{0, 1, true, false});
+  GptModel last(o, StageSpec{1, 2, false, true});
+  Parameter* mirror = last.head()->FindParameter("word_embeddings_mirror.weight");
+  ASSERT_NE(mirror, nullptr);
+  EXPECT_EQ(mirror->mirror_of, "embedding.word_embeddings.weight");
+  EXPECT_TRUE(at::equal(mirror->value, first.embedding()->word_embeddings()));
+  for (auto& [name, t] : last.head()->StateTensors()) {
+    EXPECT_EQ(name.find("mirror"), std::string::npos) << name << " must not be checkpointed";
+  }
+  mirror->value.mutable_grad() = at::ones_like(mirror->value);
+  EXPECT_EQ(AdamW::GradSquaredSum({last.head()}), 0.0);
+
+  std::map<std::string, at::Tensor> saved;
+  for (Unit* u : first.Units()) {
+    for (auto& [name, t] : u->StateTensors()) saved.emplace(name, t.clone().fill_(0.5));
+  }
+  for (auto& [name, t] : last.head()->StateTensors()) saved.emplace(name, t);
+  auto lookup = [&](const std::string& name) -> absl::StatusOr<at::Tensor> {
+    auto it = saved.find(name);
+    if (it == saved.end()) return absl::NotFoundError(name);
+    return it->second;
+  };
+  ASSERT_TRUE(last.head()->LoadStateTensors(lookup, true).ok());
+  EXPECT_TRUE(at::equal(mirror->value, at::full_like(mirror->value, 0.5)));
+}
+
+}  // namespace
+}  // namespace fulcrum

@@ -1,0 +1,76 @@
+// Helpers shared by the router implementations (declared in moe/internal/router_common.h).
+#include "moe/internal/router_common.h"
+
+#include "core/random.h"
+#include "moe/aux_losses.h"
+
+namespace fulcrum::moe::internal {
+
+at::Tensor LeafParameter(const at::Tensor& init) {
+  at::Tensor value = init.to(at::kFloat).contiguous().detach().clone();
+  value.set_requires_grad(true);
+  return value;
+}
+
+at::Tensor NormalParameter(const RouterOptions& options, const std::string& local_name,
+                           at::IntArrayRef shape, double std) {
+  at::Generator gen = MakeGenerator(options.seed, options.init_scope + "." + local_name);
+  return LeafParameter(at::empty(shape, at::kFloat).normal_(0.0, std, gen));
+}
+
+at::Tensor RouterInput(const at::Tensor& hidden, at::ScalarType dtype, const RouterOptions& options,
+                       const RouteContext& ctx) {
+  at::Tensor x = hidden.to(dtype);
+  if (!ctx.training || options.input_jitter_eps == 0.0) return x;
+  at::Generator gen = MakeGenerator(options.seed, "moe_router_jitter",
+                                    {ctx.layer, ctx.iteration, ctx.first_sample});
+  const double eps = options.input_jitter_eps;
+  // Drawn on the CPU, whose keyed generator makes it the same on every device.
+  at::Tensor jitter = at::empty(x.sizes(), at::TensorOptions().dtype(x.scalar_type()))
+                          .uniform_(1.0 - eps, 1.0 + eps, gen);
+  return x * jitter.to(x.device());
+}
+
+at::Tensor KeyedStandardNormal(const RouterOptions& options, const char* site,
+                               const RouteContext& ctx, int64_t rows, int64_t cols,
+                               const at::TensorOptions& like) {
+  at::Generator gen =
+      MakeGenerator(options.seed, site, {ctx.layer, ctx.iteration, ctx.first_sample});
+  at::Tensor noise =
+      at::empty({rows, cols}, at::TensorOptions().dtype(like.dtype())).normal_(0.0, 1.0, gen);
+  return noise.to(like.device());
+}
+
+at::Tensor TokenChoiceGates(const at::Tensor& chosen_scores) {
+  if (chosen_scores.size(1) == 1) return chosen_scores;
+  return chosen_scores / chosen_scores.sum(1, /*keepdim=*/true);
+}
+
+Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, at::Tensor probs,
+                           int64_t num_experts) {
+  TORCH_INTERNAL_ASSERT(experts.dim() == 2 && experts.sizes() == gates.sizes());
+  const int64_t num_tokens = experts.size(0);
+  const int64_t k = experts.size(1);
+  Routing routing;
+  // Column-major flattening of [T, k] is GShard's order: choice 0 of tokens 0..T-1, then
+  // choice 1 of tokens 0..T-1, ...
+  routing.token = at::arange(num_tokens, experts.options()).repeat({k});
+  routing.expert = experts.t().reshape({-1}).contiguous();
+  routing.gate = gates.t().reshape({-1});
+  routing.probs = std::move(probs);
+  routing.expert_load = at::bincount(routing.expert, /*weights=*/{}, num_experts);
+  return routing;
+}
+
+void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing) {
+  if (coeff > 0.0) routing->aux_losses.emplace_back("z_loss", ZLoss(logits) * coeff);
+}
+
+void AddLoadBalancingLoss(int64_t k, double coeff, Routing* routing) {
+  if (coeff > 0.0) {
+    routing->aux_losses.emplace_back(
+        "load_balancing_loss", LoadBalancingLoss(routing->probs, routing->expert_load, k) * coeff);
+  }
+}
+
+}  // namespace fulcrum::moe::internal

@@ -1,0 +1,145 @@
+// Token-choice routers over a softmax of linear logits: `topk`, `switch`, `noisy_topk`.
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "moe/aux_losses.h"
+#include "moe/internal/router_common.h"
+
+namespace fulcrum::moe::internal {
+namespace {
+
+// Softmax top-k (`topk`) and Switch top-1 (`switch`).
+//
+//   logits = x·Wᵀ,  probs = softmax(logits),  experts = top-k of probs,
+//   gates  = the top-k probs renormalised to sum 1 when k > 1 (Megatron's default, Mixtral,
+//            GShard §2.2 for k = 2); for k = 1 the probability itself (Switch Transformer
+//            §2.1: p_i(x) scales the expert output, which is what makes the router
+//            differentiable — renormalised it would be the constant 1).
+//
+// Balancing: the Switch Transformer loss (Fedus et al. 2022, §2.2) α·E·Σᵢ fᵢ·Pᵢ, where for
+// k > 1 fᵢ counts all k choices (Megatron's aux_loss), and the optional z-loss.
+// `switch` is the k = 1 case under its paper's name; it refuses k != 1.
+class TopKRouter : public Router {
+ public:
+  TopKRouter(const RouterOptions& options, const char* name, bool top1_only)
+      : Router(options),
+        name_(name),
+        top1_only_(top1_only),
+        weight_(NormalParameter(options, "router.weight",
+                                {options.num_experts, options.hidden_size}, options.init_std)) {}
+
+  const char* name() const override { return name_; }
+
+  Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
+    CheckRouteArguments(hidden, k);
+    TORCH_CHECK(!top1_only_ || k == 1, name_, " router routes each token to one expert, got k=", k);
+    at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
+    at::Tensor logits = at::linear(x, weight_);  // [T, E]
+    at::Tensor probs = at::softmax(logits, 1);
+    auto [top_probs, top_experts] = at::topk(probs, k, /*dim=*/1);
+    Routing routing =
+        TokenChoiceRouting(top_experts, TokenChoiceGates(top_probs), probs, num_experts());
+    AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
+    AddZLoss(logits, options_.z_loss_coeff, &routing);
+    return routing;
+  }
+
+  std::vector<RouterParameter> Parameters() override {
+    return {{"router.weight", &weight_, /*weight_decay=*/true}};
+  }
+
+ private:
+  const char* name_;
+  bool top1_only_;
+  at::Tensor weight_;  // [E, D] W_r
+};
+
+// Noisy top-k gating (`noisy_topk`), Shazeer et al. 2017, "Outrageously Large Neural
+// Networks", §2.1 (eq. 3–5), §4 (eq. 6–7) and Appendix A (eq. 8–11):
+//
+//   H(x)ᵢ = (x·W_g)ᵢ + StandardNormal()·Softplus((x·W_noise)ᵢ)   (noise in training only)
+//   G(x)  = Softmax(KeepTopK(H(x), k))
+//
+// so the gates are softmax over the k kept logits: for k = 1 the gate is 1 and the router
+// learns through the balancing losses alone (the paper's reason for k > 1). The noise is
+// drawn from (seed, "moe_router_noise", layer, iteration, first_sample), and its scale is
+// Softplus(x·W_noise) + noise_epsilon as in the reference implementation (tensor2tensor),
+// so it never divides by 0 in the load estimator.
+//
+// Losses, both scaled by aux_loss_coeff (the reference implementation's single loss_coef):
+//   importance_loss = CV(Importance(X))², Importance(X) = Σₓ G(x)              (§4)
+//   load_loss       = CV(Load(X))², Load the smooth estimator of NoisyTopKLoad (App. A)
+// Outside training (no noise) the load is the plain assignment count, as in the reference.
+//
+// probs = softmax(H(x)) over all experts; the gates equal its top k renormalised.
+// W_g and W_noise start at zero as in Appendix A ("no signal and some random noise"), so
+// the first steps route uniformly at random; the z-loss, if on, applies to H(x), the
+// logits the softmax sees.
+class NoisyTopKRouter : public Router {
+ public:
+  explicit NoisyTopKRouter(const RouterOptions& options)
+      : Router(options),
+        gate_weight_(LeafParameter(at::zeros({options.num_experts, options.hidden_size}))),
+        noise_weight_(LeafParameter(at::zeros({options.num_experts, options.hidden_size}))) {}
+
+  const char* name() const override { return "noisy_topk"; }
+
+  Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
+    CheckRouteArguments(hidden, k);
+    at::Tensor x = RouterInput(hidden, gate_weight_.scalar_type(), options_, ctx);
+    const int64_t num_tokens = x.size(0);
+    at::Tensor clean = at::linear(x, gate_weight_);  // [T, E] x·W_g
+    at::Tensor logits = clean;                       // H(x)
+    at::Tensor noise_stddev;
+    if (ctx.training) {
+      noise_stddev = at::softplus(at::linear(x, noise_weight_)) + options_.noise_epsilon;
+      logits = clean + KeyedStandardNormal(options_, "moe_router_noise", ctx, num_tokens,
+                                           num_experts(), clean.options()) *
+                           noise_stddev;
+    }
+    auto [top_logits, top_experts] = at::topk(logits, k, /*dim=*/1);
+    Routing routing = TokenChoiceRouting(top_experts, at::softmax(top_logits, 1),
+                                         at::softmax(logits, 1), num_experts());
+    if (options_.aux_loss_coeff > 0.0) {
+      at::Tensor importance = Importance(routing.expert, routing.gate, num_experts());
+      at::Tensor load = ctx.training ? NoisyTopKLoad(clean, logits, noise_stddev, k)
+                                     : routing.expert_load.to(clean.scalar_type());
+      routing.aux_losses.emplace_back("importance_loss",
+                                      CvSquared(importance) * options_.aux_loss_coeff);
+      routing.aux_losses.emplace_back("load_loss", CvSquared(load) * options_.aux_loss_coeff);
+    }
+    AddZLoss(logits, options_.z_loss_coeff, &routing);
+    return routing;
+  }
+
+  std::vector<RouterParameter> Parameters() override {
+    return {{"router.weight", &gate_weight_, /*weight_decay=*/true},
+            {"router.noise_weight", &noise_weight_, /*weight_decay=*/true}};
+  }
+
+ private:
+  at::Tensor gate_weight_;   // [E, D] W_gᵀ
+  at::Tensor noise_weight_;  // [E, D] W_noiseᵀ
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Router>> NewTopKRouter(const RouterOptions& options) {
+  return std::make_unique<TopKRouter>(options, "topk", /*top1_only=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<Router>> NewSwitchRouter(const RouterOptions& options) {
+  if (options.topk != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_router=switch routes each token to one expert: --moe_router_topk must be 1, "
+        "got ",
+        options.topk));
+  }
+  return std::make_unique<TopKRouter>(options, "switch", /*top1_only=*/true);
+}
+
+absl::StatusOr<std::unique_ptr<Router>> NewNoisyTopKRouter(const RouterOptions& options) {
+  return std::make_unique<NoisyTopKRouter>(options);
+}
+
+}  // namespace fulcrum::moe::internal

@@ -389,6 +389,11 @@ TEST(CommDeadPeerWorker, SurvivorsGetCommErrorNamingOpGroupAndPeer) {
     EXPECT_THAT(e.what(), HasSubstr("barrier on 'world'"));
     EXPECT_THAT(e.what(), HasSubstr("unusable after an earlier failure"));
   }
+  if (world.rank() == 0 && dead != 0) {
+    // Rank 0 hosts the store the other survivor probes to name the dead peer: exiting first
+    // would make that probe report a dead store instead (a race the test must not have).
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  }
 }
 
 // Run alone (its own launch, 2 ranks): rank 1 is alive but skips calls, the case that

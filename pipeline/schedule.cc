@@ -1,0 +1,424 @@
+// Schedule generators, the schedule registry and the checker. The registrations live in
+// this file, next to MakeSchedule, so that any user of MakeSchedule links this translation
+// unit and with it the registrations (a static library drops unreferenced objects).
+#include "pipeline/schedule.h"
+
+#include <algorithm>
+#include <ostream>
+#include <stdexcept>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace fulcrum::pipeline {
+
+FULCRUM_REGISTER(ScheduleGenerator, 1f1b,
+                 "one-forward-one-backward (PipeDream-Flush, Megatron-LM): fused backward, "
+                 "≤ p micro-batches in flight, bubble (p-1)(F+B+W)",
+                 OneFOneB);
+FULCRUM_REGISTER(ScheduleGenerator, zbh1,
+                 "zero-bubble ZB-H1 (Qi et al. 2024 §2.1): B/W split, W deferred to fill the "
+                 "tail; 1F1B's memory, bubble (p-1)(F+B-W)",
+                 ZeroBubbleH1);
+FULCRUM_REGISTER(ScheduleGenerator, zbh2,
+                 "zero-bubble ZB-H2 (Qi et al. 2024 §2.2): extra warm-up forwards, ≤ 2p-1 "
+                 "micro-batches in flight, no idle time inside a stage when F=B=W and m ≥ 2p-1",
+                 ZeroBubbleH2);
+
+const char* ActionKindName(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::kForward:
+      return "F";
+    case ActionKind::kBackward:
+      return "BW";
+    case ActionKind::kBackwardInput:
+      return "B";
+    case ActionKind::kBackwardWeight:
+      return "W";
+  }
+  return "?";
+}
+
+std::string Action::ToString() const { return absl::StrCat(ActionKindName(kind), microbatch); }
+
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  return out << action.ToString();
+}
+
+std::vector<StageAction> Dependencies(int num_stages, int stage, const Action& action) {
+  const int mb = action.microbatch;
+  std::vector<StageAction> deps;
+  switch (action.kind) {
+    case ActionKind::kForward:
+      if (stage > 0) deps.push_back({stage - 1, {ActionKind::kForward, mb}});
+      break;
+    case ActionKind::kBackward:
+    case ActionKind::kBackwardInput:
+      deps.push_back({stage, {ActionKind::kForward, mb}});
+      if (stage + 1 < num_stages) deps.push_back({stage + 1, {action.kind, mb}});
+      break;
+    case ActionKind::kBackwardWeight:
+      deps.push_back({stage, {ActionKind::kBackwardInput, mb}});
+      break;
+  }
+  return deps;
+}
+
+bool UsesSplitBackward(const Schedule& schedule) {
+  for (const auto& actions : schedule.stages) {
+    for (const Action& action : actions) {
+      if (action.kind == ActionKind::kBackwardInput || action.kind == ActionKind::kBackwardWeight) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------
+// Generators
+//
+// NOTE [one shape for three schedules]
+// 1F1B, ZB-H1 and ZB-H2 differ only in two numbers per stage s: how many forwards run
+// before the first backward (warmup) and by how many micro-batches each W trails its B
+// (lag). Stage s runs
+//     F(0) .. F(warmup-1),
+//     then for j = 0..m-1:  B(j),  W(j-lag) if j ≥ lag,  F(warmup+j) if any is left,
+//     then the lag W's still owed, oldest first
+// (fused BW(j) instead of B(j)+W(j) when lag is 0 and the schedule does not split).
+// A micro-batch is held from its F to its W (or BW): the stage holds warmup + lag of them
+// (at most m) after the first lag rounds, and never more, as every later F follows a W.
+//
+//              warmup(s)    lag(s)   held
+//   1F1B       p - s        0 (BW)   p - s      (the usual "p-s-1 warm-up forwards, then
+//                                                F BW pairs": the first pair's F is the
+//                                                p-s-th forward)
+//   ZB-H1      p - s        s        p          (Qi et al. §2.1)
+//   ZB-H2      2(p-s) - 1   2s       2p - 1     (Qi et al. §2.2)
+//
+// Why these numbers (costs F, B, W; "slot" = one action when F = B = W).
+// - 1F1B: stage s gets micro-batch 0 at s·F, and its gradient comes back at
+//   p·F + (p-1-s)(B+W), since every stage below runs the full BW before passing it on.
+//   The p-s forwards cannot fill that wait; each stage idles (p-1)(F+B+W) in all.
+// - ZB-H1 keeps 1F1B's order of F and B and moves only W. With W off the critical path
+//   the gradient comes back at p·F + (p-1-s)·B, B+W earlier per stage below. At the end,
+//   stages 0..s-1 still run their last B for s·B after stage s ran its own; the s W's that
+//   stage s deferred fill that time. Each stage idles (p-1)(F+B-W) in all (the tests give the
+//   exact form for any costs). The deferred W's keep their activations, so stage s holds
+//   (p-s) + s = p micro-batches: 1F1B's stage-0 peak, reached on every stage (§2.1).
+// - ZB-H2 also fills the head: stage s runs forwards until its first gradient arrives at
+//   p·F + (p-1-s)·B, i.e. 2(p-s)-1 of them when F = B, then B, W, F in turn. To close the
+//   parallelogram in which every stage works m(F+B+W) without a gap, starting s slots
+//   after stage 0 and ending s slots after it, stage s must run its last B 2s+1 slots
+//   before its end, where its last gradient arrives (p-1-s) slots after the last stage's;
+//   W(m-1) and 2s deferred W's fill those slots (§2.2). It holds (2(p-s)-1) + 2s = 2p-1.
+// The simulator (schedule_simulator.h) reproduces these bubbles; the tests pin them.
+
+namespace {
+
+// The shape of NOTE [one shape for three schedules]; `split` selects B+W over fused BW.
+Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, int max_in_flight,
+                       bool split, const std::function<int(int)>& warmup,
+                       const std::function<int(int)>& lag) {
+  if (num_stages < 1 || num_microbatches < 1) {
+    throw std::invalid_argument(absl::StrCat(name,
+                                             " schedule: needs at least 1 stage and 1 "
+                                             "micro-batch, got ",
+                                             num_stages, " and ", num_microbatches));
+  }
+  const int m = num_microbatches;
+  Schedule schedule;
+  schedule.name = std::move(name);
+  schedule.num_stages = num_stages;
+  schedule.num_microbatches = m;
+  schedule.max_in_flight = max_in_flight;
+  schedule.stages.resize(num_stages);
+  for (int s = 0; s < num_stages; ++s) {
+    std::vector<Action>& actions = schedule.stages[s];
+    actions.reserve(split ? 3 * m : 2 * m);
+    const int stage_warmup = std::min(warmup(s), m);
+    const int stage_lag = lag(s);
+    int next_forward = 0;
+    int next_weight = 0;
+    while (next_forward < stage_warmup) actions.push_back({ActionKind::kForward, next_forward++});
+    for (int j = 0; j < m; ++j) {
+      if (split) {
+        actions.push_back({ActionKind::kBackwardInput, j});
+        if (j >= stage_lag) actions.push_back({ActionKind::kBackwardWeight, next_weight++});
+      } else {
+        actions.push_back({ActionKind::kBackward, j});
+      }
+      if (next_forward < m) actions.push_back({ActionKind::kForward, next_forward++});
+    }
+    while (split && next_weight < m) {
+      actions.push_back({ActionKind::kBackwardWeight, next_weight++});
+    }
+  }
+  return schedule;
+}
+
+}  // namespace
+
+Schedule OneFOneB(int num_stages, int num_microbatches) {
+  const int p = num_stages;
+  return BuildSchedule(
+      "1f1b", p, num_microbatches, /*max_in_flight=*/p, /*split=*/false,
+      [p](int s) { return p - s; }, [](int) { return 0; });
+}
+
+Schedule ZeroBubbleH1(int num_stages, int num_microbatches) {
+  const int p = num_stages;
+  return BuildSchedule(
+      "zbh1", p, num_microbatches, /*max_in_flight=*/p, /*split=*/true,
+      [p](int s) { return p - s; }, [](int s) { return s; });
+}
+
+Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
+  const int p = num_stages;
+  return BuildSchedule(
+      "zbh2", p, num_microbatches, /*max_in_flight=*/2 * p - 1, /*split=*/true,
+      [p](int s) { return 2 * (p - s) - 1; }, [](int s) { return 2 * s; });
+}
+
+// ---------------------------------------------------------------------------------------
+// Registry
+
+absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
+                                      int num_microbatches) {
+  const ScheduleRegistry::Entry* entry = ScheduleRegistry::Global().Find(name);
+  if (entry == nullptr) {
+    return absl::NotFoundError(absl::StrCat("--pipeline_schedule=", name,
+                                            " is not a known schedule; known: ", ScheduleNames()));
+  }
+  if (num_stages < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--pipeline_model_parallel_size=", num_stages,
+                                                   " must be ≥ 1 (pipeline stages)"));
+  }
+  if (num_microbatches < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the micro-batch count per iteration is ", num_microbatches,
+        "; it must be ≥ 1 (it is --global_batch_size / (--micro_batch_size × data-parallel "
+        "size))"));
+  }
+  return entry->value(num_stages, num_microbatches);
+}
+
+std::string ScheduleNames() { return ScheduleRegistry::Global().Names(); }
+
+std::string ScheduleHelp() {
+  std::string out;
+  for (const ScheduleRegistry::Entry* entry : ScheduleRegistry::Global().List()) {
+    absl::StrAppendFormat(&out, "  %-6s %s\n", entry->name, entry->help);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Checker
+
+namespace {
+
+// Tables indexed by [KindIndex(kind)][micro-batch].
+constexpr int kNumActionKinds = 4;
+int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
+
+// +1 for a micro-batch that starts being held, -1 for one that is released, 0 otherwise
+// (PeakInFlight's definition).
+int InFlightDelta(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::kForward:
+      return 1;
+    case ActionKind::kBackward:
+    case ActionKind::kBackwardWeight:
+      return -1;
+    case ActionKind::kBackwardInput:
+      return 0;
+  }
+  return 0;
+}
+
+std::string Prefix(const Schedule& schedule) {
+  return absl::StrCat("schedule '", schedule.name, "': ");
+}
+
+absl::Status StageError(const Schedule& schedule, int stage, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(Prefix(schedule), "stage ", stage, ": ", message));
+}
+
+// Which backward form the schedule uses, fixed by its first backward action in stage
+// order, so that a mix is reported at the first action that breaks the pattern.
+struct BackwardForm {
+  bool split = false;
+  int stage = 0;
+  Action first;
+};
+
+BackwardForm FindBackwardForm(const Schedule& schedule) {
+  for (int s = 0; s < static_cast<int>(schedule.stages.size()); ++s) {
+    for (const Action& action : schedule.stages[s]) {
+      if (action.kind != ActionKind::kForward) {
+        return {action.kind != ActionKind::kBackward, s, action};
+      }
+    }
+  }
+  return {};  // no backward at all: every BW will be reported missing
+}
+
+// Everything that can be checked on one stage's list alone: range, form, completeness,
+// order within the stage and the in-flight limit.
+absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardForm& form) {
+  const int m = schedule.num_microbatches;
+  const std::vector<Action>& actions = schedule.stages[stage];
+  // seen[kind][mb]: how often the action occurs; filled first so that a missing action is
+  // reported as missing rather than as "out of order".
+  std::vector<std::vector<int>> seen(kNumActionKinds, std::vector<int>(m, 0));
+  for (const Action& action : actions) {
+    if (action.microbatch < 0 || action.microbatch >= m) {
+      return StageError(schedule, stage,
+                        absl::StrCat(action.ToString(), " names micro-batch ", action.microbatch,
+                                     ", outside 0..", m - 1));
+    }
+    if (action.kind != ActionKind::kForward) {
+      const bool split = action.kind != ActionKind::kBackward;
+      if (split != form.split) {
+        return StageError(
+            schedule, stage,
+            absl::StrCat(action.ToString(), " mixes ", split ? "split B/W" : "fused BW",
+                         " backward into a schedule whose backward is ",
+                         form.split ? "split into B and W" : "fused BW", " (stage ", form.stage,
+                         ": ", form.first.ToString(), ")"));
+      }
+    }
+    if (++seen[KindIndex(action.kind)][action.microbatch] == 2) {
+      return StageError(schedule, stage, absl::StrCat(action.ToString(), " appears twice"));
+    }
+  }
+  std::vector<ActionKind> required = {ActionKind::kForward};
+  if (form.split) {
+    required.push_back(ActionKind::kBackwardInput);
+    required.push_back(ActionKind::kBackwardWeight);
+  } else {
+    required.push_back(ActionKind::kBackward);
+  }
+  for (ActionKind kind : required) {
+    for (int mb = 0; mb < m; ++mb) {
+      if (seen[KindIndex(kind)][mb] == 0) {
+        return StageError(schedule, stage,
+                          absl::StrCat(Action{kind, mb}.ToString(), " is missing"));
+      }
+    }
+  }
+
+  // Order within the stage, and the micro-batches held.
+  std::vector<std::vector<bool>> done(kNumActionKinds, std::vector<bool>(m, false));
+  int held = 0;
+  for (const Action& action : actions) {
+    for (const StageAction& dep : Dependencies(schedule.num_stages, stage, action)) {
+      if (dep.stage == stage && !done[KindIndex(dep.action.kind)][dep.action.microbatch]) {
+        return StageError(schedule, stage,
+                          absl::StrCat(action.ToString(), " before its ", dep.action.ToString()));
+      }
+    }
+    done[KindIndex(action.kind)][action.microbatch] = true;
+    held += InFlightDelta(action.kind);
+    if (held > schedule.max_in_flight) {
+      return StageError(schedule, stage,
+                        absl::StrFormat("%s holds %d micro-batches in flight, above the "
+                                        "schedule's limit of %d",
+                                        action.ToString(), held, schedule.max_in_flight));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Runs every stage's list strictly in order, an action only once its dependencies on other
+// stages finished, until nothing can move; durations do not matter for whether this
+// terminates. Reports every stage that is stuck, with what it waits for.
+absl::Status CheckRunsToCompletion(const Schedule& schedule) {
+  const int p = schedule.num_stages;
+  const int m = schedule.num_microbatches;
+  // finished[stage][kind][mb]
+  std::vector<std::vector<std::vector<bool>>> finished(
+      p, std::vector<std::vector<bool>>(kNumActionKinds, std::vector<bool>(m, false)));
+  auto is_finished = [&](const StageAction& node) {
+    return finished[node.stage][KindIndex(node.action.kind)][node.action.microbatch];
+  };
+  std::vector<size_t> next(p, 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int s = 0; s < p; ++s) {
+      const std::vector<Action>& actions = schedule.stages[s];
+      while (next[s] < actions.size()) {
+        const Action& action = actions[next[s]];
+        const std::vector<StageAction> deps = Dependencies(p, s, action);
+        if (!std::all_of(deps.begin(), deps.end(), is_finished)) break;
+        finished[s][KindIndex(action.kind)][action.microbatch] = true;
+        ++next[s];
+        moved = true;
+      }
+    }
+  }
+  std::vector<std::string> stuck;
+  for (int s = 0; s < p; ++s) {
+    if (next[s] == schedule.stages[s].size()) continue;
+    const Action& action = schedule.stages[s][next[s]];
+    for (const StageAction& dep : Dependencies(p, s, action)) {
+      if (is_finished(dep)) continue;
+      stuck.push_back(absl::StrCat("stage ", s, " is stuck at ", action.ToString(), " waiting for ",
+                                   dep.action.ToString(), " on stage ", dep.stage));
+      break;
+    }
+  }
+  if (stuck.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(Prefix(schedule), "deadlock: ", absl::StrJoin(stuck, "; ")));
+}
+
+}  // namespace
+
+absl::Status ValidateSchedule(const Schedule& schedule) {
+  if (schedule.num_stages < 1 || schedule.num_microbatches < 1 || schedule.max_in_flight < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Prefix(schedule), "num_stages=", schedule.num_stages,
+                     ", num_microbatches=", schedule.num_microbatches,
+                     ", max_in_flight=", schedule.max_in_flight, "; each must be ≥ 1"));
+  }
+  if (static_cast<int>(schedule.stages.size()) != schedule.num_stages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Prefix(schedule), "has ", schedule.stages.size(),
+                     " stage lists for num_stages=", schedule.num_stages));
+  }
+  const BackwardForm form = FindBackwardForm(schedule);
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    if (absl::Status status = ValidateStage(schedule, s, form); !status.ok()) return status;
+  }
+  return CheckRunsToCompletion(schedule);
+}
+
+int PeakInFlight(const Schedule& schedule, int stage) {
+  int held = 0;
+  int peak = 0;
+  for (const Action& action : schedule.stages.at(stage)) {
+    held += InFlightDelta(action.kind);
+    peak = std::max(peak, held);
+  }
+  return peak;
+}
+
+std::string FormatSchedule(const Schedule& schedule) {
+  std::string out =
+      absl::StrFormat("%s: %d stages, %d micro-batches, at most %d in flight", schedule.name,
+                      schedule.num_stages, schedule.num_microbatches, schedule.max_in_flight);
+  // Pad the stage numbers so that the lists of a deep pipeline line up.
+  const size_t last_stage = schedule.stages.empty() ? 0 : schedule.stages.size() - 1;
+  const int width = static_cast<int>(std::to_string(last_stage).size());
+  for (size_t s = 0; s < schedule.stages.size(); ++s) {
+    absl::StrAppendFormat(&out, "\nstage %*d:", width, s);
+    for (const Action& action : schedule.stages[s]) absl::StrAppend(&out, " ", action.ToString());
+  }
+  return out;
+}
+
+}  // namespace fulcrum::pipeline

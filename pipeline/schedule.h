@@ -1,0 +1,162 @@
+// Pipeline schedules as data. A schedule says, for every pipeline stage, the ordered list
+// of compute actions that stage runs in one iteration: F (forward of one micro-batch),
+// B (its input gradient), W (its weight gradient), or BW (B and W fused, as in 1F1B).
+// Generators build 1F1B and the zero-bubble schedules ZB-H1 and ZB-H2 (Qi et al., "Zero
+// Bubble Pipeline Parallelism", ICLR 2024, §2); MakeSchedule finds them by their
+// --pipeline_schedule name; ValidateSchedule checks any schedule — hand-written ones
+// included — before an executor runs it.
+//
+// Point-to-point transfers are not listed: they follow from the dependencies (NOTE
+// [pipeline dependencies]). A stage sends its F output to the next stage and its B/BW
+// input gradient to the previous one, and receives what its own F and B/BW wait for.
+//
+// Everything here is a pure function of its arguments and safe to call from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/registry.h"
+
+namespace fulcrum::pipeline {
+
+/// What one action of a stage computes for one micro-batch.
+enum class ActionKind : uint8_t {
+  kForward,         ///< F: forward; keeps the activations the backward needs.
+  kBackward,        ///< BW: input and weight gradients in one action (1F1B).
+  kBackwardInput,   ///< B: input gradient only; the weight-gradient GEMMs are queued.
+  kBackwardWeight,  ///< W: the queued weight gradients of this micro-batch.
+};
+
+/// "F", "BW", "B" or "W".
+const char* ActionKindName(ActionKind kind);
+
+/// One entry of a stage's action list.
+struct Action {
+  ActionKind kind = ActionKind::kForward;
+  int microbatch = 0;
+
+  /// "F3", "BW3", "B3", "W3".
+  std::string ToString() const;
+
+  friend bool operator==(const Action& a, const Action& b) {
+    return a.kind == b.kind && a.microbatch == b.microbatch;
+  }
+  friend bool operator!=(const Action& a, const Action& b) { return !(a == b); }
+};
+
+/// Prints Action::ToString() (for test failure messages).
+std::ostream& operator<<(std::ostream& out, const Action& action);
+
+/// The per-stage action lists of one training iteration.
+struct Schedule {
+  std::string name;          ///< Registry name: "1f1b", "zbh1", "zbh2"; free-form otherwise.
+  int num_stages = 0;        ///< Pipeline stages p; stages.size() must equal it.
+  int num_microbatches = 0;  ///< Micro-batches m per iteration, numbered 0..m-1.
+  /// The schedule's activation-memory limit: the most micro-batches a stage may hold
+  /// (see PeakInFlight). ValidateSchedule enforces it.
+  int max_in_flight = 0;
+  std::vector<std::vector<Action>> stages;  ///< stages[s]: what stage s runs, in order.
+};
+
+/// An action on a given stage: a node of the schedule's dependency graph.
+struct StageAction {
+  int stage = 0;
+  Action action;
+};
+
+// NOTE [pipeline dependencies]
+// Stage s holds layers after those of stage s-1. An action may start once these finished:
+//   F(mb) on s > 0:    F(mb) on s-1            (its input activation)
+//   B(mb)/BW(mb):      F(mb) on s              (its stored activations), and
+//                      the same kind on s+1    (its output gradient), if s < p-1
+//   W(mb):             B(mb) on s              (B queued W's GEMMs; their inputs are
+//                                               the stored activations of F(mb))
+// B and BW never meet in one schedule (ValidateSchedule rejects the mix), so "the same
+// kind on s+1" is always the action that produced the gradient. Dependencies() is the one
+// implementation; the checker, the simulator and the executor all follow it.
+
+/// The actions that must finish before `action` may start on `stage` of a
+/// `num_stages`-stage pipeline (NOTE [pipeline dependencies]); at most two.
+std::vector<StageAction> Dependencies(int num_stages, int stage, const Action& action);
+
+/// True when the schedule splits backward into B and W (it has a B or W action); false
+/// for fused BW schedules. The executor keeps a weight-gradient store only when true.
+bool UsesSplitBackward(const Schedule& schedule);
+
+// Generators. Each takes p = num_stages ≥ 1 and m = num_microbatches ≥ 1 (any m; the
+// bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and throws
+// std::invalid_argument otherwise — MakeSchedule checks both first and returns a Status.
+// All three share one shape (schedule.cc says why): stage s runs warmup(s) forwards, then
+// for j = 0..m-1 the backward of micro-batch j, the W that lags it by lag(s) micro-batches,
+// and the next forward; the W's still owed close the list. Stage s therefore holds at
+// most warmup(s) + lag(s) micro-batches.
+
+/// 1F1B (PipeDream-Flush; Narayanan et al., SC'21 §2.2.1): stage s runs min(p-s-1, m)
+/// warm-up forwards, then alternates F and fused BW. Holds ≤ p-s micro-batches
+/// (max_in_flight = p). Bubble per stage (p-1)(T_F + T_B + T_W).
+Schedule OneFOneB(int num_stages, int num_microbatches);
+
+/// ZB-H1 (Qi et al. 2024, §2.1): 1F1B's order of F and B, with W split off and run on
+/// stage s right after the B that is s micro-batches later; the s W's still owed end the
+/// list. Every stage holds ≤ p micro-batches, 1F1B's peak (max_in_flight = p). Bubble
+/// per stage (p-1)·max(T_F, T_B, T_F + T_B - T_W): the paper's (p-1)(T_F + T_B - T_W)
+/// whenever T_W ≤ min(T_F, T_B). The other two terms bind every schedule that holds ≤ p:
+/// the last stage waits (p-1)T_F for its first input, and stage 0, full after p forwards,
+/// waits (p-1)T_B for the first gradient.
+Schedule ZeroBubbleH1(int num_stages, int num_microbatches);
+
+/// ZB-H2 (Qi et al. 2024, §2.2): stage s runs 2(p-s)-1 warm-up forwards so the first
+/// backward finds it busy, then B, the W that lags it by 2s micro-batches, and F; the 2s
+/// W's still owed end the list. Every stage holds ≤ 2p-1 micro-batches
+/// (max_in_flight = 2p-1). With m ≥ 2p-1 the idle time inside each stage's own span is
+/// (p-1)·max(0, T_B - T_F, T_F + T_B - 2T_W) — zero when F, B and W cost the same, the
+/// paper's parallelogram; the bubble up to the end of the whole pipeline is
+/// (p-1)·max(T_F, T_B - T_F, T_F + T_B - 2T_W) (at least the (p-1)T_F of the last stage
+/// waiting for its first input). With m < 2p-1 the warm-up is cut to m forwards: the
+/// schedule stays valid, but the pipeline never fills and a bubble remains.
+Schedule ZeroBubbleH2(int num_stages, int num_microbatches);
+
+/// Builds a schedule from (num_stages, num_microbatches); registered by name.
+using ScheduleGenerator = std::function<Schedule(int num_stages, int num_microbatches)>;
+using ScheduleRegistry = Registry<ScheduleGenerator>;
+
+/// The schedule registered as `name` (--pipeline_schedule) for `num_stages`
+/// (--pipeline_model_parallel_size) and `num_microbatches` (the micro-batch count
+/// --global_batch_size / (--micro_batch_size × data-parallel size)). InvalidArgument
+/// naming the flag for a count below 1, NotFound listing the schedules for an unknown name.
+absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
+                                      int num_microbatches);
+
+/// "1f1b, zbh1, zbh2" (for error messages).
+std::string ScheduleNames();
+
+/// One line per schedule, "  name  help", for --help.
+std::string ScheduleHelp();
+
+/// Checks everything an executor relies on: the shape (num_stages lists, counts ≥ 1);
+/// then stage by stage: micro-batch numbers in range, fused BW and split B/W not mixed,
+/// every micro-batch exactly once per action kind, B/BW after its own F and W after its
+/// own B, at most max_in_flight micro-batches held; and last, that running every stage's
+/// list strictly in order, each action waiting for its dependencies on other stages,
+/// finishes (no deadlock). InvalidArgument naming the stage and the action otherwise,
+/// e.g. "schedule 'zbh1': stage 2: B5 before its F5".
+absl::Status ValidateSchedule(const Schedule& schedule);
+
+/// The most micro-batches `stage` holds at once: a micro-batch is held from its F until
+/// its BW, or until its W in split schedules (W still reads the stored activations).
+/// Precondition: 0 ≤ stage < schedule.stages.size() (std::out_of_range otherwise).
+int PeakInFlight(const Schedule& schedule, int stage);
+
+/// A header line and one line per stage, for logs, tests and debugging:
+///   1f1b: 2 stages, 3 micro-batches, at most 2 in flight
+///   stage 0: F0 F1 BW0 F2 BW1 BW2
+///   stage 1: F0 BW0 F1 BW1 F2 BW2
+std::string FormatSchedule(const Schedule& schedule);
+
+}  // namespace fulcrum::pipeline

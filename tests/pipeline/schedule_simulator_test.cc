@@ -1,0 +1,240 @@
+// Tests of the cost simulator (pipeline/schedule_simulator.h), and through it the bubble
+// of each generated schedule against its closed form (Qi et al. 2024, Table 2).
+#include "pipeline/schedule_simulator.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace fulcrum::pipeline {
+namespace {
+
+constexpr double kTolerance = 1e-9;
+
+// Costs (T_F, T_B, T_W) that cover equal costs, the ones the issue names and unequal ones
+// on both sides of every condition below.
+std::vector<ActionCosts> CostGrid() {
+  std::vector<ActionCosts> grid;
+  const double values[] = {0.25, 0.5, 1, 1.5, 2, 3};
+  for (double f : values) {
+    for (double b : values) {
+      for (double w : values) grid.push_back({f, b, w});
+    }
+  }
+  return grid;
+}
+
+std::string Describe(const Schedule& schedule, const ActionCosts& c) {
+  return schedule.name + " p=" + std::to_string(schedule.num_stages) +
+         " m=" + std::to_string(schedule.num_microbatches) + " F=" + std::to_string(c.forward) +
+         " B=" + std::to_string(c.backward_input) + " W=" + std::to_string(c.backward_weight);
+}
+
+void ExpectEveryStageBubble(const Schedule& schedule, const ActionCosts& costs, double expected) {
+  const SimulationResult result = Simulate(schedule, costs);
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    EXPECT_NEAR(result.bubble(s), expected, kTolerance)
+        << Describe(schedule, costs) << " stage " << s;
+  }
+}
+
+TEST(SimulateTest, HandComputedTimeline) {
+  // p=2, m=1, 1F1B: F0 on both stages, then BW0 back up, with a transfer time of 0.25.
+  const ActionCosts costs{/*forward=*/1, /*backward_input=*/2, /*backward_weight=*/1,
+                          /*p2p=*/0.25};
+  const SimulationResult result = Simulate(OneFOneB(2, 1), costs);
+  ASSERT_EQ(result.stages.size(), 2u);
+  const StageTimeline& s0 = result.stages[0];
+  const StageTimeline& s1 = result.stages[1];
+  ASSERT_EQ(s0.actions.size(), 2u);
+  ASSERT_EQ(s1.actions.size(), 2u);
+  EXPECT_EQ(s0.actions[0].action.ToString(), "F0");
+  EXPECT_DOUBLE_EQ(s0.actions[0].start, 0);
+  EXPECT_DOUBLE_EQ(s0.actions[0].end, 1);
+  EXPECT_DOUBLE_EQ(s1.actions[0].start, 1.25);  // F0 sent down
+  EXPECT_DOUBLE_EQ(s1.actions[1].start, 2.25);  // BW0 = B + W = 3
+  EXPECT_DOUBLE_EQ(s1.actions[1].end, 5.25);
+  EXPECT_DOUBLE_EQ(s0.actions[1].start, 5.5);  // gradient sent up
+  EXPECT_DOUBLE_EQ(s0.actions[1].end, 8.5);
+  EXPECT_DOUBLE_EQ(result.makespan, 8.5);
+  EXPECT_DOUBLE_EQ(s0.busy, 4);
+  EXPECT_DOUBLE_EQ(s0.idle, 4.5);
+  EXPECT_DOUBLE_EQ(s1.idle, 1.25);
+  EXPECT_DOUBLE_EQ(result.bubble(0), 4.5);
+  EXPECT_DOUBLE_EQ(result.bubble(1), 4.5);  // 1.25 before, 3.25 after its last action
+  EXPECT_DOUBLE_EQ(result.BubbleRatio(0), 4.5 / 8.5);
+  EXPECT_DOUBLE_EQ(result.InternalBubble(0), 4.5);
+  EXPECT_DOUBLE_EQ(result.InternalBubble(1), 0);
+}
+
+TEST(SimulateTest, PerStageCosts) {
+  // p=2, m=2, 1F1B; stage 1 twice as slow. Stage 0: F0 [0,1] F1 [1,2] BW0 [5,6] BW1 [9,10];
+  // stage 1: F0 [1,3] BW0 [3,5] F1 [5,7] BW1 [7,9].
+  const SimulationResult result = Simulate(OneFOneB(2, 2), std::vector<ActionCosts>{
+                                                               {1, 1, 0},
+                                                               {2, 2, 0},
+                                                           });
+  EXPECT_DOUBLE_EQ(result.makespan, 10);
+  EXPECT_DOUBLE_EQ(result.stages[0].actions[2].start, 5);
+  EXPECT_DOUBLE_EQ(result.stages[1].actions[3].end, 9);
+  EXPECT_DOUBLE_EQ(result.bubble(0), 6);
+  EXPECT_DOUBLE_EQ(result.bubble(1), 2);
+
+  // The same costs on every stage give what the single-cost overload gives.
+  const Schedule schedule = ZeroBubbleH1(3, 5);
+  const ActionCosts costs{1, 1.5, 0.5, 0.1};
+  const SimulationResult a = Simulate(schedule, costs);
+  const SimulationResult b = Simulate(schedule, std::vector<ActionCosts>(3, costs));
+  EXPECT_DOUBLE_EQ(a.makespan, b.makespan);
+}
+
+// Every action starts after its stage's previous action and after its dependencies plus
+// one transfer for a dependency on another stage.
+TEST(SimulateTest, TimelinesRespectOrderAndDependencies) {
+  const ActionCosts costs{1, 1.5, 0.75, 0.2};
+  for (const Schedule& schedule : {OneFOneB(4, 7), ZeroBubbleH1(5, 9), ZeroBubbleH2(3, 8)}) {
+    const SimulationResult result = Simulate(schedule, costs);
+    for (int s = 0; s < schedule.num_stages; ++s) {
+      const StageTimeline& timeline = result.stages[s];
+      ASSERT_EQ(timeline.actions.size(), schedule.stages[s].size());
+      for (size_t i = 0; i < timeline.actions.size(); ++i) {
+        const TimedAction& timed = timeline.actions[i];
+        EXPECT_EQ(timed.action, schedule.stages[s][i]);
+        if (i > 0) {
+          EXPECT_GE(timed.start, timeline.actions[i - 1].end - kTolerance);
+        }
+        for (const StageAction& dep : Dependencies(schedule.num_stages, s, timed.action)) {
+          const auto& other = result.stages[dep.stage].actions;
+          auto it = std::find_if(other.begin(), other.end(),
+                                 [&](const TimedAction& t) { return t.action == dep.action; });
+          ASSERT_NE(it, other.end());
+          EXPECT_GE(timed.start, it->end + (dep.stage == s ? 0 : costs.p2p) - kTolerance);
+        }
+      }
+      EXPECT_NEAR(timeline.idle, timeline.end() - timeline.busy, kTolerance);
+    }
+  }
+}
+
+TEST(SimulateTest, RejectsInvalidInput) {
+  Schedule broken = OneFOneB(2, 2);
+  broken.stages[1].pop_back();
+  EXPECT_THROW(Simulate(broken, ActionCosts{1, 1, 1}), std::invalid_argument);
+  EXPECT_THROW(Simulate(OneFOneB(2, 2), ActionCosts{1, -1, 1}), std::invalid_argument);
+  EXPECT_THROW(
+      Simulate(OneFOneB(2, 2), ActionCosts{1, 1, std::numeric_limits<double>::quiet_NaN()}),
+      std::invalid_argument);
+  EXPECT_THROW(Simulate(OneFOneB(2, 2), std::vector<ActionCosts>(3)), std::invalid_argument);
+}
+
+// 1F1B: every stage idles (p-1)(T_F + T_B + T_W), for every cost mix and every m ≥ 1.
+TEST(BubbleTest, OneFOneB) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 24; m += (m < 10 ? 1 : 5)) {
+      for (const ActionCosts& c : {ActionCosts{1, 1, 1}, ActionCosts{1, 1.5, 0.5},
+                                   ActionCosts{2, 1, 0.5}, ActionCosts{0.5, 1, 2}}) {
+        ExpectEveryStageBubble(OneFOneB(p, m), c,
+                               (p - 1) * (c.forward + c.backward_input + c.backward_weight));
+      }
+    }
+  }
+}
+
+// ZB-H1, m ≥ p: every stage idles the paper's (p-1)(T_F + T_B - T_W) when
+// T_W ≤ min(T_F, T_B) — one third of 1F1B's when the three costs are equal.
+TEST(BubbleTest, ZeroBubbleH1MatchesThePaper) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m : {p, p + 1, 2 * p, 3 * p}) {
+      for (const ActionCosts& c :
+           {ActionCosts{1, 1, 1}, ActionCosts{1, 1.5, 0.5}, ActionCosts{2, 1, 0.5},
+            ActionCosts{1, 3, 1}, ActionCosts{1.5, 1, 1}}) {
+        ExpectEveryStageBubble(ZeroBubbleH1(p, m), c,
+                               (p - 1) * (c.forward + c.backward_input - c.backward_weight));
+      }
+    }
+  }
+}
+
+// ZB-H1, any costs, m ≥ p: (p-1)·max(T_F, T_B, T_F + T_B - T_W). The first two terms bind
+// when T_W exceeds T_F or T_B, and no schedule with ZB-H1's memory can beat them: the last
+// stage waits (p-1)T_F for its first input, and stage 0, holding at most p micro-batches,
+// has nothing to run for the (p-1)T_B the first gradient takes to come back.
+TEST(BubbleTest, ZeroBubbleH1ForAnyCosts) {
+  for (int p : {1, 2, 3, 5, 8}) {
+    for (int m : {p, 2 * p + 1}) {
+      for (const ActionCosts& c : CostGrid()) {
+        const double f = c.forward, b = c.backward_input, w = c.backward_weight;
+        ExpectEveryStageBubble(ZeroBubbleH1(p, m), c, (p - 1) * std::max({f, b, f + b - w}));
+      }
+    }
+  }
+}
+
+// ZB-H2, m ≥ 2p-1 (Qi et al. §2.2). Inside its own span a stage idles
+// (p-1)·max(0, T_B - T_F, T_F + T_B - 2T_W) — none when the costs are equal: the
+// parallelogram that is bubble-free once the optimizer step no longer synchronises the
+// stages (§4). Up to the end of the whole pipeline it idles
+// (p-1)·max(T_F, T_B - T_F, T_F + T_B - 2T_W), the paper's (p-1)(T_F + T_B - 2T_W) when
+// that exceeds T_F; the T_F term is the last stage waiting for its first input, which no
+// schedule avoids.
+TEST(BubbleTest, ZeroBubbleH2) {
+  for (int p : {1, 2, 3, 4, 6, 8}) {
+    for (int m : {2 * p - 1, 2 * p, 3 * p + 1}) {
+      for (const ActionCosts& c : CostGrid()) {
+        const double f = c.forward, b = c.backward_input, w = c.backward_weight;
+        const Schedule schedule = ZeroBubbleH2(p, m);
+        const SimulationResult result = Simulate(schedule, c);
+        const double internal = (p - 1) * std::max({0.0, b - f, f + b - 2 * w});
+        const double bubble = (p - 1) * std::max({f, b - f, f + b - 2 * w});
+        for (int s = 0; s < p; ++s) {
+          EXPECT_NEAR(result.bubble(s), bubble, kTolerance) << Describe(schedule, c);
+          EXPECT_LE(result.InternalBubble(s), internal + kTolerance) << Describe(schedule, c);
+        }
+        EXPECT_NEAR(result.InternalBubble(0), internal, kTolerance) << Describe(schedule, c);
+        // Never worse than ZB-H1, for any costs.
+        EXPECT_LE(bubble, Simulate(ZeroBubbleH1(p, m), c).bubble(0) + kTolerance);
+      }
+    }
+  }
+}
+
+TEST(BubbleTest, ZeroBubbleH2HasNoInternalBubbleWithEqualCosts) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 2 * p - 1; m <= 24; ++m) {
+      const SimulationResult result = Simulate(ZeroBubbleH2(p, m), ActionCosts{1, 1, 1});
+      for (int s = 0; s < p; ++s) {
+        EXPECT_NEAR(result.InternalBubble(s), 0, kTolerance) << "p=" << p << " m=" << m;
+        EXPECT_NEAR(result.bubble(s), p - 1, kTolerance) << "p=" << p << " m=" << m;
+      }
+    }
+  }
+}
+
+// The numbers quoted in the review of this layer: stage-0 bubble for p=4, m=8 and p=8,
+// m=16 with equal costs and with T_W = T_B / 2.
+TEST(BubbleTest, QuotedNumbers) {
+  struct Case {
+    int p, m;
+    ActionCosts costs;
+    double one_f_one_b, h1, h2, h2_internal;
+  };
+  for (const Case& c : {
+           Case{4, 8, {1, 1, 1}, 9, 3, 3, 0},
+           Case{4, 8, {1, 1, 0.5}, 7.5, 4.5, 3, 3},
+           Case{8, 16, {1, 1, 1}, 21, 7, 7, 0},
+           Case{8, 16, {1, 1, 0.5}, 17.5, 10.5, 7, 7},
+       }) {
+    EXPECT_DOUBLE_EQ(Simulate(OneFOneB(c.p, c.m), c.costs).bubble(0), c.one_f_one_b);
+    EXPECT_DOUBLE_EQ(Simulate(ZeroBubbleH1(c.p, c.m), c.costs).bubble(0), c.h1);
+    const SimulationResult h2 = Simulate(ZeroBubbleH2(c.p, c.m), c.costs);
+    EXPECT_DOUBLE_EQ(h2.bubble(0), c.h2);
+    EXPECT_DOUBLE_EQ(h2.InternalBubble(0), c.h2_internal);
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::pipeline

@@ -4,6 +4,17 @@
 
 namespace fulcrum {
 
+StageSpec EvenStage(int64_t num_layers, int stages, int stage) {
+  const int64_t base = num_layers / stages;
+  const int64_t extra = num_layers % stages;
+  StageSpec spec;
+  spec.layer_begin = stage * base + std::min<int64_t>(stage, extra);
+  spec.layer_end = spec.layer_begin + base + (stage < extra ? 1 : 0);
+  spec.has_embedding = stage == 0;
+  spec.has_head = stage == stages - 1;
+  return spec;
+}
+
 GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp)
     : options_(options), tp_(tp) {
   const int tp_size = tp ? tp->size() : 1;
@@ -73,16 +84,6 @@ absl::Status GptModel::AdoptLayer(std::unique_ptr<TransformerLayer> layer) {
 
 std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
   return std::make_unique<TransformerLayer>(options_, index, tp_, /*initialize=*/false);
-}
-
-int64_t GptModel::NumModelParameterElements() const {
-  int64_t n = 0;
-  for (Unit* unit : Units()) {
-    for (const Parameter& p : unit->parameters()) {
-      n += p.value.numel() * (p.tp_shard_dim >= 0 ? unit->tp_size() : 1);
-    }
-  }
-  return n;
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {

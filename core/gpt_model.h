@@ -39,6 +39,11 @@ struct StageSpec {
   bool has_head = true;
 };
 
+/// Stage `stage` of `stages` in the even split of `num_layers` layers: contiguous ranges,
+/// the first num_layers % stages stages one layer longer; the embedding on the first stage,
+/// the head on the last.
+StageSpec EvenStage(int64_t num_layers, int stages, int stage);
+
 /// Loss of one micro-batch: the sum of token cross-entropies (an autograd scalar) and the
 /// number of tokens it covers. The trainer divides by the global batch's token count.
 struct LossSum {
@@ -75,8 +80,6 @@ class GptModel {
 
   /// Total parameter scalars held by this rank (a tied output weight counts once).
   int64_t NumParameterElements() const;
-  /// Parameter scalars of the whole model (shards counted at full size).
-  int64_t NumModelParameterElements() const;
   TensorParallelGroup* tensor_parallel() const { return tp_; }
 
   /// Whole-model forward of a micro-batch. `tokens` is [b, s+1]: inputs are the first s

@@ -5,13 +5,44 @@
 // Not thread-safe; every method except the accessors is collective over the group it names.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "core/gpt_model.h"
 #include "core/tensor_parallel.h"
 #include "core/unit.h"
 
 namespace fulcrum {
+
+/// One iteration's micro-batches of this data-parallel rank.
+struct MicroBatchPlan {
+  int count = 0;
+  /// Tokens [b, s+1] of micro-batch `m` (inputs and labels).
+  std::function<at::Tensor(int m)> tokens;
+  /// Global index of micro-batch `m`'s first sample (keys its dropout masks).
+  std::function<int64_t(int m)> first_sample;
+};
+
+/// Runs the forward and backward passes of one iteration over a pipeline of stages
+/// (pipeline/ implements it); the trainer's own loop is the one-stage case.
+class ForwardBackwardRunner {
+ public:
+  virtual ~ForwardBackwardRunner() = default;
+  /// Leaves this stage's gradients accumulated (each micro-batch's loss sum scaled by
+  /// `loss_scale`). Returns the summed token loss and token count of the micro-batches on
+  /// the stage holding the head, zeros elsewhere.
+  virtual absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& stage, int64_t iteration,
+                                                         const MicroBatchPlan& plan,
+                                                         double loss_scale) = 0;
+  /// Forward passes only, without autograd (evaluation); returns as Run does.
+  virtual absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& stage,
+                                                              const MicroBatchPlan& plan) = 0;
+  /// Measurements of the last Run for logs and the metrics file, e.g. {"bubble_ratio", 0.2}.
+  virtual std::vector<std::pair<std::string, double>> Metrics() const { return {}; }
+};
 
 class ParallelContext {
  public:
@@ -28,7 +59,13 @@ class ParallelContext {
   /// The tensor-parallel group the model shards over; null when tp == 1.
   virtual TensorParallelGroup* tensor_parallel() = 0;
 
-  /// Sums every defined gradient of `units` over the data-parallel group, in place.
+  /// The part of a `num_layers`-layer model this rank holds.
+  virtual StageSpec Stage(int64_t num_layers) const = 0;
+  /// The pipeline runner when pp > 1, else null (the trainer runs its micro-batches itself).
+  virtual ForwardBackwardRunner* forward_backward() = 0;
+
+  /// Sums every defined gradient of `units` over the data-parallel group, in place (and,
+  /// with a tied output weight split over pipeline stages, the embedding and its mirror).
   virtual void AllReduceGradients(const std::vector<Unit*>& units) = 0;
   /// Sums each value over the data-parallel group, in place.
   virtual void SumOverDataParallel(std::vector<double>& values) = 0;

@@ -118,8 +118,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   if (!config.train.metrics_file.empty() && trainer->is_logging_rank()) {
     FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_, MetricsWriter::Open(config.train.metrics_file));
   }
-  trainer->model_ = std::make_unique<GptModel>(config.model, StageSpec(),
-                                               parallel ? parallel->tensor_parallel() : nullptr);
+  trainer->model_ = std::make_unique<GptModel>(
+      config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
+      parallel ? parallel->tensor_parallel() : nullptr);
   return trainer;
 }
 
@@ -146,14 +147,26 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
 
   model_->ZeroGrad();
   double loss_sum = 0.0;
-  for (int64_t m = 0; m < local_micro; ++m) {
-    const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
-    ForwardContext ctx{/*training=*/true, iteration, first};
-    LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
-    // Scale each micro-batch by the global token count, so accumulated (and data-parallel
-    // summed) gradients are those of the mean loss over the global batch.
-    (loss.sum / total_tokens).backward();
-    loss_sum += loss.sum.item<double>();
+  // Each micro-batch's loss is scaled by the global token count, so accumulated (and
+  // data-parallel summed) gradients are those of the mean loss over the global batch.
+  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+  if (pipeline != nullptr) {
+    MicroBatchPlan plan;
+    plan.count = static_cast<int>(local_micro);
+    plan.first_sample = [&](int m) {
+      return consumed_samples_ + (first_micro + m) * t.micro_batch_size;
+    };
+    plan.tokens = [&](int m) { return MicroBatch(*train_data_, plan.first_sample(m)); };
+    FULCRUM_ASSIGN_OR_RETURN(auto result, pipeline->Run(*model_, iteration, plan, 1.0 / total_tokens));
+    loss_sum = result.first;
+  } else {
+    for (int64_t m = 0; m < local_micro; ++m) {
+      const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
+      ForwardContext ctx{/*training=*/true, iteration, first};
+      LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
+      (loss.sum / total_tokens).backward();
+      loss_sum += loss.sum.item<double>();
+    }
   }
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
   // ones (identical on all ranks of the group) once.
@@ -198,12 +211,23 @@ absl::StatusOr<double> Trainer::Evaluate() {
   const TrainOptions& t = config_.train;
   const int64_t local_micro = t.global_batch_size / (t.micro_batch_size * dp_size());
   std::vector<double> sums{0.0, 0.0};  // loss, tokens
+  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
   for (int64_t batch = 0; batch < t.eval_iters; ++batch) {
-    for (int64_t m = 0; m < local_micro; ++m) {
-      const int64_t micro = batch * (local_micro * dp_size()) + dp_rank() * local_micro + m;
-      const int64_t first = micro * t.micro_batch_size;
-      ForwardContext ctx{/*training=*/false, iteration_, first};
-      LossSum loss = model_->ForwardLoss(MicroBatch(*valid_data_, first), ctx);
+    MicroBatchPlan plan;
+    plan.count = static_cast<int>(local_micro);
+    plan.first_sample = [&](int m) {
+      return (batch * (local_micro * dp_size()) + dp_rank() * local_micro + m) * t.micro_batch_size;
+    };
+    plan.tokens = [&](int m) { return MicroBatch(*valid_data_, plan.first_sample(m)); };
+    if (pipeline != nullptr) {
+      FULCRUM_ASSIGN_OR_RETURN(auto result, pipeline->Evaluate(*model_, plan));
+      sums[0] += result.first;
+      sums[1] += static_cast<double>(result.second);
+      continue;
+    }
+    for (int m = 0; m < plan.count; ++m) {
+      ForwardContext ctx{/*training=*/false, iteration_, plan.first_sample(m)};
+      LossSum loss = model_->ForwardLoss(plan.tokens(m), ctx);
       sums[0] += loss.sum.item<double>();
       sums[1] += static_cast<double>(loss.tokens);
     }
@@ -233,8 +257,14 @@ nlohmann::json Trainer::ManifestFields() const {
                    {"pp", parallel_ ? parallel_->pp_size() : 1},
                    {"dp", dp_size()},
                    {"ep", parallel_ ? parallel_->ep_size() : 1}};
-  m["layer_placement"] = nlohmann::json::array(
-      {{{"stage", 0}, {"layer_begin", 0}, {"layer_end", config_.model.num_layers}}});
+  nlohmann::json placement = nlohmann::json::array();
+  const int stages = parallel_ ? parallel_->pp_size() : 1;
+  for (int stage = 0; stage < stages; ++stage) {
+    const StageSpec spec = EvenStage(config_.model.num_layers, stages, stage);
+    placement.push_back(
+        {{"stage", stage}, {"layer_begin", spec.layer_begin}, {"layer_end", spec.layer_end}});
+  }
+  m["layer_placement"] = placement;
   return m;
 }
 
@@ -350,8 +380,20 @@ absl::Status Trainer::Load(const std::string& path) {
 absl::Status Trainer::Run() {
   const TrainOptions& t = config_.train;
   const int64_t tokens_per_iteration = t.global_batch_size * config_.data.seq_length;
+  // Parameters of the whole model: each rank counts what it alone holds (its shards; a
+  // replicated tensor on tensor-parallel rank 0; no mirrors), summed over the model.
+  std::vector<double> count{0.0};
+  for (Unit* unit : model_->Units()) {
+    for (const Parameter& p : unit->parameters()) {
+      const bool sharded = p.tp_shard_dim >= 0 && unit->tp_size() > 1;
+      if (p.mirror_of.empty() && (sharded || unit->tp_rank() == 0)) {
+        count[0] += static_cast<double>(p.value.numel());
+      }
+    }
+  }
+  if (parallel_ != nullptr) parallel_->SumOverModelParallel(count);
   if (is_logging_rank()) {
-    FULCRUM_LOG(INFO) << "training " << model_->NumModelParameterElements()
+    FULCRUM_LOG(INFO) << "training " << static_cast<int64_t>(count[0])
                       << " parameters from iteration " << iteration_ << " to " << t.train_iters
                       << "; " << tokens_per_iteration << " tokens per iteration; "
                       << train_data_->samples_per_epoch() << " samples per epoch";
@@ -371,15 +413,22 @@ absl::Status Trainer::Run() {
                              {"tokens_per_second", stats.tokens_per_second},
                              {"iteration_ms", stats.iteration_ms},
                              {"consumed_samples", consumed_samples_}};
+    std::string extra;
+    if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
+      for (const auto& [name, value] : pipeline->Metrics()) {
+        record[name] = value;
+        if (name == "bubble_ratio") extra = absl::StrFormat(" | bubble %.3f", value);
+      }
+    }
     if (is_logging_rank() &&
         (stats.iteration % t.log_interval == 0 || stats.iteration == t.train_iters)) {
       const double elapsed = MillisecondsSince(run_start) / 1000.0;
       const double per_iteration = elapsed / static_cast<double>(iteration_ - first_iteration);
       FULCRUM_LOG(INFO) << absl::StrFormat(
           "iteration %6d/%d | loss %.4f (avg %.4f) | lr %.3e | grad norm %.3f | %.0f tokens/s | "
-          "%.0f ms | ETA %s",
+          "%.0f ms%s | ETA %s",
           stats.iteration, t.train_iters, stats.loss, interval_loss / interval_count, stats.lr,
-          stats.grad_norm, stats.tokens_per_second, stats.iteration_ms,
+          stats.grad_norm, stats.tokens_per_second, stats.iteration_ms, extra,
           FormatDuration(per_iteration * static_cast<double>(t.train_iters - iteration_)));
       interval_loss = 0.0;
       interval_count = 0;

@@ -25,7 +25,7 @@ ProcessGroupContext::ProcessGroupContext(std::unique_ptr<Communicator> world,
     : config_(config), coords_(config.Coords(world->rank())), world_(std::move(world)) {}
 
 absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create(
-    std::unique_ptr<Communicator> world, const ParallelConfig& config) {
+    std::unique_ptr<Communicator> world, const ParallelConfig& config, bool tie_embeddings) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
   if (config.world_size != world->size()) {
     return absl::InvalidArgumentError(absl::StrCat("parallel layout ", config.ToString(),
@@ -37,6 +37,13 @@ absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create
   for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
     ctx->groups_.push_back(
         ctx->world_->Split(config.GroupOf(kGroupKinds[i], rank), kGroupNames[i]));
+  }
+  if (config.pp > 1 && tie_embeddings) {
+    const RankCoords& c = ctx->coords_;
+    if (c.pp == 0 || c.pp == config.pp - 1) {
+      ctx->embedding_group_ = ctx->world_->Split(
+          {config.Rank(c.tp, c.dp, 0), config.Rank(c.tp, c.dp, config.pp - 1)}, "embedding");
+    }
   }
   ctx->tensor_parallel_ = std::make_unique<CommTensorParallelGroup>(&ctx->group(GroupKind::kTensor));
   ctx->gradient_reducer_ = std::make_unique<GradientReducer>(&ctx->group(GroupKind::kData));
@@ -52,6 +59,19 @@ Communicator& ProcessGroupContext::group(GroupKind kind) {
 
 void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   gradient_reducer_->AllReduce(units);
+  if (embedding_group_ == nullptr) return;
+  // Tied output weight across stages: the embedding (first stage) and its mirror (last
+  // stage) each hold part of the gradient; both take the sum, so both take the same step.
+  for (Unit* unit : units) {
+    for (Parameter& p : unit->parameters()) {
+      const bool tied = (unit->name() == "embedding" && p.name == "word_embeddings.weight") ||
+                        p.mirror_of == "embedding.word_embeddings.weight";
+      if (!tied) continue;
+      at::Tensor& g = p.value.mutable_grad();
+      if (!g.defined()) g = at::zeros_like(p.value);
+      embedding_group_->AllReduce(g, ReduceOp::kSum);
+    }
+  }
 }
 
 void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {

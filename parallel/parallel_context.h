@@ -22,10 +22,12 @@ namespace fulcrum::parallel {
 class ProcessGroupContext final : public ParallelContext {
  public:
   /// Splits `world` into this rank's tensor, pipeline, data, expert, expert-data and model
-  /// groups (every rank calls Split once per kind, in the same order). `config` must be
-  /// valid and match the world size.
+  /// groups (every rank calls Split once per kind, in the same order), and — when the model
+  /// ties its output weight to the word embeddings and pp > 1 — the group of the first and
+  /// last stage that sums their gradients. `config` must be valid and match the world size.
   static absl::StatusOr<std::unique_ptr<ProcessGroupContext>> Create(
-      std::unique_ptr<Communicator> world, const ParallelConfig& config);
+      std::unique_ptr<Communicator> world, const ParallelConfig& config,
+      bool tie_embeddings = true);
 
   const ParallelConfig& config() const { return config_; }
   const RankCoords& coords() const { return coords_; }
@@ -41,6 +43,14 @@ class ProcessGroupContext final : public ParallelContext {
   int dp_size() const override { return config_.dp(); }
   TensorParallelGroup* tensor_parallel() override {
     return config_.tp > 1 ? tensor_parallel_.get() : nullptr;
+  }
+  StageSpec Stage(int64_t num_layers) const override {
+    return EvenStage(num_layers, config_.pp, coords_.pp);
+  }
+  ForwardBackwardRunner* forward_backward() override { return forward_backward_.get(); }
+  /// Installs the pipeline runner (pipeline/ builds it; parallel/ cannot depend on it).
+  void SetForwardBackward(std::unique_ptr<ForwardBackwardRunner> runner) {
+    forward_backward_ = std::move(runner);
   }
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
@@ -59,6 +69,10 @@ class ProcessGroupContext final : public ParallelContext {
   std::unique_ptr<Communicator> world_;
   std::vector<std::unique_ptr<Communicator>> groups_;  // Indexed by GroupKind.
   std::unique_ptr<CommTensorParallelGroup> tensor_parallel_;
+  // First and last pipeline stage of this (tp, dp) position, which sum the gradients of
+  // the word embeddings and of their mirror on the last stage; null elsewhere or pp == 1.
+  std::unique_ptr<Communicator> embedding_group_;
+  std::unique_ptr<ForwardBackwardRunner> forward_backward_;
   std::unique_ptr<GradientReducer> gradient_reducer_;
 };
 

@@ -6,6 +6,7 @@
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/status.h"
+#include "pipeline/schedule.h"
 #include "recipes/recipes.h"
 
 // Model.
@@ -53,7 +54,8 @@ DEFINE_string(tokenizer_model, "", "SentencePiece model of --data_path (gives th
 DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_model is given.");
 // Parallelism.
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
-DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (not yet runnable).");
+DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
+DEFINE_string(pipeline_schedule, "1f1b", "Pipeline schedule: 1f1b, zbh1 or zbh2.");
 DEFINE_int32(expert_model_parallel_size, 1, "Expert-parallel size (needs MoE; not yet runnable).");
 DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
 DEFINE_int64(distributed_timeout_minutes, 10,
@@ -151,9 +153,14 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     return Invalid(absl::StrCat("the MLP size ", ffn,
                                 " is not divisible by --tensor_model_parallel_size=", config.tp));
   }
+  if (config.pp > FLAGS_num_layers) {
+    return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp, " exceeds --num_layers=",
+                                FLAGS_num_layers, "; every stage needs a layer"));
+  }
   if (config.pp > 1) {
-    return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp,
-                                ": pipeline parallelism is not implemented yet"));
+    const int64_t micro = FLAGS_global_batch_size / std::max<int64_t>(1, FLAGS_micro_batch_size * config.dp());
+    auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
+    if (!schedule.ok()) return schedule.status();
   }
   if (config.ep > 1) {
     return Invalid(absl::StrCat("--expert_model_parallel_size=", config.ep,
@@ -167,6 +174,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 }
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
+std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
 int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
 
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {

@@ -30,7 +30,8 @@ absl::StatusOr<TrainData> LoadTrainData();
 
 /// The parallel layout of the flags over `world_size` processes, validated: sizes divide
 /// the world, and the model's heads / MLP / vocabulary divide by tp. Pipeline and expert
-/// parallelism are validated but not yet runnable (their issues are open).
+/// parallelism is validated but not yet runnable (its issue is open); a pipeline needs a
+/// layer per stage and a valid --pipeline_schedule for its micro-batch count.
 absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size);
 
 /// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
@@ -40,6 +41,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
+std::string PipelineScheduleFlag();
 int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.

@@ -7,6 +7,7 @@
 #include "core/logging.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
+#include "pipeline/pipeline_runner.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"
 #include "recipes/train_flags.h"
@@ -68,9 +69,15 @@ int main(int argc, char** argv) {
     const std::chrono::minutes timeout(fulcrum::DistributedTimeoutMinutesFlag());
     auto comm = fulcrum::parallel::CreateWorldCommunicator(*world, *backend, timeout);
     if (!comm.ok()) return Fail(comm.status());
-    auto ctx = fulcrum::parallel::ProcessGroupContext::Create(std::move(*comm), *layout);
+    auto ctx = fulcrum::parallel::ProcessGroupContext::Create(std::move(*comm), *layout,
+                                                              config->model.tie_embeddings);
     if (!ctx.ok()) return Fail(ctx.status());
     parallel = std::move(*ctx);
+    if (layout->pp > 1) {
+      parallel->SetForwardBackward(std::make_unique<fulcrum::pipeline::PipelineRunner>(
+          &parallel->group(fulcrum::parallel::GroupKind::kPipeline),
+          fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size));
+    }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size

@@ -1,7 +1,7 @@
 // One math, many layouts (DESIGN.md invariant 5), through the real binaries: the tiny recipe
-// trained for 20 iterations under tp=2, dp=2 and tp=2×dp=2 (fulcrum_launch, Gloo) gives the
-// single-process loss curve; checkpoints move between layouts; a rank killed mid-run stops
-// the job within seconds.
+// trained for 20 iterations under tp=2, dp=2, tp=2×dp=2, pp=2 (every schedule), pp=4,
+// pp=2×tp=2 and pp=2×dp=2 (fulcrum_launch, Gloo) gives the single-process loss curve;
+// checkpoints move between layouts; a rank killed mid-run stops the job within seconds.
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -92,6 +92,26 @@ TEST_F(SlowParallelTrainTest, TensorTimesDataParallel) {
   ExpectMatchesSingleProcess(4, "--tensor_model_parallel_size=2", "tp2dp2");
 }
 
+TEST_F(SlowParallelTrainTest, PipelineTwoStagesEverySchedule) {
+  for (const char* schedule : {"1f1b", "zbh1", "zbh2"}) {
+    ExpectMatchesSingleProcess(
+        2, std::string("--pipeline_model_parallel_size=2 --pipeline_schedule=") + schedule,
+        std::string("pp2_") + schedule);
+  }
+}
+
+TEST_F(SlowParallelTrainTest, PipelineFourStages) {
+  ExpectMatchesSingleProcess(4, "--pipeline_model_parallel_size=4 --pipeline_schedule=zbh1",
+                             "pp4_zbh1");
+}
+
+TEST_F(SlowParallelTrainTest, PipelineTimesTensorAndDataParallel) {
+  ExpectMatchesSingleProcess(
+      4, "--pipeline_model_parallel_size=2 --tensor_model_parallel_size=2 --pipeline_schedule=zbh1",
+      "pp2tp2");
+  ExpectMatchesSingleProcess(4, "--pipeline_model_parallel_size=2 --pipeline_schedule=1f1b", "pp2dp2");
+}
+
 // Saved under tp=2×dp=2 at iteration 10, resumed under one process (and the reverse):
 // iterations 11-20 match the single-process run.
 TEST_F(SlowParallelTrainTest, CheckpointsMoveBetweenLayouts) {
@@ -103,7 +123,9 @@ TEST_F(SlowParallelTrainTest, CheckpointsMoveBetweenLayouts) {
   };
   for (const Case& c : {Case{4, "--tensor_model_parallel_size=2", 1, ""},
                         Case{1, "", 2, "--tensor_model_parallel_size=2"},
-                        Case{2, "", 2, "--tensor_model_parallel_size=2"}}) {
+                        Case{2, "", 2, "--tensor_model_parallel_size=2"},
+                        Case{2, "--pipeline_model_parallel_size=2", 4, "--pipeline_model_parallel_size=4"},
+                        Case{4, "--pipeline_model_parallel_size=4", 1, ""}}) {
     const std::string ckpt = testing::MakeTempDir("layout_ckpt");
     std::string output;
     ASSERT_EQ(testing::RunCommand(Launch(c.save_n, Common() + " " + c.save_layout + " --save=" + ckpt +

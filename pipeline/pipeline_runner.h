@@ -1,0 +1,51 @@
+// The trainer's forward/backward over a pipeline: builds the schedule for (stages,
+// micro-batches), runs this stage's part with a StageExecutor, and measures the bubble —
+// the time a stage spends waiting on its neighbours — per iteration, as mean and max over
+// the stages.
+//
+// Not thread-safe.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/parallel_context.h"
+#include "parallel/communicator.h"
+#include "pipeline/schedule.h"
+#include "pipeline/stage_executor.h"
+
+namespace fulcrum::pipeline {
+
+class PipelineRunner final : public ForwardBackwardRunner {
+ public:
+  /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a
+  /// registered schedule ("1f1b", "zbh1", "zbh2").
+  PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size);
+
+  absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& stage, int64_t iteration,
+                                                 const MicroBatchPlan& plan,
+                                                 double loss_scale) override;
+  absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& stage,
+                                                      const MicroBatchPlan& plan) override;
+  std::vector<std::pair<std::string, double>> Metrics() const override { return metrics_; }
+
+  /// The last Run's per-action timings on this stage.
+  const StageRunResult& last_run() const { return last_run_; }
+
+ private:
+  absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches);
+  /// Sums the head stage's loss over the pipeline so every stage returns the same value.
+  std::pair<double, int64_t> ShareLoss(const StageRunResult& run);
+
+  parallel::Communicator* pp_;
+  std::string schedule_name_;
+  StageExecutor executor_;
+  std::map<std::pair<std::string, int>, Schedule> schedules_;
+  StageRunResult last_run_;
+  std::vector<std::pair<std::string, double>> metrics_;
+};
+
+}  // namespace fulcrum::pipeline

@@ -72,6 +72,10 @@ class ParallelContext {
   /// Sums each value over the ranks that hold different parts of one model replica
   /// (tensor × pipeline parallel), in place.
   virtual void SumOverModelParallel(std::vector<double>& values) = 0;
+  /// Every pipeline stage's layer range, in stage order, given this stage's (collective over
+  /// the pipeline group; ranges change when layers move).
+  virtual std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin,
+                                                                     int64_t end) = 0;
   /// Waits for every rank of the job.
   virtual void Barrier() = 0;
 

@@ -143,7 +143,6 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const double total_tokens =
       static_cast<double>(t.global_batch_size) * static_cast<double>(config_.data.seq_length);
   const int64_t iteration = iteration_ + 1;
-  const std::vector<Unit*> units = model_->Units();
 
   model_->ZeroGrad();
   double loss_sum = 0.0;
@@ -168,6 +167,9 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       loss_sum += loss.sum.item<double>();
     }
   }
+  // The units are read only now: a pipeline run may have moved layers between stages
+  // (NOTE [layer migration]), and the optimizer step runs on the new layout.
+  const std::vector<Unit*> units = model_->Units();
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
   // ones (identical on all ranks of the group) once.
   std::vector<double> sums{loss_sum};
@@ -236,7 +238,8 @@ absl::StatusOr<double> Trainer::Evaluate() {
   return sums[0] / sums[1];
 }
 
-nlohmann::json Trainer::ManifestFields() const {
+nlohmann::json Trainer::ManifestFields(
+    const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const {
   nlohmann::json m;
   m["iteration"] = iteration_;
   m["consumed_samples"] = consumed_samples_;
@@ -258,11 +261,10 @@ nlohmann::json Trainer::ManifestFields() const {
                    {"dp", dp_size()},
                    {"ep", parallel_ ? parallel_->ep_size() : 1}};
   nlohmann::json placement = nlohmann::json::array();
-  const int stages = parallel_ ? parallel_->pp_size() : 1;
-  for (int stage = 0; stage < stages; ++stage) {
-    const StageSpec spec = EvenStage(config_.model.num_layers, stages, stage);
-    placement.push_back(
-        {{"stage", stage}, {"layer_begin", spec.layer_begin}, {"layer_end", spec.layer_end}});
+  for (size_t stage = 0; stage < stage_ranges.size(); ++stage) {
+    placement.push_back({{"stage", stage},
+                         {"layer_begin", stage_ranges[stage].first},
+                         {"layer_end", stage_ranges[stage].second}});
   }
   m["layer_placement"] = placement;
   return m;
@@ -272,6 +274,10 @@ absl::Status Trainer::Save() {
   const std::string& dir = config_.train.save;
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
   const auto start = Clock::now();
+  // Where every layer is now (layers may have moved between stages).
+  const std::vector<std::pair<int64_t, int64_t>> stage_ranges =
+      parallel_ ? parallel_->GatherStageRanges(model_->layer_begin(), model_->layer_end())
+                : std::vector<std::pair<int64_t, int64_t>>{{model_->layer_begin(), model_->layer_end()}};
   // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
   // every rank of the group takes part in; data-parallel replicas hold the same state.
   const bool writer = parallel_ == nullptr || parallel_->writes_checkpoint_shard();
@@ -327,7 +333,7 @@ absl::Status Trainer::Save() {
       status = absl::InternalError(absl::StrCat("checkpoint of iteration ", iteration_, ": ",
                                                 failures[0], " rank(s) failed to write their shard"));
     } else {
-      status = ckpt_writer->Commit(ManifestFields());
+      status = ckpt_writer->Commit(ManifestFields(stage_ranges));
     }
     if (status.ok()) {
       FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration_ << " written in "

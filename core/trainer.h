@@ -87,7 +87,7 @@ class Trainer {
   int dp_size() const { return parallel_ ? parallel_->dp_size() : 1; }
   bool is_logging_rank() const { return parallel_ == nullptr || parallel_->is_logging_rank(); }
   at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
-  nlohmann::json ManifestFields() const;
+  nlohmann::json ManifestFields(const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const;
 
   TrainerConfig config_;
   ParallelContext* parallel_;

@@ -82,6 +82,17 @@ void ProcessGroupContext::SumOverModelParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kModel), values);
 }
 
+std::vector<std::pair<int64_t, int64_t>> ProcessGroupContext::GatherStageRanges(int64_t begin,
+                                                                               int64_t end) {
+  at::Tensor mine = at::tensor({begin, end}, at::kLong).unsqueeze(0);
+  at::Tensor all = group(GroupKind::kPipeline).AllGather(mine);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t s = 0; s < all.size(0); ++s) {
+    ranges.emplace_back(all[s][0].item<int64_t>(), all[s][1].item<int64_t>());
+  }
+  return ranges;
+}
+
 bool ProcessGroupContext::is_logging_rank() const {
   // The rank that owns the loss: last pipeline stage, first tensor- and data-parallel rank.
   return coords_.tp == 0 && coords_.dp == 0 && coords_.pp == config_.pp - 1;

@@ -55,6 +55,7 @@ class ProcessGroupContext final : public ParallelContext {
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
+  std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;
   void Barrier() override { world_->Barrier(); }
   bool is_logging_rank() const override;
   bool writes_checkpoint_shard() const override;

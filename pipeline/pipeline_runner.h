@@ -14,6 +14,7 @@
 
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
+#include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "pipeline/stage_executor.h"
 
@@ -22,8 +23,10 @@ namespace fulcrum::pipeline {
 class PipelineRunner final : public ForwardBackwardRunner {
  public:
   /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a
-  /// registered schedule ("1f1b", "zbh1", "zbh2").
-  PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size);
+  /// registered schedule ("1f1b", "zbh1", "zbh2"). `rebalancer` (null: never move) is
+  /// asked once per iteration for layer moves, carried out before the optimizer step.
+  PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size,
+                 std::unique_ptr<Rebalancer> rebalancer = nullptr);
 
   absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& stage, int64_t iteration,
                                                  const MicroBatchPlan& plan,
@@ -39,10 +42,16 @@ class PipelineRunner final : public ForwardBackwardRunner {
   absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches);
   /// Sums the head stage's loss over the pipeline so every stage returns the same value.
   std::pair<double, int64_t> ShareLoss(const StageRunResult& run);
+  /// Every stage's load of the last run, gathered over the pipeline.
+  std::vector<StageLoad> GatherLoads(const GptModel& stage, const Schedule& schedule);
+  /// Asks the rebalancer and carries out its moves (NOTE [layer migration]).
+  absl::Status Rebalance(GptModel& stage, const Schedule& schedule, int64_t iteration);
 
   parallel::Communicator* pp_;
   std::string schedule_name_;
   StageExecutor executor_;
+  std::unique_ptr<Rebalancer> rebalancer_;
+  int64_t layers_moved_ = 0;
   std::map<std::pair<std::string, int>, Schedule> schedules_;
   StageRunResult last_run_;
   std::vector<std::pair<std::string, double>> metrics_;

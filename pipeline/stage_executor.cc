@@ -49,6 +49,7 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   };
 
   StageRunResult result;
+  result.start = start;
   std::map<int, std::unique_ptr<InFlight>> in_flight;
   std::vector<std::unique_ptr<parallel::CommWork>> sends;
   std::vector<at::Tensor> send_buffers;  // Kept alive until their sends complete.
@@ -87,7 +88,12 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
           if (!forward_only) state->input.requires_grad_(true);
           hidden = state->input;
         }
-        hidden = model.ForwardLayers(hidden, ctx);
+        for (const auto& [index, layer] : model.layers()) {  // timed per layer: the load model
+          const auto t0 = Clock::now();
+          hidden = layer->Forward(hidden, ctx);
+          result.layer_forward_ms[index] +=
+              std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        }
         if (last) {
           LossSum loss = model.HeadLoss(hidden, tokens.narrow(1, 1, s));
           result.loss_sum += loss.sum.item<double>();

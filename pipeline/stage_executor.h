@@ -9,7 +9,9 @@
 // Not thread-safe; one executor per stage process.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -31,9 +33,11 @@ struct ActionTiming {
 };
 
 struct StageRunResult {
+  std::chrono::steady_clock::time_point start;  // When the run began (timings are relative).
   double loss_sum = 0;  // Σ token losses (the stage holding the head), else 0.
   int64_t tokens = 0;
   std::vector<ActionTiming> timings;
+  std::map<int64_t, double> layer_forward_ms;  // Per global layer, summed over micro-batches.
   double total_ms = 0;
   double wait_ms = 0;  // Time blocked in receives and in the final wait for sends.
 };

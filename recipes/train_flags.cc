@@ -6,6 +6,7 @@
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/status.h"
+#include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "recipes/recipes.h"
 
@@ -56,6 +57,9 @@ DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
 DEFINE_string(pipeline_schedule, "1f1b", "Pipeline schedule: 1f1b, zbh1 or zbh2.");
+DEFINE_string(rebalance_script, "",
+              "Scripted layer moves between pipeline stages: ITER:LAYER->STAGE[,...][;...], e.g. "
+              "'5:1->1;9:1->0' (after iteration 5's backward move layer 1 to stage 1, back after 9).");
 DEFINE_int32(expert_model_parallel_size, 1, "Expert-parallel size (needs MoE; not yet runnable).");
 DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
 DEFINE_int64(distributed_timeout_minutes, 10,
@@ -157,6 +161,28 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp, " exceeds --num_layers=",
                                 FLAGS_num_layers, "; every stage needs a layer"));
   }
+  if (!FLAGS_rebalance_script.empty()) {
+    if (config.pp == 1) {
+      return Invalid("--rebalance_script moves layers between pipeline stages; it needs "
+                     "--pipeline_model_parallel_size > 1");
+    }
+    FULCRUM_ASSIGN_OR_RETURN(auto script, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
+    // The script is deterministic: play it through now, so a move that cannot happen is
+    // refused before any work rather than at its iteration.
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int s = 0; s < config.pp; ++s) {
+      const StageSpec spec = EvenStage(FLAGS_num_layers, config.pp, s);
+      ranges.emplace_back(spec.layer_begin, spec.layer_end);
+    }
+    for (const auto& [iteration, moves] : script->moves()) {
+      auto next = pipeline::ApplyMoves(ranges, moves);
+      if (!next.ok()) {
+        return Invalid(absl::StrCat("--rebalance_script at iteration ", iteration, ": ",
+                                    next.status().message()));
+      }
+      ranges = *next;
+    }
+  }
   if (config.pp > 1) {
     const int64_t micro = FLAGS_global_batch_size / std::max<int64_t>(1, FLAGS_micro_batch_size * config.dp());
     auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
@@ -175,6 +201,12 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
+
+absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
+  if (FLAGS_rebalance_script.empty()) return std::make_unique<pipeline::NoOpRebalancer>();
+  FULCRUM_ASSIGN_OR_RETURN(auto scripted, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
+  return std::unique_ptr<pipeline::Rebalancer>(std::move(scripted));
+}
 int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
 
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {

@@ -9,6 +9,7 @@
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
 #include "parallel/parallel_config.h"
+#include "pipeline/rebalancer.h"
 
 namespace fulcrum {
 
@@ -42,6 +43,8 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
 std::string PipelineScheduleFlag();
+/// The rebalancer of --rebalance_script (a no-op without it).
+absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags();
 int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.

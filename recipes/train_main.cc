@@ -74,9 +74,12 @@ int main(int argc, char** argv) {
     if (!ctx.ok()) return Fail(ctx.status());
     parallel = std::move(*ctx);
     if (layout->pp > 1) {
+      auto rebalancer = fulcrum::RebalancerFromFlags();
+      if (!rebalancer.ok()) return Fail(rebalancer.status());
       parallel->SetForwardBackward(std::make_unique<fulcrum::pipeline::PipelineRunner>(
           &parallel->group(fulcrum::parallel::GroupKind::kPipeline),
-          fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size));
+          fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size,
+          std::move(*rebalancer)));
     }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {

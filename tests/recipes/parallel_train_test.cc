@@ -112,6 +112,49 @@ TEST_F(SlowParallelTrainTest, PipelineTimesTensorAndDataParallel) {
   ExpectMatchesSingleProcess(4, "--pipeline_model_parallel_size=2 --pipeline_schedule=1f1b", "pp2dp2");
 }
 
+// Invariant 3: a scripted plan that moves layers back and forth between the two stages
+// every few iterations (through the real p2p migration, during the backward tail) gives
+// exactly the loss curve of the run without moves; a checkpoint saved after the moves
+// records the new placement and resumes under pp=4 and under one process.
+TEST_F(SlowParallelTrainTest, MigrationKeepsTheLossCurveBitIdentical) {
+  const std::string pipeline = "--pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
+  std::string output;
+  const std::string still = *dir_ + "/still.jsonl";
+  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + pipeline + " --metrics_file=" + still), &output), 0)
+      << output;
+  const std::string ckpt = testing::MakeTempDir("moved_ckpt");
+  const std::string moved = *dir_ + "/moved.jsonl";
+  // [0,2)|[2,4) → [0,1)|[1,4) → [0,3)|[3,4) → [0,2)|[2,4) → [0,1)|[1,4) → [0,2)|[2,4) → [0,1)|[1,4)
+  const std::string script =
+      "--rebalance_script='3:1->1;6:1->0,2->0;9:2->1;12:1->1;15:1->0;18:1->1'";
+  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + pipeline + " " + script + " --save=" + ckpt +
+                                              " --save_interval=10 --metrics_file=" + moved),
+                                &output),
+            0)
+      << output;
+  std::vector<double> a = Losses(still), b = Losses(moved);
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "iteration " << i + 1;
+  EXPECT_LE(MaxRelativeDifference(b, *single_), kRelativeTolerance);
+
+  // Saved at iteration 10 with layers [0,2)|[2,4) after four moves; resumed elsewhere.
+  for (const auto& [n, layout] : std::vector<std::pair<int, std::string>>{
+           {4, "--pipeline_model_parallel_size=4"}, {1, ""}}) {
+    const std::string metrics = ckpt + "/resumed_" + std::to_string(n) + ".jsonl";
+    ASSERT_EQ(testing::RunCommand(Launch(n, Common() + " " + layout + " --load=" + ckpt + "/iter_0000010" +
+                                                " --metrics_file=" + metrics),
+                                  &output),
+              0)
+        << output;
+    std::vector<double> resumed = Losses(metrics);
+    ASSERT_EQ(resumed.size(), 10u);
+    EXPECT_LE(MaxRelativeDifference(resumed, std::vector<double>(single_->begin() + 10, single_->end())),
+              kRelativeTolerance)
+        << layout;
+  }
+}
+
 // Saved under tp=2×dp=2 at iteration 10, resumed under one process (and the reverse):
 // iterations 11-20 match the single-process run.
 TEST_F(SlowParallelTrainTest, CheckpointsMoveBetweenLayouts) {

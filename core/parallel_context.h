@@ -42,6 +42,8 @@ class ForwardBackwardRunner {
                                                               const MicroBatchPlan& plan) = 0;
   /// Measurements of the last Run for logs and the metrics file, e.g. {"bubble_ratio", 0.2}.
   virtual std::vector<std::pair<std::string, double>> Metrics() const { return {}; }
+  /// Called once when training stops, on every rank (collective): flush what was recorded.
+  virtual absl::Status Finish() { return absl::OkStatus(); }
 };
 
 class ParallelContext {

@@ -454,10 +454,16 @@ absl::Status Trainer::Run() {
       FULCRUM_RETURN_IF_ERROR(Save());
     }
     if (exiting && !finished) {
+      if (ForwardBackwardRunner* runner = parallel_ ? parallel_->forward_backward() : nullptr) {
+        FULCRUM_RETURN_IF_ERROR(runner->Finish());
+      }
       if (is_logging_rank()) FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
                         << t.exit_interval << ")";
-      break;
+      return absl::OkStatus();
     }
+  }
+  if (ForwardBackwardRunner* runner = parallel_ ? parallel_->forward_backward() : nullptr) {
+    FULCRUM_RETURN_IF_ERROR(runner->Finish());
   }
   return absl::OkStatus();
 }

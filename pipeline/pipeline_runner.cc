@@ -1,5 +1,7 @@
 #include "pipeline/pipeline_runner.h"
 
+#include "absl/strings/str_cat.h"
+#include "core/logging.h"
 #include "core/status.h"
 #include "pipeline/migration.h"
 
@@ -68,6 +70,7 @@ absl::Status PipelineRunner::Rebalance(GptModel& stage, const Schedule& schedule
     for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
       if (ranges[s].first <= move.layer && move.layer < ranges[s].second) from = s;
     }
+    const double start_ms = timeline_ ? timeline_->NowMs() : 0.0;
     if (me == from) {
       FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<TransformerLayer> layer, stage.ReleaseLayer(move.layer));
       FULCRUM_RETURN_IF_ERROR(SendUnit(*pp_, move.to_stage, *layer));
@@ -75,6 +78,18 @@ absl::Status PipelineRunner::Rebalance(GptModel& stage, const Schedule& schedule
       std::unique_ptr<TransformerLayer> shell = stage.NewLayerShell(move.layer);
       FULCRUM_RETURN_IF_ERROR(ReceiveUnit(*pp_, from, *shell));
       FULCRUM_RETURN_IF_ERROR(stage.AdoptLayer(std::move(shell)));
+    }
+    if (timeline_ != nullptr && (me == from || me == move.to_stage)) {
+      timeline_->RecordSpan(
+          absl::StrCat("move layers.", move.layer, " ", from, "->", move.to_stage), "migration",
+          start_ms, timeline_->NowMs(),
+          {{"iteration", std::to_string(iteration)}, {"layer", std::to_string(move.layer)},
+           {"from_stage", std::to_string(from)}, {"to_stage", std::to_string(move.to_stage)}});
+    }
+    if (me == 0) {
+      FULCRUM_LOG(INFO) << "iteration " << iteration << ": moved layer " << move.layer
+                        << " from stage " << from << " to stage " << move.to_stage << " ("
+                        << rebalancer_->name() << ")";
     }
     FULCRUM_ASSIGN_OR_RETURN(ranges, ApplyMoves(ranges, {move}));
     ++layers_moved_;
@@ -105,6 +120,7 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                double loss_scale) {
   FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor(schedule_name_, plan.count));
   FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale));
+  if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
   // Every W of the iteration is done: layers may move now, with their final gradients, and
   // the optimizer step that follows runs on the new layout.
   FULCRUM_RETURN_IF_ERROR(Rebalance(stage, *schedule, iteration));
@@ -119,7 +135,15 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
               {"bubble_ratio_max", max.item<double>()},
               {"pipeline_ms", last_run_.total_ms},
               {"layers_moved", static_cast<double>(layers_moved_)}};
-  return ShareLoss(last_run_);
+  auto loss = ShareLoss(last_run_);
+  if (timeline_ != nullptr && flush_every_ > 0 && iteration % flush_every_ == 0) {
+    FULCRUM_RETURN_IF_ERROR(timeline_->Flush());
+  }
+  return loss;
+}
+
+absl::Status PipelineRunner::Finish() {
+  return timeline_ != nullptr ? timeline_->Flush() : absl::OkStatus();
 }
 
 absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Evaluate(GptModel& stage,

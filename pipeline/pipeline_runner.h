@@ -17,6 +17,7 @@
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "pipeline/stage_executor.h"
+#include "pipeline/timeline.h"
 
 namespace fulcrum::pipeline {
 
@@ -27,6 +28,14 @@ class PipelineRunner final : public ForwardBackwardRunner {
   /// asked once per iteration for layer moves, carried out before the optimizer step.
   PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size,
                  std::unique_ptr<Rebalancer> rebalancer = nullptr);
+
+  /// Records every iteration's actions, waits and migrations into `timeline` (flushed by
+  /// Finish and every `flush_every` iterations); it must outlive the runner.
+  void SetTimeline(TimelineRecorder* timeline, int64_t flush_every = 50) {
+    timeline_ = timeline;
+    flush_every_ = flush_every;
+  }
+  absl::Status Finish() override;
 
   absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& stage, int64_t iteration,
                                                  const MicroBatchPlan& plan,
@@ -51,6 +60,8 @@ class PipelineRunner final : public ForwardBackwardRunner {
   std::string schedule_name_;
   StageExecutor executor_;
   std::unique_ptr<Rebalancer> rebalancer_;
+  TimelineRecorder* timeline_ = nullptr;
+  int64_t flush_every_ = 50;
   int64_t layers_moved_ = 0;
   std::map<std::pair<std::string, int>, Schedule> schedules_;
   StageRunResult last_run_;

@@ -57,6 +57,9 @@ DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
 DEFINE_string(pipeline_schedule, "1f1b", "Pipeline schedule: 1f1b, zbh1 or zbh2.");
+DEFINE_string(timeline, "",
+              "Write a Chrome trace / Perfetto JSON of every rank's F/B/W actions, waits and "
+              "layer moves to this file (pipeline runs, --pipeline_model_parallel_size > 1).");
 DEFINE_string(rebalance_script, "",
               "Scripted layer moves between pipeline stages: ITER:LAYER->STAGE[,...][;...], e.g. "
               "'5:1->1;9:1->0' (after iteration 5's backward move layer 1 to stage 1, back after 9).");
@@ -161,6 +164,9 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp, " exceeds --num_layers=",
                                 FLAGS_num_layers, "; every stage needs a layer"));
   }
+  if (!FLAGS_timeline.empty() && config.pp == 1) {
+    return Invalid("--timeline records pipeline stages; it needs --pipeline_model_parallel_size > 1");
+  }
   if (!FLAGS_rebalance_script.empty()) {
     if (config.pp == 1) {
       return Invalid("--rebalance_script moves layers between pipeline stages; it needs "
@@ -201,6 +207,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
+std::string TimelineFlag() { return FLAGS_timeline; }
 
 absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
   if (FLAGS_rebalance_script.empty()) return std::make_unique<pipeline::NoOpRebalancer>();

@@ -43,6 +43,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
 std::string PipelineScheduleFlag();
+std::string TimelineFlag();
 /// The rebalancer of --rebalance_script (a no-op without it).
 absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags();
 int64_t DistributedTimeoutMinutesFlag();

@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
   if (!config.ok()) return Fail(config.status());
 
   std::unique_ptr<fulcrum::parallel::ProcessGroupContext> parallel;
+  std::unique_ptr<fulcrum::pipeline::TimelineRecorder> timeline;
   if (world->world_size > 1) {
     const std::chrono::minutes timeout(fulcrum::DistributedTimeoutMinutesFlag());
     auto comm = fulcrum::parallel::CreateWorldCommunicator(*world, *backend, timeout);
@@ -76,10 +77,16 @@ int main(int argc, char** argv) {
     if (layout->pp > 1) {
       auto rebalancer = fulcrum::RebalancerFromFlags();
       if (!rebalancer.ok()) return Fail(rebalancer.status());
-      parallel->SetForwardBackward(std::make_unique<fulcrum::pipeline::PipelineRunner>(
+      auto runner = std::make_unique<fulcrum::pipeline::PipelineRunner>(
           &parallel->group(fulcrum::parallel::GroupKind::kPipeline),
           fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size,
-          std::move(*rebalancer)));
+          std::move(*rebalancer));
+      if (!fulcrum::TimelineFlag().empty()) {
+        timeline = std::make_unique<fulcrum::pipeline::TimelineRecorder>(
+            &parallel->world(), fulcrum::TimelineFlag(), parallel->coords().pp);
+        runner->SetTimeline(timeline.get());
+      }
+      parallel->SetForwardBackward(std::move(runner));
     }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {

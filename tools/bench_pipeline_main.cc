@@ -1,0 +1,395 @@
+// bench_pipeline: the bubble of the pipeline schedules, measured through the real binaries.
+//
+// For every pipeline size (--pp), micro-batch count (--microbatches) and schedule
+// (--schedules) it trains the same model (--recipe, plus --model_flags) for --train_iters
+// iterations under
+//   fulcrum_launch --nproc_per_node=PP --master_port=0 -- fulcrum_train ...
+//       --pipeline_model_parallel_size=PP --pipeline_schedule=S
+//       --micro_batch_size=B --global_batch_size=M*B --metrics_file=...
+// (binaries next to this one), so every micro-batch holds the same tokens whatever M is.
+// From the metrics file it drops the first --skip_iters iterations (start-up) and prints
+// one table: the medians of iteration_ms, bubble_ratio (mean over stages) and
+// bubble_ratio_max, and for each (PP, M) the ratios ZB-H1 / 1F1B of bubble and iteration
+// time, against the goal "ZB-H1 bubble <= --goal_ratio x 1F1B". Nothing is hard-coded:
+// every number printed was measured in this run.
+//
+//   build/bin/fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1]
+//       [--microbatches=4,8,16] [--micro_batch_size=1] [--train_iters=20] [--skip_iters=3]
+//       [--recipe=tiny] [--model_flags="--hidden_size=256"]
+//
+// Exit codes: 0 done, 2 bad flags (or fulcrum_train rejected the flags), 1 a run failed.
+#include <gflags/gflags.h>
+#include <sched.h>
+#include <sys/wait.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "pipeline/schedule.h"
+
+DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");
+DEFINE_string(schedules, "1f1b,zbh1",
+              "Pipeline schedules, comma-separated (1f1b, zbh1, zbh2). The ratio columns need "
+              "1f1b and zbh1.");
+DEFINE_string(microbatches, "4,8,16", "Micro-batches per iteration, comma-separated; each >= 1.");
+DEFINE_int32(micro_batch_size, 1,
+             "Sequences per micro-batch, the same for every count (--global_batch_size is "
+             "microbatches x this).");
+DEFINE_int32(train_iters, 20, "Iterations per run.");
+DEFINE_int32(skip_iters, 3, "Leading iterations of each run left out of the medians.");
+DEFINE_string(recipe, "tiny", "fulcrum_train --recipe giving the model's shape.");
+DEFINE_string(model_flags, "",
+              "Extra fulcrum_train flags, e.g. \"--hidden_size=256 --num_layers=8\" (not the "
+              "batch, pipeline or metrics flags, which this tool sets).");
+DEFINE_double(goal_ratio, 0.4, "Goal: median ZB-H1 bubble <= this x the 1F1B one.");
+DEFINE_bool(keep_logs, false, "Keep each run's log and metrics (their directory is printed).");
+
+namespace fulcrum {
+namespace {
+
+constexpr int kUsageError = 2;
+
+struct RunKey {
+  int pp;
+  int microbatches;
+  std::string schedule;
+  bool operator<(const RunKey& o) const {
+    return std::tie(pp, microbatches, schedule) < std::tie(o.pp, o.microbatches, o.schedule);
+  }
+};
+
+struct RunResult {
+  double iteration_ms = 0;  // Medians over the kept iterations.
+  double bubble_ratio = 0;
+  double bubble_ratio_max = 0;
+  int kept_iterations = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
+// The 1-minute load average (/proc/loadavg); false where there is none.
+bool ReadLoadAverage(double* load) {
+  std::ifstream in("/proc/loadavg");
+  return static_cast<bool>(in >> *load);
+}
+
+// The directory of this executable (where fulcrum_launch and fulcrum_train are built).
+std::string BinDir(const char* argv0) {
+  std::string self(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size());
+  self = n > 0 ? self.substr(0, n) : std::string(argv0);
+  const size_t slash = self.find_last_of('/');
+  return slash == std::string::npos ? "." : self.substr(0, slash);
+}
+
+// gflags exits 1 on an unknown flag or a malformed value; here they are usage errors
+// (exit 2), so the arguments are checked against the registered flags first.
+bool CheckCommandLine(int argc, char** argv, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg.size() < 2 || arg[0] != '-') {
+      *error = absl::StrCat("unexpected argument '", arg, "' (flags are --name=value)");
+      return false;
+    }
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    const size_t equals = arg.find('=');
+    const std::string name(arg.substr(0, equals));
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) &&
+          info.type == "bool" && equals == absl::string_view::npos) {
+        continue;
+      }
+      *error = absl::StrCat("unknown flag --", name);
+      return false;
+    }
+    if (info.filename.find("gflags") != std::string::npos) continue;  // --help, --flagfile, ...
+    std::string value;
+    if (equals != absl::string_view::npos) {
+      value = std::string(arg.substr(equals + 1));
+    } else if (info.type == "bool") {
+      value = "true";
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      *error = absl::StrCat("--", name, " needs a value");
+      return false;
+    }
+    if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
+      *error = absl::StrCat("--", name, "='", value, "' is not a valid ", info.type);
+      return false;
+    }
+  }
+  return true;
+}
+
+// The usage message and this tool's own flags (gflags' --help lists every library's too;
+// --helpfull still does).
+void PrintHelp() {
+  std::printf("fulcrum_bench_pipeline: %s\n\nFlags:\n", gflags::ProgramUsage());
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  for (const auto& flag : flags) {
+    if (flag.filename.find("bench_pipeline") == std::string::npos) continue;
+    std::string value = flag.default_value;
+    if (double d; flag.type == "double" && absl::SimpleAtod(value, &d)) value = absl::StrCat(d);
+    std::printf("  --%s=%s\n      %s\n", flag.name.c_str(), value.c_str(),
+                flag.description.c_str());
+  }
+}
+
+// "2,4" -> {2, 4}, each ≥ `min`; nullopt (with `error`) otherwise.
+std::optional<std::vector<int>> ParseInts(const std::string& flag, const std::string& text, int min,
+                                          std::string* error) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int value;
+    if (!absl::SimpleAtoi(part, &value) || value < min) {
+      *error = absl::StrCat("--", flag, "='", text, "': '", part, "' is not an integer >= ", min);
+      return std::nullopt;
+    }
+    out.push_back(value);
+  }
+  if (out.empty()) {
+    *error = absl::StrCat("--", flag, " is empty");
+    return std::nullopt;
+  }
+  return out;
+}
+
+// Runs one configuration; nullopt on failure, with the exit code in `code` and the log's
+// tail in `log_tail`.
+std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& work_dir,
+                                const RunKey& key, int* code, std::string* log_tail) {
+  const std::string stem =
+      absl::StrFormat("%s/pp%d_m%d_%s", work_dir, key.pp, key.microbatches, key.schedule);
+  const std::string metrics = stem + ".jsonl", log = stem + ".log";
+  std::remove(metrics.c_str());
+  const std::string command = absl::StrCat(
+      bin_dir, "/fulcrum_launch --nproc_per_node=", key.pp, " --master_port=0 -- ", bin_dir,
+      "/fulcrum_train --recipe=", FLAGS_recipe, " ", FLAGS_model_flags,
+      " --micro_batch_size=", FLAGS_micro_batch_size,
+      " --global_batch_size=", key.microbatches * FLAGS_micro_batch_size,
+      " --pipeline_model_parallel_size=", key.pp, " --pipeline_schedule=", key.schedule,
+      " --train_iters=", FLAGS_train_iters, " --eval_interval=0 --log_interval=1000000",
+      " --metrics_file=", metrics, " > ", log, " 2>&1");
+  const int status = std::system(command.c_str());
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+  std::vector<double> iteration_ms, bubble, bubble_max;
+  if (*code == 0) {
+    std::ifstream in(metrics);
+    std::string line;
+    for (int i = 0; std::getline(in, line); ++i) {
+      if (i < FLAGS_skip_iters) continue;
+      const nlohmann::json record =
+          nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!record.is_object() || !record.contains("iteration_ms") ||
+          !record.contains("bubble_ratio") || !record.contains("bubble_ratio_max")) {
+        *log_tail = absl::StrCat(metrics, ": line ", i + 1,
+                                 " lacks iteration_ms / bubble_ratio / bubble_ratio_max");
+        *code = 1;
+        return std::nullopt;
+      }
+      iteration_ms.push_back(record["iteration_ms"].get<double>());
+      bubble.push_back(record["bubble_ratio"].get<double>());
+      bubble_max.push_back(record["bubble_ratio_max"].get<double>());
+    }
+  }
+  if (*code != 0 || iteration_ms.empty()) {
+    std::ifstream in(log);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string all = text.str();
+    *log_tail = all.size() > 2000 ? all.substr(all.size() - 2000) : all;
+    if (*code == 0) {
+      *code = 1;
+      *log_tail += absl::StrCat("\n(no iterations left after --skip_iters=", FLAGS_skip_iters, ")");
+    }
+    return std::nullopt;
+  }
+  return RunResult{Median(iteration_ms), Median(bubble), Median(bubble_max),
+                   static_cast<int>(iteration_ms.size())};
+}
+
+void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResult>& results) {
+  std::printf("\n%3s %5s  %-8s %10s %8s %10s   %-16s %-16s %s\n", "pp", "m", "schedule", "iter ms",
+              "bubble", "bubble_max", "zbh1/1f1b bubble", "zbh1/1f1b iter", "goal");
+  for (const RunKey& key : keys) {
+    auto it = results.find(key);
+    if (it == results.end()) {
+      std::printf("%3d %5d  %-8s %10s\n", key.pp, key.microbatches, key.schedule.c_str(), "failed");
+      continue;
+    }
+    const RunResult& r = it->second;
+    std::string bubble_ratio, time_ratio, goal;
+    if (key.schedule == "zbh1") {
+      auto base = results.find(RunKey{key.pp, key.microbatches, "1f1b"});
+      if (base != results.end() && base->second.bubble_ratio > 0 && base->second.iteration_ms > 0) {
+        const double b = r.bubble_ratio / base->second.bubble_ratio;
+        bubble_ratio = absl::StrFormat("%.2f", b);
+        time_ratio = absl::StrFormat("%.2f", r.iteration_ms / base->second.iteration_ms);
+        goal = b <= FLAGS_goal_ratio ? "met" : "NOT met";
+      }
+    }
+    std::printf("%3d %5d  %-8s %10.1f %8.3f %10.3f   %-16s %-16s %s\n", key.pp, key.microbatches,
+                key.schedule.c_str(), r.iteration_ms, r.bubble_ratio, r.bubble_ratio_max,
+                bubble_ratio.c_str(), time_ratio.c_str(), goal.c_str());
+  }
+}
+
+int Run(const std::string& bin_dir) {
+  std::string error;
+  auto pps = ParseInts("pp", FLAGS_pp, 2, &error);
+  auto counts = pps ? ParseInts("microbatches", FLAGS_microbatches, 1, &error) : std::nullopt;
+  std::vector<std::string> schedules = absl::StrSplit(FLAGS_schedules, ',', absl::SkipWhitespace());
+  if (error.empty() && schedules.empty()) error = "--schedules is empty";
+  if (error.empty() && FLAGS_micro_batch_size < 1) {
+    error = absl::StrCat("--micro_batch_size=", FLAGS_micro_batch_size, " must be >= 1");
+  }
+  if (error.empty() && (FLAGS_skip_iters < 0 || FLAGS_train_iters <= FLAGS_skip_iters)) {
+    error = absl::StrCat("--train_iters=", FLAGS_train_iters,
+                         " must exceed --skip_iters=", FLAGS_skip_iters, " >= 0");
+  }
+  std::vector<RunKey> keys;
+  for (int pp : pps.value_or(std::vector<int>{})) {
+    for (int m : counts.value_or(std::vector<int>{})) {
+      for (const std::string& schedule : schedules) {
+        // Checks the schedule's name and (pp, m) before any run starts.
+        if (auto made = pipeline::MakeSchedule(schedule, pp, m); !made.ok() && error.empty()) {
+          error = absl::StrCat("--schedules: ", made.status().message());
+        }
+        keys.push_back(RunKey{pp, m, schedule});
+      }
+    }
+  }
+  if (!error.empty()) {
+    std::fprintf(stderr, "fulcrum_bench_pipeline: %s\n", error.c_str());
+    return kUsageError;
+  }
+  for (const char* tool : {"fulcrum_launch", "fulcrum_train"}) {
+    const std::string path = bin_dir + "/" + tool;
+    if (access(path.c_str(), X_OK) != 0) {
+      std::fprintf(stderr, "fulcrum_bench_pipeline: %s not found (build it next to this tool)\n",
+                   path.c_str());
+      return 1;
+    }
+  }
+  std::string work_dir = "/tmp/fulcrum_bench_pipeline_XXXXXX";
+  if (mkdtemp(work_dir.data()) == nullptr) {
+    std::perror("fulcrum_bench_pipeline: mkdtemp");
+    return 1;
+  }
+
+  const int cores = UsableCores();
+  std::printf(
+      "fulcrum_bench_pipeline: --recipe=%s %s| micro-batch size %d | %d iterations per "
+      "run, medians of the last %d | %d usable cores\n",
+      FLAGS_recipe.c_str(), FLAGS_model_flags.empty() ? "" : (FLAGS_model_flags + " ").c_str(),
+      FLAGS_micro_batch_size, FLAGS_train_iters, FLAGS_train_iters - FLAGS_skip_iters, cores);
+  for (int pp : *pps) {
+    if (pp > cores) {
+      std::printf(
+          "note: pp=%d runs %d processes on %d cores: they oversubscribe the CPU, so "
+          "its timings are distorted (and its bubbles: a stage the OS deschedules makes "
+          "its neighbours wait)\n",
+          pp, pp, cores);
+    }
+  }
+  if (double load; ReadLoadAverage(&load) && load >= 0.5) {
+    std::printf("note: load average %.1f before the runs: other work on this machine shares "
+                "the cores and adds noise to every row\n", load);
+  }
+  std::fflush(stdout);
+
+  std::map<RunKey, RunResult> results;
+  bool failed = false;
+  const auto bench_start = std::chrono::steady_clock::now();
+  for (const RunKey& key : keys) {
+    int code = 0;
+    std::string log_tail;
+    const auto start = std::chrono::steady_clock::now();
+    std::optional<RunResult> result = RunOne(bin_dir, work_dir, key, &code, &log_tail);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!result) {
+      std::fprintf(stderr, "fulcrum_bench_pipeline: pp=%d m=%d %s failed (exit %d):\n%s\n", key.pp,
+                   key.microbatches, key.schedule.c_str(), code, log_tail.c_str());
+      if (code == kUsageError) return kUsageError;  // fulcrum_train rejected the flags.
+      failed = true;
+      continue;
+    }
+    std::fprintf(stderr, "  pp=%d m=%-3d %-5s  %8.1f ms/iter  bubble %.3f  (%.0f s)\n", key.pp,
+                 key.microbatches, key.schedule.c_str(), result->iteration_ms, result->bubble_ratio,
+                 seconds);
+    results.emplace(key, *result);
+  }
+
+  std::printf("\ngoal: ZB-H1 bubble <= %.1f x 1F1B (median bubble_ratio, mean over stages)\n",
+              FLAGS_goal_ratio);
+  PrintTable(keys, results);
+  std::printf(
+      "\n%zu runs in %.0f s\n", keys.size(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - bench_start).count());
+  if (FLAGS_keep_logs) {
+    std::printf("logs and metrics: %s\n", work_dir.c_str());
+  } else {
+    std::system(absl::StrCat("rm -rf '", work_dir, "'").c_str());
+  }
+  return failed ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "pipeline bubble and iteration time of 1F1B vs ZB-H1 (and other schedules), measured by "
+      "training through fulcrum_launch + fulcrum_train for every --pp x --microbatches x "
+      "--schedules.\nExample: fulcrum_bench_pipeline --pp=2 --microbatches=4,8 "
+      "--train_iters=8");
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpshort") {
+      fulcrum::PrintHelp();
+      return 0;
+    }
+  }
+  std::string error;
+  if (!fulcrum::CheckCommandLine(argc, argv, &error)) {
+    std::fprintf(stderr,
+                 "fulcrum_bench_pipeline: %s\nRun `fulcrum_bench_pipeline --help` for "
+                 "usage.\n",
+                 error.c_str());
+    return fulcrum::kUsageError;
+  }
+  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  return fulcrum::Run(fulcrum::BinDir(argv[0]));
+}

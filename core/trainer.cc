@@ -408,6 +408,7 @@ absl::Status Trainer::Run() {
   const int64_t first_iteration = iteration_;
   double interval_loss = 0.0;
   int64_t interval_count = 0;
+  bool exited_early = false;
   while (iteration_ < t.train_iters) {
     FULCRUM_ASSIGN_OR_RETURN(IterationStats stats, TrainIteration());
     interval_loss += stats.loss;
@@ -442,8 +443,10 @@ absl::Status Trainer::Run() {
     if (t.eval_interval > 0 &&
         (stats.iteration % t.eval_interval == 0 || stats.iteration == t.train_iters)) {
       FULCRUM_ASSIGN_OR_RETURN(double valid_loss, Evaluate());
-      if (is_logging_rank()) FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
-                                           stats.iteration, valid_loss, std::exp(valid_loss));
+      if (is_logging_rank()) {
+        FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
+                                             stats.iteration, valid_loss, std::exp(valid_loss));
+      }
       record["valid_loss"] = valid_loss;
     }
     if (metrics_) FULCRUM_RETURN_IF_ERROR(metrics_->Write(record));
@@ -454,16 +457,16 @@ absl::Status Trainer::Run() {
       FULCRUM_RETURN_IF_ERROR(Save());
     }
     if (exiting && !finished) {
-      if (ForwardBackwardRunner* runner = parallel_ ? parallel_->forward_backward() : nullptr) {
-        FULCRUM_RETURN_IF_ERROR(runner->Finish());
-      }
-      if (is_logging_rank()) FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
-                        << t.exit_interval << ")";
-      return absl::OkStatus();
+      exited_early = true;
+      break;
     }
   }
   if (ForwardBackwardRunner* runner = parallel_ ? parallel_->forward_backward() : nullptr) {
     FULCRUM_RETURN_IF_ERROR(runner->Finish());
+  }
+  if (exited_early && is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
+                      << t.exit_interval << ")";
   }
   return absl::OkStatus();
 }

@@ -161,4 +161,18 @@ std::string SplitKey(const std::string& parent_key, const std::string& name,
                       generation);
 }
 
+SplitPlan PlanSplit(const std::string& parent_key, const std::string& name,
+                    const std::vector<int>& ranks, const std::vector<int>& global_ranks,
+                    int my_rank, std::map<std::string, int>& generations) {
+  SplitPlan plan;
+  plan.member_globals.reserve(ranks.size());
+  for (int r : ranks) plan.member_globals.push_back(global_ranks[r]);
+  const int generation = generations[SplitKey(parent_key, name, plan.member_globals, 0)]++;
+  plan.key = SplitKey(parent_key, name, plan.member_globals, generation);
+  plan.new_rank =
+      static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), my_rank) - ranks.begin());
+  plan.sub_group = DescribeGroup(name, plan.member_globals);
+  return plan;
+}
+
 }  // namespace fulcrum::parallel::internal

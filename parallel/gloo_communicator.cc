@@ -283,24 +283,18 @@ class GlooCommunicator final : public Communicator {
     constexpr const char* kOp = "split";
     CheckUsable(kOp);
     internal::CheckSplit(ranks, name, rank_, size(), group_);
-    std::vector<int> member_globals;
-    member_globals.reserve(ranks.size());
-    for (int r : ranks) member_globals.push_back(global_ranks_[r]);
-    // Members call Split in the same order, so counting repeats locally gives every member
-    // the same generation without talking to anyone (NOTE [split keys]).
-    const std::string base = internal::SplitKey(key_, name, member_globals, 0);
-    const int generation = split_generations_[base]++;
-    const std::string key = internal::SplitKey(key_, name, member_globals, generation);
-    const int new_rank =
-        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-    const std::string sub_group = internal::DescribeGroup(name, member_globals);
+    internal::SplitPlan plan =
+        internal::PlanSplit(key_, name, ranks, global_ranks_, rank_, split_generations_);
+    const std::string& key = plan.key;
+    const int new_rank = plan.new_rank;
+    const std::string& sub_group = plan.sub_group;
     const auto start = Clock::now();
     try {
       auto group = internal::MakeGlooProcessGroup(internal::MakePrefixStore(key, root_store_),
                                                   new_rank, static_cast<int>(ranks.size()),
                                                   timeout_, device_, kGlooThreads);
       return std::make_unique<GlooCommunicator>(root_store_, device_, std::move(group), new_rank,
-                                                std::move(member_globals), name, key, timeout_);
+                                                std::move(plan.member_globals), name, key, timeout_);
     } catch (const std::exception& e) {
       std::string cause = internal::ExceptionMessage(e);
       if (Clock::now() - start >= timeout_) {

@@ -434,15 +434,11 @@ class NcclCommunicator final : public Communicator {
                                       const std::string& name) override {
     const std::string context = Context("split");
     internal::CheckSplit(ranks, name, rank_, size(), group_);
-    std::vector<int> member_globals;
-    for (int r : ranks) member_globals.push_back(global_ranks_[r]);
-    // Same scheme as the Gloo backend: NOTE [split keys].
-    const std::string base = internal::SplitKey(key_, name, member_globals, 0);
-    const int generation = split_generations_[base]++;
-    const std::string key = internal::SplitKey(key_, name, member_globals, generation);
-    const int new_rank =
-        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-    const std::string sub_group = internal::DescribeGroup(name, member_globals);
+    internal::SplitPlan plan =
+        internal::PlanSplit(key_, name, ranks, global_ranks_, rank_, split_generations_);
+    const std::string& key = plan.key;
+    const int new_rank = plan.new_rank;
+    const std::string& sub_group = plan.sub_group;
     absl::StatusOr<std::shared_ptr<NcclComm>> comm =
         Connect(store_, key, new_rank, static_cast<int>(ranks.size()), comm_->device(),
                 comm_->timeout(), name);
@@ -451,7 +447,7 @@ class NcclCommunicator final : public Communicator {
           absl::StrCat("split of ", group_, " into ", sub_group, ": ", comm.status().message()));
     }
     return std::make_unique<NcclCommunicator>(
-        store_, *std::move(comm), new_rank, std::move(member_globals), name, key, stream_provider_);
+        store_, *std::move(comm), new_rank, std::move(plan.member_globals), name, key, stream_provider_);
   }
 
   /// Creates the NCCL communicator of `size` ranks whose unique id rank 0 publishes under

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -65,5 +66,22 @@ AllToAllRows ResolveAllToAllRows(const at::Tensor& input, const std::vector<int6
 /// NOTE [split keys]: both backends build their sub-communicator rendezvous under this key.
 std::string SplitKey(const std::string& parent_key, const std::string& name,
                      const std::vector<int>& member_global_ranks, int generation);
+
+/// What a member needs to build the sub-communicator of a Split, computed the same way by
+/// both backends (NOTE [split keys]).
+struct SplitPlan {
+  std::vector<int> member_globals;  // World rank of each member, by new rank.
+  std::string key;                  // SplitKey of this (parent, name, members, generation).
+  int new_rank = 0;                 // This rank's rank in the sub-communicator.
+  std::string sub_group;            // DescribeGroup of the sub-communicator, for errors.
+};
+
+/// Plans a Split of ranks `ranks` (ascending, `my_rank` among them) of a communicator whose
+/// members are `global_ranks` and whose key is `parent_key`. `generations` counts earlier
+/// splits with the same (name, members): members call Split in the same order, so counting
+/// repeats locally gives every member the same generation without talking to anyone.
+SplitPlan PlanSplit(const std::string& parent_key, const std::string& name,
+                    const std::vector<int>& ranks, const std::vector<int>& global_ranks,
+                    int my_rank, std::map<std::string, int>& generations);
 
 }  // namespace fulcrum::parallel::internal

@@ -15,8 +15,9 @@ StageSpec EvenStage(int64_t num_layers, int stages, int stage) {
   return spec;
 }
 
-GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp)
-    : options_(options), tp_(tp) {
+GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
+                   FeedForwardFactory feed_forward)
+    : options_(options), tp_(tp), feed_forward_(std::move(feed_forward)) {
   const int tp_size = tp ? tp->size() : 1;
   TORCH_CHECK(options.num_attention_heads % tp_size == 0 && options.ffn_hidden_size % tp_size == 0 &&
                   options.vocab_size % tp_size == 0,
@@ -30,7 +31,8 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
   layer_end_ = end;
   if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
   for (int64_t i = stage.layer_begin; i < end; ++i) {
-    layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp));
+    layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp, /*initialize=*/true,
+                                                          &feed_forward_));
   }
   if (stage.has_head) {
     head_ = std::make_unique<Head>(options, tp,
@@ -83,7 +85,8 @@ absl::Status GptModel::AdoptLayer(std::unique_ptr<TransformerLayer> layer) {
 }
 
 std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
-  return std::make_unique<TransformerLayer>(options_, index, tp_, /*initialize=*/false);
+  return std::make_unique<TransformerLayer>(options_, index, tp_, /*initialize=*/false,
+                                            &feed_forward_);
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {

@@ -53,9 +53,11 @@ struct LossSum {
 
 class GptModel {
  public:
-  /// `tp` (may be null: one rank) must outlive the model.
+  /// `tp` (may be null: one rank) must outlive the model. `feed_forward` (may be empty)
+  /// may replace the dense MLP of chosen layers (core/feed_forward.h); it is kept for the
+  /// layer shells of migrations.
   explicit GptModel(const ModelOptions& options, const StageSpec& stage = StageSpec(),
-                    TensorParallelGroup* tp = nullptr);
+                    TensorParallelGroup* tp = nullptr, FeedForwardFactory feed_forward = nullptr);
 
   const ModelOptions& options() const { return options_; }
 
@@ -97,6 +99,7 @@ class GptModel {
  private:
   ModelOptions options_;
   TensorParallelGroup* tp_;
+  FeedForwardFactory feed_forward_;
   int64_t layer_begin_ = 0;
   int64_t layer_end_ = 0;
   std::unique_ptr<Embedding> embedding_;

@@ -6,12 +6,13 @@
 
 namespace fulcrum {
 
-double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated) {
+double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated,
+                             bool expert_parallel) {
   double sum = 0.0;
   for (Unit* unit : units) {
     for (const Parameter& p : unit->parameters()) {
       const at::Tensor& g = p.value.grad();
-      if (!g.defined()) continue;
+      if (!g.defined() || p.expert_parallel != expert_parallel) continue;
       if (!include_replicated && !(p.tp_shard_dim >= 0 && unit->tp_size() > 1)) continue;
       if (!p.mirror_of.empty()) continue;  // its source counts it
       sum += g.to(at::kDouble).pow(2).sum().item<double>();

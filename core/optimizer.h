@@ -19,8 +19,15 @@ class AdamW {
   /// rank's part of the global norm, which parallel callers sum over model-parallel ranks.
   /// Replicated (not tensor-parallel-sharded) parameters count only when
   /// `include_replicated`, so that the group counts them once; mirrors never count (their
-  /// source does).
-  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated = true);
+  /// source does). With `expert_parallel` true only Parameter::expert_parallel ones count
+  /// (which callers also sum over the expert-parallel group), with false only the others.
+  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated,
+                               bool expert_parallel);
+  /// Every parameter (dense and expert-parallel).
+  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated = true) {
+    return GradSquaredSum(units, include_replicated, false) +
+           GradSquaredSum(units, include_replicated, true);
+  }
 
   /// Multiplies every gradient by `factor`.
   static void ScaleGradients(const std::vector<Unit*>& units, double factor);

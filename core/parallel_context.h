@@ -74,6 +74,11 @@ class ParallelContext {
   /// Sums each value over the ranks that hold different parts of one model replica
   /// (tensor × pipeline parallel), in place.
   virtual void SumOverModelParallel(std::vector<double>& values) = 0;
+  /// Sums each value over the expert-parallel group (the ranks that share out the experts
+  /// of one stage), in place; identity when ep == 1.
+  virtual void SumOverExpertParallel(std::vector<double>& values) = 0;
+  /// Every pipeline stage's `mine`, in stage order (collective over the pipeline group).
+  virtual std::vector<std::string> GatherOverPipeline(const std::string& mine) = 0;
   /// Every pipeline stage's layer range, in stage order, given this stage's (collective over
   /// the pipeline group; ranges change when layers move).
   virtual std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin,
@@ -83,7 +88,13 @@ class ParallelContext {
 
   /// Whether this rank logs iterations and writes the metrics file (one rank per job).
   virtual bool is_logging_rank() const = 0;
-  /// Whether this rank writes a checkpoint shard (one rank per part of the model).
+  /// What this rank's tensor-parallel group saves to a checkpoint: everything (data-parallel
+  /// rank 0), only expert-parallel parameters (the other ranks of the first expert-parallel
+  /// group, which hold other experts), or nothing (replicas). The group gathers its shards;
+  /// tensor-parallel rank 0 writes them.
+  enum class CheckpointPart { kNothing, kExpertParallel, kEverything };
+  virtual CheckpointPart checkpoint_part() const = 0;
+  /// Whether this rank writes a checkpoint shard (one rank per distinct part of the model).
   virtual bool writes_checkpoint_shard() const = 0;
   /// Whether this rank commits checkpoints (one rank per job).
   virtual bool commits_checkpoint() const = 0;

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checkpoint/checkpoint.h"
@@ -93,7 +94,7 @@ Trainer::Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSys
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-    ParallelContext* parallel, FileSystem* fs) {
+    ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward) {
   FULCRUM_RETURN_IF_ERROR(config.Validate());
   const int dp = parallel ? parallel->dp_size() : 1;
   if (config.train.global_batch_size % (config.train.micro_batch_size * dp) != 0) {
@@ -103,6 +104,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " × data-parallel size ", dp));
   }
   std::unique_ptr<Trainer> trainer(new Trainer(config, parallel, fs));
+  trainer->has_feed_forward_ = static_cast<bool>(feed_forward);
   FULCRUM_ASSIGN_OR_RETURN(trainer->train_data_,
                            data::GptDataset::Create(corpus, data::Split::kTrain, config.data));
   if (config.train.eval_interval > 0) {
@@ -120,7 +122,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   }
   trainer->model_ = std::make_unique<GptModel>(
       config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
-      parallel ? parallel->tensor_parallel() : nullptr);
+      parallel ? parallel->tensor_parallel() : nullptr, std::move(feed_forward));
   return trainer;
 }
 
@@ -161,7 +163,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   } else {
     for (int64_t m = 0; m < local_micro; ++m) {
       const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
-      ForwardContext ctx{/*training=*/true, iteration, first};
+      ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
       LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
       (loss.sum / total_tokens).backward();
       loss_sum += loss.sum.item<double>();
@@ -177,8 +179,11 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     parallel_->AllReduceGradients(units);
     parallel_->SumOverDataParallel(sums);
   }
-  std::vector<double> grad_sq{AdamW::GradSquaredSum(units, /*include_replicated=*/
-                                                    units.empty() || units[0]->tp_rank() == 0)};
+  const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
+  std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
+  if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_sq);
+  std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
+                              expert_sq[0]};
   if (parallel_ != nullptr) parallel_->SumOverModelParallel(grad_sq);
   const double grad_norm = std::sqrt(grad_sq[0]);
   loss_sum = sums[0];
@@ -192,6 +197,9 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const double lr = schedule_.At(iteration);
   optimizer_.Step(units, lr);
   model_->ZeroGrad();
+  for (const auto& [index, layer] : model_->layers()) {
+    if (FeedForward* block = layer->feed_forward()) block->AfterOptimizerStep();
+  }
 
   iteration_ = iteration;
   consumed_samples_ += t.global_batch_size;
@@ -203,6 +211,38 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   stats.iteration_ms = MillisecondsSince(start);
   stats.tokens_per_second = total_tokens / (stats.iteration_ms / 1000.0);
   return stats;
+}
+
+nlohmann::json Trainer::BlockStatistics() {
+  // This stage's statistics, then every stage's: scalars summed over layers, vectors kept
+  // per layer ({"expert_tokens": {"layers.1": [...], ...}}).
+  nlohmann::json mine = nlohmann::json::object();
+  for (const auto& [index, layer] : model_->layers()) {
+    const FeedForward* block = layer->feed_forward();
+    if (block == nullptr) continue;
+    for (const BlockStatistic& stat : block->Statistics()) {
+      if (stat.values.size() == 1) {
+        mine[stat.name] = mine.value(stat.name, 0.0) + stat.values[0];
+      } else {
+        mine[stat.name][layer->name()] = stat.values;
+      }
+    }
+  }
+  const std::vector<std::string> stages =
+      parallel_ ? parallel_->GatherOverPipeline(mine.dump()) : std::vector<std::string>{mine.dump()};
+  nlohmann::json merged = nlohmann::json::object();
+  for (const std::string& text : stages) {
+    const nlohmann::json stage = nlohmann::json::parse(text);
+    for (const auto& [name, value] : stage.items()) {
+      if (value.is_number()) {
+        merged[name] = merged.value(name, 0.0) + value.get<double>();
+      } else {
+        if (!merged.contains(name)) merged[name] = nlohmann::json::object();
+        merged[name].update(value);
+      }
+    }
+  }
+  return merged;
 }
 
 absl::StatusOr<double> Trainer::Evaluate() {
@@ -280,18 +320,20 @@ absl::Status Trainer::Save() {
                 : std::vector<std::pair<int64_t, int64_t>>{{model_->layer_begin(), model_->layer_end()}};
   // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
   // every rank of the group takes part in; data-parallel replicas hold the same state.
+  // Expert-parallel ranks hold different experts: each saves its own.
   const bool writer = parallel_ == nullptr || parallel_->writes_checkpoint_shard();
   const bool committer = parallel_ == nullptr || parallel_->commits_checkpoint();
+  using Part = ParallelContext::CheckpointPart;
+  const Part part = parallel_ ? parallel_->checkpoint_part() : Part::kEverything;
   TensorParallelGroup* tp = parallel_ ? parallel_->tensor_parallel() : nullptr;
-  const bool gathers = writer || (tp != nullptr && parallel_->dp_rank() == 0);
   NamedTensors tensors;
-  if (gathers) {
+  if (part != Part::kNothing) {
     Unit::ShardGatherer gather;
     if (tp != nullptr) {
       gather = [tp](const at::Tensor& shard, int64_t dim) { return tp->AllGather(shard, dim); };
     }
     for (Unit* unit : model_->Units()) {
-      NamedTensors state = unit->StateTensors(gather);
+      NamedTensors state = unit->StateTensors(gather, part == Part::kExpertParallel);
       tensors.insert(tensors.end(), state.begin(), state.end());
     }
   }
@@ -389,14 +431,17 @@ absl::Status Trainer::Run() {
   // Parameters of the whole model: each rank counts what it alone holds (its shards; a
   // replicated tensor on tensor-parallel rank 0; no mirrors), summed over the model.
   std::vector<double> count{0.0};
+  std::vector<double> expert_count{0.0};  // Different on each expert-parallel rank.
   for (Unit* unit : model_->Units()) {
     for (const Parameter& p : unit->parameters()) {
       const bool sharded = p.tp_shard_dim >= 0 && unit->tp_size() > 1;
       if (p.mirror_of.empty() && (sharded || unit->tp_rank() == 0)) {
-        count[0] += static_cast<double>(p.value.numel());
+        (p.expert_parallel ? expert_count : count)[0] += static_cast<double>(p.value.numel());
       }
     }
   }
+  if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_count);
+  count[0] += expert_count[0];
   if (parallel_ != nullptr) parallel_->SumOverModelParallel(count);
   if (is_logging_rank()) {
     FULCRUM_LOG(INFO) << "training " << static_cast<int64_t>(count[0])
@@ -425,6 +470,15 @@ absl::Status Trainer::Run() {
       for (const auto& [name, value] : pipeline->Metrics()) {
         record[name] = value;
         if (name == "bubble_ratio") extra = absl::StrFormat(" | bubble %.3f", value);
+      }
+    }
+    if (has_feed_forward_) {
+      const nlohmann::json block_statistics = BlockStatistics();
+      for (const auto& [name, value] : block_statistics.items()) {
+        record[name] = value;
+        if (value.is_number() && absl::EndsWith(name, "_loss")) {
+          absl::StrAppend(&extra, absl::StrFormat(" | %s %.4g", name, value.get<double>()));
+        }
       }
     }
     if (is_logging_rank() &&

@@ -53,10 +53,12 @@ class Trainer {
  public:
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
   /// first; nothing heavy happens before validation passes. `parallel` (null: one process)
-  /// must outlive the trainer.
+  /// must outlive the trainer. `feed_forward` may replace the MLP of chosen layers
+  /// (core/feed_forward.h; the MoE layer).
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-      ParallelContext* parallel = nullptr, FileSystem* fs = DefaultFileSystem());
+      ParallelContext* parallel = nullptr, FileSystem* fs = DefaultFileSystem(),
+      FeedForwardFactory feed_forward = nullptr);
 
   /// Restores model, optimizer state, iteration and data position from `path` (a save
   /// directory following its `latest`, or one iteration directory).
@@ -88,6 +90,9 @@ class Trainer {
   bool is_logging_rank() const { return parallel_ == nullptr || parallel_->is_logging_rank(); }
   at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
   nlohmann::json ManifestFields(const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const;
+  /// The FeedForward blocks' statistics of the last step, over every stage (collective
+  /// over the pipeline group).
+  nlohmann::json BlockStatistics();
 
   TrainerConfig config_;
   ParallelContext* parallel_;
@@ -100,6 +105,7 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
+  bool has_feed_forward_ = false;  // A FeedForwardFactory was given (same on every rank).
 };
 
 /// The configuration as JSON (recorded in checkpoint manifests and logged at start).

@@ -105,7 +105,8 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
 
 // ---------------------------------------------------------------------------------------
 TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_index,
-                                   TensorParallelGroup* tp, bool initialize)
+                                   TensorParallelGroup* tp, bool initialize,
+                                   const FeedForwardFactory* feed_forward)
     : Unit(absl::StrCat("layers.", layer_index), TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
@@ -145,11 +146,17 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
   proj_bias_ = constant("self_attention.linear_proj.bias", Zeros({h}), -1);
   ln2_weight_ = constant("pre_mlp_layernorm.weight", Ones({h}), -1);
   ln2_bias_ = constant("pre_mlp_layernorm.bias", Zeros({h}), -1);
+  if (feed_forward != nullptr && *feed_forward) {
+    feed_forward_ = (*feed_forward)(layer_index, *this, initialize);
+    if (feed_forward_ != nullptr) return;
+  }
   fc1_weight_ = weight("mlp.linear_fc1.weight", {f, h}, std, 0);
   fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({f}), 0);
   fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
   fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
 }
+
+TransformerLayer::~TransformerLayer() = default;
 
 at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext& ctx) const {
   const int64_t s = x.size(0);
@@ -191,6 +198,7 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
 }
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
+  if (feed_forward_ != nullptr) return feed_forward_->Forward(x, ctx);
   at::Tensor h = at::gelu(LinearForward(CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
   return ReduceFromRegion(tp_, LinearForward(h, fc2_weight_, at::Tensor())) + fc2_bias_;
 }

@@ -11,9 +11,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string_view>
 
 #include "core/config.h"
+#include "core/feed_forward.h"
 #include "core/tensor_parallel.h"
 #include "core/unit.h"
 
@@ -25,6 +27,11 @@ struct ForwardContext {
   bool training = true;
   int64_t iteration = 0;     // Optimizer step being computed (1-based during training).
   int64_t first_sample = 0;  // Global index of the micro-batch's first sample.
+  /// What the micro-batch's summed token loss is multiplied by before the backward pass
+  /// (1 / tokens of the global batch). Layers that add a loss of their own (MoE auxiliary
+  /// losses) scale its gradient by loss_scale × the micro-batch's tokens, so it counts as
+  /// the mean over micro-batches whatever the layout. 0 outside training.
+  double loss_scale = 0.0;
 };
 
 /// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).
@@ -51,10 +58,15 @@ class Embedding : public Unit {
 class TransformerLayer : public Unit {
  public:
   /// Parameters are initialised from the seed, or — with `initialize` false — left
-  /// uninitialised, for a shell that receives a migrated layer's state.
+  /// uninitialised, for a shell that receives a migrated layer's state. `feed_forward`
+  /// (may be null) may replace the dense MLP (core/feed_forward.h).
   TransformerLayer(const ModelOptions& options, int64_t layer_index,
-                   TensorParallelGroup* tp = nullptr, bool initialize = true);
+                   TensorParallelGroup* tp = nullptr, bool initialize = true,
+                   const FeedForwardFactory* feed_forward = nullptr);
+  ~TransformerLayer() override;
   int64_t layer_index() const { return layer_index_; }
+  /// The block replacing the dense MLP, or null.
+  FeedForward* feed_forward() const { return feed_forward_.get(); }
   /// hidden [s, b, h] → [s, b, h].
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
 
@@ -68,6 +80,7 @@ class TransformerLayer : public Unit {
   int64_t local_heads_;  // Attention heads on this rank: num_attention_heads / tp.
   at::Tensor ln1_weight_, ln1_bias_, qkv_weight_, qkv_bias_, proj_weight_, proj_bias_;
   at::Tensor ln2_weight_, ln2_bias_, fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;
+  std::unique_ptr<FeedForward> feed_forward_;  // Replaces the fc1/fc2 MLP when set.
 };
 
 class Head : public Unit {

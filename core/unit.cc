@@ -29,14 +29,23 @@ void Unit::ZeroGrad() {
 
 at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
                                bool weight_decay, int64_t tp_shard_dim,
-                               const std::string& mirror_of) {
+                               const std::string& mirror_of, bool expert_parallel) {
   TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
                         GlobalName(local_name));
   at::Tensor value = init.to(at::kFloat).contiguous().detach();
   value.set_requires_grad(true);
-  parameters_.push_back(
-      Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {}, {}, mirror_of});
+  parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {},
+                                 {}, mirror_of, expert_parallel});
   return parameters_.back().value;
+}
+
+at::Tensor& Unit::AddBuffer(const std::string& local_name, at::Tensor init) {
+  for (const auto& [name, tensor] : buffers_) {
+    TORCH_INTERNAL_ASSERT(name != local_name, "duplicate buffer ", GlobalName(local_name));
+  }
+  TORCH_CHECK(init.is_contiguous(), "buffer ", GlobalName(local_name), " must be contiguous");
+  buffers_.emplace_back(local_name, init.detach());
+  return buffers_.back().second;
 }
 
 NamedTensors Unit::ParameterTensors() const {
@@ -46,22 +55,29 @@ NamedTensors Unit::ParameterTensors() const {
   return out;
 }
 
-NamedTensors Unit::StateTensors(const ShardGatherer& gather) const {
+NamedTensors Unit::StateTensors(const ShardGatherer& gather, bool expert_parallel_only) const {
   auto full = [&](const Parameter& p, const at::Tensor& t) {
     return (gather && p.tp_shard_dim >= 0 && tp_size_ > 1) ? gather(t, p.tp_shard_dim)
                                                             : t.detach();
   };
+  auto saved = [&](const Parameter& p) {
+    return p.mirror_of.empty() && (!expert_parallel_only || p.expert_parallel);
+  };
   NamedTensors out;
   for (const auto& p : parameters_) {
-    if (p.mirror_of.empty()) out.emplace_back(GlobalName(p.name), full(p, p.value));
+    if (saved(p)) out.emplace_back(GlobalName(p.name), full(p, p.value));
+  }
+  if (!expert_parallel_only) {
+    for (const auto& [name, tensor] : buffers_) out.emplace_back(GlobalName(name), tensor.detach());
   }
   if (optimizer_step_ == 0) return out;
   for (const auto& p : parameters_) {
-    if (!p.mirror_of.empty()) continue;
+    if (!saved(p)) continue;
     const std::string base = "optimizer." + GlobalName(p.name);
     out.emplace_back(base + ".exp_avg", full(p, p.exp_avg));
     out.emplace_back(base + ".exp_avg_sq", full(p, p.exp_avg_sq));
   }
+  if (expert_parallel_only) return out;
   out.emplace_back("optimizer." + name_ + ".step",
                    at::scalar_tensor(optimizer_step_, at::TensorOptions().dtype(at::kLong)));
   return out;
@@ -92,6 +108,15 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
   const at::Tensor* step = find("optimizer." + name_ + ".step");
   optimizer_step_ = step ? step->item<int64_t>() : 0;
   at::NoGradGuard no_grad;
+  for (auto& [local, buffer] : buffers_) {
+    const at::Tensor* value = find(GlobalName(local));
+    if (value == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("migrated unit ", name_, " lacks ", GlobalName(local)));
+    }
+    FULCRUM_RETURN_IF_ERROR(check_shape(GlobalName(local), *value, buffer));
+    buffer.copy_(*value);
+  }
   for (auto& p : parameters_) {
     const std::string name = GlobalName(p.name);
     const at::Tensor* value = find(name);
@@ -154,6 +179,16 @@ absl::Status Unit::LoadStateTensors(
     FULCRUM_RETURN_IF_ERROR(load_into(stored_name(p), p, &loaded));
     at::NoGradGuard no_grad;
     p.value.copy_(loaded);
+  }
+  for (auto& [local, buffer] : buffers_) {
+    const std::string name = GlobalName(local);
+    FULCRUM_ASSIGN_OR_RETURN(at::Tensor t, lookup(name));
+    if (t.sizes() != buffer.sizes()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has shape ",
+                                                     c10::str(t.sizes()), ", the model expects ",
+                                                     c10::str(buffer.sizes())));
+    }
+    buffer.copy_(t);
   }
   if (!with_optimizer) return absl::OkStatus();
   auto step = lookup("optimizer." + name_ + ".step");

@@ -46,6 +46,12 @@ struct Parameter {
   // update, so they stay equal. A mirror is not checkpointed (it loads from its source)
   // and not counted in the gradient norm.
   std::string mirror_of;
+  // Sharded over the expert-parallel group: each rank of that group holds different
+  // parameters of this kind (an MoE layer's local experts, named by global expert id), so
+  // their gradients are summed over the expert-data-parallel group instead of the data-
+  // parallel one, the gradient norm sums them over the expert-parallel group, and each
+  // expert-parallel rank writes its own to checkpoints.
+  bool expert_parallel = false;
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -90,13 +96,17 @@ class Unit {
   /// under their global names. This is the unit's whole persistent state. Sharded tensors
   /// are this rank's shards, or the full tensors when `gather` is given (checkpoints store
   /// full tensors, so any tensor-parallel size can load them).
-  NamedTensors StateTensors(const ShardGatherer& gather = nullptr) const;
+  /// With `expert_parallel_only`, only the expert-parallel parameters and their moments
+  /// (what an expert-parallel rank other than the first adds to a checkpoint).
+  NamedTensors StateTensors(const ShardGatherer& gather = nullptr,
+                            bool expert_parallel_only = false) const;
 
   /// Restores what StateTensors(gather) produced: full tensors, of which this rank keeps its
   /// shard. `lookup(global_name)` returns the tensor, a
   /// NotFound error when it is absent, or another error. Every parameter must be present
-  /// with the right shape. With `with_optimizer`, the moments are read when the step
-  /// counter is present (absent: the checkpoint predates the first step, state resets).
+  /// with the right shape, and every buffer. With `with_optimizer`, the moments are read
+  /// when the step counter is present (absent: the checkpoint predates the first step,
+  /// state resets).
   absl::Status LoadStateTensors(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
       bool with_optimizer);
@@ -114,18 +124,29 @@ class Unit {
   /// The global name of a local parameter name.
   std::string GlobalName(const std::string& local_name) const { return name_ + "." + local_name; }
 
- protected:
-  /// Registers a parameter during construction. `init` is this rank's initial value (a
-  /// shard along `tp_shard_dim`, or the whole tensor when -1); it is made a fp32 leaf that
-  /// requires grad. Returns the stored tensor.
+  /// Registers a parameter during construction — by the unit itself or by a block it owns
+  /// (a FeedForward, core/feed_forward.h), never later. `init` is this rank's initial value
+  /// (a shard along `tp_shard_dim`, or the whole tensor when -1); it is made a fp32 leaf
+  /// that requires grad. Returns the stored tensor (NOTE [parameter identity]).
   at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay,
-                           int64_t tp_shard_dim = -1, const std::string& mirror_of = "");
+                           int64_t tp_shard_dim = -1, const std::string& mirror_of = "",
+                           bool expert_parallel = false);
+
+  /// Registers persistent state that is not trained (e.g. the expert bias of an
+  /// auxiliary-loss-free router): replicated over every group, checkpointed and migrated
+  /// with the unit under its global name, restored in place. The unit keeps `init` itself
+  /// (sharing its storage, which must be contiguous), so the owner and the unit see the
+  /// same values; the owner updates it in place only.
+  at::Tensor& AddBuffer(const std::string& local_name, at::Tensor init);
+  /// Buffers by local name.
+  const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }
 
  private:
   std::string name_;
   int tp_rank_;
   int tp_size_;
   std::vector<Parameter> parameters_;
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
   int64_t optimizer_step_ = 0;
 };
 

@@ -28,7 +28,11 @@ void GradientReducer::AllReduce(const std::vector<Unit*>& units) {
   // contributes the same tensors — zeros where it has none.
   std::vector<Parameter*> params;
   for (Unit* unit : units) {
-    for (Parameter& p : unit->parameters()) params.push_back(&p);
+    for (Parameter& p : unit->parameters()) {
+      if (select_ == Select::kDense && p.expert_parallel) continue;
+      if (select_ == Select::kExpertParallel && !p.expert_parallel) continue;
+      params.push_back(&p);
+    }
   }
   at::Tensor present = at::zeros({static_cast<int64_t>(params.size())}, at::kFloat);
   for (size_t i = 0; i < params.size(); ++i) {

@@ -16,9 +16,16 @@ namespace fulcrum::parallel {
 
 class GradientReducer {
  public:
-  /// `dp` must outlive the reducer. Default bucket: 25 MB (Megatron's default).
-  explicit GradientReducer(Communicator* dp, int64_t bucket_bytes = 25 * 1024 * 1024)
-      : dp_(dp), bucket_bytes_(bucket_bytes) {}
+  /// Which parameters a reducer sums: those replicated over the data-parallel group, or
+  /// the expert-parallel ones (Parameter::expert_parallel), replicated only over the
+  /// expert-data-parallel group.
+  enum class Select { kAll, kDense, kExpertParallel };
+
+  /// `dp` (the group the selected parameters are replicated over) must outlive the
+  /// reducer. Default bucket: 25 MB (Megatron's default).
+  explicit GradientReducer(Communicator* dp, Select select = Select::kAll,
+                           int64_t bucket_bytes = 25 * 1024 * 1024)
+      : dp_(dp), select_(select), bucket_bytes_(bucket_bytes) {}
 
   /// Sums every defined gradient of `units` over the group, in place. Gradients are
   /// bucketed per dtype in unit and parameter order, identical on every rank (the units of a
@@ -27,6 +34,7 @@ class GradientReducer {
 
  private:
   Communicator* dp_;
+  Select select_;
   int64_t bucket_bytes_;
 };
 

@@ -46,7 +46,10 @@ absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create
     }
   }
   ctx->tensor_parallel_ = std::make_unique<CommTensorParallelGroup>(&ctx->group(GroupKind::kTensor));
-  ctx->gradient_reducer_ = std::make_unique<GradientReducer>(&ctx->group(GroupKind::kData));
+  ctx->gradient_reducer_ = std::make_unique<GradientReducer>(
+      &ctx->group(GroupKind::kData), GradientReducer::Select::kDense);
+  ctx->expert_gradient_reducer_ = std::make_unique<GradientReducer>(
+      &ctx->group(GroupKind::kExpertData), GradientReducer::Select::kExpertParallel);
   return ctx;
 }
 
@@ -59,6 +62,7 @@ Communicator& ProcessGroupContext::group(GroupKind kind) {
 
 void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   gradient_reducer_->AllReduce(units);
+  expert_gradient_reducer_->AllReduce(units);
   if (embedding_group_ == nullptr) return;
   // Tied output weight across stages: the embedding (first stage) and its mirror (last
   // stage) each hold part of the gradient; both take the sum, so both take the same step.
@@ -82,6 +86,28 @@ void ProcessGroupContext::SumOverModelParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kModel), values);
 }
 
+void ProcessGroupContext::SumOverExpertParallel(std::vector<double>& values) {
+  SumDoubles(group(GroupKind::kExpert), values);
+}
+
+std::vector<std::string> ProcessGroupContext::GatherOverPipeline(const std::string& mine) {
+  Communicator& pp = group(GroupKind::kPipeline);
+  if (pp.size() == 1) return {mine};
+  // Lengths first, then every string padded to the longest.
+  at::Tensor length = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  at::Tensor lengths = pp.AllGather(length);
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor bytes = at::zeros({1, longest}, at::kByte);
+  std::copy(mine.begin(), mine.end(), reinterpret_cast<char*>(bytes.data_ptr<uint8_t>()));
+  at::Tensor all = pp.AllGather(bytes);
+  std::vector<std::string> out;
+  for (int64_t s = 0; s < all.size(0); ++s) {
+    const char* row = reinterpret_cast<const char*>(all[s].data_ptr<uint8_t>());
+    out.emplace_back(row, static_cast<size_t>(lengths[s].item<int64_t>()));
+  }
+  return out;
+}
+
 std::vector<std::pair<int64_t, int64_t>> ProcessGroupContext::GatherStageRanges(int64_t begin,
                                                                                int64_t end) {
   at::Tensor mine = at::tensor({begin, end}, at::kLong).unsqueeze(0);
@@ -98,14 +124,23 @@ bool ProcessGroupContext::is_logging_rank() const {
   return coords_.tp == 0 && coords_.dp == 0 && coords_.pp == config_.pp - 1;
 }
 
+ParallelContext::CheckpointPart ProcessGroupContext::checkpoint_part() const {
+  // Data-parallel replicas hold identical state, except that the ranks of an expert-
+  // parallel group hold different experts: the first replica saves everything, the other
+  // members of its expert-parallel group their experts.
+  if (coords_.dp == 0) return CheckpointPart::kEverything;
+  if (coords_.edp == 0) return CheckpointPart::kExpertParallel;
+  return CheckpointPart::kNothing;
+}
+
 bool ProcessGroupContext::writes_checkpoint_shard() const {
-  // One writer per pipeline stage: tensor-parallel shards are gathered to tp rank 0, and
-  // data-parallel replicas hold identical state.
-  return coords_.tp == 0 && coords_.dp == 0;
+  // Tensor-parallel shards are gathered to tp rank 0.
+  return coords_.tp == 0 && checkpoint_part() != CheckpointPart::kNothing;
 }
 
 std::string ProcessGroupContext::checkpoint_shard_name() const {
-  return absl::StrFormat("stage_%03d", coords_.pp);
+  if (coords_.ep == 0) return absl::StrFormat("stage_%03d", coords_.pp);
+  return absl::StrFormat("stage_%03d_ep_%03d", coords_.pp, coords_.ep);
 }
 
 }  // namespace fulcrum::parallel

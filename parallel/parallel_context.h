@@ -55,9 +55,12 @@ class ProcessGroupContext final : public ParallelContext {
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
+  void SumOverExpertParallel(std::vector<double>& values) override;
+  std::vector<std::string> GatherOverPipeline(const std::string& mine) override;
   std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;
   void Barrier() override { world_->Barrier(); }
   bool is_logging_rank() const override;
+  CheckpointPart checkpoint_part() const override;
   bool writes_checkpoint_shard() const override;
   bool commits_checkpoint() const override { return world_->rank() == 0; }
   std::string checkpoint_shard_name() const override;
@@ -74,7 +77,8 @@ class ProcessGroupContext final : public ParallelContext {
   // the word embeddings and of their mirror on the last stage; null elsewhere or pp == 1.
   std::unique_ptr<Communicator> embedding_group_;
   std::unique_ptr<ForwardBackwardRunner> forward_backward_;
-  std::unique_ptr<GradientReducer> gradient_reducer_;
+  std::unique_ptr<GradientReducer> gradient_reducer_;         // dense parameters over dp
+  std::unique_ptr<GradientReducer> expert_gradient_reducer_;  // experts over edp
 };
 
 }  // namespace fulcrum::parallel

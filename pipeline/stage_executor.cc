@@ -77,7 +77,8 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
         auto state = std::make_unique<InFlight>();
         std::optional<at::NoGradGuard> no_grad;
         if (forward_only) no_grad.emplace();
-        ForwardContext ctx{!forward_only, iteration, plan.first_sample(mb)};
+        ForwardContext ctx{!forward_only, iteration, plan.first_sample(mb),
+                           forward_only ? 0.0 : loss_scale};
         const int64_t s = o.seq_length;
         at::Tensor tokens = (first || last) ? plan.tokens(mb) : at::Tensor();
         at::Tensor hidden;

@@ -6,6 +6,7 @@
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/status.h"
+#include "moe/router.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "recipes/recipes.h"
@@ -63,7 +64,35 @@ DEFINE_string(timeline, "",
 DEFINE_string(rebalance_script, "",
               "Scripted layer moves between pipeline stages: ITER:LAYER->STAGE[,...][;...], e.g. "
               "'5:1->1;9:1->0' (after iteration 5's backward move layer 1 to stage 1, back after 9).");
-DEFINE_int32(expert_model_parallel_size, 1, "Expert-parallel size (needs MoE; not yet runnable).");
+DEFINE_int32(expert_model_parallel_size, 1,
+             "Expert-parallel size: the experts of each MoE layer are shared out over this many "
+             "data-parallel ranks (needs --num_experts divisible by it).");
+// Mixture of Experts.
+DEFINE_int64(num_experts, 0, "Experts per MoE layer; 0 = a dense model.");
+DEFINE_int64(moe_layer_freq, 1, "Layer i is an MoE layer when i % this == 0 (1 = every layer).");
+DEFINE_int64(moe_router_topk, 2, "Experts per token (k).");
+DEFINE_int64(moe_ffn_hidden_size, 0, "Hidden size of each expert; 0 = the MLP size.");
+DEFINE_string(moe_router, "topk", "Router (see the list above).");
+DEFINE_double(moe_capacity_factor, 1.0,
+              "Expert capacity, Tutel semantics: x > 0 fixed ceil(k*x*T/E); 0 the smallest that "
+              "drops nothing this step (agreed over the ep group); x < 0 the same capped at -x.");
+DEFINE_bool(moe_batch_prioritized_routing, false,
+            "Confident tokens claim expert slots first (V-MoE's batch priority routing).");
+DEFINE_double(moe_aux_loss_coeff, 1e-2,
+              "Scale of the balancing losses (load balancing; importance and load for noisy_topk).");
+DEFINE_double(moe_z_loss_coeff, 0.0, "Router z-loss scale (ST-MoE); 0 = off.");
+DEFINE_double(moe_input_jitter_eps, 0.0, "Multiplicative router input jitter in training; 0 = off.");
+DEFINE_double(moe_router_init_std, 0.02, "Std of the router weight initialisation.");
+DEFINE_double(moe_noise_epsilon, 1e-2, "noisy_topk: floor of the noise scale.");
+DEFINE_double(moe_router_bias_update_rate, 1e-3, "aux_free: expert bias update rate per step.");
+DEFINE_int32(moe_sinkhorn_iterations, 50, "sinkhorn: most Sinkhorn iterations.");
+DEFINE_double(moe_expert_choice_capacity_factor, 1.0, "expert_choice: tokens per expert c*k*T/E.");
+DEFINE_int64(moe_cosine_projection_dim, 16, "cosine: projection dimension.");
+DEFINE_double(moe_cosine_init_temperature, 0.5, "cosine: initial temperature.");
+DEFINE_double(moe_cosine_min_temperature, 0.01, "cosine: smallest temperature.");
+DEFINE_int32(moe_hierarchical_a2a_node_size, 0,
+             "Two-level all-to-all (inside nodes of this many ranks, then between nodes); "
+             "0 = flat.");
 DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
@@ -93,6 +122,7 @@ std::string TrainUsage() {
     usage += absl::StrCat("  ", entry->name, std::string(12 - std::min<size_t>(11, entry->name.size()), ' '),
                           entry->help, "\n");
   }
+  usage += "\nMoE routers (--moe_router, with --num_experts > 0):\n" + moe::RouterHelp();
   return usage;
 }
 
@@ -194,15 +224,46 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
     if (!schedule.ok()) return schedule.status();
   }
-  if (config.ep > 1) {
-    return Invalid(absl::StrCat("--expert_model_parallel_size=", config.ep,
-                                " needs an MoE model, which is not implemented yet"));
-  }
+  ModelOptions moe_model;
+  moe_model.hidden_size = FLAGS_hidden_size;
+  moe_model.ffn_hidden_size = ffn;
+  FULCRUM_RETURN_IF_ERROR(
+      moe::ValidateMoeOptions(MoeOptionsFromFlags(), moe_model, config.ep, config.tp));
   if (FLAGS_distributed_timeout_minutes < 1) {
     return Invalid(absl::StrCat("--distributed_timeout_minutes=", FLAGS_distributed_timeout_minutes,
                                 " must be ≥ 1"));
   }
   return config;
+}
+
+moe::MoeOptions MoeOptionsFromFlags() {
+  moe::MoeOptions o;
+  o.num_experts = FLAGS_num_experts;
+  o.topk = FLAGS_moe_router_topk;
+  o.ffn_hidden_size = FLAGS_moe_ffn_hidden_size;
+  o.layer_freq = FLAGS_moe_layer_freq;
+  o.router = FLAGS_moe_router;
+  o.capacity_factor = FLAGS_moe_capacity_factor;
+  o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
+  o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
+  moe::RouterOptions& r = o.router_options;
+  r.num_experts = FLAGS_num_experts;
+  r.topk = FLAGS_moe_router_topk;
+  r.aux_loss_coeff = FLAGS_moe_aux_loss_coeff;
+  r.z_loss_coeff = FLAGS_moe_z_loss_coeff;
+  r.input_jitter_eps = FLAGS_moe_input_jitter_eps;
+  r.init_std = FLAGS_moe_router_init_std;
+  r.noise_epsilon = FLAGS_moe_noise_epsilon;
+  r.bias_update_rate = FLAGS_moe_router_bias_update_rate;
+  r.sinkhorn_iterations = FLAGS_moe_sinkhorn_iterations;
+  r.expert_choice_capacity_factor = FLAGS_moe_expert_choice_capacity_factor;
+  r.cosine_projection_dim = FLAGS_moe_cosine_projection_dim;
+  r.init_temperature = FLAGS_moe_cosine_init_temperature;
+  r.cosine_min_temperature = FLAGS_moe_cosine_min_temperature;
+  r.seed = FLAGS_seed;
+  // hidden_size comes from the model (MakeMoeFactory fills it).
+  r.hidden_size = FLAGS_hidden_size;
+  return o;
 }
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }

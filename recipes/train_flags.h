@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
+#include "moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "pipeline/rebalancer.h"
 
@@ -30,15 +31,18 @@ struct TrainData {
 absl::StatusOr<TrainData> LoadTrainData();
 
 /// The parallel layout of the flags over `world_size` processes, validated: sizes divide
-/// the world, and the model's heads / MLP / vocabulary divide by tp. Pipeline and expert
-/// parallelism is validated but not yet runnable (its issue is open); a pipeline needs a
-/// layer per stage and a valid --pipeline_schedule for its micro-batch count.
+/// the world, and the model's heads / MLP / vocabulary divide by tp; a pipeline needs a
+/// layer per stage and a valid --pipeline_schedule for its micro-batch count; expert
+/// parallelism needs MoE layers whose expert count it divides.
 absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size);
 
 /// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
 /// --make_vocab_size_divisible_by whatever the layout (the padded size changes the softmax),
 /// which tp must divide.
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
+
+/// The --num_experts / --moe_* flags (num_experts 0: no MoE layers).
+moe::MoeOptions MoeOptionsFromFlags();
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();

@@ -95,7 +95,20 @@ int main(int argc, char** argv) {
                       << layout->ToString();
   }
 
-  auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get());
+  // MoE layers replace the MLP of chosen layers; building their all-to-all groups is
+  // collective, so every rank does it here, before the model.
+  fulcrum::moe::MoeOptions moe = fulcrum::MoeOptionsFromFlags();
+  fulcrum::moe::MoeGroups moe_groups;
+  if (parallel != nullptr) {
+    moe_groups.expert = &parallel->group(fulcrum::parallel::GroupKind::kExpert);
+    moe_groups.data = &parallel->group(fulcrum::parallel::GroupKind::kData);
+    moe_groups.tensor = parallel->tensor_parallel();
+  }
+  auto feed_forward = fulcrum::moe::MakeMoeFactory(moe, config->model, moe_groups);
+  if (!feed_forward.ok()) return Fail(feed_forward.status());
+
+  auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get(),
+                                          fulcrum::DefaultFileSystem(), std::move(*feed_forward));
   if (!trainer.ok()) return Fail(trainer.status());
   try {
     if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {

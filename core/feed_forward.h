@@ -1,0 +1,58 @@
+// The replaceable MLP of a transformer layer. By default a TransformerLayer computes the
+// dense GeLU MLP itself; a FeedForwardFactory given to the GptModel may replace it in any
+// layer it chooses — the MoE layer (moe/moe_layer.h) replaces every --moe_layer_freq-th
+// one. core/ knows nothing of what the replacement does: it calls Forward, lets it register
+// parameters and buffers into the layer's Unit (so they live, move and are checkpointed
+// with the layer — invariant 2), and collects its per-iteration statistics.
+//
+// Not thread-safe; a FeedForward belongs to one layer on one stage.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fulcrum {
+
+struct ForwardContext;
+class Unit;
+
+/// One per-iteration statistic of a block: a scalar (one value) or a vector (e.g. tokens
+/// per expert). Values are already summed over micro-batches and data-parallel replicas.
+struct BlockStatistic {
+  std::string name;            // Metrics-file field, e.g. "expert_tokens", "z_loss".
+  std::vector<double> values;  // One value: summed over layers in the metrics file.
+                               // Several: reported per layer, {"layers.3": [...]}.
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+
+  /// x [s, b, h], the layer-normed residual stream → [s, b, h], the block's contribution
+  /// before the layer's dropout and residual add. Gradients flow as usual; a block that
+  /// adds a loss of its own scales its gradient by ctx.loss_scale (see ForwardContext).
+  virtual at::Tensor Forward(const at::Tensor& x, const ForwardContext& ctx) = 0;
+
+  /// Called once per optimizer step, after it, on every rank in the same layer order
+  /// (collective over the groups the block uses): update non-trained state from the
+  /// step's measurements and make them the statistics Statistics() returns.
+  virtual void AfterOptimizerStep() {}
+
+  /// The last completed step's statistics (empty before the first).
+  virtual std::vector<BlockStatistic> Statistics() const { return {}; }
+};
+
+/// Builds the block of layer `layer_index`, registering its parameters and buffers into
+/// `layer` (Unit::AddParameter / AddBuffer, local names beginning with "mlp."). With
+/// `initialize` false the parameters may stay uninitialised (a shell receiving a migrated
+/// layer's state). Returns null to keep the dense MLP for this layer.
+using FeedForwardFactory = std::function<std::unique_ptr<FeedForward>(
+    int64_t layer_index, Unit& layer, bool initialize)>;
+
+}  // namespace fulcrum

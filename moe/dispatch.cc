@@ -1,0 +1,152 @@
+#include "moe/dispatch.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace fulcrum::moe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// x [T, D] → buffer [E, C, D]. Saves only the indices (NOTE [index dispatch memory]).
+class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& token,
+                            const at::Tensor& position, int64_t num_experts, int64_t capacity) {
+    ctx->save_for_backward({token, position});
+    ctx->saved_data["num_tokens"] = x.size(0);
+    const int64_t hidden = x.size(1);
+    at::Tensor buffer = at::zeros({num_experts, capacity, hidden}, x.options());
+    // Positions are unique: a plain indexed copy, no accumulation.
+    buffer.view({num_experts * capacity, hidden})
+        .index_copy_(0, position, x.index_select(0, token));
+    return buffer;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& token = saved[0];
+    const at::Tensor& position = saved[1];
+    const int64_t num_tokens = ctx->saved_data["num_tokens"].toInt();
+    const at::Tensor& grad_buffer = grads[0];
+    const int64_t hidden = grad_buffer.size(2);
+    at::Tensor grad_x = at::zeros({num_tokens, hidden}, grad_buffer.options());
+    // A token sent to k experts collects k rows.
+    grad_x.index_add_(0, token, grad_buffer.reshape({-1, hidden}).index_select(0, position));
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// y [E, C, D] → out [T, D] = Σ gate·y[position] per token. Saves y, the gates and the indices.
+class CombineFunction : public torch::autograd::Function<CombineFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& gate,
+                            const at::Tensor& token, const at::Tensor& position,
+                            int64_t num_tokens) {
+    ctx->save_for_backward({y, gate, token, position});
+    const int64_t hidden = y.size(2);
+    at::Tensor rows = y.reshape({-1, hidden}).index_select(0, position);  // [M, D]
+    rows.mul_(gate.unsqueeze(1));
+    return at::zeros({num_tokens, hidden}, y.options()).index_add_(0, token, rows);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& y = saved[0];
+    const at::Tensor& gate = saved[1];
+    const at::Tensor& token = saved[2];
+    const at::Tensor& position = saved[3];
+    const int64_t hidden = y.size(2);
+    at::Tensor grad_rows = grads[0].index_select(0, token);  // [M, D], grad_out[token]
+
+    at::Tensor grad_gate;
+    if (ctx->needs_input_grad(1)) {
+      // Rowwise dot product of grad_out[token] and y[position].
+      grad_gate = y.reshape({-1, hidden}).index_select(0, position).mul_(grad_rows).sum(1);
+    }
+    at::Tensor grad_y;
+    if (ctx->needs_input_grad(0)) {
+      grad_rows.mul_(gate.unsqueeze(1));
+      grad_y = at::zeros(y.sizes(), y.options());
+      grad_y.view({-1, hidden}).index_copy_(0, position, grad_rows);
+    }
+    return {grad_y, grad_gate, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void CheckColumn(const at::Tensor& column, const char* name, int64_t n) {
+  TORCH_CHECK(column.defined() && column.dim() == 1 && column.size(0) == n,
+              "MakeDispatchPlan: ", name, " must be [N] with N = ", n,
+              " (the routing's assignments), got ",
+              column.defined() ? column.sizes() : at::IntArrayRef{});
+}
+
+void CheckPlan(const DispatchPlan& plan, const at::Tensor& t, const char* caller) {
+  TORCH_CHECK(plan.token.defined() && plan.position.defined() && plan.gate.defined(), caller,
+              ": the plan is empty; build it with MakeDispatchPlan");
+  TORCH_CHECK(t.device() == plan.token.device(), caller, ": input is on ", t.device(),
+              " but the plan's indices are on ", plan.token.device());
+}
+
+}  // namespace
+
+DispatchPlan MakeDispatchPlan(const Routing& routing, const SlotAssignment& slots,
+                              int64_t num_tokens) {
+  TORCH_CHECK(num_tokens >= 0, "MakeDispatchPlan: num_tokens must be >= 0, got ", num_tokens);
+  TORCH_CHECK(slots.capacity >= 0, "MakeDispatchPlan: capacity must be >= 0, got ", slots.capacity);
+  TORCH_CHECK(slots.dropped_per_expert.defined() && slots.dropped_per_expert.dim() == 1,
+              "MakeDispatchPlan: slots.dropped_per_expert must be [E] (use AssignSlots)");
+  const int64_t n = routing.size();
+  CheckColumn(routing.token, "routing.token", n);
+  CheckColumn(routing.expert, "routing.expert", n);
+  CheckColumn(routing.gate, "routing.gate", n);
+  CheckColumn(slots.slot, "slots.slot", n);
+  TORCH_CHECK(routing.token.scalar_type() == at::kLong &&
+                  routing.expert.scalar_type() == at::kLong &&
+                  slots.slot.scalar_type() == at::kLong,
+              "MakeDispatchPlan: routing.token, routing.expert and slots.slot must be int64");
+
+  DispatchPlan plan;
+  plan.num_tokens = num_tokens;
+  plan.num_experts = slots.dropped_per_expert.size(0);
+  plan.capacity = slots.capacity;
+  if (routing.expert_load.defined()) {
+    TORCH_CHECK(routing.expert_load.numel() == plan.num_experts,
+                "MakeDispatchPlan: the routing has ", routing.expert_load.numel(),
+                " experts but the slot assignment ", plan.num_experts);
+  }
+  if (n > 0) {
+    TORCH_CHECK(routing.token.min().item<int64_t>() >= 0 &&
+                    routing.token.max().item<int64_t>() < num_tokens,
+                "MakeDispatchPlan: routing.token out of [0, ", num_tokens, ")");
+  }
+
+  at::Tensor kept = at::nonzero(slots.slot >= 0).view({-1});
+  plan.token = routing.token.index_select(0, kept);
+  plan.position =
+      routing.expert.index_select(0, kept) * plan.capacity + slots.slot.index_select(0, kept);
+  plan.gate = routing.gate.index_select(0, kept);
+  return plan;
+}
+
+at::Tensor Dispatch(const at::Tensor& x, const DispatchPlan& plan) {
+  CheckPlan(plan, x, "Dispatch");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == plan.num_tokens,
+              "Dispatch: x must be [T, D] with T = ", plan.num_tokens, " (the plan's tokens), got ",
+              x.sizes());
+  return DispatchFunction::apply(x, plan.token, plan.position, plan.num_experts, plan.capacity);
+}
+
+at::Tensor Combine(const at::Tensor& y, const DispatchPlan& plan) {
+  CheckPlan(plan, y, "Combine");
+  TORCH_CHECK(y.dim() == 3 && y.size(0) == plan.num_experts && y.size(1) == plan.capacity,
+              "Combine: y must be [E, C, D] with E = ", plan.num_experts,
+              " and C = ", plan.capacity, " (the plan's), got ", y.sizes());
+  // Routers keep fp32 gates (NOTE [router precision]); the sum is formed in y's dtype, and
+  // autograd casts the gate's gradient back.
+  const at::Tensor gate = plan.gate.to(y.scalar_type());
+  return CombineFunction::apply(y, gate, plan.token, plan.position, plan.num_tokens);
+}
+
+}  // namespace fulcrum::moe

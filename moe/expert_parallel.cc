@@ -1,0 +1,135 @@
+#include "moe/expert_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <vector>
+
+namespace fulcrum::moe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// [E, C, D] by destination rank → [E/n, n·C, D] by local expert (NOTE [flexible expert
+// layout]).
+at::Tensor ScatterRows(ExpertExchange& exchange, const at::Tensor& buffer) {
+  const int64_t n = exchange.size();
+  const int64_t experts = buffer.size(0);
+  const int64_t c = buffer.size(1);
+  const int64_t d = buffer.size(2);
+  at::Tensor received = exchange.AllToAll(buffer.contiguous());  // [n·E/n, C, D] by source
+  return received.view({n, experts / n, c, d}).transpose(0, 1).reshape({experts / n, n * c, d});
+}
+
+// The inverse permutation and exchange.
+at::Tensor GatherRows(ExpertExchange& exchange, const at::Tensor& expert_output) {
+  const int64_t n = exchange.size();
+  const int64_t local = expert_output.size(0);
+  const int64_t c = expert_output.size(1) / n;
+  const int64_t d = expert_output.size(2);
+  at::Tensor by_rank =
+      expert_output.reshape({local, n, c, d}).transpose(0, 1).reshape({n * local, c, d});
+  return exchange.AllToAll(by_rank);
+}
+
+void SaveExchange(AutogradContext* ctx, ExpertExchange* exchange) {
+  ctx->saved_data["exchange"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(exchange));
+}
+ExpertExchange& SavedExchange(AutogradContext* ctx) {
+  return *reinterpret_cast<ExpertExchange*>(
+      static_cast<intptr_t>(ctx->saved_data["exchange"].toInt()));
+}
+
+class ScatterFunction : public torch::autograd::Function<ScatterFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& buffer,
+                            ExpertExchange* exchange) {
+    SaveExchange(ctx, exchange);
+    return ScatterRows(*exchange, buffer);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {GatherRows(SavedExchange(ctx), grads[0].contiguous()), at::Tensor()};
+  }
+};
+
+class GatherFunction : public torch::autograd::Function<GatherFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& expert_output,
+                            ExpertExchange* exchange) {
+    SaveExchange(ctx, exchange);
+    return GatherRows(*exchange, expert_output);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {ScatterRows(SavedExchange(ctx), grads[0].contiguous()), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+ExpertExchange::ExpertExchange(parallel::Communicator* ep, int intra_size) : ep_(ep) {
+  const int n = ep->size();
+  TORCH_CHECK(intra_size >= 0, "hierarchical all-to-all group size must be >= 0, got ",
+              intra_size);
+  if (intra_size <= 1 || intra_size >= n) return;  // one level is all there is
+  TORCH_CHECK(n % intra_size == 0, "hierarchical all-to-all: the node size ", intra_size,
+              " does not divide the expert-parallel size ", n);
+  const int node = ep->rank() / intra_size;
+  const int local = ep->rank() % intra_size;
+  // Every member must split in the same order: first all intra-node groups, then all
+  // inter-node ones (each call is collective only over its own members).
+  std::vector<int> same_node;
+  for (int l = 0; l < intra_size; ++l) same_node.push_back(node * intra_size + l);
+  intra_ = ep->Split(same_node, ep->name() + "_intra");
+  std::vector<int> same_local;
+  for (int b = 0; b < n / intra_size; ++b) same_local.push_back(b * intra_size + local);
+  inter_ = ep->Split(same_local, ep->name() + "_inter");
+}
+
+ExpertExchange::~ExpertExchange() = default;
+
+at::Tensor ExpertExchange::AllToAll(const at::Tensor& input) {
+  const int64_t n = size();
+  if (n == 1) return input;
+  TORCH_CHECK(input.size(0) % n == 0, "all-to-all over ", n, " ranks needs a multiple of ", n,
+              " rows, got ", input.size(0));
+  at::Tensor x = input.contiguous();
+  if (!hierarchical()) return ep_->AllToAll(x, {}, {});
+  // NOTE [hierarchical all-to-all]. Chunks are indexed by destination rank b·L + l.
+  const int64_t local_size = intra_->size();
+  const int64_t nodes = n / local_size;
+  const int64_t chunk = x.numel() / n;
+  // Step 1, inside the node: regroup [b][l] → [l][b] and send group l to local rank l;
+  // what arrives is [i][b]: from local rank i, bound for (node b, this local rank).
+  at::Tensor by_local = x.view({nodes, local_size, chunk}).transpose(0, 1).contiguous();
+  at::Tensor step1 = intra_->AllToAll(by_local.view({local_size * nodes, chunk}), {}, {});
+  // Step 2, between nodes: regroup [i][b] → [b][i] and send group b to node b; what
+  // arrives is [a][i], from rank a·L + i: the flat all-to-all's order.
+  at::Tensor by_node = step1.view({local_size, nodes, chunk}).transpose(0, 1).contiguous();
+  at::Tensor step2 = inter_->AllToAll(by_node.view({nodes * local_size, chunk}), {}, {});
+  return step2.view(input.sizes());
+}
+
+at::Tensor ExpertExchange::Scatter(const at::Tensor& buffer) {
+  TORCH_CHECK(buffer.dim() == 3 && buffer.size(0) % size() == 0,
+              "expert buffer must be [experts, capacity, hidden] with experts a multiple of ",
+              size(), ", got ", buffer.sizes());
+  if (size() == 1) return buffer;
+  return ScatterFunction::apply(buffer, this);
+}
+
+at::Tensor ExpertExchange::Gather(const at::Tensor& expert_output) {
+  TORCH_CHECK(expert_output.dim() == 3 && expert_output.size(1) % size() == 0,
+              "local expert output must be [local experts, ranks·capacity, hidden], got ",
+              expert_output.sizes());
+  if (size() == 1) return expert_output;
+  return GatherFunction::apply(expert_output, this);
+}
+
+int64_t ExpertExchange::Max(int64_t value) {
+  if (size() == 1) return value;
+  at::Tensor t = at::tensor({value}, at::kLong);
+  ep_->AllReduce(t, parallel::ReduceOp::kMax);
+  return t.item<int64_t>();
+}
+
+}  // namespace fulcrum::moe

@@ -1,0 +1,68 @@
+// Expert parallelism: the E experts of an MoE layer are shared out over the n ranks of the
+// expert-parallel group (rank r holds experts [r·E/n, (r+1)·E/n)), and each rank's
+// capacity-padded dispatch buffer [E, C, D] is exchanged by all-to-all so that every
+// expert sees the tokens routed to it from every rank.
+//
+// NOTE [flexible expert layout]
+// After the exchange, the rows a local expert received are made one contiguous matrix
+// [n·C, D] (Tutel's flexible layout, Hwang et al. 2023 §3.2): the buffer goes from
+// [E, C, D] = [n, E/n, C, D] (by destination rank) through the all-to-all to
+// [n, E/n, C, D] (by source rank) and is transposed to [E/n, n·C, D]. Each local expert
+// then runs one GEMM whatever n is, and the math of an expert is the same at every ep
+// size: its input rows are the same rows, grouped by source rank.
+//
+// NOTE [hierarchical all-to-all]
+// With `intra_size` L > 1 (ranks r = node·L + local), the exchange runs in two steps of
+// L-way and n/L-way all-to-alls instead of one n-way: first inside the node, every rank
+// sends to local rank l the chunks bound for local rank l on every node; then between
+// nodes, each rank forwards to node b what it gathered for node b. Both steps move the
+// same bytes as the flat exchange, but the inter-node step sends n/L larger messages
+// instead of n small ones (Tutel §3.3, "2DH all-to-all"). The result is identical to the
+// flat all-to-all, element for element.
+//
+// Not thread-safe; one exchange per expert-parallel group, shared by the MoE layers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "parallel/communicator.h"
+
+namespace fulcrum::moe {
+
+class ExpertExchange {
+ public:
+  /// `ep` (must outlive this) is the expert-parallel group. `intra_size` > 1 selects the
+  /// hierarchical all-to-all with groups of `intra_size` consecutive ranks (it must divide
+  /// the group size); 0 or 1 the flat one. Collective over `ep` (it splits sub-groups).
+  ExpertExchange(parallel::Communicator* ep, int intra_size = 0);
+  ~ExpertExchange();
+
+  int rank() const { return ep_->rank(); }
+  int size() const { return ep_->size(); }
+  bool hierarchical() const { return intra_ != nullptr; }
+
+  /// Equal-split all-to-all along dimension 0 (size()·chunk rows): chunk j goes to rank j,
+  /// the result holds rank j's chunk for this rank at position j. Flat or hierarchical.
+  /// Not differentiable (see Scatter/Gather).
+  at::Tensor AllToAll(const at::Tensor& input);
+
+  /// The dispatch buffer [E, C, D] → the local experts' inputs [E/n, n·C, D] (NOTE
+  /// [flexible expert layout]). Differentiable.
+  at::Tensor Scatter(const at::Tensor& buffer);
+  /// The inverse of Scatter: local experts' outputs [E/n, n·C, D] → [E, C, D] in this
+  /// rank's dispatch layout. Differentiable.
+  at::Tensor Gather(const at::Tensor& expert_output);
+
+  /// The largest `value` over the group.
+  int64_t Max(int64_t value);
+
+ private:
+  parallel::Communicator* ep_;
+  std::unique_ptr<parallel::Communicator> intra_;  // Same node; null when flat.
+  std::unique_ptr<parallel::Communicator> inter_;  // Same local rank, other nodes.
+};
+
+}  // namespace fulcrum::moe

@@ -1,0 +1,298 @@
+#include "moe/moe_layer.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <array>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/linear.h"
+#include "core/random.h"
+#include "core/transformer_layer.h"
+#include "core/unit.h"
+#include "moe/capacity.h"
+#include "moe/dispatch.h"
+#include "moe/expert_parallel.h"
+
+namespace fulcrum::moe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The auxiliary losses every router may report, in the order the statistics carry them.
+constexpr std::array<const char*, 4> kAuxLossNames = {"load_balancing_loss", "importance_loss",
+                                                      "load_loss", "z_loss"};
+
+// Identity on `output` in the forward; in the backward, also gives `aux` the gradient
+// `scale` (NOTE [MoE auxiliary losses]).
+class AuxLossScaler : public torch::autograd::Function<AuxLossScaler> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& output, const at::Tensor& aux,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["aux_dtype"] = static_cast<int64_t>(aux.scalar_type());
+    return output;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
+    return {grads[0], at::scalar_tensor(scale, at::TensorOptions().dtype(dtype)), at::Tensor()};
+  }
+};
+
+at::Tensor NormalInit(uint64_t seed, const std::string& global_name, at::IntArrayRef shape,
+                      double std) {
+  at::Generator gen = MakeGenerator(seed, global_name);
+  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
+}
+
+class MoeLayer final : public FeedForward {
+ public:
+  MoeLayer(const MoeOptions& options, const ModelOptions& model, int64_t layer_index,
+           Unit& unit, bool initialize, std::unique_ptr<Router> router,
+           std::shared_ptr<ExpertExchange> exchange, const MoeGroups& groups)
+      : options_(options),
+        layer_index_(layer_index),
+        router_(std::move(router)),
+        exchange_(std::move(exchange)),
+        groups_(groups),
+        loads_(at::zeros({options.num_experts}, at::kLong)) {
+    // Router parameters and state join the layer's unit (RouterParameter).
+    for (RouterParameter& p : router_->Parameters()) {
+      *p.value = unit.AddParameter("mlp." + p.name, *p.value, p.weight_decay);
+    }
+    for (auto& [name, tensor] : router_->State()) unit.AddBuffer("mlp." + name, tensor);
+
+    const int tp_rank = groups.tensor ? groups.tensor->rank() : 0;
+    const int tp_size = groups.tensor ? groups.tensor->size() : 1;
+    const int ep_rank = exchange_ ? exchange_->rank() : 0;
+    const int ep_size = exchange_ ? exchange_->size() : 1;
+    const int64_t d = model.hidden_size;
+    const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
+    const double std = model.init_method_std;
+    const double out_std = std / std::sqrt(2.0 * model.num_layers);
+    local_experts_ = options.num_experts / ep_size;
+    first_expert_ = ep_rank * local_experts_;
+    auto add = [&](const std::string& name, at::IntArrayRef shape, double s, int64_t shard_dim,
+                   bool weight_decay) -> at::Tensor& {
+      at::Tensor full;
+      if (!initialize) {
+        std::vector<int64_t> local = shape.vec();
+        if (shard_dim >= 0) local[shard_dim] /= tp_size;
+        full = at::empty(local, at::kFloat);
+      } else {
+        full = s > 0 ? NormalInit(model.seed, unit.GlobalName(name), shape, s)
+                     : at::zeros(shape, at::kFloat);
+        full = ShardOf(full, shard_dim, tp_rank, tp_size);
+      }
+      return unit.AddParameter(name, full, weight_decay, shard_dim, /*mirror_of=*/"",
+                               /*expert_parallel=*/true);
+    };
+    for (int64_t e = first_expert_; e < first_expert_ + local_experts_; ++e) {
+      const std::string prefix = absl::StrCat("mlp.experts.", e, ".");
+      Expert expert;
+      expert.fc1_weight = add(prefix + "linear_fc1.weight", {f, d}, std, 0, true);
+      expert.fc1_bias = add(prefix + "linear_fc1.bias", {f}, 0, 0, false);
+      expert.fc2_weight = add(prefix + "linear_fc2.weight", {d, f}, out_std, 1, true);
+      expert.fc2_bias = add(prefix + "linear_fc2.bias", {d}, 0, -1, false);
+      experts_.push_back(std::move(expert));
+    }
+  }
+
+  at::Tensor Forward(const at::Tensor& x, const ForwardContext& ctx) override {
+    const int64_t d = x.size(-1);
+    at::Tensor tokens = x.reshape({-1, d});
+    const int64_t t = tokens.size(0);
+    const int64_t k = options_.topk;
+    RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_};
+    Routing routing = router_->Route(tokens, k, route_ctx);
+    if (options_.batch_prioritized) routing = PrioritizeByConfidence(routing);
+    CapacityMaxReduce max_reduce;
+    if (exchange_ != nullptr && exchange_->size() > 1) {
+      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
+    }
+    const int64_t capacity = ExpertCapacity(options_.capacity_factor, k, t, routing.expert_load,
+                                            max_reduce);
+    SlotAssignment slots = AssignSlots(routing, options_.num_experts, capacity);
+    DispatchPlan plan = MakeDispatchPlan(routing, slots, t);
+
+    at::Tensor buffer = Dispatch(tokens, plan);  // [E, C, D]
+    at::Tensor local = exchange_ ? exchange_->Scatter(buffer) : buffer;  // [E/n, n·C, D]
+    if (groups_.tensor != nullptr) local = groups_.tensor->CopyToRegion(local);
+    std::vector<at::Tensor> outputs;
+    std::vector<at::Tensor> biases;
+    outputs.reserve(experts_.size());
+    for (size_t e = 0; e < experts_.size(); ++e) {
+      const Expert& expert = experts_[e];
+      at::Tensor h = at::gelu(LinearForward(local[e], expert.fc1_weight, expert.fc1_bias));
+      outputs.push_back(LinearForward(h, expert.fc2_weight, at::Tensor()));
+      biases.push_back(expert.fc2_bias);
+    }
+    at::Tensor y = at::stack(outputs);  // [E/n, n·C, D], partial sums over tp
+    if (groups_.tensor != nullptr) y = groups_.tensor->ReduceFromRegion(y);
+    y = y + at::stack(biases).unsqueeze(1);
+    at::Tensor combined = Combine(exchange_ ? exchange_->Gather(y) : y, plan);  // [T, D]
+
+    if (ctx.training) {
+      at::Tensor aux_total;
+      for (const auto& [name, value] : routing.aux_losses) {
+        aux_total = aux_total.defined() ? aux_total + value : value;
+      }
+      if (aux_total.defined() && aux_total.requires_grad() && ctx.loss_scale > 0) {
+        combined = AuxLossScaler::apply(combined, aux_total,
+                                        ctx.loss_scale * static_cast<double>(t));
+      }
+      Accumulate(routing, slots, t);
+    }
+    return combined.view(x.sizes());
+  }
+
+  void AfterOptimizerStep() override {
+    // One all-reduce over the data-parallel replicas (expert-parallel ranks included, as
+    // they route other tokens): loads, drops, tokens, token-weighted aux losses.
+    const int64_t e = options_.num_experts;
+    at::Tensor packed = at::zeros({e + 2 + static_cast<int64_t>(kAuxLossNames.size())}, at::kDouble);
+    packed.narrow(0, 0, e).copy_(loads_);
+    double* p = packed.data_ptr<double>();
+    p[e] = static_cast<double>(dropped_);
+    p[e + 1] = static_cast<double>(tokens_);
+    for (size_t i = 0; i < kAuxLossNames.size(); ++i) p[e + 2 + i] = aux_weighted_[i];
+    if (groups_.data != nullptr && groups_.data->size() > 1) {
+      groups_.data->AllReduce(packed, parallel::ReduceOp::kSum);
+    }
+    at::Tensor global_load = packed.narrow(0, 0, e).round().to(at::kLong);
+    router_->AfterOptimizerStep(global_load);
+
+    statistics_.clear();
+    statistics_.push_back({"expert_tokens", std::vector<double>(p, p + e)});
+    statistics_.push_back({"dropped_tokens", {p[e]}});
+    const double tokens = std::max(p[e + 1], 1.0);
+    for (size_t i = 0; i < kAuxLossNames.size(); ++i) {
+      if (seen_[i]) statistics_.push_back({kAuxLossNames[i], {p[e + 2 + i] / tokens}});
+    }
+    loads_.zero_();
+    dropped_ = 0;
+    tokens_ = 0;
+    aux_weighted_.fill(0.0);
+  }
+
+  std::vector<BlockStatistic> Statistics() const override { return statistics_; }
+
+ private:
+  struct Expert {
+    at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+  };
+
+  void Accumulate(const Routing& routing, const SlotAssignment& slots, int64_t tokens) {
+    loads_ += routing.expert_load;
+    dropped_ += slots.dropped;
+    tokens_ += tokens;
+    for (const auto& [name, value] : routing.aux_losses) {
+      for (size_t i = 0; i < kAuxLossNames.size(); ++i) {
+        if (name != kAuxLossNames[i]) continue;
+        aux_weighted_[i] += value.item<double>() * static_cast<double>(tokens);
+        seen_[i] = true;
+      }
+    }
+  }
+
+  MoeOptions options_;
+  int64_t layer_index_;
+  std::unique_ptr<Router> router_;
+  std::shared_ptr<ExpertExchange> exchange_;  // Null when ep == 1.
+  MoeGroups groups_;
+  int64_t local_experts_ = 0;
+  int64_t first_expert_ = 0;
+  std::vector<Expert> experts_;
+  // This step's measurements so far (training micro-batches of this rank).
+  at::Tensor loads_;  // [E] int64
+  int64_t dropped_ = 0;
+  int64_t tokens_ = 0;
+  std::array<double, kAuxLossNames.size()> aux_weighted_{};
+  std::array<bool, kAuxLossNames.size()> seen_{};
+  std::vector<BlockStatistic> statistics_;
+};
+
+}  // namespace
+
+absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,
+                                int expert_parallel_size, int tensor_parallel_size) {
+  if (options.num_experts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--num_experts must be >= 0 (0 = dense), got ", options.num_experts));
+  }
+  if (options.num_experts == 0) {
+    if (expert_parallel_size > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--expert_model_parallel_size=", expert_parallel_size, " needs MoE layers (--num_experts)"));
+    }
+    return absl::OkStatus();
+  }
+  if (options.layer_freq < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--moe_layer_freq must be >= 1, got ", options.layer_freq));
+  }
+  if (options.num_experts % expert_parallel_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_experts=", options.num_experts, " is not divisible by --expert_model_parallel_size=",
+        expert_parallel_size));
+  }
+  const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
+  if (options.ffn_hidden_size < 0 || f % tensor_parallel_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_ffn_hidden_size=", f, " must be > 0 and divisible by --tensor_model_parallel_size=",
+        tensor_parallel_size));
+  }
+  if (options.hierarchical_node_size < 0 ||
+      (options.hierarchical_node_size > 1 && expert_parallel_size % options.hierarchical_node_size != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_hierarchical_a2a_node_size=", options.hierarchical_node_size,
+        " must be 0 (flat) or divide --expert_model_parallel_size=", expert_parallel_size));
+  }
+  if (RouterRegistry::Global().Find(options.router) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("--moe_router='", options.router,
+                                                   "' is unknown; routers: ", RouterNames()));
+  }
+  if (absl::Status s = ValidateCapacityFactor(options.capacity_factor); !s.ok()) return s;
+  RouterOptions router = options.router_options;
+  router.num_experts = options.num_experts;
+  router.topk = options.topk;
+  router.hidden_size = model.hidden_size;
+  return ValidateRouterOptions(router);
+}
+
+absl::StatusOr<FeedForwardFactory> MakeMoeFactory(const MoeOptions& options,
+                                                  const ModelOptions& model,
+                                                  const MoeGroups& groups) {
+  const int ep = groups.expert ? groups.expert->size() : 1;
+  const int tp = groups.tensor ? groups.tensor->size() : 1;
+  if (absl::Status s = ValidateMoeOptions(options, model, ep, tp); !s.ok()) return s;
+  if (options.num_experts == 0) return FeedForwardFactory();
+  // Fail now on an unknown router name rather than while building layer 0.
+  RouterOptions router_options = options.router_options;
+  router_options.num_experts = options.num_experts;
+  router_options.topk = options.topk;
+  router_options.hidden_size = model.hidden_size;
+  router_options.seed = model.seed;
+  if (auto probe = MakeRouter(options.router, router_options); !probe.ok()) return probe.status();
+  std::shared_ptr<ExpertExchange> exchange;
+  if (ep > 1) {
+    exchange = std::make_shared<ExpertExchange>(groups.expert, options.hierarchical_node_size);
+  }
+  return FeedForwardFactory([options, model, groups, exchange, router_options](
+                                int64_t layer_index, Unit& unit,
+                                bool initialize) -> std::unique_ptr<FeedForward> {
+    if (!options.IsMoeLayer(layer_index)) return nullptr;
+    RouterOptions r = router_options;
+    r.init_scope = unit.GlobalName("mlp");
+    auto router = MakeRouter(options.router, r);
+    TORCH_CHECK(router.ok(), router.status().ToString());  // validated above
+    return std::make_unique<MoeLayer>(options, model, layer_index, unit, initialize,
+                                      std::move(router).value(), exchange, groups);
+  });
+}
+
+}  // namespace fulcrum::moe

@@ -1,0 +1,102 @@
+// The MoE layer: replaces the dense MLP of every --moe_layer_freq-th transformer layer
+// (core/feed_forward.h) by E GeLU experts behind a router.
+//
+//   x [T, D] → router (moe/router.h) → capacity and slots (moe/capacity.h)
+//     → Dispatch by indices into [E, C, D] (moe/dispatch.h)
+//     → all-to-all over the expert-parallel group → [E/n, n·C, D] (moe/expert_parallel.h)
+//     → each local expert: fc1, GeLU, fc2 (tensor-parallel like the dense MLP)
+//     → all-to-all back → Combine by indices → [T, D]
+//
+// Parameters, as global names of layer i (Megatron-core's, with global expert ids, so a
+// checkpoint loads under any expert-parallel size):
+//   layers.i.mlp.router.weight (and the router's other parameters)
+//   layers.i.mlp.experts.<e>.linear_fc1.weight [F, D]  (tensor-parallel rows)
+//   layers.i.mlp.experts.<e>.linear_fc1.bias   [F]     (tensor-parallel)
+//   layers.i.mlp.experts.<e>.linear_fc2.weight [D, F]  (tensor-parallel columns)
+//   layers.i.mlp.experts.<e>.linear_fc2.bias   [D]
+// Expert parameters are Parameter::expert_parallel; a rank holds only its experts.
+// Router state that is not trained (the aux_free bias) is a buffer of the layer's unit.
+//
+// NOTE [MoE auxiliary losses]
+// The router's auxiliary losses (already scaled by their coefficients) join the training
+// loss without passing through the pipeline: the layer's output carries them into the
+// backward pass, where their gradient is ctx.loss_scale × T (T tokens of the micro-batch)
+// — the weight that makes them the mean over the global batch's micro-batches, whatever
+// the layout (Megatron's MoEAuxLossAutoScaler does the same). Their values are reported
+// in the metrics file as the token-weighted mean over micro-batches, summed over layers.
+//
+// NOTE [MoE layout equivalence]
+// Routing, capacity and drops are decided per micro-batch on the rank that holds it: the
+// capacity of a fixed factor depends only on the micro-batch's T, and a dropless or capped
+// capacity is the maximum over the expert-parallel group, which only pads (a token drops
+// iff its slot is past its own micro-batch's cap). Noise is keyed by the global sample
+// index. So under any ep (and tp, dp, pp) each token meets the same experts with the same
+// gate as in one process, and only the floating-point summation order of the expert
+// weight gradients changes.
+//
+// Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/config.h"
+#include "core/feed_forward.h"
+#include "core/tensor_parallel.h"
+#include "moe/router.h"
+#include "parallel/communicator.h"
+
+namespace fulcrum::moe {
+
+/// Configuration of the MoE layers. Flags become these options in recipes/.
+struct MoeOptions {
+  /// --num_experts: 0 = no MoE layers. Must be divisible by the expert-parallel size.
+  int64_t num_experts = 0;
+  /// --moe_router_topk: k experts per token. Default: 2.
+  int64_t topk = 2;
+  /// --moe_ffn_hidden_size: hidden width of each expert; 0 = the model's ffn_hidden_size.
+  int64_t ffn_hidden_size = 0;
+  /// --moe_layer_freq: layer i is an MoE layer when i % freq == 0 (Megatron's integer
+  /// form). Default: 1 (every layer).
+  int64_t layer_freq = 1;
+  /// --moe_router: a name in the router registry (moe/router.h). Default: topk.
+  std::string router = "topk";
+  /// Router settings; num_experts, topk, hidden_size and seed are filled from above and
+  /// from the model.
+  RouterOptions router_options;
+  /// --moe_capacity_factor: Tutel semantics (moe/capacity.h). Default: 1.
+  double capacity_factor = 1.0;
+  /// --moe_batch_prioritized_routing: confident tokens claim slots first. Default: false.
+  bool batch_prioritized = false;
+  /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
+  /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
+  int hierarchical_node_size = 0;
+
+  /// Whether global layer `layer` is an MoE layer.
+  bool IsMoeLayer(int64_t layer) const {
+    return num_experts > 0 && layer_freq > 0 && layer % layer_freq == 0;
+  }
+};
+
+/// The groups an MoE layer communicates over; each may be null for one rank. They must
+/// outlive the layers.
+struct MoeGroups {
+  parallel::Communicator* expert = nullptr;  // ep: shares out the experts (all-to-all).
+  parallel::Communicator* data = nullptr;    // dp: sums the step's expert loads.
+  TensorParallelGroup* tensor = nullptr;     // tp: shards each expert like the dense MLP.
+};
+
+/// Checks `options` against the model and the layout; messages name the flag.
+absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,
+                                int expert_parallel_size, int tensor_parallel_size);
+
+/// The factory that gives GptModel its MoE layers (null block for dense layers). Builds the
+/// expert-parallel exchange now: collective over `groups.expert`. Validates first.
+absl::StatusOr<FeedForwardFactory> MakeMoeFactory(const MoeOptions& options,
+                                                  const ModelOptions& model,
+                                                  const MoeGroups& groups);
+
+}  // namespace fulcrum::moe

@@ -1,0 +1,267 @@
+// The MoE layer in one process against a direct reference: every token's output is the
+// gate-weighted sum of its experts' MLPs (computed here expert by expert from the layer's
+// own parameters), with the same gradients; drops, the auxiliary-loss gradient scale, the
+// step's statistics, router state as unit buffers, and which layers are MoE.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "core/transformer_layer.h"
+#include "core/unit.h"
+#include "moe/capacity.h"
+#include "moe/moe_layer.h"
+#include "tests/moe/moe_test_util.h"
+
+namespace fulcrum::moe {
+namespace {
+
+constexpr int64_t kExperts = 4;
+constexpr int64_t kHidden = 8;
+constexpr int64_t kFfn = 16;
+
+ModelOptions Model() {
+  ModelOptions m;
+  m.hidden_size = kHidden;
+  m.num_attention_heads = 2;
+  m.ffn_hidden_size = 32;
+  m.num_layers = 2;
+  m.seed = 7;
+  return m;
+}
+
+MoeOptions Options(const std::string& router = "topk", double capacity_factor = 0.0) {
+  MoeOptions o;
+  o.num_experts = kExperts;
+  o.topk = 2;
+  o.ffn_hidden_size = kFfn;
+  o.router = router;
+  o.capacity_factor = capacity_factor;
+  o.router_options.aux_loss_coeff = 1e-2;
+  o.router_options.z_loss_coeff = 1e-3;
+  return o;
+}
+
+struct Built {
+  std::unique_ptr<Unit> unit;
+  std::unique_ptr<FeedForward> block;
+};
+
+Built Build(const MoeOptions& options, int64_t layer = 0) {
+  auto factory = MakeMoeFactory(options, Model(), MoeGroups());
+  EXPECT_TRUE(factory.ok()) << factory.status();
+  Built b;
+  b.unit = std::make_unique<Unit>(absl::StrCat("layers.", layer));
+  b.block = (*factory)(layer, *b.unit, /*initialize=*/true);
+  return b;
+}
+
+at::Tensor& ParamOf(Unit& unit, const std::string& local) {
+  Parameter* p = unit.FindParameter(local);
+  EXPECT_NE(p, nullptr) << local;
+  static at::Tensor none;
+  return p ? p->value : none;
+}
+
+// A router like the layer's, computing with the layer's own router weight (the same leaf).
+std::unique_ptr<Router> MirrorRouter(const MoeOptions& options, Unit& unit) {
+  RouterOptions r = options.router_options;
+  r.num_experts = options.num_experts;
+  r.topk = options.topk;
+  r.hidden_size = kHidden;
+  r.seed = Model().seed;
+  r.init_scope = unit.GlobalName("mlp");
+  std::unique_ptr<Router> router = testing::MakeOrDie(options.router, r);
+  testing::Param(*router, "router.weight") = ParamOf(unit, "mlp.router.weight");
+  return router;
+}
+
+// Σ over kept assignments of gate · expert(x), expert by expert, from the unit's parameters.
+at::Tensor Reference(Unit& unit, const Routing& routing, const at::Tensor& keep,
+                     const at::Tensor& tokens) {
+  at::Tensor out = at::zeros_like(tokens);
+  for (int64_t a = 0; a < routing.size(); ++a) {
+    if (!keep[a].item<bool>()) continue;
+    const int64_t t = routing.token[a].item<int64_t>();
+    const std::string e = absl::StrCat("mlp.experts.", routing.expert[a].item<int64_t>(), ".");
+    at::Tensor h = at::gelu(at::linear(tokens[t], ParamOf(unit, e + "linear_fc1.weight"),
+                                       ParamOf(unit, e + "linear_fc1.bias")));
+    at::Tensor y = at::linear(h, ParamOf(unit, e + "linear_fc2.weight"),
+                              ParamOf(unit, e + "linear_fc2.bias"));
+    out = out.index_add(0, routing.token.narrow(0, a, 1), (routing.gate[a] * y).unsqueeze(0));
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> TakeGrads(Unit& unit) {
+  std::map<std::string, at::Tensor> grads;
+  for (Parameter& p : unit.parameters()) {
+    if (p.value.grad().defined()) grads[p.name] = p.value.grad().clone();
+  }
+  unit.ZeroGrad();
+  return grads;
+}
+
+TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
+  for (double capacity_factor : {0.0, 0.5}) {  // dropless, then with drops
+    SCOPED_TRACE(absl::StrCat("capacity factor ", capacity_factor));
+    MoeOptions options = Options("topk", capacity_factor);
+    Built b = Build(options);
+    ASSERT_NE(b.block, nullptr);
+    at::Tensor x = at::randn({5, 3, kHidden}).set_requires_grad(true);  // [s, b, h]
+    at::Tensor weight = at::randn({5, 3, kHidden});
+    ForwardContext ctx{/*training=*/false, 1, 0};
+    at::Tensor out = b.block->Forward(x, ctx);
+    ASSERT_EQ(out.sizes(), x.sizes());
+    (out * weight).sum().backward();
+    at::Tensor x_grad = x.grad().clone();
+    x.mutable_grad() = at::Tensor();
+    auto grads = TakeGrads(*b.unit);
+
+    std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
+    at::Tensor tokens = x.view({-1, kHidden});
+    Routing routing = router->Route(tokens, options.topk, RouteContext{false, 1, 0, 0});
+    const int64_t capacity =
+        ExpertCapacity(capacity_factor, options.topk, tokens.size(0), routing.expert_load);
+    SlotAssignment slots = AssignSlots(routing, kExperts, capacity);
+    if (capacity_factor > 0) EXPECT_GT(slots.dropped, 0) << "the case must drop something";
+    at::Tensor expected = Reference(*b.unit, routing, slots.slot >= 0, tokens);
+    EXPECT_TRUE(at::allclose(out.view({-1, kHidden}), expected, 1e-5, 1e-6));
+    (expected.view(x.sizes()) * weight).sum().backward();
+    EXPECT_TRUE(at::allclose(x_grad, x.grad(), 1e-5, 1e-6));
+    auto expected_grads = TakeGrads(*b.unit);
+    ASSERT_EQ(grads.size(), expected_grads.size());
+    for (const auto& [name, g] : expected_grads) {
+      ASSERT_TRUE(grads.count(name)) << name;
+      EXPECT_TRUE(at::allclose(grads[name], g, 1e-5, 1e-6)) << name;
+    }
+  }
+}
+
+TEST(MoeLayerTest, AuxiliaryLossGradientIsScaledByTheMicroBatchShare) {
+  MoeOptions options = Options();
+  Built b = Build(options);
+  at::Tensor x = at::randn({4, 2, kHidden});
+  const double loss_scale = 1.0 / 64;  // 1 / tokens of the global batch
+  ForwardContext ctx{/*training=*/true, 1, 0, loss_scale};
+  // The output is multiplied by 0: all the router's gradient comes from its aux losses.
+  (b.block->Forward(x, ctx) * 0.0).sum().backward();
+  at::Tensor got = ParamOf(*b.unit, "mlp.router.weight").grad().clone();
+  b.unit->ZeroGrad();
+
+  std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
+  Routing routing = router->Route(x.view({-1, kHidden}), options.topk, RouteContext{true, 1, 0, 0});
+  ASSERT_EQ(routing.aux_losses.size(), 2u);  // load balancing and z-loss
+  at::Tensor total = routing.aux_losses[0].second + routing.aux_losses[1].second;
+  (total * (loss_scale * 8)).backward();  // T = 8 tokens
+  EXPECT_TRUE(at::allclose(got, ParamOf(*b.unit, "mlp.router.weight").grad(), 1e-5, 1e-9));
+}
+
+TEST(MoeLayerTest, StatisticsSumTheStepsMicroBatches) {
+  Built b = Build(Options("topk", 0.5));
+  EXPECT_TRUE(b.block->Statistics().empty()) << "nothing before the first step";
+  for (int m = 0; m < 3; ++m) {
+    ForwardContext ctx{/*training=*/true, 1, m * 2, 1.0 / 48};
+    b.block->Forward(at::randn({4, 2, kHidden}), ctx).sum().backward();
+  }
+  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{false, 1, 0});  // eval: not counted
+  b.block->AfterOptimizerStep();
+  std::map<std::string, std::vector<double>> stats;
+  for (const BlockStatistic& s : b.block->Statistics()) stats[s.name] = s.values;
+  ASSERT_EQ(stats["expert_tokens"].size(), static_cast<size_t>(kExperts));
+  double routed = 0;
+  for (double t : stats["expert_tokens"]) routed += t;
+  EXPECT_EQ(routed, 3 * 8 * 2) << "3 micro-batches × 8 tokens × k=2";
+  ASSERT_EQ(stats["dropped_tokens"].size(), 1u);
+  EXPECT_GT(stats["dropped_tokens"][0], 0) << "capacity 0.5 drops";
+  EXPECT_GT(stats["load_balancing_loss"][0], 0);
+  EXPECT_GT(stats["z_loss"][0], 0);
+  EXPECT_EQ(stats.count("importance_loss"), 0u) << "only the losses the router reports";
+}
+
+TEST(MoeLayerTest, ParametersAreNamedByGlobalExpertAndMarkedExpertParallel) {
+  Built b = Build(Options());
+  int experts = 0;
+  for (const Parameter& p : b.unit->parameters()) {
+    if (p.name.rfind("mlp.experts.", 0) == 0) {
+      ++experts;
+      EXPECT_TRUE(p.expert_parallel) << p.name;
+    } else {
+      EXPECT_FALSE(p.expert_parallel) << p.name;
+    }
+  }
+  EXPECT_EQ(experts, kExperts * 4);
+  EXPECT_NE(b.unit->FindParameter("mlp.experts.3.linear_fc2.weight"), nullptr);
+  EXPECT_EQ(b.unit->FindParameter("mlp.experts.3.linear_fc2.weight")->value.sizes(),
+            (std::vector<int64_t>{kHidden, kFfn}));
+  // Expert-parallel-only state: exactly the experts' tensors.
+  for (const auto& [name, tensor] : b.unit->StateTensors(nullptr, /*expert_parallel_only=*/true)) {
+    EXPECT_NE(name.find("mlp.experts."), std::string::npos) << name;
+  }
+}
+
+TEST(MoeLayerTest, RouterStateIsAUnitBufferThatTravelsWithTheLayer) {
+  Built b = Build(Options("aux_free"));
+  ASSERT_EQ(b.unit->buffers().size(), 1u);
+  EXPECT_EQ(b.unit->buffers()[0].first, "mlp.router.expert_bias");
+  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, 1, 0, 1.0 / 8});
+  b.block->AfterOptimizerStep();  // unequal loads move the bias
+  const at::Tensor bias = b.unit->buffers()[0].second;
+  EXPECT_GT(bias.abs().sum().item<double>(), 0);
+  bool saved = false;
+  for (const auto& [name, tensor] : b.unit->StateTensors()) {
+    if (name == "layers.0.mlp.router.expert_bias") saved = at::equal(tensor, bias);
+  }
+  EXPECT_TRUE(saved) << "checkpointed under its global name";
+  // A fresh layer restored from that state routes with the same bias.
+  Built other = Build(Options("aux_free"));
+  std::map<std::string, at::Tensor> migrated;
+  for (auto& [name, tensor] : b.unit->MigrationTensors()) migrated[name] = tensor;
+  ASSERT_TRUE(other.unit->LoadMigrationTensors(migrated).ok());
+  EXPECT_TRUE(at::equal(other.unit->buffers()[0].second, bias));
+}
+
+TEST(MoeLayerTest, OnlyEveryFreqthLayerIsMoe) {
+  MoeOptions options = Options();
+  options.layer_freq = 2;
+  auto factory = MakeMoeFactory(options, Model(), MoeGroups());
+  ASSERT_TRUE(factory.ok());
+  Unit layer0("layers.0"), layer1("layers.1");
+  EXPECT_NE((*factory)(0, layer0, true), nullptr);
+  EXPECT_EQ((*factory)(1, layer1, true), nullptr);
+  EXPECT_TRUE(layer1.parameters().empty()) << "a dense layer's factory call registers nothing";
+  // And in a transformer layer: the dense MLP is replaced, nothing else.
+  FeedForwardFactory f = *factory;
+  TransformerLayer moe_layer(Model(), 0, nullptr, true, &f);
+  TransformerLayer dense_layer(Model(), 1, nullptr, true, &f);
+  EXPECT_NE(moe_layer.feed_forward(), nullptr);
+  EXPECT_EQ(moe_layer.FindParameter("mlp.linear_fc1.weight"), nullptr);
+  EXPECT_EQ(dense_layer.feed_forward(), nullptr);
+  EXPECT_NE(dense_layer.FindParameter("mlp.linear_fc1.weight"), nullptr);
+  at::Tensor out = moe_layer.Forward(at::randn({3, 2, kHidden}), ForwardContext{false, 0, 0});
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{3, 2, kHidden}));
+}
+
+TEST(MoeLayerTest, BadOptionsNameTheFlag) {
+  MoeOptions options = Options();
+  options.num_experts = 6;
+  auto status = ValidateMoeOptions(options, Model(), /*expert_parallel_size=*/4, 1);
+  EXPECT_NE(status.message().find("--num_experts=6"), std::string::npos) << status;
+  options = Options("nope");
+  status = ValidateMoeOptions(options, Model(), 1, 1);
+  EXPECT_NE(status.message().find("--moe_router='nope'"), std::string::npos) << status;
+  options = Options();
+  options.ffn_hidden_size = 15;
+  status = ValidateMoeOptions(options, Model(), 1, /*tensor_parallel_size=*/2);
+  EXPECT_NE(status.message().find("--moe_ffn_hidden_size=15"), std::string::npos) << status;
+  options = Options();
+  options.num_experts = 0;
+  status = ValidateMoeOptions(options, Model(), 2, 1);
+  EXPECT_NE(status.message().find("--expert_model_parallel_size=2"), std::string::npos) << status;
+}
+
+}  // namespace
+}  // namespace fulcrum::moe

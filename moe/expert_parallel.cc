@@ -64,6 +64,27 @@ class GatherFunction : public torch::autograd::Function<GatherFunction> {
   }
 };
 
+// All-to-all with row splits; its backward is the exchange with the splits swapped.
+class VariableAllToAllFunction : public torch::autograd::Function<VariableAllToAllFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            parallel::Communicator* comm, std::vector<int64_t> send,
+                            std::vector<int64_t> recv) {
+    ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    return comm->AllToAll(input.contiguous(), send, recv);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* comm = reinterpret_cast<parallel::Communicator*>(
+        static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector();
+    const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
+    return {comm->AllToAll(grads[0].contiguous(), recv, send), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
 }  // namespace
 
 ExpertExchange::ExpertExchange(parallel::Communicator* ep, int intra_size) : ep_(ep) {
@@ -123,6 +144,62 @@ at::Tensor ExpertExchange::Gather(const at::Tensor& expert_output) {
               expert_output.sizes());
   if (size() == 1) return expert_output;
   return GatherFunction::apply(expert_output, this);
+}
+
+ExpertExchange::RaggedLayout ExpertExchange::PlanRagged(const at::Tensor& rows_per_expert) {
+  const int64_t n = size();
+  const int64_t experts = rows_per_expert.numel();
+  TORCH_CHECK(experts % n == 0, "per-expert rows for ", experts, " experts over ", n, " ranks");
+  const int64_t local = experts / n;
+  at::Tensor counts = rows_per_expert.to(at::kLong).contiguous();
+  // [n, E/n]: what each rank will send here, per local expert (counts first).
+  at::Tensor received = (n == 1 ? counts : ep_->AllToAll(counts, {}, {})).view({n, local});
+  at::Tensor sent = counts.view({n, local});
+  RaggedLayout layout;
+  const int64_t* r = received.data_ptr<int64_t>();
+  const int64_t* s = sent.data_ptr<int64_t>();
+  layout.expert_rows.assign(local, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t send = 0, recv = 0;
+    for (int64_t e = 0; e < local; ++e) {
+      send += s[j * local + e];
+      recv += r[j * local + e];
+      layout.expert_rows[e] += r[j * local + e];
+    }
+    layout.send_splits.push_back(send);
+    layout.recv_splits.push_back(recv);
+  }
+  // Received rows are [j][e][rows]; regroup to [e][j][rows].
+  std::vector<int64_t> start(n * local);
+  int64_t offset = 0;
+  for (int64_t i = 0; i < n * local; ++i) {
+    start[i] = offset;
+    offset += r[i];
+  }
+  std::vector<int64_t> order;
+  order.reserve(offset);
+  for (int64_t e = 0; e < local; ++e) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t row = 0; row < r[j * local + e]; ++row) order.push_back(start[j * local + e] + row);
+    }
+  }
+  layout.order = at::tensor(order, at::kLong);
+  return layout;
+}
+
+at::Tensor ExpertExchange::ScatterRagged(const at::Tensor& buffer, const RaggedLayout& layout) {
+  at::Tensor received = size() == 1 ? buffer
+                                    : VariableAllToAllFunction::apply(buffer, ep_, layout.send_splits,
+                                                                      layout.recv_splits);
+  return received.index_select(0, layout.order);
+}
+
+at::Tensor ExpertExchange::GatherRagged(const at::Tensor& expert_output,
+                                        const RaggedLayout& layout) {
+  // Undo the regrouping (order is a permutation), then send the rows home.
+  at::Tensor by_rank = at::zeros_like(expert_output).index_copy(0, layout.order, expert_output);
+  if (size() == 1) return by_rank;
+  return VariableAllToAllFunction::apply(by_rank, ep_, layout.recv_splits, layout.send_splits);
 }
 
 int64_t ExpertExchange::Max(int64_t value) {

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "parallel/communicator.h"
 
@@ -58,6 +59,26 @@ class ExpertExchange {
 
   /// The largest `value` over the group.
   int64_t Max(int64_t value);
+
+  /// NOTE [ragged expert exchange]
+  /// With per-expert capacities each expert's rows are only those it keeps, so ranks send
+  /// each other different amounts: the per-expert row counts go first (one small
+  /// all-to-all), then the rows themselves with those splits (always the flat exchange).
+  /// Received rows arrive by source rank, then local expert; they are regrouped by local
+  /// expert, then source rank, so each local expert again multiplies one contiguous matrix.
+  struct RaggedLayout {
+    std::vector<int64_t> send_splits;  // Rows to each rank.
+    std::vector<int64_t> recv_splits;  // Rows from each rank.
+    std::vector<int64_t> expert_rows;  // Rows per local expert after regrouping.
+    at::Tensor order;                  // Received row of each regrouped row.
+  };
+  /// Exchanges `rows_per_expert` ([E] int64, this rank's buffer layout: expert-major,
+  /// experts contiguous in order) and plans the exchange.
+  RaggedLayout PlanRagged(const at::Tensor& rows_per_expert);
+  /// Buffer [Σ rows, D] → the local experts' rows [Σ expert_rows, D]. Differentiable.
+  at::Tensor ScatterRagged(const at::Tensor& buffer, const RaggedLayout& layout);
+  /// The inverse of ScatterRagged. Differentiable.
+  at::Tensor GatherRagged(const at::Tensor& expert_output, const RaggedLayout& layout);
 
  private:
   parallel::Communicator* ep_;

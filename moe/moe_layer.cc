@@ -110,31 +110,9 @@ class MoeLayer final : public FeedForward {
     RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_};
     Routing routing = router_->Route(tokens, k, route_ctx);
     if (options_.batch_prioritized) routing = PrioritizeByConfidence(routing);
-    CapacityMaxReduce max_reduce;
-    if (exchange_ != nullptr && exchange_->size() > 1) {
-      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
-    }
-    const int64_t capacity = ExpertCapacity(options_.capacity_factor, k, t, routing.expert_load,
-                                            max_reduce);
-    SlotAssignment slots = AssignSlots(routing, options_.num_experts, capacity);
-    DispatchPlan plan = MakeDispatchPlan(routing, slots, t);
-
-    at::Tensor buffer = Dispatch(tokens, plan);  // [E, C, D]
-    at::Tensor local = exchange_ ? exchange_->Scatter(buffer) : buffer;  // [E/n, n·C, D]
-    if (groups_.tensor != nullptr) local = groups_.tensor->CopyToRegion(local);
-    std::vector<at::Tensor> outputs;
-    std::vector<at::Tensor> biases;
-    outputs.reserve(experts_.size());
-    for (size_t e = 0; e < experts_.size(); ++e) {
-      const Expert& expert = experts_[e];
-      at::Tensor h = at::gelu(LinearForward(local[e], expert.fc1_weight, expert.fc1_bias));
-      outputs.push_back(LinearForward(h, expert.fc2_weight, at::Tensor()));
-      biases.push_back(expert.fc2_bias);
-    }
-    at::Tensor y = at::stack(outputs);  // [E/n, n·C, D], partial sums over tp
-    if (groups_.tensor != nullptr) y = groups_.tensor->ReduceFromRegion(y);
-    y = y + at::stack(biases).unsqueeze(1);
-    at::Tensor combined = Combine(exchange_ ? exchange_->Gather(y) : y, plan);  // [T, D]
+    at::Tensor combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing)
+                                                       : PaddedExperts(tokens, routing);
+    SlotAssignment& slots = last_slots_;
 
     if (ctx.training) {
       at::Tensor aux_total;
@@ -148,6 +126,93 @@ class MoeLayer final : public FeedForward {
       Accumulate(routing, slots, t);
     }
     return combined.view(x.sizes());
+  }
+
+  // Every expert padded to the same capacity C (agreed over the expert-parallel group).
+  at::Tensor PaddedExperts(const at::Tensor& tokens, const Routing& routing) {
+    const int64_t t = tokens.size(0);
+    CapacityMaxReduce max_reduce;
+    if (exchange_ != nullptr && exchange_->size() > 1) {
+      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
+    }
+    const int64_t capacity = ExpertCapacity(options_.capacity_factor, options_.topk, t,
+                                            routing.expert_load, max_reduce);
+    last_slots_ = AssignSlots(routing, options_.num_experts, capacity);
+    DispatchPlan plan = MakeDispatchPlan(routing, last_slots_, t);
+    at::Tensor buffer = Dispatch(tokens, plan);                          // [E, C, D]
+    at::Tensor local = exchange_ ? exchange_->Scatter(buffer) : buffer;  // [E/n, n·C, D]
+    const std::vector<int64_t> sizes(local.size(0), local.size(1));
+    at::Tensor y = RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
+    return Combine(exchange_ ? exchange_->Gather(y) : y, plan);
+  }
+
+  // Each expert's rows are only the assignments it keeps (MoeOptions::per_expert_capacity).
+  at::Tensor RaggedExperts(const at::Tensor& tokens, const Routing& routing) {
+    const int64_t t = tokens.size(0);
+    const int64_t e_count = options_.num_experts;
+    // The capacity is this micro-batch's own: no padding to agree on.
+    const int64_t capacity =
+        ExpertCapacity(options_.capacity_factor, options_.topk, t, routing.expert_load);
+    last_slots_ = AssignSlots(routing, e_count, capacity);
+    const at::Tensor rows = at::clamp_max(routing.expert_load, capacity);  // [E] kept rows
+    const at::Tensor offsets = at::cumsum(rows, 0) - rows;
+    const int64_t total = rows.sum().item<int64_t>();
+    // The buffer is one "expert" of `total` rows to the index dispatch: positions are
+    // expert offset + slot (slots of kept assignments are < min(load, C)).
+    DispatchPlan plan;
+    at::Tensor kept = at::nonzero(last_slots_.slot >= 0).view({-1});
+    plan.token = routing.token.index_select(0, kept);
+    at::Tensor expert = routing.expert.index_select(0, kept);
+    plan.position = offsets.index_select(0, expert) + last_slots_.slot.index_select(0, kept);
+    plan.gate = routing.gate.index_select(0, kept);
+    plan.num_tokens = t;
+    plan.num_experts = 1;
+    plan.capacity = total;
+    at::Tensor buffer = Dispatch(tokens, plan).view({total, tokens.size(1)});
+    std::vector<int64_t> expert_rows;
+    at::Tensor local;
+    ExpertExchange::RaggedLayout layout;
+    if (exchange_ != nullptr && exchange_->size() > 1) {
+      layout = exchange_->PlanRagged(rows);
+      local = exchange_->ScatterRagged(buffer, layout);
+      expert_rows = layout.expert_rows;
+    } else {
+      local = buffer;
+      const at::Tensor r = rows.contiguous();
+      expert_rows.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+    }
+    at::Tensor y = RunExperts(local, expert_rows);  // [Σ rows, D]
+    if (exchange_ != nullptr && exchange_->size() > 1) y = exchange_->GatherRagged(y, layout);
+    return Combine(y.unsqueeze(0), plan);
+  }
+
+  // The local experts on their rows: `rows` [Σ sizes, D] holds expert e's `sizes[e]` rows
+  // after expert e−1's. Returns their outputs [Σ sizes, D], complete (tensor-parallel
+  // partial sums reduced, biases added).
+  at::Tensor RunExperts(at::Tensor rows, const std::vector<int64_t>& sizes) {
+    if (groups_.tensor != nullptr) rows = groups_.tensor->CopyToRegion(rows);
+    const bool sharded = groups_.tensor != nullptr && groups_.tensor->size() > 1;
+    std::vector<at::Tensor> outputs;
+    int64_t start = 0;
+    for (size_t e = 0; e < experts_.size(); ++e) {
+      const Expert& expert = experts_[e];
+      at::Tensor x = rows.narrow(0, start, sizes[e]);
+      start += sizes[e];
+      at::Tensor h = at::gelu(LinearForward(x, expert.fc1_weight, expert.fc1_bias));
+      // Row-parallel fc2: its bias is added once, after the reduction.
+      outputs.push_back(LinearForward(h, expert.fc2_weight, sharded ? at::Tensor() : expert.fc2_bias));
+    }
+    at::Tensor y = at::cat(outputs);
+    if (groups_.tensor == nullptr) return y;
+    y = groups_.tensor->ReduceFromRegion(y);
+    if (!sharded) return y;
+    std::vector<at::Tensor> biases;
+    std::vector<int64_t> row_expert;
+    for (size_t e = 0; e < experts_.size(); ++e) {
+      biases.push_back(experts_[e].fc2_bias);
+      row_expert.insert(row_expert.end(), sizes[e], static_cast<int64_t>(e));
+    }
+    return y + at::stack(biases).index_select(0, at::tensor(row_expert, at::kLong));
   }
 
   void AfterOptimizerStep() override {
@@ -214,6 +279,7 @@ class MoeLayer final : public FeedForward {
   std::array<double, kAuxLossNames.size()> aux_weighted_{};
   std::array<bool, kAuxLossNames.size()> seen_{};
   std::vector<BlockStatistic> statistics_;
+  SlotAssignment last_slots_;  // Of the last Forward.
 };
 
 }  // namespace

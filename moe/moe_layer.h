@@ -71,6 +71,12 @@ struct MoeOptions {
   double capacity_factor = 1.0;
   /// --moe_batch_prioritized_routing: confident tokens claim slots first. Default: false.
   bool batch_prioritized = false;
+  /// --moe_per_expert_capacity: each expert's buffer holds only the rows it keeps,
+  /// min(its load, C), instead of every expert padded to C; the same tokens are kept or
+  /// dropped. With expert parallelism the exchange then sends row counts first and
+  /// variable-size buffers (NOTE [ragged expert exchange]; always the flat all-to-all).
+  /// Default: false.
+  bool per_expert_capacity = false;
   /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
   /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
   int hierarchical_node_size = 0;

@@ -76,6 +76,10 @@ DEFINE_string(moe_router, "topk", "Router (see the list above).");
 DEFINE_double(moe_capacity_factor, 1.0,
               "Expert capacity, Tutel semantics: x > 0 fixed ceil(k*x*T/E); 0 the smallest that "
               "drops nothing this step (agreed over the ep group); x < 0 the same capped at -x.");
+DEFINE_bool(moe_per_expert_capacity, false,
+            "Size each expert's buffer to the tokens it keeps, min(load, capacity), instead of "
+            "padding every expert to the capacity; with expert parallelism the all-to-all sends "
+            "row counts first, then variable-size buffers. Same math, less memory and traffic.");
 DEFINE_bool(moe_batch_prioritized_routing, false,
             "Confident tokens claim expert slots first (V-MoE's batch priority routing).");
 DEFINE_double(moe_aux_loss_coeff, 1e-2,
@@ -245,6 +249,7 @@ moe::MoeOptions MoeOptionsFromFlags() {
   o.router = FLAGS_moe_router;
   o.capacity_factor = FLAGS_moe_capacity_factor;
   o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
+  o.per_expert_capacity = FLAGS_moe_per_expert_capacity;
   o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
   moe::RouterOptions& r = o.router_options;
   r.num_experts = FLAGS_num_experts;

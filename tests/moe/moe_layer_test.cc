@@ -141,6 +141,31 @@ TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
   }
 }
 
+TEST(MoeLayerTest, PerExpertCapacityGivesThePaddedLayersOutputsAndGradients) {
+  for (double capacity_factor : {0.0, 0.5, -0.75, 2.0}) {
+    SCOPED_TRACE(absl::StrCat("capacity factor ", capacity_factor));
+    MoeOptions padded = Options("topk", capacity_factor);
+    MoeOptions ragged = padded;
+    ragged.per_expert_capacity = true;
+    Built a = Build(padded);
+    Built b = Build(ragged);
+    at::Tensor x = at::randn({6, 2, kHidden});
+    at::Tensor weight = at::randn({6, 2, kHidden});
+    ForwardContext ctx{/*training=*/false, 1, 0};
+    at::Tensor out_a = a.block->Forward(x, ctx);
+    at::Tensor out_b = b.block->Forward(x, ctx);
+    EXPECT_TRUE(at::allclose(out_a, out_b, 1e-6, 1e-7));
+    (out_a * weight).sum().backward();
+    (out_b * weight).sum().backward();
+    auto grads_a = TakeGrads(*a.unit);
+    auto grads_b = TakeGrads(*b.unit);
+    ASSERT_EQ(grads_a.size(), grads_b.size());
+    for (const auto& [name, g] : grads_a) {
+      EXPECT_TRUE(at::allclose(g, grads_b[name], 1e-6, 1e-7)) << name;
+    }
+  }
+}
+
 TEST(MoeLayerTest, AuxiliaryLossGradientIsScaledByTheMicroBatchShare) {
   MoeOptions options = Options();
   Built b = Build(options);

@@ -1,5 +1,6 @@
 // Expert parallelism through the real binaries (fulcrum_launch, Gloo): the tiny_moe recipe
-// for 20 iterations under ep=2, ep=4, ep=2×tp=2, pp=2×ep=2 and a dropless capacity gives
+// for 20 iterations under ep=2, ep=4, ep=2×tp=2, pp=2×ep=2, a dropless capacity and
+// per-expert (variable-size) buffers gives
 // the single-process loss curve (NOTE [MoE layout equivalence] in moe/moe_layer.h); the
 // hierarchical all-to-all gives exactly the flat one's; a checkpoint saved at ep=2 resumes
 // at ep=1; the metrics report every expert's tokens.
@@ -155,6 +156,14 @@ TEST_F(SlowMoeTrainTest, DroplessCapacityAgreesOverTheExpertGroup) {
   for (const auto& r : records) EXPECT_EQ(r["dropped_tokens"].get<double>(), 0.0);
   ExpectMatches(2, "--expert_model_parallel_size=2 --moe_capacity_factor=0", "dropless_ep2",
                 Losses(records), kRelativeTolerance);
+}
+
+TEST_F(SlowMoeTrainTest, PerExpertCapacitySendsVariableSizeBuffers) {
+  // Same tokens kept as the padded layout, so the same curve: in one process, and at ep=2
+  // where the all-to-all exchanges counts first and then ragged buffers.
+  ExpectMatches(1, "--moe_per_expert_capacity", "ragged_single", SingleLosses(), kRelativeTolerance);
+  ExpectMatches(2, "--moe_per_expert_capacity --expert_model_parallel_size=2", "ragged_ep2",
+                SingleLosses(), kRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {

@@ -46,6 +46,12 @@ class FeedForward {
 
   /// The last completed step's statistics (empty before the first).
   virtual std::vector<BlockStatistic> Statistics() const { return {}; }
+
+  /// The block's own measure of the work it did on this rank in the last completed step,
+  /// for load balancing (DESIGN.md, "Load model": plugins may contribute a predicted load):
+  /// for an MoE layer, the rows its local experts multiplied (capacity padding included).
+  /// 0 when the block has none.
+  virtual double Load() const { return 0.0; }
 };
 
 /// Builds the block of layer `layer_index`, registering its parameters and buffers into

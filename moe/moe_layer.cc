@@ -124,6 +124,7 @@ class MoeLayer final : public FeedForward {
                                         ctx.loss_scale * static_cast<double>(t));
       }
       Accumulate(routing, slots, t);
+      expert_rows_ += rows_this_call_;
     }
     return combined.view(x.sizes());
   }
@@ -142,6 +143,7 @@ class MoeLayer final : public FeedForward {
     at::Tensor buffer = Dispatch(tokens, plan);                          // [E, C, D]
     at::Tensor local = exchange_ ? exchange_->Scatter(buffer) : buffer;  // [E/n, n·C, D]
     const std::vector<int64_t> sizes(local.size(0), local.size(1));
+    rows_this_call_ = local.size(0) * local.size(1);
     at::Tensor y = RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
     return Combine(exchange_ ? exchange_->Gather(y) : y, plan);
   }
@@ -181,6 +183,7 @@ class MoeLayer final : public FeedForward {
       const at::Tensor r = rows.contiguous();
       expert_rows.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
     }
+    rows_this_call_ = local.size(0);
     at::Tensor y = RunExperts(local, expert_rows);  // [Σ rows, D]
     if (exchange_ != nullptr && exchange_->size() > 1) y = exchange_->GatherRagged(y, layout);
     return Combine(y.unsqueeze(0), plan);
@@ -238,6 +241,8 @@ class MoeLayer final : public FeedForward {
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) {
       if (seen_[i]) statistics_.push_back({kAuxLossNames[i], {p[e + 2 + i] / tokens}});
     }
+    last_expert_rows_ = static_cast<double>(expert_rows_);
+    expert_rows_ = 0;
     loads_.zero_();
     dropped_ = 0;
     tokens_ = 0;
@@ -245,6 +250,8 @@ class MoeLayer final : public FeedForward {
   }
 
   std::vector<BlockStatistic> Statistics() const override { return statistics_; }
+
+  double Load() const override { return last_expert_rows_; }
 
  private:
   struct Expert {
@@ -280,6 +287,9 @@ class MoeLayer final : public FeedForward {
   std::array<bool, kAuxLossNames.size()> seen_{};
   std::vector<BlockStatistic> statistics_;
   SlotAssignment last_slots_;  // Of the last Forward.
+  int64_t rows_this_call_ = 0;  // Rows the local experts multiplied in the last Forward.
+  int64_t expert_rows_ = 0;    // Rows the local experts multiplied this step (training).
+  double last_expert_rows_ = 0;  // The same for the last completed step.
 };
 
 }  // namespace

@@ -127,7 +127,9 @@ TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
     const int64_t capacity =
         ExpertCapacity(capacity_factor, options.topk, tokens.size(0), routing.expert_load);
     SlotAssignment slots = AssignSlots(routing, kExperts, capacity);
-    if (capacity_factor > 0) EXPECT_GT(slots.dropped, 0) << "the case must drop something";
+    if (capacity_factor > 0) {
+      EXPECT_GT(slots.dropped, 0) << "the case must drop something";
+    }
     at::Tensor expected = Reference(*b.unit, routing, slots.slot >= 0, tokens);
     EXPECT_TRUE(at::allclose(out.view({-1, kHidden}), expected, 1e-5, 1e-6));
     (expected.view(x.sizes()) * weight).sum().backward();
@@ -205,6 +207,8 @@ TEST(MoeLayerTest, StatisticsSumTheStepsMicroBatches) {
   EXPECT_GT(stats["load_balancing_loss"][0], 0);
   EXPECT_GT(stats["z_loss"][0], 0);
   EXPECT_EQ(stats.count("importance_loss"), 0u) << "only the losses the router reports";
+  // Load: the rows the experts multiplied, 3 micro-batches of E·C (C = ceil(0.5·2·8/4) = 2).
+  EXPECT_EQ(b.block->Load(), 3 * kExperts * 2);
 }
 
 TEST(MoeLayerTest, ParametersAreNamedByGlobalExpertAndMarkedExpertParallel) {

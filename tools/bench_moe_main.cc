@@ -1,0 +1,312 @@
+// bench_moe: one MoE layer, forward and backward, with the index dispatch and combine of
+// moe/dispatch.h ("ours") and with GShard's dense formulation (Lepikhin et al. 2020,
+// Algorithm 2: a one-hot dispatch mask and a gate-weighted combine tensor, both [T, E, C],
+// and two einsums), side by side in one process and interleaved round by round.
+//
+// Both layers share everything else: the `topk` softmax router of moe/router.h, fixed
+// capacity C = ceil(k·T/E) (capacity factor 1) with AssignSlots, and E two-layer GeLU FFNs
+// D → H → D as batched matmuls on the [E, C, D] buffer. The layer input requires grad, as
+// inside a model, so the backward runs through dispatch too.
+//
+// Peak memory is the peak of the bytes held by tensors during one forward+backward, above
+// what was held just before the forward (inputs, weights, upstream gradient): a counting
+// wrapper around LibTorch's default CPU allocator sees every tensor allocation. The weight
+// gradients, made during the backward, count on both sides alike; scratch memory that BLAS
+// keeps to itself counts on neither.
+//
+//   build/bin/fulcrum_bench_moe [--tokens=4096,16384] [--experts=8,16] [--topk=1,2]
+//                               [--hidden=512] [--ffn_hidden=512] [--rounds=3] [--threads=0]
+#include <c10/core/CPUAllocator.h>
+#include <gflags/gflags.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "core/logging.h"
+#include "moe/capacity.h"
+#include "moe/dispatch.h"
+#include "moe/router.h"
+
+DEFINE_string(tokens, "4096,16384", "Token counts T to measure (comma-separated).");
+DEFINE_string(experts, "8,16", "Expert counts E to measure.");
+DEFINE_string(topk, "1,2", "Experts per token k to measure.");
+DEFINE_int64(hidden, 512, "Model width D.");
+DEFINE_int64(ffn_hidden, 512, "Expert FFN width H.");
+DEFINE_int32(rounds, 3,
+             "Timed rounds per configuration; each times one forward+backward of each "
+             "implementation, and the table shows the medians.");
+DEFINE_int32(warmup, 1, "Untimed forward+backward passes of each implementation first.");
+DEFINE_int32(threads, 0, "Intra-op threads; 0 keeps LibTorch's default.");
+
+namespace fulcrum {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The goal this benchmark checks, at T = 16K tokens.
+constexpr double kGoalSpeedup = 3.0;
+constexpr double kGoalMemorySaving = 0.8;
+
+// ---- Counting CPU allocator. ----------------------------------------------------------------
+
+// Wraps the default CPU allocator and tracks the bytes currently held and their peak. The
+// data pointer stays its own context (as the default allocator's does), so raw_allocate and
+// raw_deallocate keep working; the size of each block is looked up on free.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  static CountingAllocator& Instance() {
+    static CountingAllocator* instance = new CountingAllocator(c10::GetDefaultCPUAllocator());
+    return *instance;
+  }
+
+  c10::DataPtr allocate(size_t bytes) const override {
+    c10::DataPtr inner = inner_->allocate(bytes);
+    const c10::Device device = inner.device();
+    const c10::DeleterFnPtr inner_deleter = inner.get_deleter();
+    void* data = inner.get();
+    TORCH_INTERNAL_ASSERT(data == inner.get_context(),
+                          "CountingAllocator: the default CPU allocator's context is not its data");
+    inner.release_context();
+    if (data == nullptr) return {nullptr, nullptr, &Delete, device};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_[data] = {bytes, inner_deleter};
+    }
+    const int64_t now = current_.fetch_add(bytes) + static_cast<int64_t>(bytes);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, data, &Delete, device};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
+
+  int64_t current() const { return current_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void ResetPeak() { peak_.store(current_.load()); }
+
+ private:
+  struct Block {
+    size_t bytes;
+    c10::DeleterFnPtr deleter;
+  };
+
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  static void Delete(void* data) {
+    if (data == nullptr) return;
+    CountingAllocator& self = Instance();
+    Block block;
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto it = self.blocks_.find(data);
+      TORCH_INTERNAL_ASSERT(it != self.blocks_.end(), "CountingAllocator: unknown block");
+      block = it->second;
+      self.blocks_.erase(it);
+    }
+    self.current_.fetch_sub(block.bytes);
+    block.deleter(data);
+  }
+
+  c10::Allocator* inner_;
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, Block> blocks_;
+  mutable std::atomic<int64_t> current_{0};
+  mutable std::atomic<int64_t> peak_{0};
+};
+
+// ---- The layer. -----------------------------------------------------------------------------
+
+struct Config {
+  int64_t tokens, experts, topk;
+};
+
+enum class Impl { kOurs, kGShard };
+
+class MoeLayer {
+ public:
+  MoeLayer(const Config& config, int64_t hidden, int64_t ffn_hidden) : config_(config) {
+    moe::RouterOptions options;
+    options.num_experts = config.experts;
+    options.topk = config.topk;
+    options.hidden_size = hidden;
+    options.aux_loss_coeff = 0.0;  // the same for both; not what is measured
+    auto router = moe::MakeRouter("topk", options);
+    TORCH_CHECK(router.ok(), "bench_moe: ", std::string(router.status().message()));
+    router_ = std::move(router).value();
+    capacity_ = moe::CeilCapacity(1.0, config.topk, config.tokens, config.experts);
+    w1_ = (torch::randn({config.experts, hidden, ffn_hidden}) * 0.02).set_requires_grad(true);
+    w2_ = (torch::randn({config.experts, ffn_hidden, hidden}) * 0.02).set_requires_grad(true);
+    x_ = torch::randn({config.tokens, hidden}).set_requires_grad(true);
+    upstream_ = torch::randn({config.tokens, hidden});
+  }
+
+  int64_t capacity() const { return capacity_; }
+
+  // One forward+backward; returns {milliseconds, peak bytes above the start}.
+  std::pair<double, int64_t> Step(Impl impl) {
+    for (at::Tensor* t : {&w1_, &w2_, &x_}) t->mutable_grad() = at::Tensor();
+    for (moe::RouterParameter& p : router_->Parameters()) p.value->mutable_grad() = at::Tensor();
+    CountingAllocator& counter = CountingAllocator::Instance();
+    const int64_t baseline = counter.current();
+    counter.ResetPeak();
+    const auto start = Clock::now();
+    {
+      at::Tensor out = impl == Impl::kOurs ? ForwardOurs() : ForwardGShard();
+      out.backward(upstream_);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    return {ms, counter.peak() - baseline};
+  }
+
+ private:
+  at::Tensor Experts(const at::Tensor& buffer) const {  // [E, C, D] → [E, C, D]
+    return at::bmm(at::gelu(at::bmm(buffer, w1_)), w2_);
+  }
+
+  std::pair<moe::Routing, moe::SlotAssignment> Route() {
+    moe::RouteContext ctx;
+    moe::Routing routing = router_->Route(x_, config_.topk, ctx);
+    moe::SlotAssignment slots = moe::AssignSlots(routing, config_.experts, capacity_);
+    return {std::move(routing), std::move(slots)};
+  }
+
+  at::Tensor ForwardOurs() {
+    auto [routing, slots] = Route();
+    moe::DispatchPlan plan = moe::MakeDispatchPlan(routing, slots, config_.tokens);
+    return moe::Combine(Experts(moe::Dispatch(x_, plan)), plan);
+  }
+
+  at::Tensor ForwardGShard() {
+    auto [routing, slots] = Route();
+    const at::Tensor kept = at::nonzero(slots.slot >= 0).view({-1});
+    const c10::List<c10::optional<at::Tensor>> where({routing.token.index_select(0, kept),
+                                                      routing.expert.index_select(0, kept),
+                                                      slots.slot.index_select(0, kept)});
+    const std::vector<int64_t> shape = {config_.tokens, config_.experts, capacity_};
+    const at::Tensor dispatch_mask =
+        at::zeros(shape, x_.options()).index_put_(where, at::ones({}, x_.options()));
+    const at::Tensor combine =
+        at::zeros(shape, x_.options()).index_put(where, routing.gate.index_select(0, kept));
+    at::Tensor dispatched = at::einsum("tec,td->ecd", {dispatch_mask, x_});
+    return at::einsum("tec,ecd->td", {combine, Experts(dispatched)});
+  }
+
+  Config config_;
+  std::unique_ptr<moe::Router> router_;
+  int64_t capacity_ = 0;
+  at::Tensor w1_, w2_, x_, upstream_;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+void Measure(const Config& config) {
+  MoeLayer layer(config, FLAGS_hidden, FLAGS_ffn_hidden);
+  for (int i = 0; i < FLAGS_warmup; ++i) {
+    layer.Step(Impl::kOurs);
+    layer.Step(Impl::kGShard);
+  }
+  std::vector<double> ours_ms, gshard_ms, ratios;
+  int64_t ours_peak = 0, gshard_peak = 0;
+  for (int r = 0; r < FLAGS_rounds; ++r) {
+    // Alternate which goes first so drift in machine load hits both alike.
+    std::pair<double, int64_t> ours, gshard;
+    if (r % 2 == 0) {
+      ours = layer.Step(Impl::kOurs);
+      gshard = layer.Step(Impl::kGShard);
+    } else {
+      gshard = layer.Step(Impl::kGShard);
+      ours = layer.Step(Impl::kOurs);
+    }
+    ours_ms.push_back(ours.first);
+    gshard_ms.push_back(gshard.first);
+    ratios.push_back(gshard.first / ours.first);
+    ours_peak = std::max(ours_peak, ours.second);
+    gshard_peak = std::max(gshard_peak, gshard.second);
+  }
+  const double speedup = Median(ratios);
+  const double saving = 1.0 - static_cast<double>(ours_peak) / static_cast<double>(gshard_peak);
+  const bool met = speedup >= kGoalSpeedup && saving >= kGoalMemorySaving;
+  std::printf("%6lld %3lld %2lld %6lld | %10.1f %10.1f %7.2fx | %9.1f %10.1f %7.1f%% | %s\n",
+              static_cast<long long>(config.tokens), static_cast<long long>(config.experts),
+              static_cast<long long>(config.topk), static_cast<long long>(layer.capacity()),
+              Median(ours_ms), Median(gshard_ms), speedup, MiB(ours_peak), MiB(gshard_peak),
+              100.0 * saving, met ? "met" : "missed");
+  std::fflush(stdout);
+}
+
+std::vector<int64_t> ParseList(const std::string& flag, const std::string& value) {
+  std::vector<int64_t> out;
+  for (absl::string_view item : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(item, &v) || v < 1) {
+      std::fprintf(stderr, "bench_moe: --%s must be a list of positive integers, got '%s'\n",
+                   flag.c_str(), value.c_str());
+      return {};
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("One MoE layer: index dispatch/combine vs GShard's one-hot einsums.");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::InitLogging(argv[0]);
+  const auto tokens = fulcrum::ParseList("tokens", FLAGS_tokens);
+  const auto experts = fulcrum::ParseList("experts", FLAGS_experts);
+  const auto topk = fulcrum::ParseList("topk", FLAGS_topk);
+  if (tokens.empty() || experts.empty() || topk.empty() || FLAGS_rounds < 1 || FLAGS_hidden < 1 ||
+      FLAGS_ffn_hidden < 1) {
+    std::fprintf(stderr,
+                 "bench_moe: need non-empty --tokens/--experts/--topk, --rounds >= 1, "
+                 "--hidden >= 1 and --ffn_hidden >= 1\n");
+    return 2;
+  }
+  for (int64_t k : topk) {
+    for (int64_t e : experts) {
+      if (k > e) {
+        std::fprintf(stderr, "bench_moe: --topk %lld exceeds --experts %lld\n",
+                     static_cast<long long>(k), static_cast<long long>(e));
+        return 2;
+      }
+    }
+  }
+  if (FLAGS_threads > 0) at::set_num_threads(FLAGS_threads);
+  // Before any tensor exists, so every block is counted from its allocation to its free.
+  c10::SetCPUAllocator(&fulcrum::CountingAllocator::Instance());
+  torch::manual_seed(1234);
+
+  std::printf(
+      "MoE layer forward+backward, fp32, D = %lld, H = %lld, capacity factor 1, "
+      "%d intra-op threads, median of %d rounds\n",
+      static_cast<long long>(FLAGS_hidden), static_cast<long long>(FLAGS_ffn_hidden),
+      at::get_num_threads(), FLAGS_rounds);
+  std::printf("goal: >=%.0fx faster, >=%.0f%% less activation memory at T=16K\n",
+              fulcrum::kGoalSpeedup, 100.0 * fulcrum::kGoalMemorySaving);
+  std::printf("%6s %3s %2s %6s | %10s %10s %8s | %9s %10s %8s | %s\n", "T", "E", "k", "C",
+              "ours ms", "gshard ms", "ratio", "ours MiB", "gshard MiB", "saving", "goal");
+  for (int64_t t : tokens) {
+    for (int64_t e : experts) {
+      for (int64_t k : topk) fulcrum::Measure({t, e, k});
+    }
+  }
+  return 0;
+}

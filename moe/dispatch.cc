@@ -17,10 +17,20 @@ class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
     ctx->save_for_backward({token, position});
     ctx->saved_data["num_tokens"] = x.size(0);
     const int64_t hidden = x.size(1);
-    at::Tensor buffer = at::zeros({num_experts, capacity, hidden}, x.options());
-    // Positions are unique: a plain indexed copy, no accumulation.
-    buffer.view({num_experts * capacity, hidden})
-        .index_copy_(0, position, x.index_select(0, token));
+    const int64_t rows = num_experts * capacity;
+    if (token.numel() == 0) return at::zeros({num_experts, capacity, hidden}, x.options());
+    // Positions are unique, so each buffer row has at most one source token: one gather
+    // straight into the buffer, no [M, D] temporary. Empty slots gather row 0 and are
+    // zeroed after (few at capacity factor 1).
+    const at::Tensor source = at::zeros({rows}, token.options()).index_copy_(0, position, token);
+    at::Tensor buffer = at::empty({num_experts, capacity, hidden}, x.options());
+    at::Tensor flat = buffer.view({rows, hidden});
+    at::index_select_out(flat, x, 0, source);
+    if (token.numel() < rows) {
+      at::Tensor empty =
+          at::ones({rows}, token.options().dtype(at::kBool)).index_fill_(0, position, false);
+      flat.index_fill_(0, at::nonzero(empty).view({-1}), 0);
+    }
     return buffer;
   }
 

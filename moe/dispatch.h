@@ -13,8 +13,9 @@
 // [M] vectors (M <= k·T kept assignments) and the [M, D] rows gathered on the way, so
 // memory and work grow with T·k·D, linearly in T; the [E, C, D] buffer (x·k·T·D) is what
 // every formulation needs. Dispatch saves only the indices; Combine saves the expert output
-// y (the buffer's size) and the gates. Positions are unique, so writing into the buffer
-// needs no accumulation and is deterministic; only index_add gathers a token's k rows.
+// y (the buffer's size) and the gates. Positions are unique, so each buffer row has at
+// most one source: Dispatch is a single gather into the buffer, with no accumulation and
+// deterministic; only index_add (Combine, Dispatch's backward) sums a token's k rows.
 //
 // Every dtype that index_select / index_copy / index_add support works: fp32 and fp64 on
 // the CPU, bf16 and fp16 too on CUDA. Combine computes in y's dtype: a gate of another

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace fulcrum::moe {
@@ -82,6 +84,42 @@ class VariableAllToAllFunction : public torch::autograd::Function<VariableAllToA
     const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
     return {comm->AllToAll(grads[0].contiguous(), recv, send), at::Tensor(), at::Tensor(),
             at::Tensor()};
+  }
+};
+
+// The handle of a non-blocking exchange, shared by the function that issues it and the one
+// that waits for it.
+struct PendingExchange {
+  std::unique_ptr<parallel::CommWork> work;
+};
+
+// Issues an equal-split all-to-all and returns its (not yet written) output; WaitFunction
+// makes it valid. Backward: the blocking exchange of the gradient (its own inverse).
+class IssueAllToAllFunction : public torch::autograd::Function<IssueAllToAllFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            parallel::Communicator* comm, std::shared_ptr<PendingExchange> pending) {
+    ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
+    parallel::PendingTensor issued = comm->IAllToAll(input.contiguous(), {}, {});
+    pending->work = std::move(issued.work);
+    return issued.tensor;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* comm = reinterpret_cast<parallel::Communicator*>(
+        static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+    return {comm->AllToAll(grads[0].contiguous(), {}, {}), at::Tensor(), at::Tensor()};
+  }
+};
+
+class WaitFunction : public torch::autograd::Function<WaitFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            std::shared_ptr<PendingExchange> pending) {
+    pending->work->Wait();
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], at::Tensor()};
   }
 };
 
@@ -200,6 +238,45 @@ at::Tensor ExpertExchange::GatherRagged(const at::Tensor& expert_output,
   at::Tensor by_rank = at::zeros_like(expert_output).index_copy(0, layout.order, expert_output);
   if (size() == 1) return by_rank;
   return VariableAllToAllFunction::apply(by_rank, ep_, layout.recv_splits, layout.send_splits);
+}
+
+at::Tensor ExpertExchange::OverlappedExperts(
+    const at::Tensor& buffer, int degree,
+    const std::function<at::Tensor(const at::Tensor&)>& experts) {
+  const int64_t n = size();
+  const int64_t e = buffer.size(0);
+  const int64_t c = buffer.size(1);
+  const int64_t d = buffer.size(2);
+  TORCH_CHECK(degree >= 1 && e % n == 0, "overlapped exchange: degree ", degree, ", ", e,
+              " experts over ", n, " ranks");
+  if (n == 1 || degree == 1 || c < 2) return Gather(experts(Scatter(buffer)));
+  const int64_t chunks = std::min<int64_t>(degree, c);
+  std::vector<int64_t> widths;
+  for (int64_t i = 0; i < chunks; ++i) widths.push_back(c / chunks + (i < c % chunks ? 1 : 0));
+  // Issue every chunk's exchange first.
+  std::vector<at::Tensor> arriving;
+  std::vector<std::shared_ptr<PendingExchange>> pending;
+  int64_t start = 0;
+  for (int64_t w : widths) {
+    pending.push_back(std::make_shared<PendingExchange>());
+    arriving.push_back(
+        IssueAllToAllFunction::apply(buffer.narrow(1, start, w), ep_, pending.back()));
+    start += w;
+  }
+  std::vector<at::Tensor> leaving;
+  std::vector<std::shared_ptr<PendingExchange>> leaving_pending;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t w = widths[i];
+    at::Tensor rows = WaitFunction::apply(arriving[i], pending[i])
+                          .view({n, e / n, w, d})
+                          .transpose(0, 1)
+                          .reshape({e / n, n * w, d});
+    at::Tensor out = experts(rows).reshape({e / n, n, w, d}).transpose(0, 1).reshape({e, w, d});
+    leaving_pending.push_back(std::make_shared<PendingExchange>());
+    leaving.push_back(IssueAllToAllFunction::apply(out, ep_, leaving_pending.back()));
+  }
+  for (int64_t i = 0; i < chunks; ++i) leaving[i] = WaitFunction::apply(leaving[i], leaving_pending[i]);
+  return at::cat(leaving, 1);
 }
 
 int64_t ExpertExchange::Max(int64_t value) {

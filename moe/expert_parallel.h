@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -59,6 +60,17 @@ class ExpertExchange {
 
   /// The largest `value` over the group.
   int64_t Max(int64_t value);
+
+  /// NOTE [all-to-all overlap]
+  /// Scatter → `experts` → Gather in `degree` chunks of the capacity dimension, so that the
+  /// exchanges of some chunks run while the experts compute others (Tutel's adaptive
+  /// pipelining, §3.4): every chunk's all-to-all is issued non-blocking up front; chunk i's
+  /// experts start as soon as its rows arrived, and its outputs leave at once. The result
+  /// equals Gather(experts(Scatter(buffer))) row for row (experts act row-wise); only the
+  /// forward overlaps — the backward exchanges block. Always the flat exchange.
+  /// `experts` maps local rows [E/n, n·C_i, D] to outputs of that shape.
+  at::Tensor OverlappedExperts(const at::Tensor& buffer, int degree,
+                               const std::function<at::Tensor(const at::Tensor&)>& experts);
 
   /// NOTE [ragged expert exchange]
   /// With per-expert capacities each expert's rows are only those it keeps, so ranks send

@@ -140,12 +140,19 @@ class MoeLayer final : public FeedForward {
                                             routing.expert_load, max_reduce);
     last_slots_ = AssignSlots(routing, options_.num_experts, capacity);
     DispatchPlan plan = MakeDispatchPlan(routing, last_slots_, t);
-    at::Tensor buffer = Dispatch(tokens, plan);                          // [E, C, D]
-    at::Tensor local = exchange_ ? exchange_->Scatter(buffer) : buffer;  // [E/n, n·C, D]
-    const std::vector<int64_t> sizes(local.size(0), local.size(1));
-    rows_this_call_ = local.size(0) * local.size(1);
-    at::Tensor y = RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
-    return Combine(exchange_ ? exchange_->Gather(y) : y, plan);
+    at::Tensor buffer = Dispatch(tokens, plan);  // [E, C, D]
+    rows_this_call_ = 0;
+    auto experts = [this](const at::Tensor& local) {  // [E/n, n·C, D]
+      const std::vector<int64_t> sizes(local.size(0), local.size(1));
+      rows_this_call_ += local.size(0) * local.size(1);
+      return RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
+    };
+    if (exchange_ == nullptr) return Combine(experts(buffer), plan);
+    if (options_.a2a_overlap_degree > 1) {
+      return Combine(exchange_->OverlappedExperts(buffer, options_.a2a_overlap_degree, experts),
+                     plan);
+    }
+    return Combine(exchange_->Gather(experts(exchange_->Scatter(buffer))), plan);
   }
 
   // Each expert's rows are only the assignments it keeps (MoeOptions::per_expert_capacity).
@@ -331,6 +338,16 @@ absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& m
   if (RouterRegistry::Global().Find(options.router) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("--moe_router='", options.router,
                                                    "' is unknown; routers: ", RouterNames()));
+  }
+  if (options.a2a_overlap_degree < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--moe_a2a_overlap_degree must be >= 1, got ",
+                                                   options.a2a_overlap_degree));
+  }
+  if (options.a2a_overlap_degree > 1 &&
+      (options.per_expert_capacity || options.hierarchical_node_size > 1)) {
+    return absl::InvalidArgumentError(
+        "--moe_a2a_overlap_degree > 1 chunks the padded flat exchange; it does not combine with "
+        "--moe_per_expert_capacity or --moe_hierarchical_a2a_node_size");
   }
   if (absl::Status s = ValidateCapacityFactor(options.capacity_factor); !s.ok()) return s;
   RouterOptions router = options.router_options;

@@ -77,6 +77,9 @@ struct MoeOptions {
   /// variable-size buffers (NOTE [ragged expert exchange]; always the flat all-to-all).
   /// Default: false.
   bool per_expert_capacity = false;
+  /// --moe_a2a_overlap_degree: > 1 exchanges and computes in this many chunks so the
+  /// all-to-all overlaps expert compute (NOTE [all-to-all overlap]). Default: 1 (off).
+  int a2a_overlap_degree = 1;
   /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
   /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
   int hierarchical_node_size = 0;

@@ -176,3 +176,20 @@ SplitPlan PlanSplit(const std::string& parent_key, const std::string& name,
 }
 
 }  // namespace fulcrum::parallel::internal
+
+namespace fulcrum::parallel {
+
+namespace {
+class DoneWork final : public CommWork {
+ public:
+  void Wait() override {}
+};
+}  // namespace
+
+PendingTensor Communicator::IAllToAll(const at::Tensor& input,
+                                      const std::vector<int64_t>& input_splits,
+                                      const std::vector<int64_t>& output_splits) {
+  return PendingTensor{AllToAll(input, input_splits, output_splits), std::make_unique<DoneWork>()};
+}
+
+}  // namespace fulcrum::parallel

@@ -47,6 +47,13 @@ class CommWork {
   virtual void Wait() = 0;
 };
 
+/// A tensor that a non-blocking collective is still writing: read it only after
+/// work->Wait().
+struct PendingTensor {
+  at::Tensor tensor;
+  std::unique_ptr<CommWork> work;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -76,6 +83,11 @@ class Communicator {
   /// output_splits[j] rows from rank j. Empty split vectors mean equal splits.
   virtual at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                               const std::vector<int64_t>& output_splits) = 0;
+  /// AllToAll that returns at once: the result is valid after work->Wait(). Several may be
+  /// in flight; they complete in issue order. `input` must stay unchanged until then. The
+  /// default runs the blocking AllToAll (NCCL's is already asynchronous to the host).
+  virtual PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                                  const std::vector<int64_t>& output_splits);
   /// Point to point. `tag` distinguishes concurrent messages between the same pair.
   virtual std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) = 0;
   virtual std::unique_ptr<CommWork> IRecv(at::Tensor& tensor, int src, int tag) = 0;

@@ -51,6 +51,10 @@ class CommunicatorWrapper : public Communicator {
                       const std::vector<int64_t>& output_splits) override {
     return inner_->AllToAll(input, input_splits, output_splits);
   }
+  PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                          const std::vector<int64_t>& output_splits) override {
+    return inner_->IAllToAll(input, input_splits, output_splits);
+  }
   std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override {
     return inner_->ISend(tensor, dst, tag);
   }

@@ -237,6 +237,32 @@ class GlooCommunicator final : public Communicator {
     return output;
   }
 
+  PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                          const std::vector<int64_t>& output_splits) override {
+    constexpr const char* kOp = "all_to_all";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    const internal::AllToAllRows rows =
+        internal::ResolveAllToAllRows(input, input_splits, output_splits, size(), group_);
+    std::vector<int64_t> sizes = input.sizes().vec();
+    sizes[0] = rows.recv_total;
+    at::Tensor output = at::empty(sizes, input.options());
+    ++collective_sequence_;
+    const std::string what = absl::StrCat("non-blocking all_to_all on ", group_);
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      // The work holds both tensors until the transport is done with them.
+      at::Tensor movable_output = Movable(output);
+      at::Tensor movable_input = Movable(input);
+      std::vector<int64_t> recv = rows.recv;
+      std::vector<int64_t> send = rows.send;
+      work = pg_->alltoall_base(movable_output, movable_input, recv, send);
+    } catch (const std::exception& e) {
+      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
+    }
+    return PendingTensor{output, std::make_unique<GlooWork>(std::move(work), what, timeout_, health_)};
+  }
+
   std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override {
     constexpr const char* kOp = "send";
     CheckUsable(kOp);

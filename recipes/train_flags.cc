@@ -94,6 +94,9 @@ DEFINE_double(moe_expert_choice_capacity_factor, 1.0, "expert_choice: tokens per
 DEFINE_int64(moe_cosine_projection_dim, 16, "cosine: projection dimension.");
 DEFINE_double(moe_cosine_init_temperature, 0.5, "cosine: initial temperature.");
 DEFINE_double(moe_cosine_min_temperature, 0.01, "cosine: smallest temperature.");
+DEFINE_int32(moe_a2a_overlap_degree, 1,
+             "Exchange and compute the experts' tokens in this many chunks, so the all-to-all of "
+             "one chunk overlaps the expert compute of another (forward pass); 1 = off.");
 DEFINE_int32(moe_hierarchical_a2a_node_size, 0,
              "Two-level all-to-all (inside nodes of this many ranks, then between nodes); "
              "0 = flat.");
@@ -251,6 +254,7 @@ moe::MoeOptions MoeOptionsFromFlags() {
   o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
   o.per_expert_capacity = FLAGS_moe_per_expert_capacity;
   o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
+  o.a2a_overlap_degree = FLAGS_moe_a2a_overlap_degree;
   moe::RouterOptions& r = o.router_options;
   r.num_experts = FLAGS_num_experts;
   r.topk = FLAGS_moe_router_topk;

@@ -133,6 +133,11 @@ TEST_F(SlowMoeTrainTest, ExpertParallelFourAndHierarchicalAllToAll) {
                 "ep4_hierarchical", flat, 0.0);
 }
 
+TEST_F(SlowMoeTrainTest, OverlappedAllToAllGivesTheSameCurve) {
+  ExpectMatches(2, "--expert_model_parallel_size=2 --moe_a2a_overlap_degree=3", "ep2_overlap3",
+                SingleLosses(), kRelativeTolerance);
+}
+
 TEST_F(SlowMoeTrainTest, ExpertTimesTensorParallel) {
   ExpectMatches(4, "--expert_model_parallel_size=2 --tensor_model_parallel_size=2", "ep2tp2",
                 SingleLosses(), kRelativeTolerance);

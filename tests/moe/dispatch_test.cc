@@ -93,19 +93,14 @@ struct Dense {
 Dense DenseReference(const Routing& r, const SlotAssignment& slots, int64_t tokens,
                      int64_t experts) {
   const at::Tensor kept = at::nonzero(slots.slot >= 0).view({-1});
-  const std::vector<at::Tensor> index = {r.token.index_select(0, kept),
-                                         r.expert.index_select(0, kept),
-                                         slots.slot.index_select(0, kept)};
+  const c10::List<c10::optional<at::Tensor>> where({r.token.index_select(0, kept),
+                                                    r.expert.index_select(0, kept),
+                                                    slots.slot.index_select(0, kept)});
   const auto options = at::TensorOptions().dtype(at::kDouble);
   const std::vector<int64_t> shape = {tokens, experts, slots.capacity};
   Dense dense;
-  dense.mask = at::zeros(shape, options)
-                   .index_put_(c10::List<c10::optional<at::Tensor>>({index[0], index[1], index[2]}),
-                               at::ones({}, options));
-  dense.combine =
-      at::zeros(shape, options)
-          .index_put(c10::List<c10::optional<at::Tensor>>({index[0], index[1], index[2]}),
-                     r.gate.index_select(0, kept));
+  dense.mask = at::zeros(shape, options).index_put_(where, at::ones({}, options));
+  dense.combine = at::zeros(shape, options).index_put(where, r.gate.index_select(0, kept));
   return dense;
 }
 

@@ -22,12 +22,15 @@ namespace fulcrum {
 struct ForwardContext;
 class Unit;
 
-/// One per-iteration statistic of a block: a scalar (one value) or a vector (e.g. tokens
-/// per expert). Values are already summed over micro-batches and data-parallel replicas.
+/// One per-step statistic of a block, already combined over the step's micro-batches and
+/// the data-parallel replicas (each block documents how: sums of counts, token-weighted
+/// means of losses).
 struct BlockStatistic {
   std::string name;            // Metrics-file field, e.g. "expert_tokens", "z_loss".
-  std::vector<double> values;  // One value: summed over layers in the metrics file.
-                               // Several: reported per layer, {"layers.3": [...]}.
+  std::vector<double> values;
+  /// Reported per layer, {"expert_tokens": {"layers.3": [...]}}; otherwise `values` has one
+  /// element, summed over layers in the metrics file.
+  bool per_layer = false;
 };
 
 class FeedForward {
@@ -49,7 +52,8 @@ class FeedForward {
 
   /// The block's own measure of the work it did on this rank in the last completed step,
   /// for load balancing (DESIGN.md, "Load model": plugins may contribute a predicted load):
-  /// for an MoE layer, the rows its local experts multiplied (capacity padding included).
+  /// for an MoE layer, the rows its local experts multiplied (capacity padding included),
+  /// averaged over the data-parallel replicas so every replica sees the same value.
   /// 0 when the block has none.
   virtual double Load() const { return 0.0; }
 };

@@ -69,6 +69,8 @@ nlohmann::json ConfigToJson(const TrainerConfig& c) {
                 {"global_batch_size", c.train.global_batch_size},
                 {"train_iters", c.train.train_iters}};
   j["data"] = {{"seq_length", c.data.seq_length}, {"seed", c.data.seed}, {"split", c.data.split}};
+  j["feed_forward"] = nlohmann::json::object();
+  for (const auto& [name, value] : c.feed_forward_shape) j["feed_forward"][name] = value;
   return j;
 }
 
@@ -221,10 +223,10 @@ nlohmann::json Trainer::BlockStatistics() {
     const FeedForward* block = layer->feed_forward();
     if (block == nullptr) continue;
     for (const BlockStatistic& stat : block->Statistics()) {
-      if (stat.values.size() == 1) {
-        mine[stat.name] = mine.value(stat.name, 0.0) + stat.values[0];
-      } else {
+      if (stat.per_layer) {
         mine[stat.name][layer->name()] = stat.values;
+      } else if (!stat.values.empty()) {
+        mine[stat.name] = mine.value(stat.name, 0.0) + stat.values[0];
       }
     }
   }
@@ -400,6 +402,21 @@ absl::Status Trainer::Load(const std::string& path) {
       return absl::InvalidArgumentError(absl::StrCat(
           path, ": checkpoint has ", field, "=", saved.value(field, nlohmann::json()).dump(),
           " but this run has ", field, "=", ours[field].dump()));
+    }
+  }
+  // The MLP replacement (MoE) must have the same shape; a checkpoint without the field
+  // is from a dense model.
+  const nlohmann::json saved_blocks = manifest["config"].value("feed_forward", nlohmann::json::object());
+  const nlohmann::json our_blocks = ConfigToJson(config_)["feed_forward"];
+  for (const nlohmann::json* side : {&saved_blocks, &our_blocks}) {
+    for (const auto& [field, value] : side->items()) {
+      const std::string theirs = saved_blocks.value(field, std::string("(unset)"));
+      const std::string mine = our_blocks.value(field, std::string("(unset)"));
+      if (theirs != mine) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": checkpoint has --", field, "=",
+                                                       theirs, " but this run has --", field, "=",
+                                                       mine));
+      }
     }
   }
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -36,6 +38,10 @@ struct TrainerConfig {
   LrScheduleOptions schedule;
   TrainOptions train;
   data::GptDatasetOptions data;  // seq_length must equal model.seq_length.
+  /// Settings of the FeedForward blocks (core/feed_forward.h) that decide their parameters,
+  /// as (flag name, value), e.g. {"num_experts", "8"}: recorded in checkpoints, and a
+  /// resume with other values is refused naming the flag. Empty for a dense model.
+  std::vector<std::pair<std::string, std::string>> feed_forward_shape;
   absl::Status Validate() const;
 };
 

@@ -1,8 +1,9 @@
 // Expert capacity and slot assignment: how many tokens each expert takes this step, which
 // assignments of a Routing get a slot, and in which order they claim them.
 //
-// Capacity follows Tutel's `capacity_factor` (Hwang et al. 2023, "Tutel: Adaptive
-// Mixture-of-Experts at Scale", dynamic capacity): with x = --moe_capacity_factor,
+// Capacity follows the sign convention of Tutel's `capacity_factor` (Hwang et al. 2023,
+// "Tutel: Adaptive Mixture-of-Experts at Scale", dynamic capacity) with GShard's and
+// Megatron's rounding (Tutel itself takes k·floor(x·ceil(T/E))): with x = --moe_capacity_factor,
 //   x > 0   fixed:   C = ceil(k·x·T/E)
 //   x = 0   dropless: C = the largest expert load this step (nothing dropped)
 //   x < 0   capped:  C = min(largest expert load, ceil(k·(−x)·T/E))

@@ -229,26 +229,30 @@ class MoeLayer final : public FeedForward {
     // One all-reduce over the data-parallel replicas (expert-parallel ranks included, as
     // they route other tokens): loads, drops, tokens, token-weighted aux losses.
     const int64_t e = options_.num_experts;
-    at::Tensor packed = at::zeros({e + 2 + static_cast<int64_t>(kAuxLossNames.size())}, at::kDouble);
+    const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
+    at::Tensor packed = at::zeros({e + 3 + aux}, at::kDouble);
     packed.narrow(0, 0, e).copy_(loads_);
     double* p = packed.data_ptr<double>();
     p[e] = static_cast<double>(dropped_);
     p[e + 1] = static_cast<double>(tokens_);
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) p[e + 2 + i] = aux_weighted_[i];
+    p[e + 2 + aux] = static_cast<double>(expert_rows_);
+    int replicas = 1;
     if (groups_.data != nullptr && groups_.data->size() > 1) {
       groups_.data->AllReduce(packed, parallel::ReduceOp::kSum);
+      replicas = groups_.data->size();
     }
     at::Tensor global_load = packed.narrow(0, 0, e).round().to(at::kLong);
     router_->AfterOptimizerStep(global_load);
 
     statistics_.clear();
-    statistics_.push_back({"expert_tokens", std::vector<double>(p, p + e)});
+    statistics_.push_back({"expert_tokens", std::vector<double>(p, p + e), /*per_layer=*/true});
     statistics_.push_back({"dropped_tokens", {p[e]}});
     const double tokens = std::max(p[e + 1], 1.0);
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) {
       if (seen_[i]) statistics_.push_back({kAuxLossNames[i], {p[e + 2 + i] / tokens}});
     }
-    last_expert_rows_ = static_cast<double>(expert_rows_);
+    last_expert_rows_ = p[e + 2 + aux] / replicas;
     expert_rows_ = 0;
     loads_.zero_();
     dropped_ = 0;
@@ -266,7 +270,7 @@ class MoeLayer final : public FeedForward {
   };
 
   void Accumulate(const Routing& routing, const SlotAssignment& slots, int64_t tokens) {
-    loads_ += routing.expert_load;
+    loads_ += routing.expert_load.to(at::kCPU);
     dropped_ += slots.dropped;
     tokens_ += tokens;
     for (const auto& [name, value] : routing.aux_losses) {
@@ -300,6 +304,16 @@ class MoeLayer final : public FeedForward {
 };
 
 }  // namespace
+
+std::vector<std::pair<std::string, std::string>> MoeShape(const MoeOptions& options,
+                                                          const ModelOptions& model) {
+  if (options.num_experts == 0) return {};
+  const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
+  return {{"num_experts", std::to_string(options.num_experts)},
+          {"moe_layer_freq", std::to_string(options.layer_freq)},
+          {"moe_ffn_hidden_size", std::to_string(f)},
+          {"moe_router", options.router}};
+}
 
 absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,
                                 int expert_parallel_size, int tensor_parallel_size) {

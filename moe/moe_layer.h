@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -67,7 +69,8 @@ struct MoeOptions {
   /// Router settings; num_experts, topk, hidden_size and seed are filled from above and
   /// from the model.
   RouterOptions router_options;
-  /// --moe_capacity_factor: Tutel semantics (moe/capacity.h). Default: 1.
+  /// --moe_capacity_factor: Tutel's sign convention, GShard's rounding (moe/capacity.h).
+  /// Default: 1.
   double capacity_factor = 1.0;
   /// --moe_batch_prioritized_routing: confident tokens claim slots first. Default: false.
   bool batch_prioritized = false;
@@ -78,7 +81,8 @@ struct MoeOptions {
   /// Default: false.
   bool per_expert_capacity = false;
   /// --moe_a2a_overlap_degree: > 1 exchanges and computes in this many chunks so the
-  /// all-to-all overlaps expert compute (NOTE [all-to-all overlap]). Default: 1 (off).
+  /// all-to-all overlaps expert compute (NOTE [all-to-all overlap]); no effect at ep = 1.
+  /// Default: 1 (off).
   int a2a_overlap_degree = 1;
   /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
   /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
@@ -97,6 +101,11 @@ struct MoeGroups {
   parallel::Communicator* data = nullptr;    // dp: sums the step's expert loads.
   TensorParallelGroup* tensor = nullptr;     // tp: shards each expert like the dense MLP.
 };
+
+/// The settings that decide the MoE layers' parameters, as (flag, value) for checkpoints
+/// (TrainerConfig::feed_forward_shape); empty when num_experts is 0.
+std::vector<std::pair<std::string, std::string>> MoeShape(const MoeOptions& options,
+                                                          const ModelOptions& model);
 
 /// Checks `options` against the model and the layout; messages name the flag.
 absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,

@@ -74,8 +74,10 @@ class GlooWork final : public CommWork {
 
   ~GlooWork() override {
     // Destroying an unfinished Gloo send or recv frees the buffer the transport may still
-    // write; waiting (bounded by the timeout) keeps that memory valid.
-    if (!done_) {
+    // write; waiting (bounded by the timeout) keeps that memory valid. Once the
+    // communicator has failed, later works would each wait out the timeout for nothing
+    // (c10d's work holds its own references to the tensors): skip them.
+    if (!done_ && health_->first_error.empty()) {
       try {
         Wait();
       } catch (const std::exception& e) {

@@ -74,7 +74,7 @@ DEFINE_int64(moe_router_topk, 2, "Experts per token (k).");
 DEFINE_int64(moe_ffn_hidden_size, 0, "Hidden size of each expert; 0 = the MLP size.");
 DEFINE_string(moe_router, "topk", "Router (see the list above).");
 DEFINE_double(moe_capacity_factor, 1.0,
-              "Expert capacity, Tutel semantics: x > 0 fixed ceil(k*x*T/E); 0 the smallest that "
+              "Expert capacity (Tutel's convention): x > 0 fixed ceil(k*x*T/E); 0 the smallest that "
               "drops nothing this step (agreed over the ep group); x < 0 the same capped at -x.");
 DEFINE_bool(moe_per_expert_capacity, false,
             "Size each expert's buffer to the tokens it keeps, min(load, capacity), instead of "
@@ -270,8 +270,7 @@ moe::MoeOptions MoeOptionsFromFlags() {
   r.init_temperature = FLAGS_moe_cosine_init_temperature;
   r.cosine_min_temperature = FLAGS_moe_cosine_min_temperature;
   r.seed = FLAGS_seed;
-  // hidden_size comes from the model (MakeMoeFactory fills it).
-  r.hidden_size = FLAGS_hidden_size;
+  r.hidden_size = FLAGS_hidden_size;  // MakeMoeFactory takes it from the model.
   return o;
 }
 

@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
     moe_groups.data = &parallel->group(fulcrum::parallel::GroupKind::kData);
     moe_groups.tensor = parallel->tensor_parallel();
   }
+  config->feed_forward_shape = fulcrum::moe::MoeShape(moe, config->model);
   auto feed_forward = fulcrum::moe::MakeMoeFactory(moe, config->model, moe_groups);
   if (!feed_forward.ok()) return Fail(feed_forward.status());
 

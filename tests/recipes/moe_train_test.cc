@@ -191,6 +191,13 @@ TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {
       MaxRelativeDifference(resumed, std::vector<double>(all.begin() + 10, all.end()));
   std::cout << "ep=2 -> ep=1 resume: max relative difference " << worst << std::endl;
   EXPECT_LE(worst, kRelativeTolerance);
+  // Another MoE shape is refused, naming the flag.
+  EXPECT_EQ(testing::RunCommand(Launch(1, Common() + " --num_experts=4 --load=" + ckpt), &output), 2)
+      << output;
+  EXPECT_NE(output.find("--num_experts=8"), std::string::npos) << output;
+  EXPECT_EQ(testing::RunCommand(Launch(1, Common() + " --moe_router=sinkhorn --load=" + ckpt), &output), 2)
+      << output;
+  EXPECT_NE(output.find("--moe_router=topk"), std::string::npos) << output;
 }
 
 TEST(MoeFlagsTest, BadExpertLayoutsAreRefusedBeforeAnyWork) {

@@ -50,6 +50,14 @@ class FeedForward {
   /// The last completed step's statistics (empty before the first).
   virtual std::vector<BlockStatistic> Statistics() const { return {}; }
 
+  /// The measurements of the step in progress, which travel with the layer when it moves
+  /// to another pipeline stage mid-step (after its last W, before the optimizer step), by
+  /// local name. Not checkpointed: checkpoints are written between steps, when the next
+  /// step has measured nothing yet. Values may arrive as fp32.
+  virtual std::vector<std::pair<std::string, at::Tensor>> StepState() const { return {}; }
+  /// Restores StepState() in the layer's new home.
+  virtual void LoadStepState(const std::vector<std::pair<std::string, at::Tensor>>& state) {}
+
   /// The block's own measure of the work it did on this rank in the last completed step,
   /// for load balancing (DESIGN.md, "Load model": plugins may contribute a predicted load):
   /// for an MoE layer, the rows its local experts multiplied (capacity padding included),

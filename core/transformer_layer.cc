@@ -158,6 +158,33 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
 
 TransformerLayer::~TransformerLayer() = default;
 
+NamedTensors TransformerLayer::MigrationTensors() const {
+  NamedTensors out = Unit::MigrationTensors();
+  if (feed_forward_ != nullptr) {
+    for (auto& [name, tensor] : feed_forward_->StepState()) {
+      out.emplace_back(GlobalName("mlp.step_state." + name), tensor);
+    }
+  }
+  return out;
+}
+
+absl::Status TransformerLayer::LoadMigrationTensors(
+    const std::map<std::string, at::Tensor>& tensors) {
+  if (absl::Status s = Unit::LoadMigrationTensors(tensors); !s.ok()) return s;
+  if (feed_forward_ == nullptr) return absl::OkStatus();
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (auto& [name, tensor] : feed_forward_->StepState()) {
+    auto it = tensors.find(GlobalName("mlp.step_state." + name));
+    if (it == tensors.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("migrated unit ", this->name(), " lacks ",
+                                                     GlobalName("mlp.step_state." + name)));
+    }
+    state.emplace_back(name, it->second);
+  }
+  feed_forward_->LoadStepState(state);
+  return absl::OkStatus();
+}
+
 at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext& ctx) const {
   const int64_t s = x.size(0);
   const int64_t b = x.size(1);

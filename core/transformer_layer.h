@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string_view>
 
@@ -67,6 +68,10 @@ class TransformerLayer : public Unit {
   int64_t layer_index() const { return layer_index_; }
   /// The block replacing the dense MLP, or null.
   FeedForward* feed_forward() const { return feed_forward_.get(); }
+
+  /// Unit's, plus the block's step state under "<layer>.mlp.step_state.<name>".
+  NamedTensors MigrationTensors() const override;
+  absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors) override;
   /// hidden [s, b, h] → [s, b, h].
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
 

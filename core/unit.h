@@ -115,11 +115,13 @@ class Unit {
   /// [layer migration] in core/gpt_model.h), under global names: values, gradients
   /// ("<name>.grad", when defined), moments and the step counter. Tensor-parallel shards
   /// travel as they are: a unit moves between stages of the same tensor-parallel rank.
-  NamedTensors MigrationTensors() const;
+  /// Units with state that lives outside their parameters and buffers (a TransformerLayer's
+  /// FeedForward) add it here.
+  virtual NamedTensors MigrationTensors() const;
 
   /// Restores what MigrationTensors() produced into this unit (a shell of the same layer).
   /// Values and moments are copied bit for bit; gradients are installed as they arrived.
-  absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors);
+  virtual absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors);
 
   /// The global name of a local parameter name.
   std::string GlobalName(const std::string& local_name) const { return name_ + "." + local_name; }

@@ -264,6 +264,44 @@ class MoeLayer final : public FeedForward {
 
   double Load() const override { return last_expert_rows_; }
 
+  // The step's counters as one fp64 vector: loads [E], dropped, tokens, aux sums, aux seen,
+  // expert rows. Counts stay exact through the fp32 of a migration up to 2^24.
+  std::vector<std::pair<std::string, at::Tensor>> StepState() const override {
+    const int64_t e = options_.num_experts;
+    const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
+    at::Tensor packed = at::zeros({e + 3 + 2 * aux}, at::kDouble);
+    packed.narrow(0, 0, e).copy_(loads_);
+    double* p = packed.data_ptr<double>();
+    p[e] = static_cast<double>(dropped_);
+    p[e + 1] = static_cast<double>(tokens_);
+    for (int64_t i = 0; i < aux; ++i) {
+      p[e + 2 + i] = aux_weighted_[i];
+      p[e + 2 + aux + i] = seen_[i] ? 1.0 : 0.0;
+    }
+    p[e + 2 + 2 * aux] = static_cast<double>(expert_rows_);
+    return {{"counters", packed}};
+  }
+
+  void LoadStepState(const std::vector<std::pair<std::string, at::Tensor>>& state) override {
+    const int64_t e = options_.num_experts;
+    const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
+    for (const auto& [name, tensor] : state) {
+      if (name != "counters") continue;
+      TORCH_CHECK(tensor.numel() == e + 3 + 2 * aux, "MoE step state of ", tensor.numel(),
+                  " values, expected ", e + 3 + 2 * aux);
+      at::Tensor packed = tensor.to(at::kDouble).contiguous();
+      const double* p = packed.data_ptr<double>();
+      loads_.copy_(packed.narrow(0, 0, e).round().to(at::kLong));
+      dropped_ = std::llround(p[e]);
+      tokens_ = std::llround(p[e + 1]);
+      for (int64_t i = 0; i < aux; ++i) {
+        aux_weighted_[i] = p[e + 2 + i];
+        seen_[i] = p[e + 2 + aux + i] > 0.5;
+      }
+      expert_rows_ = std::llround(p[e + 2 + 2 * aux]);
+    }
+  }
+
  private:
   struct Expert {
     at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;

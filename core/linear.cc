@@ -2,10 +2,19 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <chrono>
+
 namespace fulcrum {
 namespace {
 
 thread_local WeightGradStore* t_active_store = nullptr;
+thread_local int64_t t_current_tag = WeightGradStore::kNoTag;
+
+constexpr const char* kTagKey = "weight_grad_tag";
+
+int64_t Bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
 
 // Accumulates `grad` into `weight`'s .grad the way autograd's AccumulateGrad would.
 void AccumulateInto(const at::Tensor& weight, const at::Tensor& grad) {
@@ -22,6 +31,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight) {
     ctx->save_for_backward({input, weight});
+    // NOTE [weight-gradient tags]: the tag of the layer whose forward this is.
+    ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
     return at::matmul(input, weight.t());
   }
 
@@ -43,7 +54,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     at::Tensor grad_weight;
     if (WeightGradStore* store = WeightGradStore::Active()) {
       // Deferred (see NOTE [B/W split]); autograd receives no gradient for the weight.
-      store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); });
+      store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); },
+                  ctx->saved_data[kTagKey].toInt(), Bytes(grad_out) + Bytes(input));
     } else if (weight.requires_grad()) {
       grad_weight = weight_grad();
     }
@@ -61,12 +73,53 @@ WeightGradStore::Scope::Scope(WeightGradStore* store) : previous_(t_active_store
 
 WeightGradStore::Scope::~Scope() { t_active_store = previous_; }
 
-void WeightGradStore::Flush() {
+int64_t WeightGradStore::CurrentTag() { return t_current_tag; }
+
+WeightGradStore::TagScope::TagScope(int64_t tag) : previous_(t_current_tag) { t_current_tag = tag; }
+
+WeightGradStore::TagScope::~TagScope() { t_current_tag = previous_; }
+
+void WeightGradStore::Push(std::function<void()> task, int64_t tag, int64_t bytes) {
+  tasks_.push_back(Task{std::move(task), tag, bytes});
+  held_bytes_ += bytes;
+}
+
+void WeightGradStore::RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag) {
+  using Clock = std::chrono::steady_clock;
+  for (Task& task : tasks) {
+    if (ms_by_tag == nullptr) {
+      task.run();
+      continue;
+    }
+    const auto start = Clock::now();
+    task.run();
+    (*ms_by_tag)[task.tag] +=
+        std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
+}
+
+void WeightGradStore::Flush(std::map<int64_t, double>* ms_by_tag) {
   // Swap first: a task never re-enters the store, but Flush must leave it empty even if
   // a task throws.
-  std::vector<std::function<void()>> tasks;
+  std::vector<Task> tasks;
   tasks.swap(tasks_);
-  for (auto& task : tasks) task();
+  held_bytes_ = 0;
+  RunAll(tasks, ms_by_tag);
+}
+
+void WeightGradStore::FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag) {
+  std::vector<Task> selected;
+  std::vector<Task> rest;
+  for (Task& task : tasks_) {
+    if (task.tag == tag) {
+      held_bytes_ -= task.bytes;
+      selected.push_back(std::move(task));
+    } else {
+      rest.push_back(std::move(task));
+    }
+  }
+  tasks_.swap(rest);
+  RunAll(selected, ms_by_tag);
 }
 
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,

@@ -9,20 +9,34 @@
 // (the W action) gives gradients bit-identical to the fused backward: the same GEMM on the
 // same operands, accumulated in the same order. Without an active store the backward is
 // the ordinary fused one.
+//
+// NOTE [weight-gradient tags]
+// Each queued closure carries the tag that was current (WeightGradStore::TagScope) on the
+// thread that ran the layer's *forward*: the pipeline executor sets the global layer index
+// around each transformer layer, so the time of a W action can be split per layer, and the
+// closures of one layer can be run on their own (FlushTag) — e.g. to send a layer to another
+// stage as soon as its own weight gradients are final. A weight belongs to one layer, so
+// running one tag's closures before another's keeps every weight's accumulation order, and
+// the gradients stay bit-identical.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 namespace fulcrum {
 
 /// Holds deferred weight-gradient computations (one store per micro-batch's backward).
-/// Not thread-safe; activation is per thread.
+/// Not thread-safe; activation and tags are per thread.
 class WeightGradStore {
  public:
+  /// Tag of the closures of linear layers run outside any TagScope (embedding, head).
+  static constexpr int64_t kNoTag = -1;
+
   WeightGradStore() = default;
   WeightGradStore(const WeightGradStore&) = delete;
   WeightGradStore& operator=(const WeightGradStore&) = delete;
@@ -42,14 +56,48 @@ class WeightGradStore {
     WeightGradStore* previous_;
   };
 
-  void Push(std::function<void()> task) { tasks_.push_back(std::move(task)); }
-  /// Runs and clears every queued weight-gradient computation, in queue order.
-  void Flush();
+  /// The tag current on this thread (kNoTag outside any TagScope).
+  static int64_t CurrentTag();
+
+  /// Makes `tag` current on this thread for the scope's lifetime (restores the previous
+  /// one): linear layers whose forward runs inside label their deferred weight gradients
+  /// with it (NOTE [weight-gradient tags]).
+  class TagScope {
+   public:
+    explicit TagScope(int64_t tag);
+    ~TagScope();
+    TagScope(const TagScope&) = delete;
+    TagScope& operator=(const TagScope&) = delete;
+
+   private:
+    int64_t previous_;
+  };
+
+  /// Queues `task`, labelled `tag`; `bytes` is what it keeps alive until it runs (its
+  /// operands), for memory accounting.
+  void Push(std::function<void()> task, int64_t tag = kNoTag, int64_t bytes = 0);
+  /// Runs and clears every queued computation, in queue order. With `ms_by_tag`, adds each
+  /// computation's wall time to (*ms_by_tag)[its tag].
+  void Flush(std::map<int64_t, double>* ms_by_tag = nullptr);
+  /// Runs and removes only the computations labelled `tag`, in queue order; the others stay
+  /// queued in their order.
+  void FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag = nullptr);
   size_t size() const { return tasks_.size(); }
   bool empty() const { return tasks_.empty(); }
+  /// Bytes the queued computations keep alive (sum of their Push `bytes`).
+  int64_t held_bytes() const { return held_bytes_; }
 
  private:
-  std::vector<std::function<void()>> tasks_;
+  struct Task {
+    std::function<void()> run;
+    int64_t tag;
+    int64_t bytes;
+  };
+  // Runs `tasks` in order, timing them into `ms_by_tag` when given.
+  static void RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag);
+
+  std::vector<Task> tasks_;
+  int64_t held_bytes_ = 0;
 };
 
 /// y = x·Wᵀ + b for x [..., in], W [out, in], b [out] (may be undefined).

@@ -1,23 +1,34 @@
 #include "pipeline/migration.h"
 
+#include <cstring>
 #include <map>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/status.h"
 
 namespace fulcrum::pipeline {
 namespace {
 
-// Tags of the three messages; a migration never overlaps a micro-batch's messages (it runs
-// after the schedule has drained), but distinct tags keep a mismatch detectable.
+// Tags of the three messages, apart from the micro-batch tags (2·mb, 2·mb+1) the executor
+// uses on the same communicator: a migration may now overlap the schedule's messages.
 constexpr int kHeaderTag = 1 << 20;
 constexpr int kNamesTag = kHeaderTag + 1;
 constexpr int kPayloadTag = kHeaderTag + 2;
+constexpr int64_t kHeaderLength = 3;  // names bytes, payload elements, optimizer step
+
+int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 }  // namespace
 
-absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
+void UnitSend::Wait() {
+  for (auto& work : works_) work->Wait();
+  works_.clear();
+  buffers_.clear();
+}
+
+absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
   NamedTensors tensors = unit.MigrationTensors();
   std::string names;
   std::vector<at::Tensor> values;
@@ -30,26 +41,40 @@ absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
     absl::StrAppend(&names, name, ":", tensor.numel(), "\n");
     values.push_back(tensor.detach().to(at::kFloat).reshape({-1}));
   }
-  at::Tensor payload = at::cat(values);
+  UnitSend send;
+  at::Tensor payload = values.empty() ? at::empty({0}, at::kFloat) : at::cat(values);
   at::Tensor header = at::tensor({static_cast<int64_t>(names.size()), payload.numel(), step}, at::kLong);
   at::Tensor blob = at::empty({static_cast<int64_t>(names.size())}, at::kByte);
   std::memcpy(blob.data_ptr<uint8_t>(), names.data(), names.size());
-  pp.Send(header, dst, kHeaderTag);
-  pp.Send(blob, dst, kNamesTag);
-  pp.Send(payload, dst, kPayloadTag);
-  return absl::OkStatus();
+  for (auto [tensor, tag] : {std::pair{header, kHeaderTag}, std::pair{blob, kNamesTag},
+                             std::pair{payload, kPayloadTag}}) {
+    send.buffers_.push_back(tensor);
+    send.works_.push_back(pp.ISend(send.buffers_.back(), dst, tag));
+    send.bytes_ += Bytes(tensor);
+  }
+  return send;
 }
 
-absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
-  at::Tensor header = at::empty({3}, at::kLong);
-  pp.Recv(header, src, kHeaderTag);
-  const int64_t names_bytes = header[0].item<int64_t>();
-  const int64_t numel = header[1].item<int64_t>();
-  const int64_t step = header[2].item<int64_t>();
+UnitReceive::UnitReceive(parallel::Communicator* pp, int src)
+    : pp_(pp), src_(src), header_(at::empty({kHeaderLength}, at::kLong)) {
+  header_work_ = pp_->IRecv(header_, src_, kHeaderTag);
+}
+
+UnitReceive StartReceiveUnit(parallel::Communicator& pp, int src) { return UnitReceive(&pp, src); }
+
+absl::Status UnitReceive::Finish(Unit& shell) {
+  header_work_->Wait();
+  const int64_t names_bytes = header_[0].item<int64_t>();
+  const int64_t numel = header_[1].item<int64_t>();
+  const int64_t step = header_[2].item<int64_t>();
+  // Both receives posted before either is waited on: one round trip, not two.
   at::Tensor blob = at::empty({names_bytes}, at::kByte);
-  pp.Recv(blob, src, kNamesTag);
   at::Tensor payload = at::empty({numel}, at::kFloat);
-  pp.Recv(payload, src, kPayloadTag);
+  auto blob_work = pp_->IRecv(blob, src_, kNamesTag);
+  auto payload_work = pp_->IRecv(payload, src_, kPayloadTag);
+  blob_work->Wait();
+  payload_work->Wait();
+  bytes_ = Bytes(header_) + Bytes(blob) + Bytes(payload);
 
   // Shapes come from the shell: every tensor of a parameter has the parameter's shape.
   std::map<std::string, std::vector<int64_t>> shapes;
@@ -60,6 +85,8 @@ absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
       shapes[key] = p.value.sizes().vec();
     }
   }
+  // Anything else the unit migrates (e.g. buffers) has the shape the shell reports.
+  for (const auto& [name, tensor] : shell.MigrationTensors()) shapes.emplace(name, tensor.sizes().vec());
   std::map<std::string, at::Tensor> tensors;
   const std::string names(reinterpret_cast<const char*>(blob.data_ptr<uint8_t>()), names_bytes);
   int64_t offset = 0;
@@ -68,7 +95,7 @@ absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
     const int64_t count = std::stoll(parts.second);
     auto shape = shapes.find(parts.first);
     if (shape == shapes.end() || offset + count > numel) {
-      return absl::DataLossError(absl::StrCat("migration from stage ", src, " into ", shell.name(),
+      return absl::DataLossError(absl::StrCat("migration from stage ", src_, " into ", shell.name(),
                                               ": unexpected tensor ", parts.first));
     }
     tensors[parts.first] = payload.narrow(0, offset, count).view(shape->second).clone();
@@ -78,6 +105,16 @@ absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
     tensors["optimizer." + shell.name() + ".step"] = at::scalar_tensor(step, at::kLong);
   }
   return shell.LoadMigrationTensors(tensors);
+}
+
+absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
+  FULCRUM_ASSIGN_OR_RETURN(UnitSend send, StartSendUnit(pp, dst, unit));
+  send.Wait();
+  return absl::OkStatus();
+}
+
+absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
+  return StartReceiveUnit(pp, src).Finish(shell);
 }
 
 }  // namespace fulcrum::pipeline

@@ -1,100 +1,193 @@
 #include "pipeline/pipeline_runner.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "core/logging.h"
 #include "core/status.h"
-#include "pipeline/migration.h"
 
 namespace fulcrum::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Columns of a stage's record in GatherLoads: fixed fields, then four per global layer.
+enum Column : int64_t {
+  kBegin,
+  kEnd,
+  kForward,
+  kBackward,
+  kWeight,
+  kWait,
+  kTotal,
+  kParameterBytes,
+  kGradientBytes,
+  kOptimizerBytes,
+  kPeakActivationBytes,
+  kFixedColumns,
+};
+enum LayerColumn : int64_t { kLayerForward, kLayerBackward, kLayerWeight, kLayerState, kPerLayer };
+
+// What a unit keeps between iterations (StageLoad's state bytes).
+struct StateBytes {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+};
+
+StateBytes UnitStateBytes(const Unit& unit) {
+  StateBytes out;
+  for (const Parameter& p : unit.parameters()) {
+    const int64_t bytes = p.value.numel() * static_cast<int64_t>(p.value.element_size());
+    out.parameters += bytes;
+    if (!p.value.requires_grad()) continue;
+    out.gradients += bytes;                                      // same dtype as the value
+    out.optimizer += 2 * p.value.numel() * static_cast<int64_t>(sizeof(float));  // AdamW m, v
+  }
+  for (const auto& [name, buffer] : unit.buffers()) {
+    out.parameters += buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  }
+  return out;
+}
+
+}  // namespace
 
 PipelineRunner::PipelineRunner(parallel::Communicator* pp, std::string schedule_name,
-                               int64_t micro_batch_size, std::unique_ptr<Rebalancer> rebalancer)
+                               int64_t micro_batch_size, std::unique_ptr<Rebalancer> rebalancer,
+                               std::vector<parallel::Communicator*> replica_groups)
     : pp_(pp),
       schedule_name_(std::move(schedule_name)),
       executor_(pp, micro_batch_size),
-      rebalancer_(rebalancer ? std::move(rebalancer) : std::make_unique<NoOpRebalancer>()) {}
+      rebalancer_(rebalancer ? std::move(rebalancer) : std::make_unique<NoOpRebalancer>()),
+      replica_groups_(std::move(replica_groups)) {}
 
 std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const Schedule& schedule) {
-  // Fixed-size record per stage: range, action totals, then per-layer forward time for
-  // every global layer (zero where another stage holds it).
+  // One fixed-size record per stage: range, action totals and memory, then per global layer
+  // its F, B, W times (measured where the layer ran last iteration) and state bytes (where
+  // it is now); zero elsewhere, so the column sums over stages are the per-layer values.
   const int64_t layers = stage.options().num_layers;
-  constexpr int64_t kFixed = 7;
-  at::Tensor mine = at::zeros({kFixed + layers}, at::kDouble);
+  const int64_t width = kFixedColumns + kPerLayer * layers;
+  at::Tensor mine = at::zeros({width}, at::kDouble);
   double* m = mine.data_ptr<double>();
-  m[0] = static_cast<double>(stage.layer_begin());
-  m[1] = static_cast<double>(stage.layer_end());
-  for (const ActionTiming& t : last_run_.timings) {
-    const double ms = t.end_ms - t.start_ms - t.wait_ms;
-    switch (t.action.kind) {
-      case ActionKind::kForward: m[2] += ms; break;
-      case ActionKind::kBackward:
-      case ActionKind::kBackwardInput: m[3] += ms; break;
-      case ActionKind::kBackwardWeight: m[4] += ms; break;
+  auto layer_column = [&](int64_t layer, LayerColumn c) { return kFixedColumns + c * layers + layer; };
+  m[kBegin] = static_cast<double>(stage.layer_begin());
+  m[kEnd] = static_cast<double>(stage.layer_end());
+  if (has_run_) {
+    for (const ActionTiming& t : last_run_.timings) {
+      const double ms = t.end_ms - t.start_ms - t.wait_ms - t.migration_ms;
+      switch (t.action.kind) {
+        case ActionKind::kForward: m[kForward] += ms; break;
+        case ActionKind::kBackward:
+        case ActionKind::kBackwardInput: m[kBackward] += ms; break;
+        case ActionKind::kBackwardWeight: m[kWeight] += ms; break;
+      }
     }
+    m[kWait] = last_run_.wait_ms;
+    m[kTotal] = last_run_.total_ms;
+    m[kPeakActivationBytes] = static_cast<double>(last_run_.peak_activation_bytes);
+    for (const auto& [layer, ms] : last_run_.layer_forward_ms) m[layer_column(layer, kLayerForward)] = ms;
+    for (const auto& [layer, ms] : last_run_.layer_backward_ms) m[layer_column(layer, kLayerBackward)] = ms;
+    for (const auto& [layer, ms] : last_run_.layer_weight_ms) m[layer_column(layer, kLayerWeight)] = ms;
   }
-  m[5] = last_run_.wait_ms;
-  m[6] = last_run_.total_ms;
-  for (const auto& [index, ms] : last_run_.layer_forward_ms) m[kFixed + index] = ms;
-  at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, kFixed + layers]
+  for (const Unit* unit : stage.Units()) {
+    const StateBytes bytes = UnitStateBytes(*unit);
+    m[kParameterBytes] += static_cast<double>(bytes.parameters);
+    m[kGradientBytes] += static_cast<double>(bytes.gradients);
+    m[kOptimizerBytes] += static_cast<double>(bytes.optimizer);
+  }
+  for (const auto& [layer, unit] : stage.layers()) {
+    const StateBytes bytes = UnitStateBytes(*unit);
+    m[layer_column(layer, kLayerState)] =
+        static_cast<double>(bytes.parameters + bytes.gradients + bytes.optimizer);
+  }
+  at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, width]
+  // Replicas measured different times: every one takes the mean, summed in rank order, so
+  // all hold the same bits (NOTE [when the plan is made]).
+  for (parallel::Communicator* group : replica_groups_) {
+    if (group == nullptr || group->size() == 1) continue;
+    const at::Tensor each = group->AllGather(all.unsqueeze(0));  // [replicas, stages, width]
+    at::Tensor sum = each[0].clone();
+    for (int r = 1; r < group->size(); ++r) sum += each[r];
+    all = sum / static_cast<double>(group->size());
+  }
+  all = all.contiguous();
+  std::vector<double> per_layer(kPerLayer * layers, 0.0);  // Column sums over the stages.
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    const double* r = all[s].data_ptr<double>();
+    for (int64_t i = 0; i < kPerLayer * layers; ++i) per_layer[i] += r[kFixedColumns + i];
+  }
   std::vector<StageLoad> loads(schedule.num_stages);
   for (int s = 0; s < schedule.num_stages; ++s) {
     const double* r = all[s].data_ptr<double>();
     StageLoad& load = loads[s];
     load.stage = s;
-    load.layer_begin = static_cast<int64_t>(r[0]);
-    load.layer_end = static_cast<int64_t>(r[1]);
-    load.forward_ms = r[2];
-    load.backward_ms = r[3];
-    load.weight_ms = r[4];
-    load.wait_ms = r[5];
-    load.total_ms = r[6];
+    load.layer_begin = static_cast<int64_t>(r[kBegin]);
+    load.layer_end = static_cast<int64_t>(r[kEnd]);
+    load.forward_ms = r[kForward];
+    load.backward_ms = r[kBackward];
+    load.weight_ms = r[kWeight];
+    load.wait_ms = r[kWait];
+    load.total_ms = r[kTotal];
+    load.parameter_bytes = static_cast<int64_t>(r[kParameterBytes]);
+    load.gradient_bytes = static_cast<int64_t>(r[kGradientBytes]);
+    load.optimizer_bytes = static_cast<int64_t>(r[kOptimizerBytes]);
+    load.peak_activation_bytes = static_cast<int64_t>(r[kPeakActivationBytes]);
     for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      load.layer_forward_ms.push_back(r[kFixed + l]);
+      load.layer_forward_ms.push_back(per_layer[kLayerForward * layers + l]);
+      load.layer_backward_ms.push_back(per_layer[kLayerBackward * layers + l]);
+      load.layer_weight_ms.push_back(per_layer[kLayerWeight * layers + l]);
+      load.layer_state_bytes.push_back(static_cast<int64_t>(per_layer[kLayerState * layers + l]));
     }
   }
   return loads;
 }
 
-absl::Status PipelineRunner::Rebalance(GptModel& stage, const Schedule& schedule,
-                                       int64_t iteration) {
-  const std::vector<StageLoad> loads = GatherLoads(stage, schedule);
-  const std::vector<LayerMove> moves = rebalancer_->Plan(iteration, loads);
-  if (moves.empty()) return absl::OkStatus();
+absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptModel& stage,
+                                                                   const Schedule& schedule,
+                                                                   int64_t iteration) {
+  last_loads_ = GatherLoads(stage, schedule);
+  const std::vector<LayerMove> moves = rebalancer_->Plan(iteration, last_loads_);
+  std::vector<PlannedMove> planned;
+  if (moves.empty()) return planned;
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const StageLoad& load : loads) ranges.emplace_back(load.layer_begin, load.layer_end);
+  for (const StageLoad& load : last_loads_) ranges.emplace_back(load.layer_begin, load.layer_end);
   // Validated on the gathered ranges first: every stage refuses a bad plan alike.
   FULCRUM_RETURN_IF_ERROR(ApplyMoves(ranges, moves).status());
-  const int me = pp_->rank();
   for (const LayerMove& move : moves) {
     int from = -1;
     for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
       if (ranges[s].first <= move.layer && move.layer < ranges[s].second) from = s;
     }
-    const double start_ms = timeline_ ? timeline_->NowMs() : 0.0;
-    if (me == from) {
-      FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<TransformerLayer> layer, stage.ReleaseLayer(move.layer));
-      FULCRUM_RETURN_IF_ERROR(SendUnit(*pp_, move.to_stage, *layer));
-    } else if (me == move.to_stage) {
-      std::unique_ptr<TransformerLayer> shell = stage.NewLayerShell(move.layer);
-      FULCRUM_RETURN_IF_ERROR(ReceiveUnit(*pp_, from, *shell));
-      FULCRUM_RETURN_IF_ERROR(stage.AdoptLayer(std::move(shell)));
-    }
-    if (timeline_ != nullptr && (me == from || me == move.to_stage)) {
-      timeline_->RecordSpan(
-          absl::StrCat("move layers.", move.layer, " ", from, "->", move.to_stage), "migration",
-          start_ms, timeline_->NowMs(),
-          {{"iteration", std::to_string(iteration)}, {"layer", std::to_string(move.layer)},
-           {"from_stage", std::to_string(from)}, {"to_stage", std::to_string(move.to_stage)}});
-    }
+    planned.push_back(PlannedMove{move.layer, from, move.to_stage});
+    FULCRUM_ASSIGN_OR_RETURN(ranges, ApplyMoves(ranges, {move}));
+  }
+  return planned;
+}
+
+void PipelineRunner::RecordMoves(int64_t iteration) {
+  const int me = pp_->rank();
+  for (const PlannedMove& move : last_moves_) {
     if (me == 0) {
       FULCRUM_LOG(INFO) << "iteration " << iteration << ": moved layer " << move.layer
-                        << " from stage " << from << " to stage " << move.to_stage << " ("
-                        << rebalancer_->name() << ")";
+                        << " from stage " << move.from_stage << " to stage " << move.to_stage
+                        << " (" << rebalancer_->name() << ")";
     }
-    FULCRUM_ASSIGN_OR_RETURN(ranges, ApplyMoves(ranges, {move}));
-    ++layers_moved_;
   }
-  return absl::OkStatus();
+  if (timeline_ == nullptr) return;
+  const double base_ms = timeline_->MillisecondsSinceOrigin(last_run_.start);
+  for (const MigrationTiming& m : last_run_.migrations) {
+    timeline_->RecordSpan(
+        absl::StrCat(m.sent ? "send" : "receive", " layers.", m.layer, " ", m.from_stage, "->",
+                     m.to_stage),
+        "migration", base_ms + m.start_ms, base_ms + std::max(m.end_ms, m.done_ms),
+        {{"iteration", std::to_string(iteration)},
+         {"layer", std::to_string(m.layer)},
+         {"from_stage", std::to_string(m.from_stage)},
+         {"to_stage", std::to_string(m.to_stage)},
+         {"early", m.early ? "true" : "false"},
+         {"posted_ms", std::to_string(m.end_ms - m.start_ms)},
+         {"bytes", std::to_string(m.bytes)}});
+  }
 }
 
 absl::StatusOr<const Schedule*> PipelineRunner::ScheduleFor(const std::string& name,
@@ -119,23 +212,35 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                const MicroBatchPlan& plan,
                                                                double loss_scale) {
   FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor(schedule_name_, plan.count));
-  FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale));
-  if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
-  // Every W of the iteration is done: layers may move now, with their final gradients, and
-  // the optimizer step that follows runs on the new layout.
-  FULCRUM_RETURN_IF_ERROR(Rebalance(stage, *schedule, iteration));
-  // Bubble ratio of this stage: time blocked on neighbours over the iteration's pipeline
-  // time; mean and max over the stages.
-  const double ratio = last_run_.total_ms > 0 ? last_run_.wait_ms / last_run_.total_ms : 0.0;
-  at::Tensor sum = at::tensor({ratio}, at::kDouble);
-  at::Tensor max = sum.clone();
-  pp_->AllReduce(sum, parallel::ReduceOp::kSum);
-  pp_->AllReduce(max, parallel::ReduceOp::kMax);
-  metrics_ = {{"bubble_ratio", sum.item<double>() / pp_->size()},
-              {"bubble_ratio_max", max.item<double>()},
-              {"pipeline_ms", last_run_.total_ms},
-              {"layers_moved", static_cast<double>(layers_moved_)}};
+  FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
+  FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale,
+                                                    /*forward_only=*/false, last_moves_));
+  has_run_ = true;
+  // NOTE [bubble measurement]: the loss is summed once every stage is done, so the time in
+  // that reduction is this stage's wait for the slowest one.
+  const auto tail_start = Clock::now();
   auto loss = ShareLoss(last_run_);
+  last_run_.tail_wait_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - tail_start).count();
+  // The moved layers arrive now, before the optimizer step (NOTE [early migration]).
+  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_));
+  layers_moved_ += static_cast<int64_t>(last_moves_.size());
+  if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
+  RecordMoves(iteration);
+
+  const StageRunResult& run = last_run_;
+  const double span_ms = run.total_ms + run.tail_wait_ms;
+  at::Tensor ratios = at::tensor(
+      {span_ms > 0 ? (run.wait_ms + run.tail_wait_ms) / span_ms : 0.0,
+       run.total_ms > 0 ? run.wait_ms / run.total_ms : 0.0},
+      at::kDouble);
+  const at::Tensor all = pp_->AllGather(ratios.unsqueeze(0));  // [stages, 2]
+  metrics_ = {{"bubble_ratio", all.select(1, 0).mean().item<double>()},
+              {"bubble_ratio_max", all.select(1, 0).max().item<double>()},
+              {"bubble_ratio_in_run", all.select(1, 1).mean().item<double>()},
+              {"pipeline_ms", span_ms},
+              {"activation_peak_mb", static_cast<double>(run.peak_activation_bytes) / (1 << 20)},
+              {"layers_moved", static_cast<double>(layers_moved_)}};
   if (timeline_ != nullptr && flush_every_ > 0 && iteration % flush_every_ == 0) {
     FULCRUM_RETURN_IF_ERROR(timeline_->Flush());
   }

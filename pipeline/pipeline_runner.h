@@ -1,7 +1,21 @@
 // The trainer's forward/backward over a pipeline: builds the schedule for (stages,
-// micro-batches), runs this stage's part with a StageExecutor, and measures the bubble —
-// the time a stage spends waiting on its neighbours — per iteration, as mean and max over
-// the stages.
+// micro-batches), asks the rebalancer for the iteration's layer moves (NOTE [when the plan
+// is made] in pipeline/rebalancer.h), runs this stage's part with a StageExecutor, which
+// carries the moves out in the backward tail, and measures the bubble per iteration, as
+// mean and max over the stages.
+//
+// NOTE [bubble measurement]
+// A stage's bubble is the time it is idle while the pipeline's iteration runs: blocked in
+// receives inside its run, waiting for its sends at the end, and — after its last action —
+// waiting for the slowest stage to finish, since the optimizer step waits for every stage
+// (the loss and the tied-embedding gradients are reduced over the pipeline). The last part
+// is measured as the time in the pipeline-wide reduction of the loss that follows the run;
+// it includes that reduction's own latency. bubble_ratio = idle / (run + tail wait), the
+// simulator's SimulationResult::BubbleRatio. bubble_ratio_in_run leaves the tail wait out
+// (the measure before this note, kept for comparison): a stage that finishes early, as the
+// last stages of 1F1B do, shows no bubble there although it idles until the step. Metrics:
+// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run (mean), and this
+// stage's pipeline_ms (run + tail wait) and activation_peak_mb.
 //
 // Not thread-safe.
 #pragma once
@@ -25,9 +39,15 @@ class PipelineRunner final : public ForwardBackwardRunner {
  public:
   /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a
   /// registered schedule ("1f1b", "zbh1", "zbh2"). `rebalancer` (null: never move) is
-  /// asked once per iteration for layer moves, carried out before the optimizer step.
+  /// asked at the start of each iteration for the layer moves carried out in its backward
+  /// tail, before the optimizer step. `replica_groups` are communicators over the ranks
+  /// that hold this same stage in other replicas (the data-parallel group, and the
+  /// tensor-parallel one): the loads are averaged over each in turn, so every replica's
+  /// rebalancer gets identical inputs and all apply the same plan. They must outlive the
+  /// runner; groups of size 1 are skipped.
   PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size,
-                 std::unique_ptr<Rebalancer> rebalancer = nullptr);
+                 std::unique_ptr<Rebalancer> rebalancer = nullptr,
+                 std::vector<parallel::Communicator*> replica_groups = {});
 
   /// Records every iteration's actions, waits and migrations into `timeline` (flushed by
   /// Finish and every `flush_every` iterations); it must outlive the runner.
@@ -44,27 +64,40 @@ class PipelineRunner final : public ForwardBackwardRunner {
                                                       const MicroBatchPlan& plan) override;
   std::vector<std::pair<std::string, double>> Metrics() const override { return metrics_; }
 
-  /// The last Run's per-action timings on this stage.
+  /// The last Run's per-action timings on this stage (with its migrations).
   const StageRunResult& last_run() const { return last_run_; }
+  /// What the rebalancer was given at the start of the last Run (one StageLoad per stage).
+  const std::vector<StageLoad>& last_loads() const { return last_loads_; }
+  /// The moves the last Run carried out.
+  const std::vector<PlannedMove>& last_moves() const { return last_moves_; }
 
  private:
   absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches);
   /// Sums the head stage's loss over the pipeline so every stage returns the same value.
   std::pair<double, int64_t> ShareLoss(const StageRunResult& run);
-  /// Every stage's load of the last run, gathered over the pipeline.
+  /// Every stage's load of the last run on the current layout, gathered over the pipeline
+  /// and averaged over the replica groups (collective).
   std::vector<StageLoad> GatherLoads(const GptModel& stage, const Schedule& schedule);
-  /// Asks the rebalancer and carries out its moves (NOTE [layer migration]).
-  absl::Status Rebalance(GptModel& stage, const Schedule& schedule, int64_t iteration);
+  /// Asks the rebalancer for `iteration`'s moves and resolves their source stages; every
+  /// stage refuses an invalid plan alike (collective).
+  absl::StatusOr<std::vector<PlannedMove>> PlanMoves(const GptModel& stage,
+                                                     const Schedule& schedule, int64_t iteration);
+  /// Logs the last run's moves and puts them on the timeline.
+  void RecordMoves(int64_t iteration);
 
   parallel::Communicator* pp_;
   std::string schedule_name_;
   StageExecutor executor_;
   std::unique_ptr<Rebalancer> rebalancer_;
+  std::vector<parallel::Communicator*> replica_groups_;
   TimelineRecorder* timeline_ = nullptr;
   int64_t flush_every_ = 50;
   int64_t layers_moved_ = 0;
   std::map<std::pair<std::string, int>, Schedule> schedules_;
   StageRunResult last_run_;
+  bool has_run_ = false;  // last_run_ holds a training run's measurements.
+  std::vector<StageLoad> last_loads_;
+  std::vector<PlannedMove> last_moves_;
   std::vector<std::pair<std::string, double>> metrics_;
 };
 

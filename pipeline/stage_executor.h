@@ -4,7 +4,13 @@
 // loss), back-propagates with weight gradients deferred (NOTE [B/W split] in
 // core/linear.h) and sends the input gradient back; W(mb) runs the deferred weight
 // gradients; a fused BW(mb) (1F1B) does B and W at once. Sends are non-blocking; receives
-// block (bounded by the communicator's timeout). Every action and every wait is timed.
+// are posted ahead of the actions that need them (NOTE [pre-posted receives]) and block
+// only when the message has not arrived (bounded by the communicator's timeout).
+//
+// Every action, every wait, and every layer's share of each F, B and W is timed (NOTE
+// [per-layer timing]); the activation bytes the stage holds for micro-batches in flight are
+// measured (NOTE [activation memory]). Layer moves planned for the iteration are carried out
+// in its backward tail (NOTE [early migration]).
 //
 // Not thread-safe; one executor per stage process.
 #pragma once
@@ -20,16 +26,39 @@
 #include "core/linear.h"
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
+#include "pipeline/migration.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::pipeline {
 
 /// One executed action: what, and when (milliseconds from the start of the iteration).
 struct ActionTiming {
+  ActionTiming() = default;
+  ActionTiming(Action action, double start_ms, double end_ms, double wait_ms)
+      : action(action), start_ms(start_ms), end_ms(end_ms), wait_ms(wait_ms) {}
+
   Action action;
   double start_ms = 0;
   double end_ms = 0;
   double wait_ms = 0;  // Part of [start, end) spent waiting for a receive.
+  /// Part of [start, end) spent packing and posting layer migrations (NOTE [early
+  /// migration]); neither compute nor wait.
+  double migration_ms = 0;
+  /// This action's time per global layer of the stage (F, B/BW or W by `action.kind`).
+  std::vector<std::pair<int64_t, double>> layer_ms;
+};
+
+/// One layer move of the iteration, as this stage took part in it.
+struct MigrationTiming {
+  int64_t layer = 0;
+  int from_stage = 0;
+  int to_stage = 0;
+  bool sent = false;   // This stage sent it (else received it).
+  bool early = false;  // Sent inside the backward tail, right after the layer's last W.
+  double start_ms = 0;  // From the start of the iteration.
+  double end_ms = 0;    // Released and posted (sends) or adopted (receives).
+  double done_ms = 0;   // Transfer complete on this side (set by FinishMoves).
+  int64_t bytes = 0;
 };
 
 struct StageRunResult {
@@ -37,10 +66,73 @@ struct StageRunResult {
   double loss_sum = 0;  // Σ token losses (the stage holding the head), else 0.
   int64_t tokens = 0;
   std::vector<ActionTiming> timings;
-  std::map<int64_t, double> layer_forward_ms;  // Per global layer, summed over micro-batches.
-  double total_ms = 0;
-  double wait_ms = 0;  // Time blocked in receives and in the final wait for sends.
+  // Per global layer, summed over micro-batches (NOTE [per-layer timing]).
+  std::map<int64_t, double> layer_forward_ms;
+  std::map<int64_t, double> layer_backward_ms;  // B, or the fused BW of 1F1B.
+  std::map<int64_t, double> layer_weight_ms;    // W (split schedules only).
+  double total_ms = 0;  // Until the last action ended and every activation/gradient send is done.
+  double wait_ms = 0;   // Time blocked in receives and in the final wait for sends.
+  /// After the run, waiting for the rest of the pipeline to finish (set by PipelineRunner,
+  /// NOTE [bubble measurement] in pipeline/pipeline_runner.h); 0 from the executor.
+  double tail_wait_ms = 0;
+  /// The most activation bytes held at an action boundary for micro-batches in flight
+  /// (NOTE [activation memory]); 0 for a forward-only run.
+  int64_t peak_activation_bytes = 0;
+  /// Layer moves, in plan order; receives and late sends are added by FinishMoves.
+  std::vector<MigrationTiming> migrations;
 };
+
+/// A planned layer move with its source stage (the runner resolves it from the ranges).
+struct PlannedMove {
+  int64_t layer = 0;
+  int from_stage = 0;
+  int to_stage = 0;
+};
+
+// NOTE [per-layer timing]
+// F: each layer's forward is timed directly. B: during F, a gradient hook goes on each
+// layer's input (and, on the last stage, on the head's input); on the CPU the autograd
+// engine runs the nodes of a later layer before any of an earlier one, so the hook on layer
+// l's input fires when layer l's backward is done, and layer l's B is the time between that
+// and the previous boundary (the start of the backward on a stage that receives its output
+// gradient). The hooks return nothing: gradients are untouched. W: the deferred GEMMs carry
+// the layer as their tag (NOTE [weight-gradient tags] in core/linear.h) and are timed one by
+// one. The embedding, the head and the loss are no layer's: the per-layer sums are the
+// stage's F, B and W minus those, the receives and the sends. A fused BW (1F1B) counts as B.
+//
+// NOTE [activation memory]
+// During a training run a thread-local c10 memory reporter (the interface the PyTorch
+// profiler uses) counts the bytes allocated and freed on the training thread (except while
+// a layer is packed for migration, which frees tensors allocated before the run). A
+// micro-batch's activations are the bytes its F allocated and still holds when it ends
+// (what autograd saved for the backward, its output, the loss) plus its received input;
+// after its B it holds only the operands its deferred weight GEMMs keep
+// (WeightGradStore::held_bytes). The peak is the largest sum of these over the micro-batches
+// in flight, taken at action boundaries; temporaries inside one action are not included.
+// While it counts, the reporter replaces a running PyTorch profiler's memory events.
+//
+// NOTE [pre-posted receives]
+// Gloo (like NCCL) moves a point-to-point message only once both ends have posted it; a
+// receive posted when the action that needs it starts pays a round trip through both
+// processes' transport threads after the data is ready, on the pipeline's critical path.
+// The executor therefore posts the receives of each direction in the order its list
+// consumes them, up to max_in_flight ahead (buffers the size of one activation each), and
+// an action only waits for its own.
+//
+// NOTE [early migration]
+// The moves of an iteration are known before it starts (the rebalancer plans them from the
+// previous iteration's loads, pipeline/rebalancer.h). A stage takes part in them in plan
+// order. The moves it sends before its first receive in that order leave during its last
+// action, which holds every layer's last weight gradient: it is the last W (or BW), since a
+// W follows its own B and F, and every W flushes all layers of its micro-batch. In that W
+// the moving layer's queued GEMMs run first (WeightGradStore::FlushTag), then the layer is
+// released and its state posted to the neighbour, then the other layers' W runs (after a
+// last fused BW, the layer leaves at the end of the action). Its
+// gradients are final then, so the neighbour continues it bit-identically. The receiver
+// posts the first message's receive when its run starts and completes the transfer in
+// FinishMoves, after its own last action and before the optimizer step, adopting the layer
+// at the adjacent end of its range. Moves that follow a receive in plan order (a layer
+// passing through, or one whose validity depends on it) are carried out there, in order.
 
 class StageExecutor {
  public:
@@ -50,16 +142,41 @@ class StageExecutor {
 
   /// Runs `schedule` (its row for this stage) for `iteration`. Each micro-batch's summed
   /// token loss is multiplied by `loss_scale` before the backward. With `forward_only`,
-  /// only the F actions run, without autograd (evaluation).
+  /// only the F actions run, without autograd (evaluation). `moves` (every stage passes the
+  /// same list; ignored when forward_only) are this iteration's layer moves: this stage's
+  /// early sends happen inside the run; call FinishMoves before the optimizer step.
   absl::StatusOr<StageRunResult> Run(GptModel& model, const Schedule& schedule,
                                      int64_t iteration, const MicroBatchPlan& plan,
-                                     double loss_scale, bool forward_only = false);
+                                     double loss_scale, bool forward_only = false,
+                                     const std::vector<PlannedMove>& moves = {});
+
+  /// Completes the moves of the last Run (NOTE [early migration]): receives and adopts the
+  /// layers coming to this stage, sends those that follow a receive in plan order, and
+  /// waits for every send. Appends their timings (relative to that run's start) to
+  /// `result.migrations`. No-op without moves.
+  absl::Status FinishMoves(GptModel& model, StageRunResult& result);
 
  private:
   struct InFlight;
+  class ActivationMeter;
+
+  // Releases `move.layer` from `model`, posts its state to the neighbour and records it.
+  absl::Status StartSend(GptModel& model, const PlannedMove& move, bool early,
+                         StageRunResult& result);
+  double SinceRunStart() const;
 
   parallel::Communicator* pp_;
   int64_t micro_batch_size_;
+  // State of the last Run's moves, for FinishMoves.
+  std::vector<PlannedMove> late_moves_;  // This stage's moves left for FinishMoves, in order.
+  std::vector<UnitReceive> receives_;    // Posted at the run's start, in plan order.
+  struct PendingSend {
+    UnitSend send;
+    size_t timing;  // Index into the run's StageRunResult::migrations.
+  };
+  std::vector<PendingSend> sends_;       // Posted, waited for in FinishMoves.
+  ActivationMeter* meter_ = nullptr;     // The running Run's, for StartSend.
+  std::chrono::steady_clock::time_point run_start_;
 };
 
 }  // namespace fulcrum::pipeline

@@ -88,6 +88,11 @@ void TimelineRecorder::RecordIteration(int64_t iteration, const StageRunResult& 
     slice.dur_us = duration_ms * kMicrosecondsPerMillisecond;
     slice.iteration = iteration;
     slice.action = timing.action;
+    // NOTE [per-layer timing]: the action's share per layer, e.g. "layers.3 ms": 1.25.
+    for (const auto& [layer, ms] : timing.layer_ms) {
+      slice.args.emplace_back(absl::StrCat("layers.", layer, " ms"), ms);
+    }
+    if (timing.migration_ms > 0) slice.args.emplace_back("migration ms", timing.migration_ms);
     events_.push_back(std::move(slice));
     if (timing.wait_ms >= kMinWaitMs) {
       // Receives come first in an action, so its wait is drawn at its start; clamped so
@@ -116,6 +121,18 @@ void TimelineRecorder::RecordIteration(int64_t iteration, const StageRunResult& 
     wait.dur_us = drain_ms * kMicrosecondsPerMillisecond;
     wait.iteration = iteration;
     wait.args = {{"for", std::string("sends")}};
+    events_.push_back(std::move(wait));
+  }
+  // After the run: waiting for the slowest stage (NOTE [bubble measurement]).
+  if (run.tail_wait_ms >= kMinWaitMs) {
+    Event wait;
+    wait.name = "wait";
+    wait.category = "wait";
+    wait.tid = kComputeRow;
+    wait.ts_us = us(std::max(last_end_ms, run.total_ms));
+    wait.dur_us = run.tail_wait_ms * kMicrosecondsPerMillisecond;
+    wait.iteration = iteration;
+    wait.args = {{"for", std::string("pipeline end")}};
     events_.push_back(std::move(wait));
   }
 }

@@ -74,8 +74,10 @@ class TimelineRecorder {
   /// returned (its ActionTiming times are relative to run.start). Each action becomes a complete
   /// event named Action::ToString() ("F3", "B3", "W3", "BW3", category "compute") with args
   /// {microbatch, iteration, kind}; its wait_ms a nested "wait" event (category "wait") at
-  /// the action's start; the final wait for outstanding sends a "wait" event after the last
-  /// action; the whole Run an "iteration N" event on a row of its own. Not collective.
+  /// the action's start; the final wait for outstanding sends, and the wait for the rest of
+  /// the pipeline (run.tail_wait_ms), "wait" events after the last action; the whole Run
+  /// an "iteration N" event on a row of its own. An action's per-layer times are args
+  /// "layers.L ms". Not collective.
   void RecordIteration(int64_t iteration, const StageRunResult& run);
 
   /// Records a free-form event on this rank's "events" row, e.g. a migration

@@ -77,10 +77,15 @@ int main(int argc, char** argv) {
     if (layout->pp > 1) {
       auto rebalancer = fulcrum::RebalancerFromFlags();
       if (!rebalancer.ok()) return Fail(rebalancer.status());
+      // Replicas of this stage (data- and tensor-parallel) agree on the loads, so all
+      // apply the same moves.
       auto runner = std::make_unique<fulcrum::pipeline::PipelineRunner>(
           &parallel->group(fulcrum::parallel::GroupKind::kPipeline),
           fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size,
-          std::move(*rebalancer));
+          std::move(*rebalancer),
+          std::vector<fulcrum::parallel::Communicator*>{
+              &parallel->group(fulcrum::parallel::GroupKind::kTensor),
+              &parallel->group(fulcrum::parallel::GroupKind::kData)});
       if (!fulcrum::TimelineFlag().empty()) {
         timeline = std::make_unique<fulcrum::pipeline::TimelineRecorder>(
             &parallel->world(), fulcrum::TimelineFlag(), parallel->coords().pp);

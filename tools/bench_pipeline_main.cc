@@ -8,14 +8,20 @@
 //       --micro_batch_size=B --global_batch_size=M*B --metrics_file=...
 // (binaries next to this one), so every micro-batch holds the same tokens whatever M is.
 // From the metrics file it drops the first --skip_iters iterations (start-up) and prints
-// one table: the medians of iteration_ms, bubble_ratio (mean over stages) and
-// bubble_ratio_max, and for each (PP, M) the ratios ZB-H1 / 1F1B of bubble and iteration
-// time, against the goal "ZB-H1 bubble <= --goal_ratio x 1F1B". Nothing is hard-coded:
+// one table: the medians of iteration_ms, bubble_ratio (mean over stages; idle time until
+// the whole pipeline is done, NOTE [bubble measurement] in pipeline/pipeline_runner.h),
+// bubble_ratio_max and bubble_ratio_in_run (the idle time inside a stage's own run only),
+// and for each (PP, M) the ratios ZB-H1 / 1F1B of bubble and iteration time, against the
+// goal "ZB-H1 bubble <= --goal_ratio x 1F1B". With --timelines every run also records a
+// timeline; from it the tool takes each stage's median F, B, W (or BW) time and prints the
+// bubble the schedule simulator (pipeline/schedule_simulator.h) predicts for those costs
+// with free communication: the gap between "bubble" and "sim" is what the implementation
+// (transfers, waits, noise) adds to the schedule's own bubble. Nothing is hard-coded:
 // every number printed was measured in this run.
 //
 //   build/bin/fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1]
 //       [--microbatches=4,8,16] [--micro_batch_size=1] [--train_iters=20] [--skip_iters=3]
-//       [--recipe=tiny] [--model_flags="--hidden_size=256"]
+//       [--recipe=tiny] [--model_flags="--hidden_size=256"] [--timelines] [--keep_logs]
 //
 // Exit codes: 0 done, 2 bad flags (or fulcrum_train rejected the flags), 1 a run failed.
 #include <gflags/gflags.h>
@@ -41,9 +47,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "pipeline/schedule.h"
+#include "pipeline/schedule_simulator.h"
 
 DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");
 DEFINE_string(schedules, "1f1b,zbh1",
@@ -61,6 +70,9 @@ DEFINE_string(model_flags, "",
               "batch, pipeline or metrics flags, which this tool sets).");
 DEFINE_double(goal_ratio, 0.4, "Goal: median ZB-H1 bubble <= this x the 1F1B one.");
 DEFINE_bool(keep_logs, false, "Keep each run's log and metrics (their directory is printed).");
+DEFINE_bool(timelines, false,
+            "Record a timeline (--timeline) of every run and print the simulated bubble of the "
+            "schedule for the stages' measured median F/B/W costs (the 'sim' column).");
 
 namespace fulcrum {
 namespace {
@@ -80,6 +92,9 @@ struct RunResult {
   double iteration_ms = 0;  // Medians over the kept iterations.
   double bubble_ratio = 0;
   double bubble_ratio_max = 0;
+  double bubble_ratio_in_run = -1;  // -1: the metrics file has none.
+  double simulated_bubble = -1;     // -1: no timeline.
+  std::string costs;                // Per stage "F/B/W" medians in ms, from the timeline.
   int kept_iterations = 0;
 };
 
@@ -185,14 +200,79 @@ std::optional<std::vector<int>> ParseInts(const std::string& flag, const std::st
   return out;
 }
 
+// From a --timeline trace: every stage's median F, B and W (BW for a fused backward) over
+// the iterations after --skip_iters, each action's time without its nested wait; then the
+// simulated mean bubble ratio of `key`'s schedule with those costs and free transfers.
+// False when the trace lacks a stage or an action kind.
+bool SimulateFromTimeline(const std::string& path, const RunKey& key, RunResult* result) {
+  std::ifstream in(path);
+  const nlohmann::json trace = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!trace.is_object() || !trace.contains("traceEvents")) return false;
+  std::map<int, int> stage_of_pid;  // From "rank R (stage S)".
+  std::map<std::tuple<int, int64_t, std::string>, double> wait_us;  // (pid, iteration, action)
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("ph", "") == "M" && e.value("name", "") == "process_name") {
+      const std::string name = e["args"].value("name", "");
+      const size_t at = name.find("(stage ");
+      int stage = 0;
+      if (at != std::string::npos &&
+          absl::SimpleAtoi(absl::StripSuffix(name.substr(at + 7), ")"), &stage)) {
+        stage_of_pid[e["pid"].get<int>()] = stage;
+      }
+    } else if (e.value("cat", "") == "wait" && e.contains("args") && e["args"].contains("iteration")) {
+      wait_us[{e["pid"].get<int>(), e["args"]["iteration"].get<int64_t>(),
+               e["args"].value("for", "")}] += e.value("dur", 0.0);
+    }
+  }
+  // [stage][kind] -> durations (ms)
+  std::map<int, std::map<std::string, std::vector<double>>> durations;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("cat", "") != "compute" || !e.contains("args")) continue;
+    const int64_t iteration = e["args"].value("iteration", int64_t{0});
+    if (iteration <= FLAGS_skip_iters) continue;
+    const int pid = e["pid"].get<int>();
+    auto stage = stage_of_pid.find(pid);
+    if (stage == stage_of_pid.end()) continue;
+    double us = e.value("dur", 0.0);
+    auto wait = wait_us.find({pid, iteration, e.value("name", "")});
+    if (wait != wait_us.end()) us -= wait->second;
+    durations[stage->second][e["args"].value("kind", "")].push_back(us / 1000.0);
+  }
+  auto schedule = pipeline::MakeSchedule(key.schedule, key.pp, key.microbatches);
+  if (!schedule.ok() || static_cast<int>(durations.size()) != key.pp) return false;
+  const bool split = pipeline::UsesSplitBackward(*schedule);
+  std::vector<pipeline::ActionCosts> costs(key.pp);
+  std::vector<std::string> shown;
+  for (int s = 0; s < key.pp; ++s) {
+    auto& kinds = durations[s];
+    for (const char* kind : split ? std::vector<const char*>{"F", "B", "W"}
+                                  : std::vector<const char*>{"F", "BW"}) {
+      if (kinds[kind].empty()) return false;
+    }
+    costs[s].forward = Median(kinds["F"]);
+    costs[s].backward_input = Median(kinds[split ? "B" : "BW"]);
+    costs[s].backward_weight = split ? Median(kinds["W"]) : 0.0;
+    shown.push_back(split ? absl::StrFormat("%.2f/%.2f/%.2f", costs[s].forward,
+                                            costs[s].backward_input, costs[s].backward_weight)
+                          : absl::StrFormat("%.2f/%.2f", costs[s].forward, costs[s].backward_input));
+  }
+  const pipeline::SimulationResult sim = pipeline::Simulate(*schedule, costs);
+  double sum = 0;
+  for (int s = 0; s < key.pp; ++s) sum += sim.BubbleRatio(s);
+  result->simulated_bubble = sum / key.pp;
+  result->costs = absl::StrJoin(shown, " ");
+  return true;
+}
+
 // Runs one configuration; nullopt on failure, with the exit code in `code` and the log's
 // tail in `log_tail`.
 std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& work_dir,
                                 const RunKey& key, int* code, std::string* log_tail) {
   const std::string stem =
       absl::StrFormat("%s/pp%d_m%d_%s", work_dir, key.pp, key.microbatches, key.schedule);
-  const std::string metrics = stem + ".jsonl", log = stem + ".log";
+  const std::string metrics = stem + ".jsonl", log = stem + ".log", timeline = stem + ".json";
   std::remove(metrics.c_str());
+  std::remove(timeline.c_str());
   const std::string command = absl::StrCat(
       bin_dir, "/fulcrum_launch --nproc_per_node=", key.pp, " --master_port=0 -- ", bin_dir,
       "/fulcrum_train --recipe=", FLAGS_recipe, " ", FLAGS_model_flags,
@@ -200,10 +280,11 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
       " --global_batch_size=", key.microbatches * FLAGS_micro_batch_size,
       " --pipeline_model_parallel_size=", key.pp, " --pipeline_schedule=", key.schedule,
       " --train_iters=", FLAGS_train_iters, " --eval_interval=0 --log_interval=1000000",
-      " --metrics_file=", metrics, " > ", log, " 2>&1");
+      " --metrics_file=", metrics, FLAGS_timelines ? " --timeline=" + timeline : "", " > ", log,
+      " 2>&1");
   const int status = std::system(command.c_str());
   *code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-  std::vector<double> iteration_ms, bubble, bubble_max;
+  std::vector<double> iteration_ms, bubble, bubble_max, bubble_in_run;
   if (*code == 0) {
     std::ifstream in(metrics);
     std::string line;
@@ -221,6 +302,9 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
       iteration_ms.push_back(record["iteration_ms"].get<double>());
       bubble.push_back(record["bubble_ratio"].get<double>());
       bubble_max.push_back(record["bubble_ratio_max"].get<double>());
+      if (record.contains("bubble_ratio_in_run")) {
+        bubble_in_run.push_back(record["bubble_ratio_in_run"].get<double>());
+      }
     }
   }
   if (*code != 0 || iteration_ms.empty()) {
@@ -235,13 +319,26 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
     }
     return std::nullopt;
   }
-  return RunResult{Median(iteration_ms), Median(bubble), Median(bubble_max),
-                   static_cast<int>(iteration_ms.size())};
+  RunResult result;
+  result.iteration_ms = Median(iteration_ms);
+  result.bubble_ratio = Median(bubble);
+  result.bubble_ratio_max = Median(bubble_max);
+  if (!bubble_in_run.empty()) result.bubble_ratio_in_run = Median(bubble_in_run);
+  result.kept_iterations = static_cast<int>(iteration_ms.size());
+  if (FLAGS_timelines && !SimulateFromTimeline(timeline, key, &result)) {
+    std::fprintf(stderr, "fulcrum_bench_pipeline: %s: no usable timeline; 'sim' left empty\n",
+                 timeline.c_str());
+  }
+  return result;
 }
 
+// "0.123", or "-" for a value that was not measured (negative).
+std::string Cell(double value) { return value < 0 ? "-" : absl::StrFormat("%.3f", value); }
+
 void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResult>& results) {
-  std::printf("\n%3s %5s  %-8s %10s %8s %10s   %-16s %-16s %s\n", "pp", "m", "schedule", "iter ms",
-              "bubble", "bubble_max", "zbh1/1f1b bubble", "zbh1/1f1b iter", "goal");
+  std::printf("\n%3s %5s  %-8s %10s %8s %10s %8s %8s   %-16s %-16s %-8s %s\n", "pp", "m",
+              "schedule", "iter ms", "bubble", "bubble_max", "in-run", "sim", "zbh1/1f1b bubble",
+              "zbh1/1f1b iter", "goal", "in-run, sim ratios");
   for (const RunKey& key : keys) {
     auto it = results.find(key);
     if (it == results.end()) {
@@ -249,19 +346,37 @@ void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResul
       continue;
     }
     const RunResult& r = it->second;
-    std::string bubble_ratio, time_ratio, goal;
+    std::string bubble_ratio, time_ratio, goal, other_ratios;
     if (key.schedule == "zbh1") {
       auto base = results.find(RunKey{key.pp, key.microbatches, "1f1b"});
       if (base != results.end() && base->second.bubble_ratio > 0 && base->second.iteration_ms > 0) {
-        const double b = r.bubble_ratio / base->second.bubble_ratio;
-        bubble_ratio = absl::StrFormat("%.2f", b);
-        time_ratio = absl::StrFormat("%.2f", r.iteration_ms / base->second.iteration_ms);
-        goal = b <= FLAGS_goal_ratio ? "met" : "NOT met";
+        const RunResult& b = base->second;
+        const double ratio = r.bubble_ratio / b.bubble_ratio;
+        bubble_ratio = absl::StrFormat("%.2f", ratio);
+        time_ratio = absl::StrFormat("%.2f", r.iteration_ms / b.iteration_ms);
+        goal = ratio <= FLAGS_goal_ratio ? "met" : "NOT met";
+        auto ratio_of = [](double a, double c) {
+          return a >= 0 && c > 0 ? absl::StrFormat("%.2f", a / c) : std::string("-");
+        };
+        other_ratios = ratio_of(r.bubble_ratio_in_run, b.bubble_ratio_in_run) + ", " +
+                       ratio_of(r.simulated_bubble, b.simulated_bubble);
       }
     }
-    std::printf("%3d %5d  %-8s %10.1f %8.3f %10.3f   %-16s %-16s %s\n", key.pp, key.microbatches,
-                key.schedule.c_str(), r.iteration_ms, r.bubble_ratio, r.bubble_ratio_max,
-                bubble_ratio.c_str(), time_ratio.c_str(), goal.c_str());
+    std::printf("%3d %5d  %-8s %10.1f %8.3f %10.3f %8s %8s   %-16s %-16s %-8s %s\n", key.pp,
+                key.microbatches, key.schedule.c_str(), r.iteration_ms, r.bubble_ratio,
+                r.bubble_ratio_max, Cell(r.bubble_ratio_in_run).c_str(),
+                Cell(r.simulated_bubble).c_str(), bubble_ratio.c_str(), time_ratio.c_str(),
+                goal.c_str(), other_ratios.c_str());
+  }
+  bool any_costs = false;
+  for (const auto& [key, r] : results) any_costs = any_costs || !r.costs.empty();
+  if (!any_costs) return;
+  std::printf("\nmedian action costs per stage (ms; F/B/W, or F/BW for a fused backward):\n");
+  for (const RunKey& key : keys) {
+    auto it = results.find(key);
+    if (it == results.end() || it->second.costs.empty()) continue;
+    std::printf("%3d %5d  %-8s %s\n", key.pp, key.microbatches, key.schedule.c_str(),
+                it->second.costs.c_str());
   }
 }
 
@@ -352,8 +467,11 @@ int Run(const std::string& bin_dir) {
     results.emplace(key, *result);
   }
 
-  std::printf("\ngoal: ZB-H1 bubble <= %.1f x 1F1B (median bubble_ratio, mean over stages)\n",
-              FLAGS_goal_ratio);
+  std::printf(
+      "\ngoal: ZB-H1 bubble <= %.1f x 1F1B (median bubble_ratio, mean over stages)\n"
+      "bubble: idle until the pipeline is done / that span; in-run: idle inside the stage's own "
+      "run / its run; sim: simulated for the median costs, free transfers\n",
+      FLAGS_goal_ratio);
   PrintTable(keys, results);
   std::printf(
       "\n%zu runs in %.0f s\n", keys.size(),

@@ -1,0 +1,233 @@
+// StageExecutor (pipeline/stage_executor.h) on a one-stage pipeline (a one-process Gloo
+// world): per-layer F/B/W times cover the stage's actions, the gradients of the split,
+// tagged, hooked backward are bit-identical to a plain backward, and the measured
+// activation memory grows with the micro-batches a schedule holds in flight.
+#include "pipeline/stage_executor.h"
+
+#include <stdlib.h>
+
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+#include "parallel/world_communicator.h"
+#include "pipeline/timeline.h"
+#include "tests/pipeline/engine/engine_test_util.h"
+
+namespace fulcrum::pipeline {
+namespace {
+
+using testing::EngineModel;
+using testing::RandomPlan;
+
+constexpr int64_t kMicroBatchSize = 2;
+
+std::unique_ptr<parallel::Communicator> OneProcessWorld() {
+  auto comm = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
+                                                std::chrono::seconds(30));
+  EXPECT_TRUE(comm.ok()) << comm.status();
+  return comm.ok() ? std::move(comm).value() : nullptr;
+}
+
+Schedule MustMake(const std::string& name, int microbatches) {
+  absl::StatusOr<Schedule> schedule = MakeSchedule(name, 1, microbatches);
+  EXPECT_TRUE(schedule.ok()) << schedule.status();
+  return *schedule;
+}
+
+// Σ over the actions of `kind` of their time without waits.
+double ActionMs(const StageRunResult& run, std::initializer_list<ActionKind> kinds) {
+  double ms = 0;
+  for (const ActionTiming& t : run.timings) {
+    for (ActionKind kind : kinds) {
+      if (t.action.kind == kind) ms += t.end_ms - t.start_ms - t.wait_ms - t.migration_ms;
+    }
+  }
+  return ms;
+}
+
+double Sum(const std::map<int64_t, double>& by_layer) {
+  double sum = 0;
+  for (const auto& [layer, ms] : by_layer) sum += ms;
+  return sum;
+}
+
+class PipelineExecutorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    world_ = OneProcessWorld();
+    ASSERT_NE(world_, nullptr);
+  }
+  absl::StatusOr<StageRunResult> RunSchedule(GptModel& model, const Schedule& schedule) {
+    StageExecutor executor(world_.get(), kMicroBatchSize);
+    return executor.Run(model, schedule, /*iteration=*/1,
+                        RandomPlan(model.options(), schedule.num_microbatches, kMicroBatchSize),
+                        /*loss_scale=*/1e-3);
+  }
+  std::unique_ptr<parallel::Communicator> world_;
+};
+
+// NOTE [per-layer timing]: every layer gets F, B and W time in a ZB-H1 run; per action and
+// per layer they add up; the per-layer sums stay within the stage's F, B and W (the
+// embedding, head and loss are no layer's) and make up most of them.
+TEST_F(PipelineExecutorTest, PerLayerForwardBackwardAndWeightTimesCoverTheStage) {
+  GptModel model(EngineModel());
+  constexpr int kMicroBatches = 4;
+  absl::StatusOr<StageRunResult> run = RunSchedule(model, MustMake("zbh1", kMicroBatches));
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (const auto* by_layer : {&run->layer_forward_ms, &run->layer_backward_ms, &run->layer_weight_ms}) {
+    ASSERT_EQ(by_layer->size(), 4u);
+    for (const auto& [layer, ms] : *by_layer) EXPECT_GT(ms, 0.0) << "layer " << layer;
+  }
+  // Each action's per-layer times add up to the per-layer totals.
+  std::map<ActionKind, std::map<int64_t, double>> from_actions;
+  for (const ActionTiming& t : run->timings) {
+    for (const auto& [layer, ms] : t.layer_ms) from_actions[t.action.kind][layer] += ms;
+    EXPECT_EQ(t.layer_ms.size(), 4u) << t.action.ToString();
+  }
+  for (int64_t layer = 0; layer < 4; ++layer) {
+    EXPECT_NEAR(from_actions[ActionKind::kForward][layer], run->layer_forward_ms.at(layer), 1e-9);
+    EXPECT_NEAR(from_actions[ActionKind::kBackwardInput][layer], run->layer_backward_ms.at(layer), 1e-9);
+    EXPECT_NEAR(from_actions[ActionKind::kBackwardWeight][layer], run->layer_weight_ms.at(layer), 1e-9);
+  }
+  const double f = ActionMs(*run, {ActionKind::kForward});
+  const double b = ActionMs(*run, {ActionKind::kBackwardInput});
+  const double w = ActionMs(*run, {ActionKind::kBackwardWeight});
+  std::cout << "stage F/B/W " << f << " / " << b << " / " << w << " ms; per-layer sums "
+            << Sum(run->layer_forward_ms) << " / " << Sum(run->layer_backward_ms) << " / "
+            << Sum(run->layer_weight_ms) << " ms" << std::endl;
+  EXPECT_LE(Sum(run->layer_forward_ms), f);
+  EXPECT_LE(Sum(run->layer_backward_ms), b);
+  EXPECT_LE(Sum(run->layer_weight_ms), w);
+  // Four layers against an embedding and a 96-word head: the layers dominate.
+  EXPECT_GE(Sum(run->layer_forward_ms), 0.5 * f);
+  EXPECT_GE(Sum(run->layer_backward_ms), 0.5 * b);
+  EXPECT_GE(Sum(run->layer_weight_ms), 0.5 * w);
+}
+
+// The timeline shows each action's per-layer times as args "layers.L ms".
+TEST_F(PipelineExecutorTest, TimelineShowsPerLayerTimes) {
+  GptModel model(EngineModel());
+  absl::StatusOr<StageRunResult> run = RunSchedule(model, MustMake("zbh1", 2));
+  ASSERT_TRUE(run.ok()) << run.status();
+  std::string dir = "/tmp/fulcrum_engine_XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/t.json";
+  TimelineRecorder timeline(world_.get(), path, /*stage=*/0);
+  timeline.RecordIteration(1, *run);
+  ASSERT_TRUE(timeline.Flush().ok());
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json trace = nlohmann::json::parse(text.str());
+  std::map<std::string, int> slices_with_layers;  // kind -> slices carrying all four layers
+  for (const auto& event : trace["traceEvents"]) {
+    if (event.value("cat", "") != "compute") continue;
+    int layers = 0;
+    for (int l = 0; l < 4; ++l) {
+      const std::string key = "layers." + std::to_string(l) + " ms";
+      if (event["args"].contains(key) && event["args"][key].get<double>() > 0) ++layers;
+    }
+    if (layers == 4) ++slices_with_layers[event["args"]["kind"].get<std::string>()];
+  }
+  EXPECT_EQ(slices_with_layers["F"], 2);
+  EXPECT_EQ(slices_with_layers["B"], 2);
+  EXPECT_EQ(slices_with_layers["W"], 2);
+}
+
+// 1F1B's fused BW counts as B per layer; there is no W.
+TEST_F(PipelineExecutorTest, FusedBackwardCountsAsBackwardPerLayer) {
+  GptModel model(EngineModel());
+  absl::StatusOr<StageRunResult> run = RunSchedule(model, MustMake("1f1b", 3));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->layer_backward_ms.size(), 4u);
+  for (const auto& [layer, ms] : run->layer_backward_ms) EXPECT_GT(ms, 0.0) << "layer " << layer;
+  EXPECT_TRUE(run->layer_weight_ms.empty());
+  EXPECT_LE(Sum(run->layer_backward_ms), ActionMs(*run, {ActionKind::kBackward}));
+}
+
+// The hooks, tags and the split leave the arithmetic alone: the gradients equal those of a
+// plain backward of the same micro-batches in the same order, bit for bit.
+TEST_F(PipelineExecutorTest, GradientsAreBitIdenticalToAPlainBackward) {
+  const ModelOptions options = EngineModel();
+  constexpr int kMicroBatches = 3;
+  constexpr double kLossScale = 1e-3;
+  GptModel executed(options);
+  ASSERT_TRUE(RunSchedule(executed, MustMake("zbh1", kMicroBatches)).ok());
+
+  GptModel plain(options);
+  const MicroBatchPlan plan = RandomPlan(options, kMicroBatches, kMicroBatchSize);
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    ForwardContext ctx{true, /*iteration=*/1, plan.first_sample(mb), kLossScale};
+    LossSum loss = plain.ForwardLoss(plan.tokens(mb), ctx);
+    (loss.sum * kLossScale).backward();
+  }
+  const std::vector<Unit*> a = executed.Units(), b = plain.Units();
+  ASSERT_EQ(a.size(), b.size());
+  int compared = 0;
+  for (size_t u = 0; u < a.size(); ++u) {
+    for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
+      const at::Tensor& ga = a[u]->parameters()[p].value.grad();
+      const at::Tensor& gb = b[u]->parameters()[p].value.grad();
+      ASSERT_TRUE(ga.defined() && gb.defined()) << a[u]->parameters()[p].name;
+      EXPECT_TRUE(at::equal(ga, gb)) << a[u]->GlobalName(a[u]->parameters()[p].name);
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 40);
+}
+
+// NOTE [activation memory]: one stage running F B W per micro-batch holds one micro-batch
+// at a time; running all forwards first (GPipe's order) holds all of them, so its peak is
+// about `m` times as high. A micro-batch holds at least its layers' inputs.
+TEST_F(PipelineExecutorTest, PeakActivationBytesFollowTheMicroBatchesInFlight) {
+  const ModelOptions options = EngineModel();
+  constexpr int kMicroBatches = 4;
+  GptModel model(options);
+  absl::StatusOr<StageRunResult> one = RunSchedule(model, MustMake("zbh1", kMicroBatches));
+  ASSERT_TRUE(one.ok()) << one.status();
+
+  Schedule gpipe;
+  gpipe.name = "gpipe";
+  gpipe.num_stages = 1;
+  gpipe.num_microbatches = kMicroBatches;
+  gpipe.max_in_flight = kMicroBatches;
+  gpipe.stages.resize(1);
+  for (int mb = 0; mb < kMicroBatches; ++mb) gpipe.stages[0].push_back({ActionKind::kForward, mb});
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    gpipe.stages[0].push_back({ActionKind::kBackwardInput, mb});
+    gpipe.stages[0].push_back({ActionKind::kBackwardWeight, mb});
+  }
+  ASSERT_TRUE(ValidateSchedule(gpipe).ok());
+  model.ZeroGrad();
+  absl::StatusOr<StageRunResult> all = RunSchedule(model, gpipe);
+  ASSERT_TRUE(all.ok()) << all.status();
+
+  const int64_t layer_input_bytes =
+      options.seq_length * kMicroBatchSize * options.hidden_size * static_cast<int64_t>(sizeof(float));
+  std::cout << "peak activation bytes: one in flight " << one->peak_activation_bytes << ", "
+            << kMicroBatches << " in flight " << all->peak_activation_bytes << std::endl;
+  EXPECT_GE(one->peak_activation_bytes, options.num_layers * layer_input_bytes);
+  EXPECT_GT(all->peak_activation_bytes, (kMicroBatches - 0.5) * one->peak_activation_bytes);
+  EXPECT_LT(all->peak_activation_bytes, (kMicroBatches + 0.5) * one->peak_activation_bytes);
+}
+
+// A forward-only run (evaluation) measures no backward and no memory.
+TEST_F(PipelineExecutorTest, ForwardOnlyRunHasOnlyForwardTimes) {
+  GptModel model(EngineModel());
+  StageExecutor executor(world_.get(), kMicroBatchSize);
+  absl::StatusOr<StageRunResult> run =
+      executor.Run(model, MustMake("1f1b", 2), 0, RandomPlan(model.options(), 2, kMicroBatchSize),
+                   1.0, /*forward_only=*/true);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->layer_forward_ms.size(), 4u);
+  EXPECT_TRUE(run->layer_backward_ms.empty());
+  EXPECT_EQ(run->peak_activation_bytes, 0);
+  EXPECT_GT(run->tokens, 0);
+}
+
+}  // namespace
+}  // namespace fulcrum::pipeline

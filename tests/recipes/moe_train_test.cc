@@ -149,6 +149,37 @@ TEST_F(SlowMoeTrainTest, ExpertTimesPipelineParallel) {
                 "ep2pp2", SingleLosses(), kRelativeTolerance);
 }
 
+TEST_F(SlowMoeTrainTest, MovingMoeLayersKeepsTheLossCurveBitIdentical) {
+  // aux_free's expert bias is updated from the step's loads after the optimizer step; a
+  // layer that moves between stages mid-step carries the loads measured so far, and the
+  // bias travels as a unit buffer. Layer 2 (MoE) goes to stage 0 and back, layer 1 (dense)
+  // to stage 1 and back.
+  const std::string layout =
+      "--pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --moe_router=aux_free "
+      "--moe_router_bias_update_rate=1e-2";
+  std::string output;
+  const std::string fixed = *dir_ + "/aux_free_fixed.jsonl";
+  const std::string moved = *dir_ + "/aux_free_moved.jsonl";
+  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + layout + " --metrics_file=" + fixed),
+                                &output),
+            0)
+      << output;
+  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + layout +
+                                              " --rebalance_script='3:2->0;7:2->1,1->1;12:1->0'"
+                                              " --metrics_file=" + moved),
+                                &output),
+            0)
+      << output;
+  const std::vector<nlohmann::json> a = Records(fixed);
+  const std::vector<nlohmann::json> b = Records(moved);
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
+    EXPECT_EQ(a[i]["expert_tokens"], b[i]["expert_tokens"]) << "iteration " << i + 1;
+  }
+}
+
 TEST_F(SlowMoeTrainTest, DroplessCapacityAgreesOverTheExpertGroup) {
   // Capacity factor 0: each rank pads to the largest need of the group, and nothing drops.
   std::string output;

@@ -26,7 +26,9 @@ enum Column : int64_t {
   kPeakActivationBytes,
   kFixedColumns,
 };
-enum LayerColumn : int64_t { kLayerForward, kLayerBackward, kLayerWeight, kLayerState, kPerLayer };
+enum LayerColumn : int64_t {
+  kLayerForward, kLayerBackward, kLayerWeight, kLayerState, kLayerBlockLoad, kPerLayer
+};
 
 // What a unit keeps between iterations (StageLoad's state bytes).
 struct StateBytes {
@@ -99,6 +101,11 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     const StateBytes bytes = UnitStateBytes(*unit);
     m[layer_column(layer, kLayerState)] =
         static_cast<double>(bytes.parameters + bytes.gradients + bytes.optimizer);
+    // The block's own load (an MoE layer: expert rows of its last completed step); it
+    // travels with the layer, so it is reported where the layer is now.
+    if (const FeedForward* block = unit->feed_forward()) {
+      m[layer_column(layer, kLayerBlockLoad)] = block->Load();
+    }
   }
   at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, width]
   // Replicas measured different times: every one takes the mean, summed in rank order, so
@@ -137,6 +144,7 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
       load.layer_backward_ms.push_back(per_layer[kLayerBackward * layers + l]);
       load.layer_weight_ms.push_back(per_layer[kLayerWeight * layers + l]);
       load.layer_state_bytes.push_back(static_cast<int64_t>(per_layer[kLayerState * layers + l]));
+      load.layer_block_load.push_back(per_layer[kLayerBlockLoad * layers + l]);
     }
   }
   return loads;

@@ -51,6 +51,10 @@ struct StageLoad {
   std::vector<double> layer_forward_ms;   // F.
   std::vector<double> layer_backward_ms;  // B, or the fused BW of 1F1B (then W is 0).
   std::vector<double> layer_weight_ms;    // W (deferred weight-gradient GEMMs).
+  // The layer's own measure of its work from its FeedForward block (core/feed_forward.h),
+  // 0 for a dense layer: an MoE layer reports the rows its experts multiplied in the last
+  // completed step (DESIGN.md "Load model": plugins contribute a predicted load).
+  std::vector<double> layer_block_load;
   double forward_ms = 0;                  // F actions (whole stage, without waits).
   double backward_ms = 0;                 // B (or fused BW) actions.
   double weight_ms = 0;                   // W actions.

@@ -68,9 +68,21 @@ std::vector<double> Flatten(const std::vector<StageLoad>& loads) {
       out.insert(out.end(), v->begin(), v->end());
     }
     for (int64_t b : l.layer_state_bytes) out.push_back(double(b));
+    out.insert(out.end(), l.layer_block_load.begin(), l.layer_block_load.end());
   }
   return out;
 }
+
+// A block replacing the MLP of odd layers that reports a fixed load of 100 + its layer.
+class FixedLoadBlock final : public FeedForward {
+ public:
+  explicit FixedLoadBlock(int64_t layer) : layer_(layer) {}
+  at::Tensor Forward(const at::Tensor& x, const ForwardContext&) override { return x * 0.5; }
+  double Load() const override { return 100.0 + static_cast<double>(layer_); }
+
+ private:
+  int64_t layer_;
+};
 
 // ---- One process ----------------------------------------------------------------------
 
@@ -134,6 +146,27 @@ TEST(PipelineRunnerTest, LoadsCarryThePreviousIterationAndMemoryCountedByHand) {
   EXPECT_LE(layers_w, after.weight_ms);
   // What the rebalancer saw in iteration 2 is what the executor measured in iteration 1.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(after.layer_forward_ms[i], first_forward.at(i));
+}
+
+// Layers whose FeedForward reports a load (an MoE layer's expert rows) show it in
+// StageLoad::layer_block_load; dense layers show 0.
+TEST(PipelineRunnerTest, LoadsCarryEachBlocksOwnLoad) {
+  auto world = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
+                                                 std::chrono::seconds(30));
+  ASSERT_TRUE(world.ok()) << world.status();
+  const ModelOptions options = EngineModel();
+  FeedForwardFactory odd_layers = [](int64_t layer, Unit&, bool) -> std::unique_ptr<FeedForward> {
+    if (layer % 2 == 0) return nullptr;
+    return std::make_unique<FixedLoadBlock>(layer);
+  };
+  GptModel model(options, StageSpec(), nullptr, odd_layers);
+  std::vector<std::vector<StageLoad>> seen;
+  PipelineRunner runner(world->get(), "zbh1", kMicroBatchSize,
+                        std::make_unique<RecordingRebalancer>(std::map<int64_t, std::vector<LayerMove>>{},
+                                                              &seen));
+  ASSERT_TRUE(runner.Run(model, 1, RandomPlan(options, 2, kMicroBatchSize), kLossScale).ok());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0][0].layer_block_load, (std::vector<double>{0, 101, 0, 103}));
 }
 
 // ---- Several processes ----------------------------------------------------------------

@@ -106,12 +106,12 @@ class MoeLayer final : public FeedForward {
     const int64_t d = x.size(-1);
     at::Tensor tokens = x.reshape({-1, d});
     const int64_t t = tokens.size(0);
-    const int64_t k = options_.topk;
+    const int64_t k = options_.TopKAt(ctx.iteration);
     RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_};
     Routing routing = router_->Route(tokens, k, route_ctx);
     if (options_.batch_prioritized) routing = PrioritizeByConfidence(routing);
-    at::Tensor combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing)
-                                                       : PaddedExperts(tokens, routing);
+    at::Tensor combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing, k)
+                                                       : PaddedExperts(tokens, routing, k);
     SlotAssignment& slots = last_slots_;
 
     if (ctx.training) {
@@ -130,14 +130,14 @@ class MoeLayer final : public FeedForward {
   }
 
   // Every expert padded to the same capacity C (agreed over the expert-parallel group).
-  at::Tensor PaddedExperts(const at::Tensor& tokens, const Routing& routing) {
+  at::Tensor PaddedExperts(const at::Tensor& tokens, const Routing& routing, int64_t k) {
     const int64_t t = tokens.size(0);
     CapacityMaxReduce max_reduce;
     if (exchange_ != nullptr && exchange_->size() > 1) {
       max_reduce = [this](int64_t need) { return exchange_->Max(need); };
     }
-    const int64_t capacity = ExpertCapacity(options_.capacity_factor, options_.topk, t,
-                                            routing.expert_load, max_reduce);
+    const int64_t capacity =
+        ExpertCapacity(options_.capacity_factor, k, t, routing.expert_load, max_reduce);
     last_slots_ = AssignSlots(routing, options_.num_experts, capacity);
     DispatchPlan plan = MakeDispatchPlan(routing, last_slots_, t);
     at::Tensor buffer = Dispatch(tokens, plan);  // [E, C, D]
@@ -156,12 +156,12 @@ class MoeLayer final : public FeedForward {
   }
 
   // Each expert's rows are only the assignments it keeps (MoeOptions::per_expert_capacity).
-  at::Tensor RaggedExperts(const at::Tensor& tokens, const Routing& routing) {
+  at::Tensor RaggedExperts(const at::Tensor& tokens, const Routing& routing, int64_t k) {
     const int64_t t = tokens.size(0);
     const int64_t e_count = options_.num_experts;
     // The capacity is this micro-batch's own: no padding to agree on.
     const int64_t capacity =
-        ExpertCapacity(options_.capacity_factor, options_.topk, t, routing.expert_load);
+        ExpertCapacity(options_.capacity_factor, k, t, routing.expert_load);
     last_slots_ = AssignSlots(routing, e_count, capacity);
     const at::Tensor rows = at::clamp_max(routing.expert_load, capacity);  // [E] kept rows
     const at::Tensor offsets = at::cumsum(rows, 0) - rows;
@@ -390,6 +390,13 @@ absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& m
   if (RouterRegistry::Global().Find(options.router) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("--moe_router='", options.router,
                                                    "' is unknown; routers: ", RouterNames()));
+  }
+  for (const auto& [iteration, k] : options.topk_schedule) {
+    if (iteration < 1 || k < 1 || k > options.num_experts || (options.router == "switch" && k != 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--moe_router_topk_schedule: ", iteration, ":", k, " needs an iteration >= 1 and k in [1, ",
+          options.router == "switch" ? int64_t{1} : options.num_experts, "]"));
+    }
   }
   if (options.a2a_overlap_degree < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--moe_a2a_overlap_degree must be >= 1, got ",

@@ -38,6 +38,8 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -59,6 +61,10 @@ struct MoeOptions {
   int64_t num_experts = 0;
   /// --moe_router_topk: k experts per token. Default: 2.
   int64_t topk = 2;
+  /// --moe_router_topk_schedule "ITER:K[,ITER:K...]": from optimizer step ITER on, route
+  /// with K experts per token (Tutel's top-any: k may change between steps; capacity
+  /// follows). Empty: always `topk`.
+  std::map<int64_t, int64_t> topk_schedule;
   /// --moe_ffn_hidden_size: hidden width of each expert; 0 = the model's ffn_hidden_size.
   int64_t ffn_hidden_size = 0;
   /// --moe_layer_freq: layer i is an MoE layer when i % freq == 0 (Megatron's integer
@@ -87,6 +93,12 @@ struct MoeOptions {
   /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
   /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
   int hierarchical_node_size = 0;
+
+  /// k for optimizer step `iteration` (topk_schedule, else topk).
+  int64_t TopKAt(int64_t iteration) const {
+    auto it = topk_schedule.upper_bound(iteration);
+    return it == topk_schedule.begin() ? topk : std::prev(it)->second;
+  }
 
   /// Whether global layer `layer` is an MoE layer.
   bool IsMoeLayer(int64_t layer) const {

@@ -2,7 +2,9 @@
 
 #include <gflags/gflags.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/status.h"
@@ -71,6 +73,9 @@ DEFINE_int32(expert_model_parallel_size, 1,
 DEFINE_int64(num_experts, 0, "Experts per MoE layer; 0 = a dense model.");
 DEFINE_int64(moe_layer_freq, 1, "Layer i is an MoE layer when i % this == 0 (1 = every layer).");
 DEFINE_int64(moe_router_topk, 2, "Experts per token (k).");
+DEFINE_string(moe_router_topk_schedule, "",
+              "Top-any routing: ITER:K[,ITER:K...] routes with K experts per token from step ITER "
+              "on, e.g. '1:2,500:1'; empty = always --moe_router_topk.");
 DEFINE_int64(moe_ffn_hidden_size, 0, "Hidden size of each expert; 0 = the MLP size.");
 DEFINE_string(moe_router, "topk", "Router (see the list above).");
 DEFINE_double(moe_capacity_factor, 1.0,
@@ -234,8 +239,8 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   ModelOptions moe_model;
   moe_model.hidden_size = FLAGS_hidden_size;
   moe_model.ffn_hidden_size = ffn;
-  FULCRUM_RETURN_IF_ERROR(
-      moe::ValidateMoeOptions(MoeOptionsFromFlags(), moe_model, config.ep, config.tp));
+  FULCRUM_ASSIGN_OR_RETURN(moe::MoeOptions moe_options, MoeOptionsFromFlags());
+  FULCRUM_RETURN_IF_ERROR(moe::ValidateMoeOptions(moe_options, moe_model, config.ep, config.tp));
   if (FLAGS_distributed_timeout_minutes < 1) {
     return Invalid(absl::StrCat("--distributed_timeout_minutes=", FLAGS_distributed_timeout_minutes,
                                 " must be ≥ 1"));
@@ -243,7 +248,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   return config;
 }
 
-moe::MoeOptions MoeOptionsFromFlags() {
+absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags() {
   moe::MoeOptions o;
   o.num_experts = FLAGS_num_experts;
   o.topk = FLAGS_moe_router_topk;
@@ -253,6 +258,15 @@ moe::MoeOptions MoeOptionsFromFlags() {
   o.capacity_factor = FLAGS_moe_capacity_factor;
   o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
   o.per_expert_capacity = FLAGS_moe_per_expert_capacity;
+  for (absl::string_view part : absl::StrSplit(FLAGS_moe_router_topk_schedule, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> ik = absl::StrSplit(part, absl::MaxSplits(':', 1));
+    int64_t iteration = 0, k = 0;
+    if (!absl::SimpleAtoi(ik.first, &iteration) || !absl::SimpleAtoi(ik.second, &k)) {
+      return Invalid(absl::StrCat("--moe_router_topk_schedule: '", part,
+                                  "' is not ITER:K (e.g. '1:2,500:1')"));
+    }
+    o.topk_schedule[iteration] = k;
+  }
   o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
   o.a2a_overlap_degree = FLAGS_moe_a2a_overlap_degree;
   moe::RouterOptions& r = o.router_options;

@@ -42,7 +42,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 
 /// The --num_experts / --moe_* flags (num_experts 0: no MoE layers).
-moe::MoeOptions MoeOptionsFromFlags();
+absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags();
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();

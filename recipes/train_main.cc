@@ -102,7 +102,9 @@ int main(int argc, char** argv) {
 
   // MoE layers replace the MLP of chosen layers; building their all-to-all groups is
   // collective, so every rank does it here, before the model.
-  fulcrum::moe::MoeOptions moe = fulcrum::MoeOptionsFromFlags();
+  auto moe_flags = fulcrum::MoeOptionsFromFlags();
+  if (!moe_flags.ok()) return Fail(moe_flags.status());
+  const fulcrum::moe::MoeOptions& moe = *moe_flags;
   fulcrum::moe::MoeGroups moe_groups;
   if (parallel != nullptr) {
     moe_groups.expert = &parallel->group(fulcrum::parallel::GroupKind::kExpert);

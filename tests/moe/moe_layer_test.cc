@@ -211,6 +211,25 @@ TEST(MoeLayerTest, StatisticsSumTheStepsMicroBatches) {
   EXPECT_EQ(b.block->Load(), 3 * kExperts * 2);
 }
 
+TEST(MoeLayerTest, TopKFollowsItsSchedule) {
+  MoeOptions options = Options();
+  options.topk_schedule = {{3, 1}, {5, 3}};  // k = 2 for steps 1-2, 1 for 3-4, 3 from 5
+  Built b = Build(options);
+  for (int64_t step = 1; step <= 6; ++step) {
+    b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, step, 0, 1.0 / 8});
+    b.block->AfterOptimizerStep();
+    double routed = 0;
+    for (const BlockStatistic& s : b.block->Statistics()) {
+      if (s.name == "expert_tokens") for (double t : s.values) routed += t;
+    }
+    const int64_t k = step < 3 ? 2 : step < 5 ? 1 : 3;
+    EXPECT_EQ(routed, 8 * k) << "step " << step;
+  }
+  options.topk_schedule = {{2, 5}};
+  EXPECT_NE(ValidateMoeOptions(options, Model(), 1, 1).message().find("--moe_router_topk_schedule"),
+            std::string::npos);
+}
+
 TEST(MoeLayerTest, ParametersAreNamedByGlobalExpertAndMarkedExpertParallel) {
   Built b = Build(Options());
   int experts = 0;

@@ -44,6 +44,9 @@ at::Tensor& Unit::AddBuffer(const std::string& local_name, at::Tensor init) {
     TORCH_INTERNAL_ASSERT(name != local_name, "duplicate buffer ", GlobalName(local_name));
   }
   TORCH_CHECK(init.is_contiguous(), "buffer ", GlobalName(local_name), " must be contiguous");
+  // Layer migration carries tensors as fp32 (pipeline/migration.cc).
+  TORCH_CHECK(init.scalar_type() == at::kFloat, "buffer ", GlobalName(local_name),
+              " must be float32, got ", init.scalar_type());
   buffers_.emplace_back(local_name, init.detach());
   return buffers_.back().second;
 }

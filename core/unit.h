@@ -137,8 +137,8 @@ class Unit {
   /// Registers persistent state that is not trained (e.g. the expert bias of an
   /// auxiliary-loss-free router): replicated over every group, checkpointed and migrated
   /// with the unit under its global name, restored in place. The unit keeps `init` itself
-  /// (sharing its storage, which must be contiguous), so the owner and the unit see the
-  /// same values; the owner updates it in place only.
+  /// (sharing its storage, which must be contiguous fp32 — migrations carry fp32), so the
+  /// owner and the unit see the same values; the owner updates it in place only.
   at::Tensor& AddBuffer(const std::string& local_name, at::Tensor init);
   /// Buffers by local name.
   const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }

@@ -26,4 +26,9 @@ at::Generator MakeGenerator(uint64_t seed, std::string_view name,
   return at::detail::createCPUGenerator(StreamSeed(seed, name, counters));
 }
 
+at::Tensor NormalInit(uint64_t seed, std::string_view name, at::IntArrayRef shape, double std) {
+  at::Generator gen = MakeGenerator(seed, name);
+  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
+}
+
 }  // namespace fulcrum

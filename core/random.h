@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -35,6 +36,10 @@ uint64_t StreamSeed(uint64_t seed, std::string_view name, std::initializer_list<
 /// A fresh CPU generator seeded with StreamSeed(seed, name, counters).
 at::Generator MakeGenerator(uint64_t seed, std::string_view name,
                             std::initializer_list<int64_t> counters = {});
+
+/// An fp32 tensor of `shape` drawn from N(0, std²) with MakeGenerator(seed, name): every
+/// parameter's initial value, keyed by its global name.
+at::Tensor NormalInit(uint64_t seed, std::string_view name, at::IntArrayRef shape, double std);
 
 }  // namespace fulcrum
 

@@ -9,14 +9,6 @@
 namespace fulcrum {
 namespace {
 
-// Every initial value is drawn from a generator keyed by the parameter's global name
-// (NOTE [layout-independent randomness]).
-at::Tensor NormalInit(uint64_t seed, const std::string& global_name, at::IntArrayRef shape,
-                      double std) {
-  at::Generator gen = MakeGenerator(seed, global_name);
-  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
-}
-
 at::Tensor Zeros(at::IntArrayRef shape) { return at::zeros(shape, at::kFloat); }
 at::Tensor Ones(at::IntArrayRef shape) { return at::ones(shape, at::kFloat); }
 

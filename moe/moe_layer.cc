@@ -43,12 +43,6 @@ class AuxLossScaler : public torch::autograd::Function<AuxLossScaler> {
   }
 };
 
-at::Tensor NormalInit(uint64_t seed, const std::string& global_name, at::IntArrayRef shape,
-                      double std) {
-  at::Generator gen = MakeGenerator(seed, global_name);
-  return at::empty(shape, at::kFloat).normal_(0.0, std, gen);
-}
-
 class MoeLayer final : public FeedForward {
  public:
   MoeLayer(const MoeOptions& options, const ModelOptions& model, int64_t layer_index,

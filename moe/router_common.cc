@@ -14,8 +14,7 @@ at::Tensor LeafParameter(const at::Tensor& init) {
 
 at::Tensor NormalParameter(const RouterOptions& options, const std::string& local_name,
                            at::IntArrayRef shape, double std) {
-  at::Generator gen = MakeGenerator(options.seed, options.init_scope + "." + local_name);
-  return LeafParameter(at::empty(shape, at::kFloat).normal_(0.0, std, gen));
+  return LeafParameter(NormalInit(options.seed, options.init_scope + "." + local_name, shape, std));
 }
 
 at::Tensor RouterInput(const at::Tensor& hidden, at::ScalarType dtype, const RouterOptions& options,

@@ -13,6 +13,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
 
 namespace fulcrum {
 namespace {
@@ -21,46 +22,15 @@ namespace {
 // ranks; this bounds the relative difference of every loss over 20 fp32 steps.
 constexpr double kRelativeTolerance = 1e-5;
 
-const std::string kBin = FULCRUM_BIN_DIR;
-
-std::string Launch(int n, const std::string& args) {
-  const std::string train = kBin + "/fulcrum_train " + args;
-  if (n == 1) return train;
-  return kBin + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) + " --master_port=0 -- " +
-         train;
-}
-
-std::vector<nlohmann::json> Records(const std::string& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-std::vector<double> Losses(const std::vector<nlohmann::json>& records) {
-  std::vector<double> losses;
-  for (const auto& r : records) losses.push_back(r["loss"].get<double>());
-  return losses;
-}
-
-double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  }
-  return worst;
-}
-
 class SlowMoeTrainTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(testing::MakeTempDir("moe_train"));
     std::string output;
     const int code = testing::RunCommand(
-        Launch(1, Common() + " --metrics_file=" + *dir_ + "/single.jsonl"), &output);
+        testing::TrainCommand(1, Common() + " --metrics_file=" + *dir_ + "/single.jsonl"), &output);
     ASSERT_EQ(code, 0) << output;
-    single_ = new std::vector<nlohmann::json>(Records(*dir_ + "/single.jsonl"));
+    single_ = new std::vector<nlohmann::json>(testing::MetricsRecords(*dir_ + "/single.jsonl"));
     ASSERT_EQ(single_->size(), 20u);
   }
   static std::string Common() {
@@ -73,17 +43,17 @@ class SlowMoeTrainTest : public ::testing::Test {
     std::string output;
     const std::string metrics = *dir_ + "/" + name + ".jsonl";
     const int code = testing::RunCommand(
-        Launch(n, Common() + " " + layout + " --metrics_file=" + metrics), &output);
+        testing::TrainCommand(n, Common() + " " + layout + " --metrics_file=" + metrics), &output);
     EXPECT_EQ(code, 0) << output;
-    std::vector<double> losses = Losses(Records(metrics));
+    std::vector<double> losses = testing::LossesOf(testing::MetricsRecords(metrics));
     EXPECT_EQ(losses.size(), 20u) << "one metrics line per iteration, from one rank";
-    const double worst = MaxRelativeDifference(losses, reference);
+    const double worst = testing::MaxRelativeDifference(losses, reference);
     std::cout << name << ": max relative loss difference over 20 iterations: " << worst
               << std::endl;
     EXPECT_LE(worst, tolerance);
     return losses;
   }
-  static std::vector<double> SingleLosses() { return Losses(*single_); }
+  static std::vector<double> SingleLosses() { return testing::LossesOf(*single_); }
   static std::string* dir_;
   static std::vector<nlohmann::json>* single_;
 };
@@ -116,7 +86,7 @@ TEST_F(SlowMoeTrainTest, ExpertParallelTwo) {
   const std::string metrics = *dir_ + "/ep2.jsonl";
   ExpectMatches(2, "--expert_model_parallel_size=2", "ep2", SingleLosses(), kRelativeTolerance);
   // The same tokens meet the same experts: identical loads every iteration.
-  const std::vector<nlohmann::json> records = Records(metrics);
+  const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
   ASSERT_EQ(records.size(), single_->size());
   for (size_t i = 0; i < records.size(); ++i) {
     EXPECT_EQ(records[i]["expert_tokens"], (*single_)[i]["expert_tokens"]) << "iteration " << i + 1;
@@ -160,18 +130,18 @@ TEST_F(SlowMoeTrainTest, MovingMoeLayersKeepsTheLossCurveBitIdentical) {
   std::string output;
   const std::string fixed = *dir_ + "/aux_free_fixed.jsonl";
   const std::string moved = *dir_ + "/aux_free_moved.jsonl";
-  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + layout + " --metrics_file=" + fixed),
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + layout + " --metrics_file=" + fixed),
                                 &output),
             0)
       << output;
-  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + layout +
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + layout +
                                               " --rebalance_script='3:2->0;7:2->1,1->1;12:1->0'"
                                               " --metrics_file=" + moved),
                                 &output),
             0)
       << output;
-  const std::vector<nlohmann::json> a = Records(fixed);
-  const std::vector<nlohmann::json> b = Records(moved);
+  const std::vector<nlohmann::json> a = testing::MetricsRecords(fixed);
+  const std::vector<nlohmann::json> b = testing::MetricsRecords(moved);
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -184,14 +154,14 @@ TEST_F(SlowMoeTrainTest, DroplessCapacityAgreesOverTheExpertGroup) {
   // Capacity factor 0: each rank pads to the largest need of the group, and nothing drops.
   std::string output;
   const std::string single = *dir_ + "/dropless_single.jsonl";
-  ASSERT_EQ(testing::RunCommand(Launch(1, Common() + " --moe_capacity_factor=0 --metrics_file=" + single),
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --moe_capacity_factor=0 --metrics_file=" + single),
                                 &output),
             0)
       << output;
-  const std::vector<nlohmann::json> records = Records(single);
+  const std::vector<nlohmann::json> records = testing::MetricsRecords(single);
   for (const auto& r : records) EXPECT_EQ(r["dropped_tokens"].get<double>(), 0.0);
   ExpectMatches(2, "--expert_model_parallel_size=2 --moe_capacity_factor=0", "dropless_ep2",
-                Losses(records), kRelativeTolerance);
+                testing::LossesOf(records), kRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, PerExpertCapacitySendsVariableSizeBuffers) {
@@ -205,47 +175,47 @@ TEST_F(SlowMoeTrainTest, PerExpertCapacitySendsVariableSizeBuffers) {
 TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {
   const std::string ckpt = testing::MakeTempDir("moe_ckpt");
   std::string output;
-  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " --expert_model_parallel_size=2 --save=" +
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " --expert_model_parallel_size=2 --save=" +
                                               ckpt + " --exit_interval=10"),
                                 &output),
             0)
       << output;
   const std::string metrics = ckpt + "/resumed.jsonl";
   ASSERT_EQ(testing::RunCommand(
-                Launch(1, Common() + " --load=" + ckpt + " --metrics_file=" + metrics), &output),
+                testing::TrainCommand(1, Common() + " --load=" + ckpt + " --metrics_file=" + metrics), &output),
             0)
       << output;
-  const std::vector<double> resumed = Losses(Records(metrics));
+  const std::vector<double> resumed = testing::LossesOf(testing::MetricsRecords(metrics));
   ASSERT_EQ(resumed.size(), 10u);
   const std::vector<double> all = SingleLosses();
   const double worst =
-      MaxRelativeDifference(resumed, std::vector<double>(all.begin() + 10, all.end()));
+      testing::MaxRelativeDifference(resumed, std::vector<double>(all.begin() + 10, all.end()));
   std::cout << "ep=2 -> ep=1 resume: max relative difference " << worst << std::endl;
   EXPECT_LE(worst, kRelativeTolerance);
   // Another MoE shape is refused, naming the flag.
-  EXPECT_EQ(testing::RunCommand(Launch(1, Common() + " --num_experts=4 --load=" + ckpt), &output), 2)
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --num_experts=4 --load=" + ckpt), &output), 2)
       << output;
   EXPECT_NE(output.find("--num_experts=8"), std::string::npos) << output;
-  EXPECT_EQ(testing::RunCommand(Launch(1, Common() + " --moe_router=sinkhorn --load=" + ckpt), &output), 2)
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --moe_router=sinkhorn --load=" + ckpt), &output), 2)
       << output;
   EXPECT_NE(output.find("--moe_router=topk"), std::string::npos) << output;
 }
 
 TEST(MoeFlagsTest, BadExpertLayoutsAreRefusedBeforeAnyWork) {
   std::string output;
-  EXPECT_EQ(testing::RunCommand(kBin + "/fulcrum_train --recipe=tiny_moe --num_experts=6 "
-                                       "--expert_model_parallel_size=4 --train_iters=1",
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, "--recipe=tiny_moe --num_experts=6 "
+                                                         "--expert_model_parallel_size=4 --train_iters=1"),
                                 &output),
             2);
   // One process cannot hold ep=4; the layout check names the sizes.
   EXPECT_NE(output.find("expert"), std::string::npos) << output;
   EXPECT_EQ(testing::RunCommand(
-                kBin + "/fulcrum_train --recipe=tiny_moe --moe_router=nope --train_iters=1", &output),
+                testing::TrainCommand(1, "--recipe=tiny_moe --moe_router=nope --train_iters=1"), &output),
             2);
   EXPECT_NE(output.find("nope"), std::string::npos) << output;
   EXPECT_NE(output.find("topk"), std::string::npos) << "lists the known routers: " << output;
-  EXPECT_EQ(testing::RunCommand(kBin + "/fulcrum_train --recipe=tiny --expert_model_parallel_size=2 "
-                                       "--train_iters=1",
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, "--recipe=tiny --expert_model_parallel_size=2 "
+                                                         "--train_iters=1"),
                                 &output),
             2);
 }

@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
 
 namespace fulcrum {
 namespace {
@@ -22,27 +23,8 @@ constexpr double kRelativeTolerance = 1e-5;
 
 const std::string kBin = FULCRUM_BIN_DIR;
 
-std::string Launch(int n, const std::string& args) {
-  const std::string train = kBin + "/fulcrum_train " + args;
-  if (n == 1) return train;
-  return kBin + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) + " --master_port=0 -- " +
-         train;
-}
-
 std::vector<double> Losses(const std::string& metrics) {
-  std::vector<double> losses;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return losses;
-}
-
-double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-  }
-  return worst;
+  return testing::LossesOf(testing::MetricsRecords(metrics));
 }
 
 class SlowParallelTrainTest : public ::testing::Test {
@@ -51,7 +33,7 @@ class SlowParallelTrainTest : public ::testing::Test {
     dir_ = new std::string(testing::MakeTempDir("parallel_train"));
     std::string output;
     const int code = testing::RunCommand(
-        Launch(1, Common() + " --metrics_file=" + *dir_ + "/single.jsonl"), &output);
+        testing::TrainCommand(1, Common() + " --metrics_file=" + *dir_ + "/single.jsonl"), &output);
     ASSERT_EQ(code, 0) << output;
     single_ = new std::vector<double>(Losses(*dir_ + "/single.jsonl"));
     ASSERT_EQ(single_->size(), 20u);
@@ -64,11 +46,11 @@ class SlowParallelTrainTest : public ::testing::Test {
     std::string output;
     const std::string metrics = *dir_ + "/" + name + ".jsonl";
     const int code = testing::RunCommand(
-        Launch(n, Common() + " " + layout + " --metrics_file=" + metrics), &output);
+        testing::TrainCommand(n, Common() + " " + layout + " --metrics_file=" + metrics), &output);
     ASSERT_EQ(code, 0) << output;
     std::vector<double> losses = Losses(metrics);
     ASSERT_EQ(losses.size(), 20u) << "one metrics line per iteration, from one rank";
-    const double worst = MaxRelativeDifference(losses, *single_);
+    const double worst = testing::MaxRelativeDifference(losses, *single_);
     std::cout << name << ": max relative loss difference vs one process over 20 iterations: "
               << worst << std::endl;
     EXPECT_LE(worst, kRelativeTolerance);
@@ -120,14 +102,14 @@ TEST_F(SlowParallelTrainTest, MigrationKeepsTheLossCurveBitIdentical) {
   const std::string pipeline = "--pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
   std::string output;
   const std::string still = *dir_ + "/still.jsonl";
-  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + pipeline + " --metrics_file=" + still), &output), 0)
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + pipeline + " --metrics_file=" + still), &output), 0)
       << output;
   const std::string ckpt = testing::MakeTempDir("moved_ckpt");
   const std::string moved = *dir_ + "/moved.jsonl";
   // [0,2)|[2,4) → [0,1)|[1,4) → [0,3)|[3,4) → [0,2)|[2,4) → [0,1)|[1,4) → [0,2)|[2,4) → [0,1)|[1,4)
   const std::string script =
       "--rebalance_script='3:1->1;6:1->0,2->0;9:2->1;12:1->1;15:1->0;18:1->1'";
-  ASSERT_EQ(testing::RunCommand(Launch(2, Common() + " " + pipeline + " " + script + " --save=" + ckpt +
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + pipeline + " " + script + " --save=" + ckpt +
                                               " --save_interval=10 --metrics_file=" + moved),
                                 &output),
             0)
@@ -136,20 +118,20 @@ TEST_F(SlowParallelTrainTest, MigrationKeepsTheLossCurveBitIdentical) {
   ASSERT_EQ(a.size(), 20u);
   ASSERT_EQ(b.size(), 20u);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "iteration " << i + 1;
-  EXPECT_LE(MaxRelativeDifference(b, *single_), kRelativeTolerance);
+  EXPECT_LE(testing::MaxRelativeDifference(b, *single_), kRelativeTolerance);
 
   // Saved at iteration 10 with layers [0,2)|[2,4) after four moves; resumed elsewhere.
   for (const auto& [n, layout] : std::vector<std::pair<int, std::string>>{
            {4, "--pipeline_model_parallel_size=4"}, {1, ""}}) {
     const std::string metrics = ckpt + "/resumed_" + std::to_string(n) + ".jsonl";
-    ASSERT_EQ(testing::RunCommand(Launch(n, Common() + " " + layout + " --load=" + ckpt + "/iter_0000010" +
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(n, Common() + " " + layout + " --load=" + ckpt + "/iter_0000010" +
                                                 " --metrics_file=" + metrics),
                                   &output),
               0)
         << output;
     std::vector<double> resumed = Losses(metrics);
     ASSERT_EQ(resumed.size(), 10u);
-    EXPECT_LE(MaxRelativeDifference(resumed, std::vector<double>(single_->begin() + 10, single_->end())),
+    EXPECT_LE(testing::MaxRelativeDifference(resumed, std::vector<double>(single_->begin() + 10, single_->end())),
               kRelativeTolerance)
         << layout;
   }
@@ -171,13 +153,13 @@ TEST_F(SlowParallelTrainTest, CheckpointsMoveBetweenLayouts) {
                         Case{4, "--pipeline_model_parallel_size=4", 1, ""}}) {
     const std::string ckpt = testing::MakeTempDir("layout_ckpt");
     std::string output;
-    ASSERT_EQ(testing::RunCommand(Launch(c.save_n, Common() + " " + c.save_layout + " --save=" + ckpt +
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(c.save_n, Common() + " " + c.save_layout + " --save=" + ckpt +
                                                        " --exit_interval=10"),
                                   &output),
               0)
         << output;
     const std::string metrics = ckpt + "/resumed.jsonl";
-    ASSERT_EQ(testing::RunCommand(Launch(c.load_n, Common() + " " + c.load_layout + " --load=" + ckpt +
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(c.load_n, Common() + " " + c.load_layout + " --load=" + ckpt +
                                                        " --metrics_file=" + metrics),
                                   &output),
               0)
@@ -185,7 +167,7 @@ TEST_F(SlowParallelTrainTest, CheckpointsMoveBetweenLayouts) {
     std::vector<double> resumed = Losses(metrics);
     ASSERT_EQ(resumed.size(), 10u);
     std::vector<double> expected(single_->begin() + 10, single_->end());
-    const double worst = MaxRelativeDifference(resumed, expected);
+    const double worst = testing::MaxRelativeDifference(resumed, expected);
     std::cout << c.save_n << " procs '" << c.save_layout << "' -> " << c.load_n << " procs '"
               << c.load_layout << "': max relative difference " << worst << std::endl;
     EXPECT_LE(worst, kRelativeTolerance);

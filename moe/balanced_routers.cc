@@ -28,9 +28,12 @@ class ExpertChoiceRouter : public Router {
                                 {options.num_experts, options.hidden_size}, options.init_std)) {}
 
   const char* name() const override { return "expert_choice"; }
+  bool token_choice() const override { return false; }
 
   Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
     CheckRouteArguments(hidden, k);
+    TORCH_CHECK(!ctx.fixed_experts.defined(),
+                "expert_choice routing has no per-token choice to fix (cached assignments)");
     at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
     const int64_t num_tokens = x.size(0);
     const int64_t num_experts = this->num_experts();
@@ -108,15 +111,13 @@ class SinkhornRouter : public Router {
     at::Tensor logits = at::linear(x, weight_);
     at::Tensor probs = at::softmax(logits, 1);
     at::Tensor scores = k == 1 ? at::sigmoid(logits) : probs;
-    at::Tensor experts, gates;
-    if (ctx.training) {
-      experts =
-          std::get<1>(at::topk(Sinkhorn(logits.detach(), options_.sinkhorn_iterations), k, 1));
-      gates = scores.gather(1, experts);
-    } else {
-      std::tie(gates, experts) = at::topk(scores, k, 1);
-    }
-    Routing routing = TokenChoiceRouting(experts, gates, probs, num_experts());
+    // Training chooses on the Sinkhorn-balanced assignment, evaluation on the scores.
+    at::Tensor own;
+    at::Tensor experts = ChooseExperts(
+        ctx.training ? Sinkhorn(logits.detach(), options_.sinkhorn_iterations) : scores, k, ctx,
+        &own);
+    Routing routing =
+        TokenChoiceRouting(experts, scores.gather(1, experts), probs, num_experts(), own);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
   }
@@ -159,9 +160,11 @@ class AuxFreeRouter : public Router {
     at::Tensor logits = at::linear(x, weight_);
     at::Tensor scores = at::sigmoid(logits);
     at::Tensor biased = scores.detach() + expert_bias_.to(scores.options());
-    at::Tensor experts = std::get<1>(at::topk(biased, k, /*dim=*/1));
+    at::Tensor own;
+    at::Tensor experts = ChooseExperts(biased, k, ctx, &own);
     Routing routing = TokenChoiceRouting(experts, TokenChoiceGates(scores.gather(1, experts)),
-                                         scores / scores.sum(1, /*keepdim=*/true), num_experts());
+                                         scores / scores.sum(1, /*keepdim=*/true), num_experts(),
+                                         own);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
   }

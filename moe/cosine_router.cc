@@ -43,9 +43,10 @@ class CosineRouter : public Router {
         at::linear(Normalize(at::linear(x, projection_)), Normalize(expert_embeddings_)) *
         LogitScale();
     at::Tensor probs = at::softmax(logits, 1);
-    auto [top_probs, top_experts] = at::topk(probs, k, /*dim=*/1);
-    Routing routing =
-        TokenChoiceRouting(top_experts, TokenChoiceGates(top_probs), probs, num_experts());
+    at::Tensor own;
+    at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
+    Routing routing = TokenChoiceRouting(experts, TokenChoiceGates(probs.gather(1, experts)),
+                                         probs, num_experts(), own);
     AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;

@@ -102,6 +102,12 @@ struct RouteContext {
   int64_t iteration = 0;     // Optimizer step being computed.
   int64_t first_sample = 0;  // Global index of the micro-batch's first sample.
   int64_t layer = 0;         // Global index of the transformer layer.
+  /// [T, k] int64 or undefined. Where a row's entries are >= 0, a token-choice router
+  /// routes that token to these experts instead of its own top-k, and computes the gates
+  /// and losses by its usual rule for them (DynaMoE's cached assignments, NOTE [assignment
+  /// caching] in moe/moe_layer.h); rows of −1 take the router's own choice. Routers that
+  /// are not token_choice() refuse it.
+  at::Tensor fixed_experts;
 };
 
 /// The routing of T tokens as a flat list of N assignments, in the order they claim
@@ -114,6 +120,9 @@ struct Routing {
   at::Tensor probs;        ///< [T, E] the router's probabilities over experts (for metrics
                            ///< and balancing losses; each router documents its own).
   at::Tensor expert_load;  ///< [E] int64: assignments per expert before capacity.
+  /// [T, k] int64: the experts the router itself prefers for each token, best first,
+  /// whatever RouteContext::fixed_experts imposed. Token-choice routers only.
+  at::Tensor choice;
   /// (name, scalar) already multiplied by its coefficient; the caller adds them to the
   /// training loss and reports them. Only losses with a coefficient > 0 appear. Names:
   /// "load_balancing_loss", "importance_loss", "load_loss", "z_loss".
@@ -149,6 +158,11 @@ class Router {
 
   const RouterOptions& options() const { return options_; }
   int64_t num_experts() const { return options_.num_experts; }
+
+  /// Whether each token picks its k experts (true for every router here except
+  /// `expert_choice`). Only these honour RouteContext::fixed_experts and fill
+  /// Routing::choice.
+  virtual bool token_choice() const { return true; }
 
   /// Routes `hidden` [T, D] (T >= 1 tokens of one micro-batch) with `k` experts per token
   /// for this call (1 <= k <= E; for `expert_choice` k is the average, C = c·k·T/E).

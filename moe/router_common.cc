@@ -40,13 +40,28 @@ at::Tensor KeyedStandardNormal(const RouterOptions& options, const char* site,
   return noise.to(like.device());
 }
 
+at::Tensor ChooseExperts(const at::Tensor& selection, int64_t k, const RouteContext& ctx,
+                         at::Tensor* own) {
+  *own = std::get<1>(at::topk(selection, k, /*dim=*/1));
+  const at::Tensor& fixed = ctx.fixed_experts;
+  if (!fixed.defined()) return *own;
+  TORCH_CHECK(fixed.dim() == 2 && fixed.size(0) == selection.size(0) && fixed.size(1) == k,
+              "fixed experts of shape ", fixed.sizes(), " for ", selection.size(0),
+              " tokens and k=", k);
+  at::Tensor chosen = fixed.to(own->options());
+  TORCH_CHECK(chosen.numel() == 0 || chosen.max().item<int64_t>() < selection.size(1),
+              "a fixed expert is out of range for ", selection.size(1), " experts");
+  at::Tensor is_fixed = chosen.select(1, 0).ge(0).unsqueeze(1);  // [T, 1]
+  return at::where(is_fixed, chosen, *own);
+}
+
 at::Tensor TokenChoiceGates(const at::Tensor& chosen_scores) {
   if (chosen_scores.size(1) == 1) return chosen_scores;
   return chosen_scores / chosen_scores.sum(1, /*keepdim=*/true);
 }
 
 Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, at::Tensor probs,
-                           int64_t num_experts) {
+                           int64_t num_experts, at::Tensor own) {
   TORCH_INTERNAL_ASSERT(experts.dim() == 2 && experts.sizes() == gates.sizes());
   const int64_t num_tokens = experts.size(0);
   const int64_t k = experts.size(1);
@@ -58,6 +73,7 @@ Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, a
   routing.gate = gates.t().reshape({-1});
   routing.probs = std::move(probs);
   routing.expert_load = at::bincount(routing.expert, /*weights=*/{}, num_experts);
+  routing.choice = std::move(own);
   return routing;
 }
 

@@ -36,9 +36,10 @@ class TopKRouter : public Router {
     at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
     at::Tensor logits = at::linear(x, weight_);  // [T, E]
     at::Tensor probs = at::softmax(logits, 1);
-    auto [top_probs, top_experts] = at::topk(probs, k, /*dim=*/1);
-    Routing routing =
-        TokenChoiceRouting(top_experts, TokenChoiceGates(top_probs), probs, num_experts());
+    at::Tensor own;
+    at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
+    Routing routing = TokenChoiceRouting(experts, TokenChoiceGates(probs.gather(1, experts)),
+                                         probs, num_experts(), own);
     AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
@@ -97,9 +98,10 @@ class NoisyTopKRouter : public Router {
                                            num_experts(), clean.options()) *
                            noise_stddev;
     }
-    auto [top_logits, top_experts] = at::topk(logits, k, /*dim=*/1);
-    Routing routing = TokenChoiceRouting(top_experts, at::softmax(top_logits, 1),
-                                         at::softmax(logits, 1), num_experts());
+    at::Tensor own;
+    at::Tensor experts = ChooseExperts(logits, k, ctx, &own);
+    Routing routing = TokenChoiceRouting(experts, at::softmax(logits.gather(1, experts), 1),
+                                         at::softmax(logits, 1), num_experts(), own);
     if (options_.aux_loss_coeff > 0.0) {
       at::Tensor importance = Importance(routing.expert, routing.gate, num_experts());
       at::Tensor load = ctx.training ? NoisyTopKLoad(clean, logits, noise_stddev, k)

@@ -51,6 +51,12 @@ at::Tensor KeyedStandardNormal(const RouterOptions& options, const char* site,
                                const RouteContext& ctx, int64_t rows, int64_t cols,
                                const at::TensorOptions& like);
 
+/// The experts [T, k] a token-choice router routes to: the top-k of `selection` [T, E]
+/// (best first), except the rows that ctx.fixed_experts fixes (entries >= 0), which take
+/// those. Writes the top-k itself, the router's own preference, to `*own`.
+at::Tensor ChooseExperts(const at::Tensor& selection, int64_t k, const RouteContext& ctx,
+                         at::Tensor* own);
+
 /// The token-choice gate convention shared by `topk`, `switch`, `noisy_topk`, `aux_free`
 /// and `cosine`: the chosen scores renormalised to sum 1 per token when k > 1 (GShard,
 /// Mixtral, Megatron); for k = 1 the score itself, because a renormalised single gate is
@@ -58,9 +64,10 @@ at::Tensor KeyedStandardNormal(const RouterOptions& options, const char* site,
 at::Tensor TokenChoiceGates(const at::Tensor& chosen_scores);
 
 /// Flattens per-token choices `experts` [T, k] (best first) and `gates` [T, k] into a
-/// Routing in GShard order (NOTE [assignment order]) and counts the expert loads.
+/// Routing in GShard order (NOTE [assignment order]) and counts the expert loads; `own` is
+/// the router's own top-k (Routing::choice; ChooseExperts' output).
 Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, at::Tensor probs,
-                           int64_t num_experts);
+                           int64_t num_experts, at::Tensor own);
 
 /// Appends "z_loss" = coeff · ZLoss(logits) when coeff > 0.
 void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing);

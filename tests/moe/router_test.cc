@@ -191,6 +191,57 @@ TEST_P(EveryRouterTest, LoadStateRoundTripsAndRejectsStrangers) {
   EXPECT_NE(status.message().find("router.unknown"), std::string::npos) << status;
 }
 
+// Cached assignments (RouteContext::fixed_experts): fixing each token to the router's own
+// choice changes nothing; rows of −1 keep the own choice; Routing::choice is always the
+// router's own preference.
+TEST_P(EveryRouterTest, FixedExpertsEqualToTheOwnChoiceChangeNothing) {
+  auto router = MakeOrDie(GetParam(), Options());
+  at::Tensor hidden = at::randn({10, 6});
+  RouteContext ctx = Training(2, /*first_sample=*/4);
+  if (!router->token_choice()) {
+    EXPECT_EQ(GetParam(), "expert_choice");
+    ctx.fixed_experts = at::zeros({10, K()}, at::kLong);
+    EXPECT_THROW(router->Route(hidden, K(), ctx), c10::Error);
+    return;
+  }
+  Routing own = router->Route(hidden, K(), ctx);
+  ASSERT_TRUE(own.choice.defined());
+  EXPECT_EQ(own.choice.sizes(), at::IntArrayRef({10, K()}));
+  EXPECT_TRUE(own.expert.equal(own.choice.t().reshape({-1})));
+  at::Tensor fixed = own.choice.clone();
+  fixed.narrow(0, 3, 4).fill_(-1);  // tokens 3..6 route themselves
+  ctx.fixed_experts = fixed;
+  Routing r = router->Route(hidden, K(), ctx);
+  EXPECT_TRUE(r.expert.equal(own.expert));
+  EXPECT_TRUE(r.gate.equal(own.gate));
+  EXPECT_TRUE(r.choice.equal(own.choice));
+  ASSERT_EQ(r.aux_losses.size(), own.aux_losses.size());
+  for (size_t i = 0; i < r.aux_losses.size(); ++i) {
+    EXPECT_TRUE(r.aux_losses[i].second.equal(own.aux_losses[i].second)) << r.aux_losses[i].first;
+  }
+}
+
+// A token fixed to other experts goes to them; its choice still reports the preference.
+TEST_P(EveryRouterTest, FixedExpertsOverrideTheChoice) {
+  auto router = MakeOrDie(GetParam(), Options());
+  if (!router->token_choice()) return;
+  at::Tensor hidden = at::randn({10, 6});
+  Routing own = router->Route(hidden, K(), Training(1));
+  // Every token to the experts it likes least, in increasing preference.
+  RouteContext ctx = Training(1);
+  ctx.fixed_experts = std::get<1>(at::topk(own.probs, K(), 1, /*largest=*/false));
+  Routing r = router->Route(hidden, K(), ctx);
+  EXPECT_TRUE(r.expert.equal(ctx.fixed_experts.t().reshape({-1})));
+  EXPECT_TRUE(r.choice.equal(own.choice));
+  EXPECT_TRUE(r.expert_load.equal(at::bincount(r.expert, {}, 4)));
+  EXPECT_FALSE(r.gate.equal(own.gate));
+  // Out-of-range experts and a wrong shape are refused.
+  ctx.fixed_experts = at::full({10, K()}, 4, at::kLong);
+  EXPECT_THROW(router->Route(hidden, K(), ctx), c10::Error);
+  ctx.fixed_experts = at::zeros({9, K()}, at::kLong);
+  EXPECT_THROW(router->Route(hidden, K(), ctx), c10::Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllRouters, EveryRouterTest, ::testing::ValuesIn(kAllRouters),
                          [](const auto& info) { return info.param; });
 
@@ -224,6 +275,24 @@ TEST(TopKRouterTest, HandExample) {
   EXPECT_NEAR(AuxLoss(r, "load_balancing_loss"), 0.01 * 1.0078125, 1e-8);
   // z-loss: logsumexp(logits_t) = c_t = (1, 2, 0, -1); mean c² = 6/4 = 1.5; times 0.1.
   EXPECT_NEAR(AuxLoss(r, "z_loss"), 0.1 * 1.5, 1e-6);
+}
+
+// Fixed experts get the router's gate rule: the top-k softmax renormalised over them, and
+// the balancing loss counts them.
+TEST(TopKRouterTest, FixedExpertsHandExample) {
+  auto router = HandRouter("topk", 2);
+  RouteContext ctx = Eval();
+  // t0 fixed to (e2, e1), t1 to (e0, e2); t2, t3 route themselves.
+  ctx.fixed_experts = at::tensor({2, 1, 0, 2, -1, -1, -1, -1}, at::kLong).reshape({4, 2});
+  Routing r = router->Route(HandHidden(), 2, ctx);
+  EXPECT_EQ(Longs(r.expert), (std::vector<int64_t>{2, 0, 2, 0, 1, 2, 0, 1}));
+  //   t0: e2 .2, e1 .3 -> 2/5, 3/5        t1: e0 .1, e2 .3 -> 1/4, 3/4
+  ExpectNear(Doubles(r.gate),
+             {2.0 / 5, 1.0 / 4, 13.0 / 18, 7.0 / 9, 3.0 / 5, 3.0 / 4, 5.0 / 18, 2.0 / 9}, 1e-6);
+  EXPECT_EQ(Longs(r.choice), (std::vector<int64_t>{0, 1, 1, 2, 2, 0, 0, 1}));
+  EXPECT_EQ(Longs(r.expert_load), (std::vector<int64_t>{3, 2, 3}));
+  // f = (3, 2, 3)/8, P = (.3875, .3, .3125): 3·(3·.3875 + 2·.3 + 3·.3125)/8 = 1.0125.
+  EXPECT_NEAR(AuxLoss(r, "load_balancing_loss"), 0.01 * 1.0125, 1e-8);
 }
 
 TEST(TopKRouterTest, ZeroCoefficientsEmitNoLosses) {

@@ -149,10 +149,14 @@ absl::StatusOr<std::unique_ptr<GptDataset>> GptDataset::Create(
         "split '", SplitName(split), "' of ", dataset->path_prefix(), " is empty: --split=",
         options.split, " gives it none of the ", dataset->num_sequences(), " documents"));
   }
+  std::vector<int64_t> index_starts;
+  index_starts.reserve(documents.end - documents.begin + 1);
   int64_t num_tokens = 0;
   for (int64_t d = documents.begin; d < documents.end; ++d) {
+    index_starts.push_back(num_tokens);
     num_tokens += dataset->sequence_length(d);
   }
+  index_starts.push_back(num_tokens);
   if (num_tokens < options.seq_length + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "split '", SplitName(split), "' of ", dataset->path_prefix(), " has ", num_tokens,
@@ -160,18 +164,20 @@ absl::StatusOr<std::unique_ptr<GptDataset>> GptDataset::Create(
         " (lower --seq_length or give the split more documents with --split=", options.split, ")"));
   }
   return std::unique_ptr<GptDataset>(
-      new GptDataset(std::move(dataset), split, options, documents, num_tokens));
+      new GptDataset(std::move(dataset), split, options, documents, std::move(index_starts)));
 }
 
 GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, Split split,
-                       GptDatasetOptions options, DocumentRange documents, int64_t num_tokens)
+                       GptDatasetOptions options, DocumentRange documents,
+                       std::vector<int64_t> index_starts)
     : dataset_(std::move(dataset)),
       split_(split),
       options_(std::move(options)),
       documents_(documents),
-      num_tokens_(num_tokens),
+      num_tokens_(index_starts.back()),
       // The last window needs one token past its seq_length inputs for the last label.
-      samples_per_epoch_((num_tokens - 1) / options_.seq_length) {}
+      samples_per_epoch_((num_tokens_ - 1) / options_.seq_length),
+      index_starts_(std::move(index_starts)) {}
 
 GptDataset::~GptDataset() = default;
 
@@ -201,7 +207,7 @@ std::shared_ptr<const GptDataset::EpochPlan> GptDataset::PlanFor(int64_t epoch) 
   return plan_;
 }
 
-void GptDataset::GetSample(int64_t k, int64_t* out) const {
+void GptDataset::GetSample(int64_t k, int64_t* out, int64_t* positions) const {
   TORCH_CHECK(k >= 0, "GptDataset::GetSample: sample index ", k, " is negative");
   const std::shared_ptr<const EpochPlan> plan = PlanFor(k / samples_per_epoch_);
   const int64_t begin = plan->windows[k % samples_per_epoch_] * options_.seq_length;
@@ -219,6 +225,10 @@ void GptDataset::GetSample(int64_t k, int64_t* out) const {
     const int64_t take = std::min(length - offset, remaining);
     dataset_->Read(plan->documents[i], offset, take, out);
     out += take;
+    if (positions != nullptr) {
+      const int64_t first = index_starts_[plan->documents[i] - documents_.begin] + offset;
+      for (int64_t j = 0; j < take; ++j) *positions++ = first + j;
+    }
     remaining -= take;
     offset = 0;
     ++i;

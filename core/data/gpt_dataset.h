@@ -21,6 +21,12 @@
 // of window w + 1) and cross document boundaries, as in Megatron's GPTDataset; every token
 // of an epoch's stream except a tail shorter than seq_length is used once per epoch.
 //
+// A token's identity across epochs is its position in the split's documents taken in
+// index order, unshuffled: position(d, o) = (tokens of the split's documents before d) + o
+// for offset o of document d, in [0, num_tokens()). Window boundaries move between epochs,
+// but this number names the same token of the corpus in every epoch (DynaMoE's cached
+// expert assignments are keyed by it, moe/moe_layer.h). GetSample writes it on request.
+//
 // Splits follow Megatron: the split string "a,b,c" is normalised to fractions, and the
 // documents (Megatron's GPT dataset counts sequences, see NOTE [Megatron .idx layout]) are
 // cut into contiguous ranges [round(f0 * n), round(f1 * n)) with f the cumulative fractions
@@ -37,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/data/indexed_dataset.h"
@@ -84,7 +91,12 @@ class GptDataset {
 
   /// Writes the seq_length + 1 tokens of global sample `k` (k >= 0; any k, epochs repeat
   /// the data in a new order) to `out`. Deterministic: see NOTE [Stateless data position].
-  void GetSample(int64_t k, int64_t* out) const;
+  /// When `positions` is not null, also writes each token's position in the split (the
+  /// identity that survives reshuffling, see above) to positions[0 .. seq_length].
+  void GetSample(int64_t k, int64_t* out, int64_t* positions = nullptr) const;
+
+  /// The epoch global sample `k` belongs to.
+  int64_t EpochOf(int64_t k) const { return k / samples_per_epoch_; }
 
   /// Windows per epoch: (num_tokens() - 1) / seq_length.
   int64_t samples_per_epoch() const { return samples_per_epoch_; }
@@ -99,7 +111,7 @@ class GptDataset {
  private:
   struct EpochPlan;
   GptDataset(std::shared_ptr<const IndexedDataset> dataset, Split split, GptDatasetOptions options,
-             DocumentRange documents, int64_t num_tokens);
+             DocumentRange documents, std::vector<int64_t> index_starts);
   std::shared_ptr<const EpochPlan> PlanFor(int64_t epoch) const;
   std::shared_ptr<const EpochPlan> BuildPlan(int64_t epoch) const;
 
@@ -109,6 +121,9 @@ class GptDataset {
   DocumentRange documents_;
   int64_t num_tokens_ = 0;
   int64_t samples_per_epoch_ = 0;
+  // index_starts_[d - documents_.begin]: position of document d's first token in the
+  // split's documents in index order; back() = num_tokens_.
+  std::vector<int64_t> index_starts_;
 
   mutable std::mutex plan_mutex_;
   mutable std::shared_ptr<const EpochPlan> plan_;  // Guarded by plan_mutex_.

@@ -185,6 +185,43 @@ void ExpectEpochTilesDocuments(const GptDataset& dataset, int64_t epoch,
   EXPECT_LT(dataset.num_tokens() - covered, seq_length);
 }
 
+// A token's position is its index in the split's documents in index order, whatever the
+// epoch's shuffle: every position of an epoch names the token the sample holds, and no
+// position repeats among the inputs of an epoch.
+TEST(GptDatasetTest, PositionsNameTheSameTokenInEveryEpoch) {
+  const std::vector<int32_t> lengths = VariedLengths(40);
+  const auto corpus = NumberedCorpus(lengths);
+  // The valid split of "1,9,0" is documents [4, 40): positions start at its first one.
+  const auto dataset = MakeDataset(corpus, Split::kValid, 16, 99, "1,9,0");
+  ASSERT_NE(dataset, nullptr);
+  const DocumentRange range = dataset->documents();
+  ASSERT_GT(range.begin, 0);
+  // Token value -> expected position: documents of the split in index order.
+  std::map<int64_t, int64_t> position_of;
+  int64_t next = 0;
+  for (int64_t d = range.begin; d < range.end; ++d) {
+    for (int64_t t = 0; t < lengths[d]; ++t) position_of[d * kStride + t] = next++;
+  }
+  ASSERT_EQ(next, dataset->num_tokens());
+  const int64_t spe = dataset->samples_per_epoch();
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    std::set<int64_t> inputs;
+    for (int64_t j = 0; j < spe; ++j) {
+      const int64_t k = epoch * spe + j;
+      std::vector<int64_t> tokens(17), positions(17), again(17);
+      dataset->GetSample(k, tokens.data(), positions.data());
+      dataset->GetSample(k, again.data());
+      EXPECT_EQ(tokens, again);
+      EXPECT_EQ(dataset->EpochOf(k), epoch);
+      for (int i = 0; i < 17; ++i) {
+        EXPECT_EQ(positions[i], position_of.at(tokens[i])) << "sample " << k << " token " << i;
+        if (i < 16) EXPECT_TRUE(inputs.insert(positions[i]).second) << "position repeats";
+      }
+    }
+    EXPECT_EQ(static_cast<int64_t>(inputs.size()), spe * 16);
+  }
+}
+
 TEST(GptDatasetTest, EachEpochTilesAPermutationOfTheDocuments) {
   const auto corpus = NumberedCorpus(VariedLengths(40));
   const auto dataset = MakeDataset(corpus, Split::kTrain, 16, 1234);

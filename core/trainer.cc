@@ -128,12 +128,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   return trainer;
 }
 
-at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const {
+at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sample,
+                              at::Tensor* positions) const {
   const int64_t mbs = config_.train.micro_batch_size;
   const int64_t width = config_.data.seq_length + 1;
   at::Tensor tokens = at::empty({mbs, width}, at::kLong);
+  at::Tensor where = positions ? at::empty({mbs, width}, at::kLong) : at::Tensor();
   int64_t* out = tokens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < mbs; ++i) dataset.GetSample(first_sample + i, out + i * width);
+  for (int64_t i = 0; i < mbs; ++i) {
+    dataset.GetSample(first_sample + i, out + i * width,
+                      positions ? where.data_ptr<int64_t>() + i * width : nullptr);
+  }
+  if (positions) *positions = where.narrow(1, 0, width - 1).t().contiguous();
   return tokens;
 }
 
@@ -147,6 +153,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const double total_tokens =
       static_cast<double>(t.global_batch_size) * static_cast<double>(config_.data.seq_length);
   const int64_t iteration = iteration_ + 1;
+  const int64_t epoch = train_data_->EpochOf(consumed_samples_);
 
   model_->ZeroGrad();
   double loss_sum = 0.0;
@@ -160,13 +167,21 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       return consumed_samples_ + (first_micro + m) * t.micro_batch_size;
     };
     plan.tokens = [&](int m) { return MicroBatch(*train_data_, plan.first_sample(m)); };
+    plan.token_positions = [&](int m) {
+      at::Tensor positions;
+      MicroBatch(*train_data_, plan.first_sample(m), &positions);
+      return positions;
+    };
+    plan.epoch = epoch;
     FULCRUM_ASSIGN_OR_RETURN(auto result, pipeline->Run(*model_, iteration, plan, 1.0 / total_tokens));
     loss_sum = result.first;
   } else {
     for (int64_t m = 0; m < local_micro; ++m) {
       const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
       ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
-      LossSum loss = model_->ForwardLoss(MicroBatch(*train_data_, first), ctx);
+      ctx.epoch = epoch;
+      at::Tensor tokens = MicroBatch(*train_data_, first, &ctx.token_positions);
+      LossSum loss = model_->ForwardLoss(tokens, ctx);
       (loss.sum / total_tokens).backward();
       loss_sum += loss.sum.item<double>();
     }

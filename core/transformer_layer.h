@@ -33,6 +33,12 @@ struct ForwardContext {
   /// losses) scale its gradient by loss_scale × the micro-batch's tokens, so it counts as
   /// the mean over micro-batches whatever the layout. 0 outside training.
   double loss_scale = 0.0;
+  /// [s, b] int64 in training: each input token's position in the training split
+  /// (GptDataset: the same number names the same corpus token in every epoch), for blocks
+  /// that remember tokens across epochs (the MoE assignment cache). Undefined otherwise.
+  at::Tensor token_positions;
+  /// Data epoch of the optimizer step's first sample (training).
+  int64_t epoch = 0;
 };
 
 /// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).

@@ -176,6 +176,25 @@ at::Tensor ExpertExchange::Scatter(const at::Tensor& buffer) {
   return ScatterFunction::apply(buffer, this);
 }
 
+std::function<at::Tensor()> ExpertExchange::StartScatter(const at::Tensor& buffer) {
+  if (size() == 1 || hierarchical()) {
+    at::Tensor local = Scatter(buffer);
+    return [local] { return local; };
+  }
+  TORCH_CHECK(buffer.dim() == 3 && buffer.size(0) % size() == 0,
+              "expert buffer must be [experts, capacity, hidden] with experts a multiple of ",
+              size(), ", got ", buffer.sizes());
+  auto pending = std::make_shared<PendingExchange>();
+  at::Tensor arriving = IssueAllToAllFunction::apply(buffer, ep_, pending);
+  const int64_t n = size(), e = buffer.size(0), c = buffer.size(1), d = buffer.size(2);
+  return [arriving, pending, n, e, c, d] {
+    return WaitFunction::apply(arriving, pending)
+        .view({n, e / n, c, d})
+        .transpose(0, 1)
+        .reshape({e / n, n * c, d});
+  };
+}
+
 at::Tensor ExpertExchange::Gather(const at::Tensor& expert_output) {
   TORCH_CHECK(expert_output.dim() == 3 && expert_output.size(1) % size() == 0,
               "local expert output must be [local experts, ranks·capacity, hidden], got ",

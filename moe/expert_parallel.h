@@ -54,6 +54,11 @@ class ExpertExchange {
   /// The dispatch buffer [E, C, D] → the local experts' inputs [E/n, n·C, D] (NOTE
   /// [flexible expert layout]). Differentiable.
   at::Tensor Scatter(const at::Tensor& buffer);
+  /// Scatter, issued without waiting (flat exchange; the hierarchical one runs now): the
+  /// returned function waits for the rows and gives Scatter's result. Lets the caller work
+  /// while the exchange is in flight (the router under cached assignments). The backward
+  /// exchange blocks. Call the function exactly once, before any other exchange.
+  std::function<at::Tensor()> StartScatter(const at::Tensor& buffer);
   /// The inverse of Scatter: local experts' outputs [E/n, n·C, D] → [E, C, D] in this
   /// rank's dispatch layout. Differentiable.
   at::Tensor Gather(const at::Tensor& expert_output);

@@ -4,6 +4,8 @@
 
 #include <array>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "core/random.h"
 #include "core/transformer_layer.h"
 #include "core/unit.h"
+#include "moe/assignment_cache.h"
 #include "moe/capacity.h"
 #include "moe/dispatch.h"
 #include "moe/expert_parallel.h"
@@ -59,6 +62,11 @@ class MoeLayer final : public FeedForward {
       *p.value = unit.AddParameter("mlp." + p.name, *p.value, p.weight_decay);
     }
     for (auto& [name, tensor] : router_->State()) unit.AddBuffer("mlp." + name, tensor);
+    if (options.assignment_cache_threshold > 0) {
+      cache_ = std::make_unique<AssignmentCache>(options.assignment_cache_positions, options.topk,
+                                                 options.assignment_cache_threshold);
+      cache_->Register(unit, "mlp.");
+    }
 
     const int tp_rank = groups.tensor ? groups.tensor->rank() : 0;
     const int tp_size = groups.tensor ? groups.tensor->size() : 1;
@@ -102,10 +110,41 @@ class MoeLayer final : public FeedForward {
     const int64_t t = tokens.size(0);
     const int64_t k = options_.TopKAt(ctx.iteration);
     RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_};
-    Routing routing = router_->Route(tokens, k, route_ctx);
-    if (options_.batch_prioritized) routing = PrioritizeByConfidence(routing);
-    at::Tensor combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing, k)
-                                                       : PaddedExperts(tokens, routing, k);
+    // NOTE [assignment caching]: in an epoch that routes by the cache, the experts of every
+    // token met before are fixed before the router runs.
+    const bool caching = cache_ != nullptr && ctx.training;
+    at::Tensor positions, cached;
+    bool by_cache = false, early = false;
+    if (caching) {
+      TORCH_CHECK(ctx.token_positions.defined() && ctx.token_positions.numel() == t,
+                  "the MoE assignment cache needs the tokens' corpus positions "
+                  "(ForwardContext::token_positions) for all ", t, " tokens");
+      positions = ctx.token_positions.reshape({-1});
+      cache_->BeginForward(ctx.epoch);
+      cached = cache_->Lookup(positions);
+      by_cache = cache_->active();
+      if (by_cache) {
+        route_ctx.fixed_experts = cached.to(tokens.device());
+        // Batch-prioritized slots need the gates, per-expert buffers are planned after
+        // routing; otherwise, when every token is cached, nothing waits for the router.
+        early = !options_.batch_prioritized && !options_.per_expert_capacity &&
+                cached.select(1, 0).ge(0).all().item<bool>();
+      }
+    }
+    auto route = [&] {
+      Routing r = router_->Route(tokens, k, route_ctx);
+      return options_.batch_prioritized ? PrioritizeByConfidence(r) : r;
+    };
+    Routing routing;
+    at::Tensor combined;
+    if (early) {
+      combined = CachedExperts(tokens, route_ctx.fixed_experts, route, &routing);
+    } else {
+      routing = route();
+      combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing, k)
+                                              : PaddedExperts(tokens, routing, k);
+    }
+    if (caching) cache_->Record(positions, cached, routing.choice, by_cache);
     SlotAssignment& slots = last_slots_;
 
     if (ctx.training) {
@@ -147,6 +186,51 @@ class MoeLayer final : public FeedForward {
                      plan);
     }
     return Combine(exchange_->Gather(experts(exchange_->Scatter(buffer))), plan);
+  }
+
+  // The padded path when the cache fixes every token's experts: capacity, slots, dispatch
+  // and the exchange need only the assignment list, which is the one the router will
+  // return (TokenChoiceRouting's order over the fixed experts), so they go first and the
+  // router runs while the rows are in flight (one rank: after the experts). The gates join
+  // at the combine.
+  at::Tensor CachedExperts(const at::Tensor& tokens, const at::Tensor& experts,
+                           const std::function<Routing()>& route, Routing* routing) {
+    const int64_t t = tokens.size(0);
+    const int64_t k = experts.size(1);
+    Routing fixed;
+    fixed.token = at::arange(t, experts.options()).repeat({k});
+    fixed.expert = experts.t().reshape({-1}).contiguous();
+    fixed.gate = at::zeros({t * k}, tokens.options());  // placeholder: the plan's positions
+    fixed.expert_load = at::bincount(fixed.expert, /*weights=*/{}, options_.num_experts);
+    CapacityMaxReduce max_reduce;
+    if (exchange_ != nullptr && exchange_->size() > 1) {
+      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
+    }
+    const int64_t capacity =
+        ExpertCapacity(options_.capacity_factor, k, t, fixed.expert_load, max_reduce);
+    last_slots_ = AssignSlots(fixed, options_.num_experts, capacity);
+    at::Tensor buffer = Dispatch(tokens, MakeDispatchPlan(fixed, last_slots_, t));  // [E, C, D]
+    rows_this_call_ = 0;
+    auto run = [this](const at::Tensor& local) {  // [E/n, n·C, D]
+      const std::vector<int64_t> sizes(local.size(0), local.size(1));
+      rows_this_call_ += local.size(0) * local.size(1);
+      return RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
+    };
+    at::Tensor y;
+    if (exchange_ == nullptr) {
+      y = run(buffer);
+      *routing = route();
+    } else if (options_.a2a_overlap_degree > 1) {
+      *routing = route();
+      y = exchange_->OverlappedExperts(buffer, options_.a2a_overlap_degree, run);
+    } else {
+      std::function<at::Tensor()> arrived = exchange_->StartScatter(buffer);
+      *routing = route();
+      y = exchange_->Gather(run(arrived()));
+    }
+    TORCH_CHECK(routing->expert.equal(fixed.expert),
+                "the router did not route to the cached experts it was given");
+    return Combine(y, MakeDispatchPlan(*routing, last_slots_, t));
   }
 
   // Each expert's rows are only the assignments it keeps (MoeOptions::per_expert_capacity).
@@ -224,13 +308,16 @@ class MoeLayer final : public FeedForward {
     // they route other tokens): loads, drops, tokens, token-weighted aux losses.
     const int64_t e = options_.num_experts;
     const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
-    at::Tensor packed = at::zeros({e + 3 + aux}, at::kDouble);
+    const std::vector<int64_t> cache_counts =
+        cache_ ? cache_->StepCounts() : std::vector<int64_t>{0, 0, 0};
+    at::Tensor packed = at::zeros({e + 6 + aux}, at::kDouble);
     packed.narrow(0, 0, e).copy_(loads_);
     double* p = packed.data_ptr<double>();
     p[e] = static_cast<double>(dropped_);
     p[e + 1] = static_cast<double>(tokens_);
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) p[e + 2 + i] = aux_weighted_[i];
     p[e + 2 + aux] = static_cast<double>(expert_rows_);
+    for (int i = 0; i < 3; ++i) p[e + 3 + aux + i] = static_cast<double>(cache_counts[i]);
     int replicas = 1;
     if (groups_.data != nullptr && groups_.data->size() > 1) {
       groups_.data->AllReduce(packed, parallel::ReduceOp::kSum);
@@ -238,6 +325,9 @@ class MoeLayer final : public FeedForward {
     }
     at::Tensor global_load = packed.narrow(0, 0, e).round().to(at::kLong);
     router_->AfterOptimizerStep(global_load);
+    std::vector<int64_t> global_cache_counts;
+    for (int i = 0; i < 3; ++i) global_cache_counts.push_back(std::llround(p[e + 3 + aux + i]));
+    if (cache_) cache_->AfterOptimizerStep(groups_.data, global_cache_counts);
 
     statistics_.clear();
     statistics_.push_back({"expert_tokens", std::vector<double>(p, p + e), /*per_layer=*/true});
@@ -245,6 +335,13 @@ class MoeLayer final : public FeedForward {
     const double tokens = std::max(p[e + 1], 1.0);
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) {
       if (seen_[i]) statistics_.push_back({kAuxLossNames[i], {p[e + 2 + i] / tokens}});
+    }
+    if (cache_) {
+      // Per layer: tokens met again whose experts changed, tokens met again, tokens routed
+      // by the cache (NOTE [assignment caching]).
+      statistics_.push_back({"assignment_cache",
+                             {p[e + 3 + aux], p[e + 4 + aux], p[e + 5 + aux]},
+                             /*per_layer=*/true});
     }
     last_expert_rows_ = p[e + 2 + aux] / replicas;
     expert_rows_ = 0;
@@ -273,7 +370,11 @@ class MoeLayer final : public FeedForward {
       p[e + 2 + aux + i] = seen_[i] ? 1.0 : 0.0;
     }
     p[e + 2 + 2 * aux] = static_cast<double>(expert_rows_);
-    return {{"counters", packed}};
+    std::vector<std::pair<std::string, at::Tensor>> state = {{"counters", packed}};
+    if (cache_) {
+      for (auto& entry : cache_->StepState()) state.push_back(std::move(entry));
+    }
+    return state;
   }
 
   void LoadStepState(const std::vector<std::pair<std::string, at::Tensor>>& state) override {
@@ -294,6 +395,7 @@ class MoeLayer final : public FeedForward {
       }
       expert_rows_ = std::llround(p[e + 2 + 2 * aux]);
     }
+    if (cache_) cache_->LoadStepState(state);
   }
 
  private:
@@ -318,6 +420,7 @@ class MoeLayer final : public FeedForward {
   int64_t layer_index_;
   std::unique_ptr<Router> router_;
   std::shared_ptr<ExpertExchange> exchange_;  // Null when ep == 1.
+  std::unique_ptr<AssignmentCache> cache_;    // Null unless --moe_assignment_cache_threshold.
   MoeGroups groups_;
   int64_t local_experts_ = 0;
   int64_t first_expert_ = 0;
@@ -341,10 +444,18 @@ std::vector<std::pair<std::string, std::string>> MoeShape(const MoeOptions& opti
                                                           const ModelOptions& model) {
   if (options.num_experts == 0) return {};
   const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
-  return {{"num_experts", std::to_string(options.num_experts)},
+  std::vector<std::pair<std::string, std::string>> shape = {
+          {"num_experts", std::to_string(options.num_experts)},
           {"moe_layer_freq", std::to_string(options.layer_freq)},
           {"moe_ffn_hidden_size", std::to_string(f)},
           {"moe_router", options.router}};
+  if (options.assignment_cache_threshold > 0) {
+    // The cache's table is state of the layers: present or not, and its size, must match.
+    shape.emplace_back("moe_assignment_cache_threshold",
+                       absl::StrCat("on (", options.assignment_cache_positions, " positions x k=",
+                                    options.topk, ")"));
+  }
+  return shape;
 }
 
 absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,
@@ -403,6 +514,18 @@ absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& m
         "--moe_per_expert_capacity or --moe_hierarchical_a2a_node_size");
   }
   if (absl::Status s = ValidateCapacityFactor(options.capacity_factor); !s.ok()) return s;
+  if (!(options.assignment_cache_threshold >= 0 && options.assignment_cache_threshold <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--moe_assignment_cache_threshold must be in [0, 1] (0 = off), got ",
+                     options.assignment_cache_threshold));
+  }
+  if (options.assignment_cache_threshold > 0) {
+    if (!options.topk_schedule.empty()) {
+      return absl::InvalidArgumentError(
+          "--moe_assignment_cache_threshold caches k experts per token; it does not combine "
+          "with --moe_router_topk_schedule");
+    }
+  }
   RouterOptions router = options.router_options;
   router.num_experts = options.num_experts;
   router.topk = options.topk;
@@ -423,7 +546,18 @@ absl::StatusOr<FeedForwardFactory> MakeMoeFactory(const MoeOptions& options,
   router_options.topk = options.topk;
   router_options.hidden_size = model.hidden_size;
   router_options.seed = model.seed;
-  if (auto probe = MakeRouter(options.router, router_options); !probe.ok()) return probe.status();
+  if (options.assignment_cache_threshold > 0 && options.assignment_cache_positions <= 0) {
+    return absl::InvalidArgumentError(
+        "--moe_assignment_cache_threshold needs the training split's token count "
+        "(MoeOptions::assignment_cache_positions, filled from the data)");
+  }
+  auto probe = MakeRouter(options.router, router_options);
+  if (!probe.ok()) return probe.status();
+  if (options.assignment_cache_threshold > 0 && !(*probe)->token_choice()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_assignment_cache_threshold caches each token's experts; --moe_router=",
+        options.router, " does not let tokens choose (use a token-choice router)"));
+  }
   std::shared_ptr<ExpertExchange> exchange;
   if (ep > 1) {
     exchange = std::make_shared<ExpertExchange>(groups.expert, options.hierarchical_node_size);

@@ -6,6 +6,8 @@
 //     → all-to-all over the expert-parallel group → [E/n, n·C, D] (moe/expert_parallel.h)
 //     → each local expert: fc1, GeLU, fc2 (tensor-parallel like the dense MLP)
 //     → all-to-all back → Combine by indices → [T, D]
+// With cached assignments (moe/assignment_cache.h) the router's choice of experts comes
+// from the cache, so everything up to the experts starts before the router runs.
 //
 // Parameters, as global names of layer i (Megatron-core's, with global expert ids, so a
 // checkpoint loads under any expert-parallel size):
@@ -15,7 +17,8 @@
 //   layers.i.mlp.experts.<e>.linear_fc2.weight [D, F]  (tensor-parallel columns)
 //   layers.i.mlp.experts.<e>.linear_fc2.bias   [D]
 // Expert parameters are Parameter::expert_parallel; a rank holds only its experts.
-// Router state that is not trained (the aux_free bias) is a buffer of the layer's unit.
+// Router state that is not trained (the aux_free bias) is a buffer of the layer's unit, as
+// are the assignment cache's table and counters (layers.i.mlp.assignment_cache[_state]).
 //
 // NOTE [MoE auxiliary losses]
 // The router's auxiliary losses (already scaled by their coefficients) join the training
@@ -93,6 +96,15 @@ struct MoeOptions {
   /// --moe_hierarchical_a2a_node_size: > 1 selects the two-level all-to-all with this many
   /// ranks per node (NOTE [hierarchical all-to-all]); 0 = flat. Default: 0.
   int hierarchical_node_size = 0;
+  /// --moe_assignment_cache_threshold: > 0 turns on DynaMoE's sample-assignment caching
+  /// (NOTE [assignment caching] in moe/assignment_cache.h): an epoch whose predecessor
+  /// changed the experts of fewer than this fraction of the tokens met again routes by the
+  /// cached assignments, and the exchange starts before the router runs. Needs a token-
+  /// choice router and no top-k schedule. Default: 0 (off). In [0, 1].
+  double assignment_cache_threshold = 0.0;
+  /// Tokens of the training split, the positions the cache remembers (the recipe fills it
+  /// from the data). Must be > 0 when the cache is on.
+  int64_t assignment_cache_positions = 0;
 
   /// k for optimizer step `iteration` (topk_schedule, else topk).
   int64_t TopKAt(int64_t iteration) const {
@@ -119,7 +131,8 @@ struct MoeGroups {
 std::vector<std::pair<std::string, std::string>> MoeShape(const MoeOptions& options,
                                                           const ModelOptions& model);
 
-/// Checks `options` against the model and the layout; messages name the flag.
+/// Checks `options` against the model and the layout; messages name the flag. Needs no
+/// data: assignment_cache_positions is checked by MakeMoeFactory.
 absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& model,
                                 int expert_parallel_size, int tensor_parallel_size);
 

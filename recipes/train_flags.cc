@@ -102,6 +102,12 @@ DEFINE_double(moe_cosine_min_temperature, 0.01, "cosine: smallest temperature.")
 DEFINE_int32(moe_a2a_overlap_degree, 1,
              "Exchange and compute the experts' tokens in this many chunks, so the all-to-all of "
              "one chunk overlaps the expert compute of another (forward pass); 1 = off.");
+DEFINE_double(moe_assignment_cache_threshold, 0.0,
+              "DynaMoE sample-assignment caching: once an epoch changes the experts of fewer "
+              "than this fraction of the tokens met again, the next epoch routes each token by "
+              "its cached assignment and starts the exchange before the router runs. 0 = off; "
+              "needs a token-choice router and no top-k schedule. The metrics file reports "
+              "assignment_cache per layer: [changed, met again, routed by cache].");
 DEFINE_int32(moe_hierarchical_a2a_node_size, 0,
              "Two-level all-to-all (inside nodes of this many ranks, then between nodes); "
              "0 = flat.");
@@ -269,6 +275,7 @@ absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags() {
   }
   o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
   o.a2a_overlap_degree = FLAGS_moe_a2a_overlap_degree;
+  o.assignment_cache_threshold = FLAGS_moe_assignment_cache_threshold;
   moe::RouterOptions& r = o.router_options;
   r.num_experts = FLAGS_num_experts;
   r.topk = FLAGS_moe_router_topk;

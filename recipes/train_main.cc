@@ -104,7 +104,14 @@ int main(int argc, char** argv) {
   // collective, so every rank does it here, before the model.
   auto moe_flags = fulcrum::MoeOptionsFromFlags();
   if (!moe_flags.ok()) return Fail(moe_flags.status());
-  const fulcrum::moe::MoeOptions& moe = *moe_flags;
+  fulcrum::moe::MoeOptions& moe = *moe_flags;
+  if (moe.assignment_cache_threshold > 0) {
+    // The cache remembers every token of the training split (NOTE [assignment caching]).
+    auto train_split = fulcrum::data::GptDataset::Create(data->corpus, fulcrum::data::Split::kTrain,
+                                                         config->data);
+    if (!train_split.ok()) return Fail(train_split.status());
+    moe.assignment_cache_positions = (*train_split)->num_tokens();
+  }
   fulcrum::moe::MoeGroups moe_groups;
   if (parallel != nullptr) {
     moe_groups.expert = &parallel->group(fulcrum::parallel::GroupKind::kExpert);

@@ -309,6 +309,131 @@ TEST(MoeLayerTest, BadOptionsNameTheFlag) {
   options.num_experts = 0;
   status = ValidateMoeOptions(options, Model(), 2, 1);
   EXPECT_NE(status.message().find("--expert_model_parallel_size=2"), std::string::npos) << status;
+  options = Options();
+  options.assignment_cache_threshold = 1.5;
+  status = ValidateMoeOptions(options, Model(), 1, 1);
+  EXPECT_NE(status.message().find("--moe_assignment_cache_threshold"), std::string::npos) << status;
+  options.assignment_cache_threshold = 0.1;
+  options.topk_schedule = {{5, 1}};
+  status = ValidateMoeOptions(options, Model(), 1, 1);
+  EXPECT_NE(status.message().find("--moe_router_topk_schedule"), std::string::npos) << status;
+  // Known only when the layers are built: the router kind and the split's size.
+  options = Options("expert_choice");
+  options.assignment_cache_threshold = 0.1;
+  options.assignment_cache_positions = 64;
+  EXPECT_TRUE(ValidateMoeOptions(options, Model(), 1, 1).ok());
+  auto factory = MakeMoeFactory(options, Model(), MoeGroups());
+  ASSERT_FALSE(factory.ok());
+  EXPECT_NE(factory.status().message().find("--moe_router=expert_choice"), std::string::npos)
+      << factory.status();
+  options.router = "topk";
+  options.assignment_cache_positions = 0;
+  factory = MakeMoeFactory(options, Model(), MoeGroups());
+  ASSERT_FALSE(factory.ok());
+  EXPECT_NE(factory.status().message().find("token count"), std::string::npos) << factory.status();
+}
+
+// ---- Cached assignments (NOTE [assignment caching]). ------------------------------------
+
+MoeOptions CachedOptions(double threshold) {
+  MoeOptions o = Options("topk", /*capacity_factor=*/0.0);  // dropless: the reference has no drops
+  o.assignment_cache_threshold = threshold;
+  o.assignment_cache_positions = 64;
+  return o;
+}
+
+// A training step of one micro-batch on `x` [4, 2, D] whose tokens sit at corpus positions
+// 10..17, in data epoch `epoch`; no parameter update. Returns the output.
+at::Tensor CachedStep(Built& b, const at::Tensor& x, int64_t epoch, const at::Tensor& weight) {
+  ForwardContext ctx{/*training=*/true, /*iteration=*/1, /*first_sample=*/0, 1.0 / 8};
+  ctx.epoch = epoch;
+  ctx.token_positions = at::arange(10, 18, at::kLong).view({4, 2});
+  at::Tensor out = b.block->Forward(x, ctx);
+  (out * weight).sum().backward();
+  b.block->AfterOptimizerStep();
+  return out.detach();
+}
+
+std::vector<double> CacheStatistic(const Built& b) {
+  for (const BlockStatistic& s : b.block->Statistics()) {
+    if (s.name == "assignment_cache") return s.values;
+  }
+  ADD_FAILURE() << "no assignment_cache statistic";
+  return {};
+}
+
+// When the cache holds what the router would choose anyway, the cached path (experts
+// before the router) gives the live path's outputs and gradients bit for bit.
+TEST(MoeLayerTest, CachedRoutingThatAgreesWithTheRouterChangesNothing) {
+  Built b = Build(CachedOptions(/*threshold=*/0.5));
+  ASSERT_EQ(b.unit->buffers().size(), 2u) << "the table and its counters";
+  const at::Tensor x = at::randn({4, 2, kHidden});
+  const at::Tensor weight = at::randn({4, 2, kHidden});
+  const at::Tensor live = CachedStep(b, x, /*epoch=*/0, weight);
+  const auto live_grads = TakeGrads(*b.unit);
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 0, 0}));
+  CachedStep(b, x, 1, weight);
+  b.unit->ZeroGrad();
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0})) << "8 tokens met again, none changed";
+  const at::Tensor cached = CachedStep(b, x, 2, weight);
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 8})) << "routed by the cache";
+  EXPECT_TRUE(cached.equal(live));
+  const auto cached_grads = TakeGrads(*b.unit);
+  ASSERT_EQ(cached_grads.size(), live_grads.size());
+  for (const auto& [name, g] : live_grads) EXPECT_TRUE(cached_grads.at(name).equal(g)) << name;
+}
+
+// When the router has moved on, the cached epoch still sends each token to its cached
+// experts, with the router's gates for them: the reference routes with fixed experts.
+TEST(MoeLayerTest, CachedRoutingOverridesTheRouterWithItsGates) {
+  MoeOptions options = CachedOptions(/*threshold=*/0.5);
+  Built b = Build(options);
+  const at::Tensor x = at::randn({4, 2, kHidden}).set_requires_grad(true);
+  const at::Tensor weight = at::randn({4, 2, kHidden});
+  CachedStep(b, x, 0, weight);
+  CachedStep(b, x, 1, weight);
+  std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
+  const at::Tensor tokens = x.detach().view({-1, kHidden});
+  RouteContext route_ctx{true, 1, 0, 0};
+  const at::Tensor remembered = router->Route(tokens, 2, route_ctx).choice;
+  {
+    at::NoGradGuard no_grad;
+    ParamOf(*b.unit, "mlp.router.weight").neg_();  // now it prefers its least liked experts
+  }
+  b.unit->ZeroGrad();
+  x.mutable_grad() = at::Tensor();
+  const at::Tensor out = CachedStep(b, x, 2, weight);
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{8, 8, 8})) << "all changed, all cached";
+  const at::Tensor x_grad = x.grad().clone();
+  x.mutable_grad() = at::Tensor();
+  auto grads = TakeGrads(*b.unit);
+
+  route_ctx.fixed_experts = remembered;
+  Routing routing = router->Route(x.view({-1, kHidden}), 2, route_ctx);
+  EXPECT_TRUE(routing.expert.equal(remembered.t().reshape({-1})));
+  at::Tensor expected = Reference(*b.unit, routing, at::ones({16}, at::kBool), x.view({-1, kHidden}));
+  EXPECT_TRUE(at::allclose(out.view({-1, kHidden}), expected.detach(), 1e-5, 1e-6));
+  at::Tensor aux = routing.aux_losses[0].second + routing.aux_losses[1].second;
+  ((expected.view(x.sizes()) * weight).sum() + aux * (8.0 / 8)).backward();
+  EXPECT_TRUE(at::allclose(x_grad, x.grad(), 1e-5, 1e-6));
+  auto expected_grads = TakeGrads(*b.unit);
+  for (const auto& [name, g] : expected_grads) {
+    EXPECT_TRUE(at::allclose(grads.at(name), g, 1e-5, 1e-6)) << name;
+  }
+  // Epoch 2 changed every token: epoch 3 routes live again, by the router's new choice.
+  CachedStep(b, x.detach(), 3, weight);
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0}));
+}
+
+// Evaluation neither needs positions nor touches the cache.
+TEST(MoeLayerTest, EvaluationLeavesTheCacheAlone) {
+  Built b = Build(CachedOptions(0.5));
+  const at::Tensor before = b.unit->buffers()[0].second.clone();
+  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{/*training=*/false, 1, 0});
+  EXPECT_TRUE(b.unit->buffers()[0].second.equal(before));
+  // Training without positions is refused, naming what is missing.
+  EXPECT_THROW(b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, 1, 0, 1.0 / 8}),
+               c10::Error);
 }
 
 }  // namespace

@@ -67,8 +67,10 @@ void AssignmentCache::BeginForward(int64_t epoch) {
   float* s = state_.data_ptr<float>();
   if (static_cast<int64_t>(s[kEpoch]) == epoch) return;
   TORCH_CHECK(epoch < kHalf, "assignment cache: epoch ", epoch, " out of range");
+  // Epoch 0 meets tokens again only in a step that runs into epoch 1 (a step counts in the
+  // epoch of its first sample): too few to judge, so epoch 1 never routes by the cache.
   const int64_t met = Count(kMetHigh);
-  if (met > 0) {
+  if (met > 0 && s[kEpoch] >= 1.0f) {
     const double fraction = static_cast<double>(Count(kChangedHigh)) / static_cast<double>(met);
     s[kLastFraction] = static_cast<float>(fraction);
     s[kActive] = fraction < threshold_ ? 1.0f : 0.0f;

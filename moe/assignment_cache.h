@@ -26,9 +26,12 @@
 //    written in rank order, the same bits everywhere. Routing by the cache is therefore
 //    the same under every layout, like the rest of NOTE [MoE layout equivalence].
 //  - Decision. The change counts of an epoch (tokens met again that changed / tokens met
-//    again, summed over replicas) decide at the first step of the next epoch; epoch 0 meets
-//    nothing again, so the earliest cached epoch is 2. The decision is re-taken every
-//    epoch: if the router drifts past the threshold, routing goes back to live.
+//    again, summed over replicas) decide at the first step of the next epoch. A step
+//    counts in the epoch of its first sample, so a step that runs into the next epoch adds
+//    a few of that epoch's tokens to the one it started in; epoch 0 meets nothing again
+//    except through such a step, so it decides nothing and the earliest cached epoch is 2.
+//    The decision is re-taken every epoch: if the router drifts past the threshold,
+//    routing goes back to live.
 //  - State. The table and the epoch's counters are buffers of the layer's unit: saved in
 //    checkpoints (a resume continues exactly) and moved with the layer by the rebalancer;
 //    the records of a step in progress move as step state.

@@ -2,9 +2,12 @@
 
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
 
@@ -38,7 +41,9 @@ absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, cons
       step = tensor.item<int64_t>();
       continue;
     }
-    absl::StrAppend(&names, name, ":", tensor.numel(), "\n");
+    // "name:d0,d1,...": the receiver takes the shape from here, since some tensors (a
+    // block's step state) have shapes that only the sender knows.
+    absl::StrAppend(&names, name, ":", absl::StrJoin(tensor.sizes(), ","), "\n");
     values.push_back(tensor.detach().to(at::kFloat).reshape({-1}));
   }
   UnitSend send;
@@ -76,29 +81,37 @@ absl::Status UnitReceive::Finish(Unit& shell) {
   payload_work->Wait();
   bytes_ = Bytes(header_) + Bytes(blob) + Bytes(payload);
 
-  // Shapes come from the shell: every tensor of a parameter has the parameter's shape.
-  std::map<std::string, std::vector<int64_t>> shapes;
+  // The names the shell expects: its parameters with their gradients and Adam moments,
+  // and whatever else it migrates (buffers, a block's step state). Shapes come with the
+  // names; LoadMigrationTensors checks them against the shell's.
+  std::set<std::string> expected;
   for (const Parameter& p : shell.parameters()) {
     const std::string name = shell.GlobalName(p.name);
     for (const std::string& key : {name, name + ".grad", "optimizer." + name + ".exp_avg",
                                    "optimizer." + name + ".exp_avg_sq"}) {
-      shapes[key] = p.value.sizes().vec();
+      expected.insert(key);
     }
   }
-  // Anything else the unit migrates (e.g. buffers) has the shape the shell reports.
-  for (const auto& [name, tensor] : shell.MigrationTensors()) shapes.emplace(name, tensor.sizes().vec());
+  for (const auto& [name, tensor] : shell.MigrationTensors()) expected.insert(name);
   std::map<std::string, at::Tensor> tensors;
   const std::string names(reinterpret_cast<const char*>(blob.data_ptr<uint8_t>()), names_bytes);
   int64_t offset = 0;
   for (absl::string_view line : absl::StrSplit(names, '\n', absl::SkipEmpty())) {
     std::pair<std::string, std::string> parts = absl::StrSplit(line, absl::MaxSplits(':', 1));
-    const int64_t count = std::stoll(parts.second);
-    auto shape = shapes.find(parts.first);
-    if (shape == shapes.end() || offset + count > numel) {
-      return absl::DataLossError(absl::StrCat("migration from stage ", src_, " into ", shell.name(),
-                                              ": unexpected tensor ", parts.first));
+    std::vector<int64_t> shape;
+    int64_t count = 1;
+    bool well_formed = true;
+    for (absl::string_view dim : absl::StrSplit(parts.second, ',', absl::SkipEmpty())) {
+      int64_t d = 0;
+      well_formed = well_formed && absl::SimpleAtoi(dim, &d) && d >= 0;
+      shape.push_back(d);
+      count *= d;
     }
-    tensors[parts.first] = payload.narrow(0, offset, count).view(shape->second).clone();
+    if (!well_formed || expected.count(parts.first) == 0 || offset + count > numel) {
+      return absl::DataLossError(absl::StrCat("migration from stage ", src_, " into ", shell.name(),
+                                              ": unexpected tensor ", line));
+    }
+    tensors[parts.first] = payload.narrow(0, offset, count).view(shape).clone();
     offset += count;
   }
   if (step > 0) {

@@ -3,7 +3,8 @@
 // per-expert (variable-size) buffers gives
 // the single-process loss curve (NOTE [MoE layout equivalence] in moe/moe_layer.h); the
 // hierarchical all-to-all gives exactly the flat one's; a checkpoint saved at ep=2 resumes
-// at ep=1; the metrics report every expert's tokens.
+// at ep=1; the metrics report every expert's tokens; cached assignments (DynaMoE) agree
+// over layouts, layer moves and resumes.
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -199,6 +200,84 @@ TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {
   EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --moe_router=sinkhorn --load=" + ckpt), &output), 2)
       << output;
   EXPECT_NE(output.find("--moe_router=topk"), std::string::npos) << output;
+}
+
+// DynaMoE's cached assignments (NOTE [assignment caching]). On a one-document training
+// split (--split=5,95,0: 92 samples, under 6 steps an epoch) epoch 2 starts at step 13, and
+// threshold 1 routes it by the cache. The cache is replicated over dp and keyed by corpus
+// position, so ep=2 (dp=2) routes every token as one process does; under pp=2 with the MoE
+// layer moving mid-step, the table and the step's records travel and the curve stays
+// bit-identical; a checkpoint carries the table, so a resume continues bit for bit.
+TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
+  const std::string cache = " --split=5,95,0 --moe_assignment_cache_threshold=1";
+  std::string output;
+  const std::string single = *dir_ + "/cache_single.jsonl";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + cache + " --metrics_file=" + single), &output), 0)
+      << output;
+  const std::vector<nlohmann::json> records = testing::MetricsRecords(single);
+  ASSERT_EQ(records.size(), 20u);
+  for (size_t i = 0; i < records.size(); ++i) {
+    for (const char* layer : {"layers.0", "layers.2"}) {
+      const std::vector<double> c = records[i]["assignment_cache"][layer].get<std::vector<double>>();
+      ASSERT_EQ(c.size(), 3u);
+      const int iteration = static_cast<int>(i) + 1;
+      // [changed, met again, routed by cache] of 16·128 tokens: nothing met again in epoch
+      // 0 (steps 1-5; step 6 runs into epoch 1); from step 7 (epoch 1) nearly every token
+      // (not those of the tail the previous epoch left out); from step 13 (epoch 2) the
+      // tokens met again are routed by the cache.
+      if (iteration <= 5) EXPECT_EQ(c[1], 0.0) << iteration;
+      if (iteration >= 7) EXPECT_GE(c[1], 0.95 * 16 * 128) << iteration;
+      EXPECT_EQ(c[2], iteration >= 13 ? c[1] : 0.0) << iteration << " " << layer;
+      EXPECT_LE(c[0], c[1]);
+    }
+  }
+  const std::vector<double> losses = testing::LossesOf(records);
+  ExpectMatches(2, cache + " --expert_model_parallel_size=2", "cache_ep2", losses, kRelativeTolerance);
+
+  const std::string pp = cache + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
+  const std::string fixed = *dir_ + "/cache_pp2.jsonl";
+  const std::string moved = *dir_ + "/cache_pp2_moved.jsonl";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + pp + " --metrics_file=" + fixed), &output), 0)
+      << output;
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + pp +
+                                                             " --rebalance_script='9:2->0;14:2->1'"
+                                                             " --metrics_file=" + moved),
+                                &output),
+            0)
+      << output;
+  const std::vector<nlohmann::json> a = testing::MetricsRecords(fixed);
+  const std::vector<nlohmann::json> b = testing::MetricsRecords(moved);
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
+    EXPECT_EQ(a[i]["assignment_cache"], b[i]["assignment_cache"]) << "iteration " << i + 1;
+  }
+  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(a), losses), kRelativeTolerance);
+
+  // Saved at step 10 (epoch 1, the table full of epoch 0 and 1 choices), resumed to 20.
+  const std::string ckpt = testing::MakeTempDir("moe_cache_ckpt");
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + cache + " --save=" + ckpt +
+                                                             " --exit_interval=10"),
+                                &output),
+            0)
+      << output;
+  const std::string resumed_metrics = ckpt + "/resumed.jsonl";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + cache + " --load=" + ckpt +
+                                                             " --metrics_file=" + resumed_metrics),
+                                &output),
+            0)
+      << output;
+  const std::vector<nlohmann::json> resumed = testing::MetricsRecords(resumed_metrics);
+  ASSERT_EQ(resumed.size(), 10u);
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_EQ(resumed[i]["loss"], records[10 + i]["loss"]) << "iteration " << 11 + i;
+    EXPECT_EQ(resumed[i]["assignment_cache"], records[10 + i]["assignment_cache"]) << 11 + i;
+  }
+  // Without the cache the checkpoint's state does not fit: refused, naming the flag.
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --split=5,95,0 --load=" + ckpt), &output), 2)
+      << output;
+  EXPECT_NE(output.find("--moe_assignment_cache_threshold"), std::string::npos) << output;
 }
 
 TEST(MoeFlagsTest, BadExpertLayoutsAreRefusedBeforeAnyWork) {

@@ -47,6 +47,10 @@ class FeedForward {
   /// step's measurements and make them the statistics Statistics() returns.
   virtual void AfterOptimizerStep() {}
 
+  /// Whether Forward reads ForwardContext::token_positions in training (the trainer reads
+  /// the corpus positions only for stages that hold such a block).
+  virtual bool needs_token_positions() const { return false; }
+
   /// The last completed step's statistics (empty before the first).
   virtual std::vector<BlockStatistic> Statistics() const { return {}; }
 

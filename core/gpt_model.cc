@@ -101,6 +101,13 @@ LossSum GptModel::HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) c
   return LossSum{losses.sum(), losses.numel()};
 }
 
+bool GptModel::needs_token_positions() const {
+  for (const auto& [index, layer] : layers_) {
+    if (layer->feed_forward() != nullptr && layer->feed_forward()->needs_token_positions()) return true;
+  }
+  return false;
+}
+
 LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ctx) const {
   TORCH_CHECK(embedding_ && head_ && static_cast<int64_t>(layers_.size()) == options_.num_layers,
               "ForwardLoss needs the whole model on one stage");

@@ -87,6 +87,9 @@ class GptModel {
   /// Whole-model forward of a micro-batch. `tokens` is [b, s+1]: inputs are the first s
   /// columns, labels the last s. Needs the embedding, every layer and the head.
   LossSum ForwardLoss(const at::Tensor& tokens, const ForwardContext& ctx) const;
+  /// Whether a layer of this stage reads ForwardContext::token_positions (asked per
+  /// micro-batch: layers move between stages).
+  bool needs_token_positions() const;
 
   /// Runs the held layers in order on hidden [s, b, h].
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;

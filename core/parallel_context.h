@@ -24,7 +24,8 @@ struct MicroBatchPlan {
   std::function<at::Tensor(int m)> tokens;
   /// Global index of micro-batch `m`'s first sample (keys its dropout masks).
   std::function<int64_t(int m)> first_sample;
-  /// Training: micro-batch `m`'s ForwardContext::token_positions [s, b]; empty in evaluation.
+  /// Training: micro-batch `m`'s ForwardContext::token_positions [s, b], asked only by
+  /// stages whose model needs them (GptModel::needs_token_positions); empty in evaluation.
   std::function<at::Tensor(int m)> token_positions;
   /// Training: ForwardContext::epoch of every micro-batch.
   int64_t epoch = 0;

@@ -180,7 +180,8 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
       ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
       ctx.epoch = epoch;
-      at::Tensor tokens = MicroBatch(*train_data_, first, &ctx.token_positions);
+      at::Tensor tokens = MicroBatch(*train_data_, first,
+                                     model_->needs_token_positions() ? &ctx.token_positions : nullptr);
       LossSum loss = model_->ForwardLoss(tokens, ctx);
       (loss.sum / total_tokens).backward();
       loss_sum += loss.sum.item<double>();

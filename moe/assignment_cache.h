@@ -7,8 +7,12 @@
 // epoch earlier. Once fewer than a threshold fraction of the tokens met again change
 // experts over a whole epoch, the next epoch routes each token by the cached assignment:
 // which experts it goes to, and so the capacity, the slots, the dispatch and the all-to-all,
-// are known before the router has run, so the experts need not wait for the gate (the MoE
-// layer issues the exchange first and computes the router meanwhile). The router still runs
+// are known before the router has run, so the experts need not wait for the gate. The MoE
+// layer then issues the exchange first and computes the router while it is in flight (one
+// rank: runs the experts first) — for a micro-batch whose every token is cached, with the
+// padded buffers, no batch-prioritized routing (its slots need the gates) and no chunked
+// overlap (whose chunks are issued after routing); otherwise the cached experts are used
+// but the router runs first. The router still runs
 // for every token: it gives the gates for the cached experts by its usual rule
 // (RouteContext::fixed_experts), its auxiliary losses, and its own preference, which keeps
 // being compared with the cache and written into it.

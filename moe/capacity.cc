@@ -103,6 +103,7 @@ Routing PrioritizeByConfidence(const Routing& routing) {
   out.probs = routing.probs;
   out.expert_load = routing.expert_load;
   out.aux_losses = routing.aux_losses;
+  out.choice = routing.choice;
   return out;
 }
 

@@ -139,6 +139,7 @@ class MoeLayer final : public FeedForward {
     at::Tensor combined;
     if (early) {
       combined = CachedExperts(tokens, route_ctx.fixed_experts, route, &routing);
+      ++early_micro_batches_;
     } else {
       routing = route();
       combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing, k)
@@ -310,7 +311,7 @@ class MoeLayer final : public FeedForward {
     const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
     const std::vector<int64_t> cache_counts =
         cache_ ? cache_->StepCounts() : std::vector<int64_t>{0, 0, 0};
-    at::Tensor packed = at::zeros({e + 6 + aux}, at::kDouble);
+    at::Tensor packed = at::zeros({e + 7 + aux}, at::kDouble);
     packed.narrow(0, 0, e).copy_(loads_);
     double* p = packed.data_ptr<double>();
     p[e] = static_cast<double>(dropped_);
@@ -318,6 +319,7 @@ class MoeLayer final : public FeedForward {
     for (size_t i = 0; i < kAuxLossNames.size(); ++i) p[e + 2 + i] = aux_weighted_[i];
     p[e + 2 + aux] = static_cast<double>(expert_rows_);
     for (int i = 0; i < 3; ++i) p[e + 3 + aux + i] = static_cast<double>(cache_counts[i]);
+    p[e + 6 + aux] = static_cast<double>(early_micro_batches_);
     int replicas = 1;
     if (groups_.data != nullptr && groups_.data->size() > 1) {
       groups_.data->AllReduce(packed, parallel::ReduceOp::kSum);
@@ -338,10 +340,12 @@ class MoeLayer final : public FeedForward {
     }
     if (cache_) {
       // Per layer: tokens met again whose experts changed, tokens met again, tokens routed
-      // by the cache (NOTE [assignment caching]).
+      // by the cache, micro-batches dispatched before the router ran (NOTE [assignment
+      // caching]).
       statistics_.push_back({"assignment_cache",
-                             {p[e + 3 + aux], p[e + 4 + aux], p[e + 5 + aux]},
+                             {p[e + 3 + aux], p[e + 4 + aux], p[e + 5 + aux], p[e + 6 + aux]},
                              /*per_layer=*/true});
+      early_micro_batches_ = 0;
     }
     last_expert_rows_ = p[e + 2 + aux] / replicas;
     expert_rows_ = 0;
@@ -353,14 +357,16 @@ class MoeLayer final : public FeedForward {
 
   std::vector<BlockStatistic> Statistics() const override { return statistics_; }
 
+  bool needs_token_positions() const override { return cache_ != nullptr; }
+
   double Load() const override { return last_expert_rows_; }
 
   // The step's counters as one fp64 vector: loads [E], dropped, tokens, aux sums, aux seen,
-  // expert rows. Counts stay exact through the fp32 of a migration up to 2^24.
+  // expert rows, micro-batches dispatched before routing. Counts stay exact through the fp32 of a migration up to 2^24.
   std::vector<std::pair<std::string, at::Tensor>> StepState() const override {
     const int64_t e = options_.num_experts;
     const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
-    at::Tensor packed = at::zeros({e + 3 + 2 * aux}, at::kDouble);
+    at::Tensor packed = at::zeros({e + 4 + 2 * aux}, at::kDouble);
     packed.narrow(0, 0, e).copy_(loads_);
     double* p = packed.data_ptr<double>();
     p[e] = static_cast<double>(dropped_);
@@ -370,6 +376,7 @@ class MoeLayer final : public FeedForward {
       p[e + 2 + aux + i] = seen_[i] ? 1.0 : 0.0;
     }
     p[e + 2 + 2 * aux] = static_cast<double>(expert_rows_);
+    p[e + 3 + 2 * aux] = static_cast<double>(early_micro_batches_);
     std::vector<std::pair<std::string, at::Tensor>> state = {{"counters", packed}};
     if (cache_) {
       for (auto& entry : cache_->StepState()) state.push_back(std::move(entry));
@@ -382,8 +389,8 @@ class MoeLayer final : public FeedForward {
     const int64_t aux = static_cast<int64_t>(kAuxLossNames.size());
     for (const auto& [name, tensor] : state) {
       if (name != "counters") continue;
-      TORCH_CHECK(tensor.numel() == e + 3 + 2 * aux, "MoE step state of ", tensor.numel(),
-                  " values, expected ", e + 3 + 2 * aux);
+      TORCH_CHECK(tensor.numel() == e + 4 + 2 * aux, "MoE step state of ", tensor.numel(),
+                  " values, expected ", e + 4 + 2 * aux);
       at::Tensor packed = tensor.to(at::kDouble).contiguous();
       const double* p = packed.data_ptr<double>();
       loads_.copy_(packed.narrow(0, 0, e).round().to(at::kLong));
@@ -394,6 +401,7 @@ class MoeLayer final : public FeedForward {
         seen_[i] = p[e + 2 + aux + i] > 0.5;
       }
       expert_rows_ = std::llround(p[e + 2 + 2 * aux]);
+      early_micro_batches_ = std::llround(p[e + 3 + 2 * aux]);
     }
     if (cache_) cache_->LoadStepState(state);
   }
@@ -421,6 +429,7 @@ class MoeLayer final : public FeedForward {
   std::unique_ptr<Router> router_;
   std::shared_ptr<ExpertExchange> exchange_;  // Null when ep == 1.
   std::unique_ptr<AssignmentCache> cache_;    // Null unless --moe_assignment_cache_threshold.
+  int64_t early_micro_batches_ = 0;  // This step's micro-batches that took CachedExperts.
   MoeGroups groups_;
   int64_t local_experts_ = 0;
   int64_t first_expert_ = 0;

@@ -7,7 +7,8 @@
 //     → each local expert: fc1, GeLU, fc2 (tensor-parallel like the dense MLP)
 //     → all-to-all back → Combine by indices → [T, D]
 // With cached assignments (moe/assignment_cache.h) the router's choice of experts comes
-// from the cache, so everything up to the experts starts before the router runs.
+// from the cache, and for a fully cached micro-batch (padded buffers, no batch-prioritized
+// routing, no chunked overlap) everything up to the experts starts before the router runs.
 //
 // Parameters, as global names of layer i (Megatron-core's, with global expert ids, so a
 // checkpoint loads under any expert-parallel size):
@@ -99,7 +100,8 @@ struct MoeOptions {
   /// --moe_assignment_cache_threshold: > 0 turns on DynaMoE's sample-assignment caching
   /// (NOTE [assignment caching] in moe/assignment_cache.h): an epoch whose predecessor
   /// changed the experts of fewer than this fraction of the tokens met again routes by the
-  /// cached assignments, and the exchange starts before the router runs. Needs a token-
+  /// cached assignments, and for fully cached micro-batches the exchange starts before the
+  /// router runs (conditions in the NOTE). Needs a token-
   /// choice router and no top-k schedule. Default: 0 (off). In [0, 1].
   double assignment_cache_threshold = 0.0;
   /// Tokens of the training split, the positions the cache remembers (the recipe fills it

@@ -105,7 +105,7 @@ struct RouteContext {
   /// [T, k] int64 or undefined. Where a row's entries are >= 0, a token-choice router
   /// routes that token to these experts instead of its own top-k, and computes the gates
   /// and losses by its usual rule for them (DynaMoE's cached assignments, NOTE [assignment
-  /// caching] in moe/moe_layer.h); rows of −1 take the router's own choice. Routers that
+  /// caching] in moe/assignment_cache.h); rows of −1 take the router's own choice. Routers that
   /// are not token_choice() refuse it.
   at::Tensor fixed_experts;
 };

@@ -260,7 +260,9 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
         ForwardContext ctx{training, iteration, plan.first_sample(mb),
                            forward_only ? 0.0 : loss_scale};
         ctx.epoch = plan.epoch;
-        if (training && plan.token_positions) ctx.token_positions = plan.token_positions(mb);
+        if (training && plan.token_positions && model.needs_token_positions()) {
+          ctx.token_positions = plan.token_positions(mb);
+        }
         const int64_t s = o.seq_length;
         at::Tensor tokens = (first || last) ? plan.tokens(mb) : at::Tensor();
         at::Tensor hidden;

@@ -105,9 +105,10 @@ DEFINE_int32(moe_a2a_overlap_degree, 1,
 DEFINE_double(moe_assignment_cache_threshold, 0.0,
               "DynaMoE sample-assignment caching: once an epoch changes the experts of fewer "
               "than this fraction of the tokens met again, the next epoch routes each token by "
-              "its cached assignment and starts the exchange before the router runs. 0 = off; "
-              "needs a token-choice router and no top-k schedule. The metrics file reports "
-              "assignment_cache per layer: [changed, met again, routed by cache].");
+              "its cached assignment (a fully cached micro-batch starts the exchange before the "
+              "router runs). 0 = off; needs a token-choice router and no top-k schedule. The "
+              "metrics file reports assignment_cache per layer: [changed, met again, routed by "
+              "cache, micro-batches dispatched before routing].");
 DEFINE_int32(moe_hierarchical_a2a_node_size, 0,
              "Two-level all-to-all (inside nodes of this many ranks, then between nodes); "
              "0 = flat.");

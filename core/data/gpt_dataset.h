@@ -25,7 +25,7 @@
 // index order, unshuffled: position(d, o) = (tokens of the split's documents before d) + o
 // for offset o of document d, in [0, num_tokens()). Window boundaries move between epochs,
 // but this number names the same token of the corpus in every epoch (DynaMoE's cached
-// expert assignments are keyed by it, moe/moe_layer.h). GetSample writes it on request.
+// expert assignments are keyed by it, moe/assignment_cache.h). GetSample writes it on request.
 //
 // Splits follow Megatron: the split string "a,b,c" is normalised to fractions, and the
 // documents (Megatron's GPT dataset counts sequences, see NOTE [Megatron .idx layout]) are

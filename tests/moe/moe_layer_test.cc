@@ -371,12 +371,13 @@ TEST(MoeLayerTest, CachedRoutingThatAgreesWithTheRouterChangesNothing) {
   const at::Tensor weight = at::randn({4, 2, kHidden});
   const at::Tensor live = CachedStep(b, x, /*epoch=*/0, weight);
   const auto live_grads = TakeGrads(*b.unit);
-  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 0, 0}));
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 0, 0, 0}));
   CachedStep(b, x, 1, weight);
   b.unit->ZeroGrad();
-  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0})) << "8 tokens met again, none changed";
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0, 0})) << "8 tokens met again, none changed";
   const at::Tensor cached = CachedStep(b, x, 2, weight);
-  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 8})) << "routed by the cache";
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 8, 1}))
+      << "routed by the cache, experts before the router";
   EXPECT_TRUE(cached.equal(live));
   const auto cached_grads = TakeGrads(*b.unit);
   ASSERT_EQ(cached_grads.size(), live_grads.size());
@@ -403,7 +404,7 @@ TEST(MoeLayerTest, CachedRoutingOverridesTheRouterWithItsGates) {
   b.unit->ZeroGrad();
   x.mutable_grad() = at::Tensor();
   const at::Tensor out = CachedStep(b, x, 2, weight);
-  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{8, 8, 8})) << "all changed, all cached";
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{8, 8, 8, 1})) << "all changed, all cached";
   const at::Tensor x_grad = x.grad().clone();
   x.mutable_grad() = at::Tensor();
   auto grads = TakeGrads(*b.unit);
@@ -422,15 +423,38 @@ TEST(MoeLayerTest, CachedRoutingOverridesTheRouterWithItsGates) {
   }
   // Epoch 2 changed every token: epoch 3 routes live again, by the router's new choice.
   CachedStep(b, x.detach(), 3, weight);
-  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0}));
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 0, 0}));
 }
 
-// Evaluation neither needs positions nor touches the cache.
+// Batch-prioritized slots need the gates: the cached experts are used, the router runs
+// first. Same outputs as without prioritizing when nothing drops.
+TEST(MoeLayerTest, CachedRoutingWithBatchPrioritizedSlots) {
+  MoeOptions options = CachedOptions(0.5);
+  options.batch_prioritized = true;
+  Built b = Build(options);
+  Built plain = Build(CachedOptions(0.5));
+  const at::Tensor x = at::randn({4, 2, kHidden});
+  const at::Tensor weight = at::randn({4, 2, kHidden});
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    const at::Tensor out = CachedStep(b, x, epoch, weight);
+    EXPECT_TRUE(at::allclose(out, CachedStep(plain, x, epoch, weight), 1e-6, 1e-7)) << epoch;
+  }
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 8, 8, 0})) << "cached, router first";
+}
+
+// Evaluation neither needs positions nor touches the cache, even in a new epoch.
 TEST(MoeLayerTest, EvaluationLeavesTheCacheAlone) {
   Built b = Build(CachedOptions(0.5));
-  const at::Tensor before = b.unit->buffers()[0].second.clone();
-  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{/*training=*/false, 1, 0});
-  EXPECT_TRUE(b.unit->buffers()[0].second.equal(before));
+  std::vector<at::Tensor> before;
+  for (const auto& [name, tensor] : b.unit->buffers()) before.push_back(tensor.clone());
+  ForwardContext eval{/*training=*/false, 1, 0};
+  eval.epoch = 5;
+  b.block->Forward(at::randn({4, 2, kHidden}), eval);
+  b.block->AfterOptimizerStep();
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(b.unit->buffers()[i].second.equal(before[i])) << b.unit->buffers()[i].first;
+  }
+  EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 0, 0, 0}));
   // Training without positions is refused, naming what is missing.
   EXPECT_THROW(b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, 1, 0, 1.0 / 8}),
                c10::Error);

@@ -219,7 +219,7 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
   for (size_t i = 0; i < records.size(); ++i) {
     for (const char* layer : {"layers.0", "layers.2"}) {
       const std::vector<double> c = records[i]["assignment_cache"][layer].get<std::vector<double>>();
-      ASSERT_EQ(c.size(), 3u);
+      ASSERT_EQ(c.size(), 4u);
       const int iteration = static_cast<int>(i) + 1;
       // [changed, met again, routed by cache] of 16·128 tokens: nothing met again in epoch
       // 0 (steps 1-5; step 6 runs into epoch 1); from step 7 (epoch 1) nearly every token
@@ -228,6 +228,9 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
       if (iteration <= 5) EXPECT_EQ(c[1], 0.0) << iteration;
       if (iteration >= 7) EXPECT_GE(c[1], 0.95 * 16 * 128) << iteration;
       EXPECT_EQ(c[2], iteration >= 13 ? c[1] : 0.0) << iteration << " " << layer;
+      // Micro-batches whose exchange started before the router: all 4 once fully cached.
+      if (iteration < 13) EXPECT_EQ(c[3], 0.0) << iteration;
+      if (iteration >= 14) EXPECT_EQ(c[3], 4.0) << iteration;
       EXPECT_LE(c[0], c[1]);
     }
   }
@@ -278,6 +281,44 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
   EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --split=5,95,0 --load=" + ckpt), &output), 2)
       << output;
   EXPECT_NE(output.find("--moe_assignment_cache_threshold"), std::string::npos) << output;
+}
+
+// The same over a two-document split (--split=12,88,0: 252 samples an epoch, 4 steps of 64):
+// the documents are reshuffled every epoch, so the windows move and a token is known only
+// by its corpus position; ranks may hold micro-batches with tokens never routed before
+// (those take the router-first path) beside fully cached ones. ep=2 still routes every
+// token as one process does.
+TEST_F(SlowMoeTrainTest, CachedAssignmentsSurviveDocumentReshuffles) {
+  const std::string args =
+      "--recipe=tiny_moe --train_iters=16 --eval_interval=0 --log_interval=10 "
+      "--global_batch_size=64 --micro_batch_size=8 --split=12,88,0 "
+      "--moe_assignment_cache_threshold=1";
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (const std::string& layout : {std::string(), std::string(" --expert_model_parallel_size=2")}) {
+    std::string output;
+    const std::string metrics = *dir_ + "/reshuffle" + std::to_string(runs.size()) + ".jsonl";
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(layout.empty() ? 1 : 2,
+                                                        args + layout + " --metrics_file=" + metrics),
+                                  &output),
+              0)
+        << output;
+    runs.push_back(testing::MetricsRecords(metrics));
+    ASSERT_EQ(runs.back().size(), 16u);
+  }
+  double cached = 0;
+  for (size_t i = 0; i < 16; ++i) {
+    EXPECT_EQ(runs[0][i]["assignment_cache"], runs[1][i]["assignment_cache"]) << "iteration " << i + 1;
+    for (const char* layer : {"layers.0", "layers.2"}) {
+      const std::vector<double> c = runs[0][i]["assignment_cache"][layer].get<std::vector<double>>();
+      cached += c[2];
+      if (c[2] > 0) EXPECT_EQ(c[2], c[1]) << "every token met again is routed by the cache";
+    }
+  }
+  EXPECT_GT(cached, 0) << "epoch 2 (from step 9) routes by the cache";
+  const double worst = testing::MaxRelativeDifference(testing::LossesOf(runs[0]), testing::LossesOf(runs[1]));
+  std::cout << "cached assignments, two documents, ep=2 vs 1: max relative difference " << worst
+            << std::endl;
+  EXPECT_LE(worst, kRelativeTolerance);
 }
 
 TEST(MoeFlagsTest, BadExpertLayoutsAreRefusedBeforeAnyWork) {

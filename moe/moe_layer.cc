@@ -165,22 +165,9 @@ class MoeLayer final : public FeedForward {
 
   // Every expert padded to the same capacity C (agreed over the expert-parallel group).
   at::Tensor PaddedExperts(const at::Tensor& tokens, const Routing& routing, int64_t k) {
-    const int64_t t = tokens.size(0);
-    CapacityMaxReduce max_reduce;
-    if (exchange_ != nullptr && exchange_->size() > 1) {
-      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
-    }
-    const int64_t capacity =
-        ExpertCapacity(options_.capacity_factor, k, t, routing.expert_load, max_reduce);
-    last_slots_ = AssignSlots(routing, options_.num_experts, capacity);
-    DispatchPlan plan = MakeDispatchPlan(routing, last_slots_, t);
+    DispatchPlan plan = PlanPadded(routing, k, tokens.size(0));
     at::Tensor buffer = Dispatch(tokens, plan);  // [E, C, D]
-    rows_this_call_ = 0;
-    auto experts = [this](const at::Tensor& local) {  // [E/n, n·C, D]
-      const std::vector<int64_t> sizes(local.size(0), local.size(1));
-      rows_this_call_ += local.size(0) * local.size(1);
-      return RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
-    };
+    auto experts = [this](const at::Tensor& local) { return RunPaddedExperts(local); };
     if (exchange_ == nullptr) return Combine(experts(buffer), plan);
     if (options_.a2a_overlap_degree > 1) {
       return Combine(exchange_->OverlappedExperts(buffer, options_.a2a_overlap_degree, experts),
@@ -203,20 +190,8 @@ class MoeLayer final : public FeedForward {
     fixed.expert = experts.t().reshape({-1}).contiguous();
     fixed.gate = at::zeros({t * k}, tokens.options());  // placeholder: the plan's positions
     fixed.expert_load = at::bincount(fixed.expert, /*weights=*/{}, options_.num_experts);
-    CapacityMaxReduce max_reduce;
-    if (exchange_ != nullptr && exchange_->size() > 1) {
-      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
-    }
-    const int64_t capacity =
-        ExpertCapacity(options_.capacity_factor, k, t, fixed.expert_load, max_reduce);
-    last_slots_ = AssignSlots(fixed, options_.num_experts, capacity);
-    at::Tensor buffer = Dispatch(tokens, MakeDispatchPlan(fixed, last_slots_, t));  // [E, C, D]
-    rows_this_call_ = 0;
-    auto run = [this](const at::Tensor& local) {  // [E/n, n·C, D]
-      const std::vector<int64_t> sizes(local.size(0), local.size(1));
-      rows_this_call_ += local.size(0) * local.size(1);
-      return RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
-    };
+    at::Tensor buffer = Dispatch(tokens, PlanPadded(fixed, k, t));  // [E, C, D]
+    auto run = [this](const at::Tensor& local) { return RunPaddedExperts(local); };
     at::Tensor y;
     if (exchange_ == nullptr) {
       y = run(buffer);
@@ -232,6 +207,28 @@ class MoeLayer final : public FeedForward {
     TORCH_CHECK(routing->expert.equal(fixed.expert),
                 "the router did not route to the cached experts it was given");
     return Combine(y, MakeDispatchPlan(*routing, last_slots_, t));
+  }
+
+  // The padded capacity of `assignments` (agreed over the expert-parallel group), their
+  // slots (kept in last_slots_) and the dispatch plan over `t` tokens.
+  DispatchPlan PlanPadded(const Routing& assignments, int64_t k, int64_t t) {
+    CapacityMaxReduce max_reduce;
+    if (exchange_ != nullptr && exchange_->size() > 1) {
+      max_reduce = [this](int64_t need) { return exchange_->Max(need); };
+    }
+    const int64_t capacity =
+        ExpertCapacity(options_.capacity_factor, k, t, assignments.expert_load, max_reduce);
+    last_slots_ = AssignSlots(assignments, options_.num_experts, capacity);
+    rows_this_call_ = 0;
+    return MakeDispatchPlan(assignments, last_slots_, t);
+  }
+
+  // The local experts on their padded rows [E/n, n·C, D] → outputs of that shape; counts
+  // the rows (Load()).
+  at::Tensor RunPaddedExperts(const at::Tensor& local) {
+    const std::vector<int64_t> sizes(local.size(0), local.size(1));
+    rows_this_call_ += local.size(0) * local.size(1);
+    return RunExperts(local.reshape({-1, local.size(2)}), sizes).view(local.sizes());
   }
 
   // Each expert's rows are only the assignments it keeps (MoeOptions::per_expert_capacity).

@@ -11,20 +11,27 @@ namespace {
 
 constexpr int64_t kHalf = int64_t{1} << 24;  // fp32 holds every integer below 2^24 exactly
 
-// Rows [n, 1 + k] of (position, experts...) as fp32 halves [n, 2 + k] and back, for the
-// fp32 transport of a migration.
+// Integers [n] (int64, below 2^48) as exact fp32 halves [n, 2] (high, low), and back: the
+// step state travels as fp32 in a migration.
+at::Tensor ToHalves(const at::Tensor& values) {
+  return at::stack({at::floor_divide(values, kHalf), at::remainder(values, kHalf)}, 1).to(at::kFloat);
+}
+
+at::Tensor FromHalves(const at::Tensor& halves) {
+  at::Tensor h = halves.to(at::kLong);
+  return h.select(1, 0) * kHalf + h.select(1, 1);
+}
+
+// Records [n, 1 + k] of (position, experts...) as fp32 [n, 2 + k] and back.
 at::Tensor EncodeRecords(const at::Tensor& records) {
-  at::Tensor position = records.select(1, 0);
-  return at::cat({at::floor_divide(position, kHalf).unsqueeze(1), at::remainder(position, kHalf).unsqueeze(1),
-                  records.narrow(1, 1, records.size(1) - 1)},
-                 1)
-      .to(at::kFloat);
+  return at::cat({ToHalves(records.select(1, 0)), records.narrow(1, 1, records.size(1) - 1).to(at::kFloat)},
+                 1);
 }
 
 at::Tensor DecodeRecords(const at::Tensor& encoded) {
-  at::Tensor e = encoded.to(at::kLong);
-  at::Tensor position = e.select(1, 0) * kHalf + e.select(1, 1);
-  return at::cat({position.unsqueeze(1), e.narrow(1, 2, e.size(1) - 2)}, 1);
+  return at::cat({FromHalves(encoded.narrow(1, 0, 2)).unsqueeze(1),
+                  encoded.narrow(1, 2, encoded.size(1) - 2).to(at::kLong)},
+                 1);
 }
 
 }  // namespace
@@ -98,16 +105,16 @@ void AssignmentCache::Record(const at::Tensor& positions, const at::Tensor& cach
   at::Tensor p = positions.to(at::kCPU, at::kLong).reshape({-1, 1});
   at::Tensor met = cached.select(1, 0).ge(0);
   at::Tensor same = std::get<0>(own.sort(1)).eq(std::get<0>(cached.sort(1))).all(1);
-  step_met_ += met.sum().item<int64_t>();
+  const int64_t met_count = met.sum().item<int64_t>();
+  step_met_ += met_count;
   step_changed_ += (met & same.logical_not()).sum().item<int64_t>();
-  if (routed_by_cache) step_cached_ += met.sum().item<int64_t>();
+  if (routed_by_cache) step_cached_ += met_count;
   records_.push_back(at::cat({p, own}, 1));
 }
 
 void AssignmentCache::AfterOptimizerStep(parallel::Communicator* data,
                                          const std::vector<int64_t>& global_counts) {
-  at::Tensor records =
-      records_.empty() ? at::zeros({0, 1 + k_}, at::kLong) : at::cat(records_, 0);
+  at::Tensor records = StepRecords();
   if (data != nullptr && data->size() > 1) {
     // Replicas may hold different numbers of records (a layer that moved mid-step brought
     // its own): pad to the largest with position −1.
@@ -135,12 +142,14 @@ void AssignmentCache::AfterOptimizerStep(parallel::Communicator* data,
   step_changed_ = step_met_ = step_cached_ = 0;
 }
 
+at::Tensor AssignmentCache::StepRecords() const {
+  return records_.empty() ? at::zeros({0, 1 + k_}, at::kLong) : at::cat(records_, 0);
+}
+
 std::vector<std::pair<std::string, at::Tensor>> AssignmentCache::StepState() const {
-  at::Tensor records =
-      records_.empty() ? at::zeros({0, 1 + k_}, at::kLong) : at::cat(records_, 0);
-  at::Tensor counts = at::tensor({step_changed_, step_met_, step_cached_}, at::kLong).unsqueeze(1);
-  at::Tensor halves = at::cat({at::floor_divide(counts, kHalf), at::remainder(counts, kHalf)}, 1);
-  return {{"cache_records", EncodeRecords(records)}, {"cache_counts", halves.to(at::kFloat)}};
+  at::Tensor records = StepRecords();
+  at::Tensor counts = at::tensor({step_changed_, step_met_, step_cached_}, at::kLong);
+  return {{"cache_records", EncodeRecords(records)}, {"cache_counts", ToHalves(counts)}};
 }
 
 void AssignmentCache::LoadStepState(const std::vector<std::pair<std::string, at::Tensor>>& state) {
@@ -150,8 +159,7 @@ void AssignmentCache::LoadStepState(const std::vector<std::pair<std::string, at:
                   tensor.sizes(), ", expected [n, ", 2 + k_, "]");
       records_.assign(1, DecodeRecords(tensor));
     } else if (name == "cache_counts") {
-      at::Tensor c = tensor.to(at::kLong).reshape({3, 2});
-      at::Tensor counts = c.select(1, 0) * kHalf + c.select(1, 1);
+      at::Tensor counts = FromHalves(tensor.reshape({3, 2}));
       step_changed_ = counts[0].item<int64_t>();
       step_met_ = counts[1].item<int64_t>();
       step_cached_ = counts[2].item<int64_t>();

@@ -111,6 +111,8 @@ class AssignmentCache {
   // Layout of the state buffer (fp32; counts split into exact 24-bit halves).
   enum Slot { kEpoch = 0, kActive, kChangedHigh, kChangedLow, kMetHigh, kMetLow, kLastFraction, kSlots };
   int64_t Count(Slot high) const;
+  // This rank's records of the step so far, [n, 1 + k].
+  at::Tensor StepRecords() const;
   void SetCount(Slot high, int64_t value);
 
   int64_t positions_;

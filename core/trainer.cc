@@ -128,19 +128,24 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   return trainer;
 }
 
-at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sample,
-                              at::Tensor* positions) const {
+at::Tensor Trainer::MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const {
+  at::Tensor tokens;
+  ReadMicroBatch(dataset, first_sample, &tokens, nullptr);
+  return tokens;
+}
+
+void Trainer::ReadMicroBatch(const data::GptDataset& dataset, int64_t first_sample,
+                             at::Tensor* tokens, at::Tensor* positions) const {
   const int64_t mbs = config_.train.micro_batch_size;
   const int64_t width = config_.data.seq_length + 1;
-  at::Tensor tokens = at::empty({mbs, width}, at::kLong);
+  at::Tensor what = tokens ? at::empty({mbs, width}, at::kLong) : at::Tensor();
   at::Tensor where = positions ? at::empty({mbs, width}, at::kLong) : at::Tensor();
-  int64_t* out = tokens.data_ptr<int64_t>();
   for (int64_t i = 0; i < mbs; ++i) {
-    dataset.GetSample(first_sample + i, out + i * width,
+    dataset.GetSample(first_sample + i, tokens ? what.data_ptr<int64_t>() + i * width : nullptr,
                       positions ? where.data_ptr<int64_t>() + i * width : nullptr);
   }
+  if (tokens) *tokens = what;
   if (positions) *positions = where.narrow(1, 0, width - 1).t().contiguous();
-  return tokens;
 }
 
 absl::StatusOr<IterationStats> Trainer::TrainIteration() {
@@ -169,7 +174,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     plan.tokens = [&](int m) { return MicroBatch(*train_data_, plan.first_sample(m)); };
     plan.token_positions = [&](int m) {
       at::Tensor positions;
-      MicroBatch(*train_data_, plan.first_sample(m), &positions);
+      ReadMicroBatch(*train_data_, plan.first_sample(m), nullptr, &positions);
       return positions;
     };
     plan.epoch = epoch;
@@ -180,8 +185,9 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
       ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
       ctx.epoch = epoch;
-      at::Tensor tokens = MicroBatch(*train_data_, first,
-                                     model_->needs_token_positions() ? &ctx.token_positions : nullptr);
+      at::Tensor tokens;
+      ReadMicroBatch(*train_data_, first, &tokens,
+                     model_->needs_token_positions() ? &ctx.token_positions : nullptr);
       LossSum loss = model_->ForwardLoss(tokens, ctx);
       (loss.sum / total_tokens).backward();
       loss_sum += loss.sum.item<double>();

@@ -94,10 +94,13 @@ class Trainer {
   int dp_rank() const { return parallel_ ? parallel_->dp_rank() : 0; }
   int dp_size() const { return parallel_ ? parallel_->dp_size() : 1; }
   bool is_logging_rank() const { return parallel_ == nullptr || parallel_->is_logging_rank(); }
-  /// Tokens [b, s+1] of the micro-batch at `first_sample`; with `positions`, also the
-  /// inputs' positions in the split as [s, b] (ForwardContext::token_positions).
-  at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample,
-                        at::Tensor* positions = nullptr) const;
+  /// Tokens [b, s+1] of the micro-batch at `first_sample`.
+  at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
+  /// Reads the micro-batch at `first_sample` in one pass over the data: its tokens [b, s+1]
+  /// and the inputs' positions in the split [s, b] (ForwardContext::token_positions); a
+  /// null pointer skips that part.
+  void ReadMicroBatch(const data::GptDataset& dataset, int64_t first_sample, at::Tensor* tokens,
+                      at::Tensor* positions) const;
   nlohmann::json ManifestFields(const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const;
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).

@@ -209,6 +209,7 @@ std::shared_ptr<const GptDataset::EpochPlan> GptDataset::PlanFor(int64_t epoch) 
 
 void GptDataset::GetSample(int64_t k, int64_t* out, int64_t* positions) const {
   TORCH_CHECK(k >= 0, "GptDataset::GetSample: sample index ", k, " is negative");
+  TORCH_CHECK(out != nullptr || positions != nullptr, "GptDataset::GetSample: nothing to write");
   const std::shared_ptr<const EpochPlan> plan = PlanFor(k / samples_per_epoch_);
   const int64_t begin = plan->windows[k % samples_per_epoch_] * options_.seq_length;
 
@@ -223,8 +224,10 @@ void GptDataset::GetSample(int64_t k, int64_t* out, int64_t* positions) const {
                           "sample window runs past the end of the epoch's token stream");
     const int64_t length = plan->starts[i + 1] - plan->starts[i];
     const int64_t take = std::min(length - offset, remaining);
-    dataset_->Read(plan->documents[i], offset, take, out);
-    out += take;
+    if (out != nullptr) {
+      dataset_->Read(plan->documents[i], offset, take, out);
+      out += take;
+    }
     if (positions != nullptr) {
       const int64_t first = index_starts_[plan->documents[i] - documents_.begin] + offset;
       for (int64_t j = 0; j < take; ++j) *positions++ = first + j;

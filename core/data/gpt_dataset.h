@@ -92,7 +92,8 @@ class GptDataset {
   /// Writes the seq_length + 1 tokens of global sample `k` (k >= 0; any k, epochs repeat
   /// the data in a new order) to `out`. Deterministic: see NOTE [Stateless data position].
   /// When `positions` is not null, also writes each token's position in the split (the
-  /// identity that survives reshuffling, see above) to positions[0 .. seq_length].
+  /// identity that survives reshuffling, see above) to positions[0 .. seq_length]; `out`
+  /// may then be null to read positions only.
   void GetSample(int64_t k, int64_t* out, int64_t* positions = nullptr) const;
 
   /// The epoch global sample `k` belongs to.

@@ -208,10 +208,12 @@ TEST(GptDatasetTest, PositionsNameTheSameTokenInEveryEpoch) {
     std::set<int64_t> inputs;
     for (int64_t j = 0; j < spe; ++j) {
       const int64_t k = epoch * spe + j;
-      std::vector<int64_t> tokens(17), positions(17), again(17);
+      std::vector<int64_t> tokens(17), positions(17), again(17), positions_only(17);
       dataset->GetSample(k, tokens.data(), positions.data());
       dataset->GetSample(k, again.data());
+      dataset->GetSample(k, nullptr, positions_only.data());
       EXPECT_EQ(tokens, again);
+      EXPECT_EQ(positions, positions_only);
       EXPECT_EQ(dataset->EpochOf(k), epoch);
       for (int i = 0; i < 17; ++i) {
         EXPECT_EQ(positions[i], position_of.at(tokens[i])) << "sample " << k << " token " << i;

@@ -5,6 +5,7 @@
 // hierarchical all-to-all gives exactly the flat one's; a checkpoint saved at ep=2 resumes
 // at ep=1; the metrics report every expert's tokens; cached assignments (DynaMoE) agree
 // over layouts, layer moves and resumes.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -53,6 +54,32 @@ class SlowMoeTrainTest : public ::testing::Test {
               << std::endl;
     EXPECT_LE(worst, tolerance);
     return losses;
+  }
+  // Runs `layout` on 2 processes as it is and with `script` (--rebalance_script) moving
+  // layers between the stages; every iteration's `fields` must be bit-identical in the two
+  // runs. Returns the unmoved run's records.
+  std::vector<nlohmann::json> ExpectMovesChangeNothing(const std::string& layout,
+                                                       const std::string& script,
+                                                       const std::string& name,
+                                                       const std::vector<std::string>& fields) {
+    std::vector<std::vector<nlohmann::json>> runs;
+    for (const std::string& moves : {std::string(), " --rebalance_script='" + script + "'"}) {
+      std::string output;
+      const std::string metrics = *dir_ + "/" + name + (moves.empty() ? "" : "_moved") + ".jsonl";
+      EXPECT_EQ(testing::RunCommand(
+                    testing::TrainCommand(2, Common() + " " + layout + moves + " --metrics_file=" + metrics),
+                    &output),
+                0)
+          << output;
+      runs.push_back(testing::MetricsRecords(metrics));
+      EXPECT_EQ(runs.back().size(), 20u);
+    }
+    for (size_t i = 0; i < std::min(runs[0].size(), runs[1].size()); ++i) {
+      for (const std::string& field : fields) {
+        EXPECT_EQ(runs[0][i][field], runs[1][i][field]) << field << ", iteration " << i + 1;
+      }
+    }
+    return runs[0];
   }
   static std::vector<double> SingleLosses() { return testing::LossesOf(*single_); }
   static std::string* dir_;
@@ -125,30 +152,10 @@ TEST_F(SlowMoeTrainTest, MovingMoeLayersKeepsTheLossCurveBitIdentical) {
   // layer that moves between stages mid-step carries the loads measured so far, and the
   // bias travels as a unit buffer. Layer 2 (MoE) goes to stage 0 and back, layer 1 (dense)
   // to stage 1 and back.
-  const std::string layout =
+  ExpectMovesChangeNothing(
       "--pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --moe_router=aux_free "
-      "--moe_router_bias_update_rate=1e-2";
-  std::string output;
-  const std::string fixed = *dir_ + "/aux_free_fixed.jsonl";
-  const std::string moved = *dir_ + "/aux_free_moved.jsonl";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + layout + " --metrics_file=" + fixed),
-                                &output),
-            0)
-      << output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + " " + layout +
-                                              " --rebalance_script='3:2->0;7:2->1,1->1;12:1->0'"
-                                              " --metrics_file=" + moved),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> a = testing::MetricsRecords(fixed);
-  const std::vector<nlohmann::json> b = testing::MetricsRecords(moved);
-  ASSERT_EQ(a.size(), 20u);
-  ASSERT_EQ(b.size(), 20u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
-    EXPECT_EQ(a[i]["expert_tokens"], b[i]["expert_tokens"]) << "iteration " << i + 1;
-  }
+      "--moe_router_bias_update_rate=1e-2",
+      "3:2->0;7:2->1,1->1;12:1->0", "aux_free", {"loss", "expert_tokens"});
 }
 
 TEST_F(SlowMoeTrainTest, DroplessCapacityAgreesOverTheExpertGroup) {
@@ -237,26 +244,10 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
   const std::vector<double> losses = testing::LossesOf(records);
   ExpectMatches(2, cache + " --expert_model_parallel_size=2", "cache_ep2", losses, kRelativeTolerance);
 
-  const std::string pp = cache + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
-  const std::string fixed = *dir_ + "/cache_pp2.jsonl";
-  const std::string moved = *dir_ + "/cache_pp2_moved.jsonl";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + pp + " --metrics_file=" + fixed), &output), 0)
-      << output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, Common() + pp +
-                                                             " --rebalance_script='9:2->0;14:2->1'"
-                                                             " --metrics_file=" + moved),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> a = testing::MetricsRecords(fixed);
-  const std::vector<nlohmann::json> b = testing::MetricsRecords(moved);
-  ASSERT_EQ(a.size(), 20u);
-  ASSERT_EQ(b.size(), 20u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
-    EXPECT_EQ(a[i]["assignment_cache"], b[i]["assignment_cache"]) << "iteration " << i + 1;
-  }
-  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(a), losses), kRelativeTolerance);
+  const std::vector<nlohmann::json> pp2 = ExpectMovesChangeNothing(
+      cache + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1", "9:2->0;14:2->1",
+      "cache_pp2", {"loss", "assignment_cache"});
+  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(pp2), losses), kRelativeTolerance);
 
   // Saved at step 10 (epoch 1, the table full of epoch 0 and 1 choices), resumed to 20.
   const std::string ckpt = testing::MakeTempDir("moe_cache_ckpt");

@@ -42,29 +42,22 @@ ExpertExchange& SavedExchange(AutogradContext* ctx) {
       static_cast<intptr_t>(ctx->saved_data["exchange"].toInt()));
 }
 
-class ScatterFunction : public torch::autograd::Function<ScatterFunction> {
+// An exchange whose backward is its inverse: Scatter (forward ScatterRows, backward
+// GatherRows) and Gather (the other way round).
+template <at::Tensor (*Forward)(ExpertExchange&, const at::Tensor&),
+          at::Tensor (*Backward)(ExpertExchange&, const at::Tensor&)>
+class InvertibleExchange : public torch::autograd::Function<InvertibleExchange<Forward, Backward>> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& buffer,
-                            ExpertExchange* exchange) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, ExpertExchange* exchange) {
     SaveExchange(ctx, exchange);
-    return ScatterRows(*exchange, buffer);
+    return Forward(*exchange, input);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {GatherRows(SavedExchange(ctx), grads[0].contiguous()), at::Tensor()};
+    return {Backward(SavedExchange(ctx), grads[0].contiguous()), at::Tensor()};
   }
 };
-
-class GatherFunction : public torch::autograd::Function<GatherFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& expert_output,
-                            ExpertExchange* exchange) {
-    SaveExchange(ctx, exchange);
-    return GatherRows(*exchange, expert_output);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {ScatterRows(SavedExchange(ctx), grads[0].contiguous()), at::Tensor()};
-  }
-};
+using ScatterFunction = InvertibleExchange<ScatterRows, GatherRows>;
+using GatherFunction = InvertibleExchange<GatherRows, ScatterRows>;
 
 // All-to-all with row splits; its backward is the exchange with the splits swapped.
 class VariableAllToAllFunction : public torch::autograd::Function<VariableAllToAllFunction> {

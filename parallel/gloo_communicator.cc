@@ -220,49 +220,20 @@ class GlooCommunicator final : public Communicator {
 
   at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                       const std::vector<int64_t>& output_splits) override {
-    constexpr const char* kOp = "all_to_all";
-    CheckUsable(kOp);
-    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
-    const internal::AllToAllRows rows =
-        internal::ResolveAllToAllRows(input, input_splits, output_splits, size(), group_);
-    std::vector<int64_t> sizes = input.sizes().vec();
-    sizes[0] = rows.recv_total;
-    at::Tensor output = at::empty(sizes, input.options());
-    Run(kOp, [&] {
-      at::Tensor movable_output = Movable(output);
-      at::Tensor movable_input = Movable(input);
-      // c10d counts in rows of dimension 0, as Fulcrum does.
-      std::vector<int64_t> recv = rows.recv;
-      std::vector<int64_t> send = rows.send;
-      return pg_->alltoall_base(movable_output, movable_input, recv, send);
-    });
+    internal::AllToAllRows rows;
+    at::Tensor output = PrepareAllToAll(input, input_splits, output_splits, &rows);
+    Run("all_to_all", [&] { return IssueAllToAll(output, input, rows); });
     return output;
   }
 
   PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                           const std::vector<int64_t>& output_splits) override {
-    constexpr const char* kOp = "all_to_all";
-    CheckUsable(kOp);
-    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
-    const internal::AllToAllRows rows =
-        internal::ResolveAllToAllRows(input, input_splits, output_splits, size(), group_);
-    std::vector<int64_t> sizes = input.sizes().vec();
-    sizes[0] = rows.recv_total;
-    at::Tensor output = at::empty(sizes, input.options());
+    internal::AllToAllRows rows;
+    at::Tensor output = PrepareAllToAll(input, input_splits, output_splits, &rows);
     ++collective_sequence_;
-    const std::string what = absl::StrCat("non-blocking all_to_all on ", group_);
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      // The work holds both tensors until the transport is done with them.
-      at::Tensor movable_output = Movable(output);
-      at::Tensor movable_input = Movable(input);
-      std::vector<int64_t> recv = rows.recv;
-      std::vector<int64_t> send = rows.send;
-      work = pg_->alltoall_base(movable_output, movable_input, recv, send);
-    } catch (const std::exception& e) {
-      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
-    }
-    return PendingTensor{output, std::make_unique<GlooWork>(std::move(work), what, timeout_, health_)};
+    // The work holds both tensors until the transport is done with them.
+    return PendingTensor{output, IssueNonBlocking(absl::StrCat("non-blocking all_to_all on ", group_),
+                                                  [&] { return IssueAllToAll(output, input, rows); })};
   }
 
   std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override {
@@ -272,15 +243,11 @@ class GlooCommunicator final : public Communicator {
     internal::CheckPeer(dst, size(), kOp, group_);
     const std::string what = absl::StrCat(
         kOp, " on ", group_, " to ", internal::DescribePeer(dst, global_ranks_), ", tag ", tag);
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      // The work keeps a reference to the tensor until the transport is done with it.
+    // The work keeps a reference to the tensor until the transport is done with it.
+    return IssueNonBlocking(what, [&] {
       std::vector<at::Tensor> tensors{tensor};
-      work = pg_->send(tensors, dst, tag);
-    } catch (const std::exception& e) {
-      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
-    }
-    return std::make_unique<GlooWork>(std::move(work), what, timeout_, health_);
+      return pg_->send(tensors, dst, tag);
+    });
   }
 
   std::unique_ptr<CommWork> IRecv(at::Tensor& tensor, int src, int tag) override {
@@ -290,14 +257,10 @@ class GlooCommunicator final : public Communicator {
     internal::CheckPeer(src, size(), kOp, group_);
     const std::string what = absl::StrCat(
         kOp, " on ", group_, " from ", internal::DescribePeer(src, global_ranks_), ", tag ", tag);
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
+    return IssueNonBlocking(what, [&] {
       std::vector<at::Tensor> tensors{tensor};
-      work = pg_->recv(tensors, src, tag);
-    } catch (const std::exception& e) {
-      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
-    }
-    return std::make_unique<GlooWork>(std::move(work), what, timeout_, health_);
+      return pg_->recv(tensors, src, tag);
+    });
   }
 
   void Barrier() override {
@@ -356,6 +319,42 @@ class GlooCommunicator final : public Communicator {
 
   // Issues a collective and waits for it; any failure becomes a CommError that names the
   // operation, this communicator and the members that did not report the failure too.
+  // Checks an all-to-all's arguments (CheckUsable included), resolves its row splits into
+  // *rows and allocates its output.
+  at::Tensor PrepareAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
+                             const std::vector<int64_t>& output_splits, internal::AllToAllRows* rows) {
+    constexpr const char* kOp = "all_to_all";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    *rows = internal::ResolveAllToAllRows(input, input_splits, output_splits, size(), group_);
+    std::vector<int64_t> sizes = input.sizes().vec();
+    sizes[0] = rows->recv_total;
+    return at::empty(sizes, input.options());
+  }
+
+  c10::intrusive_ptr<c10d::Work> IssueAllToAll(at::Tensor& output, const at::Tensor& input,
+                                               const internal::AllToAllRows& rows) {
+    at::Tensor movable_output = Movable(output);
+    at::Tensor movable_input = Movable(input);
+    // c10d counts in rows of dimension 0, as Fulcrum does.
+    std::vector<int64_t> recv = rows.recv;
+    std::vector<int64_t> send = rows.send;
+    return pg_->alltoall_base(movable_output, movable_input, recv, send);
+  }
+
+  // Issues a non-blocking operation described by `what`: a failure to issue fails the
+  // communicator (as Run does); otherwise the work, waited for with the group's timeout.
+  template <typename Issue>
+  std::unique_ptr<CommWork> IssueNonBlocking(const std::string& what, Issue&& issue) {
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = issue();
+    } catch (const std::exception& e) {
+      Fail(absl::StrCat(what, ": ", internal::ExceptionMessage(e)));
+    }
+    return std::make_unique<GlooWork>(std::move(work), what, timeout_, health_);
+  }
+
   template <typename Issue>
   void Run(const char* op, Issue&& issue) {
     const uint64_t sequence = ++collective_sequence_;

@@ -1,9 +1,5 @@
 #include "tests/core/test_util.h"
 
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -73,17 +69,6 @@ std::string MakeTempDir(const std::string& tag) {
   const char* dir = mkdtemp(buffer.data());
   if (dir == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
   return dir;
-}
-
-int RunCommand(const std::string& command, std::string* output) {
-  output->clear();
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return -1;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output->append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {

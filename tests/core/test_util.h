@@ -11,6 +11,7 @@
 #include "core/config.h"
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
+#include "tests/run_command.h"  // RunCommand
 
 namespace fulcrum::testing {
 
@@ -27,10 +28,6 @@ std::shared_ptr<data::IndexedDataset> SyntheticCorpus(int64_t num_documents, int
 
 /// A fresh empty directory under the test temp dir.
 std::string MakeTempDir(const std::string& tag);
-
-/// Runs `command` through /bin/sh; returns its exit code and fills `output` with
-/// stdout+stderr.
-int RunCommand(const std::string& command, std::string* output);
 
 /// Max |a - b| over all elements (as double).
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b);

@@ -9,12 +9,10 @@
 #include <limits.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -24,6 +22,7 @@
 #include "parallel/nccl_communicator.h"
 #include "parallel/rendezvous.h"
 #include "parallel/world.h"
+#include "tests/run_command.h"
 #include "parallel/world_communicator.h"
 
 namespace fulcrum::parallel {
@@ -257,20 +256,10 @@ LaunchResult LaunchWorkers(int nproc, const std::string& filter, int limit_s,
   const std::string command =
       "FULCRUM_COMM_WORKER=1 " + env + " timeout -k 5 " + std::to_string(limit_s) + " " + launcher +
       " --nproc_per_node=" + std::to_string(nproc) + " --master_port=0 --kill_timeout_s=2 -- " +
-      std::string(self.data(), length) + " --gtest_filter='" + filter + "' 2>&1";
+      std::string(self.data(), length) + " --gtest_filter='" + filter + "'";
   const auto start = Clock::now();
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    result.output = "popen failed for: " + command;
-    return result;
-  }
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
-    result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
+  result.exit_code = fulcrum::testing::RunCommand(command, &result.output);
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;
 }
 

@@ -18,6 +18,7 @@
 #include "core/transformer_layer.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/world.h"
+#include "tests/run_command.h"
 #include "parallel/world_communicator.h"
 
 namespace fulcrum::parallel {
@@ -152,14 +153,9 @@ std::string RunWorkers(int n, int* code) {
   const std::string bin = FULCRUM_BIN_DIR;
   const std::string command = "FULCRUM_TP_WORKER=1 " + bin + "/fulcrum_launch --nproc_per_node=" +
                               std::to_string(n) + " --master_port=0 -- " + bin +
-                              "/parallel_test --gtest_filter=TpWorker.* 2>&1";
+                              "/parallel_test --gtest_filter=TpWorker.*";
   std::string output;
-  FILE* pipe = popen(command.c_str(), "r");
-  char buffer[4096];
-  size_t got;
-  while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, got);
-  const int status = pclose(pipe);
-  *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  *code = fulcrum::testing::RunCommand(command, &output);
   return output;
 }
 

@@ -6,9 +6,7 @@
 // and W of every micro-batch on both ranks' rows, without overlaps.
 #include "pipeline/timeline.h"
 
-#include <stdio.h>
 #include <stdlib.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +23,7 @@
 
 #include "gtest/gtest.h"
 #include "parallel/world_communicator.h"
+#include "tests/run_command.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -41,17 +40,7 @@ std::string MakeTempDir() {
   return dir;
 }
 
-// Runs `command` through /bin/sh; returns its exit code, stdout+stderr in `output`.
-int RunCommand(const std::string& command, std::string* output) {
-  output->clear();
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return -1;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output->append(buffer, n);
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+using fulcrum::testing::RunCommand;
 
 json ReadJson(const std::string& path) {
   std::ifstream in(path);

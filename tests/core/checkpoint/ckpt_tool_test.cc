@@ -2,7 +2,6 @@
 // and exit codes (0 ok, 1 damaged or missing, 2 wrong usage).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -10,6 +9,7 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "tests/core/checkpoint/test_util.h"
+#include "tests/run_command.h"
 
 namespace fulcrum::ckpt {
 namespace {
@@ -32,13 +32,7 @@ const std::string& ToolPath() {
 
 RunResult RunTool(const std::string& args) {
   RunResult result;
-  FILE* pipe = ::popen((ToolPath() + " " + args + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
-  const int status = ::pclose(pipe);
-  if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
+  result.exit_code = fulcrum::testing::RunCommand(ToolPath() + " " + args, &result.output);
   return result;
 }
 

@@ -3,7 +3,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <fstream>
@@ -12,6 +11,7 @@
 
 #include "core/data/indexed_dataset.h"
 #include "core/data/tokenizer.h"
+#include "tests/run_command.h"
 
 namespace fulcrum::data {
 namespace {
@@ -28,14 +28,7 @@ struct RunResult {
 
 RunResult RunPreprocess(const std::string& arguments) {
   RunResult result;
-  FILE* pipe = ::popen((kBinary + " " + arguments + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) {
-    result.output.append(buffer, n);
-  }
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.exit_code = fulcrum::testing::RunCommand(kBinary + " " + arguments, &result.output);
   return result;
 }
 

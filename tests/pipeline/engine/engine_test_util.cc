@@ -1,9 +1,8 @@
 #include "tests/pipeline/engine/engine_test_util.h"
 
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
+#include "tests/run_command.h"
 
 namespace fulcrum::pipeline::testing {
 
@@ -18,15 +17,8 @@ int LaunchWorkers(int nproc, const std::string& worker_filter, std::string* outp
   const std::string command = "FULCRUM_ENGINE_WORKER=1 timeout -k 5 300 " +
                               std::string(FULCRUM_BIN_DIR) + "/fulcrum_launch --nproc_per_node=" +
                               std::to_string(nproc) + " --master_port=0 -- " + SelfPath() +
-                              " --gtest_filter='" + worker_filter + "' 2>&1";
-  output->clear();
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return -1;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output->append(buffer, n);
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+                              " --gtest_filter='" + worker_filter + "'";
+  return fulcrum::testing::RunCommand(command, output);
 }
 
 }  // namespace fulcrum::pipeline::testing

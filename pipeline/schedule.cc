@@ -24,7 +24,8 @@ FULCRUM_REGISTER(ScheduleGenerator, zbh1,
                  ZeroBubbleH1);
 FULCRUM_REGISTER(ScheduleGenerator, zbh2,
                  "zero-bubble ZB-H2 (Qi et al. 2024 §2.2): extra warm-up forwards, ≤ 2p-1 "
-                 "micro-batches in flight, no idle time inside a stage when F=B=W and m ≥ 2p-1",
+                 "micro-batches in flight, no idle time inside a stage when F=B=W and m ≥ 2p-1; "
+                 "never slower than zbh1",
                  ZeroBubbleH2);
 
 const char* ActionKindName(ActionKind kind) {
@@ -96,7 +97,9 @@ bool UsesSplitBackward(const Schedule& schedule) {
 //                                                F BW pairs": the first pair's F is the
 //                                                p-s-th forward)
 //   ZB-H1      p - s        s        p          (Qi et al. §2.1)
-//   ZB-H2      2(p-s) - 1   2s       2p - 1     (Qi et al. §2.2)
+//   ZB-H2      2(p-s) - 1   2s       2p - 1     (Qi et al. §2.2), for m ≥ 2p-1; below,
+//                                                lag(s) = clamp(m - (2(p-s)-1), s, 2s)
+//                                                (NOTE [ZB-H2 with few micro-batches])
 //
 // Why these numbers (costs F, B, W; "slot" = one action when F = B = W).
 // - 1F1B: stage s gets micro-batch 0 at s·F, and its gradient comes back at
@@ -115,6 +118,38 @@ bool UsesSplitBackward(const Schedule& schedule) {
 //   before its end, where its last gradient arrives (p-1-s) slots after the last stage's;
 //   W(m-1) and 2s deferred W's fill those slots (§2.2). It holds (2(p-s)-1) + 2s = 2p-1.
 // The simulator (schedule_simulator.h) reproduces these bubbles; the tests pin them.
+//
+// NOTE [ZB-H2 with few micro-batches]
+// The parallelogram above needs m ≥ 2p-1. With fewer micro-batches the paper's lag of 2s
+// made ZB-H2 slower than ZB-H1 (p=4, m=4, F=B=W=1: makespan 16 against 15). The cause is
+// the lag, not the warm-up: stage s runs its other F's in the first m - warmup(s) rounds j
+// ("F-rounds"; warmup(s) = min(2(p-s)-1, m)), and the rest are its cool-down, where it only
+// waits for gradients. Deferring W's past ZB-H1's s rounds pays off inside the F-rounds: a
+// round that runs no W runs its B and F back to back, so the forwards, and with them the
+// stages below and the B chain, move earlier. A round of the cool-down has no F to move;
+// deferring its W only takes it out of the gap before the next B, where it ran while the
+// stage waited anyway, and puts it into the tail after the last B, where it lengthens the
+// iteration. On stage 1 of p=4, m=4 (no F-rounds):
+//     lag 2 (paper):  B0 . B1 . B2 W0 B3 W1 W2 W3    ends at 16
+//     lag 1:          B0 . B1 W0 B2 W1 B3 W2 W3      ends at 15 (ZB-H1's makespan)
+// So ZB-H2 defers each W by as many rounds as stage s has F-rounds, at least ZB-H1's s (the
+// tail needs them: stages 0..s-1 run their last B's after stage s ran its own) and at most
+// the paper's 2s:
+//     lag(s) = clamp(m - (2(p-s)-1), s, 2s),
+// which is 2s for every stage once m ≥ 2p-1: the paper's schedule is unchanged there. The
+// warm-up stays ZB-H2's, and the stage still holds min(2p-1, m) micro-batches. Capping the
+// warm-up instead does not help: with ZB-H1's warm-up and ZB-H2's lag, p=4, m=4 still takes
+// 16; with ZB-H2's warm-up and ZB-H1's lag it takes 15. An exhaustive search (m < 2p-1;
+// every per-stage warm-up in [p-s, 2(p-s)-1] and lag in [s, 2s] for p ≤ 4, every lag with
+// ZB-H2's warm-up for p ≤ 6; ten cost mixes) found no choice that is never slower than
+// ZB-H1 on those mixes and gains more in total than this rule, and none at all faster than
+// ZB-H1 when F=B=W. With unequal costs the rule keeps ZB-H2's gains (p=4, m=5, F=1, B=2,
+// W=1: 25 against ZB-H1's 26), which falling back to ZB-H1's lists below 2p-1 would give
+// up. That ZB-H2 is never slower than ZB-H1 is checked in the simulator for every p ≤ 8,
+// m ≤ 24 and a set of cost mixes with and without transfer time
+// (schedule_simulator_test.cc), not proven. With m ≥ 2p-1 and no transfer time it follows
+// from the closed-form bubbles (schedule.h); there, a transfer time comparable to the
+// compute costs with T_W above T_F + T_B can still make ZB-H2 the slower one.
 
 namespace {
 
@@ -177,9 +212,12 @@ Schedule ZeroBubbleH1(int num_stages, int num_microbatches) {
 
 Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
   const int p = num_stages;
+  const int m = num_microbatches;
+  // NOTE [ZB-H2 with few micro-batches]: defer W only as far as the F-rounds reach.
   return BuildSchedule(
-      "zbh2", p, num_microbatches, /*max_in_flight=*/2 * p - 1, /*split=*/true,
-      [p](int s) { return 2 * (p - s) - 1; }, [](int s) { return 2 * s; });
+      "zbh2", p, m, /*max_in_flight=*/2 * p - 1, /*split=*/true,
+      [p](int s) { return 2 * (p - s) - 1; },
+      [p, m](int s) { return std::clamp(m - (2 * (p - s) - 1), s, 2 * s); });
 }
 
 // ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include "core/logging.h"
 #include "parallel/internal/c10d_compat.h"
 #include "parallel/internal/communicator_util.h"
+#include "parallel/internal/tcp_store.h"
 
 namespace fulcrum::parallel {
 namespace {
@@ -40,6 +41,11 @@ constexpr std::chrono::milliseconds kWaitGrace{250};
 // ProbeSilentMembers): long enough for live processes that failed at the same moment, short
 // enough not to matter next to the timeout that usually came before.
 constexpr std::chrono::milliseconds kProbeWindow{1000};
+
+// The bound on each store call of the probe. A stopped (SIGSTOP) or hung store host accepts
+// connections and requests but never answers; without this bound the probe would wait the
+// whole store timeout again after the collective's, doubling the time a job takes to end.
+constexpr std::chrono::milliseconds kProbeCallTimeout{2000};
 
 // Gloo has no bfloat16; moving data only needs a 16-bit type it knows, and float16 words
 // go through untouched (Gloo copies them, it never does arithmetic on moved data).
@@ -376,30 +382,34 @@ class GlooCommunicator final : public Communicator {
   // Finds out which members are gone after collective number `sequence` failed: every
   // member that sees the failure leaves a mark in the store, and those without a mark
   // after a short window are the suspects. Gloo's own messages name socket addresses,
-  // not ranks; this turns them into ranks. Bounded by kProbeWindow (and by the store's
-  // timeout if the store host is alive but stuck).
+  // not ranks; this turns them into ranks. Bounded by kProbeWindow plus kProbeCallTimeout
+  // (each store call is bounded by the latter, so a stuck store host cannot hold it longer).
   std::string ProbeSilentMembers(uint64_t sequence) {
     if (size() == 1) return "no other member";
     const std::string prefix = absl::StrCat(key_, "/failed/", sequence, "/");
+    const std::chrono::milliseconds call_timeout = std::min(kProbeCallTimeout, timeout_);
     std::vector<int> silent;
     try {
-      root_store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+      internal::SetWithin(*root_store_, prefix + std::to_string(rank_), std::vector<uint8_t>{1},
+                          call_timeout);
       for (int r = 0; r < size(); ++r) {
         if (r != rank_) silent.push_back(r);
       }
       const auto deadline = Clock::now() + std::min(kProbeWindow, timeout_);
       while (!silent.empty()) {
-        silent.erase(
-            std::remove_if(silent.begin(), silent.end(),
-                           [&](int r) { return root_store_->check({prefix + std::to_string(r)}); }),
-            silent.end());
+        silent.erase(std::remove_if(silent.begin(), silent.end(),
+                                    [&](int r) {
+                                      return internal::CheckWithin(
+                                          *root_store_, {prefix + std::to_string(r)}, call_timeout);
+                                    }),
+                     silent.end());
         if (silent.empty() || Clock::now() >= deadline) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     } catch (const std::exception& e) {
       return absl::StrCat(
           "the rendezvous store is unreachable too, so world rank 0 (its "
-          "host) is probably gone (",
+          "host) is probably gone or stuck (",
           internal::ExceptionMessage(e), ")");
     }
     if (silent.empty()) return "every member saw the failure";

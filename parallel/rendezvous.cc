@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -11,6 +12,7 @@
 #include "core/logging.h"
 #include "parallel/internal/c10d_compat.h"
 #include "parallel/internal/communicator_util.h"
+#include "parallel/internal/tcp_store.h"
 
 namespace fulcrum::parallel {
 namespace {
@@ -20,8 +22,8 @@ using Clock = std::chrono::steady_clock;
 // Counts the ranks that reached the store (see ConnectStore).
 constexpr char kJoinedKey[] = "fulcrum/rendezvous/joined";
 
-// c10d reports a connect or join timeout as c10d::TimeoutError in 1.13 and as other types
-// in 2.x; the elapsed time tells a timeout apart from a quick refusal in both.
+// The store reports a connect timeout as c10d::TimeoutError; the elapsed time is a second
+// opinion, should another error come at the deadline.
 bool LooksLikeTimeout(const std::exception& e, Clock::duration elapsed,
                       std::chrono::milliseconds timeout) {
   if (internal::IsC10dTimeout(e)) return true;
@@ -54,20 +56,30 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
   }
   const std::string where = absl::StrCat(world.master_addr, ":", world.master_port);
   const bool is_server = world.rank == 0;
+  const auto port = static_cast<uint16_t>(world.master_port);
   const auto start = Clock::now();
   const auto deadline = start + timeout;
+
+  // Rank 0 hosts the server on MASTER_ADDR's interface only (NOTE [own store] in
+  // internal/tcp_store.h) and is then a client like every other rank.
+  std::shared_ptr<internal::StoreServer> server;
+  if (is_server) {
+    absl::StatusOr<std::unique_ptr<internal::StoreServer>> started =
+        internal::StoreServer::Start(world.master_addr, port);
+    if (!started.ok()) {
+      return absl::UnavailableError(absl::StrCat("rendezvous: rank 0 could not host the master at ",
+                                                 where, ": ", started.status().message()));
+    }
+    server = std::move(started).value();
+  }
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = internal::MakeTcpStore(world.master_addr, static_cast<uint16_t>(world.master_port),
-                                   is_server, world.world_size,
-                                   is_server ? timeout : timeout + internal::kTcpStoreConnectSlack);
-    store->setTimeout(timeout);
+    store = internal::TcpStore::Connect(world.master_addr, port, timeout, std::move(server));
   } catch (const std::exception& e) {
     const std::string cause = internal::ExceptionMessage(e);
     if (is_server) {
-      return absl::UnavailableError(absl::StrCat("rendezvous: rank 0 could not host the master at ",
-                                                 where, ": ", cause,
-                                                 "; is MASTER_PORT already in use?"));
+      return absl::UnavailableError(absl::StrCat(
+          "rendezvous: rank 0 could not reach the master it hosts at ", where, ": ", cause));
     }
     if (LooksLikeTimeout(e, Clock::now() - start, timeout)) {
       return absl::DeadlineExceededError(
@@ -82,7 +94,6 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
 
   // Every rank counts itself in and waits for the others, so a rank that never started is
   // reported here, with the count, instead of later as an opaque communicator timeout.
-  // (c10d's own wait for workers gives up silently in 1.13.)
   int64_t joined = 0;
   try {
     joined = store->add(kJoinedKey, 1);

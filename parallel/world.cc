@@ -194,7 +194,7 @@ absl::StatusOr<WorldInfo> FromSlurm() {
   return info;
 }
 
-// Rank 0's host under srun, which hosts the TCPStore server. srun's default block
+// Rank 0's host under srun, which hosts the rendezvous store. srun's default block
 // distribution places rank 0 on the first node of the step, so the node list comes first;
 // the launch node (SLURM_LAUNCH_NODE_IPADDR) is only a fallback because under salloc it is
 // the login node, where no rank runs.

@@ -14,7 +14,7 @@ struct WorldInfo {
   int world_size = 1;
   int local_rank = 0;              // Rank among the processes of this node.
   int local_world_size = 1;
-  std::string master_addr = "127.0.0.1";  // Rank 0's host: the TCPStore server.
+  std::string master_addr = "127.0.0.1";  // Rank 0's host: the rendezvous store listens here.
   int master_port = 29500;
   std::string source = "single";   // Which environment supplied it: "torchrun", "slurm",
                                    // "openmpi" or "single" (no launcher: one process).

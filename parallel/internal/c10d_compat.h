@@ -9,14 +9,19 @@
 //    allgather, broadcast, alltoall_base, send, recv, barrier) keep their 1.13 signatures.
 //    MakeGlooProcessGroup hides the Options type and its default-timeout constant
 //    (kProcessGroupDefaultTimeout in 1.13, kBackendDefaultTimeout in 2.x).
-//  - TCPStoreOptions::numWorkers is c10::optional in 1.13 and std::optional in 2.x, and 2.x
-//    adds useLibUV; MakeTcpStore sets the fields by name.
+//  - c10d::TimeoutError is a std::runtime_error built from a message in 1.13 and a
+//    c10::Error built from a source location and a message (C10D_THROW_ERROR) in 2.x;
+//    ThrowC10dTimeout builds either. (Fulcrum's own store, tcp_store.h, throws it; c10d's
+//    TCPStore, which differs more between versions, is not used.)
+//  - c10d::Store gains virtuals in 2.x (append, multiGet, multiSet, hasExtendedApi with
+//    defaults; clone, pure in recent versions); tcp_store.h declares clone without
+//    `override` so that both compile.
 //  - ProcessGroupGloo.hpp is guarded by USE_C10D_GLOO; LibTorch's CMake package defines it
 //    for consumers of a Gloo-enabled build, and this header defines it for those that do not
 //    propagate it.
 //  - 2.x throws subclasses of c10::Error (DistBackendError, DistStoreError...) where 1.13
 //    throws c10::Error or c10d::TimeoutError; callers catch std::exception and tell a
-//    timeout by the time it took, which works with both.
+//    timeout by its type (IsC10dTimeout) or by the time it took, which works with both.
 //  - Gloo in 1.13 has no reduce_scatter and no bfloat16; the Gloo communicator works around
 //    both without c10d's help, so nothing here changes for them.
 //
@@ -37,7 +42,6 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -46,27 +50,6 @@
 namespace fulcrum::parallel::internal {
 
 using GlooDevice = std::shared_ptr<::gloo::transport::Device>;
-
-/// A TCPStore: the server (listening on `port` on every interface) when `is_server`, else a
-/// client of host:port, retrying the connection for up to about `timeout`, which also
-/// bounds its blocking operations. It does not wait for the other workers: c10d 1.13's
-/// wait gives up silently, so the caller counts arrivals itself. Throws what c10d throws.
-inline c10::intrusive_ptr<c10d::Store> MakeTcpStore(const std::string& host, uint16_t port,
-                                                    bool is_server, int num_workers,
-                                                    std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions options;
-  options.port = port;
-  options.isServer = is_server;
-  options.numWorkers = static_cast<std::size_t>(num_workers);
-  options.waitWorkers = false;
-  options.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(host, options);
-}
-
-/// How much longer than the wanted timeout to give a TCPStore client's connection attempt:
-/// c10d 1.13 retries a refused connection once a second and gives up one retry before its
-/// timeout, so without this a 2 s timeout would try for 1 s only.
-constexpr std::chrono::milliseconds kTcpStoreConnectSlack{1000};
 
 /// An in-process store, for a one-process job.
 inline c10::intrusive_ptr<c10d::Store> MakeHashStore(std::chrono::milliseconds timeout) {
@@ -101,6 +84,15 @@ inline c10::intrusive_ptr<c10d::ProcessGroupGloo> MakeGlooProcessGroup(
   options->devices.push_back(std::move(device));
   options->threads = threads;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+/// Throws c10d::TimeoutError(message), however this LibTorch constructs it.
+[[noreturn]] inline void ThrowC10dTimeout(const std::string& message) {
+#ifdef C10D_THROW_ERROR  // 2.x: TimeoutError(SourceLocation, message).
+  C10D_THROW_ERROR(TimeoutError, message);
+#else
+  throw c10d::TimeoutError(message);
+#endif
 }
 
 /// Whether `e` is c10d's own timeout exception (c10d::TimeoutError in 1.13). Not every

@@ -8,6 +8,7 @@
 // n(n-1)/2), so every rank checks its own result.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -394,6 +395,53 @@ TEST(CommDeadPeerWorker, SurvivorsGetCommErrorNamingOpGroupAndPeer) {
     // would make that probe report a dead store instead (a race the test must not have).
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   }
+}
+
+// Run alone (its own launch, 3 ranks, SlowCollectivesTest.StoppedStoreHost...): rank 0, the
+// store's host, stops itself (SIGSTOP) after a barrier, as a hung process would. The
+// survivors' all_reduce must fail with a CommError naming rank 0 within the timeout plus the
+// failure probe's bound (kProbeCallTimeout in gloo_communicator.cc, 2 s), not within twice
+// the timeout. Each survivor then exits non-zero, as a training job would, so the launcher
+// ends the job and kills the stopped rank; the driver checks that it did.
+constexpr std::chrono::milliseconds kStoppedHostTimeout{5000};
+constexpr int kStoppedHostSurvivorExit = 42;
+
+TEST(CommStoppedStoreHostWorker, SurvivorsFailWithinTheTimeoutPlusTheProbeBound) {
+  SKIP_UNLESS_WORKER();
+  auto info = WorldInfoFromEnvironment();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto comm = CreateWorldCommunicator(*info, Backend::kGloo, kStoppedHostTimeout);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  Communicator& world = **comm;
+  world.Barrier();
+  if (world.rank() == 0) {
+    std::fflush(nullptr);
+    raise(SIGSTOP);  // Hung: sockets stay open, nothing answers. Only SIGKILL ends it.
+    ADD_FAILURE() << "rank 0 was continued; the launcher should have killed it";
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Rank 0 is stopped by now.
+  at::Tensor tensor = at::ones({1024});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    world.AllReduce(tensor);
+    ADD_FAILURE() << "all_reduce with a stopped peer did not throw";
+  } catch (const CommError& e) {
+    const auto took = std::chrono::steady_clock::now() - start;
+    std::cerr << "survivor's error after " << std::chrono::duration<double>(took).count()
+              << " s: " << e.what() << "\n";
+    // The timeout, Gloo's grace (250 ms), the probe's bound (2 s) and 1 s of slack; the old
+    // probe waited for the whole store timeout again (about 2 x 5 s).
+    EXPECT_LT(std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+              (kStoppedHostTimeout + std::chrono::milliseconds(3250)).count())
+        << e.what();
+    EXPECT_THAT(e.what(),
+                HasSubstr("all_reduce on 'world' (ranks 0,1,2): timed out after 5000 ms"));
+    EXPECT_THAT(e.what(), HasSubstr("store is unreachable too, so world rank 0"));
+  }
+  if (!::testing::Test::HasFailure()) std::cerr << "stopped-host survivor: checks passed\n";
+  std::fflush(nullptr);
+  _exit(kStoppedHostSurvivorExit);  // Ends the job: the launcher stops the other ranks.
 }
 
 // Run alone (its own launch, 2 ranks): rank 1 is alive but skips calls, the case that

@@ -8,12 +8,16 @@
 #include <gtest/gtest.h>
 #include <limits.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
@@ -302,6 +306,43 @@ void ExpectSurvivorsPass(int dead) {
 TEST(SlowCollectivesTest, DeadPeerRaisesCommErrorWithinTheTimeout) { ExpectSurvivorsPass(2); }
 
 TEST(SlowCollectivesTest, DeadStoreHostRaisesCommErrorWithinTheTimeout) { ExpectSurvivorsPass(0); }
+
+// Rank 0 (the store's host) of 3 stops itself (SIGSTOP); see CommStoppedStoreHostWorker. The
+// survivors check their own error and time, then exit with code 42, which ends the job; the
+// launcher must kill the stopped rank, and the job must end within the timeout plus a few
+// seconds rather than twice the timeout.
+TEST(SlowCollectivesTest, StoppedStoreHostEndsTheJobWithinTheTimeout) {
+  constexpr double kTimeoutS = 5;  // kStoppedHostTimeout in comm_worker_test.cc.
+  const LaunchResult run = LaunchWorkers(3, "CommStoppedStoreHostWorker.*", 60);
+  std::cout << "job with a stopped store host (timeout " << kTimeoutS << " s) ended after "
+            << run.seconds << " s\n";
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("survivor's error after") != std::string::npos ||
+        line.find("fulcrum_launch: rank") != std::string::npos) {
+      std::cout << "  " << line << "\n";
+    }
+  }
+  EXPECT_EQ(run.exit_code, 42) << run.output;
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_THAT(run.output,
+                HasSubstr("[rank " + std::to_string(r) + "] stopped-host survivor: checks passed"))
+        << run.output;
+  }
+  EXPECT_LT(run.seconds, kTimeoutS + 8) << run.output;
+
+  // The launcher reports how rank 0 ended: killed (SIGTERM or SIGKILL), and reaped.
+  const std::string marker = "rank 0 (pid ";
+  const size_t at = run.output.find(marker);
+  ASSERT_NE(at, std::string::npos) << run.output;
+  const pid_t pid = std::atoi(run.output.c_str() + at + marker.size());
+  ASSERT_GT(pid, 0) << run.output;
+  EXPECT_THAT(run.output.substr(at),
+              ::testing::StartsWith(marker + std::to_string(pid) + ") was killed by signal"))
+      << run.output;
+  EXPECT_EQ(kill(pid, 0), -1) << "rank 0 (pid " << pid << ") is still there";
+  EXPECT_EQ(errno, ESRCH);
+}
 
 TEST(SlowCollectivesTest, StuckPeerTimesOutInsteadOfHanging) {
   const LaunchResult run = LaunchWorkers(2, "CommStuckPeerWorker.*", 60);

@@ -46,6 +46,10 @@ DEFINE_int32(master_port, 29500,
 DEFINE_double(kill_timeout_s, 5,
               "Seconds the ranks get to exit after SIGTERM (when a rank failed or the launcher "
               "was signalled) before SIGKILL.");
+DEFINE_double(stop_timeout_s, 120,
+              "Seconds the ranks get, after a SIGINT/SIGTERM/SIGHUP the launcher forwarded, to "
+              "finish their iteration, save and exit before SIGKILL (fulcrum_train stops "
+              "gracefully on the first such signal).");
 DEFINE_string(log_dir, "",
               "If set, each rank's output is also written to DIR/rank_K.log (created if "
               "missing; K is the global rank).");
@@ -58,7 +62,8 @@ constexpr char kUsageText[] =
 
 Usage:
   fulcrum_launch [--nproc_per_node=N] [--nnodes=M --node_rank=I --master_addr=HOST]
-                 [--master_port=P] [--kill_timeout_s=S] [--log_dir=DIR] -- PROGRAM [ARGS...]
+                 [--master_port=P] [--kill_timeout_s=S] [--stop_timeout_s=S] [--log_dir=DIR]
+                 -- PROGRAM [ARGS...]
 
 Each of the N processes gets in its environment:
   RANK=I*N+L  LOCAL_RANK=L  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=I
@@ -70,10 +75,13 @@ launcher's stdout or stderr, prefixed "[rank K] ".
 
 When a process exits non-zero or dies from a signal, the others get SIGTERM (their whole
 process group), then SIGKILL after --kill_timeout_s. SIGINT, SIGTERM and SIGHUP sent to
-the launcher are forwarded the same way; a second one kills every process at once.
+the launcher (a scheduler's pre-emption) are forwarded to every process, which get
+--stop_timeout_s to stop (fulcrum_train finishes its iteration and saves); a second such
+signal kills every process at once.
 
-Exit status: 0 when every process exits 0; otherwise the first failure's code (128+S for
-signal S, also when the launcher itself was stopped by signal S); 2 for wrong usage.)";
+Exit status: 0 when every process exits 0, also after a forwarded stop signal; otherwise
+the first failure's code (128+S for signal S; 128+S too when the launcher was stopped by
+signal S and a process did not exit 0); 2 for wrong usage.)";
 
 constexpr int kUsageError = 2;
 
@@ -167,6 +175,10 @@ std::string ValidateFlags() {
   if (!(FLAGS_kill_timeout_s >= 0) || !std::isfinite(FLAGS_kill_timeout_s)) {
     return absl::StrFormat("--kill_timeout_s=%g must be a non-negative number of seconds",
                            FLAGS_kill_timeout_s);
+  }
+  if (!(FLAGS_stop_timeout_s >= 0) || !std::isfinite(FLAGS_stop_timeout_s)) {
+    return absl::StrFormat("--stop_timeout_s=%g must be a non-negative number of seconds",
+                           FLAGS_stop_timeout_s);
   }
   return "";
 }
@@ -297,6 +309,7 @@ int Main(int argc, char** argv) {
 
   launch::SupervisorOptions options;
   options.kill_timeout_s = FLAGS_kill_timeout_s;
+  options.stop_timeout_s = FLAGS_stop_timeout_s;
   options.log_dir = FLAGS_log_dir;
   return launch::RunChildren(children, options);
 }

@@ -143,6 +143,8 @@ class Supervisor {
   int null_fd_ = -1;
   int exit_code_ = 0;
   bool stopping_ = false;  // A rank failed or a stop signal came: the job is ending.
+  int stop_signal_ = 0;    // The stop signal forwarded before any rank failed, or 0.
+  bool stopped_unclean_ = false;  // A rank exited non-zero after stop_signal_ was forwarded.
   int stop_signals_handled_ = 0;
   std::optional<Clock::time_point> kill_deadline_;   // SIGKILL whatever still runs then.
   std::optional<Clock::time_point> drain_deadline_;  // Stop waiting for stray writers.
@@ -367,6 +369,7 @@ void Supervisor::OnExit(Child& child, int status) {
                        WCOREDUMP(status) ? ", core dumped" : "");
   }
   if (code == 0) return;
+  if (stop_signal_ != 0) stopped_unclean_ = true;
   const std::string what = absl::StrFormat("rank %d (pid %d) %s", child.rank, child.pid, how);
   if (stopping_) {
     Say(what);  // One of the ranks being stopped; the exit code is already decided.
@@ -400,12 +403,12 @@ void Supervisor::HandleStopSignals() {
     if (stop_signals_handled_ == 1) {
       Say(absl::StrFormat(
           "received %s; forwarding it to every rank (SIGKILL after %g s or on a second signal)",
-          DescribeSignal(signal_number), options_.kill_timeout_s));
-      if (!stopping_) exit_code_ = 128 + signal_number;
+          DescribeSignal(signal_number), options_.stop_timeout_s));
+      if (!stopping_) stop_signal_ = signal_number;
       stopping_ = true;
       SignalGroups(signal_number);
       kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                          std::chrono::duration<double>(options_.kill_timeout_s));
+                                          std::chrono::duration<double>(options_.stop_timeout_s));
     } else {
       Say(absl::StrFormat("received %s again; killing every rank", DescribeSignal(signal_number)));
       SignalGroups(SIGKILL);
@@ -514,6 +517,12 @@ int Supervisor::Run(const std::vector<ChildSpec>& specs) {
     }
   }
   TearDown();
+  if (stop_signal_ != 0) {
+    if (stopped_unclean_) return 128 + stop_signal_;
+    Say(absl::StrFormat("every rank exited 0 after %s: the job stopped cleanly",
+                        DescribeSignal(stop_signal_)));
+    return 0;
+  }
   return exit_code_;
 }
 

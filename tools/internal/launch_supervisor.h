@@ -27,8 +27,11 @@ struct ChildSpec {
 };
 
 struct SupervisorOptions {
-  /// Seconds a rank gets between SIGTERM and SIGKILL when the node is stopped. Default: 5.
+  /// Seconds a rank gets between SIGTERM and SIGKILL when another rank failed. Default: 5.
   double kill_timeout_s = 5;
+  /// Seconds the ranks get, after a stop signal the launcher forwarded, to finish their
+  /// iteration, save and exit (fulcrum_train's graceful stop) before SIGKILL. Default: 120.
+  double stop_timeout_s = 120;
   /// When not empty, an existing directory: each rank's output (stdout and stderr, without
   /// the prefix) is also written to log_dir/rank_K.log. Default: empty.
   std::string log_dir;
@@ -39,9 +42,11 @@ struct SupervisorOptions {
 ///  - 0 when every child exited with status 0;
 ///  - otherwise the code of the first child that failed (128+N when it died from signal N),
 ///    after SIGTERM — then SIGKILL once kill_timeout_s passed — to all others;
-///  - 128+N when the launcher first received signal N (SIGINT, SIGTERM or SIGHUP), which
-///    is forwarded to every child; a second such signal SIGKILLs them. SIGINT and SIGHUP
-///    that the launcher inherited as ignored (nohup, background jobs) stay ignored;
+///  - after the launcher received signal N (SIGINT, SIGTERM or SIGHUP), which it forwards
+///    to every child (SIGKILL after stop_timeout_s, or at once on a second such signal):
+///    0 when every child still exited with status 0 — they stopped cleanly, as
+///    fulcrum_train does after saving — else 128+N. SIGINT and SIGHUP that the launcher
+///    inherited as ignored (nohup, background jobs) stay ignored;
 ///  - 1 when a child could not be started (fork or pipe failed) or a log file could not be
 ///    opened.
 /// A child whose program cannot be executed reports it on its stderr and exits 127 (126

@@ -25,6 +25,19 @@ const char* PositionEmbeddingName(PositionEmbedding p) {
   return p == PositionEmbedding::kLearned ? "learned_absolute" : "rope";
 }
 
+absl::Status ParseParamsDtype(const std::string& text, ParamsDtype* out) {
+  if (text == "fp32" || text == "float32") {
+    *out = ParamsDtype::kFp32;
+  } else if (text == "fp64" || text == "float64") {
+    *out = ParamsDtype::kFp64;
+  } else {
+    return Invalid(absl::StrCat("--params_dtype='", text, "' is unknown; expected fp32 or fp64"));
+  }
+  return absl::OkStatus();
+}
+
+const char* ParamsDtypeName(ParamsDtype d) { return d == ParamsDtype::kFp32 ? "fp32" : "fp64"; }
+
 absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out) {
   if (text == "constant") {
     *out = LrDecayStyle::kConstant;
@@ -150,6 +163,12 @@ absl::Status TrainOptions::Validate() const {
   }
   if (save_interval < 0) {
     return Invalid(absl::StrCat("--save_interval=", save_interval, " must be ≥ 0"));
+  }
+  if (save_keep_last < 0) {
+    return Invalid(absl::StrCat("--save_keep_last=", save_keep_last, " must be ≥ 0"));
+  }
+  if (save_keep_last > 0 && save.empty()) {
+    return Invalid(absl::StrCat("--save_keep_last=", save_keep_last, " needs --save=DIR"));
   }
   if (save_interval > 0 && save.empty()) {
     return Invalid(absl::StrCat("--save_interval=", save_interval, " needs --save=DIR"));

@@ -12,11 +12,17 @@ namespace fulcrum {
 
 enum class PositionEmbedding { kLearned, kRotary };
 enum class LrDecayStyle { kConstant, kLinear, kCosine };
+/// The dtype of parameters, gradients, optimizer state and activations. fp64 is for
+/// numerical checks (telling rounding from bugs, e.g. layout drift): slower, CPU only.
+enum class ParamsDtype { kFp32, kFp64 };
 
 /// "learned" / "rope" (also "rotary") → enum; error names the flag otherwise.
 absl::Status ParsePositionEmbedding(const std::string& text, PositionEmbedding* out);
 const char* PositionEmbeddingName(PositionEmbedding p);
 absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out);
+/// "fp32" / "fp64" → enum; error names --params_dtype otherwise.
+absl::Status ParseParamsDtype(const std::string& text, ParamsDtype* out);
+const char* ParamsDtypeName(ParamsDtype d);
 const char* LrDecayStyleName(LrDecayStyle s);
 
 struct ModelOptions {
@@ -34,6 +40,8 @@ struct ModelOptions {
   double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
   double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
   uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.
+  ParamsDtype params_dtype = ParamsDtype::kFp32;  // Default: fp32. Initial values are drawn in
+                                      //   fp32 whatever the dtype, so fp64 starts from them.
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   absl::Status Validate() const;
@@ -71,7 +79,13 @@ struct TrainOptions {
   int64_t save_interval = 0;          // Default: 0 (only at exit and at the end when save set).
   std::string save;                   // Default: none. Checkpoint directory.
   std::string load;                   // Default: none. Checkpoint directory (or iter_ dir).
+  /// Default: 0 (keep all). After each save, delete all but the newest this many
+  /// checkpoints of `save` (never the one `latest` names).
+  int64_t save_keep_last = 0;
   std::string metrics_file;           // Default: none. JSON lines, one per iteration.
+  /// Default: false. Resume from a checkpoint that trained on other data (another
+  /// --data_path, --split or --seed) instead of refusing (NOTE [resume checks]).
+  bool allow_data_change = false;
   absl::Status Validate() const;
 };
 

@@ -15,7 +15,9 @@ class VocabParallelCrossEntropyFunction
                             const at::Tensor& targets, int64_t vocab_start,
                             TensorParallelGroup* group) {
     const int64_t local_vocab = logits.size(-1);
-    at::Tensor flat = logits.reshape({-1, local_vocab}).to(at::kFloat);
+    // At least fp32 (half logits are widened); fp64 stays fp64.
+    at::Tensor flat =
+        logits.reshape({-1, local_vocab}).to(at::promote_types(logits.scalar_type(), at::kFloat));
     at::Tensor flat_targets = targets.reshape({-1});
 
     at::Tensor max = std::get<0>(flat.max(-1));

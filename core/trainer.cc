@@ -10,9 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
+#include "core/training_manifest.h"
 
 namespace fulcrum {
 namespace {
@@ -29,11 +31,6 @@ std::string FormatDuration(double seconds) {
   if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
   return absl::StrFormat("%ds", s);
 }
-
-// Configuration fields that must agree between a checkpoint and the run loading it.
-constexpr const char* kShapeFields[] = {"num_layers",     "hidden_size",   "num_attention_heads",
-                                        "ffn_hidden_size", "vocab_size",   "seq_length",
-                                        "position_embedding_type", "tie_embeddings"};
 
 }  // namespace
 
@@ -52,7 +49,8 @@ nlohmann::json ConfigToJson(const TrainerConfig& c) {
                 {"layernorm_epsilon", c.model.layernorm_epsilon},
                 {"hidden_dropout", c.model.hidden_dropout},
                 {"attention_dropout", c.model.attention_dropout},
-                {"seed", c.model.seed}};
+                {"seed", c.model.seed},
+                {"params_dtype", ParamsDtypeName(c.model.params_dtype)}};
   j["optimizer"] = {{"lr", c.optimizer.lr},
                     {"min_lr", c.optimizer.min_lr},
                     {"weight_decay", c.optimizer.weight_decay},
@@ -107,6 +105,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   }
   std::unique_ptr<Trainer> trainer(new Trainer(config, parallel, fs));
   trainer->has_feed_forward_ = static_cast<bool>(feed_forward);
+  trainer->corpus_documents_ = corpus->num_sequences();
+  trainer->corpus_tokens_ = corpus->num_tokens();
   FULCRUM_ASSIGN_OR_RETURN(trainer->train_data_,
                            data::GptDataset::Create(corpus, data::Split::kTrain, config.data));
   if (config.train.eval_interval > 0) {
@@ -198,7 +198,10 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const std::vector<Unit*> units = model_->Units();
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
   // ones (identical on all ranks of the group) once.
-  std::vector<double> sums{loss_sum};
+  // The stop flag rides along (NOTE [graceful stop]): summed over data parallelism with the
+  // loss, then over the model-parallel ranks with the gradient norm — over the whole job.
+  const double stop_here = stop_request_ && stop_request_() ? 1.0 : 0.0;
+  std::vector<double> sums{loss_sum, stop_here};
   if (parallel_ != nullptr) {
     parallel_->AllReduceGradients(units);
     parallel_->SumOverDataParallel(sums);
@@ -207,9 +210,11 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
   if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_sq);
   std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
-                              expert_sq[0]};
+                                  expert_sq[0],
+                              sums[1]};
   if (parallel_ != nullptr) parallel_->SumOverModelParallel(grad_sq);
   const double grad_norm = std::sqrt(grad_sq[0]);
+  const bool stop_requested = grad_sq[1] > 0;
   loss_sum = sums[0];
   if (!std::isfinite(grad_norm)) {
     return absl::InternalError(absl::StrCat("iteration ", iteration, ": gradient norm is ",
@@ -234,6 +239,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   stats.grad_norm = grad_norm;
   stats.iteration_ms = MillisecondsSince(start);
   stats.tokens_per_second = total_tokens / (stats.iteration_ms / 1000.0);
+  stats.stop_requested = stop_requested;
   return stats;
 }
 
@@ -304,34 +310,22 @@ absl::StatusOr<double> Trainer::Evaluate() {
 
 nlohmann::json Trainer::ManifestFields(
     const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const {
-  nlohmann::json m;
-  m["iteration"] = iteration_;
-  m["consumed_samples"] = consumed_samples_;
-  m["optimizer_step"] = iteration_;
-  m["lr_schedule"] = {{"step", iteration_}, {"lr", iteration_ > 0 ? schedule_.At(iteration_) : 0.0}};
-  // The data position is consumed_samples alone (NOTE [Stateless data position]); the
-  // sampler's seed and split are recorded so a resume can check they did not change.
-  m["sampler"] = {{"seed", config_.data.seed},
-                  {"split", config_.data.split},
-                  {"seq_length", config_.data.seq_length},
-                  {"consumed_samples", consumed_samples_},
-                  {"samples_per_epoch", train_data_->samples_per_epoch()},
-                  {"epoch", consumed_samples_ / train_data_->samples_per_epoch()}};
-  m["rng"] = {{"torch_cpu", "rng.torch_cpu"},
-              {"note", "dropout and initialisation are keyed by (seed, name, counters)"}};
-  m["config"] = ConfigToJson(config_);
-  m["parallel"] = {{"tp", parallel_ ? parallel_->tp_size() : 1},
-                   {"pp", parallel_ ? parallel_->pp_size() : 1},
-                   {"dp", dp_size()},
-                   {"ep", parallel_ ? parallel_->ep_size() : 1}};
-  nlohmann::json placement = nlohmann::json::array();
-  for (size_t stage = 0; stage < stage_ranges.size(); ++stage) {
-    placement.push_back({{"stage", stage},
-                         {"layer_begin", stage_ranges[stage].first},
-                         {"layer_end", stage_ranges[stage].second}});
-  }
-  m["layer_placement"] = placement;
-  return m;
+  TrainingManifest m;
+  m.iteration = iteration_;
+  m.consumed_samples = consumed_samples_;
+  m.lr = iteration_ > 0 ? schedule_.At(iteration_) : 0.0;
+  m.data_seed = config_.data.seed;
+  m.split = config_.data.split;
+  m.seq_length = config_.data.seq_length;
+  m.samples_per_epoch = train_data_->samples_per_epoch();
+  m.data = {config_.data_path, corpus_documents_, corpus_tokens_};
+  m.config = ConfigToJson(config_);
+  m.tp = parallel_ ? parallel_->tp_size() : 1;
+  m.pp = parallel_ ? parallel_->pp_size() : 1;
+  m.dp = dp_size();
+  m.ep = parallel_ ? parallel_->ep_size() : 1;
+  m.layer_placement = stage_ranges;
+  return TrainingManifestToJson(m);
 }
 
 absl::Status Trainer::Save() {
@@ -404,6 +398,21 @@ absl::Status Trainer::Save() {
     if (status.ok()) {
       FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration_ << " written in "
                         << absl::StrFormat("%.2f s", MillisecondsSince(start) / 1000.0);
+      if (config_.train.save_keep_last > 0) {
+        auto removed = ckpt::RemoveOldCheckpoints(fs_, dir, config_.train.save_keep_last);
+        if (!removed.ok()) {
+          FULCRUM_LOG(WARNING) << "--save_keep_last: " << removed.status().message();
+        } else if (!removed->empty()) {
+          FULCRUM_LOG(INFO) << "removed " << absl::StrJoin(*removed, ", ") << " (--save_keep_last="
+                            << config_.train.save_keep_last << ")";
+        }
+      }
+    }
+  }
+  if (committer && !status.ok() && ckpt_writer.has_value()) {
+    // A failed save leaves nothing behind; the checkpoints before it are untouched.
+    if (absl::Status aborted = ckpt_writer->Abort(); !aborted.ok()) {
+      FULCRUM_LOG(WARNING) << "could not remove " << ckpt_writer->temp_dir() << ": " << aborted;
     }
   }
   if (parallel_ != nullptr) parallel_->Barrier();
@@ -412,38 +421,25 @@ absl::Status Trainer::Save() {
 
 absl::Status Trainer::Load(const std::string& path) {
   FULCRUM_ASSIGN_OR_RETURN(auto reader, ckpt::CheckpointReader::Open(fs_, path));
-  const nlohmann::json& manifest = reader.manifest();
-  if (!manifest.contains("config") || !manifest.contains("consumed_samples")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": manifest lacks config/consumed_samples; not a Fulcrum checkpoint"));
-  }
-  const nlohmann::json saved = manifest["config"]["model"];
-  const nlohmann::json ours = ConfigToJson(config_)["model"];
-  for (const char* field : kShapeFields) {
-    if (saved.value(field, nlohmann::json()) != ours[field]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": checkpoint has ", field, "=", saved.value(field, nlohmann::json()).dump(),
-          " but this run has ", field, "=", ours[field].dump()));
-    }
-  }
-  // The MLP replacement (MoE) must have the same shape; a checkpoint without the field
-  // is from a dense model.
-  const nlohmann::json saved_blocks = manifest["config"].value("feed_forward", nlohmann::json::object());
-  const nlohmann::json our_blocks = ConfigToJson(config_)["feed_forward"];
-  for (const nlohmann::json* side : {&saved_blocks, &our_blocks}) {
-    for (const auto& [field, value] : side->items()) {
-      const std::string theirs = saved_blocks.value(field, std::string("(unset)"));
-      const std::string mine = our_blocks.value(field, std::string("(unset)"));
-      if (theirs != mine) {
-        return absl::InvalidArgumentError(absl::StrCat(path, ": checkpoint has --", field, "=",
-                                                       theirs, " but this run has --", field, "=",
-                                                       mine));
-      }
-    }
+  const std::string source = JoinPath(reader.dir(), ckpt::kManifestFileName);
+  FULCRUM_ASSIGN_OR_RETURN(const TrainingManifest saved,
+                           ParseTrainingManifest(reader.manifest(), source));
+  std::vector<std::string> warnings;
+  FULCRUM_RETURN_IF_ERROR(CheckResume(saved, config_,
+                                      {config_.data_path, corpus_documents_, corpus_tokens_},
+                                      source, &warnings));
+  if (is_logging_rank()) {
+    for (const std::string& warning : warnings) FULCRUM_LOG(WARNING) << warning;
   }
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : model_->Units()) {
     FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*with_optimizer=*/true));
+    // The tensors must agree with the manifest: no unit has taken more steps than the run.
+    if (unit->optimizer_step() > saved.iteration) {
+      return absl::DataLossError(absl::StrCat(
+          source, ": ", unit->name(), " has taken ", unit->optimizer_step(),
+          " optimizer steps but the checkpoint is of iteration ", saved.iteration));
+    }
   }
   if (reader.Has("rng.torch_cpu")) {
     FULCRUM_ASSIGN_OR_RETURN(at::Tensor rng, reader.Read("rng.torch_cpu"));
@@ -451,14 +447,8 @@ absl::Status Trainer::Load(const std::string& path) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(rng);
   }
-  iteration_ = manifest["iteration"].get<int64_t>();
-  consumed_samples_ = manifest["consumed_samples"].get<int64_t>();
-  const nlohmann::json& sampler = manifest["sampler"];
-  if (sampler.value("seed", config_.data.seed) != config_.data.seed ||
-      sampler.value("split", config_.data.split) != config_.data.split) {
-    FULCRUM_LOG(WARNING) << "the checkpoint's data seed/split differ from this run's; the "
-                            "data order will not continue the saved run's";
-  }
+  iteration_ = saved.iteration;
+  consumed_samples_ = saved.consumed_samples;
   FULCRUM_LOG(INFO) << "loaded checkpoint " << reader.dir() << ": iteration " << iteration_
                     << ", consumed samples " << consumed_samples_;
   return absl::OkStatus();
@@ -490,6 +480,7 @@ absl::Status Trainer::Run() {
   }
   const auto run_start = Clock::now();
   const int64_t first_iteration = iteration_;
+  stopped_ = false;
   double interval_loss = 0.0;
   int64_t interval_count = 0;
   bool exited_early = false;
@@ -546,8 +537,12 @@ absl::Status Trainer::Run() {
     const bool exiting = t.exit_interval > 0 && iteration_ % t.exit_interval == 0;
     const bool finished = iteration_ == t.train_iters;
     const bool interval_save = t.save_interval > 0 && iteration_ % t.save_interval == 0;
-    if (!t.save.empty() && (interval_save || exiting || finished)) {
+    if (!t.save.empty() && (interval_save || exiting || finished || stats.stop_requested)) {
       FULCRUM_RETURN_IF_ERROR(Save());
+    }
+    if (stats.stop_requested && !finished) {
+      stopped_ = true;
+      break;
     }
     if (exiting && !finished) {
       exited_early = true;
@@ -560,6 +555,13 @@ absl::Status Trainer::Run() {
   if (exited_early && is_logging_rank()) {
     FULCRUM_LOG(INFO) << "exiting at iteration " << iteration_ << " (--exit_interval="
                       << t.exit_interval << ")";
+  }
+  if (stopped_ && is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "stopped at iteration " << iteration_ << " of " << t.train_iters
+                      << " on request (a stop signal); "
+                      << (t.save.empty() ? std::string("no --save, so nothing was saved")
+                                         : absl::StrCat("checkpoint of iteration ", iteration_,
+                                                        " saved in ", t.save));
   }
   return absl::OkStatus();
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -38,6 +39,9 @@ struct TrainerConfig {
   LrScheduleOptions schedule;
   TrainOptions train;
   data::GptDatasetOptions data;  // seq_length must equal model.seq_length.
+  /// Where the corpus came from (--data_path; empty: the embedded corpus). Recorded in
+  /// checkpoints with the corpus's size, so a resume on other data is noticed.
+  std::string data_path;
   /// Settings of the FeedForward blocks (core/feed_forward.h) that decide their parameters,
   /// as (flag name, value), e.g. {"num_experts", "8"}: recorded in checkpoints, and a
   /// resume with other values is refused naming the flag. Empty for a dense model.
@@ -53,6 +57,9 @@ struct IterationStats {
   double grad_norm = 0;    // Global L2 norm before clipping.
   double iteration_ms = 0;
   double tokens_per_second = 0;
+  /// A stop was requested on some rank before this iteration's reductions (every rank sees
+  /// the same value; NOTE [graceful stop]).
+  bool stop_requested = false;
 };
 
 class Trainer {
@@ -71,8 +78,24 @@ class Trainer {
   absl::Status Load(const std::string& path);
 
   /// Trains until train_iters (or the next multiple of exit_interval), saving on the
-  /// configured intervals and at the end.
+  /// configured intervals and at the end — or until a stop is requested (SetStopRequest):
+  /// then it finishes the iteration in progress, saves it (when train.save is set) and
+  /// returns OK. stopped() tells which.
   absl::Status Run();
+
+  // NOTE [graceful stop]
+  // A scheduler pre-empts a job with SIGTERM (SIGINT from a terminal); fulcrum_launch
+  // forwards it to every rank, but each rank sees it at its own moment. So the request is
+  // not acted on where it is seen: each rank adds its flag to the reductions every
+  // iteration already does (the loss over data parallelism, the gradient norm over the
+  // model-parallel ranks), which makes it a sum over the whole job at no extra collective,
+  // and every rank stops after the same iteration. main() owns the signal handlers; the
+  // trainer only reads the flag through the function given here.
+  /// `requested` (may be empty) says whether this rank was asked to stop; it is read once
+  /// per iteration and must be cheap and async-signal-safe to back (an atomic flag).
+  void SetStopRequest(std::function<bool()> requested) { stop_request_ = std::move(requested); }
+  /// Whether the last Run ended on a stop request.
+  bool stopped() const { return stopped_; }
 
   /// One optimizer step over one global batch.
   absl::StatusOr<IterationStats> TrainIteration();
@@ -102,6 +125,9 @@ class Trainer {
   void ReadMicroBatch(const data::GptDataset& dataset, int64_t first_sample, at::Tensor* tokens,
                       at::Tensor* positions) const;
   nlohmann::json ManifestFields(const std::vector<std::pair<int64_t, int64_t>>& stage_ranges) const;
+  /// What the run trains on (checkpoints record it; NOTE [resume checks]).
+  int64_t corpus_documents_ = 0;
+  int64_t corpus_tokens_ = 0;
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).
   nlohmann::json BlockStatistics();
@@ -118,6 +144,8 @@ class Trainer {
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
   bool has_feed_forward_ = false;  // A FeedForwardFactory was given (same on every rank).
+  std::function<bool()> stop_request_;
+  bool stopped_ = false;
 };
 
 /// The configuration as JSON (recorded in checkpoint manifests and logged at start).

@@ -48,12 +48,17 @@ at::Tensor ApplyRotary(const at::Tensor& x, double base) {
   return x * cos + rotated * sin;
 }
 
+at::ScalarType ParamsScalarType(const ModelOptions& options) {
+  return options.params_dtype == ParamsDtype::kFp64 ? at::kDouble : at::kFloat;
+}
+
 // ---------------------------------------------------------------------------------------
 Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
     : Unit("embedding", TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
+  set_params_dtype(ParamsScalarType(options));
   const int64_t h = options.hidden_size;
   // Vocab-parallel: each rank keeps a contiguous block of rows.
   word_embeddings_ = AddParameter(
@@ -104,6 +109,7 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
       tp_(tp),
       layer_index_(layer_index),
       local_heads_(options.num_attention_heads / TpSize(tp)) {
+  set_params_dtype(ParamsScalarType(options));
   const int64_t h = options.hidden_size;
   const int64_t f = options.ffn_hidden_size;
   const double std = options.init_method_std;
@@ -239,6 +245,7 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
       options_(options),
       tp_(tp),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
+  set_params_dtype(ParamsScalarType(options));
   const int64_t h = options.hidden_size;
   ln_weight_ = AddParameter("final_layernorm.weight", Ones({h}), false);
   ln_bias_ = AddParameter("final_layernorm.bias", Zeros({h}), false);

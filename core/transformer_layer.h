@@ -41,6 +41,9 @@ struct ForwardContext {
   int64_t epoch = 0;
 };
 
+/// The scalar type of options.params_dtype.
+at::ScalarType ParamsScalarType(const ModelOptions& options);
+
 /// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).
 at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
                    int64_t layer, const ForwardContext& ctx);

@@ -32,7 +32,7 @@ at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
                                const std::string& mirror_of, bool expert_parallel) {
   TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
                         GlobalName(local_name));
-  at::Tensor value = init.to(at::kFloat).contiguous().detach();
+  at::Tensor value = init.to(params_dtype_).contiguous().detach();
   value.set_requires_grad(true);
   parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {},
                                  {}, mirror_of, expert_parallel});
@@ -130,7 +130,9 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
     p.value.copy_(*value);  // in place: NOTE [parameter identity]
     const at::Tensor* grad = find(name + ".grad");
     if (grad != nullptr) FULCRUM_RETURN_IF_ERROR(check_shape(name + ".grad", *grad, p.value));
-    p.value.mutable_grad() = grad ? grad->clone() : at::Tensor();
+    // Migrations may carry a wider dtype than the parameter's; state takes the parameter's.
+    auto own = [&p](const at::Tensor& t) { return t.to(p.value.options(), false, /*copy=*/true); };
+    p.value.mutable_grad() = grad ? own(*grad) : at::Tensor();
     if (step != nullptr) {
       const at::Tensor* m = find("optimizer." + name + ".exp_avg");
       const at::Tensor* v = find("optimizer." + name + ".exp_avg_sq");
@@ -140,8 +142,8 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
       }
       FULCRUM_RETURN_IF_ERROR(check_shape(name, *m, p.value));
       FULCRUM_RETURN_IF_ERROR(check_shape(name, *v, p.value));
-      p.exp_avg = m->clone();
-      p.exp_avg_sq = v->clone();
+      p.exp_avg = own(*m);
+      p.exp_avg_sq = own(*v);
     } else {
       p.exp_avg = p.exp_avg_sq = at::Tensor();
     }
@@ -170,7 +172,7 @@ absl::Status Unit::LoadStateTensors(
           "tensor ", name, " has shape ", c10::str(t.sizes()), ", the model expects ",
           c10::str(like.sizes())));
     }
-    *out = t.to(at::kFloat).contiguous().clone();
+    *out = t.to(like.scalar_type()).contiguous().clone();
     return absl::OkStatus();
   };
   // A mirror loads its source's tensors (Parameter::mirror_of).

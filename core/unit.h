@@ -128,11 +128,14 @@ class Unit {
 
   /// Registers a parameter during construction — by the unit itself or by a block it owns
   /// (a FeedForward, core/feed_forward.h), never later. `init` is this rank's initial value
-  /// (a shard along `tp_shard_dim`, or the whole tensor when -1); it is made a fp32 leaf
-  /// that requires grad. Returns the stored tensor (NOTE [parameter identity]).
+  /// (a shard along `tp_shard_dim`, or the whole tensor when -1); it is made a leaf of
+  /// params_dtype() that requires grad. Returns the stored tensor (NOTE [parameter identity]).
   at::Tensor& AddParameter(const std::string& local_name, at::Tensor init, bool weight_decay,
                            int64_t tp_shard_dim = -1, const std::string& mirror_of = "",
                            bool expert_parallel = false);
+
+  /// The dtype AddParameter stores values in (ModelOptions::params_dtype): fp32 by default.
+  at::ScalarType params_dtype() const { return params_dtype_; }
 
   /// Registers persistent state that is not trained (e.g. the expert bias of an
   /// auxiliary-loss-free router): replicated over every group, checkpointed and migrated
@@ -150,6 +153,11 @@ class Unit {
   std::vector<Parameter> parameters_;
   std::vector<std::pair<std::string, at::Tensor>> buffers_;
   int64_t optimizer_step_ = 0;
+  at::ScalarType params_dtype_ = at::kFloat;
+
+ protected:
+  /// Sets params_dtype() — in a subclass's constructor, before its first AddParameter.
+  void set_params_dtype(at::ScalarType dtype) { params_dtype_ = dtype; }
 };
 
 }  // namespace fulcrum

@@ -14,16 +14,20 @@
 namespace fulcrum::pipeline {
 namespace {
 
-// Tags of the three messages, apart from the micro-batch tags (2·mb, 2·mb+1) the executor
-// uses on the same communicator: a migration may now overlap the schedule's messages.
-constexpr int kHeaderTag = 1 << 20;
-constexpr int kNamesTag = kHeaderTag + 1;
-constexpr int kPayloadTag = kHeaderTag + 2;
-constexpr int64_t kHeaderLength = 3;  // names bytes, payload elements, optimizer step
+// Offsets of the three messages from a transfer's tag (UnitTag).
+constexpr int kHeaderTag = 0;
+constexpr int kNamesTag = 1;
+constexpr int kPayloadTag = 2;
+// Above every micro-batch tag (2·mb + 1 < 2^20 for any plausible micro-batch count).
+constexpr int kFirstUnitTag = 1 << 20;
+// names bytes, payload elements, optimizer step, payload dtype (0 fp32, 1 fp64)
+constexpr int64_t kHeaderLength = 4;
 
 int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 }  // namespace
+
+int UnitTag(int64_t layer) { return kFirstUnitTag + 4 * static_cast<int>(layer + 1); }
 
 void UnitSend::Wait() {
   for (auto& work : works_) work->Wait();
@@ -31,11 +35,18 @@ void UnitSend::Wait() {
   buffers_.clear();
 }
 
-absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
+absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit,
+                                       int tag) {
   NamedTensors tensors = unit.MigrationTensors();
   std::string names;
   std::vector<at::Tensor> values;
   int64_t step = 0;
+  // fp32 carries fp32 state bit for bit; a unit with fp64 parameters (ModelOptions::
+  // params_dtype) travels as fp64, so nothing is rounded on the way.
+  at::ScalarType dtype = at::kFloat;
+  for (auto& [name, tensor] : tensors) {
+    if (tensor.scalar_type() == at::kDouble) dtype = at::kDouble;
+  }
   for (auto& [name, tensor] : tensors) {
     if (tensor.scalar_type() == at::kLong) {  // the step counter
       step = tensor.item<int64_t>();
@@ -44,39 +55,44 @@ absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, cons
     // "name:d0,d1,...": the receiver takes the shape from here, since some tensors (a
     // block's step state) have shapes that only the sender knows.
     absl::StrAppend(&names, name, ":", absl::StrJoin(tensor.sizes(), ","), "\n");
-    values.push_back(tensor.detach().to(at::kFloat).reshape({-1}));
+    values.push_back(tensor.detach().to(dtype).reshape({-1}));
   }
   UnitSend send;
-  at::Tensor payload = values.empty() ? at::empty({0}, at::kFloat) : at::cat(values);
-  at::Tensor header = at::tensor({static_cast<int64_t>(names.size()), payload.numel(), step}, at::kLong);
+  at::Tensor payload = values.empty() ? at::empty({0}, dtype) : at::cat(values);
+  at::Tensor header = at::tensor({static_cast<int64_t>(names.size()), payload.numel(), step,
+                                  dtype == at::kDouble ? int64_t{1} : int64_t{0}},
+                                 at::kLong);
   at::Tensor blob = at::empty({static_cast<int64_t>(names.size())}, at::kByte);
   std::memcpy(blob.data_ptr<uint8_t>(), names.data(), names.size());
-  for (auto [tensor, tag] : {std::pair{header, kHeaderTag}, std::pair{blob, kNamesTag},
-                             std::pair{payload, kPayloadTag}}) {
+  for (auto [tensor, offset] : {std::pair{header, kHeaderTag}, std::pair{blob, kNamesTag},
+                                std::pair{payload, kPayloadTag}}) {
     send.buffers_.push_back(tensor);
-    send.works_.push_back(pp.ISend(send.buffers_.back(), dst, tag));
+    send.works_.push_back(pp.ISend(send.buffers_.back(), dst, tag + offset));
     send.bytes_ += Bytes(tensor);
   }
   return send;
 }
 
-UnitReceive::UnitReceive(parallel::Communicator* pp, int src)
-    : pp_(pp), src_(src), header_(at::empty({kHeaderLength}, at::kLong)) {
-  header_work_ = pp_->IRecv(header_, src_, kHeaderTag);
+UnitReceive::UnitReceive(parallel::Communicator* pp, int src, int tag)
+    : pp_(pp), src_(src), tag_(tag), header_(at::empty({kHeaderLength}, at::kLong)) {
+  header_work_ = pp_->IRecv(header_, src_, tag_ + kHeaderTag);
 }
 
-UnitReceive StartReceiveUnit(parallel::Communicator& pp, int src) { return UnitReceive(&pp, src); }
+UnitReceive StartReceiveUnit(parallel::Communicator& pp, int src, int tag) {
+  return UnitReceive(&pp, src, tag);
+}
 
 absl::Status UnitReceive::Finish(Unit& shell) {
   header_work_->Wait();
   const int64_t names_bytes = header_[0].item<int64_t>();
   const int64_t numel = header_[1].item<int64_t>();
   const int64_t step = header_[2].item<int64_t>();
+  const at::ScalarType dtype = header_[3].item<int64_t>() == 1 ? at::kDouble : at::kFloat;
   // Both receives posted before either is waited on: one round trip, not two.
   at::Tensor blob = at::empty({names_bytes}, at::kByte);
-  at::Tensor payload = at::empty({numel}, at::kFloat);
-  auto blob_work = pp_->IRecv(blob, src_, kNamesTag);
-  auto payload_work = pp_->IRecv(payload, src_, kPayloadTag);
+  at::Tensor payload = at::empty({numel}, dtype);
+  auto blob_work = pp_->IRecv(blob, src_, tag_ + kNamesTag);
+  auto payload_work = pp_->IRecv(payload, src_, tag_ + kPayloadTag);
   blob_work->Wait();
   payload_work->Wait();
   bytes_ = Bytes(header_) + Bytes(blob) + Bytes(payload);
@@ -120,14 +136,14 @@ absl::Status UnitReceive::Finish(Unit& shell) {
   return shell.LoadMigrationTensors(tensors);
 }
 
-absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit) {
-  FULCRUM_ASSIGN_OR_RETURN(UnitSend send, StartSendUnit(pp, dst, unit));
+absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit, int tag) {
+  FULCRUM_ASSIGN_OR_RETURN(UnitSend send, StartSendUnit(pp, dst, unit, tag));
   send.Wait();
   return absl::OkStatus();
 }
 
-absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell) {
-  return StartReceiveUnit(pp, src).Finish(shell);
+absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell, int tag) {
+  return StartReceiveUnit(pp, src, tag).Finish(shell);
 }
 
 }  // namespace fulcrum::pipeline

@@ -1,8 +1,8 @@
 // Moving a layer between neighbouring pipeline stages over the pipeline communicator: the
 // sender packs the layer's MigrationTensors (values, gradients, Adam moments, step — NOTE
-// [layer migration] in core/gpt_model.h) into three messages (sizes, names, one fp32
-// payload), the receiver unpacks them into a shell of the same layer. Values travel as
-// their exact fp32 bits, so a moved layer continues bit-identically.
+// [layer migration] in core/gpt_model.h) into three messages (sizes, names, one payload,
+// fp32 or — for fp64 parameters — fp64), the receiver unpacks them into a shell of the
+// same layer. Values travel as their exact bits, so a moved layer continues bit-identically.
 //
 // Both ends may split their half in two, so a migration can overlap other work (NOTE
 // [early migration] in pipeline/stage_executor.h): StartSendUnit packs and posts the sends
@@ -10,8 +10,10 @@
 // early, and UnitReceive::Finish receives the rest. Gloo and NCCL move the bytes only once
 // both ends have posted, so the bulk of a transfer starts when the receiver calls Finish.
 //
-// Not thread-safe; both ends call in the same order as the plan (messages between one pair
-// of ranks are matched in the order they were posted).
+// Each unit's three messages travel under tags of their own (UnitTag), so several units may
+// be in flight between one pair of ranks at once, in any order.
+//
+// Not thread-safe.
 #pragma once
 
 #include <memory>
@@ -23,6 +25,11 @@
 #include "parallel/communicator.h"
 
 namespace fulcrum::pipeline {
+
+/// The first of the three message tags of a transfer of the unit of transformer layer
+/// `layer` (-1: any other unit): apart from each other and from the executor's
+/// micro-batch tags (2·mb, 2·mb+1).
+int UnitTag(int64_t layer);
 
 /// A unit's state on its way out: the posted sends and the buffers they read.
 class UnitSend {
@@ -37,15 +44,17 @@ class UnitSend {
   int64_t bytes() const { return bytes_; }
 
  private:
-  friend absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator&, int, const Unit&);
+  friend absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator&, int, const Unit&, int);
   std::vector<at::Tensor> buffers_;
   std::vector<std::unique_ptr<parallel::CommWork>> works_;
   int64_t bytes_ = 0;
 };
 
-/// Packs `unit`'s migration state and posts its sends to rank `dst` of `pp`; the unit may
-/// be destroyed as soon as this returns (the messages are copies).
-absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit);
+/// Packs `unit`'s migration state and posts its sends to rank `dst` of `pp` under tags
+/// `tag`, `tag`+1, `tag`+2 (UnitTag); the unit may be destroyed as soon as this returns (the
+/// messages are copies).
+absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit,
+                                       int tag = UnitTag(-1));
 
 /// A unit's state on its way in, from the moment its first message's receive is posted.
 class UnitReceive {
@@ -59,23 +68,25 @@ class UnitReceive {
   int64_t bytes() const { return bytes_; }
 
  private:
-  friend UnitReceive StartReceiveUnit(parallel::Communicator&, int);
-  UnitReceive(parallel::Communicator* pp, int src);
+  friend UnitReceive StartReceiveUnit(parallel::Communicator&, int, int);
+  UnitReceive(parallel::Communicator* pp, int src, int tag);
   parallel::Communicator* pp_;
   int src_;
+  int tag_;
   at::Tensor header_;
   std::unique_ptr<parallel::CommWork> header_work_;
   int64_t bytes_ = 0;
 };
 
-/// Posts the receive of a unit's first message from rank `src` of `pp`; `pp` must outlive
-/// the result.
-UnitReceive StartReceiveUnit(parallel::Communicator& pp, int src);
+/// Posts the receive of a unit's first message from rank `src` of `pp`, sent under `tag`;
+/// `pp` must outlive the result.
+UnitReceive StartReceiveUnit(parallel::Communicator& pp, int src, int tag = UnitTag(-1));
 
 /// Sends `unit`'s migration state to rank `dst` of `pp` and waits for the send.
-absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit);
+absl::Status SendUnit(parallel::Communicator& pp, int dst, const Unit& unit,
+                      int tag = UnitTag(-1));
 
 /// Receives a unit's state from rank `src` into `shell` (built for the same unit).
-absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell);
+absl::Status ReceiveUnit(parallel::Communicator& pp, int src, Unit& shell, int tag = UnitTag(-1));
 
 }  // namespace fulcrum::pipeline

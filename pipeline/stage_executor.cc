@@ -35,8 +35,13 @@ int GradientTag(int microbatch) { return 2 * microbatch + 1; }
 class ReceiveQueue {
  public:
   ReceiveQueue(parallel::Communicator* pp, int peer, std::vector<int> tags,
-               std::vector<int64_t> shape, size_t depth)
-      : pp_(pp), peer_(peer), tags_(std::move(tags)), shape_(std::move(shape)), depth_(depth) {
+               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth)
+      : pp_(pp),
+        peer_(peer),
+        tags_(std::move(tags)),
+        shape_(std::move(shape)),
+        dtype_(dtype),
+        depth_(depth) {
     Refill();
   }
 
@@ -65,7 +70,7 @@ class ReceiveQueue {
 
   void Refill() {
     while (posted_.size() < depth_ && next_ < tags_.size()) {
-      Posted p{tags_[next_++], at::empty(shape_, at::kFloat), nullptr};
+      Posted p{tags_[next_++], at::empty(shape_, dtype_), nullptr};
       p.work = pp_->IRecv(p.buffer, peer_, p.tag);
       posted_.push_back(std::move(p));
     }
@@ -75,6 +80,7 @@ class ReceiveQueue {
   int peer_;
   std::vector<int> tags_;
   std::vector<int64_t> shape_;
+  at::ScalarType dtype_;
   size_t depth_;
   size_t next_ = 0;
   std::deque<Posted> posted_;
@@ -223,8 +229,10 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
     }
   }
   const size_t depth = static_cast<size_t>(std::max(1, schedule.max_in_flight));
-  ReceiveQueue activations(pp_, stage - 1, std::move(activation_tags), activation_shape, depth);
-  ReceiveQueue gradients(pp_, stage + 1, std::move(gradient_tags), activation_shape, depth);
+  const at::ScalarType dtype = ParamsScalarType(o);
+  ReceiveQueue activations(pp_, stage - 1, std::move(activation_tags), activation_shape, dtype,
+                           depth);
+  ReceiveQueue gradients(pp_, stage + 1, std::move(gradient_tags), activation_shape, dtype, depth);
 
   std::map<int, int64_t> held_bytes;  // Per micro-batch in flight.
   int64_t held_total = 0;

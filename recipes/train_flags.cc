@@ -30,6 +30,10 @@ DEFINE_double(hidden_dropout, 0.0, "Dropout after attention and MLP outputs and 
 DEFINE_double(attention_dropout, 0.0, "Dropout on attention probabilities.");
 DEFINE_int64(make_vocab_size_divisible_by, 128, "Pad the vocabulary to a multiple of this.");
 DEFINE_uint64(seed, 1234, "Seed of initialisation, dropout and data shuffling.");
+DEFINE_string(params_dtype, "fp32",
+              "fp32, or fp64 for numerical checks (parameters, gradients, optimizer state and "
+              "activations in float64; initial values still drawn in fp32): tells rounding "
+              "from bugs when layouts disagree. Dense models on CPU only.");
 // Optimizer and schedule.
 DEFINE_double(lr, 1e-3, "Peak learning rate.");
 DEFINE_double(min_lr, 0.0, "Minimum learning rate at the end of decay.");
@@ -119,6 +123,12 @@ DEFINE_int64(distributed_timeout_minutes, 10,
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
 DEFINE_int64(save_interval, 0, "Save every this many iterations (also saved at exit and end).");
+DEFINE_int32(save_keep_last, 0,
+             "Keep only the newest this many checkpoints in --save (older ones are deleted after "
+             "each save; the one `latest` names is always kept); 0 = keep all.");
+DEFINE_bool(allow_data_change, false,
+            "Resume --load on other data than the checkpoint trained on (another --data_path, "
+            "--split or --seed), on purpose; without it such a resume is refused.");
 DEFINE_string(metrics_file, "", "Append one JSON object per iteration to this file.");
 
 namespace fulcrum {
@@ -132,17 +142,55 @@ int64_t PadVocab(int64_t vocab, int64_t multiple) {
 
 }  // namespace
 
-std::string TrainUsage() {
-  std::string usage =
-      "Trains a GPT model (Megatron-style flags).\n\n"
-      "  fulcrum_train [--recipe=NAME] [--flag=value ...] [--flagfile=FILE]\n\n"
-      "With no --data_path it trains on the embedded corpus. Recipes:\n";
+cli::HelpSpec TrainHelpSpec() {
+  cli::HelpSpec spec;
+  spec.program = "fulcrum_train";
+  spec.usage =
+      "fulcrum_train: trains a GPT model (Megatron-style flags).\n\n"
+      "  fulcrum_train [--recipe=NAME] [--flag=value ...] [--flagfile=FILE]\n"
+      "  fulcrum_launch --nproc_per_node=N -- fulcrum_train ...   (several processes)\n\n"
+      "With no --data_path it trains on the embedded corpus. Exit status: 0 done (also after\n"
+      "SIGTERM/SIGINT: the iteration in progress ends and is saved when --save is set),\n"
+      "2 bad flags, files or checkpoints (before any work), 1 a failure while training.\n\n"
+      "Recipes (--recipe; explicit flags override the recipe's):\n";
   for (const auto* entry : RecipeRegistry::Global().List()) {
-    usage += absl::StrCat("  ", entry->name, std::string(12 - std::min<size_t>(11, entry->name.size()), ' '),
-                          entry->help, "\n");
+    spec.usage += absl::StrCat("  ", entry->name,
+                               std::string(12 - std::min<size_t>(11, entry->name.size()), ' '),
+                               entry->help, "\n");
   }
-  usage += "\nMoE routers (--moe_router, with --num_experts > 0):\n" + moe::RouterHelp();
-  return usage;
+  spec.usage += "\nMoE routers (--moe_router, with --num_experts > 0):\n" + moe::RouterHelp();
+  spec.usage += "\nPipeline schedules (--pipeline_schedule):\n" + pipeline::ScheduleHelp();
+  spec.groups = {
+      {"Model",
+       {"recipe", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+        "seq_length", "position_embedding_type", "rotary_base",
+        "untie_embeddings_and_output_weights", "init_method_std", "layernorm_epsilon",
+        "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "seed",
+        "params_dtype"}},
+      {"Training",
+       {"train_iters", "micro_batch_size", "global_batch_size", "lr", "min_lr",
+        "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1",
+        "adam_beta2", "adam_eps", "clip_grad", "exit_interval", "eval_interval", "eval_iters"}},
+      {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
+      {"Parallel",
+       {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes"}},
+      {"Pipeline and balancing", {"pipeline_schedule", "rebalance_script"}},
+      {"MoE",
+       {"num_experts", "moe_layer_freq", "moe_router", "moe_router_topk",
+        "moe_router_topk_schedule", "moe_ffn_hidden_size", "moe_capacity_factor",
+        "moe_per_expert_capacity", "moe_batch_prioritized_routing", "moe_aux_loss_coeff",
+        "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_init_std", "moe_noise_epsilon",
+        "moe_router_bias_update_rate", "moe_sinkhorn_iterations",
+        "moe_expert_choice_capacity_factor", "moe_cosine_projection_dim",
+        "moe_cosine_init_temperature", "moe_cosine_min_temperature", "moe_a2a_overlap_degree",
+        "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
+      {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change"}},
+      {"Logging", {"log_interval", "metrics_file", "timeline"}},
+  };
+  spec.per_file_dir = "plugins";
+  spec.per_file_title = "Plugins";
+  return spec;
 }
 
 absl::Status ApplyRecipe() {
@@ -208,6 +256,9 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   if (ffn % config.tp != 0) {
     return Invalid(absl::StrCat("the MLP size ", ffn,
                                 " is not divisible by --tensor_model_parallel_size=", config.tp));
+  }
+  if (FLAGS_num_layers < 1) {
+    return Invalid(absl::StrCat("--num_layers=", FLAGS_num_layers, " must be ≥ 1"));
   }
   if (config.pp > FLAGS_num_layers) {
     return Invalid(absl::StrCat("--pipeline_model_parallel_size=", config.pp, " exceeds --num_layers=",
@@ -324,6 +375,11 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   m.hidden_dropout = FLAGS_hidden_dropout;
   m.attention_dropout = FLAGS_attention_dropout;
   m.seed = FLAGS_seed;
+  FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &m.params_dtype));
+  if (m.params_dtype == ParamsDtype::kFp64 && FLAGS_num_experts > 0) {
+    return Invalid("--params_dtype=fp64 is for dense models; the MoE layers (--num_experts) keep "
+                   "fp32 state");
+  }
   if (FLAGS_make_vocab_size_divisible_by < 1) {
     return Invalid(absl::StrCat("--make_vocab_size_divisible_by=",
                                 FLAGS_make_vocab_size_divisible_by, " must be ≥ 1"));
@@ -331,8 +387,11 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   // Padding depends on the flag alone, never on the layout: the padded rows take part in the
   // softmax, so the same model under any tp needs the same padded size (unlike Megatron,
   // which pads to a multiple of divisible_by × tp).
-  m.vocab_size = PadVocab(vocab_size, FLAGS_make_vocab_size_divisible_by);
-  if (m.vocab_size % tp != 0) {
+  // vocab_size 0: not known yet (the early check before the data is read); the padded
+  // size is checked once it is.
+  m.vocab_size = vocab_size > 0 ? PadVocab(vocab_size, FLAGS_make_vocab_size_divisible_by)
+                                : FLAGS_make_vocab_size_divisible_by * tp;
+  if (vocab_size > 0 && m.vocab_size % tp != 0) {
     return Invalid(absl::StrCat("the padded vocabulary (", m.vocab_size,
                                 ") is not divisible by --tensor_model_parallel_size=", tp,
                                 "; make --make_vocab_size_divisible_by a multiple of it"));
@@ -366,6 +425,9 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   t.save = FLAGS_save;
   t.load = FLAGS_load;
   t.metrics_file = FLAGS_metrics_file;
+  t.save_keep_last = FLAGS_save_keep_last;
+  t.allow_data_change = FLAGS_allow_data_change;
+  c.data_path = FLAGS_data_path;
 
   c.data.seq_length = FLAGS_seq_length;
   c.data.seed = FLAGS_seed;
@@ -375,5 +437,6 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
 }
 
 std::string LoadPathFlag() { return FLAGS_load; }
+std::string SavePathFlag() { return FLAGS_save; }
 
 }  // namespace fulcrum

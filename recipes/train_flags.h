@@ -11,6 +11,7 @@
 #include "moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "pipeline/rebalancer.h"
+#include "recipes/cli.h"
 
 namespace fulcrum {
 
@@ -18,8 +19,9 @@ namespace fulcrum {
 /// explicitly (command line or --flagfile). Unknown recipe → InvalidArgument listing them.
 absl::Status ApplyRecipe();
 
-/// The usage text shown by --help: what the program does and the registered recipes.
-std::string TrainUsage();
+/// fulcrum_train's --help: what it does, the registered recipes, routers and schedules, and
+/// its flags in groups (recipes/cli.h).
+cli::HelpSpec TrainHelpSpec();
 
 /// The training corpus and its vocabulary size: --data_path (with --tokenizer_model or
 /// --vocab_size, else the largest token id + 1), or the embedded default corpus.
@@ -38,7 +40,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 
 /// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
 /// --make_vocab_size_divisible_by whatever the layout (the padded size changes the softmax),
-/// which tp must divide.
+/// which tp must divide. `vocab_size` 0 means not known yet: every other flag is checked.
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 
 /// The --num_experts / --moe_* flags (num_experts 0: no MoE layers).
@@ -54,5 +56,7 @@ int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.
 std::string LoadPathFlag();
+/// --save, or empty.
+std::string SavePathFlag();
 
 }  // namespace fulcrum

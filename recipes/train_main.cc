@@ -1,9 +1,14 @@
-// fulcrum_train: trains a GPT from the command line. See TrainUsage() / --help.
+// fulcrum_train: trains a GPT from the command line. See TrainHelpSpec() / --help.
 // Exit codes: 0 success, 2 bad input (flags, files, checkpoint), 1 failure while training.
 #include <gflags/gflags.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <iostream>
 
+#include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
@@ -13,6 +18,32 @@
 #include "recipes/train_flags.h"
 
 namespace {
+
+// NOTE [graceful stop] in core/trainer.h: the first SIGTERM/SIGINT asks the trainer to stop
+// after the iteration in progress (and save it); a second one ends the process at once.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void OnStopSignal(int signal_number) {
+  if (g_stop_signal != 0) {
+    std::signal(signal_number, SIG_DFL);
+    std::raise(signal_number);
+    return;
+  }
+  g_stop_signal = signal_number;
+  constexpr char kMessage[] =
+      "fulcrum_train: stop requested; finishing the iteration in progress (send the signal "
+      "again to stop at once)\n";
+  // write(2) is async-signal-safe; a short write only shortens the message.
+  [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+}
+
+void InstallStopHandlers() {
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  action.sa_flags = SA_RESTART;  // the transport's system calls carry on
+  sigemptyset(&action.sa_mask);
+  for (int s : {SIGTERM, SIGINT}) sigaction(s, &action, nullptr);
+}
 
 bool IsCallerError(const absl::Status& status) {
   switch (status.code()) {
@@ -36,8 +67,10 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(fulcrum::TrainUsage());
-  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  if (std::optional<int> exit_code =
+          fulcrum::cli::ParseCommandLine(&argc, &argv, fulcrum::TrainHelpSpec())) {
+    return *exit_code;
+  }
   if (argc > 1) {
     std::cerr << "fulcrum_train: unexpected argument '" << argv[1] << "' (flags are --name=value)"
               << std::endl;
@@ -47,17 +80,26 @@ int main(int argc, char** argv) {
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
 
   // Validate everything that needs no data or peers before any work: the layout against
-  // the job's size, then the model and training flags (a vocabulary of 1 stands in).
+  // the job's size, then the model and training flags (the vocabulary is not known yet).
   auto world = fulcrum::parallel::WorldInfoFromEnvironment();
   if (!world.ok()) return Fail(world.status());
   auto layout = fulcrum::ParallelConfigFromFlags(world->world_size);
   if (!layout.ok()) return Fail(layout.status());
   auto backend = fulcrum::parallel::ParseBackend(fulcrum::DistributedBackendFlag());
   if (!backend.ok()) return Fail(backend.status());
-  if (auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/1, layout->tp); !early.ok()) {
+  if (auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/0, layout->tp); !early.ok()) {
     return Fail(early.status());
   }
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
+
+  // An unwritable --save would be found only at the first save, after the work it was
+  // meant to keep.
+  if (const std::string save = fulcrum::SavePathFlag(); !save.empty()) {
+    if (absl::Status s = fulcrum::ckpt::CheckSaveDirWritable(fulcrum::DefaultFileSystem(), save);
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
 
   auto data = fulcrum::LoadTrainData();
   if (!data.ok()) return Fail(data.status());
@@ -125,6 +167,8 @@ int main(int argc, char** argv) {
   auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get(),
                                           fulcrum::DefaultFileSystem(), std::move(*feed_forward));
   if (!trainer.ok()) return Fail(trainer.status());
+  InstallStopHandlers();
+  (*trainer)->SetStopRequest([] { return g_stop_signal != 0; });
   try {
     if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
       if (absl::Status s = (*trainer)->Load(load); !s.ok()) return Fail(s);

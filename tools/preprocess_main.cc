@@ -44,6 +44,7 @@
 #include "core/data/indexed_dataset.h"
 #include "core/data/tokenizer.h"
 #include "core/logging.h"
+#include "recipes/cli.h"
 #include "core/status.h"
 
 DEFINE_string(input, "", "Input file(s), comma-separated. Required.");
@@ -431,8 +432,10 @@ absl::Status Run(const Options& options) {
 
 int main(int argc, char** argv) {
   fulcrum::InitLogging(argv[0]);
-  gflags::SetUsageMessage(
-      "tokenizes text into Megatron indexed datasets (.bin/.idx).\n\n"
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_preprocess";
+  help.usage =
+      "fulcrum_preprocess: tokenizes text into Megatron indexed datasets (.bin/.idx).\n\n"
       "  fulcrum_preprocess --input=corpus.jsonl --output_prefix=data/corpus\n"
       "      trains data/corpus_tokenizer.model (sentencepiece BPE, --vocab_size) and writes\n"
       "      data/corpus_text_document.{bin,idx}\n"
@@ -440,9 +443,15 @@ int main(int argc, char** argv) {
       "JSONL (.json/.jsonl): one object per line; every --json_keys key becomes\n"
       "{output_prefix}_{key}_document. Plain text: one document per file, or per paragraph\n"
       "with --text_document_separator=blank_line.\n"
-      "Exit status: 0 ok, 2 bad flags or input, 1 other failure.\n"
-      "--helpon=preprocess_main lists only this tool's flags.");
-  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+      "Exit status: 0 ok, 2 bad flags or input, 1 other failure.\n";
+  help.groups = {
+      {"Input", {"input", "input_format", "json_keys", "text_document_separator"}},
+      {"Tokenizer", {"tokenizer_type", "tokenizer_model", "vocab_size", "append_eod"}},
+      {"Output", {"output_prefix", "log_interval"}},
+  };
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
   if (argc > 1) {
     std::cerr << "fulcrum_preprocess: unexpected argument '" << argv[1]
               << "' (inputs are given with --input=FILE[,FILE...])\n";

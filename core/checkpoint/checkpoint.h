@@ -82,6 +82,10 @@ class CheckpointWriter {
   /// at it, with the fsyncs that make each step durable (NOTE [checkpoint crash safety]).
   absl::Status Commit(const nlohmann::json& manifest_fields);
 
+  /// Gives up a save that failed before Commit: deletes the temporary directory (the next
+  /// Begin would too, but a failed save should not leave its partial files behind).
+  absl::Status Abort();
+
   int64_t iteration() const { return iteration_; }
   const std::string& save_dir() const { return save_dir_; }
   /// <save_dir>/.tmp_iter_NNNNNNN, where shards are written.
@@ -102,6 +106,17 @@ class CheckpointWriter {
   std::set<std::string> shards_written_;  // By this writer; other ranks' are found on disk.
   bool committed_ = false;
 };
+
+/// Creates `save_dir` if it is missing and checks that a file can be written, synced and
+/// deleted in it — before training, so an unwritable --save is reported before the work it
+/// was meant to keep. FailedPrecondition naming the directory and the cause otherwise.
+absl::Status CheckSaveDirWritable(FileSystem* fs, const std::string& save_dir);
+
+/// Deletes the committed checkpoints (iter_* directories) of `save_dir` except the newest
+/// `keep` and the one `latest` names; `keep` ≥ 1. Returns the deleted directories' names.
+absl::StatusOr<std::vector<std::string>> RemoveOldCheckpoints(FileSystem* fs,
+                                                              const std::string& save_dir,
+                                                              int64_t keep);
 
 /// A committed checkpoint, opened for reading. Cheap to copy (shares its state).
 class CheckpointReader {

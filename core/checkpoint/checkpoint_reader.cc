@@ -109,6 +109,24 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
                               " is newer than this build understands (", kManifestFormatVersion,
                               ")"));
   }
+  // NOTE [manifest checksum]
+  const auto checksum = manifest->find(kManifestChecksumKey);
+  if (version->get<int64_t>() >= 2) {
+    if (checksum == manifest->end() || !checksum->is_string()) {
+      return error(absl::StrCat("missing string field '", kManifestChecksumKey,
+                                "' (the manifest's own checksum)"));
+    }
+    const std::string actual = ManifestChecksum(*manifest);
+    if (checksum->get<std::string>() != actual) {
+      return error(absl::StrCat("the manifest was changed after it was written: its fields hash "
+                                "to ", actual, " but '", kManifestChecksumKey, "' records ",
+                                checksum->get<std::string>(),
+                                " (an edited or damaged manifest is not trusted)"));
+    }
+  } else {
+    FULCRUM_LOG(WARNING) << manifest_path << ": format_version " << version->get<int64_t>()
+                         << " predates manifest checksums; its fields are not verified";
+  }
   const auto iteration = manifest->find("iteration");
   if (iteration == manifest->end() || !iteration->is_number_integer()) {
     return error("missing integer field 'iteration'");

@@ -2,6 +2,11 @@
 // NOTE [checkpoint crash safety] in checkpoint.h for the order of operations.
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
@@ -14,7 +19,8 @@ namespace {
 
 // Keys of manifest.json that the writer owns; "iteration" is owned too but callers may
 // repeat it.
-constexpr std::string_view kReservedManifestKeys[] = {"format_version", "files", "tensors"};
+constexpr std::string_view kReservedManifestKeys[] = {"format_version", "files", "tensors",
+                                                     kManifestChecksumKey};
 
 // Puts the save directory back into a state where only committed checkpoints remain:
 // deletes the temp directories of interrupted saves and resolves interrupted re-saves.
@@ -211,6 +217,7 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
   manifest["iteration"] = iteration_;
   manifest["files"] = std::move(files);
   manifest["tensors"] = std::move(tensors);
+  manifest[kManifestChecksumKey] = ManifestChecksum(manifest);  // NOTE [manifest checksum]
   FULCRUM_RETURN_IF_ERROR(
       WriteStringToFile(fs_, JoinPath(temp_dir_, kManifestFileName), manifest.dump(1) + "\n"));
   // Every file in the temp dir is fsync'ed; this makes their directory entries durable
@@ -231,6 +238,60 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
   FULCRUM_LOG(INFO) << "saved checkpoint " << final_dir() << " (" << manifest["tensors"].size()
                     << " tensors in " << manifest["files"].size() << " files)";
   return absl::OkStatus();
+}
+
+absl::Status CheckpointWriter::Abort() {
+  if (committed_) {
+    return absl::FailedPreconditionError(absl::StrCat("Abort after Commit of ", final_dir()));
+  }
+  if (!fs_->FileExists(temp_dir_)) return absl::OkStatus();
+  FULCRUM_RETURN_IF_ERROR(fs_->DeleteRecursively(temp_dir_));
+  return fs_->SyncDir(save_dir_);
+}
+
+absl::Status CheckSaveDirWritable(FileSystem* fs, const std::string& save_dir) {
+  auto refuse = [&](const absl::Status& cause) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot save checkpoints to ", save_dir,
+                                                      " (--save): ", cause.message()));
+  };
+  if (save_dir.empty()) return absl::InvalidArgumentError("checkpoint save directory is empty");
+  if (absl::Status s = fs->CreateDir(save_dir); !s.ok()) return refuse(s);
+  if (!fs->IsDirectory(save_dir)) return refuse(absl::NotFoundError("not a directory"));
+  // One probe per process: the ranks of a job check the same directory at once. The temp
+  // prefix makes a probe left by a killed process garbage the next Begin removes.
+  const std::string probe =
+      JoinPath(save_dir, absl::StrCat(kTempDirPrefix, "write_probe_", getpid()));
+  if (absl::Status s = WriteStringToFile(fs, probe, "fulcrum\n"); !s.ok()) return refuse(s);
+  if (absl::Status s = fs->DeleteRecursively(probe); !s.ok()) return refuse(s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> RemoveOldCheckpoints(FileSystem* fs,
+                                                              const std::string& save_dir,
+                                                              int64_t keep) {
+  if (keep < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("keep must be ≥ 1, got ", keep));
+  }
+  std::string latest;
+  if (auto text = fs->ReadFile(JoinPath(save_dir, kLatestFileName)); text.ok()) {
+    latest = std::string(absl::StripAsciiWhitespace(*text));
+  }
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<std::string> names, fs->ListDir(save_dir));
+  std::vector<std::pair<int64_t, std::string>> committed;
+  for (const std::string& name : names) {
+    if (auto iteration = ParseIterationDirName(name); iteration.has_value()) {
+      committed.emplace_back(*iteration, name);
+    }
+  }
+  std::sort(committed.rbegin(), committed.rend());  // newest first
+  std::vector<std::string> removed;
+  for (size_t i = static_cast<size_t>(keep); i < committed.size(); ++i) {
+    if (committed[i].second == latest) continue;
+    FULCRUM_RETURN_IF_ERROR(fs->DeleteRecursively(JoinPath(save_dir, committed[i].second)));
+    removed.push_back(committed[i].second);
+  }
+  if (!removed.empty()) FULCRUM_RETURN_IF_ERROR(fs->SyncDir(save_dir));
+  return removed;
 }
 
 absl::Status CheckpointWriter::MoveIntoPlace() {

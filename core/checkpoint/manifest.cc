@@ -52,6 +52,12 @@ uint64_t ManifestEntry::byte_size() const {
   return static_cast<uint64_t>(numel()) * c10::elementSize(dtype);
 }
 
+std::string ManifestChecksum(const nlohmann::json& manifest) {
+  nlohmann::json copy = manifest;
+  if (copy.is_object()) copy.erase(kManifestChecksumKey);
+  return ChecksumToHex(Xxh3Checksum(copy.dump()));
+}
+
 nlohmann::json ManifestEntryToJson(const ManifestEntry& entry) {
   return nlohmann::json{{"file", entry.file},
                         {"dtype", *SafetensorsDtypeName(entry.dtype)},

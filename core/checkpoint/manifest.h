@@ -35,7 +35,23 @@ inline constexpr char kTempDirPrefix[] = ".tmp_";
 /// An iteration being re-saved is moved aside to <save>/<kOldDirPrefix>iter_NNNNNNN.
 inline constexpr char kOldDirPrefix[] = ".old_";
 /// Bumped when the manifest changes incompatibly; readers refuse newer versions.
-inline constexpr int64_t kManifestFormatVersion = 1;
+/// Version 2 added the manifest's own checksum (kManifestChecksumKey).
+inline constexpr int64_t kManifestFormatVersion = 2;
+/// The manifest field holding ManifestChecksum of the rest of the manifest, so that an
+/// edit of any field is caught like a damaged tensor (NOTE [manifest checksum]).
+inline constexpr char kManifestChecksumKey[] = "manifest_xxh3";
+
+// NOTE [manifest checksum]
+// The tensors' checksums protect the tensors; the manifest says how to read them and where
+// training stands (iteration, data position), so it is protected too: the writer stores
+// the XXH3 of the manifest's canonical serialisation (nlohmann::json::dump() of the whole
+// object without this field: keys sorted, no whitespace) under kManifestChecksumKey, and
+// every reader recomputes it. Re-indenting the file keeps it valid; changing any value,
+// adding or removing a field does not. Manifests of format 1 have no checksum and are read
+// with a warning.
+
+/// XXH3 of `manifest` without kManifestChecksumKey, canonically serialised, as 16 hex digits.
+std::string ManifestChecksum(const nlohmann::json& manifest);
 
 /// "iter_0000020" for 20: zero-padded to 7 digits like Megatron (more digits past 9999999).
 /// `iteration` must be non-negative.

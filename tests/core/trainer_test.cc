@@ -2,6 +2,7 @@
 // resume is bit-identical, and a failed save leaves the previous checkpoint in charge.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/checkpoint/checkpoint.h"
@@ -147,6 +148,44 @@ TEST(TrainerTest, FailedSaveKeepsPreviousCheckpoint) {
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_EQ(reader->iteration(), 1);
   EXPECT_TRUE(reader->VerifyAll().ok());
+  // The failed save left nothing behind: no temporary directory, no second checkpoint.
+  auto names = DefaultFileSystem()->ListDir(config.train.save);
+  ASSERT_TRUE(names.ok());
+  EXPECT_EQ(*names, (std::vector<std::string>{"iter_0000001", "latest"}));
+}
+
+TEST(TrainerTest, SaveKeepLastKeepsTheNewestCheckpoints) {
+  TrainerConfig config = SmallTrainerConfig();
+  config.train.save = testing::MakeTempDir("keep_last");
+  config.train.save_keep_last = 2;
+  auto corpus = SyntheticCorpus(40, 200, config.model.vocab_size);
+  auto trainer = Trainer::Create(config, corpus);
+  ASSERT_TRUE(trainer.ok());
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE((*trainer)->TrainIteration().ok());
+    ASSERT_TRUE((*trainer)->Save().ok());
+  }
+  auto names = DefaultFileSystem()->ListDir(config.train.save);
+  ASSERT_TRUE(names.ok());
+  std::sort(names->begin(), names->end());
+  EXPECT_EQ(*names, (std::vector<std::string>{"iter_0000003", "iter_0000004", "latest"}));
+}
+
+TEST(TrainerTest, StopRequestEndsTheRunAfterTheIterationAndSavesIt) {
+  TrainerConfig config = SmallTrainerConfig();
+  config.train.train_iters = 50;
+  config.train.save = testing::MakeTempDir("stop");
+  auto corpus = SyntheticCorpus(40, 200, config.model.vocab_size);
+  auto trainer = Trainer::Create(config, corpus);
+  ASSERT_TRUE(trainer.ok());
+  int asked = 0;
+  (*trainer)->SetStopRequest([&asked] { return ++asked >= 3; });  // "signal" in iteration 3
+  ASSERT_TRUE((*trainer)->Run().ok());
+  EXPECT_TRUE((*trainer)->stopped());
+  EXPECT_EQ((*trainer)->iteration(), 3);
+  auto reader = ckpt::CheckpointReader::Open(config.train.save);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->iteration(), 3);
 }
 
 TEST(TrainerTest, LoadRejectsAnotherModelShape) {
@@ -162,6 +201,43 @@ TEST(TrainerTest, LoadRejectsAnotherModelShape) {
   absl::Status status = (*other)->Load(config.train.save);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("hidden_size"), std::string::npos) << status;
+}
+
+TEST(TrainerTest, LoadRefusesOtherDataUnlessAllowed) {
+  TrainerConfig config = SmallTrainerConfig();
+  config.train.save = testing::MakeTempDir("other_data");
+  auto corpus = SyntheticCorpus(40, 200, config.model.vocab_size);
+  auto trainer = Trainer::Create(config, corpus);
+  ASSERT_TRUE(trainer.ok());
+  ASSERT_TRUE((*trainer)->TrainIteration().ok());
+  ASSERT_TRUE((*trainer)->Save().ok());
+
+  TrainerConfig reseeded = config;
+  reseeded.data.seed = config.data.seed + 1;
+  auto other_seed = Trainer::Create(reseeded, corpus);
+  ASSERT_TRUE(other_seed.ok());
+  absl::Status status = (*other_seed)->Load(config.train.save);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("--seed"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("--allow_data_change"), std::string::npos) << status;
+
+  auto other_corpus = Trainer::Create(config, SyntheticCorpus(41, 200, config.model.vocab_size));
+  ASSERT_TRUE(other_corpus.ok());
+  status = (*other_corpus)->Load(config.train.save);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("40 documents"), std::string::npos) << status;
+
+  reseeded.train.allow_data_change = true;
+  auto allowed = Trainer::Create(reseeded, corpus);
+  ASSERT_TRUE(allowed.ok());
+  EXPECT_TRUE((*allowed)->Load(config.train.save).ok());
+  EXPECT_EQ((*allowed)->iteration(), 1);
+
+  TrainerConfig shorter = config;
+  shorter.train.train_iters = 0 + 1;
+  auto done = Trainer::Create(shorter, corpus);
+  ASSERT_TRUE(done.ok());
+  EXPECT_TRUE((*done)->Load(config.train.save).ok()) << "train_iters == iteration: nothing left";
 }
 
 TEST(TrainerTest, CreateRejectsTokensOutsideTheVocabulary) {

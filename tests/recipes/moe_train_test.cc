@@ -74,6 +74,10 @@ class SlowMoeTrainTest : public ::testing::Test {
       runs.push_back(testing::MetricsRecords(metrics));
       EXPECT_EQ(runs.back().size(), 20u);
     }
+    // The moves happened (else "nothing changed" would hold vacuously): the moved run
+    // counts every scripted move at its iteration, the other none.
+    EXPECT_EQ(testing::LayersMovedOf(runs[1]), testing::ScriptedMovesByIteration(script, 20));
+    EXPECT_EQ(testing::LayersMovedOf(runs[0]), std::vector<int64_t>(20, 0));
     for (size_t i = 0; i < std::min(runs[0].size(), runs[1].size()); ++i) {
       for (const std::string& field : fields) {
         EXPECT_EQ(runs[0][i][field], runs[1][i][field]) << field << ", iteration " << i + 1;

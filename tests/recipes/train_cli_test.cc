@@ -1,15 +1,20 @@
 // fulcrum_train as a user meets it: bad input exits 2 with one clear message before any
 // work; recipes and flags combine; a run that exits and resumes reproduces the straight
 // run exactly (the "done when" check, through the real binary).
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "core/data/indexed_dataset.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
 
 namespace fulcrum {
 namespace {
@@ -55,7 +60,22 @@ INSTANTIATE_TEST_SUITE_P(
         BadInputCase{"StrayArgument", "stray_argument", "unexpected argument 'stray_argument'"},
         BadInputCase{"TpDoesNotDivideWorld", "--tensor_model_parallel_size=2",
                      "world size 1 is not divisible by --tensor_model_parallel_size=2"},
-        BadInputCase{"UnknownBackend", "--distributed_backend=mpi", "mpi"}),
+        BadInputCase{"UnknownBackend", "--distributed_backend=mpi", "mpi"},
+        // Parse errors: one line naming the flag, exit 2 (gflags alone would exit 1).
+        BadInputCase{"NonNumericValue", "--lr=abc", "--lr='abc' is not a valid number"},
+        BadInputCase{"UnknownFlag", "--no_such_flag", "unknown flag --no_such_flag"},
+        BadInputCase{"MisspeltFlag", "--num_layerz=3", "did you mean --num_layers?"},
+        BadInputCase{"OutOfRange", "--tensor_model_parallel_size=99999999999",
+                     "--tensor_model_parallel_size='99999999999' is not a valid integer"},
+        BadInputCase{"MissingValue", "--lr", "--lr needs a value"},
+        BadInputCase{"MissingFlagfile", "--flagfile=/nonexistent/flags",
+                     "--flagfile=/nonexistent/flags: cannot read that file"},
+        // The right flag is blamed.
+        BadInputCase{"ZeroLayers", "--num_layers=0", "--num_layers=0 must be ≥ 1"},
+        BadInputCase{"UnwritableSave", "--save=/proc/fulcrum_no_such_dir",
+                     "cannot save checkpoints to /proc/fulcrum_no_such_dir (--save)"},
+        BadInputCase{"KeepLastWithoutSave", "--save_keep_last=2", "--save_keep_last=2 needs --save"},
+        BadInputCase{"UnknownParamsDtype", "--params_dtype=fp16", "--params_dtype='fp16' is unknown"}),
     [](const ::testing::TestParamInfo<BadInputCase>& info) { return info.param.name; });
 
 std::vector<nlohmann::json> ReadMetrics(const std::string& path) {
@@ -124,12 +144,120 @@ TEST(TrainCliTest, ExplicitFlagsOverrideTheRecipeAndFlagfilesWork) {
   EXPECT_NE(output.find("training 82880 parameters"), std::string::npos) << output;
 }
 
-TEST(TrainCliTest, HelpListsRecipes) {
+TEST(TrainCliTest, ParseErrorsPrintOneLine) {
+  for (const char* flags : {"--lr=abc", "--no_such_flag", "--flagfile=/nonexistent/flags"}) {
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(kTrain + " " + flags, &output), 2) << output;
+    EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << output;
+    EXPECT_EQ(output.rfind("fulcrum_train: ", 0), 0u) << output;
+  }
+  // A bad line inside a flag file names the file and the line.
+  const std::string dir = testing::MakeTempDir("cli_bad_flagfile");
+  {
+    std::ofstream flagfile(dir + "/flags");
+    flagfile << "# comment\n--num_layers=2\n--lr=fast\n";
+  }
   std::string output;
-  testing::RunCommand(kTrain + " --help", &output);
+  EXPECT_EQ(testing::RunCommand(kTrain + " --flagfile=" + dir + "/flags", &output), 2);
+  EXPECT_NE(output.find("--lr='fast' is not a valid number (in " + dir + "/flags:3)"),
+            std::string::npos)
+      << output;
+}
+
+TEST(TrainCliTest, HelpShowsFulcrumsFlagsInGroupsAndExitsZero) {
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kTrain + " --help", &output), 0) << output;
+  EXPECT_EQ(output.rfind("fulcrum_train: trains a GPT model", 0), 0u) << "Fulcrum's lines first";
   EXPECT_NE(output.find("tiny"), std::string::npos);
   EXPECT_NE(output.find("gpt_20m"), std::string::npos);
-  EXPECT_NE(output.find("--data_path"), std::string::npos);
+  size_t last = 0;
+  for (const char* group : {"\nModel:\n", "\nTraining:\n", "\nData:\n", "\nParallel:\n",
+                            "\nPipeline and balancing:\n", "\nMoE:\n", "\nCheckpoints:\n",
+                            "\nLogging:\n"}) {
+    const size_t at = output.find(group);
+    ASSERT_NE(at, std::string::npos) << group << " missing:\n" << output;
+    EXPECT_GT(at, last) << group << " out of order";
+    last = at;
+  }
+  EXPECT_EQ(output.find("\nOther:\n"), std::string::npos) << "every flag belongs to a group";
+  for (const char* flag : {"--data_path=", "--save_keep_last=", "--params_dtype=", "--timeline="}) {
+    EXPECT_NE(output.find(flag), std::string::npos) << flag;
+  }
+  // LibTorch's, glog's and gflags' own flags only under --helpfull.
+  for (const char* library_flag : {"--logtostderr", "--caffe2", "--minloglevel", "--v="}) {
+    EXPECT_EQ(output.find(library_flag), std::string::npos) << library_flag;
+  }
+  std::string full;
+  ASSERT_EQ(testing::RunCommand(kTrain + " --helpfull", &full), 0);
+  EXPECT_NE(full.find("logtostderr"), std::string::npos);
+  EXPECT_LT(std::count(output.begin(), output.end(), '\n'),
+            std::count(full.begin(), full.end(), '\n'));
+}
+
+// Pre-emption (NOTE [graceful stop]): SIGTERM to a training run — one process, and a pp=2
+// job through fulcrum_launch — ends it after the iteration in progress, saves that
+// iteration, and exits 0 with a line saying so.
+TEST(SlowTrainCliTest, SigtermSavesTheIterationInProgressAndExitsZero) {
+  for (const int n : {1, 2}) {
+    const std::string dir = testing::MakeTempDir("cli_sigterm");
+    const std::string metrics = dir + "/m.jsonl";
+    const std::string train = testing::TrainCommand(
+        n, "--recipe=tiny --train_iters=100000 --eval_interval=0 --log_interval=1 --save=" + dir +
+               "/ckpt --metrics_file=" + metrics +
+               (n == 2 ? " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1" : ""));
+    // Signal once three iterations are logged; report the exit code.
+    const std::string script =
+        "(" + train + ") > " + dir + "/out.txt 2>&1 & pid=$!; "
+        "for i in $(seq 600); do [ -f " + metrics + " ] && [ $(wc -l < " + metrics +
+        ") -ge 3 ] && break; sleep 0.1; done; kill -TERM $pid; wait $pid; echo exit=$?";
+    std::string output;
+    ASSERT_EQ(testing::RunCommand("/bin/sh -c '" + script + "'", &output), 0) << output;
+    std::ifstream out_file(dir + "/out.txt");
+    const std::string log((std::istreambuf_iterator<char>(out_file)), std::istreambuf_iterator<char>());
+    EXPECT_NE(output.find("exit=0"), std::string::npos) << output << log;
+    const std::vector<nlohmann::json> records = ReadMetrics(metrics);
+    ASSERT_GE(records.size(), 3u) << log;
+    const int64_t last = records.back()["iteration"].get<int64_t>();
+    EXPECT_LT(last, 100000);
+    EXPECT_NE(log.find("stopped at iteration " + std::to_string(last)), std::string::npos) << log;
+    // The checkpoint is of the last iteration trained, complete and verified.
+    std::ifstream latest(dir + "/ckpt/latest");
+    std::string name;
+    latest >> name;
+    char expected[32];
+    std::snprintf(expected, sizeof(expected), "iter_%07lld", static_cast<long long>(last));
+    EXPECT_EQ(name, expected) << log;
+    EXPECT_EQ(testing::RunCommand(std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt verify " + dir + "/ckpt",
+                                  &output),
+              0)
+        << output;
+  }
+}
+
+// A data set with a 258-token vocabulary: tp=2 divides it even without padding, and 259
+// is refused naming the padded vocabulary.
+TEST(SlowTrainCliTest, UnpaddedVocabularyDivisibleByTpIsAccepted) {
+  const std::string dir = testing::MakeTempDir("cli_vocab");
+  auto writer = data::IndexedDatasetWriter::Create(dir + "/corpus", data::DType::kInt32);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  for (int64_t d = 0; d < 8; ++d) {
+    std::vector<int64_t> tokens;
+    for (int64_t t = 0; t < 300; ++t) tokens.push_back((d * 31 + t * 7) % 258);
+    ASSERT_TRUE((*writer)->AddDocument(tokens).ok());
+  }
+  ASSERT_TRUE((*writer)->Finalize().ok());
+  const std::string flags = " --data_path=" + dir + "/corpus --make_vocab_size_divisible_by=1 "
+                            "--num_layers=1 --train_iters=1 --eval_interval=0 --seq_length=32 "
+                            "--split=100,0,0 --tensor_model_parallel_size=2";
+  std::string output;
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(2, flags + " --vocab_size=258"), &output), 0)
+      << output;
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(2, flags + " --vocab_size=259"), &output), 2)
+      << output;
+  EXPECT_NE(output.find("the padded vocabulary (259) is not divisible by "
+                        "--tensor_model_parallel_size=2"),
+            std::string::npos)
+      << output;
 }
 
 }  // namespace

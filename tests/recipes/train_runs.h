@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,40 @@ inline double MaxRelativeDifference(const std::vector<double>& a, const std::vec
     worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
   }
   return worst;
+}
+
+/// For a --rebalance_script "ITER:L->S[,L->S...][;...]", the number of layer moves made up
+/// to and including each iteration 1..iterations (what the metrics field layers_moved
+/// counts), so a test can assert that the moves really happened.
+inline std::vector<int64_t> ScriptedMovesByIteration(const std::string& script, int iterations) {
+  std::map<int64_t, int64_t> moves_at;
+  size_t start = 0;
+  while (start < script.size()) {
+    size_t end = script.find(';', start);
+    if (end == std::string::npos) end = script.size();
+    const std::string step = script.substr(start, end - start);
+    const size_t colon = step.find(':');
+    if (colon != std::string::npos) {
+      int64_t count = 0;
+      for (size_t at = step.find("->"); at != std::string::npos; at = step.find("->", at + 2)) ++count;
+      moves_at[std::stoll(step.substr(0, colon))] += count;
+    }
+    start = end + 1;
+  }
+  std::vector<int64_t> cumulative;
+  int64_t total = 0;
+  for (int i = 1; i <= iterations; ++i) {
+    total += moves_at.count(i) ? moves_at[i] : 0;
+    cumulative.push_back(total);
+  }
+  return cumulative;
+}
+
+/// The layers_moved field of every record.
+inline std::vector<int64_t> LayersMovedOf(const std::vector<nlohmann::json>& records) {
+  std::vector<int64_t> out;
+  for (const auto& r : records) out.push_back(r.value("layers_moved", int64_t{-1}));
+  return out;
 }
 
 }  // namespace fulcrum::testing

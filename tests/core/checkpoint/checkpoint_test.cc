@@ -246,9 +246,25 @@ TEST(CheckpointTest, OpenRejectsTruncatedShardAndCorruptManifest) {
   EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
               AllOf(HasSubstr(manifest_path), HasSubstr("not valid JSON")));
 
-  // A manifest row that disagrees with the shard header.
+  // Any edit of a field is caught by the manifest's own checksum (NOTE [manifest checksum]);
+  // re-indenting is not an edit.
   nlohmann::json edited = nlohmann::json::parse(manifest);
+  WriteBytes(manifest_path, edited.dump(4));
+  EXPECT_TRUE(CheckpointReader::Open(save.path()).ok());
+  edited["consumed_samples"] = 12345;
+  WriteBytes(manifest_path, edited.dump(1));
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
+              AllOf(HasSubstr(manifest_path), HasSubstr("the manifest was changed after it was written")));
+  edited.erase(kManifestChecksumKey);
+  WriteBytes(manifest_path, edited.dump(1));
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
+              HasSubstr("missing string field 'manifest_xxh3'"));
+
+  // A manifest row that disagrees with the shard header (checksummed anew, as a tool that
+  // rewrites manifests would): the header check still catches it.
+  edited = nlohmann::json::parse(manifest);
   edited["tensors"]["embedding.weight"]["shape"] = {8, 16};
+  edited[kManifestChecksumKey] = ManifestChecksum(edited);
   WriteBytes(manifest_path, edited.dump());
   EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
               AllOf(HasSubstr(shard), HasSubstr("'embedding.weight'"), HasSubstr("[8, 16]")));

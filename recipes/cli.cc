@@ -1,0 +1,298 @@
+#include "recipes/cli.h"
+
+#include <gflags/gflags.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+#ifndef FULCRUM_SOURCE_DIR
+#error "FULCRUM_SOURCE_DIR must be defined (recipes/CMakeLists.txt)"
+#endif
+
+namespace fulcrum::cli {
+namespace {
+
+// gflags' own flags that act on the command line itself rather than set a value.
+constexpr const char* kFileFlags[] = {"flagfile", "fromenv", "tryfromenv"};
+constexpr const char* kHelpFlags[] = {"help", "h", "helpshort"};
+constexpr int kMaxFlagfileDepth = 8;
+constexpr size_t kHelpWidth = 100;
+
+bool IsOurs(const gflags::CommandLineFlagInfo& info) {
+  return absl::StartsWith(info.filename, FULCRUM_SOURCE_DIR);
+}
+
+// "plugins/freeze.cc" → "freeze" when the flag lives in spec.per_file_dir; else empty.
+std::string PerFileName(const HelpSpec& spec, const gflags::CommandLineFlagInfo& info) {
+  if (spec.per_file_dir.empty()) return "";
+  const std::string marker = absl::StrCat("/", spec.per_file_dir, "/");
+  const size_t at = info.filename.rfind(marker);
+  if (at == std::string::npos) return "";
+  absl::string_view name = absl::string_view(info.filename).substr(at + marker.size());
+  if (!absl::ConsumeSuffix(&name, ".cc") || absl::StrContains(name, "/")) return "";
+  return std::string(name);
+}
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string Suggestion(const std::string& name) {
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  std::string best;
+  size_t best_distance = std::max<size_t>(3, name.size() / 3) + 1;
+  for (const auto& info : flags) {
+    if (!IsOurs(info)) continue;
+    const size_t d = EditDistance(name, info.name);
+    if (d < best_distance) {
+      best_distance = d;
+      best = info.name;
+    }
+  }
+  return best.empty() ? "" : absl::StrCat("; did you mean --", best, "?");
+}
+
+std::string WrapText(const std::string& text, size_t indent, size_t first_column) {
+  std::string out;
+  size_t column = first_column;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (column > indent && column + 1 + word.size() > kHelpWidth) {
+      absl::StrAppend(&out, "\n", std::string(indent, ' '));
+      column = indent;
+    } else if (column > indent) {
+      out += ' ';
+      ++column;
+    }
+    absl::StrAppend(&out, word);
+    column += word.size();
+  }
+  return out;
+}
+
+std::string FlagLine(const gflags::CommandLineFlagInfo& info) {
+  std::string head = absl::StrCat("  --", info.name);
+  if (info.type == "string") {
+    absl::StrAppend(&head, "=", info.default_value.empty() ? "\"\"" : info.default_value);
+  } else {
+    absl::StrAppend(&head, "=", info.default_value);
+  }
+  constexpr size_t kTextColumn = 34;
+  if (head.size() + 2 > kTextColumn) {
+    return absl::StrCat(head, "\n", std::string(kTextColumn, ' '),
+                        WrapText(info.description, kTextColumn, kTextColumn), "\n");
+  }
+  head.resize(kTextColumn, ' ');
+  return absl::StrCat(head, WrapText(info.description, kTextColumn, kTextColumn), "\n");
+}
+
+// One flag setting to check: where it came from, for the message.
+struct Setting {
+  std::string name;
+  std::optional<std::string> value;  // nullopt: "--name" alone.
+  std::string where;                 // "" (command line) or " (in FILE:LINE)".
+};
+
+class Checker {
+ public:
+  explicit Checker(std::string program) : program_(std::move(program)) {}
+
+  // Checks one setting; on failure sets error_ and returns false.
+  bool Check(const Setting& s) {
+    if (std::find(std::begin(kFileFlags), std::end(kFileFlags), s.name) != std::end(kFileFlags)) {
+      if (!s.value.has_value() || s.value->empty()) return Fail(s, "needs a value");
+      if (s.name == "flagfile") {
+        for (absl::string_view file : absl::StrSplit(*s.value, ',', absl::SkipEmpty())) {
+          if (!CheckFlagfile(std::string(file), s)) return false;
+        }
+      }
+      return true;
+    }
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(s.name.c_str(), &info)) {
+      // --nofoo is gflags' spelling of --foo=false.
+      if (absl::StartsWith(s.name, "no") &&
+          gflags::GetCommandLineFlagInfo(s.name.substr(2).c_str(), &info) && info.type == "bool") {
+        if (s.value.has_value()) return Fail(s, "takes no value");
+        return true;
+      }
+      error_ = absl::StrCat(program_, ": unknown flag --", s.name, s.where, Suggestion(s.name));
+      return false;
+    }
+    if (!s.value.has_value()) {
+      if (info.type == "bool") return true;
+      return Fail(s, absl::StrCat("needs a value (", info.type, ")"));
+    }
+    // gflags' own parser decides; the value it sets now is set again by the real parse.
+    if (gflags::SetCommandLineOption(s.name.c_str(), s.value->c_str()).empty()) {
+      return Fail(s, absl::StrCat("='", *s.value, "' is not a valid ", TypeName(info.type)));
+    }
+    return true;
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  static std::string TypeName(const std::string& type) {
+    if (type == "bool") return "boolean (true/false)";
+    if (type == "double") return "number";
+    if (type == "int32") return "integer in [-2147483648, 2147483647]";
+    if (type == "uint32") return "integer in [0, 4294967295]";
+    if (type == "int64") return "64-bit integer";
+    if (type == "uint64") return "non-negative 64-bit integer";
+    return type;
+  }
+
+  bool Fail(const Setting& s, const std::string& what) {
+    const bool joined = !what.empty() && what[0] == '=';
+    error_ = absl::StrCat(program_, ": --", s.name, joined ? "" : " ", what, s.where);
+    return false;
+  }
+
+  bool CheckFlagfile(const std::string& path, const Setting& from) {
+    if (++depth_ > kMaxFlagfileDepth) {
+      return Fail(from, absl::StrCat("=", path, " nests flag files deeper than ",
+                                     kMaxFlagfileDepth, " levels"));
+    }
+    std::ifstream in(path);
+    if (!in) return Fail(from, absl::StrCat("=", path, ": cannot read that file"));
+    std::string line;
+    int number = 0;
+    while (std::getline(in, line)) {
+      ++number;
+      absl::string_view text = absl::StripAsciiWhitespace(line);
+      // gflags: blank lines and comments are skipped; a line without a leading dash names
+      // the programs the following flags apply to, which Fulcrum does not use.
+      if (text.empty() || text[0] == '#' || text[0] != '-') continue;
+      Setting s = Split(text);
+      s.where = absl::StrFormat(" (in %s:%d)", path, number);
+      if (!Check(s)) return false;
+    }
+    --depth_;
+    return true;
+  }
+
+ public:
+  static Setting Split(absl::string_view arg) {
+    while (!arg.empty() && arg[0] == '-') arg.remove_prefix(1);
+    Setting s;
+    const size_t eq = arg.find('=');
+    s.name = std::string(arg.substr(0, eq));
+    if (eq != absl::string_view::npos) s.value = std::string(arg.substr(eq + 1));
+    return s;
+  }
+
+ private:
+  std::string program_;
+  std::string error_;
+  int depth_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::string> UngroupedFlags(const HelpSpec& spec) {
+  std::set<std::string> grouped;
+  for (const HelpGroup& group : spec.groups) grouped.insert(group.flags.begin(), group.flags.end());
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  std::vector<std::string> out;
+  for (const auto& info : flags) {
+    if (IsOurs(info) && grouped.count(info.name) == 0 && PerFileName(spec, info).empty()) {
+      out.push_back(info.name);
+    }
+  }
+  return out;
+}
+
+std::string HelpText(const HelpSpec& spec) {
+  std::string out = spec.usage;
+  if (!out.empty() && out.back() != '\n') out += '\n';
+  for (const HelpGroup& group : spec.groups) {
+    absl::StrAppend(&out, "\n", group.title, ":\n");
+    for (const std::string& name : group.flags) {
+      gflags::CommandLineFlagInfo info;
+      if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) absl::StrAppend(&out, FlagLine(info));
+    }
+  }
+  std::map<std::string, std::vector<gflags::CommandLineFlagInfo>> per_file;
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  for (const auto& info : flags) {
+    const std::string file = PerFileName(spec, info);
+    if (!file.empty()) per_file[file].push_back(info);
+  }
+  for (const auto& [file, infos] : per_file) {
+    absl::StrAppend(&out, "\n", spec.per_file_title, ": ", file, ":\n");
+    for (const auto& info : infos) absl::StrAppend(&out, FlagLine(info));
+  }
+  const std::vector<std::string> rest = UngroupedFlags(spec);
+  if (!rest.empty()) {
+    absl::StrAppend(&out, "\nOther:\n");
+    for (const std::string& name : rest) {
+      gflags::CommandLineFlagInfo info;
+      gflags::GetCommandLineFlagInfo(name.c_str(), &info);
+      absl::StrAppend(&out, FlagLine(info));
+    }
+  }
+  absl::StrAppend(&out, "\n--helpfull also lists the flags of the libraries (LibTorch, glog, gflags).\n");
+  return out;
+}
+
+std::optional<int> ParseCommandLine(int* argc, char*** argv, const HelpSpec& spec) {
+  gflags::SetUsageMessage(spec.usage);
+  Checker checker(spec.program);
+  std::vector<std::string> args(*argv + 1, *argv + *argc);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") break;  // gflags stops here too
+    if (arg.size() < 2 || arg[0] != '-') continue;
+    Setting s = Checker::Split(arg);
+    if (std::find(std::begin(kHelpFlags), std::end(kHelpFlags), s.name) != std::end(kHelpFlags)) {
+      std::cout << HelpText(spec);
+      return 0;
+    }
+    if (s.name == "helpfull") {
+      std::cout << HelpText(spec) << "\nEvery flag, the libraries' included:\n";
+      gflags::ShowUsageWithFlags((*argv)[0]);
+      return 0;
+    }
+    // gflags takes "--name value" for a non-boolean flag written without '='.
+    gflags::CommandLineFlagInfo info;
+    const bool known = gflags::GetCommandLineFlagInfo(s.name.c_str(), &info);
+    const bool file_flag =
+        std::find(std::begin(kFileFlags), std::end(kFileFlags), s.name) != std::end(kFileFlags);
+    if (!s.value.has_value() && ((known && info.type != "bool") || file_flag) &&
+        i + 1 < args.size()) {
+      s.value = args[++i];
+    }
+    if (!checker.Check(s)) {
+      std::cerr << checker.error() << " (" << spec.program << " --help lists the flags)"
+                << std::endl;
+      return 2;
+    }
+  }
+  gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);
+  return std::nullopt;
+}
+
+}  // namespace fulcrum::cli

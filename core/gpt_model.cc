@@ -54,34 +54,52 @@ int64_t GptModel::NumParameterElements() const {
   return n;
 }
 
-absl::StatusOr<std::unique_ptr<TransformerLayer>> GptModel::ReleaseLayer(int64_t index) {
-  if (index != layer_begin_ && index != layer_end_ - 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer ", index, " is not at a boundary of this stage's range [",
-                     layer_begin_, ", ", layer_end_, ")"));
-  }
-  if (layer_end_ - layer_begin_ == 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer ", index, " is the only layer of its stage; a stage keeps one"));
-  }
+absl::StatusOr<std::unique_ptr<TransformerLayer>> GptModel::TakeLayer(int64_t index) {
   auto it = layers_.find(index);
-  TORCH_INTERNAL_ASSERT(it != layers_.end(), "layer ", index, " missing inside the range");
+  if (it == layers_.end()) {
+    return absl::NotFoundError(absl::StrCat("this stage does not hold layer ", index, " (it holds ",
+                                            layers_.size(), " layers in [", layer_begin_, ", ",
+                                            layer_end_, "))"));
+  }
   std::unique_ptr<TransformerLayer> layer = std::move(it->second);
   layers_.erase(it);
-  if (index == layer_begin_) ++layer_begin_; else --layer_end_;
+  UpdateRange();
   return layer;
 }
 
-absl::Status GptModel::AdoptLayer(std::unique_ptr<TransformerLayer> layer) {
+absl::Status GptModel::InsertLayer(std::unique_ptr<TransformerLayer> layer) {
   const int64_t index = layer->layer_index();
-  if (index != layer_begin_ - 1 && index != layer_end_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer ", index, " is not adjacent to this stage's range [", layer_begin_,
-                     ", ", layer_end_, ")"));
+  if (index < 0 || index >= options_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", index, " is outside [0, ", options_.num_layers, ")"));
   }
-  if (index == layer_begin_ - 1) --layer_begin_; else ++layer_end_;
-  layers_.emplace(index, std::move(layer));
+  if (!layers_.emplace(index, std::move(layer)).second) {
+    return absl::AlreadyExistsError(absl::StrCat("this stage already holds layer ", index));
+  }
+  UpdateRange();
   return absl::OkStatus();
+}
+
+absl::Status GptModel::CheckRange(int64_t begin, int64_t end) const {
+  const bool contiguous = layers_.empty() || static_cast<int64_t>(layers_.size()) ==
+                                                 layers_.rbegin()->first - layers_.begin()->first + 1;
+  if (contiguous && layer_begin_ == begin && layer_end_ == end &&
+      static_cast<int64_t>(layers_.size()) == end - begin) {
+    return absl::OkStatus();
+  }
+  std::string held;
+  for (const auto& [index, layer] : layers_) absl::StrAppend(&held, held.empty() ? "" : ",", index);
+  return absl::FailedPreconditionError(absl::StrCat("the stage should hold layers [", begin, ", ",
+                                                    end, ") but holds {", held, "}"));
+}
+
+void GptModel::UpdateRange() {
+  if (layers_.empty()) {
+    layer_end_ = layer_begin_;
+    return;
+  }
+  layer_begin_ = layers_.begin()->first;
+  layer_end_ = layers_.rbegin()->first + 1;
 }
 
 std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
@@ -90,6 +108,8 @@ std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {
+  TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layer_end_ - layer_begin_,
+              "the stage's layers [", layer_begin_, ", ", layer_end_, ") have gaps");
   for (const auto& [index, layer] : layers_) hidden = layer->Forward(hidden, ctx);
   return hidden;
 }

@@ -4,13 +4,15 @@
 // changes it at run time; nothing here depends on where a range starts (invariant 1).
 //
 // NOTE [layer migration]
-// A stage's range changes one boundary layer at a time: ReleaseLayer takes the first or
-// last layer out of the range, its MigrationTensors() (values, gradients, Adam moments,
-// step — invariant 2) travel to the neighbouring stage, which builds a shell with
-// NewLayerShell, restores it with LoadMigrationTensors and AdoptLayer()s it at the adjacent
-// end of its own range. The arithmetic of training never sees where a layer runs: its
-// initial values, dropout masks and optimizer update depend only on its global identity
-// and state, so moving layers leaves every loss bit-identical (invariant 3).
+// A stage's range changes by whole layers: TakeLayer takes a layer out of the stage, its
+// MigrationTensors() (values, gradients, Adam moments, step, block state — invariant 2)
+// travel to the layer's new stage, any distance away, which builds a shell with
+// NewLayerShell, restores it with LoadMigrationTensors and InsertLayer()s it. While a plan
+// is carried out a stage's layers may have gaps (or none at all); once every move of the
+// plan is done they form the plan's contiguous range again (CheckRange). The arithmetic of
+// training never sees where a layer runs: its initial values, dropout masks and optimizer
+// update depend only on its global identity and state, so moving layers leaves every loss
+// bit-identical (invariant 3).
 //
 // Not thread-safe.
 #pragma once
@@ -68,15 +70,20 @@ class GptModel {
   Head* head() const { return head_.get(); }
   const std::map<int64_t, std::unique_ptr<TransformerLayer>>& layers() const { return layers_; }
 
-  /// The global layer range [layer_begin, layer_end) this stage holds.
+  /// The global layer range [layer_begin, layer_end) this stage holds: from its first to
+  /// one past its last layer (contiguous outside a plan in progress; empty when it holds
+  /// none, then both are where its range began).
   int64_t layer_begin() const { return layer_begin_; }
   int64_t layer_end() const { return layer_end_; }
 
-  /// Takes layer `index` — the first or the last of the range — out of this stage (NOTE
-  /// [layer migration]). A stage keeps at least one layer.
-  absl::StatusOr<std::unique_ptr<TransformerLayer>> ReleaseLayer(int64_t index);
-  /// Adds `layer` at the end of the range it is adjacent to (index begin−1 or end).
-  absl::Status AdoptLayer(std::unique_ptr<TransformerLayer> layer);
+  /// Takes layer `index`, wherever it is in the range, out of this stage (NOTE [layer
+  /// migration]). NotFound when the stage does not hold it.
+  absl::StatusOr<std::unique_ptr<TransformerLayer>> TakeLayer(int64_t index);
+  /// Puts `layer` into this stage. AlreadyExists when the stage holds that layer.
+  absl::Status InsertLayer(std::unique_ptr<TransformerLayer> layer);
+  /// OK when the stage holds exactly the layers [begin, end); FailedPrecondition saying
+  /// what it holds otherwise.
+  absl::Status CheckRange(int64_t begin, int64_t end) const;
   /// An uninitialised layer `index` to receive migrated state.
   std::unique_ptr<TransformerLayer> NewLayerShell(int64_t index) const;
 
@@ -91,7 +98,7 @@ class GptModel {
   /// micro-batch: layers move between stages).
   bool needs_token_positions() const;
 
-  /// Runs the held layers in order on hidden [s, b, h].
+  /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;
 
   /// Sum of cross-entropy of head logits against labels [b, s].
@@ -100,6 +107,9 @@ class GptModel {
   void ZeroGrad();
 
  private:
+  // layer_begin_/layer_end_ from the held layers (NOTE [layer migration]).
+  void UpdateRange();
+
   ModelOptions options_;
   TensorParallelGroup* tp_;
   FeedForwardFactory feed_forward_;

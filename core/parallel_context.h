@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "absl/status/statusor.h"
 #include "core/gpt_model.h"
 #include "core/tensor_parallel.h"
@@ -45,8 +47,14 @@ class ForwardBackwardRunner {
   /// Forward passes only, without autograd (evaluation); returns as Run does.
   virtual absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& stage,
                                                               const MicroBatchPlan& plan) = 0;
-  /// Measurements of the last Run for logs and the metrics file, e.g. {"bubble_ratio", 0.2}.
-  virtual std::vector<std::pair<std::string, double>> Metrics() const { return {}; }
+  /// Measurements of the last Run for the metrics file (a JSON object, e.g.
+  /// {"bubble_ratio": 0.2, "stage_ranges": [[0, 2], [2, 4]]}) and a short text for the
+  /// iteration's log line (" | bubble 0.210 | imbalance 0.08").
+  virtual void Metrics(nlohmann::json* record, std::string* log_line) const = 0;
+  /// A dynamism changed the model in `iteration` (pruned, froze, ...): the per-layer costs
+  /// measured so far are stale (pipeline/rebalancer.h, Rebalancer::OnModelChanged). Called on
+  /// every rank, between iterations.
+  virtual void ModelChanged(int64_t iteration, const std::string& reason) {}
   /// Called once when training stops, on every rank (collective): flush what was recorded.
   virtual absl::Status Finish() { return absl::OkStatus(); }
 };

@@ -243,6 +243,12 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   return stats;
 }
 
+void Trainer::NotifyModelChanged(const std::string& reason) {
+  if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
+    pipeline->ModelChanged(iteration_, reason);
+  }
+}
+
 nlohmann::json Trainer::BlockStatistics() {
   // This stage's statistics, then every stage's: scalars summed over layers, vectors kept
   // per layer ({"expert_tokens": {"layers.1": [...], ...}}).
@@ -497,10 +503,7 @@ absl::Status Trainer::Run() {
                              {"consumed_samples", consumed_samples_}};
     std::string extra;
     if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
-      for (const auto& [name, value] : pipeline->Metrics()) {
-        record[name] = value;
-        if (name == "bubble_ratio") extra = absl::StrFormat(" | bubble %.3f", value);
-      }
+      pipeline->Metrics(&record, &extra);
     }
     if (has_feed_forward_) {
       const nlohmann::json block_statistics = BlockStatistics();

@@ -97,6 +97,12 @@ class Trainer {
   /// Whether the last Run ended on a stop request.
   bool stopped() const { return stopped_; }
 
+  /// A dynamism changed the model after the current iteration (pruned, froze layers...):
+  /// the pipeline's measured per-layer costs are stale, so its rebalancer profiles the next
+  /// iteration and decides after it (pipeline/rebalancer.h, Rebalancer::OnModelChanged).
+  /// Every rank must call it alike; a no-op without a pipeline.
+  void NotifyModelChanged(const std::string& reason);
+
   /// One optimizer step over one global batch.
   absl::StatusOr<IterationStats> TrainIteration();
 

@@ -9,7 +9,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/linear.h"
 #include "core/random.h"
 #include "core/transformer_layer.h"
@@ -446,13 +449,46 @@ class MoeLayer final : public FeedForward {
 
 }  // namespace
 
+std::string MoeOptions::LayerFreqText() const {
+  if (layer_pattern.empty()) return std::to_string(layer_freq);
+  std::string text = "[";
+  for (size_t i = 0; i < layer_pattern.size(); ++i) {
+    absl::StrAppend(&text, i == 0 ? "" : ",", layer_pattern[i] ? 1 : 0);
+  }
+  return text + "]";
+}
+
+absl::Status ParseMoeLayerFreq(const std::string& text, MoeOptions* options) {
+  const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--moe_layer_freq='", text, "' ", why,
+                                                   " (expected N ≥ 1 or a list like [1,1,0,0])"));
+  };
+  options->layer_pattern.clear();
+  if (!trimmed.empty() && trimmed.front() == '[') {
+    if (trimmed.back() != ']') return bad("does not end with ']'");
+    for (absl::string_view item :
+         absl::StrSplit(trimmed.substr(1, trimmed.size() - 2), ',', absl::SkipWhitespace())) {
+      item = absl::StripAsciiWhitespace(item);
+      if (item != "0" && item != "1") return bad(absl::StrCat("has entry '", item, "', not 0 or 1"));
+      options->layer_pattern.push_back(item == "1");
+    }
+    if (options->layer_pattern.empty()) return bad("is an empty list");
+    return absl::OkStatus();
+  }
+  int64_t freq = 0;
+  if (!absl::SimpleAtoi(trimmed, &freq) || freq < 1) return bad("is not an integer ≥ 1");
+  options->layer_freq = freq;
+  return absl::OkStatus();
+}
+
 std::vector<std::pair<std::string, std::string>> MoeShape(const MoeOptions& options,
                                                           const ModelOptions& model) {
   if (options.num_experts == 0) return {};
   const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
   std::vector<std::pair<std::string, std::string>> shape = {
           {"num_experts", std::to_string(options.num_experts)},
-          {"moe_layer_freq", std::to_string(options.layer_freq)},
+          {"moe_layer_freq", options.LayerFreqText()},
           {"moe_ffn_hidden_size", std::to_string(f)},
           {"moe_router", options.router}};
   if (options.assignment_cache_threshold > 0) {
@@ -477,9 +513,15 @@ absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& m
     }
     return absl::OkStatus();
   }
-  if (options.layer_freq < 1) {
+  if (options.layer_pattern.empty() && options.layer_freq < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--moe_layer_freq must be >= 1, got ", options.layer_freq));
+  }
+  if (!options.layer_pattern.empty() &&
+      static_cast<int64_t>(options.layer_pattern.size()) != model.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_layer_freq=", options.LayerFreqText(), " has ", options.layer_pattern.size(),
+        " entries but the model has --num_layers=", model.num_layers, " (one 0/1 per layer)"));
   }
   if (options.num_experts % expert_parallel_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

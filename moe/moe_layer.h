@@ -72,8 +72,11 @@ struct MoeOptions {
   /// --moe_ffn_hidden_size: hidden width of each expert; 0 = the model's ffn_hidden_size.
   int64_t ffn_hidden_size = 0;
   /// --moe_layer_freq: layer i is an MoE layer when i % freq == 0 (Megatron's integer
-  /// form). Default: 1 (every layer).
+  /// form). Default: 1 (every layer). Ignored when `layer_pattern` is set.
   int64_t layer_freq = 1;
+  /// --moe_layer_freq=[1,1,0,0,...] (Megatron's list form): one entry per layer, true for
+  /// an MoE layer — e.g. heavy layers on one side of a pipeline. Empty: use `layer_freq`.
+  std::vector<bool> layer_pattern;
   /// --moe_router: a name in the router registry (moe/router.h). Default: topk.
   std::string router = "topk";
   /// Router settings; num_experts, topk, hidden_size and seed are filled from above and
@@ -116,9 +119,19 @@ struct MoeOptions {
 
   /// Whether global layer `layer` is an MoE layer.
   bool IsMoeLayer(int64_t layer) const {
-    return num_experts > 0 && layer_freq > 0 && layer % layer_freq == 0;
+    if (num_experts <= 0) return false;
+    if (!layer_pattern.empty()) {
+      return layer >= 0 && layer < static_cast<int64_t>(layer_pattern.size()) && layer_pattern[layer];
+    }
+    return layer_freq > 0 && layer % layer_freq == 0;
   }
+  /// --moe_layer_freq as given: "2", or "[1,1,0,0]".
+  std::string LayerFreqText() const;
 };
+
+/// Parses --moe_layer_freq: an integer ≥ 1 ("2": every second layer) or Megatron's list
+/// form "[1,1,1,1,0,0,0,0]" (one 0/1 per layer). InvalidArgument naming the flag.
+absl::Status ParseMoeLayerFreq(const std::string& text, MoeOptions* options);
 
 /// The groups an MoE layer communicates over; each may be null for one rank. They must
 /// outlive the layers.

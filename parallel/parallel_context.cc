@@ -53,6 +53,19 @@ absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create
   return ctx;
 }
 
+StageSpec ProcessGroupContext::Stage(int64_t num_layers) const {
+  if (initial_placement_.empty()) return EvenStage(num_layers, config_.pp, coords_.pp);
+  TORCH_INTERNAL_ASSERT(static_cast<int>(initial_placement_.size()) == config_.pp,
+                        "initial placement of ", initial_placement_.size(), " stages for pp=",
+                        config_.pp);
+  StageSpec spec;
+  spec.layer_begin = initial_placement_[coords_.pp].first;
+  spec.layer_end = initial_placement_[coords_.pp].second;
+  spec.has_embedding = coords_.pp == 0;
+  spec.has_head = coords_.pp == config_.pp - 1;
+  return spec;
+}
+
 Communicator& ProcessGroupContext::group(GroupKind kind) {
   for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
     if (kGroupKinds[i] == kind) return *groups_[i];

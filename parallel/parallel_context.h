@@ -44,8 +44,12 @@ class ProcessGroupContext final : public ParallelContext {
   TensorParallelGroup* tensor_parallel() override {
     return config_.tp > 1 ? tensor_parallel_.get() : nullptr;
   }
-  StageSpec Stage(int64_t num_layers) const override {
-    return EvenStage(num_layers, config_.pp, coords_.pp);
+  /// This rank's stage of the initial placement: SetInitialPlacement's, else the even split.
+  StageSpec Stage(int64_t num_layers) const override;
+  /// The placement training starts with (one [begin, end) per stage, covering the layers in
+  /// order; e.g. --pipeline_initial_partition=params); by default the even split.
+  void SetInitialPlacement(std::vector<std::pair<int64_t, int64_t>> ranges) {
+    initial_placement_ = std::move(ranges);
   }
   ForwardBackwardRunner* forward_backward() override { return forward_backward_.get(); }
   /// Installs the pipeline runner (pipeline/ builds it; parallel/ cannot depend on it).
@@ -77,6 +81,7 @@ class ProcessGroupContext final : public ParallelContext {
   // the word embeddings and of their mirror on the last stage; null elsewhere or pp == 1.
   std::unique_ptr<Communicator> embedding_group_;
   std::unique_ptr<ForwardBackwardRunner> forward_backward_;
+  std::vector<std::pair<int64_t, int64_t>> initial_placement_;  // Empty: the even split.
   std::unique_ptr<GradientReducer> gradient_reducer_;         // dense parameters over dp
   std::unique_ptr<GradientReducer> expert_gradient_reducer_;  // experts over edp
 };

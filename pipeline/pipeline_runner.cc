@@ -2,7 +2,11 @@
 
 #include <chrono>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/logging.h"
 #include "core/status.h"
 
@@ -11,7 +15,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Columns of a stage's record in GatherLoads: fixed fields, then four per global layer.
+double MsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// Columns of a stage's record in GatherLoads: fixed fields, then kPerLayer per global layer.
 enum Column : int64_t {
   kBegin,
   kEnd,
@@ -24,10 +32,18 @@ enum Column : int64_t {
   kGradientBytes,
   kOptimizerBytes,
   kPeakActivationBytes,
+  kPinnedParameters,
   kFixedColumns,
 };
 enum LayerColumn : int64_t {
-  kLayerForward, kLayerBackward, kLayerWeight, kLayerState, kLayerBlockLoad, kPerLayer
+  kLayerForward,
+  kLayerBackward,
+  kLayerWeight,
+  kLayerState,
+  kLayerBlockLoad,
+  kLayerParameters,
+  kLayerActivation,
+  kPerLayer
 };
 
 // What a unit keeps between iterations (StageLoad's state bytes).
@@ -52,6 +68,35 @@ StateBytes UnitStateBytes(const Unit& unit) {
   return out;
 }
 
+// Trainable scalars of a unit (the parameter measure of the load model).
+double TrainableParameters(const Unit& unit) {
+  double n = 0;
+  for (const Parameter& p : unit.parameters()) {
+    if (p.value.requires_grad()) n += static_cast<double>(p.value.numel());
+  }
+  return n;
+}
+
+// A stage's compute in a run: its actions without waits and migrations (NOTE [imbalance
+// measurement]).
+double ComputeMs(const StageRunResult& run) {
+  double ms = 0;
+  for (const ActionTiming& t : run.timings) ms += t.end_ms - t.start_ms - t.wait_ms - t.migration_ms;
+  return ms;
+}
+
+double Imbalance(const std::vector<double>& loads) {
+  if (loads.empty()) return 0;
+  double lo = loads[0], hi = loads[0], sum = 0;
+  for (double l : loads) {
+    lo = std::min(lo, l);
+    hi = std::max(hi, l);
+    sum += l;
+  }
+  const double mean = sum / static_cast<double>(loads.size());
+  return mean > 0 ? (hi - lo) / mean : 0;
+}
+
 }  // namespace
 
 PipelineRunner::PipelineRunner(parallel::Communicator* pp, std::string schedule_name,
@@ -65,8 +110,9 @@ PipelineRunner::PipelineRunner(parallel::Communicator* pp, std::string schedule_
 
 std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const Schedule& schedule) {
   // One fixed-size record per stage: range, action totals and memory, then per global layer
-  // its F, B, W times (measured where the layer ran last iteration) and state bytes (where
-  // it is now); zero elsewhere, so the column sums over stages are the per-layer values.
+  // its F, B, W times and activation bytes (measured where the layer ran last iteration)
+  // and its state, block load and parameters (where it is now); zero elsewhere, so the
+  // column sums over stages are the per-layer values.
   const int64_t layers = stage.options().num_layers;
   const int64_t width = kFixedColumns + kPerLayer * layers;
   at::Tensor mine = at::zeros({width}, at::kDouble);
@@ -90,6 +136,9 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     for (const auto& [layer, ms] : last_run_.layer_forward_ms) m[layer_column(layer, kLayerForward)] = ms;
     for (const auto& [layer, ms] : last_run_.layer_backward_ms) m[layer_column(layer, kLayerBackward)] = ms;
     for (const auto& [layer, ms] : last_run_.layer_weight_ms) m[layer_column(layer, kLayerWeight)] = ms;
+    for (const auto& [layer, bytes] : last_run_.layer_activation_bytes) {
+      m[layer_column(layer, kLayerActivation)] = bytes;
+    }
   }
   for (const Unit* unit : stage.Units()) {
     const StateBytes bytes = UnitStateBytes(*unit);
@@ -97,10 +146,13 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     m[kGradientBytes] += static_cast<double>(bytes.gradients);
     m[kOptimizerBytes] += static_cast<double>(bytes.optimizer);
   }
+  if (stage.embedding() != nullptr) m[kPinnedParameters] += TrainableParameters(*stage.embedding());
+  if (stage.head() != nullptr) m[kPinnedParameters] += TrainableParameters(*stage.head());
   for (const auto& [layer, unit] : stage.layers()) {
     const StateBytes bytes = UnitStateBytes(*unit);
     m[layer_column(layer, kLayerState)] =
         static_cast<double>(bytes.parameters + bytes.gradients + bytes.optimizer);
+    m[layer_column(layer, kLayerParameters)] = TrainableParameters(*unit);
     // The block's own load (an MoE layer: expert rows of its last completed step); it
     // travels with the layer, so it is reported where the layer is now.
     if (const FeedForward* block = unit->feed_forward()) {
@@ -139,43 +191,83 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     load.gradient_bytes = static_cast<int64_t>(r[kGradientBytes]);
     load.optimizer_bytes = static_cast<int64_t>(r[kOptimizerBytes]);
     load.peak_activation_bytes = static_cast<int64_t>(r[kPeakActivationBytes]);
+    load.pinned_parameters = r[kPinnedParameters];
+    load.peak_in_flight = PeakInFlight(schedule, s);
+    auto column = [&](LayerColumn c, int64_t l) { return per_layer[c * layers + l]; };
     for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      load.layer_forward_ms.push_back(per_layer[kLayerForward * layers + l]);
-      load.layer_backward_ms.push_back(per_layer[kLayerBackward * layers + l]);
-      load.layer_weight_ms.push_back(per_layer[kLayerWeight * layers + l]);
-      load.layer_state_bytes.push_back(static_cast<int64_t>(per_layer[kLayerState * layers + l]));
-      load.layer_block_load.push_back(per_layer[kLayerBlockLoad * layers + l]);
+      load.layer_forward_ms.push_back(column(kLayerForward, l));
+      load.layer_backward_ms.push_back(column(kLayerBackward, l));
+      load.layer_weight_ms.push_back(column(kLayerWeight, l));
+      load.layer_state_bytes.push_back(static_cast<int64_t>(column(kLayerState, l)));
+      load.layer_block_load.push_back(column(kLayerBlockLoad, l));
+      load.layer_parameters.push_back(column(kLayerParameters, l));
+      load.layer_activation_bytes.push_back(static_cast<int64_t>(column(kLayerActivation, l)));
     }
   }
   return loads;
 }
 
+absl::Status PipelineRunner::CheckSamePlan(parallel::Communicator* group, uint64_t hash,
+                                           const char* what, int64_t iteration) {
+  if (group == nullptr || group->size() == 1) return absl::OkStatus();
+  // The hash travels as two exact 32-bit halves (doubles hold them exactly).
+  at::Tensor mine = at::tensor({static_cast<double>(hash >> 32), static_cast<double>(hash & 0xffffffffu)},
+                               at::kDouble);
+  const at::Tensor all = group->AllGather(mine.unsqueeze(0));  // [ranks, 2]
+  std::vector<std::string> differ;
+  for (int r = 0; r < group->size(); ++r) {
+    if (!at::equal(all[r], all[0])) differ.push_back(std::to_string(r));
+  }
+  if (differ.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(
+      "iteration ", iteration, ": the ", what, " ranks do not agree on the rebalancer's plan: ",
+      "ranks ", absl::StrJoin(differ, ", "), " of that group planned otherwise than its rank 0 ",
+      "(a rebalancer must decide from the agreed loads alone)"));
+}
+
 absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptModel& stage,
                                                                    const Schedule& schedule,
                                                                    int64_t iteration) {
+  const auto start = Clock::now();
   last_loads_ = GatherLoads(stage, schedule);
-  const std::vector<LayerMove> moves = rebalancer_->Plan(iteration, last_loads_);
-  std::vector<PlannedMove> planned;
-  if (moves.empty()) return planned;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const StageLoad& load : last_loads_) ranges.emplace_back(load.layer_begin, load.layer_end);
-  // Validated on the gathered ranges first: every stage refuses a bad plan alike.
-  FULCRUM_RETURN_IF_ERROR(ApplyMoves(ranges, moves).status());
-  for (const LayerMove& move : moves) {
-    int from = -1;
-    for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
-      if (ranges[s].first <= move.layer && move.layer < ranges[s].second) from = s;
+  LayerRanges current;
+  for (const StageLoad& load : last_loads_) current.emplace_back(load.layer_begin, load.layer_end);
+  last_decision_ = rebalancer_->Plan(iteration, last_loads_);
+  const LayerRanges& target = last_decision_.target;
+  // Validated on the gathered ranges: every rank refuses a bad plan alike.
+  if (!target.empty()) {
+    if (absl::Status valid = ValidateRanges(target, stage.options().num_layers, schedule.num_stages);
+        !valid.ok()) {
+      return absl::InternalError(absl::StrCat("iteration ", iteration, ": rebalancer '",
+                                              rebalancer_->name(), "' planned an invalid placement: ",
+                                              valid.message()));
     }
-    planned.push_back(PlannedMove{move.layer, from, move.to_stage});
-    FULCRUM_ASSIGN_OR_RETURN(ranges, ApplyMoves(ranges, {move}));
   }
-  return planned;
+  // Every replica and every stage must carry out the same plan (NOTE [when the plan is made]).
+  const uint64_t hash = PlanHash(iteration, target.empty() ? current : target);
+  FULCRUM_RETURN_IF_ERROR(CheckSamePlan(pp_, hash, "pipeline", iteration));
+  for (parallel::Communicator* group : replica_groups_) {
+    FULCRUM_RETURN_IF_ERROR(CheckSamePlan(group, hash, "replica", iteration));
+  }
+  plan_ms_ = MsSince(start);
+  ranges_ = target.empty() ? current : target;
+  return target.empty() ? std::vector<PlannedMove>{} : MovesBetween(current, target);
 }
 
 void PipelineRunner::RecordMoves(int64_t iteration) {
-  const int me = pp_->rank();
+  bool log = pp_->rank() == 0;  // One line per job: the first stage of the first replica.
+  for (parallel::Communicator* group : replica_groups_) {
+    if (group != nullptr && group->rank() != 0) log = false;
+  }
+  // Every decision that moves layers is logged; of those that keep the placement, only the
+  // first after a move (a balancer may consider one every iteration).
+  const bool moves = !last_decision_.target.empty();
+  if (log && !last_decision_.note.empty() && (moves || logged_move_)) {
+    FULCRUM_LOG(INFO) << "iteration " << iteration << ": " << last_decision_.note;
+  }
+  if (!last_decision_.note.empty()) logged_move_ = moves;
   for (const PlannedMove& move : last_moves_) {
-    if (me == 0) {
+    if (log) {
       FULCRUM_LOG(INFO) << "iteration " << iteration << ": moved layer " << move.layer
                         << " from stage " << move.from_stage << " to stage " << move.to_stage
                         << " (" << rebalancer_->name() << ")";
@@ -183,6 +275,16 @@ void PipelineRunner::RecordMoves(int64_t iteration) {
   }
   if (timeline_ == nullptr) return;
   const double base_ms = timeline_->MillisecondsSinceOrigin(last_run_.start);
+  if (!last_moves_.empty()) {
+    LayerRanges before;
+    for (const StageLoad& load : last_loads_) before.emplace_back(load.layer_begin, load.layer_end);
+    timeline_->RecordSpan(absl::StrCat("rebalance ", FormatRanges(before), " -> ", FormatRanges(ranges_)),
+                          "rebalance", base_ms - plan_ms_, base_ms,
+                          {{"iteration", std::to_string(iteration)},
+                           {"rebalancer", rebalancer_->name()},
+                           {"note", last_decision_.note},
+                           {"layers_moved", std::to_string(last_moves_.size())}});
+  }
   for (const MigrationTiming& m : last_run_.migrations) {
     timeline_->RecordSpan(
         absl::StrCat(m.sent ? "send" : "receive", " layers.", m.layer, " ", m.from_stage, "->",
@@ -228,31 +330,62 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   // that reduction is this stage's wait for the slowest one.
   const auto tail_start = Clock::now();
   auto loss = ShareLoss(last_run_);
-  last_run_.tail_wait_ms =
-      std::chrono::duration<double, std::milli>(Clock::now() - tail_start).count();
+  last_run_.tail_wait_ms = MsSince(tail_start);
   // The moved layers arrive now, before the optimizer step (NOTE [early migration]).
-  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_));
+  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_, ranges_[pp_->rank()]));
   layers_moved_ += static_cast<int64_t>(last_moves_.size());
   if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
   RecordMoves(iteration);
 
   const StageRunResult& run = last_run_;
-  const double span_ms = run.total_ms + run.tail_wait_ms;
-  at::Tensor ratios = at::tensor(
-      {span_ms > 0 ? (run.wait_ms + run.tail_wait_ms) / span_ms : 0.0,
-       run.total_ms > 0 ? run.wait_ms / run.total_ms : 0.0},
+  span_ms_ = run.total_ms + run.tail_wait_ms;
+  at::Tensor mine = at::tensor(
+      {span_ms_ > 0 ? (run.wait_ms + run.tail_wait_ms) / span_ms_ : 0.0,
+       run.total_ms > 0 ? run.wait_ms / run.total_ms : 0.0, ComputeMs(run)},
       at::kDouble);
-  const at::Tensor all = pp_->AllGather(ratios.unsqueeze(0));  // [stages, 2]
-  metrics_ = {{"bubble_ratio", all.select(1, 0).mean().item<double>()},
-              {"bubble_ratio_max", all.select(1, 0).max().item<double>()},
-              {"bubble_ratio_in_run", all.select(1, 1).mean().item<double>()},
-              {"pipeline_ms", span_ms},
-              {"activation_peak_mb", static_cast<double>(run.peak_activation_bytes) / (1 << 20)},
-              {"layers_moved", static_cast<double>(layers_moved_)}};
+  const at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, 3]
+  bubble_ratio_ = all.select(1, 0).mean().item<double>();
+  bubble_ratio_max_ = all.select(1, 0).max().item<double>();
+  bubble_ratio_in_run_ = all.select(1, 1).mean().item<double>();
+  const at::Tensor compute = all.select(1, 2).contiguous();
+  stage_ms_.assign(compute.data_ptr<double>(), compute.data_ptr<double>() + compute.numel());
+  // NOTE [imbalance measurement]: the iteration after moves says what they achieved.
+  const double bottleneck = *std::max_element(stage_ms_.begin(), stage_ms_.end());
+  if (report_after_moves_ && pp_->rank() == 0) {
+    FULCRUM_LOG(INFO) << absl::StrFormat(
+        "iteration %d, the first on the new placement: bottleneck %.1f ms (was %.1f), "
+        "imbalance %.3f, bubble %.3f (was %.3f)",
+        iteration, bottleneck, bottleneck_before_moves_ms_, Imbalance(stage_ms_), bubble_ratio_,
+        bubble_before_moves_);
+  }
+  report_after_moves_ = !last_moves_.empty();
+  if (report_after_moves_) {
+    // Moves happen in this iteration's tail: it still ran on the old placement.
+    bottleneck_before_moves_ms_ = bottleneck;
+    bubble_before_moves_ = bubble_ratio_;
+  }
   if (timeline_ != nullptr && flush_every_ > 0 && iteration % flush_every_ == 0) {
     FULCRUM_RETURN_IF_ERROR(timeline_->Flush());
   }
   return loss;
+}
+
+void PipelineRunner::Metrics(nlohmann::json* record, std::string* log_line) const {
+  nlohmann::json& r = *record;
+  r["bubble_ratio"] = bubble_ratio_;
+  r["bubble_ratio_max"] = bubble_ratio_max_;
+  r["bubble_ratio_in_run"] = bubble_ratio_in_run_;
+  r["pipeline_ms"] = span_ms_;
+  r["activation_peak_mb"] = static_cast<double>(last_run_.peak_activation_bytes) / (1 << 20);
+  r["imbalance"] = Imbalance(stage_ms_);
+  r["stage_ms"] = stage_ms_;
+  r["layers_moved"] = layers_moved_;
+  nlohmann::json ranges = nlohmann::json::array();
+  for (const auto& [begin, end] : ranges_) ranges.push_back({begin, end});
+  r["stage_ranges"] = ranges;
+  for (const auto& [name, value] : rebalancer_->Metrics()) r[name] = value;
+  absl::StrAppend(log_line, absl::StrFormat(" | bubble %.3f | imbalance %.3f", bubble_ratio_,
+                                            Imbalance(stage_ms_)));
 }
 
 absl::Status PipelineRunner::Finish() {

@@ -1,8 +1,15 @@
 // The trainer's forward/backward over a pipeline: builds the schedule for (stages,
-// micro-batches), asks the rebalancer for the iteration's layer moves (NOTE [when the plan
-// is made] in pipeline/rebalancer.h), runs this stage's part with a StageExecutor, which
-// carries the moves out in the backward tail, and measures the bubble per iteration, as
-// mean and max over the stages.
+// micro-batches), asks the rebalancer for the iteration's placement (NOTE [when the plan is
+// made] in pipeline/rebalancer.h), checks that every replica plans alike, runs this stage's
+// part with a StageExecutor, which carries the moves out in the backward tail, and measures
+// the bubble and the imbalance per iteration, as mean and max over the stages.
+//
+// NOTE [imbalance measurement]
+// A stage's load in an iteration is the time its F, B and W actions computed (without
+// waits and migrations); the imbalance is (max − min) / mean of the loads over the stages,
+// DynMo's ΔL (§2, Eq. 2), measured every iteration — not predicted. Each decision is logged
+// with the placement before and after and the load model's predicted bottleneck; the
+// iteration after a move logs the measured bottleneck and bubble next to those before it.
 //
 // NOTE [bubble measurement]
 // A stage's bubble is the time it is idle while the pipeline's iteration runs: blocked in
@@ -22,6 +29,8 @@
 
 #include <map>
 #include <memory>
+
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,7 +71,14 @@ class PipelineRunner final : public ForwardBackwardRunner {
                                                  double loss_scale) override;
   absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& stage,
                                                       const MicroBatchPlan& plan) override;
-  std::vector<std::pair<std::string, double>> Metrics() const override { return metrics_; }
+  /// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run, pipeline_ms and
+  /// activation_peak_mb (this stage), imbalance (NOTE [imbalance measurement]),
+  /// stage_ms (every stage's load), layers_moved (so far), stage_ranges (after the
+  /// iteration's moves), and the rebalancer's own figures.
+  void Metrics(nlohmann::json* record, std::string* log_line) const override;
+  void ModelChanged(int64_t iteration, const std::string& reason) override {
+    rebalancer_->OnModelChanged(iteration, reason);
+  }
 
   /// The last Run's per-action timings on this stage (with its migrations).
   const StageRunResult& last_run() const { return last_run_; }
@@ -70,6 +86,8 @@ class PipelineRunner final : public ForwardBackwardRunner {
   const std::vector<StageLoad>& last_loads() const { return last_loads_; }
   /// The moves the last Run carried out.
   const std::vector<PlannedMove>& last_moves() const { return last_moves_; }
+  /// Every stage's range after the last Run.
+  const LayerRanges& ranges() const { return ranges_; }
 
  private:
   absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches);
@@ -78,11 +96,15 @@ class PipelineRunner final : public ForwardBackwardRunner {
   /// Every stage's load of the last run on the current layout, gathered over the pipeline
   /// and averaged over the replica groups (collective).
   std::vector<StageLoad> GatherLoads(const GptModel& stage, const Schedule& schedule);
-  /// Asks the rebalancer for `iteration`'s moves and resolves their source stages; every
-  /// stage refuses an invalid plan alike (collective).
+  /// Asks the rebalancer for `iteration`'s placement, checks it (a valid placement, the
+  /// same on every replica: PlanHash compared over the pipeline and the replica groups)
+  /// and returns the moves that reach it; every rank refuses a bad plan alike (collective).
   absl::StatusOr<std::vector<PlannedMove>> PlanMoves(const GptModel& stage,
                                                      const Schedule& schedule, int64_t iteration);
-  /// Logs the last run's moves and puts them on the timeline.
+  /// InvalidArgument naming the ranks when the plan hashes differ over `group`.
+  absl::Status CheckSamePlan(parallel::Communicator* group, uint64_t hash, const char* what,
+                             int64_t iteration);
+  /// Logs the last run's decision and moves and puts them on the timeline.
   void RecordMoves(int64_t iteration);
 
   parallel::Communicator* pp_;
@@ -98,7 +120,18 @@ class PipelineRunner final : public ForwardBackwardRunner {
   bool has_run_ = false;  // last_run_ holds a training run's measurements.
   std::vector<StageLoad> last_loads_;
   std::vector<PlannedMove> last_moves_;
-  std::vector<std::pair<std::string, double>> metrics_;
+  RebalanceDecision last_decision_;
+  LayerRanges ranges_;  // After the last Run's moves.
+  double plan_ms_ = 0;  // Time the last plan took (gather, decision, checks).
+  // Measured per iteration (NOTE [imbalance measurement]).
+  std::vector<double> stage_ms_;
+  double bubble_ratio_ = 0, bubble_ratio_max_ = 0, bubble_ratio_in_run_ = 0;
+  double span_ms_ = 0;
+  // The iteration before the last moves: what the next one is compared with in the log.
+  double bottleneck_before_moves_ms_ = 0;
+  double bubble_before_moves_ = 0;
+  bool report_after_moves_ = false;
+  bool logged_move_ = true;  // The last decision logged moved layers (or none was logged yet).
 };
 
 }  // namespace fulcrum::pipeline

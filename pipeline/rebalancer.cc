@@ -1,19 +1,33 @@
 #include "pipeline/rebalancer.h"
 
-#include <cstdlib>
-
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/status.h"
 
 namespace fulcrum::pipeline {
+namespace {
+
+// FNV-1a over 64-bit words: stable across platforms and runs (std::hash is neither).
+uint64_t Mix(uint64_t hash, uint64_t word) {
+  for (int byte = 0; byte < 8; ++byte) {
+    hash ^= (word >> (8 * byte)) & 0xff;
+    hash *= 1099511628211ULL;
+  }
+  return hash;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ScriptedRebalancer>> ScriptedRebalancer::Parse(
     const std::string& script) {
   auto bad = [&](absl::string_view part, const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("--rebalance_script: '", std::string(part),
-                                                   "' ", why, " (expected ITER:LAYER->STAGE,...;...)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rebalance_script: '", std::string(part), "' ", why,
+                     " (expected ITER:LAYER->STAGE,... or ITER:N0,N1,... separated by ';')"));
   };
   std::unique_ptr<ScriptedRebalancer> out(new ScriptedRebalancer());
   for (absl::string_view step : absl::StrSplit(script, ';', absl::SkipWhitespace())) {
@@ -22,26 +36,91 @@ absl::StatusOr<std::unique_ptr<ScriptedRebalancer>> ScriptedRebalancer::Parse(
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &iteration) || iteration < 1) {
       return bad(step, "has no iteration ≥ 1 before ':'");
     }
-    for (absl::string_view move : absl::StrSplit(parts[1], ',', absl::SkipWhitespace())) {
-      std::vector<absl::string_view> ends = absl::StrSplit(move, "->");
-      LayerMove m;
-      if (ends.size() != 2 || !absl::SimpleAtoi(ends[0], &m.layer) ||
-          !absl::SimpleAtoi(ends[1], &m.to_stage) || m.layer < 0 || m.to_stage < 0) {
-        return bad(move, "is not LAYER->STAGE");
+    if (out->steps_.count(iteration) > 0) return bad(step, "repeats its iteration");
+    Step& parsed = out->steps_[iteration];
+    const bool moves = absl::StrContains(parts[1], "->");
+    for (absl::string_view item : absl::StrSplit(parts[1], ',', absl::SkipWhitespace())) {
+      item = absl::StripAsciiWhitespace(item);
+      if (moves) {
+        std::vector<absl::string_view> ends = absl::StrSplit(item, "->");
+        LayerMove m;
+        if (ends.size() != 2 || !absl::SimpleAtoi(ends[0], &m.layer) ||
+            !absl::SimpleAtoi(ends[1], &m.to_stage) || m.layer < 0 || m.to_stage < 0) {
+          return bad(item, "is not LAYER->STAGE");
+        }
+        parsed.moves.push_back(m);
+      } else {
+        int64_t size = 0;
+        if (!absl::SimpleAtoi(item, &size) || size < 1) {
+          return bad(item, "is not a layer count ≥ 1 (every stage keeps a layer)");
+        }
+        parsed.sizes.push_back(size);
       }
-      out->moves_[iteration].push_back(m);
     }
+    if (parsed.moves.empty() && parsed.sizes.empty()) return bad(step, "says nothing");
   }
   return out;
 }
 
-std::vector<LayerMove> ScriptedRebalancer::Plan(int64_t iteration, const std::vector<StageLoad>&) {
-  auto it = moves_.find(iteration);
-  return it == moves_.end() ? std::vector<LayerMove>{} : it->second;
+namespace {
+
+// The placement a script step leads to from `current`.
+absl::StatusOr<LayerRanges> ApplyStep(const ScriptedRebalancer::Step& step,
+                                      const LayerRanges& current) {
+  if (!step.moves.empty()) return ApplyMoves(current, step.moves);
+  const int64_t layers = current.empty() ? 0 : current.back().second;
+  if (step.sizes.size() != current.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("gives ", step.sizes.size(),
+                                                      " layer counts for ", current.size(),
+                                                      " stages"));
+  }
+  LayerRanges target;
+  int64_t begin = 0;
+  for (int64_t size : step.sizes) {
+    target.emplace_back(begin, begin + size);
+    begin += size;
+  }
+  if (begin != layers) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("places ", begin, " layers; the model has ", layers));
+  }
+  return target;
 }
 
-absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ApplyMoves(
-    std::vector<std::pair<int64_t, int64_t>> ranges, const std::vector<LayerMove>& moves) {
+}  // namespace
+
+RebalanceDecision ScriptedRebalancer::Plan(int64_t iteration, const std::vector<StageLoad>& loads) {
+  RebalanceDecision decision;
+  auto it = steps_.find(iteration);
+  if (it == steps_.end()) return decision;
+  LayerRanges current;
+  for (const StageLoad& load : loads) current.emplace_back(load.layer_begin, load.layer_end);
+  // Placements() played the script through before any work; the runner validates again.
+  absl::StatusOr<LayerRanges> target = ApplyStep(it->second, current);
+  if (target.ok() && *target != current) {
+    decision.target = *target;
+    decision.note = "scripted (--rebalance_script)";
+  }
+  return decision;
+}
+
+absl::StatusOr<std::map<int64_t, LayerRanges>> ScriptedRebalancer::Placements(
+    const LayerRanges& initial) const {
+  std::map<int64_t, LayerRanges> out;
+  LayerRanges ranges = initial;
+  for (const auto& [iteration, step] : steps_) {
+    absl::StatusOr<LayerRanges> next = ApplyStep(step, ranges);
+    if (!next.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--rebalance_script at iteration ", iteration, ": ", next.status().message()));
+    }
+    ranges = *next;
+    out[iteration] = ranges;
+  }
+  return out;
+}
+
+absl::StatusOr<LayerRanges> ApplyMoves(LayerRanges ranges, const std::vector<LayerMove>& moves) {
   const int stages = static_cast<int>(ranges.size());
   for (const LayerMove& m : moves) {
     int from = -1;
@@ -69,6 +148,62 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ApplyMoves(
     if (ranges[from].first == ranges[from].second) return refuse("its stage would be empty");
   }
   return ranges;
+}
+
+absl::Status ValidateRanges(const LayerRanges& ranges, int64_t num_layers, int num_stages) {
+  if (static_cast<int>(ranges.size()) != num_stages) {
+    return absl::InvalidArgumentError(absl::StrCat("a placement of ", ranges.size(),
+                                                   " ranges for ", num_stages, " stages"));
+  }
+  int64_t next = 0;
+  for (int s = 0; s < num_stages; ++s) {
+    const auto& [begin, end] = ranges[s];
+    if (begin != next || end <= begin) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stage ", s, " would hold [", begin, ", ", end, ") in ",
+                       FormatRanges(ranges), ": stages hold contiguous, non-empty ranges in order"));
+    }
+    next = end;
+  }
+  if (next != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(FormatRanges(ranges), " places ", next,
+                                                   " layers; the model has ", num_layers));
+  }
+  return absl::OkStatus();
+}
+
+std::string FormatRanges(const LayerRanges& ranges) {
+  return absl::StrJoin(ranges, " ", [](std::string* out, const std::pair<int64_t, int64_t>& r) {
+    absl::StrAppend(out, "[", r.first, ",", r.second, ")");
+  });
+}
+
+std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to) {
+  std::vector<PlannedMove> moves;
+  auto owner = [](const LayerRanges& ranges, int64_t layer) {
+    for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
+      if (ranges[s].first <= layer && layer < ranges[s].second) return s;
+    }
+    return -1;
+  };
+  const int64_t layers = from.empty() ? 0 : from.back().second;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int a = owner(from, layer);
+    const int b = owner(to, layer);
+    if (a != b) moves.push_back(PlannedMove{layer, a, b});
+  }
+  return moves;
+}
+
+uint64_t PlanHash(int64_t iteration, const LayerRanges& ranges) {
+  uint64_t hash = 14695981039346656037ULL;
+  hash = Mix(hash, static_cast<uint64_t>(iteration));
+  hash = Mix(hash, ranges.size());
+  for (const auto& [begin, end] : ranges) {
+    hash = Mix(hash, static_cast<uint64_t>(begin));
+    hash = Mix(hash, static_cast<uint64_t>(end));
+  }
+  return hash;
 }
 
 }  // namespace fulcrum::pipeline

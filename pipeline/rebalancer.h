@@ -1,8 +1,9 @@
 // The rebalancer hook: once per iteration the pipeline runner hands a Rebalancer what every
-// stage measured and carries out the plan it returns — whole layers moving between
-// neighbouring stages (NOTE [layer migration] in core/gpt_model.h). Balancing algorithms
-// (Partition, Diffusion, re-packing) implement this interface in dynamic/; this file has the
-// two that exercise the mechanism: a no-op and a scripted one.
+// stage measured and carries out the plan it returns — a new placement of the layers, each
+// moving layer going straight from its old stage to its new one (NOTE [layer migration] in
+// core/gpt_model.h). Balancing algorithms (Partition, Diffusion, re-packing) implement this
+// interface in dynamic/; this file has the two that exercise the mechanism: a no-op and a
+// scripted one. Pure C++ (no LibTorch): fulcrum_sim drives the same interface.
 //
 // NOTE [when the plan is made]
 // The executor carries a plan out in the backward tail of the iteration it is made for (NOTE
@@ -12,16 +13,19 @@
 // backward tail; asking for it mid-iteration would put a collective (and a wait for the
 // slowest stage) into the pipeline. So the runner asks at the *start* of iteration i, with
 // the loads measured in iteration i-1 — the latest complete measurement — gathered over the
-// pipeline and averaged over the replicas of each stage. Plan(i, loads) returns the moves of
-// iteration i: ScriptedRebalancer's "at iteration i move layer l to stage s" means the
-// move happens during iteration i's backward tail and iteration i's optimizer step sees it.
-// Before the first iteration nothing is measured: the loads carry ranges and memory, and
-// zero times.
+// pipeline and averaged over the replicas of each stage. Plan(i, loads) returns the
+// placement of iteration i: ScriptedRebalancer's "at iteration i move layer l to stage s"
+// means the move happens during iteration i's backward tail and iteration i's optimizer
+// step sees it. Before the first iteration nothing is measured: the loads carry ranges and
+// memory, and zero times.
 //
 // Every rank of a pipeline calls Plan with the same inputs and must return the same plan.
 // Data-parallel (and tensor-parallel) replicas of a stage must apply the identical plan —
 // their gradients are reduced unit by unit after the moves — so the runner averages the
-// loads over those groups first, in rank order, and every replica sees the same bits.
+// loads over those groups first, in rank order, and every replica sees the same bits. It
+// then checks: every rank hashes its plan (PlanHash) and the hashes are compared over the
+// pipeline and the replica groups; a mismatch is an error naming the ranks, never a silent
+// divergence.
 //
 // Not thread-safe.
 #pragma once
@@ -33,9 +37,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace fulcrum::pipeline {
+
+/// Each stage's layer range [begin, end), in stage order: a placement of the layers.
+using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
 
 /// What one stage measured in the previous iteration (NOTE [when the plan is made]), on the
 /// current layout: the range is what the stage holds now, per-layer values follow the layers
@@ -55,6 +63,12 @@ struct StageLoad {
   // 0 for a dense layer: an MoE layer reports the rows its experts multiplied in the last
   // completed step (DESIGN.md "Load model": plugins contribute a predicted load).
   std::vector<double> layer_block_load;
+  /// Trainable parameters (scalars) of each layer of the range, as this rank holds them
+  /// (its tensor-parallel shards; its experts): the static, DeepSpeed-style cost measure.
+  std::vector<double> layer_parameters;
+  /// Trainable parameters of the stage's other units (embedding, head — a tied output
+  /// weight counted where its GEMM runs): the pinned part of the parameter measure.
+  double pinned_parameters = 0;
   double forward_ms = 0;                  // F actions (whole stage, without waits).
   double backward_ms = 0;                 // B (or fused BW) actions.
   double weight_ms = 0;                   // W actions.
@@ -73,54 +87,118 @@ struct StageLoad {
   /// activations between F and B, the weight-GEMM operands between B and W (NOTE
   /// [activation memory] in pipeline/stage_executor.h).
   int64_t peak_activation_bytes = 0;
+  /// Measured, per layer of the range: the bytes one micro-batch's forward of the layer
+  /// left allocated (what its backward will read), the largest over the micro-batches.
+  std::vector<int64_t> layer_activation_bytes;
+  /// The most micro-batches the schedule keeps in flight on this stage (PeakInFlight):
+  /// what per-micro-batch activations are multiplied by.
+  int64_t peak_in_flight = 0;
 
   int64_t state_bytes() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
 };
 
-/// One boundary layer moving to the neighbouring stage.
-struct LayerMove {
-  int64_t layer = 0;
-  int to_stage = 0;
+/// What a rebalancer decided for one iteration.
+struct RebalanceDecision {
+  /// The placement to reach in this iteration's backward tail; empty: keep the current one.
+  /// Every layer whose stage changes goes straight from its old stage to its new one (any
+  /// distance), after its last W (NOTE [early migration] in pipeline/stage_executor.h).
+  /// Must be a valid placement: contiguous ranges in stage order covering every layer, none
+  /// empty.
+  LayerRanges target;
+  /// The load model's bottleneck (the most loaded stage's cost) of the current placement
+  /// and of the one chosen (`target`, or the current one when it is kept), in `unit`; 0
+  /// when the rebalancer has no load model (a script).
+  double predicted_before = 0;
+  double predicted_after = 0;
+  std::string unit;  // "ms", "params".
+  /// One line for the log: what was decided and why (empty: nothing to say).
+  std::string note;
 };
 
 class Rebalancer {
  public:
   virtual ~Rebalancer() = default;
   virtual const char* name() const = 0;
-  /// The moves to make in iteration `iteration`'s backward tail, given every stage's load
-  /// measured in the iteration before (indexed by stage; NOTE [when the plan is made]).
-  /// Moves are applied in order; each must move the first or last layer of a stage to the
-  /// adjacent stage, leaving every stage at least one layer.
-  virtual std::vector<LayerMove> Plan(int64_t iteration, const std::vector<StageLoad>& loads) = 0;
+  /// The decision for iteration `iteration`, given every stage's load measured in the
+  /// iteration before (indexed by stage; NOTE [when the plan is made]). Every rank calls it
+  /// with the same arguments and must decide the same.
+  virtual RebalanceDecision Plan(int64_t iteration, const std::vector<StageLoad>& loads) = 0;
+  /// A dynamism changed the model in iteration `iteration` (a pruning or freezing step, an
+  /// exit threshold...): measurements from before it are stale. A balancing rebalancer
+  /// profiles the next iteration and then plans, whatever its interval (DESIGN.md,
+  /// "Trigger"). Called on every rank with the same arguments, between iterations.
+  virtual void OnModelChanged(int64_t iteration, const std::string& reason) {}
+  /// Figures of the last Plan for the metrics file and the log, e.g.
+  /// {"predicted_bottleneck_ms", 12.5}.
+  virtual std::vector<std::pair<std::string, double>> Metrics() const { return {}; }
 };
 
 /// Never moves anything.
 class NoOpRebalancer final : public Rebalancer {
  public:
   const char* name() const override { return "none"; }
-  std::vector<LayerMove> Plan(int64_t, const std::vector<StageLoad>&) override { return {}; }
+  RebalanceDecision Plan(int64_t, const std::vector<StageLoad>&) override { return {}; }
 };
 
-/// Moves layers at given iterations: "ITER:LAYER->STAGE[,LAYER->STAGE...][;ITER:...]",
-/// e.g. "3:1->1;6:1->0" moves layer 1 to stage 1 in iteration 3 (its optimizer step runs
-/// on the new layout) and back in iteration 6.
+/// One boundary layer moving to a neighbouring stage (a step of a --rebalance_script).
+struct LayerMove {
+  int64_t layer = 0;
+  int to_stage = 0;
+};
+
+/// Placements given by a script, --rebalance_script: steps "ITER:WHAT" separated by ';'.
+/// WHAT is either moves "LAYER->STAGE[,LAYER->STAGE...]", applied in order to the placement
+/// the iteration starts with (each a boundary layer to a neighbouring stage: "3:1->1" moves
+/// layer 1 to stage 1 in iteration 3, its optimizer step running on the new layout), or the
+/// stages' layer counts "N0,N1,...", e.g. "5:1,1,1,5" — any placement, reached in one
+/// iteration with layers moving over any distance.
 class ScriptedRebalancer final : public Rebalancer {
  public:
-  /// Parses `script` (--rebalance_script); InvalidArgument naming the bad part.
+  struct Step {
+    std::vector<LayerMove> moves;  // Either moves...
+    std::vector<int64_t> sizes;    // ...or layer counts per stage.
+  };
+  /// Parses `script`; InvalidArgument naming the bad part.
   static absl::StatusOr<std::unique_ptr<ScriptedRebalancer>> Parse(const std::string& script);
   const char* name() const override { return "script"; }
-  std::vector<LayerMove> Plan(int64_t iteration, const std::vector<StageLoad>& loads) override;
+  RebalanceDecision Plan(int64_t iteration, const std::vector<StageLoad>& loads) override;
   /// The whole script, by iteration.
-  const std::map<int64_t, std::vector<LayerMove>>& moves() const { return moves_; }
+  const std::map<int64_t, Step>& steps() const { return steps_; }
+  /// Plays the script through from `initial` (every step's placement, by iteration), so a
+  /// step that cannot happen is refused before any work: FailedPrecondition naming the
+  /// iteration and the step.
+  absl::StatusOr<std::map<int64_t, LayerRanges>> Placements(const LayerRanges& initial) const;
 
  private:
-  std::map<int64_t, std::vector<LayerMove>> moves_;
+  std::map<int64_t, Step> steps_;
 };
 
 /// The ranges after applying `moves` to `ranges` ([begin, end) per stage), or
 /// FailedPrecondition naming the first move that is not a boundary layer going to an
 /// adjacent stage or that would empty a stage.
-absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ApplyMoves(
-    std::vector<std::pair<int64_t, int64_t>> ranges, const std::vector<LayerMove>& moves);
+absl::StatusOr<LayerRanges> ApplyMoves(LayerRanges ranges, const std::vector<LayerMove>& moves);
+
+/// OK when `ranges` is a placement of `num_layers` layers over `num_stages` stages:
+/// contiguous, in stage order, from 0 to num_layers, none empty. InvalidArgument naming the
+/// stage otherwise.
+absl::Status ValidateRanges(const LayerRanges& ranges, int64_t num_layers, int num_stages);
+
+/// "[0,3) [3,8)", for logs.
+std::string FormatRanges(const LayerRanges& ranges);
+
+/// A layer changing stage between two placements.
+struct PlannedMove {
+  int64_t layer = 0;
+  int from_stage = 0;
+  int to_stage = 0;
+};
+
+/// Every layer whose stage differs between `from` and `to` (both valid placements of the
+/// same layers), in layer order.
+std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to);
+
+/// A 64-bit hash of (iteration, ranges), the same on every platform: replicas compare it to
+/// check that they apply the same plan.
+uint64_t PlanHash(int64_t iteration, const LayerRanges& ranges);
 
 }  // namespace fulcrum::pipeline

@@ -1,17 +1,13 @@
 #include "pipeline/stage_executor.h"
 
-#include <c10/core/Allocator.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
-
-#include <atomic>
 #include <chrono>
-#include <deque>
 #include <map>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "pipeline/internal/stage_transport.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -24,89 +20,7 @@ int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
-// Message tags between neighbouring stages: the activation and the gradient of each
-// micro-batch travel under their own tags, so out-of-order arrivals never mix.
-int ActivationTag(int microbatch) { return 2 * microbatch; }
-int GradientTag(int microbatch) { return 2 * microbatch + 1; }
-
-// The receives of one direction (activations from the previous stage, or gradients from the
-// next), posted up to `depth` ahead in the order the action list consumes them (NOTE
-// [pre-posted receives]).
-class ReceiveQueue {
- public:
-  ReceiveQueue(parallel::Communicator* pp, int peer, std::vector<int> tags,
-               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth)
-      : pp_(pp),
-        peer_(peer),
-        tags_(std::move(tags)),
-        shape_(std::move(shape)),
-        dtype_(dtype),
-        depth_(depth) {
-    Refill();
-  }
-
-  // Waits for the message under `tag`, which must be the next one of the list, and posts
-  // the next receive. Adds the time blocked to *wait_ms.
-  absl::StatusOr<at::Tensor> Take(int tag, double* wait_ms) {
-    if (posted_.empty() || posted_.front().tag != tag) {
-      return absl::InternalError(absl::StrCat("receive with tag ", tag, " from stage ", peer_,
-                                              " is not the next one the action list expects"));
-    }
-    Posted next = std::move(posted_.front());
-    posted_.pop_front();
-    const auto t0 = Clock::now();
-    next.work->Wait();
-    *wait_ms += Ms(Clock::now() - t0);
-    Refill();
-    return next.buffer;
-  }
-
- private:
-  struct Posted {
-    int tag;
-    at::Tensor buffer;
-    std::unique_ptr<parallel::CommWork> work;
-  };
-
-  void Refill() {
-    while (posted_.size() < depth_ && next_ < tags_.size()) {
-      Posted p{tags_[next_++], at::empty(shape_, dtype_), nullptr};
-      p.work = pp_->IRecv(p.buffer, peer_, p.tag);
-      posted_.push_back(std::move(p));
-    }
-  }
-
-  parallel::Communicator* pp_;
-  int peer_;
-  std::vector<int> tags_;
-  std::vector<int64_t> shape_;
-  at::ScalarType dtype_;
-  size_t depth_;
-  size_t next_ = 0;
-  std::deque<Posted> posted_;
-};
-
 }  // namespace
-
-// NOTE [activation memory]: bytes allocated minus bytes freed on the threads where it is
-// installed, while enabled. The CPU allocator (and CUDA's caching allocator) report every
-// allocation and free to the thread's c10 memory reporter.
-class StageExecutor::ActivationMeter final : public c10::MemoryReportingInfoBase {
- public:
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, int64_t /*total_allocated*/,
-                         int64_t /*total_reserved*/, c10::Device /*device*/) override {
-    live_.fetch_add(alloc_size, std::memory_order_relaxed);
-  }
-  // Disabled around migrations: they free tensors allocated before the meter was installed,
-  // which c10 could not size (and would warn about).
-  bool memoryProfilingEnabled() const override { return enabled_; }
-  int64_t live() const { return live_.load(std::memory_order_relaxed); }
-  void set_enabled(bool enabled) { enabled_ = enabled; }
-
- private:
-  std::atomic<int64_t> live_{0};
-  bool enabled_ = true;
-};
 
 // The live state of one micro-batch on this stage, from its F to its last backward action.
 struct StageExecutor::InFlight {
@@ -121,32 +35,44 @@ struct StageExecutor::InFlight {
   std::optional<Clock::time_point> head_input_grad_at;
 };
 
+// Everything one Run works with. The meter is constructed first: every tensor of the run
+// (the transport's receive buffers included) is allocated while it counts.
+struct StageExecutor::RunContext {
+  RunContext(GptModel& model, const MicroBatchPlan& plan, int64_t iteration, double loss_scale,
+             bool forward_only, parallel::Communicator* pp, const std::vector<Action>& actions,
+             int64_t micro_batch_size, size_t depth)
+      : model(model),
+        plan(plan),
+        iteration(iteration),
+        loss_scale(loss_scale),
+        training(!forward_only),
+        first(pp->rank() == 0),
+        last(pp->rank() == pp->size() - 1),
+        stage(pp->rank()),
+        meter(/*enabled=*/training),
+        // Activations are [seq_length, micro_batch_size, hidden] between stages.
+        transport(pp, actions,
+                  {model.options().seq_length, micro_batch_size, model.options().hidden_size},
+                  ParamsScalarType(model.options()), depth) {}
+
+  GptModel& model;
+  const MicroBatchPlan& plan;
+  const int64_t iteration;
+  const double loss_scale;
+  const bool training;
+  const bool first;
+  const bool last;
+  const int stage;
+  internal::RunMeter meter;
+  internal::StageTransport transport;
+  std::map<int, std::unique_ptr<InFlight>> in_flight;
+  StageRunResult result;
+};
+
 StageExecutor::StageExecutor(parallel::Communicator* pp, int64_t micro_batch_size)
-    : pp_(pp), micro_batch_size_(micro_batch_size) {}
+    : pp_(pp), micro_batch_size_(micro_batch_size), moves_(pp) {}
 
 double StageExecutor::SinceRunStart() const { return Ms(Clock::now() - run_start_); }
-
-absl::Status StageExecutor::StartSend(GptModel& model, const PlannedMove& move, bool early,
-                                      StageRunResult& result) {
-  if (meter_ != nullptr) meter_->set_enabled(false);
-  MigrationTiming timing;
-  timing.layer = move.layer;
-  timing.from_stage = move.from_stage;
-  timing.to_stage = move.to_stage;
-  timing.sent = true;
-  timing.early = early;
-  timing.start_ms = SinceRunStart();
-  {
-    FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<TransformerLayer> layer, model.ReleaseLayer(move.layer));
-    FULCRUM_ASSIGN_OR_RETURN(UnitSend send, StartSendUnit(*pp_, move.to_stage, *layer));
-    timing.bytes = send.bytes();
-    sends_.push_back({std::move(send), result.migrations.size()});
-  }  // The layer is gone; its state travels as copies.
-  timing.end_ms = SinceRunStart();
-  result.migrations.push_back(timing);
-  if (meter_ != nullptr) meter_->set_enabled(true);
-  return absl::OkStatus();
-}
 
 absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedule& schedule,
                                                   int64_t iteration, const MicroBatchPlan& plan,
@@ -160,292 +86,206 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
                                             schedule.num_microbatches, " micro-batches, the run has ",
                                             stages, " × ", plan.count));
   }
-  if (!late_moves_.empty() || !sends_.empty()) {
-    return absl::InternalError("StageExecutor::Run: FinishMoves was not called after the last run");
-  }
   const bool training = !forward_only;
-  const bool first = stage == 0;
-  const bool last = stage == stages - 1;
-  const ModelOptions& o = model.options();
-  const std::vector<int64_t> activation_shape{o.seq_length, micro_batch_size_, o.hidden_size};
   run_start_ = Clock::now();
-  auto since_start = [this]() { return SinceRunStart(); };
-
-  StageRunResult result;
-  result.start = run_start_;
-
   std::vector<Action> actions;
+  int last_backward = -1;  // Index of the last B, W or BW: where outgoing layers leave.
   for (const Action& a : schedule.stages[stage]) {
-    if (training || a.kind == ActionKind::kForward) actions.push_back(a);
+    if (!training && a.kind != ActionKind::kForward) continue;
+    if (a.kind != ActionKind::kForward) last_backward = static_cast<int>(actions.size());
+    actions.push_back(a);
   }
-
-  // This stage's part of the moves (NOTE [early migration]): sends before its first receive
-  // go in the last action; the rest wait for FinishMoves. Receives are posted now.
-  std::vector<PlannedMove> early_sends;
-  int last_backward = -1;
-  if (training) {
-    bool received = false;
-    for (const PlannedMove& move : moves) {
-      if (move.to_stage == stage) {
-        received = true;
-        receives_.push_back(StartReceiveUnit(*pp_, move.from_stage));
-        late_moves_.push_back(move);
-      } else if (move.from_stage == stage) {
-        (received ? late_moves_ : early_sends).push_back(move);
-      }
-    }
-    for (int i = 0; i < static_cast<int>(actions.size()); ++i) {
-      if (actions[i].kind == ActionKind::kBackward ||
-          actions[i].kind == ActionKind::kBackwardWeight) {
-        last_backward = i;
-      }
-    }
-    if (!early_sends.empty() && last_backward < 0) {
-      return absl::InternalError(absl::StrCat("stage ", stage, ": moves planned but no backward"));
-    }
+  // This stage's part of the moves (NOTE [early migration]): the receives are posted now.
+  FULCRUM_RETURN_IF_ERROR(moves_.Begin(training ? moves : std::vector<PlannedMove>{}, run_start_));
+  if (moves_.sends() && last_backward < 0) {
+    return absl::InternalError(absl::StrCat("stage ", stage, ": moves planned but no backward"));
   }
-
-  // NOTE [activation memory]: counted on this thread for the whole run (training only),
-  // installed before anything of the run is allocated, so that every tensor freed while it
-  // counts was allocated while it counted.
-  std::shared_ptr<ActivationMeter> meter;
-  std::optional<c10::DebugInfoGuard> meter_guard;
-  if (training) {
-    meter = std::make_shared<ActivationMeter>();
-    meter_guard.emplace(c10::DebugInfoKind::PROFILER_STATE, meter);
-  }
-  struct MeterReset {
-    StageExecutor* executor;
-    ~MeterReset() { executor->meter_ = nullptr; }
-  } meter_reset{this};
-  meter_ = meter.get();
 
   // NOTE [pre-posted receives]: in the order the list consumes them.
-  std::vector<int> activation_tags, gradient_tags;
-  for (const Action& a : actions) {
-    if (a.kind == ActionKind::kForward && !first) activation_tags.push_back(ActivationTag(a.microbatch));
-    if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && !last) {
-      gradient_tags.push_back(GradientTag(a.microbatch));
-    }
-  }
   const size_t depth = static_cast<size_t>(std::max(1, schedule.max_in_flight));
-  const at::ScalarType dtype = ParamsScalarType(o);
-  ReceiveQueue activations(pp_, stage - 1, std::move(activation_tags), activation_shape, dtype,
-                           depth);
-  ReceiveQueue gradients(pp_, stage + 1, std::move(gradient_tags), activation_shape, dtype, depth);
-
-  std::map<int, int64_t> held_bytes;  // Per micro-batch in flight.
-  int64_t held_total = 0;
-  auto hold = [&](int mb, int64_t bytes) {
-    held_total += bytes - held_bytes[mb];
-    held_bytes[mb] = bytes;
-    result.peak_activation_bytes = std::max(result.peak_activation_bytes, held_total);
-  };
-  auto release = [&](int mb) {
-    held_total -= held_bytes[mb];
-    held_bytes.erase(mb);
-  };
-
-  std::map<int, std::unique_ptr<InFlight>> in_flight;
-  std::vector<std::unique_ptr<parallel::CommWork>> sends;
-  std::vector<at::Tensor> send_buffers;  // Kept alive until their sends complete.
-  auto send = [&](const at::Tensor& t, int peer, int tag) {
-    send_buffers.push_back(t.detach().contiguous());
-    sends.push_back(pp_->ISend(send_buffers.back(), peer, tag));
-  };
-
+  RunContext run(model, plan, iteration, loss_scale, forward_only, pp_, actions,
+                 micro_batch_size_, depth);
+  run.result.start = run_start_;
   for (int index = 0; index < static_cast<int>(actions.size()); ++index) {
     const Action& action = actions[index];
-    const int mb = action.microbatch;
     ActionTiming timing;
     timing.action = action;
-    timing.start_ms = since_start();
+    timing.start_ms = SinceRunStart();
+    const bool last_action = index == last_backward;
     switch (action.kind) {
-      case ActionKind::kForward: {
-        auto state = std::make_unique<InFlight>();
-        std::optional<at::NoGradGuard> no_grad;
-        if (forward_only) no_grad.emplace();
-        ForwardContext ctx{training, iteration, plan.first_sample(mb),
-                           forward_only ? 0.0 : loss_scale};
-        ctx.epoch = plan.epoch;
-        if (training && plan.token_positions && model.needs_token_positions()) {
-          ctx.token_positions = plan.token_positions(mb);
-        }
-        const int64_t s = o.seq_length;
-        at::Tensor tokens = (first || last) ? plan.tokens(mb) : at::Tensor();
-        at::Tensor hidden;
-        if (!first) {
-          FULCRUM_ASSIGN_OR_RETURN(state->input,
-                                   activations.Take(ActivationTag(mb), &timing.wait_ms));
-          if (training) state->input.requires_grad_(true);
-        }
-        const int64_t live_before = meter ? meter->live() : 0;
-        hidden = first ? model.embedding()->Forward(tokens.narrow(1, 0, s), ctx) : state->input;
-        state->layers.reserve(model.layers().size());
-        state->input_grad_at.resize(model.layers().size());
-        for (const auto& [layer_index, layer] : model.layers()) {  // timed per layer: the load model
-          const size_t slot = state->layers.size();
-          state->layers.push_back(layer_index);
-          if (training && hidden.requires_grad()) {
-            InFlight* st = state.get();
-            hidden.register_hook(
-                [st, slot](const at::Tensor&) { st->input_grad_at[slot] = Clock::now(); });
-          }
-          const auto t0 = Clock::now();
-          {
-            WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
-            hidden = layer->Forward(hidden, ctx);
-          }
-          const double ms = Ms(Clock::now() - t0);
-          result.layer_forward_ms[layer_index] += ms;
-          timing.layer_ms.emplace_back(layer_index, ms);
-        }
-        if (last) {
-          if (training && hidden.requires_grad()) {
-            InFlight* st = state.get();
-            hidden.register_hook([st](const at::Tensor&) { st->head_input_grad_at = Clock::now(); });
-          }
-          LossSum loss = model.HeadLoss(hidden, tokens.narrow(1, 1, s));
-          result.loss_sum += loss.sum.item<double>();
-          result.tokens += loss.tokens;
-          if (training) state->loss = loss.sum * loss_scale;
-        } else {
-          send(hidden, stage + 1, ActivationTag(mb));
-          if (training) state->output = hidden;
-        }
-        if (training) {
-          hold(mb, (meter ? meter->live() - live_before : 0) + Bytes(state->input));
-          in_flight[mb] = std::move(state);
-        }
+      case ActionKind::kForward:
+        FULCRUM_RETURN_IF_ERROR(Forward(run, action.microbatch, timing));
         break;
-      }
       case ActionKind::kBackward:
-      case ActionKind::kBackwardInput: {
-        auto it = in_flight.find(mb);
-        if (it == in_flight.end()) {
-          return absl::InternalError(absl::StrCat("stage ", stage, ": ", action.ToString(),
-                                                  " before its forward"));
-        }
-        InFlight& state = *it->second;
-        const bool split = action.kind == ActionKind::kBackwardInput;
-        Clock::time_point backward_start;
-        {
-          std::optional<WeightGradStore::Scope> defer;
-          if (split) defer.emplace(&state.weight_grads);
-          if (last) {
-            backward_start = Clock::now();
-            state.loss.backward();
-          } else {
-            FULCRUM_ASSIGN_OR_RETURN(at::Tensor grad,
-                                     gradients.Take(GradientTag(mb), &timing.wait_ms));
-            backward_start = Clock::now();
-            state.output.backward(grad);
-          }
-        }
-        // NOTE [per-layer timing]: the layers' backwards ran last to first.
-        Clock::time_point boundary =
-            last && state.head_input_grad_at ? *state.head_input_grad_at : backward_start;
-        for (size_t i = state.layers.size(); i-- > 0;) {
-          if (!state.input_grad_at[i]) continue;  // No gradient reached it (frozen).
-          const double ms = Ms(*state.input_grad_at[i] - boundary);
-          boundary = *state.input_grad_at[i];
-          result.layer_backward_ms[state.layers[i]] += ms;
-          timing.layer_ms.emplace_back(state.layers[i], ms);
-        }
-        if (!first) send(state.input.grad(), stage - 1, GradientTag(mb));
-        // The graph is freed; only the deferred weight gradients (split) remain.
-        state.output = at::Tensor();
-        state.loss = at::Tensor();
-        state.input = at::Tensor();
-        if (split) {
-          hold(mb, state.weight_grads.held_bytes());
-        } else {
-          release(mb);
-          in_flight.erase(it);
-          if (index == last_backward) {
-            const double t0 = since_start();
-            for (const PlannedMove& move : early_sends) {
-              FULCRUM_RETURN_IF_ERROR(StartSend(model, move, /*early=*/true, result));
-            }
-            timing.migration_ms += since_start() - t0;
-          }
-        }
+      case ActionKind::kBackwardInput:
+        FULCRUM_RETURN_IF_ERROR(Backward(run, action.microbatch,
+                                         action.kind == ActionKind::kBackwardInput, last_action,
+                                         timing));
         break;
-      }
-      case ActionKind::kBackwardWeight: {
-        auto it = in_flight.find(mb);
-        if (it == in_flight.end()) {
-          return absl::InternalError(absl::StrCat("stage ", stage, ": ", action.ToString(),
-                                                  " without its B"));
-        }
-        WeightGradStore& store = it->second->weight_grads;
-        std::map<int64_t, double> ms_by_tag;
-        if (index == last_backward) {
-          // NOTE [early migration]: a moving layer's last weight gradients first, then off.
-          for (const PlannedMove& move : early_sends) {
-            store.FlushTag(move.layer, &ms_by_tag);
-            const double t0 = since_start();
-            FULCRUM_RETURN_IF_ERROR(StartSend(model, move, /*early=*/true, result));
-            timing.migration_ms += since_start() - t0;
-          }
-        }
-        store.Flush(&ms_by_tag);
-        for (const auto& [tag, ms] : ms_by_tag) {
-          if (tag == WeightGradStore::kNoTag) continue;  // head, embedding: no layer's
-          result.layer_weight_ms[tag] += ms;
-          timing.layer_ms.emplace_back(tag, ms);
-        }
-        release(mb);
-        in_flight.erase(it);
+      case ActionKind::kBackwardWeight:
+        FULCRUM_RETURN_IF_ERROR(Weight(run, action.microbatch, last_action, timing));
         break;
-      }
     }
-    timing.end_ms = since_start();
-    result.wait_ms += timing.wait_ms;
-    result.timings.push_back(std::move(timing));
+    timing.end_ms = SinceRunStart();
+    run.result.wait_ms += timing.wait_ms;
+    run.result.timings.push_back(std::move(timing));
   }
-  const auto drain = Clock::now();
-  for (auto& work : sends) work->Wait();
-  result.wait_ms += Ms(Clock::now() - drain);
-  if (!in_flight.empty()) {
-    return absl::InternalError(absl::StrCat("stage ", stage, ": ", in_flight.size(),
+  run.result.wait_ms += run.transport.WaitForSends();
+  if (!run.in_flight.empty()) {
+    return absl::InternalError(absl::StrCat("stage ", stage, ": ", run.in_flight.size(),
                                             " micro-batches still in flight after the schedule"));
   }
-  result.total_ms = since_start();
-  return result;
+  run.result.total_ms = SinceRunStart();
+  run.result.peak_activation_bytes = run.meter.peak();
+  return std::move(run.result);
 }
 
-absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result) {
-  const int stage = pp_->rank();
-  std::vector<PlannedMove> moves = std::exchange(late_moves_, {});
-  std::vector<UnitReceive> receives = std::exchange(receives_, {});
-  size_t next_receive = 0;
-  for (const PlannedMove& move : moves) {
-    if (move.to_stage != stage) {
-      FULCRUM_RETURN_IF_ERROR(StartSend(model, move, /*early=*/false, result));
-      continue;
-    }
-    MigrationTiming timing;
-    timing.layer = move.layer;
-    timing.from_stage = move.from_stage;
-    timing.to_stage = move.to_stage;
-    timing.start_ms = SinceRunStart();
-    std::unique_ptr<TransformerLayer> shell = model.NewLayerShell(move.layer);
-    UnitReceive& receive = receives[next_receive++];
-    FULCRUM_RETURN_IF_ERROR(receive.Finish(*shell));
-    timing.bytes = receive.bytes();
-    FULCRUM_RETURN_IF_ERROR(model.AdoptLayer(std::move(shell)));
-    timing.end_ms = timing.done_ms = SinceRunStart();
-    result.migrations.push_back(timing);
+absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timing) {
+  GptModel& model = run.model;
+  auto state = std::make_unique<InFlight>();
+  std::optional<at::NoGradGuard> no_grad;
+  if (!run.training) no_grad.emplace();
+  ForwardContext ctx{run.training, run.iteration, run.plan.first_sample(mb),
+                     run.training ? run.loss_scale : 0.0};
+  ctx.epoch = run.plan.epoch;
+  if (run.training && run.plan.token_positions && model.needs_token_positions()) {
+    ctx.token_positions = run.plan.token_positions(mb);
   }
-  std::vector<PendingSend> sends = std::exchange(sends_, {});
-  for (PendingSend& pending : sends) {
-    pending.send.Wait();
-    if (pending.timing < result.migrations.size()) {
-      result.migrations[pending.timing].done_ms = SinceRunStart();
+  const int64_t s = model.options().seq_length;
+  at::Tensor tokens = (run.first || run.last) ? run.plan.tokens(mb) : at::Tensor();
+  if (!run.first) {
+    FULCRUM_ASSIGN_OR_RETURN(state->input, run.transport.TakeActivation(mb, &timing.wait_ms));
+    if (run.training) state->input.requires_grad_(true);
+  }
+  const int64_t live_before = run.meter.live();
+  at::Tensor hidden =
+      run.first ? model.embedding()->Forward(tokens.narrow(1, 0, s), ctx) : state->input;
+  state->layers.reserve(model.layers().size());
+  state->input_grad_at.resize(model.layers().size());
+  for (const auto& [layer_index, layer] : model.layers()) {  // timed per layer: the load model
+    const size_t slot = state->layers.size();
+    state->layers.push_back(layer_index);
+    if (run.training && hidden.requires_grad()) {
+      InFlight* st = state.get();
+      hidden.register_hook(
+          [st, slot](const at::Tensor&) { st->input_grad_at[slot] = Clock::now(); });
     }
+    const int64_t layer_live_before = run.meter.live();
+    const auto t0 = Clock::now();
+    {
+      WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
+      hidden = layer->Forward(hidden, ctx);
+    }
+    const double ms = Ms(Clock::now() - t0);
+    run.result.layer_forward_ms[layer_index] += ms;
+    timing.layer_ms.emplace_back(layer_index, ms);
+    if (run.training) {
+      double& bytes = run.result.layer_activation_bytes[layer_index];
+      bytes = std::max(bytes, static_cast<double>(run.meter.live() - layer_live_before));
+    }
+  }
+  if (run.last) {
+    if (run.training && hidden.requires_grad()) {
+      InFlight* st = state.get();
+      hidden.register_hook([st](const at::Tensor&) { st->head_input_grad_at = Clock::now(); });
+    }
+    LossSum loss = model.HeadLoss(hidden, tokens.narrow(1, 1, s));
+    run.result.loss_sum += loss.sum.item<double>();
+    run.result.tokens += loss.tokens;
+    if (run.training) state->loss = loss.sum * run.loss_scale;
+  } else {
+    run.transport.SendActivation(hidden, mb);
+    if (run.training) state->output = hidden;
+  }
+  if (run.training) {
+    run.meter.Hold(mb, run.meter.live() - live_before + Bytes(state->input));
+    run.in_flight[mb] = std::move(state);
   }
   return absl::OkStatus();
+}
+
+absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool last_action,
+                                     ActionTiming& timing) {
+  auto it = run.in_flight.find(mb);
+  if (it == run.in_flight.end()) {
+    return absl::InternalError(absl::StrCat("stage ", run.stage, ": ", split ? "B" : "BW", mb,
+                                            " before its forward"));
+  }
+  InFlight& state = *it->second;
+  Clock::time_point backward_start;
+  {
+    std::optional<WeightGradStore::Scope> defer;
+    if (split) defer.emplace(&state.weight_grads);
+    if (run.last) {
+      backward_start = Clock::now();
+      state.loss.backward();
+    } else {
+      FULCRUM_ASSIGN_OR_RETURN(at::Tensor grad, run.transport.TakeGradient(mb, &timing.wait_ms));
+      backward_start = Clock::now();
+      state.output.backward(grad);
+    }
+  }
+  // NOTE [per-layer timing]: the layers' backwards ran last to first.
+  Clock::time_point boundary =
+      run.last && state.head_input_grad_at ? *state.head_input_grad_at : backward_start;
+  for (size_t i = state.layers.size(); i-- > 0;) {
+    if (!state.input_grad_at[i]) continue;  // No gradient reached it (frozen).
+    const double ms = Ms(*state.input_grad_at[i] - boundary);
+    boundary = *state.input_grad_at[i];
+    run.result.layer_backward_ms[state.layers[i]] += ms;
+    timing.layer_ms.emplace_back(state.layers[i], ms);
+  }
+  if (!run.first) run.transport.SendGradient(state.input.grad(), mb);
+  // The graph is freed; only the deferred weight gradients (split) remain.
+  state.output = at::Tensor();
+  state.loss = at::Tensor();
+  state.input = at::Tensor();
+  if (split) {
+    run.meter.Hold(mb, state.weight_grads.held_bytes());
+    return absl::OkStatus();
+  }
+  run.meter.Release(mb);
+  run.in_flight.erase(it);
+  // After a last fused BW every weight gradient is final: the outgoing layers leave.
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, nullptr, timing));
+  return absl::OkStatus();
+}
+
+absl::Status StageExecutor::Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing) {
+  auto it = run.in_flight.find(mb);
+  if (it == run.in_flight.end()) {
+    return absl::InternalError(absl::StrCat("stage ", run.stage, ": W", mb, " without its B"));
+  }
+  WeightGradStore& store = it->second->weight_grads;
+  std::map<int64_t, double> ms_by_tag;
+  // NOTE [early migration]: each moving layer's last weight gradients first, then off.
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, &ms_by_tag, timing));
+  store.Flush(&ms_by_tag);
+  for (const auto& [tag, ms] : ms_by_tag) {
+    if (tag == WeightGradStore::kNoTag) continue;  // head, embedding: no layer's
+    run.result.layer_weight_ms[tag] += ms;
+    timing.layer_ms.emplace_back(tag, ms);
+  }
+  run.meter.Release(mb);
+  run.in_flight.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore* store,
+                                               std::map<int64_t, double>* ms_by_tag,
+                                               ActionTiming& timing) {
+  for (const PlannedMove& move : moves_.outgoing()) {
+    if (store != nullptr) store->FlushTag(move.layer, ms_by_tag);
+    const double t0 = SinceRunStart();
+    FULCRUM_RETURN_IF_ERROR(moves_.Send(run.model, move, &run.meter, run.result));
+    timing.migration_ms += SinceRunStart() - t0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result,
+                                        std::pair<int64_t, int64_t> range) {
+  return moves_.Finish(model, range, result);
 }
 
 }  // namespace fulcrum::pipeline

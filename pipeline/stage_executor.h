@@ -12,6 +12,11 @@
 // measured (NOTE [activation memory]). Layer moves planned for the iteration are carried out
 // in its backward tail (NOTE [early migration]).
 //
+// Where the parts live: this file interprets the action list (F, B, W, BW); the transport
+// (pipeline/internal/stage_transport.h), the activation meter
+// (pipeline/internal/activation_meter.h) and the stage's part of the layer moves
+// (pipeline/internal/stage_moves.h) are their own classes.
+//
 // Not thread-safe; one executor per stage process.
 #pragma once
 
@@ -26,7 +31,10 @@
 #include "core/linear.h"
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
+#include "pipeline/internal/activation_meter.h"
+#include "pipeline/internal/stage_moves.h"
 #include "pipeline/migration.h"
+#include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::pipeline {
@@ -48,13 +56,17 @@ struct ActionTiming {
   std::vector<std::pair<int64_t, double>> layer_ms;
 };
 
+/// The layers of a stage, by global index, with a value each (a map: layers move).
+using PerLayer = std::map<int64_t, double>;
+
 /// One layer move of the iteration, as this stage took part in it.
 struct MigrationTiming {
   int64_t layer = 0;
   int from_stage = 0;
   int to_stage = 0;
   bool sent = false;   // This stage sent it (else received it).
-  bool early = false;  // Sent inside the backward tail, right after the layer's last W.
+  bool early = false;  // Sent inside the backward tail, right after the layer's last W
+                       // (every send is; kept for the timeline's record).
   double start_ms = 0;  // From the start of the iteration.
   double end_ms = 0;    // Released and posted (sends) or adopted (receives).
   double done_ms = 0;   // Transfer complete on this side (set by FinishMoves).
@@ -67,9 +79,13 @@ struct StageRunResult {
   int64_t tokens = 0;
   std::vector<ActionTiming> timings;
   // Per global layer, summed over micro-batches (NOTE [per-layer timing]).
-  std::map<int64_t, double> layer_forward_ms;
-  std::map<int64_t, double> layer_backward_ms;  // B, or the fused BW of 1F1B.
-  std::map<int64_t, double> layer_weight_ms;    // W (split schedules only).
+  PerLayer layer_forward_ms;
+  PerLayer layer_backward_ms;  // B, or the fused BW of 1F1B.
+  PerLayer layer_weight_ms;    // W (split schedules only).
+  /// Per global layer: the bytes its forward left allocated for one micro-batch (what its
+  /// backward reads, and its output), the largest over the micro-batches (NOTE [activation
+  /// memory]); training runs only.
+  PerLayer layer_activation_bytes;
   double total_ms = 0;  // Until the last action ended and every activation/gradient send is done.
   double wait_ms = 0;   // Time blocked in receives and in the final wait for sends.
   /// After the run, waiting for the rest of the pipeline to finish (set by PipelineRunner,
@@ -80,13 +96,6 @@ struct StageRunResult {
   int64_t peak_activation_bytes = 0;
   /// Layer moves, in plan order; receives and late sends are added by FinishMoves.
   std::vector<MigrationTiming> migrations;
-};
-
-/// A planned layer move with its source stage (the runner resolves it from the ranges).
-struct PlannedMove {
-  int64_t layer = 0;
-  int from_stage = 0;
-  int to_stage = 0;
 };
 
 // NOTE [per-layer timing]
@@ -109,7 +118,9 @@ struct PlannedMove {
 // after its B it holds only the operands its deferred weight GEMMs keep
 // (WeightGradStore::held_bytes). The peak is the largest sum of these over the micro-batches
 // in flight, taken at action boundaries; temporaries inside one action are not included.
-// While it counts, the reporter replaces a running PyTorch profiler's memory events.
+// Each layer's share is the bytes still allocated after its forward that were not before
+// (per micro-batch; the load model's per-layer activation memory). While it counts, the
+// reporter replaces a running PyTorch profiler's memory events.
 //
 // NOTE [pre-posted receives]
 // Gloo (like NCCL) moves a point-to-point message only once both ends have posted it; a
@@ -120,19 +131,19 @@ struct PlannedMove {
 // an action only waits for its own.
 //
 // NOTE [early migration]
-// The moves of an iteration are known before it starts (the rebalancer plans them from the
-// previous iteration's loads, pipeline/rebalancer.h). A stage takes part in them in plan
-// order. The moves it sends before its first receive in that order leave during its last
-// action, which holds every layer's last weight gradient: it is the last W (or BW), since a
-// W follows its own B and F, and every W flushes all layers of its micro-batch. In that W
-// the moving layer's queued GEMMs run first (WeightGradStore::FlushTag), then the layer is
-// released and its state posted to the neighbour, then the other layers' W runs (after a
-// last fused BW, the layer leaves at the end of the action). Its
-// gradients are final then, so the neighbour continues it bit-identically. The receiver
-// posts the first message's receive when its run starts and completes the transfer in
-// FinishMoves, after its own last action and before the optimizer step, adopting the layer
-// at the adjacent end of its range. Moves that follow a receive in plan order (a layer
-// passing through, or one whose validity depends on it) are carried out there, in order.
+// The moves of an iteration are known before it starts: the rebalancer plans a placement
+// from the previous iteration's loads (pipeline/rebalancer.h), and every layer whose stage
+// changes goes straight from its old stage to its new one, any distance away. A stage sends
+// its outgoing layers during its last action, which holds every layer's last weight
+// gradient: it is the last W (or BW), since a W follows its own B and F, and every W
+// flushes all layers of its micro-batch. In that W each moving layer's queued GEMMs run
+// first (WeightGradStore::FlushTag), then the layer is taken out and its state posted to
+// its new stage, then the other layers' W runs (after a last fused BW, the layers leave at
+// the end of the action). Its gradients are final then, so the new stage continues it
+// bit-identically. A receiving stage posts the receive of the first incoming layer from
+// each source when its run starts and completes every transfer in FinishMoves, after its
+// own last action and before the optimizer step, inserting the layers; its layers are then
+// the plan's range for it (checked).
 
 class StageExecutor {
  public:
@@ -143,39 +154,38 @@ class StageExecutor {
   /// Runs `schedule` (its row for this stage) for `iteration`. Each micro-batch's summed
   /// token loss is multiplied by `loss_scale` before the backward. With `forward_only`,
   /// only the F actions run, without autograd (evaluation). `moves` (every stage passes the
-  /// same list; ignored when forward_only) are this iteration's layer moves: this stage's
-  /// early sends happen inside the run; call FinishMoves before the optimizer step.
+  /// same list, MovesBetween the current placement and the plan's; ignored when
+  /// forward_only) are this iteration's layer moves: this stage's sends happen inside the
+  /// run; call FinishMoves before the optimizer step.
   absl::StatusOr<StageRunResult> Run(GptModel& model, const Schedule& schedule,
                                      int64_t iteration, const MicroBatchPlan& plan,
                                      double loss_scale, bool forward_only = false,
                                      const std::vector<PlannedMove>& moves = {});
 
-  /// Completes the moves of the last Run (NOTE [early migration]): receives and adopts the
-  /// layers coming to this stage, sends those that follow a receive in plan order, and
-  /// waits for every send. Appends their timings (relative to that run's start) to
-  /// `result.migrations`. No-op without moves.
-  absl::Status FinishMoves(GptModel& model, StageRunResult& result);
+  /// Completes the moves of the last Run (NOTE [early migration]): receives and inserts the
+  /// layers coming to this stage and waits for every send; then the stage must hold `range`
+  /// (its range in the plan; not checked when begin > end). Appends the timings (relative to
+  /// that run's start) to `result.migrations`. No-op without moves.
+  absl::Status FinishMoves(GptModel& model, StageRunResult& result,
+                           std::pair<int64_t, int64_t> range = {1, 0});
 
  private:
   struct InFlight;
-  class ActivationMeter;
+  struct RunContext;
 
-  // Releases `move.layer` from `model`, posts its state to the neighbour and records it.
-  absl::Status StartSend(GptModel& model, const PlannedMove& move, bool early,
-                         StageRunResult& result);
+  absl::Status Forward(RunContext& run, int mb, ActionTiming& timing);
+  absl::Status Backward(RunContext& run, int mb, bool split, bool last_action,
+                        ActionTiming& timing);
+  absl::Status Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing);
+  // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
+  // last micro-batch's deferred weight gradients, of which each layer's run first.
+  absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store,
+                                  std::map<int64_t, double>* ms_by_tag, ActionTiming& timing);
   double SinceRunStart() const;
 
   parallel::Communicator* pp_;
   int64_t micro_batch_size_;
-  // State of the last Run's moves, for FinishMoves.
-  std::vector<PlannedMove> late_moves_;  // This stage's moves left for FinishMoves, in order.
-  std::vector<UnitReceive> receives_;    // Posted at the run's start, in plan order.
-  struct PendingSend {
-    UnitSend send;
-    size_t timing;  // Index into the run's StageRunResult::migrations.
-  };
-  std::vector<PendingSend> sends_;       // Posted, waited for in FinishMoves.
-  ActivationMeter* meter_ = nullptr;     // The running Run's, for StartSend.
+  internal::StageMoves moves_;  // This iteration's layer moves, from Run to FinishMoves.
   std::chrono::steady_clock::time_point run_start_;
 };
 

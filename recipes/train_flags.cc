@@ -2,12 +2,15 @@
 
 #include <gflags/gflags.h>
 
+#include <cmath>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/status.h"
+#include "dynamic/balancers.h"
 #include "moe/router.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
@@ -68,14 +71,45 @@ DEFINE_string(timeline, "",
               "Write a Chrome trace / Perfetto JSON of every rank's F/B/W actions, waits and "
               "layer moves to this file (pipeline runs, --pipeline_model_parallel_size > 1).");
 DEFINE_string(rebalance_script, "",
-              "Scripted layer moves between pipeline stages: ITER:LAYER->STAGE[,...][;...], e.g. "
-              "'5:1->1;9:1->0' (after iteration 5's backward move layer 1 to stage 1, back after 9).");
+              "Scripted placements instead of a balancer: ITER:LAYER->STAGE[,...] (boundary "
+              "layers to a neighbouring stage) or ITER:N0,N1,... (each stage's layer count, any "
+              "placement), steps separated by ';', e.g. '5:1->1;9:2,2' (in iteration 5's "
+              "backward tail layer 1 goes to stage 1; in 9's, two layers per stage).");
+// Balancing (dynamic/).
+DEFINE_string(rebalancer, "none",
+              "Who decides where layers run (see the list above): none (the initial placement "
+              "stays), partition (exact minimum of the bottleneck stage) or diffusion "
+              "(neighbouring stages exchange boundary layers).");
+DEFINE_string(balance_by, "time",
+              "The balancers' cost of a layer: time (its measured F+B+W) or params (its "
+              "trainable parameters, the static DeepSpeed-style measure).");
+DEFINE_int32(rebalance_window, 3,
+             "Per-layer costs are the median of this many last measured iterations.");
+DEFINE_int32(rebalance_interval, 1,
+             "Consider a new placement every this many iterations (and after a plugin "
+             "reports that the model changed).");
+DEFINE_double(rebalance_min_gain, 0.05,
+              "Apply a placement only if it lowers the predicted bottleneck by at least this "
+              "fraction (hysteresis: noise never makes layers ping-pong).");
+DEFINE_int64(rebalance_max_moves, 0,
+             "At most this many layers migrate per iteration (0 = no cap; a capped plan goes "
+             "part of the way and continues in later iterations).");
+DEFINE_double(rebalance_memory_budget_mb, 0,
+              "Memory a stage may hold (MiB: weights, gradients, Adam state and the activations "
+              "in flight); 0 = unlimited.");
+DEFINE_int32(diffusion_max_rounds, 32, "Diffusion: most rounds of exchanges per decision.");
+DEFINE_string(pipeline_initial_partition, "uniform",
+              "The placement training starts with: uniform (Megatron: an even split of the "
+              "layers) or params (DeepSpeed: balanced trainable parameters, embedding and head "
+              "counted).");
 DEFINE_int32(expert_model_parallel_size, 1,
              "Expert-parallel size: the experts of each MoE layer are shared out over this many "
              "data-parallel ranks (needs --num_experts divisible by it).");
 // Mixture of Experts.
 DEFINE_int64(num_experts, 0, "Experts per MoE layer; 0 = a dense model.");
-DEFINE_int64(moe_layer_freq, 1, "Layer i is an MoE layer when i % this == 0 (1 = every layer).");
+DEFINE_string(moe_layer_freq, "1",
+              "Which layers are MoE: N (layer i when i % N == 0; 1 = every layer) or Megatron's "
+              "list form, one 0/1 per layer, e.g. [1,1,1,1,0,0,0,0] (heavy layers on one side).");
 DEFINE_int64(moe_router_topk, 2, "Experts per token (k).");
 DEFINE_string(moe_router_topk_schedule, "",
               "Top-any routing: ITER:K[,ITER:K...] routes with K experts per token from step ITER "
@@ -160,6 +194,7 @@ cli::HelpSpec TrainHelpSpec() {
   }
   spec.usage += "\nMoE routers (--moe_router, with --num_experts > 0):\n" + moe::RouterHelp();
   spec.usage += "\nPipeline schedules (--pipeline_schedule):\n" + pipeline::ScheduleHelp();
+  spec.usage += "\nBalancers (--rebalancer):\n" + dynamic::BalancerHelp();
   spec.groups = {
       {"Model",
        {"recipe", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -175,7 +210,10 @@ cli::HelpSpec TrainHelpSpec() {
       {"Parallel",
        {"tensor_model_parallel_size", "pipeline_model_parallel_size",
         "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes"}},
-      {"Pipeline and balancing", {"pipeline_schedule", "rebalance_script"}},
+      {"Pipeline and balancing",
+       {"pipeline_schedule", "pipeline_initial_partition", "rebalancer", "balance_by",
+        "rebalance_window", "rebalance_interval", "rebalance_min_gain", "rebalance_max_moves",
+        "rebalance_memory_budget_mb", "diffusion_max_rounds", "rebalance_script"}},
       {"MoE",
        {"num_experts", "moe_layer_freq", "moe_router", "moe_router_topk",
         "moe_router_topk_schedule", "moe_ffn_hidden_size", "moe_capacity_factor",
@@ -267,7 +305,28 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   if (!FLAGS_timeline.empty() && config.pp == 1) {
     return Invalid("--timeline records pipeline stages; it needs --pipeline_model_parallel_size > 1");
   }
+  FULCRUM_ASSIGN_OR_RETURN(const dynamic::BalancerOptions balancing, BalancerOptionsFromFlags());
+  if (FLAGS_pipeline_initial_partition != "uniform" && FLAGS_pipeline_initial_partition != "params") {
+    return Invalid(absl::StrCat("--pipeline_initial_partition='", FLAGS_pipeline_initial_partition,
+                                "' is unknown; expected uniform or params"));
+  }
+  if (FLAGS_rebalancer != "none") {
+    if (!FLAGS_rebalance_script.empty()) {
+      return Invalid(absl::StrCat("--rebalancer=", FLAGS_rebalancer, " and --rebalance_script both "
+                                  "decide the placement; give one of them"));
+    }
+    if (config.pp == 1) {
+      return Invalid(absl::StrCat("--rebalancer=", FLAGS_rebalancer, " moves layers between "
+                                  "pipeline stages; it needs --pipeline_model_parallel_size > 1"));
+    }
+    // Unknown names are refused here, before any work.
+    FULCRUM_RETURN_IF_ERROR(dynamic::MakeRebalancer(FLAGS_rebalancer, balancing).status());
+  }
   if (!FLAGS_rebalance_script.empty()) {
+    if (FLAGS_pipeline_initial_partition != "uniform") {
+      return Invalid("--rebalance_script is played from the even split; it needs "
+                     "--pipeline_initial_partition=uniform");
+    }
     if (config.pp == 1) {
       return Invalid("--rebalance_script moves layers between pipeline stages; it needs "
                      "--pipeline_model_parallel_size > 1");
@@ -275,18 +334,13 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     FULCRUM_ASSIGN_OR_RETURN(auto script, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
     // The script is deterministic: play it through now, so a move that cannot happen is
     // refused before any work rather than at its iteration.
-    std::vector<std::pair<int64_t, int64_t>> ranges;
+    pipeline::LayerRanges ranges;
     for (int s = 0; s < config.pp; ++s) {
       const StageSpec spec = EvenStage(FLAGS_num_layers, config.pp, s);
       ranges.emplace_back(spec.layer_begin, spec.layer_end);
     }
-    for (const auto& [iteration, moves] : script->moves()) {
-      auto next = pipeline::ApplyMoves(ranges, moves);
-      if (!next.ok()) {
-        return Invalid(absl::StrCat("--rebalance_script at iteration ", iteration, ": ",
-                                    next.status().message()));
-      }
-      ranges = *next;
+    if (auto played = script->Placements(ranges); !played.ok()) {
+      return Invalid(std::string(played.status().message()));
     }
   }
   if (config.pp > 1) {
@@ -295,6 +349,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     if (!schedule.ok()) return schedule.status();
   }
   ModelOptions moe_model;
+  moe_model.num_layers = FLAGS_num_layers;
   moe_model.hidden_size = FLAGS_hidden_size;
   moe_model.ffn_hidden_size = ffn;
   FULCRUM_ASSIGN_OR_RETURN(moe::MoeOptions moe_options, MoeOptionsFromFlags());
@@ -311,7 +366,7 @@ absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags() {
   o.num_experts = FLAGS_num_experts;
   o.topk = FLAGS_moe_router_topk;
   o.ffn_hidden_size = FLAGS_moe_ffn_hidden_size;
-  o.layer_freq = FLAGS_moe_layer_freq;
+  FULCRUM_RETURN_IF_ERROR(moe::ParseMoeLayerFreq(FLAGS_moe_layer_freq, &o));
   o.router = FLAGS_moe_router;
   o.capacity_factor = FLAGS_moe_capacity_factor;
   o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
@@ -351,11 +406,37 @@ std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
 std::string TimelineFlag() { return FLAGS_timeline; }
 
-absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
-  if (FLAGS_rebalance_script.empty()) return std::make_unique<pipeline::NoOpRebalancer>();
-  FULCRUM_ASSIGN_OR_RETURN(auto scripted, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
-  return std::unique_ptr<pipeline::Rebalancer>(std::move(scripted));
+absl::StatusOr<dynamic::BalancerOptions> BalancerOptionsFromFlags() {
+  dynamic::BalancerOptions o;
+  if (FLAGS_rebalancer != "none") o.algorithm = FLAGS_rebalancer;
+  FULCRUM_RETURN_IF_ERROR(dynamic::ParseBalanceBy(FLAGS_balance_by, &o.load.by));
+  o.load.window = FLAGS_rebalance_window;
+  if (FLAGS_rebalance_memory_budget_mb < 0 || !std::isfinite(FLAGS_rebalance_memory_budget_mb)) {
+    return Invalid(absl::StrCat("--rebalance_memory_budget_mb=", FLAGS_rebalance_memory_budget_mb,
+                                " must be ≥ 0 (0 = unlimited)"));
+  }
+  if (FLAGS_rebalance_memory_budget_mb > 0) {
+    o.load.memory_budget_bytes = FLAGS_rebalance_memory_budget_mb * 1024.0 * 1024.0;
+  }
+  o.interval = FLAGS_rebalance_interval;
+  o.min_gain = FLAGS_rebalance_min_gain;
+  o.max_moves = FLAGS_rebalance_max_moves;
+  o.diffusion_max_rounds = FLAGS_diffusion_max_rounds;
+  FULCRUM_RETURN_IF_ERROR(o.load.Validate());
+  FULCRUM_RETURN_IF_ERROR(o.Validate());
+  return o;
 }
+
+absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
+  if (!FLAGS_rebalance_script.empty()) {
+    FULCRUM_ASSIGN_OR_RETURN(auto scripted, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
+    return std::unique_ptr<pipeline::Rebalancer>(std::move(scripted));
+  }
+  FULCRUM_ASSIGN_OR_RETURN(const dynamic::BalancerOptions options, BalancerOptionsFromFlags());
+  return dynamic::MakeRebalancer(FLAGS_rebalancer, options);
+}
+
+bool InitialPartitionByParamsFlag() { return FLAGS_pipeline_initial_partition == "params"; }
 int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
 
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {

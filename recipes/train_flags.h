@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
+#include "dynamic/balancing_rebalancer.h"
 #include "moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "pipeline/rebalancer.h"
@@ -50,8 +51,12 @@ absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags();
 std::string DistributedBackendFlag();
 std::string PipelineScheduleFlag();
 std::string TimelineFlag();
-/// The rebalancer of --rebalance_script (a no-op without it).
+/// The balancing flags (--balance_by, --rebalance_*, --diffusion_max_rounds), validated.
+absl::StatusOr<dynamic::BalancerOptions> BalancerOptionsFromFlags();
+/// The rebalancer: --rebalance_script's, else --rebalancer's (none: never moves).
 absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags();
+/// --pipeline_initial_partition=params.
+bool InitialPartitionByParamsFlag();
 int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.

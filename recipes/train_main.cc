@@ -15,6 +15,7 @@
 #include "pipeline/pipeline_runner.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"
+#include "recipes/initial_placement.h"
 #include "recipes/train_flags.h"
 
 namespace {
@@ -163,6 +164,17 @@ int main(int argc, char** argv) {
   config->feed_forward_shape = fulcrum::moe::MoeShape(moe, config->model);
   auto feed_forward = fulcrum::moe::MakeMoeFactory(moe, config->model, moe_groups);
   if (!feed_forward.ok()) return Fail(feed_forward.status());
+  if (layout->pp > 1 && fulcrum::InitialPartitionByParamsFlag()) {
+    auto placement = fulcrum::ParameterBalancedPlacement(config->model, *feed_forward,
+                                                         parallel->tensor_parallel(), layout->pp);
+    if (!placement.ok()) return Fail(placement.status());
+    if (parallel->is_logging_rank()) {
+      FULCRUM_LOG(INFO) << "initial placement balancing parameters (--pipeline_initial_partition="
+                           "params): "
+                        << fulcrum::pipeline::FormatRanges(*placement);
+    }
+    parallel->SetInitialPlacement(std::move(*placement));
+  }
 
   auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get(),
                                           fulcrum::DefaultFileSystem(), std::move(*feed_forward));

@@ -12,6 +12,7 @@
 #include "core/gpt_model.h"
 #include "core/optimizer.h"
 #include "core/random.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 
@@ -39,17 +40,17 @@ at::Tensor Batch(const ModelOptions& o, int64_t iteration, int64_t micro) {
   return tokens;
 }
 
-// Moves the boundary layer `index` from `from` to `to`, through MigrationTensors as a
-// remote stage would receive it.
+// Moves layer `index` from `from` to `to`, through MigrationTensors as a remote stage
+// would receive it.
 void Migrate(GptModel& from, GptModel& to, int64_t index) {
-  auto layer = from.ReleaseLayer(index);
+  auto layer = from.TakeLayer(index);
   ASSERT_TRUE(layer.ok()) << layer.status();
   std::map<std::string, at::Tensor> wire;
   for (auto& [name, tensor] : (*layer)->MigrationTensors()) wire.emplace(name, tensor.clone());
   layer->reset();  // the sender's copy is gone
   std::unique_ptr<TransformerLayer> shell = to.NewLayerShell(index);
   ASSERT_TRUE(shell->LoadMigrationTensors(wire).ok());
-  ASSERT_TRUE(to.AdoptLayer(std::move(shell)).ok());
+  ASSERT_TRUE(to.InsertLayer(std::move(shell)).ok());
 }
 
 using Script = std::map<int64_t, std::vector<std::pair<int64_t, bool>>>;  // iteration → (layer, to_second)
@@ -148,19 +149,28 @@ TEST(MigrationTest, MovingLayersBackAndForthKeepsTheLossCurveBitIdentical) {
   }
 }
 
-TEST(MigrationTest, OnlyBoundaryLayersMoveAndStagesKeepOne) {
+TEST(MigrationTest, LayersLeaveAndArriveAnywhereAndTheRangeIsChecked) {
   const ModelOptions o = FourLayers();
   GptModel a(o, StageSpec{0, 3, true, false});
   GptModel b(o, StageSpec{3, 4, false, true});
-  EXPECT_EQ(a.ReleaseLayer(1).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(b.ReleaseLayer(3).status().code(), absl::StatusCode::kFailedPrecondition)
-      << "the only layer of a stage stays";
-  EXPECT_EQ(b.AdoptLayer(b.NewLayerShell(1)).code(), absl::StatusCode::kFailedPrecondition)
-      << "layer 1 is not adjacent to [3, 4)";
-  auto released = a.ReleaseLayer(0);
-  ASSERT_TRUE(released.ok());
-  EXPECT_EQ(a.layer_begin(), 1);
-  EXPECT_EQ(a.layers().count(0), 0u);
+  EXPECT_TRUE(a.CheckRange(0, 3).ok());
+  EXPECT_EQ(a.TakeLayer(3).status().code(), absl::StatusCode::kNotFound);
+  // A middle layer leaves: the range has a gap until it is back.
+  auto middle = a.TakeLayer(1);
+  ASSERT_TRUE(middle.ok()) << middle.status();
+  EXPECT_EQ(a.layers().count(1), 0u);
+  EXPECT_THAT(std::string(a.CheckRange(0, 3).message()), ::testing::HasSubstr("holds {0,2}"));
+  EXPECT_EQ(a.InsertLayer(a.NewLayerShell(0)).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(a.InsertLayer(std::move(*middle)).ok());
+  EXPECT_TRUE(a.CheckRange(0, 3).ok());
+  // A stage may hold no layer while a plan is carried out.
+  auto only = b.TakeLayer(3);
+  ASSERT_TRUE(only.ok());
+  EXPECT_EQ(b.layer_begin(), b.layer_end());
+  EXPECT_TRUE(b.CheckRange(3, 3).ok());
+  ASSERT_TRUE(b.InsertLayer(b.NewLayerShell(0)).ok());
+  EXPECT_EQ(b.layer_begin(), 0);
+  EXPECT_EQ(b.layer_end(), 1);
 }
 
 TEST(MigrationTest, MigrationTensorsCarryGradientsAndAdamState) {

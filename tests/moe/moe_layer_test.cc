@@ -293,6 +293,29 @@ TEST(MoeLayerTest, OnlyEveryFreqthLayerIsMoe) {
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{3, 2, kHidden}));
 }
 
+// Megatron's list form of --moe_layer_freq places MoE layers anywhere (here: the first two
+// of four), and is refused naming the flag when it does not fit the model.
+TEST(MoeLayerTest, ListFormLayerFreqChoosesTheLayers) {
+  MoeOptions options = Options();
+  ASSERT_TRUE(ParseMoeLayerFreq("[1,1,0,0]", &options).ok());
+  EXPECT_EQ(options.LayerFreqText(), "[1,1,0,0]");
+  for (int64_t layer = 0; layer < 4; ++layer) EXPECT_EQ(options.IsMoeLayer(layer), layer < 2) << layer;
+  ModelOptions model = Model();
+  model.num_layers = 4;
+  EXPECT_TRUE(ValidateMoeOptions(options, model, 1, 1).ok());
+  model.num_layers = 6;
+  EXPECT_NE(ValidateMoeOptions(options, model, 1, 1).message().find("has 4 entries but the model has --num_layers=6"),
+            std::string::npos);
+  ASSERT_TRUE(ParseMoeLayerFreq("3", &options).ok());
+  EXPECT_TRUE(options.layer_pattern.empty());
+  EXPECT_EQ(options.LayerFreqText(), "3");
+  EXPECT_TRUE(options.IsMoeLayer(3));
+  EXPECT_FALSE(options.IsMoeLayer(4));
+  for (const char* bad : {"[1,2]", "[]", "0", "x", "[1,0"}) {
+    EXPECT_NE(ParseMoeLayerFreq(bad, &options).message().find("--moe_layer_freq"), std::string::npos) << bad;
+  }
+}
+
 TEST(MoeLayerTest, BadOptionsNameTheFlag) {
   MoeOptions options = Options();
   options.num_experts = 6;

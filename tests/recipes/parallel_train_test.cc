@@ -4,6 +4,7 @@
 // checkpoints move between layouts; a rank killed mid-run stops the job within seconds.
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -147,6 +148,58 @@ TEST_F(SlowParallelTrainTest, MigrationKeepsTheLossCurveBitIdentical) {
     EXPECT_LE(testing::MaxRelativeDifference(resumed, std::vector<double>(single_->begin() + 10, single_->end())),
               kRelativeTolerance)
         << layout;
+  }
+}
+
+// Plans of any distance (pipeline/rebalancer.h): placements reached in one iteration with
+// several layers leaving one stage and layers crossing several stages (layer 3 from stage
+// 1 to stage 3; layer 4 from stage 2 to stage 0), under pp=4 and pp=2×dp=2, give the loss
+// curve of the run without moves bit for bit; the moves happened and the metrics file
+// shows each iteration's placement.
+TEST_F(SlowParallelTrainTest, PlansOfAnyDistanceChangeNoLossBit) {
+  struct Case {
+    int n;
+    std::string layout;
+    std::string script;
+    std::vector<std::vector<std::vector<int>>> ranges_after;  // at iterations 3, 6, 9
+  };
+  const std::vector<Case> cases = {
+      {4, "--pipeline_model_parallel_size=4 --pipeline_schedule=zbh1", "3:1,1,1,5;6:2,2,2,2;9:5,1,1,1",
+       {{{0, 1}, {1, 2}, {2, 3}, {3, 8}}, {{0, 2}, {2, 4}, {4, 6}, {6, 8}}, {{0, 5}, {5, 6}, {6, 7}, {7, 8}}}},
+      {4, "--pipeline_model_parallel_size=2 --pipeline_schedule=1f1b", "3:1,7;6:6,2;9:3,5",
+       {{{0, 1}, {1, 8}}, {{0, 6}, {6, 8}}, {{0, 3}, {3, 8}}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.layout);
+    const std::string common = "--recipe=tiny --num_layers=8 --train_iters=12 --eval_interval=0 "
+                               "--log_interval=6 --global_batch_size=16 --micro_batch_size=4 " +
+                               c.layout;
+    std::string output;
+    const std::string still = *dir_ + "/any_still.jsonl";
+    const std::string moved = *dir_ + "/any_moved.jsonl";
+    std::remove(still.c_str());
+    std::remove(moved.c_str());
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(c.n, common + " --metrics_file=" + still), &output), 0)
+        << output;
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(c.n, common + " --rebalance_script='" + c.script +
+                                                                 "' --metrics_file=" + moved),
+                                  &output),
+              0)
+        << output;
+    const std::vector<nlohmann::json> a = testing::MetricsRecords(still);
+    const std::vector<nlohmann::json> b = testing::MetricsRecords(moved);
+    ASSERT_EQ(a.size(), 12u);
+    ASSERT_EQ(b.size(), 12u);
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
+      EXPECT_EQ(a[i]["layers_moved"], 0);
+    }
+    for (size_t step = 0; step < 3; ++step) {
+      const size_t iteration = 3 * (step + 1);
+      EXPECT_EQ(b[iteration - 1]["stage_ranges"], nlohmann::json(c.ranges_after[step]))
+          << "iteration " << iteration;
+    }
+    EXPECT_GT(b.back()["layers_moved"].get<int64_t>(), 6) << "several layers per stage moved";
   }
 }
 

@@ -26,21 +26,23 @@ using testing::RandomPlan;
 constexpr int64_t kMicroBatchSize = 2;
 constexpr double kLossScale = 1e-3;
 
-// Remembers every Plan call's inputs and returns a fixed script.
+// Remembers every Plan call's inputs and returns a fixed script of placements.
 class RecordingRebalancer final : public Rebalancer {
  public:
-  explicit RecordingRebalancer(std::map<int64_t, std::vector<LayerMove>> script = {},
+  explicit RecordingRebalancer(std::map<int64_t, LayerRanges> script = {},
                                std::vector<std::vector<StageLoad>>* seen = nullptr)
       : script_(std::move(script)), seen_(seen) {}
   const char* name() const override { return "recording"; }
-  std::vector<LayerMove> Plan(int64_t iteration, const std::vector<StageLoad>& loads) override {
+  RebalanceDecision Plan(int64_t iteration, const std::vector<StageLoad>& loads) override {
     if (seen_ != nullptr) seen_->push_back(loads);
+    RebalanceDecision decision;
     auto it = script_.find(iteration);
-    return it == script_.end() ? std::vector<LayerMove>{} : it->second;
+    if (it != script_.end()) decision.target = it->second;
+    return decision;
   }
 
  private:
-  std::map<int64_t, std::vector<LayerMove>> script_;
+  std::map<int64_t, LayerRanges> script_;
   std::vector<std::vector<StageLoad>>* seen_;
 };
 
@@ -97,7 +99,7 @@ TEST(PipelineRunnerTest, LoadsCarryThePreviousIterationAndMemoryCountedByHand) {
   GptModel model(options);
   std::vector<std::vector<StageLoad>> seen;
   PipelineRunner runner(world->get(), "zbh1", kMicroBatchSize,
-                        std::make_unique<RecordingRebalancer>(std::map<int64_t, std::vector<LayerMove>>{},
+                        std::make_unique<RecordingRebalancer>(std::map<int64_t, LayerRanges>{},
                                                               &seen));
   std::map<int64_t, double> first_forward;  // What iteration 1 measured per layer.
   for (int64_t iteration = 1; iteration <= 2; ++iteration) {
@@ -162,7 +164,7 @@ TEST(PipelineRunnerTest, LoadsCarryEachBlocksOwnLoad) {
   GptModel model(options, StageSpec(), nullptr, odd_layers);
   std::vector<std::vector<StageLoad>> seen;
   PipelineRunner runner(world->get(), "zbh1", kMicroBatchSize,
-                        std::make_unique<RecordingRebalancer>(std::map<int64_t, std::vector<LayerMove>>{},
+                        std::make_unique<RecordingRebalancer>(std::map<int64_t, LayerRanges>{},
                                                               &seen));
   ASSERT_TRUE(runner.Run(model, 1, RandomPlan(options, 2, kMicroBatchSize), kLossScale).ok());
   ASSERT_EQ(seen.size(), 1u);
@@ -174,7 +176,7 @@ TEST(PipelineRunnerTest, LoadsCarryEachBlocksOwnLoad) {
 // Trains `iterations` steps of a pp-stage pipeline (this rank's stage of `world`) with the
 // given script, AdamW after every Run, and returns the losses; `model` is left as trained.
 std::vector<double> Train(parallel::Communicator* pp, GptModel& model, const std::string& schedule,
-                          std::map<int64_t, std::vector<LayerMove>> script, int iterations,
+                          std::map<int64_t, LayerRanges> script, int iterations,
                           std::vector<StageRunResult>* runs = nullptr) {
   PipelineRunner runner(pp, schedule, kMicroBatchSize,
                         std::make_unique<RecordingRebalancer>(std::move(script)));
@@ -206,12 +208,11 @@ at::Tensor LayerGradients(const GptModel& model, int64_t layer) {
 }
 
 // NOTE [early migration]: under each schedule, a plan for iteration 2 — stage 0's last layer
-// forward; stage 1's first layer back; and a round trip (layer 2 to stage 0 and on back to
-// stage 1, so stage 0 receives before it sends) — is carried out inside that iteration's
-// Run: the layout has changed when Run returns, before the optimizer step, and the first
-// sender posts in its last backward action. The losses of every iteration, before and after
-// the moves, and the final gradients of every layer equal those of the run without moves,
-// bit for bit.
+// forward; stage 1's first layer back — is carried out inside that iteration's Run: the
+// layout has changed when Run returns, before the optimizer step, and the sender posts in
+// its last backward action. The losses of every iteration, before and after the moves, and
+// the final gradients of every layer equal those of the run without moves, bit for bit.
+// (Moves over several stages at once are tested through fulcrum_train at pp=4.)
 TEST(PipelineRunnerWorker, EarlyMigration) {
   if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch, started by SlowPipelineRunnerTest";
   std::unique_ptr<parallel::Communicator> pp = WorldFromEnvironment();
@@ -220,13 +221,11 @@ TEST(PipelineRunnerWorker, EarlyMigration) {
   const int stage = pp->rank();
   const ModelOptions options = EngineModel();
   constexpr int kIterations = 3;
-  const std::vector<std::pair<int64_t, int64_t>> initial = {{0, 2}, {2, 4}};
-  const std::vector<std::vector<LayerMove>> plans = {
-      {LayerMove{1, 1}}, {LayerMove{2, 0}}, {LayerMove{2, 0}, LayerMove{2, 1}}};
+  const LayerRanges initial = {{0, 2}, {2, 4}};
+  const std::vector<LayerRanges> plans = {{{0, 1}, {1, 4}}, {{0, 3}, {3, 4}}};
   for (const std::string schedule : {"1f1b", "zbh1", "zbh2"}) {
-    for (const std::vector<LayerMove>& plan : plans) {
-      SCOPED_TRACE(schedule + ": " + std::to_string(plan.size()) + " moves, first layer " +
-                   std::to_string(plan[0].layer) + " -> stage " + std::to_string(plan[0].to_stage));
+    for (const LayerRanges& plan : plans) {
+      SCOPED_TRACE(schedule + ": " + FormatRanges(initial) + " -> " + FormatRanges(plan));
       GptModel still(options, EvenStage(options.num_layers, 2, stage));
       const std::vector<double> expected = Train(pp.get(), still, schedule, {}, kIterations);
       GptModel moved(options, EvenStage(options.num_layers, 2, stage));
@@ -235,21 +234,21 @@ TEST(PipelineRunnerWorker, EarlyMigration) {
       ASSERT_EQ(losses.size(), expected.size());
       for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i], expected[i]) << "iteration " << i + 1;
 
-      auto ranges = ApplyMoves(initial, plan);
-      ASSERT_TRUE(ranges.ok()) << ranges.status();
-      EXPECT_EQ(moved.layer_begin(), (*ranges)[stage].first);
-      EXPECT_EQ(moved.layer_end(), (*ranges)[stage].second);
+      // The move happened.
+      EXPECT_EQ(moved.layer_begin(), plan[stage].first);
+      EXPECT_EQ(moved.layer_end(), plan[stage].second);
       ASSERT_EQ(runs.size(), static_cast<size_t>(kIterations));
       EXPECT_TRUE(runs[0].migrations.empty());
       EXPECT_TRUE(runs[2].migrations.empty());
-      // Every stage takes part in every move of these plans.
-      ASSERT_EQ(runs[1].migrations.size(), plan.size());
-      const int first_sender = 1 - plan[0].to_stage;
+      const std::vector<PlannedMove> moves = MovesBetween(initial, plan);
+      ASSERT_EQ(moves.size(), 1u);
+      // Both stages take part in the move.
+      ASSERT_EQ(runs[1].migrations.size(), 1u);
       const MigrationTiming& m = runs[1].migrations[0];
-      EXPECT_EQ(m.layer, plan[0].layer);
-      EXPECT_EQ(m.sent, stage == first_sender);
+      EXPECT_EQ(m.layer, moves[0].layer);
+      EXPECT_EQ(m.sent, stage == moves[0].from_stage);
       if (m.sent) {
-        EXPECT_TRUE(m.early) << "the first sender posts in its last backward action";
+        EXPECT_TRUE(m.early) << "the sender posts in its last backward action";
         const ActionTiming& last = runs[1].timings.back();
         EXPECT_GE(m.start_ms, last.start_ms);
         EXPECT_LE(m.end_ms, last.end_ms);
@@ -300,7 +299,7 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
   std::vector<std::vector<StageLoad>> seen;
   PipelineRunner runner(&ctx.group(parallel::GroupKind::kPipeline), "zbh1", kMicroBatchSize,
                         std::make_unique<RecordingRebalancer>(
-                            std::map<int64_t, std::vector<LayerMove>>{{3, {LayerMove{1, 1}}}}, &seen),
+                            std::map<int64_t, LayerRanges>{{3, LayerRanges{{0, 1}, {1, 4}}}}, &seen),
                         {&ctx.group(parallel::GroupKind::kTensor), &dp});
   constexpr int kIterations = 4;
   std::vector<double> own_forward;  // This replica's own measurement, before agreeing.
@@ -332,7 +331,7 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
     std::vector<std::vector<StageLoad>> own;
     PipelineRunner disagreeing(&ctx.group(parallel::GroupKind::kPipeline), "zbh1", kMicroBatchSize,
                                std::make_unique<RecordingRebalancer>(
-                                   std::map<int64_t, std::vector<LayerMove>>{}, &own));
+                                   std::map<int64_t, LayerRanges>{}, &own));
     for (int64_t iteration = 1; iteration <= 2; ++iteration) {
       alone.ZeroGrad();
       ASSERT_TRUE(disagreeing
@@ -350,6 +349,48 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
   text << "rank " << ctx.world_rank() << " own per-layer F sums per iteration: " << raw;
   std::cout << text.str() << std::endl;
   ctx.Barrier();
+}
+
+// A rebalancer that decides differently on one data-parallel replica (a bug: it must decide
+// from the agreed loads alone) is caught before any layer moves: every rank's Run fails
+// naming the rank that planned otherwise.
+TEST(PipelineRunnerWorker, ReplicasThatPlanDifferentlyAreRefused) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch, started by SlowPipelineRunnerTest";
+  std::unique_ptr<parallel::Communicator> world = WorldFromEnvironment();
+  ASSERT_NE(world, nullptr);
+  ASSERT_EQ(world->size(), 4);
+  parallel::ParallelConfig config;
+  config.world_size = 4;
+  config.pp = 2;
+  auto context = parallel::ProcessGroupContext::Create(std::move(world), config,
+                                                       /*tie_embeddings=*/false);
+  ASSERT_TRUE(context.ok()) << context.status();
+  parallel::ProcessGroupContext& ctx = **context;
+  const ModelOptions options = EngineModel();
+  GptModel model(options, EvenStage(options.num_layers, 2, ctx.coords().pp));
+  std::map<int64_t, LayerRanges> script;
+  if (ctx.dp_rank() == 1) script[2] = {{0, 1}, {1, 4}};
+  PipelineRunner runner(&ctx.group(parallel::GroupKind::kPipeline), "zbh1", kMicroBatchSize,
+                        std::make_unique<RecordingRebalancer>(script),
+                        {&ctx.group(parallel::GroupKind::kTensor),
+                         &ctx.group(parallel::GroupKind::kData)});
+  ASSERT_TRUE(runner.Run(model, 1, RandomPlan(options, 3, kMicroBatchSize), kLossScale).ok());
+  auto second = runner.Run(model, 2, RandomPlan(options, 3, kMicroBatchSize), kLossScale);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("the replica ranks do not agree on the rebalancer's plan: "
+                                           "ranks 1 of that group"),
+            std::string::npos)
+      << second.status();
+  EXPECT_TRUE(model.CheckRange(ctx.coords().pp == 0 ? 0 : 2, ctx.coords().pp == 0 ? 2 : 4).ok())
+      << "nothing moved";
+  ctx.Barrier();
+}
+
+TEST(SlowPipelineRunnerTest, ReplicasThatPlanDifferentlyAreRefused) {
+  std::string output;
+  const int code = LaunchWorkers(4, "PipelineRunnerWorker.ReplicasThatPlanDifferentlyAreRefused", &output);
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_EQ(output.find("[  SKIPPED ]"), std::string::npos) << output;
 }
 
 TEST(SlowPipelineRunnerTest, EarlyMigrationUnderEverySchedule) {

@@ -1,0 +1,26 @@
+// The placement a pipeline starts with (--pipeline_initial_partition): Megatron's even
+// split, or DeepSpeed's parameter-balanced one — the two static baselines every balancing
+// benchmark compares against.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/config.h"
+#include "core/feed_forward.h"
+#include "core/tensor_parallel.h"
+
+namespace fulcrum {
+
+/// Each stage's [begin, end) in the placement that balances trainable parameters over
+/// `stages` stages (dynamic::PartitionBalance on the parameter counts): each layer counted
+/// as this rank builds it (`feed_forward` may replace MLPs, `tp` shards; layers are built
+/// one at a time, uninitialised, to be counted), the embedding pinned on the first stage and
+/// the final norm and LM head on the last. Every rank computes the same placement.
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParameterBalancedPlacement(
+    const ModelOptions& model, const FeedForwardFactory& feed_forward, TensorParallelGroup* tp,
+    int stages);
+
+}  // namespace fulcrum

@@ -1,5 +1,7 @@
 #include "core/gpt_model.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 
 namespace fulcrum {
@@ -17,7 +19,13 @@ StageSpec EvenStage(int64_t num_layers, int stages, int stage) {
 
 GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
                    FeedForwardFactory feed_forward)
-    : options_(options), tp_(tp), feed_forward_(std::move(feed_forward)) {
+    : GptModel(options, stage, tp,
+               feed_forward ? std::make_shared<FeedForwardCustomizer>(std::move(feed_forward))
+                            : nullptr) {}
+
+GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
+                   std::shared_ptr<LayerCustomizer> customizer)
+    : options_(options), tp_(tp), customizer_(std::move(customizer)) {
   const int tp_size = tp ? tp->size() : 1;
   TORCH_CHECK(options.num_attention_heads % tp_size == 0 && options.ffn_hidden_size % tp_size == 0 &&
                   options.vocab_size % tp_size == 0,
@@ -32,7 +40,7 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
   if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
   for (int64_t i = stage.layer_begin; i < end; ++i) {
     layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp, /*initialize=*/true,
-                                                          &feed_forward_));
+                                                          customizer_.get()));
   }
   if (stage.has_head) {
     head_ = std::make_unique<Head>(options, tp,
@@ -104,7 +112,14 @@ void GptModel::UpdateRange() {
 
 std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
   return std::make_unique<TransformerLayer>(options_, index, tp_, /*initialize=*/false,
-                                            &feed_forward_);
+                                            customizer_.get());
+}
+
+at::Tensor GptModel::Embed(const at::Tensor& tokens, const ForwardContext& ctx) const {
+  TORCH_CHECK(embedding_, "this stage holds no embedding");
+  std::optional<at::NoGradGuard> frozen;
+  if (frozen_prefix_ > 0) frozen.emplace();  // NOTE [frozen prefix]
+  return embedding_->Forward(tokens, ctx);
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {
@@ -136,7 +151,7 @@ LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ct
   const int64_t s = tokens.size(1) - 1;
   at::Tensor inputs = tokens.narrow(1, 0, s);
   at::Tensor labels = tokens.narrow(1, 1, s);
-  at::Tensor hidden = embedding_->Forward(inputs, ctx);
+  at::Tensor hidden = Embed(inputs, ctx);
   hidden = ForwardLayers(std::move(hidden), ctx);
   return HeadLoss(hidden, labels);
 }

@@ -55,11 +55,15 @@ struct LossSum {
 
 class GptModel {
  public:
-  /// `tp` (may be null: one rank) must outlive the model. `feed_forward` (may be empty)
-  /// may replace the dense MLP of chosen layers (core/feed_forward.h); it is kept for the
-  /// layer shells of migrations.
+  /// `tp` (may be null: one rank) must outlive the model. `customizer` (may be null) builds
+  /// the replaceable parts of every layer and edits it (core/plugin.h: the run's plugins);
+  /// it is kept for the layer shells of migrations.
   explicit GptModel(const ModelOptions& options, const StageSpec& stage = StageSpec(),
-                    TensorParallelGroup* tp = nullptr, FeedForwardFactory feed_forward = nullptr);
+                    TensorParallelGroup* tp = nullptr,
+                    std::shared_ptr<LayerCustomizer> customizer = nullptr);
+  /// The same with a customizer that only replaces MLPs (core/feed_forward.h).
+  GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
+           FeedForwardFactory feed_forward);
 
   const ModelOptions& options() const { return options_; }
 
@@ -91,6 +95,23 @@ class GptModel {
   int64_t NumParameterElements() const;
   TensorParallelGroup* tensor_parallel() const { return tp_; }
 
+  /// NOTE [frozen prefix]
+  /// When the embedding lookup and layers [0, k) are frozen (a plugin froze them, front to
+  /// back), no gradient needs to flow into them: the embedding runs without autograd, the
+  /// frozen layers then build no graph (their parameters and input need no gradient), and
+  /// a stage whose layers all lie in the prefix runs no backward at all — it neither waits
+  /// for nor sends a gradient. The input-side gradient of tied word embeddings stops too
+  /// (they still learn as the output weight). Every rank must set the same k.
+  void set_frozen_prefix(int64_t k) { frozen_prefix_ = k; }
+  int64_t frozen_prefix() const { return frozen_prefix_; }
+  /// Whether this stage's input needs a gradient: a trainable layer comes before it.
+  bool input_needs_grad() const { return layer_begin_ > frozen_prefix_; }
+  /// Whether this stage's output needs a gradient: it or a stage before it trains a layer,
+  /// or it holds the head.
+  bool output_needs_grad() const { return layer_end_ > frozen_prefix_ || head_ != nullptr; }
+  /// The embedding of input tokens [b, s] (the first stage; NOTE [frozen prefix]).
+  at::Tensor Embed(const at::Tensor& tokens, const ForwardContext& ctx) const;
+
   /// Whole-model forward of a micro-batch. `tokens` is [b, s+1]: inputs are the first s
   /// columns, labels the last s. Needs the embedding, every layer and the head.
   LossSum ForwardLoss(const at::Tensor& tokens, const ForwardContext& ctx) const;
@@ -112,7 +133,8 @@ class GptModel {
 
   ModelOptions options_;
   TensorParallelGroup* tp_;
-  FeedForwardFactory feed_forward_;
+  std::shared_ptr<LayerCustomizer> customizer_;
+  int64_t frozen_prefix_ = 0;
   int64_t layer_begin_ = 0;
   int64_t layer_end_ = 0;
   std::unique_ptr<Embedding> embedding_;

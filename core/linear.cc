@@ -45,18 +45,22 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const int64_t out_features = weight.size(0);
     const int64_t in_features = weight.size(1);
 
-    at::Tensor grad_input = at::matmul(grad_out, weight);
+    // A first trainable layer after a frozen prefix needs no input gradient (NOTE [frozen
+    // prefix] in core/gpt_model.h).
+    at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, weight) : at::Tensor();
     // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM.
     auto weight_grad = [grad_out, input, out_features, in_features]() {
       return at::matmul(grad_out.reshape({-1, out_features}).t(),
                         input.reshape({-1, in_features}));
     };
     at::Tensor grad_weight;
-    if (WeightGradStore* store = WeightGradStore::Active()) {
+    if (!weight.requires_grad()) {
+      // Frozen: no weight-gradient GEMM now or deferred (no W work for it).
+    } else if (WeightGradStore* store = WeightGradStore::Active()) {
       // Deferred (see NOTE [B/W split]); autograd receives no gradient for the weight.
       store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); },
                   ctx->saved_data[kTagKey].toInt(), Bytes(grad_out) + Bytes(input));
-    } else if (weight.requires_grad()) {
+    } else {
       grad_weight = weight_grad();
     }
     return {grad_input, grad_weight};

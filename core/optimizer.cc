@@ -41,6 +41,10 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
   const double beta1 = options_.adam_beta1;
   const double beta2 = options_.adam_beta2;
   for (Unit* unit : units) {
+    // A frozen unit (no parameter requires a gradient) takes no step at all.
+    bool trainable = false;
+    for (const Parameter& p : unit->parameters()) trainable = trainable || p.value.requires_grad();
+    if (!trainable) continue;
     const int64_t step = unit->optimizer_step() + 1;
     unit->set_optimizer_step(step);
     const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
@@ -49,7 +53,8 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
     const double sqrt_bc2 = std::sqrt(bias_correction2);
     for (Parameter& p : unit->parameters()) {
       const at::Tensor& grad = p.value.grad();
-      if (!grad.defined()) continue;
+      // A frozen parameter is never updated, even if a gradient reached it.
+      if (!grad.defined() || !p.value.requires_grad()) continue;
       if (!p.exp_avg.defined()) {
         p.exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
         p.exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);

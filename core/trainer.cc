@@ -92,9 +92,34 @@ Trainer::Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSys
       optimizer_(config.optimizer),
       schedule_(config.schedule, config.train.train_iters) {}
 
+namespace {
+
+// A plugin that only replaces MLPs, for Trainer::Create's FeedForwardFactory overload.
+class FeedForwardOnly final : public Plugin {
+ public:
+  explicit FeedForwardOnly(FeedForwardFactory factory) : factory_(std::move(factory)) {}
+  const char* name() const override { return "feed_forward"; }
+  std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) override {
+    return factory_(layer, unit, initialize);
+  }
+
+ private:
+  FeedForwardFactory factory_;
+};
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
     ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward) {
+  auto plugins = std::make_shared<PluginSet>();
+  if (feed_forward) plugins->Add(std::make_unique<FeedForwardOnly>(std::move(feed_forward)));
+  return Create(config, std::move(corpus), parallel, fs, std::move(plugins));
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
+    const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
+    ParallelContext* parallel, FileSystem* fs, std::shared_ptr<PluginSet> plugins) {
   FULCRUM_RETURN_IF_ERROR(config.Validate());
   const int dp = parallel ? parallel->dp_size() : 1;
   if (config.train.global_batch_size % (config.train.micro_batch_size * dp) != 0) {
@@ -104,7 +129,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " × data-parallel size ", dp));
   }
   std::unique_ptr<Trainer> trainer(new Trainer(config, parallel, fs));
-  trainer->has_feed_forward_ = static_cast<bool>(feed_forward);
+  trainer->plugins_ = plugins ? std::move(plugins) : std::make_shared<PluginSet>();
   trainer->corpus_documents_ = corpus->num_sequences();
   trainer->corpus_tokens_ = corpus->num_tokens();
   FULCRUM_ASSIGN_OR_RETURN(trainer->train_data_,
@@ -124,7 +149,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   }
   trainer->model_ = std::make_unique<GptModel>(
       config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
-      parallel ? parallel->tensor_parallel() : nullptr, std::move(feed_forward));
+      parallel ? parallel->tensor_parallel() : nullptr, trainer->plugins_);
   return trainer;
 }
 
@@ -161,6 +186,10 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   const int64_t epoch = train_data_->EpochOf(consumed_samples_);
 
   model_->ZeroGrad();
+  {
+    PluginContext ctx = MakePluginContext(iteration);
+    FULCRUM_RETURN_IF_ERROR(plugins_->BeforeIteration(ctx));
+  }
   double loss_sum = 0.0;
   // Each micro-batch's loss is scaled by the global token count, so accumulated (and
   // data-parallel summed) gradients are those of the mean loss over the global batch.
@@ -206,6 +235,11 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     parallel_->AllReduceGradients(units);
     parallel_->SumOverDataParallel(sums);
   }
+  {
+    // The gradients are complete and agree over the replicas (e.g. masked by pruning).
+    PluginContext ctx = MakePluginContext(iteration);
+    FULCRUM_RETURN_IF_ERROR(plugins_->AfterBackward(ctx));
+  }
   const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
   std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
   if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_sq);
@@ -229,6 +263,10 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   for (const auto& [index, layer] : model_->layers()) {
     if (FeedForward* block = layer->feed_forward()) block->AfterOptimizerStep();
   }
+  {
+    PluginContext ctx = MakePluginContext(iteration);
+    FULCRUM_RETURN_IF_ERROR(plugins_->AfterOptimizerStep(ctx));
+  }
 
   iteration_ = iteration;
   consumed_samples_ += t.global_batch_size;
@@ -247,6 +285,28 @@ void Trainer::NotifyModelChanged(const std::string& reason) {
   if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
     pipeline->ModelChanged(iteration_, reason);
   }
+}
+
+PluginContext Trainer::MakePluginContext(int64_t iteration) {
+  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+  return PluginContext(iteration, *model_, parallel_, [pipeline, iteration](const std::string& reason) {
+    if (pipeline != nullptr) pipeline->ModelChanged(iteration, reason);
+  });
+}
+
+nlohmann::json Trainer::LayerLoads() {
+  // Each layer's load once: from tensor-parallel rank 0 of the stage holding it, summed
+  // over the model-parallel ranks (zeros elsewhere).
+  std::vector<double> loads(config_.model.num_layers, 0.0);
+  const std::vector<Unit*> units = model_->Units();
+  const bool first_shard = units.empty() || units[0]->tp_rank() == 0;
+  if (first_shard) {
+    for (const auto& [index, layer] : model_->layers()) loads[index] = layer->Load();
+  }
+  if (parallel_ != nullptr) parallel_->SumOverModelParallel(loads);
+  nlohmann::json out = nlohmann::json::object();
+  for (size_t i = 0; i < loads.size(); ++i) out[absl::StrCat("layers.", i)] = loads[i];
+  return out;
 }
 
 nlohmann::json Trainer::BlockStatistics() {
@@ -455,6 +515,10 @@ absl::Status Trainer::Load(const std::string& path) {
   }
   iteration_ = saved.iteration;
   consumed_samples_ = saved.consumed_samples;
+  {
+    PluginContext ctx = MakePluginContext(iteration_);
+    FULCRUM_RETURN_IF_ERROR(plugins_->AfterLoad(ctx));
+  }
   FULCRUM_LOG(INFO) << "loaded checkpoint " << reader.dir() << ": iteration " << iteration_
                     << ", consumed samples " << consumed_samples_;
   return absl::OkStatus();
@@ -505,7 +569,10 @@ absl::Status Trainer::Run() {
     if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
       pipeline->Metrics(&record, &extra);
     }
-    if (has_feed_forward_) {
+    if (!plugins_->empty()) {
+      PluginContext ctx = MakePluginContext(stats.iteration);
+      FULCRUM_RETURN_IF_ERROR(plugins_->Metrics(ctx, &record, &extra));
+      record["layer_loads"] = LayerLoads();
       const nlohmann::json block_statistics = BlockStatistics();
       for (const auto& [name, value] : block_statistics.items()) {
         record[name] = value;

@@ -29,6 +29,7 @@
 #include "core/metrics.h"
 #include "core/optimizer.h"
 #include "core/parallel_context.h"
+#include "core/plugin.h"
 
 namespace fulcrum {
 
@@ -42,7 +43,7 @@ struct TrainerConfig {
   /// Where the corpus came from (--data_path; empty: the embedded corpus). Recorded in
   /// checkpoints with the corpus's size, so a resume on other data is noticed.
   std::string data_path;
-  /// Settings of the FeedForward blocks (core/feed_forward.h) that decide their parameters,
+  /// Settings of the plugins (core/plugin.h; the MoE layers) that decide their parameters,
   /// as (flag name, value), e.g. {"num_experts", "8"}: recorded in checkpoints, and a
   /// resume with other values is refused naming the flag. Empty for a dense model.
   std::vector<std::pair<std::string, std::string>> feed_forward_shape;
@@ -66,12 +67,16 @@ class Trainer {
  public:
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
   /// first; nothing heavy happens before validation passes. `parallel` (null: one process)
-  /// must outlive the trainer. `feed_forward` may replace the MLP of chosen layers
-  /// (core/feed_forward.h; the MoE layer).
+  /// must outlive the trainer. `plugins` (may be null: none) build parts of the layers and
+  /// act at fixed points of each iteration (core/plugin.h).
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
       ParallelContext* parallel = nullptr, FileSystem* fs = DefaultFileSystem(),
-      FeedForwardFactory feed_forward = nullptr);
+      std::shared_ptr<PluginSet> plugins = nullptr);
+  /// The same with only a FeedForwardFactory replacing the MLP of chosen layers.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
+      ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward);
 
   /// Restores model, optimizer state, iteration and data position from `path` (a save
   /// directory following its `latest`, or one iteration directory).
@@ -137,6 +142,11 @@ class Trainer {
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).
   nlohmann::json BlockStatistics();
+  /// Every layer's Load() (TransformerLayer: a block's or plugin's measure of its work),
+  /// by layer, over every stage (collective over the model-parallel ranks).
+  nlohmann::json LayerLoads();
+  /// A hook's context for `iteration`.
+  PluginContext MakePluginContext(int64_t iteration);
 
   TrainerConfig config_;
   ParallelContext* parallel_;
@@ -149,7 +159,7 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
-  bool has_feed_forward_ = false;  // A FeedForwardFactory was given (same on every rank).
+  std::shared_ptr<PluginSet> plugins_;  // Never null; may be empty.
   std::function<bool()> stop_request_;
   bool stopped_ = false;
 };

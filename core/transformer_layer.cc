@@ -103,7 +103,7 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
 // ---------------------------------------------------------------------------------------
 TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_index,
                                    TensorParallelGroup* tp, bool initialize,
-                                   const FeedForwardFactory* feed_forward)
+                                   LayerCustomizer* customizer)
     : Unit(absl::StrCat("layers.", layer_index), TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
@@ -144,14 +144,54 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
   proj_bias_ = constant("self_attention.linear_proj.bias", Zeros({h}), -1);
   ln2_weight_ = constant("pre_mlp_layernorm.weight", Ones({h}), -1);
   ln2_bias_ = constant("pre_mlp_layernorm.bias", Zeros({h}), -1);
-  if (feed_forward != nullptr && *feed_forward) {
-    feed_forward_ = (*feed_forward)(layer_index, *this, initialize);
-    if (feed_forward_ != nullptr) return;
+  if (customizer != nullptr) {
+    attention_core_ = customizer->MakeAttentionCore(layer_index, *this, initialize);
+    feed_forward_ = customizer->MakeFeedForward(layer_index, *this, initialize);
   }
-  fc1_weight_ = weight("mlp.linear_fc1.weight", {f, h}, std, 0);
-  fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({f}), 0);
-  fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
-  fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
+  if (feed_forward_ == nullptr) {
+    fc1_weight_ = weight("mlp.linear_fc1.weight", {f, h}, std, 0);
+    fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({f}), 0);
+    fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
+    fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
+  }
+  if (customizer != nullptr) customizer->EditLayer(*this, initialize);
+}
+
+void TransformerLayer::SetLinear(LinearSlot slot, LinearImpl impl) {
+  linears_[static_cast<size_t>(slot)] = std::move(impl);
+}
+
+const at::Tensor& TransformerLayer::weight(LinearSlot slot) const {
+  switch (slot) {
+    case LinearSlot::kQkv: return qkv_weight_;
+    case LinearSlot::kProj: return proj_weight_;
+    case LinearSlot::kFc1: return fc1_weight_;
+    case LinearSlot::kFc2: return fc2_weight_;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown linear slot");
+}
+
+const char* LinearSlotName(LinearSlot slot) {
+  switch (slot) {
+    case LinearSlot::kQkv: return "self_attention.linear_qkv.weight";
+    case LinearSlot::kProj: return "self_attention.linear_proj.weight";
+    case LinearSlot::kFc1: return "mlp.linear_fc1.weight";
+    case LinearSlot::kFc2: return "mlp.linear_fc2.weight";
+  }
+  return "?";
+}
+
+at::Tensor TransformerLayer::Project(LinearSlot slot, const at::Tensor& x, const at::Tensor& w,
+                                     const at::Tensor& b) const {
+  const LinearImpl& impl = linears_[static_cast<size_t>(slot)];
+  return impl ? impl(x, w, b) : LinearForward(x, w, b);
+}
+
+double TransformerLayer::Load() const {
+  if (load_reporter_) return load_reporter_();
+  double load = feed_forward_ != nullptr ? feed_forward_->Load() : 0.0;
+  if (attention_core_ != nullptr) load += attention_core_->Load();
+  return load;
 }
 
 TransformerLayer::~TransformerLayer() = default;
@@ -188,8 +228,8 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   const int64_t b = x.size(1);
   const int64_t heads = local_heads_;
   const int64_t d = options_.head_dim();
-  at::Tensor qkv =
-      LinearForward(CopyToRegion(tp_, x), qkv_weight_, qkv_bias_).view({s, b, heads, 3, d});
+  at::Tensor qkv = Project(LinearSlot::kQkv, CopyToRegion(tp_, x), qkv_weight_, qkv_bias_)
+                       .view({s, b, heads, 3, d});
   // [s, b, heads, d] → [b, heads, s, d]
   at::Tensor q = qkv.select(3, 0).permute({1, 2, 0, 3});
   at::Tensor k = qkv.select(3, 1).permute({1, 2, 0, 3});
@@ -198,6 +238,20 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
     q = ApplyRotary(q, options_.rotary_base);
     k = ApplyRotary(k, options_.rotary_base);
   }
+  at::Tensor context = attention_core_ != nullptr ? attention_core_->Forward(q, k, v, ctx)
+                                                  : SoftmaxAttention(q, k, v, ctx);  // [b, heads, s, d]
+  context = context.permute({2, 0, 1, 3})                   // [s, b, heads, d]
+                .reshape({s, b, heads * d});
+  // Row-parallel: partial products summed over the group, then the bias once.
+  return ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())) +
+         proj_bias_;
+}
+
+at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const ForwardContext& ctx) const {
+  const int64_t s = q.size(2);
+  const int64_t heads = q.size(1);
+  const int64_t d = q.size(3);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(d)));
   at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
@@ -215,17 +269,13 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
     }
     probs = at::stack(per_head, 1);
   }
-  at::Tensor context = at::matmul(probs, v)                 // [b, heads, s, d]
-                           .permute({2, 0, 1, 3})           // [s, b, heads, d]
-                           .reshape({s, b, heads * d});
-  // Row-parallel: partial products summed over the group, then the bias once.
-  return ReduceFromRegion(tp_, LinearForward(context, proj_weight_, at::Tensor())) + proj_bias_;
+  return at::matmul(probs, v);
 }
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
   if (feed_forward_ != nullptr) return feed_forward_->Forward(x, ctx);
-  at::Tensor h = at::gelu(LinearForward(CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
-  return ReduceFromRegion(tp_, LinearForward(h, fc2_weight_, at::Tensor())) + fc2_bias_;
+  at::Tensor h = at::gelu(Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
+  return ReduceFromRegion(tp_, Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor())) + fc2_bias_;
 }
 
 at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardContext& ctx) const {

@@ -10,13 +10,16 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string_view>
 
 #include "core/config.h"
 #include "core/feed_forward.h"
+#include "core/plugin.h"
 #include "core/tensor_parallel.h"
 #include "core/unit.h"
 
@@ -65,18 +68,47 @@ class Embedding : public Unit {
   at::Tensor position_embeddings_;  // Undefined with rotary positions.
 };
 
+/// The weights of a dense transformer layer whose product a plugin may replace
+/// (TransformerLayer::SetLinear).
+enum class LinearSlot : uint8_t { kQkv, kProj, kFc1, kFc2 };
+inline constexpr int kNumLinearSlots = 4;
+/// The weight's local parameter name, e.g. "self_attention.linear_qkv.weight".
+const char* LinearSlotName(LinearSlot slot);
+
+/// y = x·Wᵀ + b with W and b a layer's own parameters (b may be undefined): a replacement of
+/// one of its products. It must give the gradients of the dense product (of the weights as
+/// they are; e.g. masked) and honour the B/W split (core/linear.h NOTE [B/W split]).
+using LinearImpl =
+    std::function<at::Tensor(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias)>;
+
 class TransformerLayer : public Unit {
  public:
   /// Parameters are initialised from the seed, or — with `initialize` false — left
-  /// uninitialised, for a shell that receives a migrated layer's state. `feed_forward`
-  /// (may be null) may replace the dense MLP (core/feed_forward.h).
+  /// uninitialised, for a shell that receives a migrated layer's state. `customizer` (may
+  /// be null; must outlive the layer) may replace the dense MLP and the attention core and
+  /// edits the layer once built (core/plugin.h).
   TransformerLayer(const ModelOptions& options, int64_t layer_index,
                    TensorParallelGroup* tp = nullptr, bool initialize = true,
-                   const FeedForwardFactory* feed_forward = nullptr);
+                   LayerCustomizer* customizer = nullptr);
   ~TransformerLayer() override;
   int64_t layer_index() const { return layer_index_; }
   /// The block replacing the dense MLP, or null.
   FeedForward* feed_forward() const { return feed_forward_.get(); }
+  /// The attention core replacing softmax attention, or null.
+  AttentionCore* attention_core() const { return attention_core_.get(); }
+
+  /// Replaces the product of the weight in `slot` (a plugin's EditLayer: sparse compute of a
+  /// pruned weight); an empty impl restores the dense product. The MLP slots exist only
+  /// while no block replaces the MLP.
+  void SetLinear(LinearSlot slot, LinearImpl impl);
+  /// The weight of `slot` (undefined for the MLP slots of a layer whose MLP is replaced).
+  const at::Tensor& weight(LinearSlot slot) const;
+  /// The layer's own measure of its work in the last step, for the balancers (StageLoad::
+  /// layer_block_load): the reporter's (SetLoadReporter) if one is set, else its MLP
+  /// block's plus its attention core's; 0 for a plain dense layer.
+  double Load() const;
+  /// Sets the function Load() returns (a plugin's predicted load: active tokens, density).
+  void SetLoadReporter(std::function<double()> reporter) { load_reporter_ = std::move(reporter); }
 
   /// Unit's, plus the block's step state under "<layer>.mlp.step_state.<name>".
   NamedTensors MigrationTensors() const override;
@@ -86,7 +118,13 @@ class TransformerLayer : public Unit {
 
  private:
   at::Tensor Attention(const at::Tensor& x, const ForwardContext& ctx) const;
+  // Causal softmax attention of q, k, v [b, heads, s, d] → [b, heads, s, d].
+  at::Tensor SoftmaxAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const ForwardContext& ctx) const;
   at::Tensor Mlp(const at::Tensor& x, const ForwardContext& ctx) const;
+  // x·Wᵀ + b through the slot's replacement, else the dense Linear (core/linear.h).
+  at::Tensor Project(LinearSlot slot, const at::Tensor& x, const at::Tensor& w,
+                     const at::Tensor& b) const;
 
   ModelOptions options_;
   TensorParallelGroup* tp_;
@@ -95,6 +133,9 @@ class TransformerLayer : public Unit {
   at::Tensor ln1_weight_, ln1_bias_, qkv_weight_, qkv_bias_, proj_weight_, proj_bias_;
   at::Tensor ln2_weight_, ln2_bias_, fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;
   std::unique_ptr<FeedForward> feed_forward_;  // Replaces the fc1/fc2 MLP when set.
+  std::unique_ptr<AttentionCore> attention_core_;  // Replaces softmax attention when set.
+  std::array<LinearImpl, kNumLinearSlots> linears_;
+  std::function<double()> load_reporter_;
 };
 
 class Head : public Unit {

@@ -44,9 +44,13 @@ at::Tensor& Unit::AddBuffer(const std::string& local_name, at::Tensor init) {
     TORCH_INTERNAL_ASSERT(name != local_name, "duplicate buffer ", GlobalName(local_name));
   }
   TORCH_CHECK(init.is_contiguous(), "buffer ", GlobalName(local_name), " must be contiguous");
-  // Layer migration carries tensors as fp32 (pipeline/migration.cc).
-  TORCH_CHECK(init.scalar_type() == at::kFloat, "buffer ", GlobalName(local_name),
-              " must be float32, got ", init.scalar_type());
+  // Layer migration carries tensors as fp32 or fp64 (pipeline/migration.cc): a buffer's
+  // values must survive that exactly.
+  const at::ScalarType dtype = init.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBool ||
+                  dtype == at::kByte || dtype == at::kChar || dtype == at::kShort,
+              "buffer ", GlobalName(local_name),
+              " must be float32, float64, bool, uint8, int8 or int16, got ", dtype);
   buffers_.emplace_back(local_name, init.detach());
   return buffers_.back().second;
 }
@@ -148,10 +152,19 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
       p.exp_avg = p.exp_avg_sq = at::Tensor();
     }
   }
+  StateLoaded();
   return absl::OkStatus();
 }
 
 absl::Status Unit::LoadStateTensors(
+    const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
+    bool with_optimizer) {
+  absl::Status status = LoadState(lookup, with_optimizer);
+  if (status.ok()) StateLoaded();
+  return status;
+}
+
+absl::Status Unit::LoadState(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
     bool with_optimizer) {
   auto load_into = [&](const std::string& name, const Parameter& p,

@@ -138,13 +138,35 @@ class Unit {
   at::ScalarType params_dtype() const { return params_dtype_; }
 
   /// Registers persistent state that is not trained (e.g. the expert bias of an
-  /// auxiliary-loss-free router): replicated over every group, checkpointed and migrated
+  /// auxiliary-loss-free router, a pruning mask, a frozen flag): checkpointed and migrated
   /// with the unit under its global name, restored in place. The unit keeps `init` itself
-  /// (sharing its storage, which must be contiguous fp32 — migrations carry fp32), so the
-  /// owner and the unit see the same values; the owner updates it in place only.
+  /// (sharing its storage, which must be contiguous), so the owner and the unit see the
+  /// same values; the owner updates it in place only. Its dtype is fp32, fp64, or one that
+  /// fp32 holds exactly (bool, uint8, int8, int16): migrations carry fp32 or fp64.
   at::Tensor& AddBuffer(const std::string& local_name, at::Tensor init);
+
+  /// Registers `callback`, run after every load of this unit's state (LoadStateTensors and
+  /// LoadMigrationTensors, once everything is restored): what derives from the unit's state
+  /// — a plugin's sparse structure from its mask, parameters frozen by a flag — is derived
+  /// again there. Registered during construction, by the unit or a plugin's EditLayer.
+  void OnStateLoaded(std::function<void(Unit&)> callback) {
+    state_loaded_.push_back(std::move(callback));
+  }
+  /// Runs the OnStateLoaded callbacks (the loaders call it; so may a plugin that changed
+  /// the state in place).
+  void StateLoaded() {
+    for (auto& callback : state_loaded_) callback(*this);
+  }
   /// Buffers by local name.
   const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }
+  /// The buffer with local name `local_name` (a handle sharing its storage), or an undefined
+  /// tensor.
+  at::Tensor FindBuffer(const std::string& local_name) const {
+    for (const auto& [name, buffer] : buffers_) {
+      if (name == local_name) return buffer;
+    }
+    return at::Tensor();
+  }
 
  private:
   std::string name_;
@@ -152,8 +174,14 @@ class Unit {
   int tp_size_;
   std::vector<Parameter> parameters_;
   std::vector<std::pair<std::string, at::Tensor>> buffers_;
+  // LoadStateTensors without the callbacks.
+  absl::Status LoadState(
+      const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
+      bool with_optimizer);
+
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;
+  std::vector<std::function<void(Unit&)>> state_loaded_;
 
  protected:
   /// Sets params_dtype() — in a subclass's constructor, before its first AddParameter.

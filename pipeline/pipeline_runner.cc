@@ -153,11 +153,9 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     m[layer_column(layer, kLayerState)] =
         static_cast<double>(bytes.parameters + bytes.gradients + bytes.optimizer);
     m[layer_column(layer, kLayerParameters)] = TrainableParameters(*unit);
-    // The block's own load (an MoE layer: expert rows of its last completed step); it
-    // travels with the layer, so it is reported where the layer is now.
-    if (const FeedForward* block = unit->feed_forward()) {
-      m[layer_column(layer, kLayerBlockLoad)] = block->Load();
-    }
+    // The layer's own load (an MoE layer: expert rows of its last completed step; a plugin's
+    // prediction); it travels with the layer, so it is reported where the layer is now.
+    m[layer_column(layer, kLayerBlockLoad)] = unit->Load();
   }
   at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, width]
   // Replicas measured different times: every one takes the mean, summed in rank order, so

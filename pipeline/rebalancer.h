@@ -59,9 +59,9 @@ struct StageLoad {
   std::vector<double> layer_forward_ms;   // F.
   std::vector<double> layer_backward_ms;  // B, or the fused BW of 1F1B (then W is 0).
   std::vector<double> layer_weight_ms;    // W (deferred weight-gradient GEMMs).
-  // The layer's own measure of its work from its FeedForward block (core/feed_forward.h),
-  // 0 for a dense layer: an MoE layer reports the rows its experts multiplied in the last
-  // completed step (DESIGN.md "Load model": plugins contribute a predicted load).
+  // The layer's own measure of its work (TransformerLayer::Load): its MLP block's (an MoE
+  // layer: the rows its experts multiplied in the last completed step), or a plugin's
+  // prediction; 0 for a dense layer (DESIGN.md "Load model": plugins contribute a load).
   std::vector<double> layer_block_load;
   /// Trainable parameters (scalars) of each layer of the range, as this rank holds them
   /// (its tensor-parallel shards; its experts): the static, DeepSpeed-style cost measure.

@@ -53,7 +53,8 @@ struct StageExecutor::RunContext {
         // Activations are [seq_length, micro_batch_size, hidden] between stages.
         transport(pp, actions,
                   {model.options().seq_length, micro_batch_size, model.options().hidden_size},
-                  ParamsScalarType(model.options()), depth) {}
+                  ParamsScalarType(model.options()), depth,
+                  /*receive_gradients=*/training && model.output_needs_grad()) {}
 
   GptModel& model;
   const MicroBatchPlan& plan;
@@ -155,11 +156,12 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
   at::Tensor tokens = (run.first || run.last) ? run.plan.tokens(mb) : at::Tensor();
   if (!run.first) {
     FULCRUM_ASSIGN_OR_RETURN(state->input, run.transport.TakeActivation(mb, &timing.wait_ms));
-    if (run.training) state->input.requires_grad_(true);
+    // NOTE [frozen prefix] in core/gpt_model.h: no gradient into the frozen layers before.
+    if (run.training && model.input_needs_grad()) state->input.requires_grad_(true);
   }
   const int64_t live_before = run.meter.live();
   at::Tensor hidden =
-      run.first ? model.embedding()->Forward(tokens.narrow(1, 0, s), ctx) : state->input;
+      run.first ? model.Embed(tokens.narrow(1, 0, s), ctx) : state->input;
   state->layers.reserve(model.layers().size());
   state->input_grad_at.resize(model.layers().size());
   for (const auto& [layer_index, layer] : model.layers()) {  // timed per layer: the load model
@@ -212,8 +214,11 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool l
                                             " before its forward"));
   }
   InFlight& state = *it->second;
-  Clock::time_point backward_start;
-  {
+  Clock::time_point backward_start = Clock::now();
+  // NOTE [frozen prefix]: a stage whose layers all lie in the frozen prefix has nothing to
+  // differentiate; the next stage sends it no gradient.
+  const bool differentiate = run.last || state.output.requires_grad();
+  if (differentiate) {
     std::optional<WeightGradStore::Scope> defer;
     if (split) defer.emplace(&state.weight_grads);
     if (run.last) {
@@ -235,7 +240,7 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool l
     run.result.layer_backward_ms[state.layers[i]] += ms;
     timing.layer_ms.emplace_back(state.layers[i], ms);
   }
-  if (!run.first) run.transport.SendGradient(state.input.grad(), mb);
+  if (!run.first && run.model.input_needs_grad()) run.transport.SendGradient(state.input.grad(), mb);
   // The graph is freed; only the deferred weight gradients (split) remain.
   state.output = at::Tensor();
   state.loss = at::Tensor();

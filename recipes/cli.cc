@@ -9,6 +9,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -92,8 +93,11 @@ std::string WrapText(const std::string& text, size_t indent, size_t first_column
 
 std::string FlagLine(const gflags::CommandLineFlagInfo& info) {
   std::string head = absl::StrCat("  --", info.name);
+  double number = 0;
   if (info.type == "string") {
     absl::StrAppend(&head, "=", info.default_value.empty() ? "\"\"" : info.default_value);
+  } else if (info.type == "double" && absl::SimpleAtod(info.default_value, &number)) {
+    absl::StrAppend(&head, "=", absl::StrFormat("%g", number));  // 0.05, not 0.050000000000000003
   } else {
     absl::StrAppend(&head, "=", info.default_value);
   }
@@ -234,12 +238,15 @@ std::string HelpText(const HelpSpec& spec) {
       if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) absl::StrAppend(&out, FlagLine(info));
     }
   }
+  // The per-file groups hold what the titled groups do not list.
+  std::set<std::string> grouped;
+  for (const HelpGroup& group : spec.groups) grouped.insert(group.flags.begin(), group.flags.end());
   std::map<std::string, std::vector<gflags::CommandLineFlagInfo>> per_file;
   std::vector<gflags::CommandLineFlagInfo> flags;
   gflags::GetAllFlags(&flags);
   for (const auto& info : flags) {
     const std::string file = PerFileName(spec, info);
-    if (!file.empty()) per_file[file].push_back(info);
+    if (!file.empty() && grouped.count(info.name) == 0) per_file[file].push_back(info);
   }
   for (const auto& [file, infos] : per_file) {
     absl::StrAppend(&out, "\n", spec.per_file_title, ": ", file, ":\n");

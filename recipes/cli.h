@@ -32,8 +32,8 @@ struct HelpSpec {
   std::string usage;    // What the program does and how to call it (first lines of --help).
   std::vector<HelpGroup> groups;
   /// Flags defined in a source file whose path contains "/<dir>/<name>.cc" are this
-  /// program's too, grouped under "<title>: <name>" per file — how the flags of
-  /// plugins (one file each) reach --help without a list here.
+  /// program's too, grouped under "<title>: <name>" per file unless a titled group lists
+  /// them — how the flags of plugins (one file each) reach --help without a list here.
   std::string per_file_dir;    // e.g. "plugins"; empty for none.
   std::string per_file_title;  // e.g. "Plugins".
 };

@@ -10,15 +10,14 @@
 namespace fulcrum {
 
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParameterBalancedPlacement(
-    const ModelOptions& model, const FeedForwardFactory& feed_forward, TensorParallelGroup* tp,
-    int stages) {
+    const ModelOptions& model, LayerCustomizer* customizer, TensorParallelGroup* tp, int stages) {
   const double tp_size = tp != nullptr ? tp->size() : 1;
   const double h = static_cast<double>(model.hidden_size);
   const double vocab_rows = static_cast<double>(model.vocab_size) / tp_size;
   dynamic::BalanceProblem problem;
   problem.num_stages = stages;
   for (int64_t i = 0; i < model.num_layers; ++i) {
-    TransformerLayer shell(model, i, tp, /*initialize=*/false, feed_forward ? &feed_forward : nullptr);
+    TransformerLayer shell(model, i, tp, /*initialize=*/false, customizer);
     double trainable = 0;
     for (const Parameter& p : shell.parameters()) trainable += static_cast<double>(p.value.numel());
     problem.layer_cost.push_back(trainable);

@@ -9,18 +9,18 @@
 
 #include "absl/status/statusor.h"
 #include "core/config.h"
-#include "core/feed_forward.h"
+#include "core/plugin.h"
 #include "core/tensor_parallel.h"
 
 namespace fulcrum {
 
 /// Each stage's [begin, end) in the placement that balances trainable parameters over
 /// `stages` stages (dynamic::PartitionBalance on the parameter counts): each layer counted
-/// as this rank builds it (`feed_forward` may replace MLPs, `tp` shards; layers are built
-/// one at a time, uninitialised, to be counted), the embedding pinned on the first stage and
-/// the final norm and LM head on the last. Every rank computes the same placement.
+/// as this rank builds it (`customizer`, may be null: the plugins' blocks; `tp` shards;
+/// layers are built one at a time, uninitialised, to be counted), the embedding pinned on
+/// the first stage and the final norm and LM head on the last. Every rank computes the same
+/// placement.
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParameterBalancedPlacement(
-    const ModelOptions& model, const FeedForwardFactory& feed_forward, TensorParallelGroup* tp,
-    int stages);
+    const ModelOptions& model, LayerCustomizer* customizer, TensorParallelGroup* tp, int stages);
 
 }  // namespace fulcrum

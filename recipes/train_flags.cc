@@ -11,6 +11,7 @@
 #include "core/data/tokenizer.h"
 #include "core/status.h"
 #include "dynamic/balancers.h"
+#include "plugins/plugin_registry.h"
 #include "moe/router.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
@@ -105,51 +106,10 @@ DEFINE_string(pipeline_initial_partition, "uniform",
 DEFINE_int32(expert_model_parallel_size, 1,
              "Expert-parallel size: the experts of each MoE layer are shared out over this many "
              "data-parallel ranks (needs --num_experts divisible by it).");
-// Mixture of Experts.
-DEFINE_int64(num_experts, 0, "Experts per MoE layer; 0 = a dense model.");
-DEFINE_string(moe_layer_freq, "1",
-              "Which layers are MoE: N (layer i when i % N == 0; 1 = every layer) or Megatron's "
-              "list form, one 0/1 per layer, e.g. [1,1,1,1,0,0,0,0] (heavy layers on one side).");
-DEFINE_int64(moe_router_topk, 2, "Experts per token (k).");
-DEFINE_string(moe_router_topk_schedule, "",
-              "Top-any routing: ITER:K[,ITER:K...] routes with K experts per token from step ITER "
-              "on, e.g. '1:2,500:1'; empty = always --moe_router_topk.");
-DEFINE_int64(moe_ffn_hidden_size, 0, "Hidden size of each expert; 0 = the MLP size.");
-DEFINE_string(moe_router, "topk", "Router (see the list above).");
-DEFINE_double(moe_capacity_factor, 1.0,
-              "Expert capacity (Tutel's convention): x > 0 fixed ceil(k*x*T/E); 0 the smallest that "
-              "drops nothing this step (agreed over the ep group); x < 0 the same capped at -x.");
-DEFINE_bool(moe_per_expert_capacity, false,
-            "Size each expert's buffer to the tokens it keeps, min(load, capacity), instead of "
-            "padding every expert to the capacity; with expert parallelism the all-to-all sends "
-            "row counts first, then variable-size buffers. Same math, less memory and traffic.");
-DEFINE_bool(moe_batch_prioritized_routing, false,
-            "Confident tokens claim expert slots first (V-MoE's batch priority routing).");
-DEFINE_double(moe_aux_loss_coeff, 1e-2,
-              "Scale of the balancing losses (load balancing; importance and load for noisy_topk).");
-DEFINE_double(moe_z_loss_coeff, 0.0, "Router z-loss scale (ST-MoE); 0 = off.");
-DEFINE_double(moe_input_jitter_eps, 0.0, "Multiplicative router input jitter in training; 0 = off.");
-DEFINE_double(moe_router_init_std, 0.02, "Std of the router weight initialisation.");
-DEFINE_double(moe_noise_epsilon, 1e-2, "noisy_topk: floor of the noise scale.");
-DEFINE_double(moe_router_bias_update_rate, 1e-3, "aux_free: expert bias update rate per step.");
-DEFINE_int32(moe_sinkhorn_iterations, 50, "sinkhorn: most Sinkhorn iterations.");
-DEFINE_double(moe_expert_choice_capacity_factor, 1.0, "expert_choice: tokens per expert c*k*T/E.");
-DEFINE_int64(moe_cosine_projection_dim, 16, "cosine: projection dimension.");
-DEFINE_double(moe_cosine_init_temperature, 0.5, "cosine: initial temperature.");
-DEFINE_double(moe_cosine_min_temperature, 0.01, "cosine: smallest temperature.");
-DEFINE_int32(moe_a2a_overlap_degree, 1,
-             "Exchange and compute the experts' tokens in this many chunks, so the all-to-all of "
-             "one chunk overlaps the expert compute of another (forward pass); 1 = off.");
-DEFINE_double(moe_assignment_cache_threshold, 0.0,
-              "DynaMoE sample-assignment caching: once an epoch changes the experts of fewer "
-              "than this fraction of the tokens met again, the next epoch routes each token by "
-              "its cached assignment (a fully cached micro-batch starts the exchange before the "
-              "router runs). 0 = off; needs a token-choice router and no top-k schedule. The "
-              "metrics file reports assignment_cache per layer: [changed, met again, routed by "
-              "cache, micro-batches dispatched before routing].");
-DEFINE_int32(moe_hierarchical_a2a_node_size, 0,
-             "Two-level all-to-all (inside nodes of this many ranks, then between nodes); "
-             "0 = flat.");
+// Plugins (their own flags are in their files, plugins/*.cc).
+DEFINE_string(plugins, "",
+              "Dynamism plugins, in order (see the list above), e.g. moe,freeze,prune. The moe "
+              "plugin is also selected by --num_experts > 0.");
 DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
@@ -195,6 +155,8 @@ cli::HelpSpec TrainHelpSpec() {
   spec.usage += "\nMoE routers (--moe_router, with --num_experts > 0):\n" + moe::RouterHelp();
   spec.usage += "\nPipeline schedules (--pipeline_schedule):\n" + pipeline::ScheduleHelp();
   spec.usage += "\nBalancers (--rebalancer):\n" + dynamic::BalancerHelp();
+  spec.usage += "\nPlugins (--plugins; each file's flags are listed under \"Plugins\" below):\n" +
+                plugins::PluginHelp();
   spec.groups = {
       {"Model",
        {"recipe", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -223,6 +185,7 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_expert_choice_capacity_factor", "moe_cosine_projection_dim",
         "moe_cosine_init_temperature", "moe_cosine_min_temperature", "moe_a2a_overlap_degree",
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
+      {"Plugins", {"plugins"}},
       {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change"}},
       {"Logging", {"log_interval", "metrics_file", "timeline"}},
   };
@@ -348,58 +311,11 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
     if (!schedule.ok()) return schedule.status();
   }
-  ModelOptions moe_model;
-  moe_model.num_layers = FLAGS_num_layers;
-  moe_model.hidden_size = FLAGS_hidden_size;
-  moe_model.ffn_hidden_size = ffn;
-  FULCRUM_ASSIGN_OR_RETURN(moe::MoeOptions moe_options, MoeOptionsFromFlags());
-  FULCRUM_RETURN_IF_ERROR(moe::ValidateMoeOptions(moe_options, moe_model, config.ep, config.tp));
   if (FLAGS_distributed_timeout_minutes < 1) {
     return Invalid(absl::StrCat("--distributed_timeout_minutes=", FLAGS_distributed_timeout_minutes,
                                 " must be ≥ 1"));
   }
   return config;
-}
-
-absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags() {
-  moe::MoeOptions o;
-  o.num_experts = FLAGS_num_experts;
-  o.topk = FLAGS_moe_router_topk;
-  o.ffn_hidden_size = FLAGS_moe_ffn_hidden_size;
-  FULCRUM_RETURN_IF_ERROR(moe::ParseMoeLayerFreq(FLAGS_moe_layer_freq, &o));
-  o.router = FLAGS_moe_router;
-  o.capacity_factor = FLAGS_moe_capacity_factor;
-  o.batch_prioritized = FLAGS_moe_batch_prioritized_routing;
-  o.per_expert_capacity = FLAGS_moe_per_expert_capacity;
-  for (absl::string_view part : absl::StrSplit(FLAGS_moe_router_topk_schedule, ',', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> ik = absl::StrSplit(part, absl::MaxSplits(':', 1));
-    int64_t iteration = 0, k = 0;
-    if (!absl::SimpleAtoi(ik.first, &iteration) || !absl::SimpleAtoi(ik.second, &k)) {
-      return Invalid(absl::StrCat("--moe_router_topk_schedule: '", part,
-                                  "' is not ITER:K (e.g. '1:2,500:1')"));
-    }
-    o.topk_schedule[iteration] = k;
-  }
-  o.hierarchical_node_size = FLAGS_moe_hierarchical_a2a_node_size;
-  o.a2a_overlap_degree = FLAGS_moe_a2a_overlap_degree;
-  o.assignment_cache_threshold = FLAGS_moe_assignment_cache_threshold;
-  moe::RouterOptions& r = o.router_options;
-  r.num_experts = FLAGS_num_experts;
-  r.topk = FLAGS_moe_router_topk;
-  r.aux_loss_coeff = FLAGS_moe_aux_loss_coeff;
-  r.z_loss_coeff = FLAGS_moe_z_loss_coeff;
-  r.input_jitter_eps = FLAGS_moe_input_jitter_eps;
-  r.init_std = FLAGS_moe_router_init_std;
-  r.noise_epsilon = FLAGS_moe_noise_epsilon;
-  r.bias_update_rate = FLAGS_moe_router_bias_update_rate;
-  r.sinkhorn_iterations = FLAGS_moe_sinkhorn_iterations;
-  r.expert_choice_capacity_factor = FLAGS_moe_expert_choice_capacity_factor;
-  r.cosine_projection_dim = FLAGS_moe_cosine_projection_dim;
-  r.init_temperature = FLAGS_moe_cosine_init_temperature;
-  r.cosine_min_temperature = FLAGS_moe_cosine_min_temperature;
-  r.seed = FLAGS_seed;
-  r.hidden_size = FLAGS_hidden_size;  // MakeMoeFactory takes it from the model.
-  return o;
 }
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
@@ -457,10 +373,6 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   m.attention_dropout = FLAGS_attention_dropout;
   m.seed = FLAGS_seed;
   FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &m.params_dtype));
-  if (m.params_dtype == ParamsDtype::kFp64 && FLAGS_num_experts > 0) {
-    return Invalid("--params_dtype=fp64 is for dense models; the MoE layers (--num_experts) keep "
-                   "fp32 state");
-  }
   if (FLAGS_make_vocab_size_divisible_by < 1) {
     return Invalid(absl::StrCat("--make_vocab_size_divisible_by=",
                                 FLAGS_make_vocab_size_divisible_by, " must be ≥ 1"));
@@ -518,6 +430,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
 }
 
 std::string LoadPathFlag() { return FLAGS_load; }
+std::string PluginsFlag() { return FLAGS_plugins; }
 std::string SavePathFlag() { return FLAGS_save; }
 
 }  // namespace fulcrum

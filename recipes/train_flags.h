@@ -9,7 +9,6 @@
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
 #include "dynamic/balancing_rebalancer.h"
-#include "moe/moe_layer.h"
 #include "parallel/parallel_config.h"
 #include "pipeline/rebalancer.h"
 #include "recipes/cli.h"
@@ -44,8 +43,6 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 /// which tp must divide. `vocab_size` 0 means not known yet: every other flag is checked.
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 
-/// The --num_experts / --moe_* flags (num_experts 0: no MoE layers).
-absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags();
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
@@ -61,6 +58,8 @@ int64_t DistributedTimeoutMinutesFlag();
 
 /// --load, or empty.
 std::string LoadPathFlag();
+/// --plugins as given (plugins::SelectPlugins adds those their own flags ask for).
+std::string PluginsFlag();
 /// --save, or empty.
 std::string SavePathFlag();
 

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <iostream>
 
@@ -15,6 +16,7 @@
 #include "pipeline/pipeline_runner.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"
+#include "plugins/plugin_registry.h"
 #include "recipes/initial_placement.h"
 #include "recipes/train_flags.h"
 
@@ -88,8 +90,22 @@ int main(int argc, char** argv) {
   if (!layout.ok()) return Fail(layout.status());
   auto backend = fulcrum::parallel::ParseBackend(fulcrum::DistributedBackendFlag());
   if (!backend.ok()) return Fail(backend.status());
-  if (auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/0, layout->tp); !early.ok()) {
-    return Fail(early.status());
+  auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/0, layout->tp);
+  if (!early.ok()) return Fail(early.status());
+  // The plugins: --plugins, and those their own flags ask for (--num_experts: moe); their
+  // flags are checked against the model and the layout now, before any work.
+  auto plugin_names = fulcrum::plugins::SelectPlugins(fulcrum::PluginsFlag());
+  if (!plugin_names.ok()) return Fail(plugin_names.status());
+  fulcrum::plugins::PluginSetup plugin_setup;
+  plugin_setup.model = early->model;
+  plugin_setup.layout = *layout;
+  if (absl::Status s = fulcrum::plugins::ValidatePlugins(*plugin_names, plugin_setup); !s.ok()) {
+    return Fail(s);
+  }
+  if (layout->ep > 1 &&
+      std::find(plugin_names->begin(), plugin_names->end(), "moe") == plugin_names->end()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--expert_model_parallel_size=", layout->ep, " needs MoE layers (--num_experts)")));
   }
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
 
@@ -143,29 +159,20 @@ int main(int argc, char** argv) {
                       << layout->ToString();
   }
 
-  // MoE layers replace the MLP of chosen layers; building their all-to-all groups is
-  // collective, so every rank does it here, before the model.
-  auto moe_flags = fulcrum::MoeOptionsFromFlags();
-  if (!moe_flags.ok()) return Fail(moe_flags.status());
-  fulcrum::moe::MoeOptions& moe = *moe_flags;
-  if (moe.assignment_cache_threshold > 0) {
-    // The cache remembers every token of the training split (NOTE [assignment caching]).
-    auto train_split = fulcrum::data::GptDataset::Create(data->corpus, fulcrum::data::Split::kTrain,
-                                                         config->data);
-    if (!train_split.ok()) return Fail(train_split.status());
-    moe.assignment_cache_positions = (*train_split)->num_tokens();
+  // The plugins' blocks (MoE layers) build communication groups: collective, so every
+  // rank builds them here, before the model.
+  plugin_setup.model = config->model;
+  plugin_setup.groups = parallel.get();
+  plugin_setup.corpus = data->corpus;
+  plugin_setup.data = config->data;
+  auto plugins = fulcrum::plugins::MakePlugins(*plugin_names, plugin_setup);
+  if (!plugins.ok()) return Fail(plugins.status());
+  config->feed_forward_shape = (*plugins)->CheckpointShape();
+  if ((parallel == nullptr || parallel->is_logging_rank()) && !(*plugins)->empty()) {
+    FULCRUM_LOG(INFO) << "plugins: " << (*plugins)->Names();
   }
-  fulcrum::moe::MoeGroups moe_groups;
-  if (parallel != nullptr) {
-    moe_groups.expert = &parallel->group(fulcrum::parallel::GroupKind::kExpert);
-    moe_groups.data = &parallel->group(fulcrum::parallel::GroupKind::kData);
-    moe_groups.tensor = parallel->tensor_parallel();
-  }
-  config->feed_forward_shape = fulcrum::moe::MoeShape(moe, config->model);
-  auto feed_forward = fulcrum::moe::MakeMoeFactory(moe, config->model, moe_groups);
-  if (!feed_forward.ok()) return Fail(feed_forward.status());
   if (layout->pp > 1 && fulcrum::InitialPartitionByParamsFlag()) {
-    auto placement = fulcrum::ParameterBalancedPlacement(config->model, *feed_forward,
+    auto placement = fulcrum::ParameterBalancedPlacement(config->model, plugins->get(),
                                                          parallel->tensor_parallel(), layout->pp);
     if (!placement.ok()) return Fail(placement.status());
     if (parallel->is_logging_rank()) {
@@ -177,7 +184,7 @@ int main(int argc, char** argv) {
   }
 
   auto trainer = fulcrum::Trainer::Create(*config, data->corpus, parallel.get(),
-                                          fulcrum::DefaultFileSystem(), std::move(*feed_forward));
+                                          fulcrum::DefaultFileSystem(), std::move(*plugins));
   if (!trainer.ok()) return Fail(trainer.status());
   InstallStopHandlers();
   (*trainer)->SetStopRequest([] { return g_stop_signal != 0; });

@@ -66,14 +66,16 @@ void ReceiveQueue::Refill() {
 }
 
 StageTransport::StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
-                               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth)
+                               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
+                               bool receive_gradients)
     : pp_(pp),
       stage_(pp->rank()),
       activations_(pp, stage_ - 1, stage_ > 0 ? ActivationTags(actions) : std::vector<int>{},
                    shape, dtype, depth),
       gradients_(pp, stage_ + 1,
-                 stage_ < pp->size() - 1 ? GradientTags(actions) : std::vector<int>{}, shape,
-                 dtype, depth) {}
+                 stage_ < pp->size() - 1 && receive_gradients ? GradientTags(actions)
+                                                                : std::vector<int>{},
+                 shape, dtype, depth) {}
 
 absl::StatusOr<at::Tensor> StageTransport::TakeActivation(int mb, double* wait_ms) {
   return activations_.Take(ActivationTag(mb), wait_ms);

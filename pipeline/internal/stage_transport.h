@@ -56,9 +56,11 @@ class ReceiveQueue {
 class StageTransport {
  public:
   /// Posts the first receives. `shape` and `dtype` are those of an activation (and of its
-  /// gradient).
+  /// gradient). Without `receive_gradients` the next stage sends none (NOTE [frozen prefix]
+  /// in core/gpt_model.h: this stage's output needs no gradient).
   StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
-                 std::vector<int64_t> shape, at::ScalarType dtype, size_t depth);
+                 std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
+                 bool receive_gradients = true);
 
   /// The activation of micro-batch `mb` from the previous stage; time blocked added to
   /// *wait_ms.

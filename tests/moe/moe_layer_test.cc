@@ -282,7 +282,7 @@ TEST(MoeLayerTest, OnlyEveryFreqthLayerIsMoe) {
   EXPECT_EQ((*factory)(1, layer1, true), nullptr);
   EXPECT_TRUE(layer1.parameters().empty()) << "a dense layer's factory call registers nothing";
   // And in a transformer layer: the dense MLP is replaced, nothing else.
-  FeedForwardFactory f = *factory;
+  FeedForwardCustomizer f(*factory);
   TransformerLayer moe_layer(Model(), 0, nullptr, true, &f);
   TransformerLayer dense_layer(Model(), 1, nullptr, true, &f);
   EXPECT_NE(moe_layer.feed_forward(), nullptr);

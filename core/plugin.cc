@@ -1,0 +1,111 @@
+#include "core/plugin.h"
+
+#include <stdexcept>
+
+#include "absl/strings/str_cat.h"
+#include "core/parallel_context.h"
+
+namespace fulcrum {
+namespace {
+
+// Runs `hook` of every plugin in order; the first error names its plugin.
+template <typename Hook>
+absl::Status ForEach(const std::vector<std::unique_ptr<Plugin>>& plugins, const char* what,
+                     Hook hook) {
+  for (const auto& plugin : plugins) {
+    absl::Status s = hook(*plugin);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("plugin ", plugin->name(), " (", what, "): ",
+                                                 s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void PluginContext::SumOverModel(std::vector<double>& values) {
+  if (parallel_ != nullptr) parallel_->SumOverModelParallel(values);
+}
+
+void PluginContext::SumOverExperts(std::vector<double>& values) {
+  if (parallel_ != nullptr) parallel_->SumOverExpertParallel(values);
+}
+
+bool PluginContext::is_logging_rank() const {
+  return parallel_ == nullptr || parallel_->is_logging_rank();
+}
+
+std::string PluginSet::Names() const {
+  std::string out;
+  for (const auto& plugin : plugins_) absl::StrAppend(&out, out.empty() ? "" : ", ", plugin->name());
+  return out;
+}
+
+std::unique_ptr<FeedForward> PluginSet::MakeFeedForward(int64_t layer, Unit& unit, bool initialize) {
+  std::unique_ptr<FeedForward> block;
+  const char* builder = nullptr;
+  for (const auto& plugin : plugins_) {
+    std::unique_ptr<FeedForward> mine = plugin->MakeFeedForward(layer, unit, initialize);
+    if (mine == nullptr) continue;
+    if (block != nullptr) {
+      throw std::logic_error(absl::StrCat("plugins ", builder, " and ", plugin->name(),
+                                          " both replace the MLP of layer ", layer));
+    }
+    block = std::move(mine);
+    builder = plugin->name();
+  }
+  return block;
+}
+
+std::unique_ptr<AttentionCore> PluginSet::MakeAttentionCore(int64_t layer, Unit& unit,
+                                                            bool initialize) {
+  std::unique_ptr<AttentionCore> core;
+  const char* builder = nullptr;
+  for (const auto& plugin : plugins_) {
+    std::unique_ptr<AttentionCore> mine = plugin->MakeAttentionCore(layer, unit, initialize);
+    if (mine == nullptr) continue;
+    if (core != nullptr) {
+      throw std::logic_error(absl::StrCat("plugins ", builder, " and ", plugin->name(),
+                                          " both replace the attention of layer ", layer));
+    }
+    core = std::move(mine);
+    builder = plugin->name();
+  }
+  return core;
+}
+
+void PluginSet::EditLayer(TransformerLayer& layer, bool initialize) {
+  for (const auto& plugin : plugins_) plugin->EditLayer(layer, initialize);
+}
+
+absl::Status PluginSet::BeforeIteration(PluginContext& ctx) {
+  return ForEach(plugins_, "before the iteration", [&](Plugin& p) { return p.BeforeIteration(ctx); });
+}
+
+absl::Status PluginSet::AfterBackward(PluginContext& ctx) {
+  return ForEach(plugins_, "after the backward", [&](Plugin& p) { return p.AfterBackward(ctx); });
+}
+
+absl::Status PluginSet::AfterOptimizerStep(PluginContext& ctx) {
+  return ForEach(plugins_, "after the optimizer step",
+                 [&](Plugin& p) { return p.AfterOptimizerStep(ctx); });
+}
+
+absl::Status PluginSet::AfterLoad(PluginContext& ctx) {
+  return ForEach(plugins_, "after loading a checkpoint", [&](Plugin& p) { return p.AfterLoad(ctx); });
+}
+
+absl::Status PluginSet::Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) {
+  return ForEach(plugins_, "metrics", [&](Plugin& p) { return p.Metrics(ctx, record, log_line); });
+}
+
+std::vector<std::pair<std::string, std::string>> PluginSet::CheckpointShape() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& plugin : plugins_) {
+    for (auto& field : plugin->CheckpointShape()) out.push_back(std::move(field));
+  }
+  return out;
+}
+
+}  // namespace fulcrum

@@ -1,0 +1,196 @@
+// Dynamism plugins (DESIGN.md "Dynamism plugins"): what a plugin may do to the model and to
+// each iteration, and the set of plugins a run uses. Implementations live in plugins/, one
+// file each, found by name in a registry (plugins/plugin_registry.h); core/ knows only this
+// interface.
+//
+// A plugin can:
+//  - build parts of each transformer layer: its MLP (MakeFeedForward: the MoE layer), its
+//    attention core (MakeAttentionCore: sparse attention), and edit the layer once built
+//    (EditLayer): replace the products of its weights (TransformerLayer::SetLinear: sparse
+//    compute of pruned weights), register per-layer state as the layer's buffers (they
+//    travel with the layer when it migrates and are saved in checkpoints — invariant 2),
+//    re-derive what depends on that state whenever it is loaded (Unit::OnStateLoaded), and
+//    report the layer's predicted load (TransformerLayer::SetLoadReporter);
+//  - act at fixed points of each iteration (BeforeIteration, AfterBackward — gradients
+//    complete and reduced over data parallelism, before clipping — and AfterOptimizerStep),
+//    deciding over the whole distributed model through the PluginContext, and tell the
+//    balancer that the model changed (PluginContext::ModelChanged);
+//  - add fields to the metrics file and the log line.
+//
+// NOTE [plugin order]
+// Plugins run in the order --plugins names them, every hook in that order on every rank, so
+// collective decisions inside hooks line up. At most one plugin may build a layer's MLP and
+// one its attention core; EditLayer runs for every plugin, in order, after the layer's own
+// parameters and the replaced blocks exist.
+//
+// Not thread-safe; hooks run on the training thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "absl/status/status.h"
+#include "core/feed_forward.h"
+
+namespace fulcrum {
+
+class GptModel;
+class ParallelContext;
+class TransformerLayer;
+struct ForwardContext;
+
+/// A layer's attention core: from queries, keys and values [b, heads, s, d] (this rank's
+/// heads, rotary positions applied) to the context [b, heads, s, d], causal. By default
+/// softmax attention over all earlier positions; a plugin may replace it.
+class AttentionCore {
+ public:
+  virtual ~AttentionCore() = default;
+  virtual at::Tensor Forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const ForwardContext& ctx) = 0;
+  /// The core's own measure of its work in the last forward (e.g. attention blocks
+  /// computed), for the layer's load; 0 when it has none.
+  virtual double Load() const { return 0.0; }
+};
+
+/// What builds a transformer layer's replaceable parts and edits the layer once built
+/// (TransformerLayer's constructor calls it). `initialize` false: a shell that will receive
+/// a migrated layer's state (parameters may stay uninitialised; buffers are overwritten).
+class LayerCustomizer {
+ public:
+  virtual ~LayerCustomizer() = default;
+  /// The block replacing layer `layer`'s dense MLP, or null to keep it. It registers its
+  /// parameters and buffers into `unit` (local names beginning with "mlp.").
+  virtual std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) {
+    return nullptr;
+  }
+  /// The attention core of layer `layer`, or null for the default softmax attention.
+  virtual std::unique_ptr<AttentionCore> MakeAttentionCore(int64_t layer, Unit& unit,
+                                                           bool initialize) {
+    return nullptr;
+  }
+  /// Edits the built layer (see the file comment).
+  virtual void EditLayer(TransformerLayer& layer, bool initialize) {}
+};
+
+/// A LayerCustomizer that only replaces MLPs, from a FeedForwardFactory (core/feed_forward.h).
+class FeedForwardCustomizer final : public LayerCustomizer {
+ public:
+  explicit FeedForwardCustomizer(FeedForwardFactory factory) : factory_(std::move(factory)) {}
+  std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) override {
+    return factory_ ? factory_(layer, unit, initialize) : nullptr;
+  }
+
+ private:
+  FeedForwardFactory factory_;
+};
+
+/// What a plugin's hooks are given.
+class PluginContext {
+ public:
+  PluginContext(int64_t iteration, GptModel& model, ParallelContext* parallel,
+                std::function<void(const std::string&)> model_changed)
+      : iteration_(iteration),
+        model_(model),
+        parallel_(parallel),
+        model_changed_(std::move(model_changed)) {}
+
+  /// The optimizer step being computed (BeforeIteration, AfterBackward) or just taken
+  /// (AfterOptimizerStep); after a checkpoint load, the checkpoint's iteration.
+  int64_t iteration() const { return iteration_; }
+  /// This rank's part of the model: its stage's layers, which move between iterations.
+  GptModel& model() { return model_; }
+  /// The parallel layout (null: one process), for collectives of a plugin's own.
+  ParallelContext* parallel() { return parallel_; }
+  /// Sums `values` over the ranks that hold different parts of one model replica — every
+  /// stage and tensor-parallel shard (ParallelContext::SumOverModelParallel) — so that a
+  /// decision over the whole distributed model is the same on every rank. Values of data-
+  /// parallel replicas are not added (they hold the same model). Collective: every rank of
+  /// the job calls it, in the same order.
+  void SumOverModel(std::vector<double>& values);
+  /// The same over the expert-parallel group (each rank holds other experts of each MoE
+  /// layer); identity when ep == 1.
+  void SumOverExperts(std::vector<double>& values);
+  /// Whether this rank writes the job's log lines (one rank per job).
+  bool is_logging_rank() const;
+  /// Tells the balancer that the model changed after this iteration (pruned, froze...): it
+  /// profiles the next iteration and rebalances after it. Every rank must call it alike.
+  void ModelChanged(const std::string& reason) {
+    if (model_changed_) model_changed_(reason);
+  }
+
+ private:
+  int64_t iteration_;
+  GptModel& model_;
+  ParallelContext* parallel_;
+  std::function<void(const std::string&)> model_changed_;
+};
+
+/// A dynamism plugin. Every method has a default that does nothing.
+class Plugin : public LayerCustomizer {
+ public:
+  /// Its registered name (--plugins).
+  virtual const char* name() const = 0;
+  /// Before the iteration's forward passes.
+  virtual absl::Status BeforeIteration(PluginContext& ctx) { return absl::OkStatus(); }
+  /// After the backward passes and the data-parallel reduction: the gradients are complete
+  /// and equal on every replica; before the gradient norm, clipping and the optimizer step.
+  virtual absl::Status AfterBackward(PluginContext& ctx) { return absl::OkStatus(); }
+  /// After the optimizer step (and the MLP blocks' own AfterOptimizerStep).
+  virtual absl::Status AfterOptimizerStep(PluginContext& ctx) { return absl::OkStatus(); }
+  /// After a checkpoint was loaded into the model (its layers' states restored; their
+  /// OnStateLoaded callbacks ran).
+  virtual absl::Status AfterLoad(PluginContext& ctx) { return absl::OkStatus(); }
+  /// Fields for this iteration's metrics record (after AfterOptimizerStep; collective:
+  /// every rank calls it, only the logging rank's record is written) and text for its log
+  /// line, e.g. " | sparsity 0.52".
+  virtual absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) {
+    return absl::OkStatus();
+  }
+  /// Settings of the plugin that decide the shape of the model's parameters or state, as
+  /// (flag name, value): recorded in checkpoints; a resume with other values is refused
+  /// naming the flag (NOTE [resume checks] in core/training_manifest.h).
+  virtual std::vector<std::pair<std::string, std::string>> CheckpointShape() const { return {}; }
+};
+
+/// The plugins of a run, in order (NOTE [plugin order]). As a LayerCustomizer it builds
+/// each layer through all of them.
+class PluginSet final : public LayerCustomizer {
+ public:
+  PluginSet() = default;
+  explicit PluginSet(std::vector<std::unique_ptr<Plugin>> plugins) : plugins_(std::move(plugins)) {}
+
+  void Add(std::unique_ptr<Plugin> plugin) { plugins_.push_back(std::move(plugin)); }
+  const std::vector<std::unique_ptr<Plugin>>& plugins() const { return plugins_; }
+  bool empty() const { return plugins_.empty(); }
+  /// "moe, freeze" (for logs).
+  std::string Names() const;
+
+  /// The plugins' blocks: at most one plugin may build a layer's MLP or attention core
+  /// (a second throws std::logic_error naming both).
+  std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) override;
+  std::unique_ptr<AttentionCore> MakeAttentionCore(int64_t layer, Unit& unit, bool initialize) override;
+  void EditLayer(TransformerLayer& layer, bool initialize) override;
+
+  /// Each hook of every plugin, in order; the first error stops and is returned, naming
+  /// the plugin.
+  absl::Status BeforeIteration(PluginContext& ctx);
+  absl::Status AfterBackward(PluginContext& ctx);
+  absl::Status AfterOptimizerStep(PluginContext& ctx);
+  absl::Status AfterLoad(PluginContext& ctx);
+  absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line);
+  /// Every plugin's CheckpointShape, concatenated.
+  std::vector<std::pair<std::string, std::string>> CheckpointShape() const;
+
+ private:
+  std::vector<std::unique_ptr<Plugin>> plugins_;
+};
+
+}  // namespace fulcrum

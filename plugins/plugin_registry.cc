@@ -1,0 +1,69 @@
+#include "plugins/plugin_registry.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "core/status.h"
+
+namespace fulcrum::plugins {
+
+absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list) {
+  const PluginRegistry& registry = PluginRegistry::Global();
+  std::vector<std::string> names;
+  for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    const std::string name(absl::StripAsciiWhitespace(part));
+    if (registry.Find(name) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("--plugins: '", name,
+                                                     "' is not a plugin; plugins: ",
+                                                     registry.Names()));
+    }
+    if (std::find(names.begin(), names.end(), name) != names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--plugins names '", name, "' twice"));
+    }
+    names.push_back(name);
+  }
+  for (const auto* entry : registry.List()) {
+    const bool named = std::find(names.begin(), names.end(), entry->name) != names.end();
+    if (!named && entry->value.requested_by_flags && entry->value.requested_by_flags()) {
+      names.push_back(entry->name);
+    }
+  }
+  return names;
+}
+
+absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup) {
+  for (const std::string& name : names) {
+    const auto* entry = PluginRegistry::Global().Find(name);
+    if (entry == nullptr) return absl::InvalidArgumentError(absl::StrCat("no plugin '", name, "'"));
+    if (entry->value.validate) FULCRUM_RETURN_IF_ERROR(entry->value.validate(setup));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<PluginSet>> MakePlugins(const std::vector<std::string>& names,
+                                                       const PluginSetup& setup) {
+  auto set = std::make_shared<PluginSet>();
+  for (const std::string& name : names) {
+    const auto* entry = PluginRegistry::Global().Find(name);
+    if (entry == nullptr) return absl::InvalidArgumentError(absl::StrCat("no plugin '", name, "'"));
+    FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<Plugin> plugin, entry->value.create(setup));
+    set->Add(std::move(plugin));
+  }
+  return set;
+}
+
+std::string PluginHelp() {
+  std::string out;
+  size_t width = 0;
+  for (const auto* entry : PluginRegistry::Global().List()) width = std::max(width, entry->name.size());
+  for (const auto* entry : PluginRegistry::Global().List()) {
+    absl::StrAppend(&out, "  ", entry->name, std::string(width + 2 - entry->name.size(), ' '),
+                    entry->help, "\n");
+  }
+  return out;
+}
+
+}  // namespace fulcrum::plugins

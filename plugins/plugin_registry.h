@@ -1,0 +1,80 @@
+// Finding dynamism plugins by name (--plugins=NAME[,NAME...]): the registry every plugin
+// file adds itself to, and how fulcrum_train selects, checks and builds the run's plugins.
+// The plugins themselves are one file each in this folder (plugins/README.md says how to
+// write one); this file and plugins/plugin_registry.cc are the only others here.
+//
+// NOTE [plugin registration]
+// A plugin file registers itself with FULCRUM_REGISTER_PLUGIN, a static object. The files
+// of this folder are compiled as an object library (plugins/CMakeLists.txt), which a
+// program links whole, so a registration is never dropped the way a static archive drops
+// an object nothing references: adding a plugin is adding one .cc file here. A test's own
+// plugin registers the same way from the test's .cc file.
+//
+// Thread-safety: the registry is written during static initialisation only.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/config.h"
+#include "core/data/gpt_dataset.h"
+#include "core/data/indexed_dataset.h"
+#include "core/plugin.h"
+#include "core/registry.h"
+#include "parallel/parallel_config.h"
+
+namespace fulcrum::parallel {
+class ProcessGroupContext;
+}  // namespace fulcrum::parallel
+
+namespace fulcrum::plugins {
+
+/// What a plugin is checked against and built from.
+struct PluginSetup {
+  ModelOptions model;               // The model (the padded vocabulary known).
+  parallel::ParallelConfig layout;  // tp, pp, ep and the world size.
+  /// The job's groups; null for one process, and while checking (before any work).
+  parallel::ProcessGroupContext* groups = nullptr;
+  /// The training corpus and how samples are cut from it; null while checking.
+  std::shared_ptr<const data::IndexedDataset> corpus;
+  data::GptDatasetOptions data;
+};
+
+/// A registered plugin.
+struct PluginEntry {
+  /// Whether the plugin's own flags ask for it without --plugins (moe: --num_experts > 0).
+  /// May be empty: only --plugins selects it.
+  std::function<bool()> requested_by_flags;
+  /// Checks the plugin's flags against the model and the layout, before any work (no
+  /// groups, no corpus yet). May be empty.
+  std::function<absl::Status(const PluginSetup&)> validate;
+  /// Builds the plugin from its flags. Collective when it builds groups: every rank calls
+  /// it, in the same order.
+  std::function<absl::StatusOr<std::unique_ptr<Plugin>>(const PluginSetup&)> create;
+};
+
+using PluginRegistry = Registry<PluginEntry>;
+
+/// The plugins `list` names (comma-separated, in order), then those not named whose flags
+/// ask for them (PluginEntry::requested_by_flags), in name order. InvalidArgument naming
+/// --plugins for an unknown name (listing the plugins) or a name given twice.
+absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list);
+
+/// Runs every selected plugin's check (PluginEntry::validate), in order.
+absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup);
+
+/// Builds the selected plugins, in order (NOTE [plugin order] in core/plugin.h).
+absl::StatusOr<std::shared_ptr<PluginSet>> MakePlugins(const std::vector<std::string>& names,
+                                                       const PluginSetup& setup);
+
+/// One line per registered plugin, "  name       help", for --help.
+std::string PluginHelp();
+
+}  // namespace fulcrum::plugins
+
+/// Registers a plugin: FULCRUM_REGISTER_PLUGIN(freeze, "one-line help", PluginEntry{...}).
+#define FULCRUM_REGISTER_PLUGIN(name, help, entry) \
+  FULCRUM_REGISTER(::fulcrum::plugins::PluginEntry, name, help, entry)

@@ -1,0 +1,163 @@
+// The plugin API (core/plugin.h, plugins/plugin_registry.h) through a plugin that lives in
+// this file alone — registered here, selected by name like any plugin: it changes layers
+// (replaces the MLP of odd layers, registers per-layer state), reports a load that reaches
+// the rebalancer, and its state travels with a migrating layer. Composition rules and the
+// hooks' order are checked too.
+#include <nlohmann/json.hpp>
+
+#include "core/gpt_model.h"
+#include "core/plugin.h"
+#include "core/transformer_layer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "parallel/world_communicator.h"
+#include "pipeline/pipeline_runner.h"
+#include "plugins/plugin_registry.h"
+
+namespace fulcrum::plugins {
+namespace {
+
+// A block halving its input (an MLP replacement with no parameters).
+class HalfBlock final : public FeedForward {
+ public:
+  at::Tensor Forward(const at::Tensor& x, const ForwardContext&) override { return x * 0.5; }
+};
+
+std::vector<std::string>* HookLog() {
+  static auto* log = new std::vector<std::string>();
+  return log;
+}
+
+// The plugin under test: odd layers get a HalfBlock; every layer a "test.visits" counter
+// buffer and a load of 1000 + its index; every hook is logged.
+class TestPlugin final : public Plugin {
+ public:
+  const char* name() const override { return "test_one_file"; }
+  std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit&, bool) override {
+    return layer % 2 == 1 ? std::make_unique<HalfBlock>() : nullptr;
+  }
+  void EditLayer(TransformerLayer& layer, bool) override {
+    layer.AddBuffer("test.visits", at::zeros({1}, at::kFloat));
+    const int64_t index = layer.layer_index();
+    layer.SetLoadReporter([index] { return 1000.0 + static_cast<double>(index); });
+  }
+  absl::Status BeforeIteration(PluginContext& ctx) override { return Log("before", ctx); }
+  absl::Status AfterBackward(PluginContext& ctx) override { return Log("backward", ctx); }
+  absl::Status AfterOptimizerStep(PluginContext& ctx) override { return Log("step", ctx); }
+
+ private:
+  absl::Status Log(const char* what, PluginContext& ctx) {
+    HookLog()->push_back(absl::StrCat(what, " ", ctx.iteration()));
+    return absl::OkStatus();
+  }
+};
+
+FULCRUM_REGISTER_PLUGIN(test_one_file, "a plugin defined in a test file",
+                        (PluginEntry{nullptr, nullptr,
+                                     [](const PluginSetup&) -> absl::StatusOr<std::unique_ptr<Plugin>> {
+                                       return std::unique_ptr<Plugin>(new TestPlugin());
+                                     }}));
+
+ModelOptions SmallModel() {
+  ModelOptions o;
+  o.num_layers = 4;
+  o.hidden_size = 32;
+  o.num_attention_heads = 4;
+  o.ffn_hidden_size = 64;
+  o.vocab_size = 64;
+  o.seq_length = 8;
+  return o;
+}
+
+std::shared_ptr<PluginSet> Build(const std::string& names) {
+  auto selected = SelectPlugins(names);
+  EXPECT_TRUE(selected.ok()) << selected.status();
+  PluginSetup setup;
+  setup.model = SmallModel();
+  auto set = MakePlugins(*selected, setup);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return *set;
+}
+
+TEST(PluginApiTest, APluginInOneFileIsFoundByNameAndChangesTheLayers) {
+  // Registered from this file alone, and listed for --help.
+  EXPECT_NE(PluginRegistry::Global().Find("test_one_file"), nullptr);
+  EXPECT_THAT(PluginHelp(), ::testing::HasSubstr("test_one_file"));
+  GptModel model(SmallModel(), StageSpec(), nullptr, Build("test_one_file"));
+  for (const auto& [index, layer] : model.layers()) {
+    EXPECT_EQ(layer->feed_forward() != nullptr, index % 2 == 1) << index;
+    EXPECT_EQ(layer->FindParameter("mlp.linear_fc1.weight") == nullptr, index % 2 == 1) << index;
+    EXPECT_EQ(layer->Load(), 1000.0 + index);
+    ASSERT_EQ(layer->buffers().size(), 1u);
+    EXPECT_EQ(layer->buffers()[0].first, "test.visits");
+  }
+  // Its state travels with a migrating layer (into a shell built through the plugins).
+  {
+    TransformerLayer& layer = *model.layers().at(2);
+    layer.buffers()[0].second.fill_(7.0f);
+    std::map<std::string, at::Tensor> wire;
+    for (auto& [name, tensor] : layer.MigrationTensors()) wire.emplace(name, tensor.clone());
+    ASSERT_TRUE(wire.count("layers.2.test.visits"));
+    std::unique_ptr<TransformerLayer> shell = model.NewLayerShell(2);
+    ASSERT_TRUE(shell->LoadMigrationTensors(wire).ok());
+    EXPECT_EQ(shell->buffers()[0].second.item<float>(), 7.0f);
+    EXPECT_EQ(shell->Load(), 1002.0);
+  }
+}
+
+TEST(PluginApiTest, ThePluginsLoadReachesTheRebalancer) {
+  class Recording final : public pipeline::Rebalancer {
+   public:
+    explicit Recording(std::vector<double>* seen) : seen_(seen) {}
+    const char* name() const override { return "recording"; }
+    pipeline::RebalanceDecision Plan(int64_t, const std::vector<pipeline::StageLoad>& loads) override {
+      *seen_ = loads[0].layer_block_load;
+      return {};
+    }
+
+   private:
+    std::vector<double>* seen_;
+  };
+  auto world = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
+                                                 std::chrono::seconds(30));
+  ASSERT_TRUE(world.ok()) << world.status();
+  GptModel model(SmallModel(), StageSpec(), nullptr, Build("test_one_file"));
+  std::vector<double> seen;
+  pipeline::PipelineRunner runner(world->get(), "zbh1", /*micro_batch_size=*/2,
+                                  std::make_unique<Recording>(&seen));
+  MicroBatchPlan plan;
+  plan.count = 2;
+  plan.first_sample = [](int m) { return int64_t{2} * m; };
+  plan.tokens = [](int m) { return at::randint(64, {2, 9}, at::TensorOptions().dtype(at::kLong)); };
+  ASSERT_TRUE(runner.Run(model, 1, plan, 1e-3).ok());
+  EXPECT_EQ(seen, (std::vector<double>{1000, 1001, 1002, 1003}));
+}
+
+TEST(PluginApiTest, TwoPluginsCannotBothReplaceAnMlp) {
+  class HalvesEveryMlp final : public Plugin {
+   public:
+    const char* name() const override { return "halves"; }
+    std::unique_ptr<FeedForward> MakeFeedForward(int64_t, Unit&, bool) override {
+      return std::make_unique<HalfBlock>();
+    }
+  };
+  PluginSet set;
+  set.Add(std::make_unique<HalvesEveryMlp>());
+  set.Add(std::make_unique<HalvesEveryMlp>());
+  EXPECT_THROW(GptModel(SmallModel(), StageSpec(), nullptr,
+                        std::shared_ptr<LayerCustomizer>(&set, [](LayerCustomizer*) {})),
+               std::logic_error);
+}
+
+TEST(PluginApiTest, SelectionRefusesUnknownAndRepeatedNames) {
+  EXPECT_THAT(std::string(SelectPlugins("nope").status().message()),
+              ::testing::HasSubstr("--plugins: 'nope' is not a plugin; plugins: "));
+  EXPECT_THAT(std::string(SelectPlugins("test_one_file,test_one_file").status().message()),
+              ::testing::HasSubstr("twice"));
+  auto names = SelectPlugins(" test_one_file ");
+  ASSERT_TRUE(names.ok());
+  EXPECT_EQ(*names, std::vector<std::string>{"test_one_file"});
+}
+
+}  // namespace
+}  // namespace fulcrum::plugins

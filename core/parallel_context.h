@@ -87,6 +87,10 @@ class ParallelContext {
   /// Sums each value over the ranks that hold different parts of one model replica
   /// (tensor × pipeline parallel), in place.
   virtual void SumOverModelParallel(std::vector<double>& values) = 0;
+  /// This rank's place among those ranks (0 .. model_parallel_size() − 1), the same order on
+  /// every replica: for decisions that need a canonical order of the model's parts.
+  virtual int model_parallel_rank() const = 0;
+  virtual int model_parallel_size() const = 0;
   /// Sums each value over the expert-parallel group (the ranks that share out the experts
   /// of one stage), in place; identity when ep == 1.
   virtual void SumOverExpertParallel(std::vector<double>& values) = 0;

@@ -32,6 +32,14 @@ void PluginContext::SumOverExperts(std::vector<double>& values) {
   if (parallel_ != nullptr) parallel_->SumOverExpertParallel(values);
 }
 
+int PluginContext::model_parallel_rank() const {
+  return parallel_ != nullptr ? parallel_->model_parallel_rank() : 0;
+}
+
+int PluginContext::model_parallel_size() const {
+  return parallel_ != nullptr ? parallel_->model_parallel_size() : 1;
+}
+
 bool PluginContext::is_logging_rank() const {
   return parallel_ == nullptr || parallel_->is_logging_rank();
 }

@@ -115,6 +115,10 @@ class PluginContext {
   /// parallel replicas are not added (they hold the same model). Collective: every rank of
   /// the job calls it, in the same order.
   void SumOverModel(std::vector<double>& values);
+  /// This rank's place among the ranks SumOverModel adds over, and their number (the same
+  /// order on every replica): a canonical order of the model's parts, e.g. to break ties.
+  int model_parallel_rank() const;
+  int model_parallel_size() const;
   /// The same over the expert-parallel group (each rank holds other experts of each MoE
   /// layer); identity when ep == 1.
   void SumOverExperts(std::vector<double>& values);

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -152,6 +153,19 @@ class Unit {
   void OnStateLoaded(std::function<void(Unit&)> callback) {
     state_loaded_.push_back(std::move(callback));
   }
+  /// Derived state a plugin keeps with the unit under `key` (not saved, not migrated: a
+  /// migrated layer's shell gets its own from the plugin's EditLayer and rebuilds it in an
+  /// OnStateLoaded callback). Replaces an earlier value under the same key.
+  void Attach(const std::string& key, std::shared_ptr<void> value) {
+    attachments_[key] = std::move(value);
+  }
+  /// The value attached under `key` as a T (the type it was attached with), or null.
+  template <typename T>
+  T* Attached(const std::string& key) const {
+    auto it = attachments_.find(key);
+    return it == attachments_.end() ? nullptr : static_cast<T*>(it->second.get());
+  }
+
   /// Runs the OnStateLoaded callbacks (the loaders call it; so may a plugin that changed
   /// the state in place).
   void StateLoaded() {
@@ -182,6 +196,7 @@ class Unit {
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;
   std::vector<std::function<void(Unit&)>> state_loaded_;
+  std::map<std::string, std::shared_ptr<void>> attachments_;
 
  protected:
   /// Sets params_dtype() — in a subclass's constructor, before its first AddParameter.

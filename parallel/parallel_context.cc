@@ -95,6 +95,13 @@ void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kData), values);
 }
 
+int ProcessGroupContext::model_parallel_rank() const {
+  for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
+    if (kGroupKinds[i] == GroupKind::kModel) return groups_[i]->rank();
+  }
+  TORCH_INTERNAL_ASSERT(false, "no model-parallel group");
+}
+
 void ProcessGroupContext::SumOverModelParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kModel), values);
 }

@@ -59,6 +59,8 @@ class ProcessGroupContext final : public ParallelContext {
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
+  int model_parallel_rank() const override;
+  int model_parallel_size() const override { return config_.tp * config_.pp; }
   void SumOverExpertParallel(std::vector<double>& values) override;
   std::vector<std::string> GatherOverPipeline(const std::string& mine) override;
   std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;

@@ -161,7 +161,7 @@ TEST_F(PipelineExecutorTest, GradientsAreBitIdenticalToAPlainBackward) {
   GptModel plain(options);
   const MicroBatchPlan plan = RandomPlan(options, kMicroBatches, kMicroBatchSize);
   for (int mb = 0; mb < kMicroBatches; ++mb) {
-    ForwardContext ctx{true, /*iteration=*/1, plan.first_sample(mb), kLossScale};
+    ForwardContext ctx{true, /*iteration=*/1, plan.first_sample(mb), kLossScale, {}, 0};
     LossSum loss = plain.ForwardLoss(plan.tokens(mb), ctx);
     (loss.sum * kLossScale).backward();
   }

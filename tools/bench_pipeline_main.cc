@@ -25,7 +25,6 @@
 //
 // Exit codes: 0 done, 2 bad flags (or fulcrum_train rejected the flags), 1 a run failed.
 #include <gflags/gflags.h>
-#include <sched.h>
 #include <sys/wait.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -53,6 +52,7 @@
 #include "absl/strings/strip.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
+#include "tools/internal/bench_util.h"
 
 DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");
 DEFINE_string(schedules, "1f1b,zbh1",
@@ -77,7 +77,8 @@ DEFINE_bool(timelines, false,
 namespace fulcrum {
 namespace {
 
-constexpr int kUsageError = 2;
+using bench::kUsageError;
+using bench::Median;
 
 struct RunKey {
   int pp;
@@ -97,108 +98,6 @@ struct RunResult {
   std::string costs;                // Per stage "F/B/W" medians in ms, from the timeline.
   int kept_iterations = 0;
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
-int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-}
-
-// The 1-minute load average (/proc/loadavg); false where there is none.
-bool ReadLoadAverage(double* load) {
-  std::ifstream in("/proc/loadavg");
-  return static_cast<bool>(in >> *load);
-}
-
-// The directory of this executable (where fulcrum_launch and fulcrum_train are built).
-std::string BinDir(const char* argv0) {
-  std::string self(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size());
-  self = n > 0 ? self.substr(0, n) : std::string(argv0);
-  const size_t slash = self.find_last_of('/');
-  return slash == std::string::npos ? "." : self.substr(0, slash);
-}
-
-// gflags exits 1 on an unknown flag or a malformed value; here they are usage errors
-// (exit 2), so the arguments are checked against the registered flags first.
-bool CheckCommandLine(int argc, char** argv, std::string* error) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg.size() < 2 || arg[0] != '-') {
-      *error = absl::StrCat("unexpected argument '", arg, "' (flags are --name=value)");
-      return false;
-    }
-    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
-    const size_t equals = arg.find('=');
-    const std::string name(arg.substr(0, equals));
-    gflags::CommandLineFlagInfo info;
-    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
-      if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) &&
-          info.type == "bool" && equals == absl::string_view::npos) {
-        continue;
-      }
-      *error = absl::StrCat("unknown flag --", name);
-      return false;
-    }
-    if (info.filename.find("gflags") != std::string::npos) continue;  // --help, --flagfile, ...
-    std::string value;
-    if (equals != absl::string_view::npos) {
-      value = std::string(arg.substr(equals + 1));
-    } else if (info.type == "bool") {
-      value = "true";
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      *error = absl::StrCat("--", name, " needs a value");
-      return false;
-    }
-    if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
-      *error = absl::StrCat("--", name, "='", value, "' is not a valid ", info.type);
-      return false;
-    }
-  }
-  return true;
-}
-
-// The usage message and this tool's own flags (gflags' --help lists every library's too;
-// --helpfull still does).
-void PrintHelp() {
-  std::printf("fulcrum_bench_pipeline: %s\n\nFlags:\n", gflags::ProgramUsage());
-  std::vector<gflags::CommandLineFlagInfo> flags;
-  gflags::GetAllFlags(&flags);
-  for (const auto& flag : flags) {
-    if (flag.filename.find("bench_pipeline") == std::string::npos) continue;
-    std::string value = flag.default_value;
-    if (double d; flag.type == "double" && absl::SimpleAtod(value, &d)) value = absl::StrCat(d);
-    std::printf("  --%s=%s\n      %s\n", flag.name.c_str(), value.c_str(),
-                flag.description.c_str());
-  }
-}
-
-// "2,4" -> {2, 4}, each ≥ `min`; nullopt (with `error`) otherwise.
-std::optional<std::vector<int>> ParseInts(const std::string& flag, const std::string& text, int min,
-                                          std::string* error) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    int value;
-    if (!absl::SimpleAtoi(part, &value) || value < min) {
-      *error = absl::StrCat("--", flag, "='", text, "': '", part, "' is not an integer >= ", min);
-      return std::nullopt;
-    }
-    out.push_back(value);
-  }
-  if (out.empty()) {
-    *error = absl::StrCat("--", flag, " is empty");
-    return std::nullopt;
-  }
-  return out;
-}
 
 // From a --timeline trace: every stage's median F, B and W (BW for a fused backward) over
 // the iterations after --skip_iters, each action's time without its nested wait; then the
@@ -308,11 +207,7 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
     }
   }
   if (*code != 0 || iteration_ms.empty()) {
-    std::ifstream in(log);
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::string all = text.str();
-    *log_tail = all.size() > 2000 ? all.substr(all.size() - 2000) : all;
+    *log_tail = bench::FileTail(log);
     if (*code == 0) {
       *code = 1;
       *log_tail += absl::StrCat("\n(no iterations left after --skip_iters=", FLAGS_skip_iters, ")");
@@ -382,8 +277,8 @@ void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResul
 
 int Run(const std::string& bin_dir) {
   std::string error;
-  auto pps = ParseInts("pp", FLAGS_pp, 2, &error);
-  auto counts = pps ? ParseInts("microbatches", FLAGS_microbatches, 1, &error) : std::nullopt;
+  auto pps = bench::ParseInts("pp", FLAGS_pp, 2, &error);
+  auto counts = pps ? bench::ParseInts("microbatches", FLAGS_microbatches, 1, &error) : std::nullopt;
   std::vector<std::string> schedules = absl::StrSplit(FLAGS_schedules, ',', absl::SkipWhitespace());
   if (error.empty() && schedules.empty()) error = "--schedules is empty";
   if (error.empty() && FLAGS_micro_batch_size < 1) {
@@ -409,13 +304,10 @@ int Run(const std::string& bin_dir) {
     std::fprintf(stderr, "fulcrum_bench_pipeline: %s\n", error.c_str());
     return kUsageError;
   }
-  for (const char* tool : {"fulcrum_launch", "fulcrum_train"}) {
-    const std::string path = bin_dir + "/" + tool;
-    if (access(path.c_str(), X_OK) != 0) {
-      std::fprintf(stderr, "fulcrum_bench_pipeline: %s not found (build it next to this tool)\n",
-                   path.c_str());
-      return 1;
-    }
+  if (std::string missing = bench::MissingTools(bin_dir, {"fulcrum_launch", "fulcrum_train"});
+      !missing.empty()) {
+    std::fprintf(stderr, "fulcrum_bench_pipeline: %s\n", missing.c_str());
+    return 1;
   }
   std::string work_dir = "/tmp/fulcrum_bench_pipeline_XXXXXX";
   if (mkdtemp(work_dir.data()) == nullptr) {
@@ -423,7 +315,7 @@ int Run(const std::string& bin_dir) {
     return 1;
   }
 
-  const int cores = UsableCores();
+  const int cores = bench::UsableCores();
   std::printf(
       "fulcrum_bench_pipeline: --recipe=%s %s| micro-batch size %d | %d iterations per "
       "run, medians of the last %d | %d usable cores\n",
@@ -438,7 +330,7 @@ int Run(const std::string& bin_dir) {
           pp, pp, cores);
     }
   }
-  if (double load; ReadLoadAverage(&load) && load >= 0.5) {
+  if (double load; bench::ReadLoadAverage(&load) && load >= 0.5) {
     std::printf("note: load average %.1f before the runs: other work on this machine shares "
                 "the cores and adds noise to every row\n", load);
   }
@@ -493,21 +385,9 @@ int main(int argc, char** argv) {
       "training through fulcrum_launch + fulcrum_train for every --pp x --microbatches x "
       "--schedules.\nExample: fulcrum_bench_pipeline --pp=2 --microbatches=4,8 "
       "--train_iters=8");
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpshort") {
-      fulcrum::PrintHelp();
-      return 0;
-    }
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(
+          &argc, &argv, "fulcrum_bench_pipeline", "bench_pipeline")) {
+    return *code;
   }
-  std::string error;
-  if (!fulcrum::CheckCommandLine(argc, argv, &error)) {
-    std::fprintf(stderr,
-                 "fulcrum_bench_pipeline: %s\nRun `fulcrum_bench_pipeline --help` for "
-                 "usage.\n",
-                 error.c_str());
-    return fulcrum::kUsageError;
-  }
-  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
-  return fulcrum::Run(fulcrum::BinDir(argv[0]));
+  return fulcrum::Run(fulcrum::bench::BinDir(argv[0]));
 }

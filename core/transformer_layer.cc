@@ -1,6 +1,7 @@
 #include "core/transformer_layer.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "core/linear.h"
@@ -22,6 +23,26 @@ at::Tensor CopyToRegion(TensorParallelGroup* tp, const at::Tensor& x) {
 at::Tensor ReduceFromRegion(TensorParallelGroup* tp, const at::Tensor& x) {
   return tp ? tp->ReduceFromRegion(x) : x;
 }
+
+// Softmax over the last dimension with the causal mask applied first (`future`: true
+// above the diagonal). One autograd node instead of masked_fill + softmax: the masked
+// probabilities are exactly 0, so softmax's own backward, p ⊙ (g − Σ g·p), is already 0
+// there and the masked_fill's backward (a full pass over the scores) is not needed.
+class CausalSoftmaxFunction : public torch::autograd::Function<CausalSoftmaxFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
+                            const at::Tensor& future) {
+    at::Tensor probs = at::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    ctx->save_for_backward({probs});
+    return probs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor probs = ctx->get_saved_variables()[0];
+    return {at::_softmax_backward_data(grads[0], probs, -1, probs.scalar_type()), at::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -230,10 +251,12 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   const int64_t d = options_.head_dim();
   at::Tensor qkv = Project(LinearSlot::kQkv, CopyToRegion(tp_, x), qkv_weight_, qkv_bias_)
                        .view({s, b, heads, 3, d});
-  // [s, b, heads, d] → [b, heads, s, d]
-  at::Tensor q = qkv.select(3, 0).permute({1, 2, 0, 3});
-  at::Tensor k = qkv.select(3, 1).permute({1, 2, 0, 3});
-  at::Tensor v = qkv.select(3, 2).permute({1, 2, 0, 3});
+  // [s, b, heads, d] → [b, heads, s, d]. unbind, not three selects: its backward writes
+  // the three gradients into one tensor instead of zero-filling and adding three.
+  std::vector<at::Tensor> parts = qkv.unbind(3);
+  at::Tensor q = parts[0].permute({1, 2, 0, 3});
+  at::Tensor k = parts[1].permute({1, 2, 0, 3});
+  at::Tensor v = parts[2].permute({1, 2, 0, 3});
   if (options_.position_embedding == PositionEmbedding::kRotary) {
     q = ApplyRotary(q, options_.rotary_base);
     k = ApplyRotary(k, options_.rotary_base);
@@ -252,10 +275,12 @@ at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Ten
   const int64_t s = q.size(2);
   const int64_t heads = q.size(1);
   const int64_t d = q.size(3);
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(d)));
+  // The 1/√d scale on q (b·heads·s·d elements), not on the scores (b·heads·s²), and the
+  // mask inside the softmax's node: at s = 256 this halves the attention's elementwise
+  // work, forward and backward.
+  at::Tensor scores = at::matmul(q * (1.0 / std::sqrt(double(d))), k.transpose(-2, -1));
   at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1);
+  at::Tensor probs = CausalSoftmaxFunction::apply(scores, future);
   if (ctx.training && options_.attention_dropout > 0) {
     // One mask per global head, so a head draws the same mask on whichever rank holds it.
     const int64_t first_head = tp_rank() * heads;

@@ -158,6 +158,11 @@ class FreezePlugin final : public Plugin {
       }
     } else if (ctx.iteration() % options_.interval == 0 && iterations_summed_ > 0) {
       to_freeze = DecideByGradients();
+      if (to_freeze.empty() && ctx.is_logging_rank() && !last_rates_.empty()) {
+        // Every comparison is visible, so a user sees how far the layers are from freezing.
+        FULCRUM_LOG(INFO) << "freeze: iteration " << ctx.iteration() << ": no layer freezes "
+                          << last_rates_ << ", threshold " << options_.threshold;
+      }
     }
     if (to_freeze.empty()) return absl::OkStatus();
     Freeze(ctx, to_freeze);
@@ -209,17 +214,18 @@ class FreezePlugin final : public Plugin {
       const int64_t limit =
           static_cast<int64_t>(std::floor(options_.max_fraction * static_cast<double>(num_layers_)));
       std::vector<std::string> rates;
-      for (int64_t l = 0; l < num_layers_ && static_cast<int64_t>(frozen_.size() + decided.size()) < limit; ++l) {
+      bool front = true;  // every layer before this one is frozen or freezes now
+      for (int64_t l = 0; l < num_layers_; ++l) {
         if (frozen_.count(l) > 0) continue;
         const double rate = previous_means_[l] > 0
                                 ? std::abs(means[l] - previous_means_[l]) / previous_means_[l]
                                 : std::numeric_limits<double>::infinity();
         rates.push_back(absl::StrFormat("%d:%.3f", l, rate));
         // Only layers whose predecessors are all frozen (or freeze now) qualify.
-        const bool predecessors_frozen =
-            static_cast<int64_t>(frozen_.size() + decided.size()) == l;
-        if (!predecessors_frozen || rate >= options_.threshold) break;
-        decided.push_back(l);
+        front = front && static_cast<int64_t>(frozen_.size() + decided.size()) == l &&
+                static_cast<int64_t>(frozen_.size() + decided.size()) < limit &&
+                rate < options_.threshold;
+        if (front) decided.push_back(l);
       }
       last_rates_ = absl::StrCat("(gradient-norm change: ", absl::StrJoin(rates, " "), ")");
     }

@@ -106,6 +106,35 @@ TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughR
   EXPECT_LE(worst, 1e-5);
 }
 
+// Masks and sparse structures move with their layer: under pp=2, a pruned layer (sparse
+// compute on since iteration 6) that moves to the other stage in iteration 7's backward tail
+// and back in 9's — pruned again at 8 while away — trains bit for bit as it does staying put.
+TEST(SlowPruneTrainTest, APrunedLayerThatMigratesKeepsItsMasksAndTheLosses) {
+  const std::string dir = testing::MakeTempDir("prune_migrate");
+  const std::string pp2 = kCommon + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, pp2 + " --metrics_file=" + dir + "/still.jsonl"), &output), 0)
+      << output;
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, pp2 + " --rebalance_script='7:1->1;9:2,2' --metrics_file=" +
+                                                             dir + "/moved.jsonl"),
+                                &output),
+            0)
+      << output;
+  const auto still = testing::MetricsRecords(dir + "/still.jsonl");
+  const auto moved = testing::MetricsRecords(dir + "/moved.jsonl");
+  ASSERT_EQ(still.size(), 12u);
+  ASSERT_EQ(moved.size(), 12u);
+  // The moves happened (a record shows the placement after its iteration's moves).
+  EXPECT_EQ(moved[6]["stage_ranges"], nlohmann::json::parse("[[0,1],[1,4]]")) << moved[6].dump();
+  EXPECT_EQ(moved[8]["stage_ranges"], nlohmann::json::parse("[[0,2],[2,4]]")) << moved[8].dump();
+  EXPECT_EQ(moved.back()["layers_moved"], 2);
+  for (size_t i = 0; i < still.size(); ++i) {
+    EXPECT_EQ(moved[i]["loss"], still[i]["loss"]) << "iteration " << i + 1;
+    EXPECT_EQ(moved[i]["sparsity"], still[i]["sparsity"]) << "iteration " << i + 1;
+  }
+  EXPECT_NEAR(moved.back()["sparsity"].get<double>(), 0.9, 1e-6);
+}
+
 // NOTE [global threshold]: pruned on the initial weights (identical in every layout), the
 // threshold found over tp=2 × pp=2 — four ranks each holding a quarter of every weight —
 // is the one process's, bit for bit, and so are the losses' first values.

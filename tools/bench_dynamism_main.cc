@@ -1,0 +1,366 @@
+// bench_dynamism: what each dynamism plugin does to a layer's cost, and what the balancer
+// then does with the unequal pipeline it makes. Two tables:
+//
+// 1. Layer. One transformer layer of --hidden/--heads/--ffn (by default a gpt_20m layer:
+//    512 wide, 8 heads, FFN 2048) on --seq x --micro_batch tokens, built through the plugin
+//    registry exactly as fulcrum_train builds it, in these configurations:
+//      dense       no plugin
+//      prune@S     the prune plugin, one pruning step to sparsity S (its own BeforeIteration
+//                  with --prune_start_iter=--prune_end_iter=0): the global magnitude
+//                  threshold, the masks, and sparse compute where it pays (core/sparse_linear.h)
+//      frozen      the freeze plugin freezing the layer (--freeze_schedule=1:0 and its own
+//                  AfterOptimizerStep): the layer is the model's frozen prefix, so it runs
+//                  its forward without autograd and has no backward at all
+//    Each repetition times, per configuration, the forward (F), the backward with a
+//    WeightGradStore active (B: input gradients; the weight-gradient GEMMs are queued) and
+//    the store's flush (W), as a zero-bubble stage runs them. Configurations alternate
+//    within each repetition; medians are shown with the ratio to dense F+B+W. Before timing,
+//    each pruned layer's sparsity is measured from its weights and its output is compared
+//    with a plain dense layer holding the same (masked) weights.
+//    Goals (issue 12): a 90%-pruned layer <= 0.4x dense; a frozen-prefix layer <= 0.4x.
+//
+// 2. Pipeline (--pipeline). pp=2, two ranks x one thread, where a plugin makes the stages
+//    unequal, with --rebalancer=none against the partition balancer: it runs
+//    fulcrum_bench_balance (built next to this tool) with the plugin's flags, which prints
+//    bubble ratio, iteration time and imbalance side by side and checks that the losses
+//    agree. The plugin cases: freeze (layers 0..2 of 8 frozen after iteration 1, so stage 0
+//    keeps three forward-only layers).
+//
+//   build/bin/fulcrum_bench_dynamism [--hidden=512] [--heads=8] [--ffn=2048] [--seq=256]
+//       [--micro_batch=4] [--sparsity=0.5,0.8,0.9] [--threads=1,2] [--reps=7] [--warmup=2]
+//       [--pipeline=true] [--pipeline_rounds=2] [--pipeline_iters=30]
+//
+// Exit codes: 0 done (goals are reported, not enforced), 2 bad flags, 1 a check failed
+// (a pruned layer's sparsity or output is off, or the pipeline benchmark failed).
+#include <dlfcn.h>
+#include <gflags/gflags.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "core/gpt_model.h"
+#include "core/linear.h"
+#include "core/status.h"
+#include "core/plugin.h"
+#include "plugins/plugin_registry.h"
+#include "tools/internal/bench_util.h"
+
+DEFINE_int64(hidden, 512, "Hidden size of the measured layer (gpt_20m: 512).");
+DEFINE_int64(heads, 8, "Attention heads (gpt_20m: 8).");
+DEFINE_int64(ffn, 2048, "FFN hidden size (gpt_20m: 2048).");
+DEFINE_int64(seq, 256, "Sequence length (gpt_20m: 256).");
+DEFINE_int64(micro_batch, 4, "Micro-batch size (gpt_20m: 4).");
+DEFINE_string(sparsity, "0.5,0.8,0.9", "Sparsities the prune plugin prunes the layer to.");
+DEFINE_string(threads, "1,2", "Intra-op thread counts (OpenBLAS's too), one table each.");
+DEFINE_int32(reps, 7, "Timed repetitions (medians shown).");
+DEFINE_int32(warmup, 2, "Untimed repetitions first.");
+DEFINE_bool(pipeline, true, "Also run the pp=2 table (fulcrum_bench_balance with plugin flags).");
+DEFINE_int32(pipeline_rounds, 2, "--rounds of the pipeline table.");
+DEFINE_int32(pipeline_iters, 30, "--train_iters of each pipeline run.");
+
+DECLARE_int64(prune_start_iter);
+DECLARE_int64(prune_end_iter);
+DECLARE_int64(prune_interval);
+DECLARE_double(prune_initial_sparsity);
+DECLARE_double(prune_final_sparsity);
+DECLARE_string(freeze_schedule);
+
+namespace fulcrum {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr double kGoalSparsity = 0.9;
+constexpr double kGoalRatio = 0.4;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// OpenBLAS (the pthread build) keeps its own thread count; at::set_num_threads leaves it.
+int SetBlasThreads(int n) {
+  using SetFn = void (*)(int);
+  using GetFn = int (*)();
+  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (set != nullptr) set(n);
+  return get != nullptr ? get() : -1;
+}
+
+ModelOptions LayerOptions() {
+  ModelOptions o;
+  o.num_layers = 1;
+  o.hidden_size = FLAGS_hidden;
+  o.num_attention_heads = FLAGS_heads;
+  o.ffn_hidden_size = FLAGS_ffn;
+  o.seq_length = FLAGS_seq;
+  o.vocab_size = 128;  // No embedding or head is built; the model only checks it.
+  return o;
+}
+
+// One configuration: a one-layer stage (no embedding, no head) built with its plugins.
+struct Config {
+  std::string name;
+  std::shared_ptr<PluginSet> plugins;  // null: dense
+  std::unique_ptr<GptModel> model;
+  double target = 0;                   // the sparsity asked of the prune plugin
+  double sparsity = 0;                 // measured from the weights
+  std::vector<double> f, b, w;
+};
+
+ForwardContext TrainingContext() { return ForwardContext{true, 1, 0, 1.0, {}, 0}; }
+
+absl::StatusOr<std::shared_ptr<PluginSet>> Plugins(const std::string& name,
+                                                   const ModelOptions& options) {
+  plugins::PluginSetup setup;
+  setup.model = options;
+  return plugins::MakePlugins({name}, setup);
+}
+
+// The prunable weights' zero fraction (the four projections of the layer).
+double Sparsity(const GptModel& model) {
+  double zeros = 0, all = 0;
+  for (const auto& [index, layer] : model.layers()) {
+    for (LinearSlot slot : {LinearSlot::kQkv, LinearSlot::kProj, LinearSlot::kFc1,
+                            LinearSlot::kFc2}) {
+      const at::Tensor& w = layer->weight(slot);
+      zeros += static_cast<double>((w == 0).sum().item<int64_t>());
+      all += static_cast<double>(w.numel());
+    }
+  }
+  return zeros / all;
+}
+
+absl::StatusOr<Config> MakeConfig(const std::string& kind, double sparsity) {
+  const ModelOptions options = LayerOptions();
+  const StageSpec stage{0, 1, /*has_embedding=*/false, /*has_head=*/false};
+  Config c;
+  if (kind == "dense") {
+    c.name = "dense";
+    c.model = std::make_unique<GptModel>(options, stage);
+  } else if (kind == "prune") {
+    c.name = absl::StrFormat("prune@%.2f", sparsity);
+    c.target = sparsity;
+    FLAGS_prune_start_iter = 0;
+    FLAGS_prune_end_iter = 0;
+    FLAGS_prune_interval = 1;
+    FLAGS_prune_initial_sparsity = sparsity;
+    FLAGS_prune_final_sparsity = sparsity;
+    FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("prune", options));
+    c.model = std::make_unique<GptModel>(options, stage, nullptr, c.plugins);
+    PluginContext ctx(1, *c.model, nullptr, nullptr);
+    FULCRUM_RETURN_IF_ERROR(c.plugins->BeforeIteration(ctx));  // the step at t0 = 0
+  } else if (kind == "frozen") {
+    c.name = "frozen";
+    FLAGS_freeze_schedule = "1:0";
+    FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("freeze", options));
+    c.model = std::make_unique<GptModel>(options, stage, nullptr, c.plugins);
+    PluginContext ctx(1, *c.model, nullptr, nullptr);
+    FULCRUM_RETURN_IF_ERROR(c.plugins->AfterOptimizerStep(ctx));
+    if (c.model->frozen_prefix() != 1 || c.model->input_needs_grad()) {
+      return absl::InternalError("the freeze plugin did not make the layer a frozen prefix");
+    }
+  }
+  c.sparsity = Sparsity(*c.model);
+  return c;
+}
+
+// The same function through plain dense products: a model without plugins holding the
+// configuration's weights. Returns max |difference| / (max |reference| + 1).
+double CheckAgainstDense(const Config& c, const at::Tensor& hidden) {
+  GptModel dense(LayerOptions(), StageSpec{0, 1, false, false});
+  at::NoGradGuard no_grad;
+  const TransformerLayer& from = *c.model->layers().at(0);
+  TransformerLayer& to = *dense.layers().at(0);
+  for (Parameter& p : to.parameters()) {
+    for (const Parameter& q : from.parameters()) {
+      if (q.name == p.name) p.value.copy_(q.value);
+    }
+  }
+  const at::Tensor got = c.model->ForwardLayers(hidden, TrainingContext());
+  const at::Tensor want = dense.ForwardLayers(hidden, TrainingContext());
+  return (got - want).abs().max().item<double>() / (want.abs().max().item<double>() + 1.0);
+}
+
+// One F, B, W measurement of `c` (appended to its vectors when `record`).
+void RunOnce(Config& c, const at::Tensor& input, const at::Tensor& grad_out, bool record) {
+  c.model->ZeroGrad();
+  const at::Tensor hidden = input.detach().requires_grad_(c.model->input_needs_grad());
+  WeightGradStore store;
+  const auto t0 = Clock::now();
+  at::Tensor out;
+  {
+    WeightGradStore::Scope scope(&store);
+    out = c.model->ForwardLayers(hidden, TrainingContext());
+  }
+  const auto t1 = Clock::now();
+  if (out.requires_grad()) {
+    WeightGradStore::Scope scope(&store);
+    out.backward(grad_out);
+  }
+  const auto t2 = Clock::now();
+  store.Flush();
+  const auto t3 = Clock::now();
+  if (record) {
+    c.f.push_back(Ms(t0, t1));
+    c.b.push_back(Ms(t1, t2));
+    c.w.push_back(Ms(t2, t3));
+  }
+}
+
+bool LayerTable(int threads, const std::vector<double>& sparsities) {
+  at::set_num_threads(threads);
+  const int blas = SetBlasThreads(threads);
+  double load = 0;
+  bench::ReadLoadAverage(&load);
+  std::printf("\n== layer, %d thread(s) (OpenBLAS %d), load average before %.2f\n", threads, blas,
+              load);
+  std::vector<Config> configs;
+  auto add = [&](const std::string& kind, double s) {
+    absl::StatusOr<Config> c = MakeConfig(kind, s);
+    if (!c.ok()) {
+      std::fprintf(stderr, "bench_dynamism: %s: %s\n", kind.c_str(), c.status().ToString().c_str());
+      return false;
+    }
+    configs.push_back(*std::move(c));
+    return true;
+  };
+  if (!add("dense", 0)) return false;
+  for (double s : sparsities) {
+    if (!add("prune", s)) return false;
+  }
+  if (!add("frozen", 0)) return false;
+
+  torch::manual_seed(7);
+  const at::Tensor input = torch::randn({FLAGS_seq, FLAGS_micro_batch, FLAGS_hidden});
+  const at::Tensor grad_out = torch::randn({FLAGS_seq, FLAGS_micro_batch, FLAGS_hidden});
+  bool ok = true;
+  for (const Config& c : configs) {
+    const double error = CheckAgainstDense(c, input);
+    // The plugin prunes exactly round(S x weights) of the layer's four weights; the others
+    // hold no zero (random initial values).
+    const bool sparsity_ok = std::abs(c.sparsity - c.target) < 1e-6;
+    const bool error_ok = error <= 1e-5;
+    ok = ok && sparsity_ok && error_ok;
+    std::printf("  %-10s measured sparsity %.4f%s, output vs dense products of the same weights %.1e%s\n",
+                c.name.c_str(), c.sparsity, sparsity_ok ? "" : " (WRONG)", error,
+                error_ok ? "" : " (TOO LARGE)");
+  }
+  for (int rep = 0; rep < FLAGS_warmup + FLAGS_reps; ++rep) {
+    for (Config& c : configs) RunOnce(c, input, grad_out, rep >= FLAGS_warmup);
+  }
+  std::printf("config     |      F       B       W   F+B+W | ratio to dense F+B+W | goal\n");
+  const double dense_sum =
+      bench::Median(configs[0].f) + bench::Median(configs[0].b) + bench::Median(configs[0].w);
+  for (const Config& c : configs) {
+    const double f = bench::Median(c.f), b = bench::Median(c.b), w = bench::Median(c.w);
+    const double ratio = (f + b + w) / dense_sum;
+    std::string goal;
+    if (c.name == "frozen" || std::abs(c.target - kGoalSparsity) < 1e-9) {
+      goal = absl::StrFormat("%s (<= %.2f)", ratio <= kGoalRatio ? "met" : "NOT MET", kGoalRatio);
+    }
+    std::printf("%-10s | %6.2f  %6.2f  %6.2f  %6.2f | %20.2f | %s\n", c.name.c_str(), f, b, w,
+                f + b + w, ratio, goal.c_str());
+  }
+  bench::ReadLoadAverage(&load);
+  std::printf("times in ms, medians of %d; load average after %.2f\n", FLAGS_reps, load);
+  return ok;
+}
+
+bool PipelineTable(const std::string& bin_dir) {
+  const std::string missing = bench::MissingTools(
+      bin_dir, {"fulcrum_bench_balance", "fulcrum_launch", "fulcrum_train"});
+  if (!missing.empty()) {
+    std::fprintf(stderr, "bench_dynamism: %s\n", missing.c_str());
+    return false;
+  }
+  struct Case {
+    std::string plugin, model_flags;
+  };
+  const std::vector<Case> cases = {
+      {"freeze", "--num_layers=8 --plugins=freeze --freeze_schedule=1:0-2"},
+  };
+  bool ok = true;
+  for (const Case& c : cases) {
+    std::printf("\n== pipeline, pp=2, plugin %s: fulcrum_bench_balance, none vs partition\n",
+                c.plugin.c_str());
+    std::fflush(stdout);
+    const std::vector<std::string> args = {
+        bin_dir + "/fulcrum_bench_balance", "--configs=none,partition", "--recipe=tiny",
+        absl::StrCat("--model_flags=", c.model_flags),
+        absl::StrCat("--rounds=", FLAGS_pipeline_rounds),
+        absl::StrCat("--train_iters=", FLAGS_pipeline_iters), "--skip_iters=6",
+        "--before_iters=2"};
+    std::printf("%s\n", bench::ShellCommand(args).c_str());
+    std::fflush(stdout);
+    const int code = std::system(bench::ShellCommand(args).c_str());
+    if (code != 0) {
+      std::fprintf(stderr, "bench_dynamism: the %s pipeline run failed (status %d)\n",
+                   c.plugin.c_str(), code);
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+int Main(const std::string& bin_dir) {
+  std::vector<double> sparsities;
+  for (absl::string_view part : absl::StrSplit(FLAGS_sparsity, ',', absl::SkipWhitespace())) {
+    double s = 0;
+    if (!absl::SimpleAtod(part, &s) || !(s > 0 && s < 1)) {
+      std::fprintf(stderr, "bench_dynamism: --sparsity: '%s' is not in (0, 1)\n",
+                   std::string(part).c_str());
+      return bench::kUsageError;
+    }
+    sparsities.push_back(s);
+  }
+  std::string error;
+  std::optional<std::vector<int>> threads = bench::ParseInts("threads", FLAGS_threads, 1, &error);
+  if (!threads) {
+    std::fprintf(stderr, "bench_dynamism: %s\n", error.c_str());
+    return bench::kUsageError;
+  }
+  if (FLAGS_reps < 1 || FLAGS_warmup < 0) {
+    std::fprintf(stderr, "bench_dynamism: --reps must be >= 1 and --warmup >= 0\n");
+    return bench::kUsageError;
+  }
+  std::printf(
+      "fulcrum_bench_dynamism: one transformer layer (hidden %ld, %ld heads, FFN %ld), T = %ld "
+      "tokens (seq %ld x micro-batch %ld), fp32, %d usable cores\n"
+      "F forward, B backward with the weight-gradient GEMMs queued, W their flush; goal: "
+      "prune@%.2f and frozen <= %.2fx dense F+B+W\n",
+      FLAGS_hidden, FLAGS_heads, FLAGS_ffn, FLAGS_seq * FLAGS_micro_batch, FLAGS_seq,
+      FLAGS_micro_batch, bench::UsableCores(), kGoalSparsity, kGoalRatio);
+  bool ok = true;
+  for (int t : *threads) ok = LayerTable(t, sparsities) && ok;
+  if (FLAGS_pipeline) ok = PipelineTable(bin_dir) && ok;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "per-layer F+B+W of a dense, pruned and frozen layer built by the plugins, and a pp=2 "
+      "run where a plugin makes the stages unequal, with and without the partition balancer."
+      "\nExample: fulcrum_bench_dynamism --threads=1 --reps=5 --pipeline=false");
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(
+          &argc, &argv, "fulcrum_bench_dynamism", "bench_dynamism")) {
+    return *code;
+  }
+  return fulcrum::Main(fulcrum::bench::BinDir(argv[0]));
+}

@@ -303,7 +303,19 @@ at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx)
   return ReduceFromRegion(tp_, Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor())) + fc2_bias_;
 }
 
+at::Tensor TransformerLayer::Residual(const at::Tensor& hidden, const ForwardContext& ctx) const {
+  const int64_t h = options_.hidden_size;
+  const double eps = options_.layernorm_epsilon;
+  at::Tensor attn = Dropout(Attention(at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps), ctx),
+                            options_.hidden_dropout, options_.seed, "attention_output_dropout",
+                            layer_index_, ctx);
+  at::Tensor mlp = Mlp(at::layer_norm(hidden + attn, {h}, ln2_weight_, ln2_bias_, eps), ctx);
+  return attn + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
+                        layer_index_, ctx);
+}
+
 at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardContext& ctx) const {
+  if (forward_wrapper_) return forward_wrapper_(*this, hidden, ctx);
   const int64_t h = options_.hidden_size;
   const double eps = options_.layernorm_epsilon;
   at::Tensor attn = Attention(at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps), ctx);

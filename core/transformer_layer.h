@@ -113,8 +113,20 @@ class TransformerLayer : public Unit {
   /// Unit's, plus the block's step state under "<layer>.mlp.step_state.<name>".
   NamedTensors MigrationTensors() const override;
   absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors) override;
-  /// hidden [s, b, h] → [s, b, h].
+  /// hidden [s, b, h] → [s, b, h]: the wrapper's (SetForwardWrapper) if one is set, else
+  /// hidden + Residual(hidden) (computed as two residual additions).
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
+  /// What the layer adds to the residual stream, f(x) = attention + MLP: hidden [n, b, h]
+  /// → [n, b, h] for any n, the n tokens of each sequence attending causally to each other
+  /// (learned positions only: rotary positions assume the tokens are 0..n−1).
+  at::Tensor Residual(const at::Tensor& hidden, const ForwardContext& ctx) const;
+  /// Replaces how Forward applies the layer (a plugin's EditLayer: Mixture-of-Depths runs
+  /// Residual on the routed tokens only). The wrapper gets the layer and Forward's
+  /// arguments; an empty one restores the plain layer.
+  using ForwardWrapper = std::function<at::Tensor(const TransformerLayer& layer,
+                                                  const at::Tensor& hidden,
+                                                  const ForwardContext& ctx)>;
+  void SetForwardWrapper(ForwardWrapper wrapper) { forward_wrapper_ = std::move(wrapper); }
 
  private:
   at::Tensor Attention(const at::Tensor& x, const ForwardContext& ctx) const;
@@ -136,6 +148,7 @@ class TransformerLayer : public Unit {
   std::unique_ptr<AttentionCore> attention_core_;  // Replaces softmax attention when set.
   std::array<LinearImpl, kNumLinearSlots> linears_;
   std::function<double()> load_reporter_;
+  ForwardWrapper forward_wrapper_;
 };
 
 class Head : public Unit {

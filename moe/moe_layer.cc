@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/aux_loss.h"
 #include "core/linear.h"
 #include "core/random.h"
 #include "core/transformer_layer.h"
@@ -25,29 +26,9 @@
 namespace fulcrum::moe {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 // The auxiliary losses every router may report, in the order the statistics carry them.
 constexpr std::array<const char*, 4> kAuxLossNames = {"load_balancing_loss", "importance_loss",
                                                       "load_loss", "z_loss"};
-
-// Identity on `output` in the forward; in the backward, also gives `aux` the gradient
-// `scale` (NOTE [MoE auxiliary losses]).
-class AuxLossScaler : public torch::autograd::Function<AuxLossScaler> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& output, const at::Tensor& aux,
-                            double scale) {
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["aux_dtype"] = static_cast<int64_t>(aux.scalar_type());
-    return output;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
-    return {grads[0], at::scalar_tensor(scale, at::TensorOptions().dtype(dtype)), at::Tensor()};
-  }
-};
 
 class MoeLayer final : public FeedForward {
  public:
@@ -156,10 +137,8 @@ class MoeLayer final : public FeedForward {
       for (const auto& [name, value] : routing.aux_losses) {
         aux_total = aux_total.defined() ? aux_total + value : value;
       }
-      if (aux_total.defined() && aux_total.requires_grad() && ctx.loss_scale > 0) {
-        combined = AuxLossScaler::apply(combined, aux_total,
-                                        ctx.loss_scale * static_cast<double>(t));
-      }
+      // NOTE [auxiliary losses] (core/aux_loss.h).
+      combined = WithAuxLoss(combined, aux_total, ctx.loss_scale * static_cast<double>(t));
       Accumulate(routing, slots, t);
       expert_rows_ += rows_this_call_;
     }

@@ -1,0 +1,257 @@
+// The mod plugin (plugins/mod.cc) against dense references: a routed layer computes its
+// chosen tokens exactly as a plain layer computes those tokens alone (scaled by the gate),
+// leaves every other token bit-unchanged, chooses the top-k of each sequence by its router
+// (recomputed here), decides causally outside training, trains its causal decision through
+// the auxiliary loss, and has finite-difference gradients.
+#include <gflags/gflags.h>
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "core/gpt_model.h"
+#include "core/plugin.h"
+#include "core/transformer_layer.h"
+#include "gtest/gtest.h"
+#include "plugins/plugin_registry.h"
+
+DECLARE_int64(mod_layer_freq);
+DECLARE_double(mod_capacity);
+DECLARE_string(mod_causal);
+DECLARE_double(mod_aux_loss_coeff);
+
+namespace fulcrum::plugins {
+namespace {
+
+ModelOptions Small(bool fp64 = false) {
+  ModelOptions m;
+  m.num_layers = 2;
+  m.hidden_size = 32;
+  m.num_attention_heads = 4;
+  m.ffn_hidden_size = 64;
+  m.vocab_size = 64;
+  m.seq_length = 16;
+  m.seed = 42;
+  if (fp64) m.params_dtype = ParamsDtype::kFp64;
+  return m;
+}
+
+const StageSpec kLayersOnly{0, -1, /*has_embedding=*/false, /*has_head=*/false};
+
+// The mod flags for one test; the previous values come back at the end of the scope.
+struct Flags {
+  explicit Flags(double capacity, const std::string& causal = "predictor", double coeff = 0.01) {
+    FLAGS_mod_layer_freq = 2;  // layer 1 of 2 is routed
+    FLAGS_mod_capacity = capacity;
+    FLAGS_mod_causal = causal;
+    FLAGS_mod_aux_loss_coeff = coeff;
+  }
+  gflags::FlagSaver saver;  // constructed before the body changes anything
+};
+
+std::unique_ptr<GptModel> WithMod(const ModelOptions& options) {
+  PluginSetup setup;
+  setup.model = options;
+  auto plugins = MakePlugins({"mod"}, setup);
+  EXPECT_TRUE(plugins.ok()) << plugins.status();
+  return std::make_unique<GptModel>(options, kLayersOnly, nullptr, *plugins);
+}
+
+// The routed layer's router weight.
+at::Tensor Router(const GptModel& model) {
+  for (const Parameter& p : model.layers().at(1)->parameters()) {
+    if (p.name == "mod.router.weight") return p.value;
+  }
+  ADD_FAILURE() << "no router";
+  return at::Tensor();
+}
+
+ForwardContext Training() { return ForwardContext{true, 1, 0, 0.0, {}, 0}; }
+ForwardContext Evaluation() { return ForwardContext{false, 1, 0, 0.0, {}, 0}; }
+
+double RelativeError(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / (want.abs().max().item<double>() + 1e-30);
+}
+
+// Checks layer 1 of `mod` on input x [s, b, h] against the plain layer 1 of `plain`, where
+// `chosen` [s, b] bool says which tokens the routed layer must have computed.
+void ExpectRoutedLayerMatches(const GptModel& mod, const GptModel& plain, const at::Tensor& x,
+                              const at::Tensor& chosen, const ForwardContext& ctx, double tol) {
+  at::NoGradGuard no_grad;
+  const at::Tensor out = mod.layers().at(1)->Forward(x, ctx);
+  const at::Tensor gate = at::sigmoid(at::matmul(x, Router(mod)));
+  for (int64_t j = 0; j < x.size(1); ++j) {
+    const at::Tensor index = chosen.select(1, j).nonzero().squeeze(-1);
+    const at::Tensor others = chosen.select(1, j).logical_not().nonzero().squeeze(-1);
+    // Untouched tokens pass through bit for bit.
+    EXPECT_TRUE(at::equal(out.select(1, j).index_select(0, others),
+                          x.select(1, j).index_select(0, others)))
+        << "sequence " << j;
+    if (index.size(0) == 0) continue;
+    // Chosen tokens: the plain layer run on those tokens alone, its addition gated.
+    const at::Tensor xs = x.select(1, j).index_select(0, index).unsqueeze(1);
+    const at::Tensor dense = plain.layers().at(1)->Forward(xs, ctx).squeeze(1);
+    const at::Tensor g = gate.select(1, j).index_select(0, index).unsqueeze(-1);
+    const at::Tensor want = xs.squeeze(1) + g * (dense - xs.squeeze(1));
+    EXPECT_LE(RelativeError(out.select(1, j).index_select(0, index), want), tol) << "sequence " << j;
+  }
+}
+
+TEST(ModPluginTest, FullCapacityIsTheDenseLayerScaledByTheGate) {
+  Flags flags(1.0);
+  const ModelOptions o = Small();
+  auto mod = WithMod(o);
+  GptModel plain(o, kLayersOnly);
+  torch::manual_seed(1);
+  const at::Tensor x = torch::randn({o.seq_length, 3, o.hidden_size});
+  ExpectRoutedLayerMatches(*mod, plain, x, at::ones({o.seq_length, 3}, at::kBool), Training(), 1e-5);
+  // Layer 0 is not routed: it is the plain layer, bit for bit.
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(mod->layers().at(0)->Forward(x, Training()),
+                        plain.layers().at(0)->Forward(x, Training())));
+  EXPECT_DOUBLE_EQ(mod->layers().at(1)->Load(), 1.0);
+}
+
+TEST(ModPluginTest, TrainingComputesTheRouterTopKOfEachSequenceAndSkipsTheRest) {
+  Flags flags(0.25);
+  const ModelOptions o = Small();
+  auto mod = WithMod(o);
+  GptModel plain(o, kLayersOnly);
+  torch::manual_seed(2);
+  const at::Tensor x = torch::randn({o.seq_length, 3, o.hidden_size});
+  // The top 4 of 16 by router logit, per sequence, computed here independently.
+  const at::Tensor logits = at::matmul(x, Router(*mod));
+  const at::Tensor top = std::get<1>(logits.topk(4, 0));
+  const at::Tensor chosen = at::zeros({o.seq_length, 3}, at::kBool).scatter(0, top, true);
+  ExpectRoutedLayerMatches(*mod, plain, x, chosen, Training(), 1e-5);
+  EXPECT_DOUBLE_EQ(mod->layers().at(1)->Load(), 0.25) << "the layer computed 4 of 16 tokens";
+}
+
+TEST(ModPluginTest, EvaluationComputesTheTokensTheCausalDecisionPicks) {
+  for (const std::string causal : {"aux_loss", "predictor"}) {
+    SCOPED_TRACE(causal);
+    Flags flags(0.25, causal);
+    const ModelOptions o = Small();
+    auto mod = WithMod(o);
+    GptModel plain(o, kLayersOnly);
+    torch::manual_seed(3);
+    const at::Tensor x = torch::randn({o.seq_length, 3, o.hidden_size});
+    at::Tensor decision = at::matmul(x, Router(*mod));
+    if (causal == "predictor") {
+      std::map<std::string, at::Tensor> p;
+      for (const Parameter& q : mod->layers().at(1)->parameters()) p[q.name] = q.value;
+      decision = at::linear(at::gelu(at::linear(x, p["mod.predictor.fc1.weight"], p["mod.predictor.fc1.bias"])),
+                            p["mod.predictor.fc2.weight"], p["mod.predictor.fc2.bias"])
+                     .squeeze(-1);
+    }
+    const at::Tensor chosen = decision.gt(0);
+    // A decision that is about to flip would make the check flaky; the random draw has none.
+    ASSERT_GT(decision.abs().min().item<double>(), 1e-6);
+    ExpectRoutedLayerMatches(*mod, plain, x, chosen, Evaluation(), 1e-5);
+    const double fraction = chosen.to(at::kDouble).mean().item<double>();
+    EXPECT_DOUBLE_EQ(mod->layers().at(1)->Load(), fraction);
+  }
+}
+
+TEST(ModPluginTest, TheCausalDecisionLearnsThroughTheAuxiliaryLoss) {
+  for (const std::string causal : {"aux_loss", "predictor"}) {
+    SCOPED_TRACE(causal);
+    Flags flags(0.25, causal, /*coeff=*/1.0);
+    const ModelOptions o = Small();
+    auto with_aux = WithMod(o);
+    Flags no_aux(0.25, causal, /*coeff=*/0.0);
+    auto without = WithMod(o);
+    torch::manual_seed(4);
+    const at::Tensor x = torch::randn({o.seq_length, 2, o.hidden_size});
+    ForwardContext ctx = Training();
+    ctx.loss_scale = 1.0 / 32;
+    for (GptModel* m : {with_aux.get(), without.get()}) {
+      m->ZeroGrad();
+      m->ForwardLayers(x.clone().requires_grad_(), ctx).sum().backward();
+    }
+    std::map<std::string, at::Tensor> a, b;
+    for (const Parameter& p : with_aux->layers().at(1)->parameters()) a[p.name] = p.value.grad();
+    for (const Parameter& p : without->layers().at(1)->parameters()) b[p.name] = p.value.grad();
+    if (causal == "predictor") {
+      // The predictor learns only from its loss; the router's gradient is the gate's alone.
+      ASSERT_TRUE(a["mod.predictor.fc2.weight"].defined());
+      EXPECT_GT(a["mod.predictor.fc2.weight"].abs().sum().item<double>(), 0);
+      EXPECT_FALSE(b["mod.predictor.fc2.weight"].defined() &&
+                   b["mod.predictor.fc2.weight"].abs().sum().item<double>() > 0);
+      EXPECT_TRUE(at::allclose(a["mod.router.weight"], b["mod.router.weight"]));
+    } else {
+      // The router's logits are the decision: its loss changes the router's gradient.
+      EXPECT_FALSE(at::allclose(a["mod.router.weight"], b["mod.router.weight"]));
+    }
+    // The block's own weights get the same gradients either way.
+    EXPECT_TRUE(at::allclose(a["mlp.linear_fc1.weight"], b["mlp.linear_fc1.weight"]));
+  }
+}
+
+TEST(ModPluginTest, GradientsMatchFiniteDifferences) {
+  Flags flags(0.5, "aux_loss", 0.1);
+  const ModelOptions o = Small(/*fp64=*/true);
+  auto mod = WithMod(o);
+  TransformerLayer& layer = *mod->layers().at(1);
+  torch::manual_seed(5);
+  const at::Tensor x0 = torch::randn({o.seq_length, 2, o.hidden_size}, at::kDouble);
+  const at::Tensor direction = torch::randn_like(x0);
+  ForwardContext ctx = Training();
+  ctx.loss_scale = 1.0 / 32;
+  // Loss: a fixed projection of the output, plus the auxiliary loss that rides along in the
+  // backward (coefficient × BCE of the router logits against the chosen tokens, with
+  // gradient scale loss_scale × tokens = 1, NOTE [auxiliary losses]).
+  const at::Tensor probe = torch::randn_like(x0);
+  at::Tensor w = Router(*mod);
+  auto loss = [&](const at::Tensor& in) {
+    at::NoGradGuard no_grad;
+    const at::Tensor logits = at::matmul(in, w);
+    const at::Tensor top = std::get<1>(logits.topk(o.seq_length / 2, 0));
+    const at::Tensor chosen = at::zeros_like(logits).scatter(0, top, 1.0);
+    return (layer.Forward(in, ctx) * probe).sum().item<double>() +
+           0.1 * at::binary_cross_entropy_with_logits(logits, chosen).item<double>();
+  };
+  at::Tensor x = x0.clone().requires_grad_();
+  (layer.Forward(x, ctx) * probe).sum().backward();
+  at::Tensor router_grad = w.grad().clone();
+  const double analytic = (x.grad() * direction).sum().item<double>();
+  // The top-k choice is locally constant, so central differences see the same tokens.
+  const double eps = 1e-6;
+  const double numeric = (loss(x0 + eps * direction) - loss(x0 - eps * direction)) / (2 * eps);
+  EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric)));
+  // The router weight: the gate's gradient plus the auxiliary loss's.
+  const at::Tensor dw = torch::randn_like(w);
+  auto g = [&](double t) {
+    {
+      at::NoGradGuard no_grad;
+      w.add_(t * dw);
+    }
+    const double value = loss(x0);
+    at::NoGradGuard no_grad;
+    w.sub_(t * dw);
+    return value;
+  };
+  const double numeric_w = (g(eps) - g(-eps)) / (2 * eps);
+  EXPECT_NEAR((router_grad * dw).sum().item<double>(), numeric_w, 1e-6 * std::max(1.0, std::abs(numeric_w)));
+}
+
+TEST(ModPluginTest, BadFlagsAreRefusedNamingTheFlag) {
+  PluginSetup setup;
+  setup.model = Small();
+  {
+    Flags flags(0.0);
+    auto status = ValidatePlugins({"mod"}, setup);
+    EXPECT_NE(status.ToString().find("--mod_capacity"), std::string::npos) << status;
+  }
+  {
+    Flags flags(0.5, "sometimes");
+    EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("--mod_causal"), std::string::npos);
+  }
+  {
+    Flags flags(0.5);
+    setup.model.position_embedding = PositionEmbedding::kRotary;
+    EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("learned positions"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::plugins

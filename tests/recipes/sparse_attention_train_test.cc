@@ -1,0 +1,89 @@
+// The sparse_attention plugin (plugins/sparse_attention.cc) through the real binaries: it
+// trains, computes well under the dense attention's scores and reports it; pp=2 (also with
+// layers migrating between the stages) and tp=2 train the one-process losses and compute
+// the same blocks (the hash of a head does not depend on the layout or on where the layer
+// runs); a resume continues the straight run bit for bit (the rotations are checkpointed).
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
+
+namespace fulcrum {
+namespace {
+
+constexpr double kRelativeTolerance = 1e-5;
+const std::string kCommon =
+    "--recipe=tiny --train_iters=10 --eval_interval=0 --log_interval=5 --global_batch_size=16 "
+    "--micro_batch_size=4 --plugins=sparse_attention --sparse_attention_buckets=4 "
+    "--sparse_attention_block=16";
+
+TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLosses) {
+  const std::string dir = testing::MakeTempDir("sparse_attention_train");
+  std::string output;
+  const std::string ckpt = dir + "/ckpt";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
+                                                             " --save_interval=5 --metrics_file=" +
+                                                             dir + "/one.jsonl"),
+                                &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("attn density"), std::string::npos) << output;
+  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
+  ASSERT_EQ(one.size(), 10u);
+  for (const nlohmann::json& r : one) {
+    ASSERT_TRUE(r.contains("sparse_attention_blocks")) << r.dump();
+    ASSERT_TRUE(r.contains("layer_loads")) << r.dump();
+    EXPECT_EQ(r["sparse_attention_blocks"].size(), 4u);
+    for (const auto& [layer, blocks] : r["sparse_attention_blocks"].items())
+      EXPECT_GT(blocks.get<int64_t>(), 0) << layer;
+    EXPECT_GT(r["layer_loads"]["layers.0"].get<double>(), 0);
+    // 4 buckets compute well under half the dense scores (s = 128, blocks of 16).
+    EXPECT_LT(r["sparse_attention_density"].get<double>(), 0.5);
+  }
+  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
+           {"pp2", " --pipeline_model_parallel_size=2"},
+           // Layer 1 moves to stage 1 in iteration 3, layer 2 back to stage 0 in iteration 6.
+           {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
+           {"tp2", " --tensor_model_parallel_size=2"}}) {
+    const std::string metrics = dir + "/" + name + ".jsonl";
+    ASSERT_EQ(
+        testing::RunCommand(
+            testing::TrainCommand(2, kCommon + layout + " --metrics_file=" + metrics), &output),
+        0)
+        << output;
+    const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
+    ASSERT_EQ(records.size(), 10u) << name;
+    const double worst =
+        testing::MaxRelativeDifference(testing::LossesOf(records), testing::LossesOf(one));
+    std::cout << "sparse_attention " << name << ": max relative loss difference vs one process "
+              << worst << std::endl;
+    EXPECT_LE(worst, kRelativeTolerance) << name;
+    for (size_t i = 0; i < records.size(); ++i) {
+      EXPECT_EQ(records[i]["sparse_attention_blocks"], one[i]["sparse_attention_blocks"])
+          << name << " iteration " << i + 1;
+    }
+    if (name == "pp2_migrating") {
+      EXPECT_GT(records.back().value("layers_moved", int64_t{0}), 0) << "layers really moved";
+    }
+  }
+  // A resume from iteration 5 continues the straight run bit for bit.
+  const std::string resumed = dir + "/resumed.jsonl";
+  ASSERT_EQ(
+      testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt +
+                                                       "/iter_0000005 --metrics_file=" + resumed),
+                          &output),
+      0)
+      << output;
+  const std::vector<nlohmann::json> after = testing::MetricsRecords(resumed);
+  ASSERT_EQ(after.size(), 5u);
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i]["loss"], one[5 + i]["loss"]) << "iteration " << 6 + i;
+    EXPECT_EQ(after[i]["sparse_attention_blocks"], one[5 + i]["sparse_attention_blocks"]);
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum

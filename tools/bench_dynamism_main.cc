@@ -11,13 +11,19 @@
 //      frozen      the freeze plugin freezing the layer (--freeze_schedule=1:0 and its own
 //                  AfterOptimizerStep): the layer is the model's frozen prefix, so it runs
 //                  its forward without autograd and has no backward at all
+//      mod@C       the mod plugin routing the layer at capacity C (--capacities)
+//    and, in a second table at --attention_seq tokens per sequence against its own dense
+//    layer, the sparse_attention plugin at each of --buckets (blocks of --attention_block).
 //    Each repetition times, per configuration, the forward (F), the backward with a
 //    WeightGradStore active (B: input gradients; the weight-gradient GEMMs are queued) and
 //    the store's flush (W), as a zero-bubble stage runs them. Configurations alternate
 //    within each repetition; medians are shown with the ratio to dense F+B+W. Before timing,
 //    each pruned layer's sparsity is measured from its weights and its output is compared
-//    with a plain dense layer holding the same (masked) weights.
-//    Goals (issue 12): a 90%-pruned layer <= 0.4x dense; a frozen-prefix layer <= 0.4x.
+//    with a plain dense layer holding the same (masked) weights. The "work" column is what
+//    the plugin says the layer computed: weights kept, tokens routed (the layer's load), or
+//    attention scores computed out of s^2 per head (the attention core's load).
+//    Goals: a 90%-pruned layer, a frozen-prefix layer and a layer computing 25% of the
+//    tokens each <= 0.4x dense.
 //
 // 2. Pipeline (--pipeline). pp=2, two ranks x one thread, where a plugin makes the stages
 //    unequal, with --rebalancer=none against the partition balancer: it runs
@@ -27,7 +33,9 @@
 //    keeps three forward-only layers).
 //
 //   build/bin/fulcrum_bench_dynamism [--hidden=512] [--heads=8] [--ffn=2048] [--seq=256]
-//       [--micro_batch=4] [--sparsity=0.5,0.8,0.9] [--threads=1,2] [--reps=7] [--warmup=2]
+//       [--micro_batch=4] [--sparsity=0.5,0.8,0.9] [--capacities=0.5,0.25,0.125]
+//       [--attention_seq=1024] [--buckets=2,4,8] [--attention_block=64] [--threads=1,2]
+//       [--reps=7] [--warmup=2]
 //       [--pipeline=true] [--pipeline_rounds=2] [--pipeline_iters=30]
 //
 // Exit codes: 0 done (goals are reported, not enforced), 2 bad flags, 1 a check failed
@@ -64,6 +72,11 @@ DEFINE_int64(ffn, 2048, "FFN hidden size (gpt_20m: 2048).");
 DEFINE_int64(seq, 256, "Sequence length (gpt_20m: 256).");
 DEFINE_int64(micro_batch, 4, "Micro-batch size (gpt_20m: 4).");
 DEFINE_string(sparsity, "0.5,0.8,0.9", "Sparsities the prune plugin prunes the layer to.");
+DEFINE_string(capacities, "0.5,0.25,0.125", "Capacities of the mod plugin's routed layer.");
+DEFINE_int64(attention_seq, 1024,
+             "Sequence length of the sparse-attention table (its own dense reference); 0 skips it.");
+DEFINE_string(buckets, "2,4,8", "Bucket counts of the sparse_attention plugin.");
+DEFINE_int64(attention_block, 64, "--sparse_attention_block of the sparse-attention table.");
 DEFINE_string(threads, "1,2", "Intra-op thread counts (OpenBLAS's too), one table each.");
 DEFINE_int32(reps, 7, "Timed repetitions (medians shown).");
 DEFINE_int32(warmup, 2, "Untimed repetitions first.");
@@ -77,6 +90,10 @@ DECLARE_int64(prune_interval);
 DECLARE_double(prune_initial_sparsity);
 DECLARE_double(prune_final_sparsity);
 DECLARE_string(freeze_schedule);
+DECLARE_int64(mod_layer_freq);
+DECLARE_double(mod_capacity);
+DECLARE_int64(sparse_attention_buckets);
+DECLARE_int64(sparse_attention_block);
 
 namespace fulcrum {
 namespace {
@@ -100,13 +117,13 @@ int SetBlasThreads(int n) {
   return get != nullptr ? get() : -1;
 }
 
-ModelOptions LayerOptions() {
+ModelOptions LayerOptions(int64_t seq) {
   ModelOptions o;
   o.num_layers = 1;
   o.hidden_size = FLAGS_hidden;
   o.num_attention_heads = FLAGS_heads;
   o.ffn_hidden_size = FLAGS_ffn;
-  o.seq_length = FLAGS_seq;
+  o.seq_length = seq;
   o.vocab_size = 128;  // No embedding or head is built; the model only checks it.
   return o;
 }
@@ -118,6 +135,7 @@ struct Config {
   std::unique_ptr<GptModel> model;
   double target = 0;                   // the sparsity asked of the prune plugin
   double sparsity = 0;                 // measured from the weights
+  double goal_work = -1;               // the fraction of work the goal is checked at
   std::vector<double> f, b, w;
 };
 
@@ -144,8 +162,9 @@ double Sparsity(const GptModel& model) {
   return zeros / all;
 }
 
-absl::StatusOr<Config> MakeConfig(const std::string& kind, double sparsity) {
-  const ModelOptions options = LayerOptions();
+absl::StatusOr<Config> MakeConfig(const std::string& kind, double knob, int64_t seq) {
+  const double sparsity = knob;
+  const ModelOptions options = LayerOptions(seq);
   const StageSpec stage{0, 1, /*has_embedding=*/false, /*has_head=*/false};
   Config c;
   if (kind == "dense") {
@@ -173,6 +192,18 @@ absl::StatusOr<Config> MakeConfig(const std::string& kind, double sparsity) {
     if (c.model->frozen_prefix() != 1 || c.model->input_needs_grad()) {
       return absl::InternalError("the freeze plugin did not make the layer a frozen prefix");
     }
+  } else if (kind == "mod") {
+    c.name = absl::StrFormat("mod@%.3f", knob);
+    FLAGS_mod_layer_freq = 1;  // the one layer is routed
+    FLAGS_mod_capacity = knob;
+    FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("mod", options));
+    c.model = std::make_unique<GptModel>(options, stage, nullptr, c.plugins);
+  } else if (kind == "sparse_attention") {
+    c.name = absl::StrFormat("buckets=%d", static_cast<int>(knob));
+    FLAGS_sparse_attention_buckets = static_cast<int64_t>(knob);
+    FLAGS_sparse_attention_block = FLAGS_attention_block;
+    FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("sparse_attention", options));
+    c.model = std::make_unique<GptModel>(options, stage, nullptr, c.plugins);
   }
   c.sparsity = Sparsity(*c.model);
   return c;
@@ -180,8 +211,8 @@ absl::StatusOr<Config> MakeConfig(const std::string& kind, double sparsity) {
 
 // The same function through plain dense products: a model without plugins holding the
 // configuration's weights. Returns max |difference| / (max |reference| + 1).
-double CheckAgainstDense(const Config& c, const at::Tensor& hidden) {
-  GptModel dense(LayerOptions(), StageSpec{0, 1, false, false});
+double CheckAgainstDense(const Config& c, const at::Tensor& hidden, int64_t seq) {
+  GptModel dense(LayerOptions(seq), StageSpec{0, 1, false, false});
   at::NoGradGuard no_grad;
   const TransformerLayer& from = *c.model->layers().at(0);
   TransformerLayer& to = *dense.layers().at(0);
@@ -221,59 +252,76 @@ void RunOnce(Config& c, const at::Tensor& input, const at::Tensor& grad_out, boo
   }
 }
 
-bool LayerTable(int threads, const std::vector<double>& sparsities) {
+// A configuration to build: a plugin kind and its knob.
+struct Spec {
+  std::string kind;
+  double knob = 0;
+};
+
+// One table: the configurations of `specs` (the first must be dense) on `seq` tokens per
+// sequence, interleaved, with the checks that apply to each kind.
+bool LayerTable(const std::string& title, int threads, int64_t seq, const std::vector<Spec>& specs) {
   at::set_num_threads(threads);
   const int blas = SetBlasThreads(threads);
   double load = 0;
   bench::ReadLoadAverage(&load);
-  std::printf("\n== layer, %d thread(s) (OpenBLAS %d), load average before %.2f\n", threads, blas,
-              load);
+  std::printf("\n== %s, seq %ld, %d thread(s) (OpenBLAS %d), load average before %.2f\n",
+              title.c_str(), seq, threads, blas, load);
   std::vector<Config> configs;
-  auto add = [&](const std::string& kind, double s) {
-    absl::StatusOr<Config> c = MakeConfig(kind, s);
+  for (const Spec& spec : specs) {
+    absl::StatusOr<Config> c = MakeConfig(spec.kind, spec.knob, seq);
     if (!c.ok()) {
-      std::fprintf(stderr, "bench_dynamism: %s: %s\n", kind.c_str(), c.status().ToString().c_str());
+      std::fprintf(stderr, "bench_dynamism: %s: %s\n", spec.kind.c_str(), c.status().ToString().c_str());
       return false;
     }
+    if (spec.kind == "prune" && std::abs(spec.knob - kGoalSparsity) < 1e-9) c->goal_work = 1 - spec.knob;
+    if (spec.kind == "frozen") c->goal_work = 0;
+    if (spec.kind == "mod" && std::abs(spec.knob - 0.25) < 1e-9) c->goal_work = 0.25;
     configs.push_back(*std::move(c));
-    return true;
-  };
-  if (!add("dense", 0)) return false;
-  for (double s : sparsities) {
-    if (!add("prune", s)) return false;
   }
-  if (!add("frozen", 0)) return false;
 
   torch::manual_seed(7);
-  const at::Tensor input = torch::randn({FLAGS_seq, FLAGS_micro_batch, FLAGS_hidden});
-  const at::Tensor grad_out = torch::randn({FLAGS_seq, FLAGS_micro_batch, FLAGS_hidden});
+  const at::Tensor input = torch::randn({seq, FLAGS_micro_batch, FLAGS_hidden});
+  const at::Tensor grad_out = torch::randn({seq, FLAGS_micro_batch, FLAGS_hidden});
   bool ok = true;
-  for (const Config& c : configs) {
-    const double error = CheckAgainstDense(c, input);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Config& c = configs[i];
+    if (specs[i].kind != "prune" && specs[i].kind != "dense" && specs[i].kind != "frozen") continue;
+    // Pruned and frozen layers compute the dense function of their weights: checked here.
+    const double error = CheckAgainstDense(c, input, seq);
     // The plugin prunes exactly round(S x weights) of the layer's four weights; the others
     // hold no zero (random initial values).
     const bool sparsity_ok = std::abs(c.sparsity - c.target) < 1e-6;
     const bool error_ok = error <= 1e-5;
     ok = ok && sparsity_ok && error_ok;
-    std::printf("  %-10s measured sparsity %.4f%s, output vs dense products of the same weights %.1e%s\n",
+    std::printf("  %-12s measured sparsity %.4f%s, output vs dense products of the same weights %.1e%s\n",
                 c.name.c_str(), c.sparsity, sparsity_ok ? "" : " (WRONG)", error,
                 error_ok ? "" : " (TOO LARGE)");
   }
   for (int rep = 0; rep < FLAGS_warmup + FLAGS_reps; ++rep) {
     for (Config& c : configs) RunOnce(c, input, grad_out, rep >= FLAGS_warmup);
   }
-  std::printf("config     |      F       B       W   F+B+W | ratio to dense F+B+W | goal\n");
+  std::printf("config       |      F       B       W   F+B+W | work | ratio to dense F+B+W | goal\n");
   const double dense_sum =
       bench::Median(configs[0].f) + bench::Median(configs[0].b) + bench::Median(configs[0].w);
-  for (const Config& c : configs) {
+  const double dense_scores = static_cast<double>(FLAGS_micro_batch * FLAGS_heads * seq * seq);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Config& c = configs[i];
     const double f = bench::Median(c.f), b = bench::Median(c.b), w = bench::Median(c.w);
     const double ratio = (f + b + w) / dense_sum;
+    // What the plugin says the layer computed: weights kept, tokens routed, attention
+    // scores computed (of s^2 per head), from the layer's own load report.
+    double work = 1.0;
+    const std::string& kind = specs[i].kind;
+    if (kind == "prune") work = 1 - c.sparsity;
+    if (kind == "mod") work = c.model->layers().at(0)->Load();
+    if (kind == "sparse_attention") work = c.model->layers().at(0)->Load() / dense_scores;
     std::string goal;
-    if (c.name == "frozen" || std::abs(c.target - kGoalSparsity) < 1e-9) {
+    if (c.goal_work >= 0) {
       goal = absl::StrFormat("%s (<= %.2f)", ratio <= kGoalRatio ? "met" : "NOT MET", kGoalRatio);
     }
-    std::printf("%-10s | %6.2f  %6.2f  %6.2f  %6.2f | %20.2f | %s\n", c.name.c_str(), f, b, w,
-                f + b + w, ratio, goal.c_str());
+    std::printf("%-12s | %6.1f  %6.1f  %6.1f  %6.1f | %4.2f | %20.2f | %s\n", c.name.c_str(), f, b,
+                w, f + b + w, kind == "frozen" ? 0.0 : work, ratio, goal.c_str());
   }
   bench::ReadLoadAverage(&load);
   std::printf("times in ms, medians of %d; load average after %.2f\n", FLAGS_reps, load);
@@ -316,36 +364,58 @@ bool PipelineTable(const std::string& bin_dir) {
   return ok;
 }
 
-int Main(const std::string& bin_dir) {
-  std::vector<double> sparsities;
-  for (absl::string_view part : absl::StrSplit(FLAGS_sparsity, ',', absl::SkipWhitespace())) {
-    double s = 0;
-    if (!absl::SimpleAtod(part, &s) || !(s > 0 && s < 1)) {
-      std::fprintf(stderr, "bench_dynamism: --sparsity: '%s' is not in (0, 1)\n",
-                   std::string(part).c_str());
-      return bench::kUsageError;
+// Comma-separated numbers of --`flag`, each in [lo, hi]; nullopt after printing the error.
+std::optional<std::vector<double>> ParseNumbers(const char* flag, const std::string& text, double lo,
+                                                double hi) {
+  std::vector<double> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    double v = 0;
+    if (!absl::SimpleAtod(part, &v) || !(v >= lo && v <= hi)) {
+      std::fprintf(stderr, "bench_dynamism: --%s: '%s' is not in [%g, %g]\n", flag,
+                   std::string(part).c_str(), lo, hi);
+      return std::nullopt;
     }
-    sparsities.push_back(s);
+    out.push_back(v);
   }
+  return out;
+}
+
+int Main(const std::string& bin_dir) {
+  const auto sparsities = ParseNumbers("sparsity", FLAGS_sparsity, 1e-9, 1 - 1e-9);
+  const auto capacities = ParseNumbers("capacities", FLAGS_capacities, 1e-9, 1);
+  const auto buckets = ParseNumbers("buckets", FLAGS_buckets, 1, 4096);
+  if (!sparsities || !capacities || !buckets) return bench::kUsageError;
   std::string error;
   std::optional<std::vector<int>> threads = bench::ParseInts("threads", FLAGS_threads, 1, &error);
   if (!threads) {
     std::fprintf(stderr, "bench_dynamism: %s\n", error.c_str());
     return bench::kUsageError;
   }
-  if (FLAGS_reps < 1 || FLAGS_warmup < 0) {
-    std::fprintf(stderr, "bench_dynamism: --reps must be >= 1 and --warmup >= 0\n");
+  if (FLAGS_reps < 1 || FLAGS_warmup < 0 || FLAGS_attention_seq < 0) {
+    std::fprintf(stderr, "bench_dynamism: --reps must be >= 1, --warmup and --attention_seq >= 0\n");
     return bench::kUsageError;
   }
   std::printf(
-      "fulcrum_bench_dynamism: one transformer layer (hidden %ld, %ld heads, FFN %ld), T = %ld "
-      "tokens (seq %ld x micro-batch %ld), fp32, %d usable cores\n"
-      "F forward, B backward with the weight-gradient GEMMs queued, W their flush; goal: "
-      "prune@%.2f and frozen <= %.2fx dense F+B+W\n",
-      FLAGS_hidden, FLAGS_heads, FLAGS_ffn, FLAGS_seq * FLAGS_micro_batch, FLAGS_seq,
-      FLAGS_micro_batch, bench::UsableCores(), kGoalSparsity, kGoalRatio);
+      "fulcrum_bench_dynamism: one transformer layer (hidden %ld, %ld heads, FFN %ld), micro-batch "
+      "%ld, fp32, %d usable cores\n"
+      "F forward, B backward with the weight-gradient GEMMs queued, W their flush; work: the "
+      "fraction the plugin computes (weights kept, tokens routed, attention scores of s^2);\n"
+      "goals: prune@%.2f, frozen and mod@0.250 <= %.2fx dense F+B+W\n",
+      FLAGS_hidden, FLAGS_heads, FLAGS_ffn, FLAGS_micro_batch, bench::UsableCores(), kGoalSparsity,
+      kGoalRatio);
+  std::vector<Spec> layer = {{"dense", 0}};
+  for (double s : *sparsities) layer.push_back({"prune", s});
+  layer.push_back({"frozen", 0});
+  for (double c : *capacities) layer.push_back({"mod", c});
+  std::vector<Spec> attention = {{"dense", 0}};
+  for (double b : *buckets) attention.push_back({"sparse_attention", b});
   bool ok = true;
-  for (int t : *threads) ok = LayerTable(t, sparsities) && ok;
+  for (int t : *threads) {
+    ok = LayerTable("prune, freeze, mod", t, FLAGS_seq, layer) && ok;
+    if (FLAGS_attention_seq > 0) {
+      ok = LayerTable("sparse_attention", t, FLAGS_attention_seq, attention) && ok;
+    }
+  }
   if (FLAGS_pipeline) ok = PipelineTable(bin_dir) && ok;
   return ok ? 0 : 1;
 }

@@ -113,6 +113,10 @@ DEFINE_string(plugins, "",
 DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
+DEFINE_int32(num_threads, 0,
+             "Compute threads of each process (LibTorch's intra-op pool and OpenBLAS's); 0: "
+             "$OMP_NUM_THREADS when set (fulcrum_launch sets it), else the usable cores shared "
+             "over the processes of this node.");
 // Checkpoints and outputs.
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
@@ -171,7 +175,8 @@ cli::HelpSpec TrainHelpSpec() {
       {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
       {"Parallel",
        {"tensor_model_parallel_size", "pipeline_model_parallel_size",
-        "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes"}},
+        "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes",
+        "num_threads"}},
       {"Pipeline and balancing",
        {"pipeline_schedule", "pipeline_initial_partition", "rebalancer", "balance_by",
         "rebalance_window", "rebalance_interval", "rebalance_min_gain", "rebalance_max_moves",
@@ -354,6 +359,13 @@ absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
 
 bool InitialPartitionByParamsFlag() { return FLAGS_pipeline_initial_partition == "params"; }
 int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
+
+absl::StatusOr<int> NumThreadsFlag() {
+  if (FLAGS_num_threads < 0) {
+    return Invalid(absl::StrCat("--num_threads=", FLAGS_num_threads, " must be ≥ 0 (0: automatic)"));
+  }
+  return FLAGS_num_threads;
+}
 
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   TrainerConfig c;

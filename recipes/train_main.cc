@@ -7,10 +7,14 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
+#include <optional>
 
+#include "absl/strings/numbers.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
+#include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
 #include "pipeline/pipeline_runner.h"
@@ -107,7 +111,16 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--expert_model_parallel_size=", layout->ep, " needs MoE layers (--num_experts)")));
   }
+  auto requested_threads = fulcrum::NumThreadsFlag();
+  if (!requested_threads.ok()) return Fail(requested_threads.status());
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
+  std::optional<int> omp_threads;
+  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
+    if (int v = 0; absl::SimpleAtoi(env, &v)) omp_threads = v;
+  }
+  const int threads = fulcrum::ResolveThreadCount(*requested_threads, omp_threads,
+                                                  fulcrum::UsableCores(), world->local_world_size);
+  const int blas_threads = fulcrum::SetComputeThreads(threads);
 
   // An unwritable --save would be found only at the first save, after the work it was
   // meant to keep.
@@ -156,7 +169,9 @@ int main(int argc, char** argv) {
   if (parallel == nullptr || parallel->is_logging_rank()) {
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
-                      << layout->ToString();
+                      << layout->ToString() << "; " << threads << " compute thread"
+                      << (threads == 1 ? "" : "s") << " per process (OpenBLAS "
+                      << blas_threads << ")";
   }
 
   // The plugins' blocks (MoE layers) build communication groups: collective, so every

@@ -40,7 +40,6 @@
 //
 // Exit codes: 0 done (goals are reported, not enforced), 2 bad flags, 1 a check failed
 // (a pruned layer's sparsity or output is off, or the pipeline benchmark failed).
-#include <dlfcn.h>
 #include <gflags/gflags.h>
 #include <torch/torch.h>
 
@@ -61,8 +60,9 @@
 #include "absl/strings/str_split.h"
 #include "core/gpt_model.h"
 #include "core/linear.h"
-#include "core/status.h"
 #include "core/plugin.h"
+#include "core/status.h"
+#include "core/threads.h"
 #include "plugins/plugin_registry.h"
 #include "tools/internal/bench_util.h"
 
@@ -105,16 +105,6 @@ constexpr double kGoalRatio = 0.4;
 
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-// OpenBLAS (the pthread build) keeps its own thread count; at::set_num_threads leaves it.
-int SetBlasThreads(int n) {
-  using SetFn = void (*)(int);
-  using GetFn = int (*)();
-  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set != nullptr) set(n);
-  return get != nullptr ? get() : -1;
 }
 
 ModelOptions LayerOptions(int64_t seq) {
@@ -261,8 +251,7 @@ struct Spec {
 // One table: the configurations of `specs` (the first must be dense) on `seq` tokens per
 // sequence, interleaved, with the checks that apply to each kind.
 bool LayerTable(const std::string& title, int threads, int64_t seq, const std::vector<Spec>& specs) {
-  at::set_num_threads(threads);
-  const int blas = SetBlasThreads(threads);
+  const int blas = SetComputeThreads(threads);
   double load = 0;
   bench::ReadLoadAverage(&load);
   std::printf("\n== %s, seq %ld, %d thread(s) (OpenBLAS %d), load average before %.2f\n",

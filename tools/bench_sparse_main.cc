@@ -15,7 +15,6 @@
 //   build/bin/fulcrum_bench_sparse [--shapes=qkv:1536x512,proj:512x512,fc1:2048x512,
 //       fc2:512x2048] [--seq=256] [--micro_batch=4] [--sparsity=0.5,0.8,0.9,0.95]
 //       [--threads=1,2] [--reps=7] [--warmup=2] [--libtorch_csr=true] [--dtype=float]
-#include <dlfcn.h>
 #include <gflags/gflags.h>
 #include <torch/torch.h>
 
@@ -33,6 +32,7 @@
 #include "core/linear.h"
 #include "core/logging.h"
 #include "core/sparse_linear.h"
+#include "core/threads.h"
 
 DEFINE_string(shapes, "qkv:1536x512,proj:512x512,fc1:2048x512,fc2:512x2048",
               "Weights to measure, name:OUTxIN, comma-separated.");
@@ -73,17 +73,6 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// OpenBLAS (the pthread build Debian ships) keeps its own thread count, which
-// at::set_num_threads does not change; found at run time so that the tool links no BLAS.
-int SetBlasThreads(int n) {
-  using SetFn = void (*)(int);
-  using GetFn = int (*)();
-  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set != nullptr) set(n);
-  return get != nullptr ? get() : -1;
 }
 
 std::string LoadAverage() {
@@ -239,8 +228,7 @@ std::vector<T> ParseList(const char* flag, const std::string& value, Parse parse
 
 void PrintTable(int threads, const std::vector<Shape>& shapes, const std::vector<double>& sparsities,
                 at::ScalarType dtype) {
-  at::set_num_threads(threads);
-  const int blas_threads = SetBlasThreads(threads);
+  const int blas_threads = SetComputeThreads(threads);
   std::printf("\n== %d thread%s (OpenBLAS %d), load average before: %s\n", threads,
               threads == 1 ? "" : "s", blas_threads, LoadAverage().c_str());
   std::printf("%-5s %5s %5s %5s | %7s %7s %7s %7s | %7s %7s %7s %7s | %5s %5s %5s %5s | %7s %5s\n",

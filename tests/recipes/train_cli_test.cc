@@ -61,6 +61,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInputCase{"TpDoesNotDivideWorld", "--tensor_model_parallel_size=2",
                      "world size 1 is not divisible by --tensor_model_parallel_size=2"},
         BadInputCase{"UnknownBackend", "--distributed_backend=mpi", "mpi"},
+        BadInputCase{"NegativeThreads", "--num_threads=-1", "--num_threads=-1 must be ≥ 0"},
         // Parse errors: one line naming the flag, exit 2 (gflags alone would exit 1).
         BadInputCase{"NonNumericValue", "--lr=abc", "--lr='abc' is not a valid number"},
         BadInputCase{"UnknownFlag", "--no_such_flag", "unknown flag --no_such_flag"},
@@ -134,12 +135,13 @@ TEST(TrainCliTest, ExplicitFlagsOverrideTheRecipeAndFlagfilesWork) {
   }
   std::string output;
   ASSERT_EQ(testing::RunCommand(kTrain + " --flagfile=" + dir + "/flags --hidden_size=64"
-                                " --metrics_file=" + dir + "/m.jsonl",
+                                " --num_threads=2 --metrics_file=" + dir + "/m.jsonl",
                                 &output),
             0)
       << output;
   auto records = ReadMetrics(dir + "/m.jsonl");
   EXPECT_EQ(records.size(), 2u) << "--train_iters from the flagfile beats the recipe's";
+  EXPECT_NE(output.find("; 2 compute threads per process"), std::string::npos) << output;
   // 1 layer of width 64 (flag beats the recipe's 128; MLP 4 x 64): parameter count in the log.
   EXPECT_NE(output.find("training 82880 parameters"), std::string::npos) << output;
 }

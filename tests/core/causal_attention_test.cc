@@ -1,0 +1,65 @@
+// The dense layer's causal attention (NOTE [causal query chunks] in core/transformer_layer.cc)
+// against a plain reference written here: the whole s×s masked softmax. Sequence lengths
+// below one chunk, a whole number of chunks and a ragged last chunk; forward and gradients.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+#include "core/transformer_layer.h"
+#include "gtest/gtest.h"
+
+namespace fulcrum {
+namespace {
+
+// The layer's computation with full attention, from its parameters.
+at::Tensor Reference(const TransformerLayer& layer, const ModelOptions& o, const at::Tensor& x) {
+  std::map<std::string, at::Tensor> p;
+  for (const Parameter& q : layer.parameters()) p[q.name] = q.value;
+  const int64_t s = x.size(0), b = x.size(1), h = o.hidden_size, heads = o.num_attention_heads;
+  const int64_t d = h / heads;
+  const at::Tensor ln1 = at::layer_norm(x, {h}, p["input_layernorm.weight"], p["input_layernorm.bias"], o.layernorm_epsilon);
+  const at::Tensor qkv = at::linear(ln1, p["self_attention.linear_qkv.weight"], p["self_attention.linear_qkv.bias"])
+                             .view({s, b, heads, 3, d});
+  const at::Tensor q = qkv.select(3, 0).permute({1, 2, 0, 3});
+  const at::Tensor k = qkv.select(3, 1).permute({1, 2, 0, 3});
+  const at::Tensor v = qkv.select(3, 2).permute({1, 2, 0, 3});
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+  scores = scores.masked_fill(at::ones({s, s}, at::kBool).triu(1), -INFINITY);
+  const at::Tensor context = at::matmul(at::softmax(scores, -1), v).permute({2, 0, 1, 3}).reshape({s, b, h});
+  const at::Tensor attn = at::linear(context, p["self_attention.linear_proj.weight"], p["self_attention.linear_proj.bias"]);
+  const at::Tensor mid = x + attn;
+  const at::Tensor ln2 = at::layer_norm(mid, {h}, p["pre_mlp_layernorm.weight"], p["pre_mlp_layernorm.bias"], o.layernorm_epsilon);
+  const at::Tensor mlp = at::linear(at::gelu(at::linear(ln2, p["mlp.linear_fc1.weight"], p["mlp.linear_fc1.bias"])),
+                                    p["mlp.linear_fc2.weight"], p["mlp.linear_fc2.bias"]);
+  return mid + mlp;
+}
+
+TEST(CausalAttentionTest, TheChunkedLayerEqualsTheFullMaskedSoftmax) {
+  for (int64_t s : {40, 128, 300}) {
+    SCOPED_TRACE(s);
+    ModelOptions o;
+    o.num_layers = 1;
+    o.hidden_size = 32;
+    o.num_attention_heads = 4;
+    o.ffn_hidden_size = 64;
+    o.vocab_size = 64;
+    o.seq_length = s;
+    o.params_dtype = ParamsDtype::kFp64;
+    TransformerLayer layer(o, 0);
+    torch::manual_seed(11);
+    const at::Tensor x0 = torch::randn({s, 2, o.hidden_size}, at::kDouble);
+    const at::Tensor probe = torch::randn_like(x0);
+    at::Tensor x = x0.clone().requires_grad_();
+    at::Tensor y = x0.clone().requires_grad_();
+    const at::Tensor got = layer.Forward(x, ForwardContext{true, 1, 0, 0.0, {}, 0});
+    const at::Tensor want = Reference(layer, o, y);
+    EXPECT_LE((got - want).abs().max().item<double>(), 1e-12);
+    (got * probe).sum().backward();
+    (want * probe).sum().backward();
+    EXPECT_LE((x.grad() - y.grad()).abs().max().item<double>(), 1e-12);
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum

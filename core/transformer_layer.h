@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string_view>
+#include <utility>
 
 #include "core/config.h"
 #include "core/feed_forward.h"
@@ -28,6 +29,18 @@ namespace fulcrum {
 /// What a forward pass needs besides its input: training mode and the counters that key
 /// dropout masks (NOTE [layout-independent randomness] in core/random.h).
 struct ForwardContext {
+  // The leading fields in order, as brace initialisation lists them (`{true, it, first,
+  // scale}`); the rest keep their defaults.
+  ForwardContext(bool training = true, int64_t iteration = 0, int64_t first_sample = 0,
+                 double loss_scale = 0.0, at::Tensor token_positions = at::Tensor(),
+                 int64_t epoch = 0)
+      : training(training),
+        iteration(iteration),
+        first_sample(first_sample),
+        loss_scale(loss_scale),
+        token_positions(std::move(token_positions)),
+        epoch(epoch) {}
+
   bool training = true;
   int64_t iteration = 0;     // Optimizer step being computed (1-based during training).
   int64_t first_sample = 0;  // Global index of the micro-batch's first sample.

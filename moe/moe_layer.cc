@@ -93,7 +93,7 @@ class MoeLayer final : public FeedForward {
     at::Tensor tokens = x.reshape({-1, d});
     const int64_t t = tokens.size(0);
     const int64_t k = options_.TopKAt(ctx.iteration);
-    RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_};
+    RouteContext route_ctx{ctx.training, ctx.iteration, ctx.first_sample, layer_index_, at::Tensor()};
     // NOTE [assignment caching]: in an epoch that routes by the cache, the experts of every
     // token met before are fixed before the router runs.
     const bool caching = cache_ != nullptr && ctx.training;

@@ -75,7 +75,9 @@ TEST(FreezeMechanicsTest, AFrozenPrefixRunsNoBackwardAndLeavesTheOthersGradients
   }
   // No input-side gradient reaches the embedding: only the tied output weight's.
   const Parameter* positions = with_prefix.embedding()->FindParameter("position_embeddings.weight");
-  if (positions != nullptr) EXPECT_FALSE(positions->value.grad().defined());
+  if (positions != nullptr) {
+    EXPECT_FALSE(positions->value.grad().defined());
+  }
   // The trainable layers get the same gradients, bit for bit.
   for (int64_t l = 2; l < o.num_layers; ++l) {
     const auto& a = with_prefix.layers().at(l)->parameters();

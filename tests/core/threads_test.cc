@@ -22,7 +22,9 @@ TEST(ThreadsTest, SettingTheCountReachesLibTorchAndOpenBlas) {
   const int before = at::get_num_threads();
   const int blas = SetComputeThreads(2);
   EXPECT_EQ(at::get_num_threads(), 2);
-  if (blas != -1) EXPECT_EQ(blas, 2);
+  if (blas != -1) {
+    EXPECT_EQ(blas, 2);
+  }
   EXPECT_EQ(SetComputeThreads(1) == -1 ? 1 : at::get_num_threads(), 1);
   SetComputeThreads(before);
   EXPECT_GE(UsableCores(), 1);

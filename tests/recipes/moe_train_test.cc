@@ -236,12 +236,20 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
       // 0 (steps 1-5; step 6 runs into epoch 1); from step 7 (epoch 1) nearly every token
       // (not those of the tail the previous epoch left out); from step 13 (epoch 2) the
       // tokens met again are routed by the cache.
-      if (iteration <= 5) EXPECT_EQ(c[1], 0.0) << iteration;
-      if (iteration >= 7) EXPECT_GE(c[1], 0.95 * 16 * 128) << iteration;
+      if (iteration <= 5) {
+        EXPECT_EQ(c[1], 0.0) << iteration;
+      }
+      if (iteration >= 7) {
+        EXPECT_GE(c[1], 0.95 * 16 * 128) << iteration;
+      }
       EXPECT_EQ(c[2], iteration >= 13 ? c[1] : 0.0) << iteration << " " << layer;
       // Micro-batches whose exchange started before the router: all 4 once fully cached.
-      if (iteration < 13) EXPECT_EQ(c[3], 0.0) << iteration;
-      if (iteration >= 14) EXPECT_EQ(c[3], 4.0) << iteration;
+      if (iteration < 13) {
+        EXPECT_EQ(c[3], 0.0) << iteration;
+      }
+      if (iteration >= 14) {
+        EXPECT_EQ(c[3], 4.0) << iteration;
+      }
       EXPECT_LE(c[0], c[1]);
     }
   }
@@ -310,7 +318,9 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsSurviveDocumentReshuffles) {
     for (const char* layer : {"layers.0", "layers.2"}) {
       const std::vector<double> c = runs[0][i]["assignment_cache"][layer].get<std::vector<double>>();
       cached += c[2];
-      if (c[2] > 0) EXPECT_EQ(c[2], c[1]) << "every token met again is routed by the cache";
+      if (c[2] > 0) {
+        EXPECT_EQ(c[2], c[1]) << "every token met again is routed by the cache";
+      }
     }
   }
   EXPECT_GT(cached, 0) << "epoch 2 (from step 9) routes by the cache";

@@ -217,7 +217,9 @@ TEST(GptDatasetTest, PositionsNameTheSameTokenInEveryEpoch) {
       EXPECT_EQ(dataset->EpochOf(k), epoch);
       for (int i = 0; i < 17; ++i) {
         EXPECT_EQ(positions[i], position_of.at(tokens[i])) << "sample " << k << " token " << i;
-        if (i < 16) EXPECT_TRUE(inputs.insert(positions[i]).second) << "position repeats";
+        if (i < 16) {
+          EXPECT_TRUE(inputs.insert(positions[i]).second) << "position repeats";
+        }
       }
     }
     EXPECT_EQ(static_cast<int64_t>(inputs.size()), spe * 16);

@@ -8,7 +8,7 @@
 //
 // NOTE [MoD routing]
 // Layer l is routed iff (l + 1) % --mod_layer_freq == 0 (freq 2: every other layer, the
-// first one dense, as Raposo et al.'s best configuration). Router: a weight vector w of the
+// first one dense, as Raposo et al.'s best configuration), or iff --mod_layers lists it. Router: a weight vector w of the
 // layer ("mod.router.weight", [h]); each token's logit r = x·w. Training: the k =
 // max(1, round(capacity × s)) tokens of each sequence with the largest r, kept in their
 // order, attend causally among themselves and go through the MLP; the layer outputs
@@ -37,14 +37,18 @@
 #include <gflags/gflags.h>
 
 #include <algorithm>
+#include <set>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "core/aux_loss.h"
 #include "core/gpt_model.h"
 #include "core/random.h"
@@ -55,6 +59,8 @@
 DEFINE_int64(mod_layer_freq, 2,
              "mod: route every this-many-th layer (layer l when (l + 1) % freq == 0; 2: every "
              "other layer, the first dense).");
+DEFINE_string(mod_layers, "",
+              "mod: the routed layers, e.g. 4-7 or 1,3 (instead of --mod_layer_freq).");
 DEFINE_double(mod_capacity, 0.125,
               "mod: fraction of each sequence's tokens a routed layer computes (Raposo et al.: "
               "0.125), in (0, 1].");
@@ -72,14 +78,18 @@ constexpr char kAttachment[] = "mod";
 
 struct ModOptions {
   int64_t layer_freq = 2;
+  std::set<int64_t> layers;  // --mod_layers; empty: by layer_freq
   double capacity = 0.125;
   bool predictor = true;  // else aux_loss
   double aux_loss_coeff = 0.01;
 };
 
 absl::StatusOr<ModOptions> OptionsFromFlags(const ModelOptions& model) {
-  ModOptions o{FLAGS_mod_layer_freq, FLAGS_mod_capacity, FLAGS_mod_causal == "predictor",
-               FLAGS_mod_aux_loss_coeff};
+  ModOptions o;
+  o.layer_freq = FLAGS_mod_layer_freq;
+  o.capacity = FLAGS_mod_capacity;
+  o.predictor = FLAGS_mod_causal == "predictor";
+  o.aux_loss_coeff = FLAGS_mod_aux_loss_coeff;
   auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
   if (o.layer_freq < 1) return bad(absl::StrCat("--mod_layer_freq=", o.layer_freq, " must be ≥ 1"));
   if (o.layer_freq > model.num_layers) {
@@ -94,6 +104,17 @@ absl::StatusOr<ModOptions> OptionsFromFlags(const ModelOptions& model) {
   }
   if (!(o.aux_loss_coeff >= 0)) {
     return bad(absl::StrCat("--mod_aux_loss_coeff=", o.aux_loss_coeff, " must be ≥ 0"));
+  }
+  for (absl::string_view item : absl::StrSplit(FLAGS_mod_layers, ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> range = absl::StrSplit(item, absl::MaxSplits('-', 1));
+    int64_t first = 0, last = 0;
+    if (!absl::SimpleAtoi(range.first, &first) ||
+        !absl::SimpleAtoi(range.second.empty() ? range.first : range.second, &last) || first < 0 ||
+        last < first || last >= model.num_layers) {
+      return bad(absl::StrCat("--mod_layers: '", item, "' is not a layer or range of layers in [0, ",
+                              model.num_layers, ")"));
+    }
+    for (int64_t l = first; l <= last; ++l) o.layers.insert(l);
   }
   if (model.position_embedding == PositionEmbedding::kRotary) {
     return bad("--plugins=mod needs learned positions (--position_embedding_type="
@@ -117,7 +138,9 @@ class ModPlugin final : public Plugin {
       : options_(options), model_(model), num_layers_(model.num_layers) {}
   const char* name() const override { return "mod"; }
 
-  static bool Routed(const ModOptions& o, int64_t layer) { return (layer + 1) % o.layer_freq == 0; }
+  static bool Routed(const ModOptions& o, int64_t layer) {
+    return o.layers.empty() ? (layer + 1) % o.layer_freq == 0 : o.layers.count(layer) > 0;
+  }
 
   void EditLayer(TransformerLayer& layer, bool initialize) override {
     if (!Routed(options_, layer.layer_index())) return;
@@ -179,6 +202,7 @@ class ModPlugin final : public Plugin {
 
   std::vector<std::pair<std::string, std::string>> CheckpointShape() const override {
     return {{"mod_layer_freq", absl::StrCat(options_.layer_freq)},
+            {"mod_layers", absl::StrJoin(options_.layers, ",")},
             {"mod_causal", options_.predictor ? "predictor" : "aux_loss"}};
   }
 

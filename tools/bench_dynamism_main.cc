@@ -28,9 +28,10 @@
 // 2. Pipeline (--pipeline). pp=2, two ranks x one thread, where a plugin makes the stages
 //    unequal, with --rebalancer=none against the partition balancer: it runs
 //    fulcrum_bench_balance (built next to this tool) with the plugin's flags, which prints
-//    bubble ratio, iteration time and imbalance side by side and checks that the losses
-//    agree. The plugin cases: freeze (layers 0..2 of 8 frozen after iteration 1, so stage 0
-//    keeps three forward-only layers).
+//    bubble ratio, iteration time and imbalance side by side (none, partition, diffusion)
+//    and checks that the losses agree. The plugin cases: freeze (layers 0..2 of 8 frozen
+//    after iteration 1, so stage 0 keeps three forward-only layers) and mod (layers 4..7
+//    routed at capacity 0.125, so stage 1's layers compute an eighth of the tokens).
 //
 //   build/bin/fulcrum_bench_dynamism [--hidden=512] [--heads=8] [--ffn=2048] [--seq=256]
 //       [--micro_batch=4] [--sparsity=0.5,0.8,0.9] [--capacities=0.5,0.25,0.125]
@@ -329,14 +330,15 @@ bool PipelineTable(const std::string& bin_dir) {
   };
   const std::vector<Case> cases = {
       {"freeze", "--num_layers=8 --plugins=freeze --freeze_schedule=1:0-2"},
+      {"mod", "--num_layers=8 --plugins=mod --mod_layers=4-7 --mod_capacity=0.125"},
   };
   bool ok = true;
   for (const Case& c : cases) {
-    std::printf("\n== pipeline, pp=2, plugin %s: fulcrum_bench_balance, none vs partition\n",
+    std::printf("\n== pipeline, pp=2, plugin %s: fulcrum_bench_balance, none vs partition vs diffusion\n",
                 c.plugin.c_str());
     std::fflush(stdout);
     const std::vector<std::string> args = {
-        bin_dir + "/fulcrum_bench_balance", "--configs=none,partition", "--recipe=tiny",
+        bin_dir + "/fulcrum_bench_balance", "--configs=none,partition,diffusion", "--recipe=tiny",
         absl::StrCat("--model_flags=", c.model_flags),
         absl::StrCat("--rounds=", FLAGS_pipeline_rounds),
         absl::StrCat("--train_iters=", FLAGS_pipeline_iters), "--skip_iters=6",

@@ -18,6 +18,7 @@ DECLARE_int64(mod_layer_freq);
 DECLARE_double(mod_capacity);
 DECLARE_string(mod_causal);
 DECLARE_double(mod_aux_loss_coeff);
+DECLARE_string(mod_layers);
 
 namespace fulcrum::plugins {
 namespace {
@@ -41,6 +42,7 @@ const StageSpec kLayersOnly{0, -1, /*has_embedding=*/false, /*has_head=*/false};
 struct Flags {
   explicit Flags(double capacity, const std::string& causal = "predictor", double coeff = 0.01) {
     FLAGS_mod_layer_freq = 2;  // layer 1 of 2 is routed
+    FLAGS_mod_layers = "";
     FLAGS_mod_capacity = capacity;
     FLAGS_mod_causal = causal;
     FLAGS_mod_aux_loss_coeff = coeff;
@@ -234,6 +236,21 @@ TEST(ModPluginTest, GradientsMatchFiniteDifferences) {
   EXPECT_NEAR((router_grad * dw).sum().item<double>(), numeric_w, 1e-6 * std::max(1.0, std::abs(numeric_w)));
 }
 
+TEST(ModPluginTest, ALayerListRoutesExactlyThoseLayers) {
+  Flags flags(0.25);
+  FLAGS_mod_layers = "0";
+  const ModelOptions o = Small();
+  auto mod = WithMod(o);
+  GptModel plain(o, kLayersOnly);
+  torch::manual_seed(6);
+  const at::Tensor x = torch::randn({o.seq_length, 2, o.hidden_size});
+  at::NoGradGuard no_grad;
+  // Layer 1 is now the plain layer; layer 0 computes 4 of 16 tokens.
+  EXPECT_TRUE(at::equal(mod->layers().at(1)->Forward(x, Training()), plain.layers().at(1)->Forward(x, Training())));
+  mod->layers().at(0)->Forward(x, Training());
+  EXPECT_DOUBLE_EQ(mod->layers().at(0)->Load(), 0.25);
+}
+
 TEST(ModPluginTest, BadFlagsAreRefusedNamingTheFlag) {
   PluginSetup setup;
   setup.model = Small();
@@ -245,6 +262,11 @@ TEST(ModPluginTest, BadFlagsAreRefusedNamingTheFlag) {
   {
     Flags flags(0.5, "sometimes");
     EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("--mod_causal"), std::string::npos);
+  }
+  {
+    Flags flags(0.5);
+    FLAGS_mod_layers = "1-5";
+    EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("--mod_layers: '1-5'"), std::string::npos);
   }
   {
     Flags flags(0.5);

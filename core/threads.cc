@@ -14,22 +14,19 @@ int UsableCores() {
   return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
-int ResolveThreadCount(int requested, std::optional<int> omp_num_threads, int usable_cores,
-                       int local_processes) {
-  if (requested > 0) return requested;
-  if (omp_num_threads.has_value() && *omp_num_threads > 0) return *omp_num_threads;
-  return std::max(1, usable_cores / std::max(1, local_processes));
+// Looked up at run time: the symbols exist only when OpenBLAS is the BLAS LibTorch loaded.
+int BlasThreads() {
+  using GetFn = int (*)();
+  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
 }
 
 int SetComputeThreads(int n) {
   at::set_num_threads(n);
-  // Looked up at run time: the symbols exist only when OpenBLAS is the BLAS LibTorch loaded.
   using SetFn = void (*)(int);
-  using GetFn = int (*)();
   auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
   if (set != nullptr) set(n);
-  return get != nullptr ? get() : -1;
+  return BlasThreads();
 }
 
 }  // namespace fulcrum

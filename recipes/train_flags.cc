@@ -114,9 +114,9 @@ DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA bui
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
 DEFINE_int32(num_threads, 0,
-             "Compute threads of each process (LibTorch's intra-op pool and OpenBLAS's); 0: "
-             "$OMP_NUM_THREADS when set (fulcrum_launch sets it), else the usable cores shared "
-             "over the processes of this node.");
+             "Compute threads of each process, LibTorch's intra-op pool and OpenBLAS's together; "
+             "0 keeps the libraries' own choice ($OMP_NUM_THREADS, which fulcrum_launch sets to "
+             "the cores per process). The first log line says what is used.");
 // Checkpoints and outputs.
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
@@ -362,7 +362,8 @@ int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minut
 
 absl::StatusOr<int> NumThreadsFlag() {
   if (FLAGS_num_threads < 0) {
-    return Invalid(absl::StrCat("--num_threads=", FLAGS_num_threads, " must be ≥ 0 (0: automatic)"));
+    return Invalid(absl::StrCat("--num_threads=", FLAGS_num_threads,
+                                " must be ≥ 0 (0: the libraries' own choice)"));
   }
   return FLAGS_num_threads;
 }

@@ -55,7 +55,7 @@ absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags();
 /// --pipeline_initial_partition=params.
 bool InitialPartitionByParamsFlag();
 int64_t DistributedTimeoutMinutesFlag();
-/// --num_threads (0: automatic, core/threads.h ResolveThreadCount); InvalidArgument if < 0.
+/// --num_threads (0: leave LibTorch's and OpenBLAS's own choice); InvalidArgument if < 0.
 absl::StatusOr<int> NumThreadsFlag();
 
 /// --load, or empty.

@@ -7,11 +7,8 @@
 
 #include <algorithm>
 #include <csignal>
-#include <cstdlib>
 #include <iostream>
-#include <optional>
 
-#include "absl/strings/numbers.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/threads.h"
@@ -114,13 +111,8 @@ int main(int argc, char** argv) {
   auto requested_threads = fulcrum::NumThreadsFlag();
   if (!requested_threads.ok()) return Fail(requested_threads.status());
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
-  std::optional<int> omp_threads;
-  if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr) {
-    if (int v = 0; absl::SimpleAtoi(env, &v)) omp_threads = v;
-  }
-  const int threads = fulcrum::ResolveThreadCount(*requested_threads, omp_threads,
-                                                  fulcrum::UsableCores(), world->local_world_size);
-  const int blas_threads = fulcrum::SetComputeThreads(threads);
+  // --num_threads=0 keeps the libraries' own choice (OMP_NUM_THREADS; fulcrum_launch sets it).
+  if (*requested_threads > 0) fulcrum::SetComputeThreads(*requested_threads);
 
   // An unwritable --save would be found only at the first save, after the work it was
   // meant to keep.
@@ -169,9 +161,8 @@ int main(int argc, char** argv) {
   if (parallel == nullptr || parallel->is_logging_rank()) {
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
-                      << layout->ToString() << "; " << threads << " compute thread"
-                      << (threads == 1 ? "" : "s") << " per process (OpenBLAS "
-                      << blas_threads << ")";
+                      << layout->ToString() << "; compute threads per process: LibTorch "
+                      << at::get_num_threads() << ", OpenBLAS " << fulcrum::BlasThreads();
   }
 
   // The plugins' blocks (MoE layers) build communication groups: collective, so every

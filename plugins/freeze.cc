@@ -90,17 +90,14 @@ absl::StatusOr<FreezeOptions> OptionsFromFlags(const ModelOptions& model) {
     if (!absl::SimpleAtoi(parts.first, &iteration) || iteration < 1) {
       return bad(step, "has no iteration ≥ 1");
     }
-    for (absl::string_view item : absl::StrSplit(parts.second, ',', absl::SkipWhitespace())) {
-      std::pair<absl::string_view, absl::string_view> range = absl::StrSplit(item, absl::MaxSplits('-', 1));
-      int64_t first = 0, last = 0;
-      if (!absl::SimpleAtoi(range.first, &first) ||
-          !absl::SimpleAtoi(range.second.empty() ? range.first : range.second, &last) ||
-          first < 0 || last < first || last >= model.num_layers) {
-        return bad(item, absl::StrCat("is not a layer or range of layers in [0, ",
-                                      model.num_layers, ")"));
-      }
-      for (int64_t l = first; l <= last; ++l) o.schedule[iteration].push_back(l);
+    std::string bad_item;
+    std::optional<std::vector<int64_t>> layers = ParseLayerList(parts.second, model.num_layers, &bad_item);
+    if (!layers) {
+      return bad(bad_item, absl::StrCat("is not a layer or range of layers in [0, ",
+                                        model.num_layers, ")"));
     }
+    std::vector<int64_t>& scheduled = o.schedule[iteration];
+    scheduled.insert(scheduled.end(), layers->begin(), layers->end());
   }
   return o;
 }

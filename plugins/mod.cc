@@ -37,18 +37,16 @@
 #include <gflags/gflags.h>
 
 #include <algorithm>
-#include <set>
 #include <cmath>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "core/aux_loss.h"
 #include "core/gpt_model.h"
 #include "core/random.h"
@@ -105,17 +103,13 @@ absl::StatusOr<ModOptions> OptionsFromFlags(const ModelOptions& model) {
   if (!(o.aux_loss_coeff >= 0)) {
     return bad(absl::StrCat("--mod_aux_loss_coeff=", o.aux_loss_coeff, " must be ≥ 0"));
   }
-  for (absl::string_view item : absl::StrSplit(FLAGS_mod_layers, ',', absl::SkipWhitespace())) {
-    std::pair<absl::string_view, absl::string_view> range = absl::StrSplit(item, absl::MaxSplits('-', 1));
-    int64_t first = 0, last = 0;
-    if (!absl::SimpleAtoi(range.first, &first) ||
-        !absl::SimpleAtoi(range.second.empty() ? range.first : range.second, &last) || first < 0 ||
-        last < first || last >= model.num_layers) {
-      return bad(absl::StrCat("--mod_layers: '", item, "' is not a layer or range of layers in [0, ",
-                              model.num_layers, ")"));
-    }
-    for (int64_t l = first; l <= last; ++l) o.layers.insert(l);
+  std::string bad_item;
+  std::optional<std::vector<int64_t>> layers = ParseLayerList(FLAGS_mod_layers, model.num_layers, &bad_item);
+  if (!layers) {
+    return bad(absl::StrCat("--mod_layers: '", bad_item, "' is not a layer or range of layers in [0, ",
+                            model.num_layers, ")"));
   }
+  o.layers.insert(layers->begin(), layers->end());
   if (model.position_embedding == PositionEmbedding::kRotary) {
     return bad("--plugins=mod needs learned positions (--position_embedding_type="
                "learned_absolute): a routed layer computes a subset of the tokens, whose rotary "

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -64,6 +65,23 @@ std::string PluginHelp() {
                     entry->help, "\n");
   }
   return out;
+}
+
+std::optional<std::vector<int64_t>> ParseLayerList(absl::string_view text, int64_t num_layers,
+                                                   std::string* bad_item) {
+  std::vector<int64_t> layers;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::pair<absl::string_view, absl::string_view> range = absl::StrSplit(item, absl::MaxSplits('-', 1));
+    int64_t first = 0, last = 0;
+    if (!absl::SimpleAtoi(range.first, &first) ||
+        !absl::SimpleAtoi(range.second.empty() ? range.first : range.second, &last) || first < 0 ||
+        last < first || last >= num_layers) {
+      *bad_item = std::string(item);
+      return std::nullopt;
+    }
+    for (int64_t l = first; l <= last; ++l) layers.push_back(l);
+  }
+  return layers;
 }
 
 }  // namespace fulcrum::plugins

@@ -15,10 +15,12 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/config.h"
 #include "core/data/gpt_dataset.h"
 #include "core/data/indexed_dataset.h"
@@ -72,6 +74,12 @@ absl::StatusOr<std::shared_ptr<PluginSet>> MakePlugins(const std::vector<std::st
 
 /// One line per registered plugin, "  name       help", for --help.
 std::string PluginHelp();
+
+/// A plugin flag's list of layers, "0,1" or "0-3" or "1,4-6" (items separated by commas,
+/// whitespace skipped), each in [0, num_layers), in the order given. nullopt on the first
+/// item that is not a layer or an ascending range of them, which goes to `bad_item`.
+std::optional<std::vector<int64_t>> ParseLayerList(absl::string_view text, int64_t num_layers,
+                                                   std::string* bad_item);
 
 }  // namespace fulcrum::plugins
 

@@ -1,18 +1,8 @@
 #include "core/threads.h"
 
 #include <dlfcn.h>
-#include <sched.h>
-#include <unistd.h>
-
-#include <algorithm>
 
 namespace fulcrum {
-
-int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-}
 
 // Looked up at run time: the symbols exist only when OpenBLAS is the BLAS LibTorch loaded.
 int BlasThreads() {

@@ -5,9 +5,6 @@
 
 namespace fulcrum {
 
-/// The cores this process may run on (its affinity mask), at least 1.
-int UsableCores();
-
 /// Sets LibTorch's intra-op threads and OpenBLAS's to `n`; returns OpenBLAS's count after
 /// (-1 when the process has no OpenBLAS).
 int SetComputeThreads(int n);

@@ -18,7 +18,6 @@ TEST(ThreadsTest, SettingTheCountReachesLibTorchAndOpenBlas) {
   }
   EXPECT_EQ(SetComputeThreads(1) == -1 ? 1 : at::get_num_threads(), 1);
   SetComputeThreads(before);
-  EXPECT_GE(UsableCores(), 1);
 }
 
 }  // namespace

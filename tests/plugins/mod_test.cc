@@ -13,6 +13,7 @@
 #include "core/transformer_layer.h"
 #include "gtest/gtest.h"
 #include "plugins/plugin_registry.h"
+#include "tests/core/test_util.h"
 
 DECLARE_int64(mod_layer_freq);
 DECLARE_double(mod_capacity);
@@ -23,15 +24,9 @@ DECLARE_string(mod_layers);
 namespace fulcrum::plugins {
 namespace {
 
+// testing::SmallModel: 2 layers, hidden 32, 4 heads, seq 16.
 ModelOptions Small(bool fp64 = false) {
-  ModelOptions m;
-  m.num_layers = 2;
-  m.hidden_size = 32;
-  m.num_attention_heads = 4;
-  m.ffn_hidden_size = 64;
-  m.vocab_size = 64;
-  m.seq_length = 16;
-  m.seed = 42;
+  ModelOptions m = testing::SmallModel();
   if (fp64) m.params_dtype = ParamsDtype::kFp64;
   return m;
 }

@@ -1,0 +1,326 @@
+#include "dynamic/repack.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "pipeline/schedule.h"
+
+namespace fulcrum::dynamic {
+namespace {
+
+absl::Status CheckVector(const std::vector<double>& values, int64_t size, const char* field,
+                         bool may_be_empty) {
+  if (values.empty() && may_be_empty) return absl::OkStatus();
+  if (static_cast<int64_t>(values.size()) != size) {
+    return absl::InvalidArgumentError(absl::StrCat("repack problem: ", field, " has ",
+                                                   values.size(), " entries, expected ", size));
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]) || values[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("repack problem: ", field, "[", i, "] = ",
+                                                     values[i], " must be finite and ≥ 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckScalar(double value, const char* field) {
+  if (!std::isfinite(value) || value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repack problem: ", field, " = ", value, " must be finite and ≥ 0"));
+  }
+  return absl::OkStatus();
+}
+
+double SumOf(const std::vector<double>& values, StageRange range) {
+  double sum = 0;
+  if (values.empty()) return sum;
+  for (int64_t l = range.begin; l < range.end; ++l) sum += values[l];
+  return sum;
+}
+
+// Evaluates placements of one problem: schedules by stage count are generated once.
+class Evaluator {
+ public:
+  explicit Evaluator(const RepackProblem& problem) : problem_(problem) {}
+
+  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(int num_stages) {
+    auto it = schedules_.find(num_stages);
+    if (it == schedules_.end()) {
+      absl::StatusOr<pipeline::Schedule> made =
+          pipeline::MakeSchedule(problem_.schedule, num_stages, problem_.num_microbatches);
+      if (!made.ok()) return made.status();
+      it = schedules_.emplace(num_stages, std::move(*made)).first;
+    }
+    return &it->second;
+  }
+
+  absl::StatusOr<double> Time(const Placement& placement) {
+    const int q = static_cast<int>(placement.size());
+    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(q);
+    if (!schedule.ok()) return schedule.status();
+    std::vector<pipeline::ActionCosts> costs(q);
+    for (int s = 0; s < q; ++s) {
+      pipeline::ActionCosts& c = costs[s];
+      c.forward = SumOf(problem_.layer_forward, placement[s]);
+      c.backward_input = SumOf(problem_.layer_backward, placement[s]);
+      c.backward_weight = SumOf(problem_.layer_weight, placement[s]);
+      c.p2p = problem_.p2p;
+      for (const pipeline::ActionCosts* pinned :
+           {s == 0 ? &problem_.first_stage : nullptr, s == q - 1 ? &problem_.last_stage : nullptr}) {
+        if (pinned == nullptr) continue;
+        c.forward += pinned->forward;
+        c.backward_input += pinned->backward_input;
+        c.backward_weight += pinned->backward_weight;
+      }
+    }
+    return pipeline::Simulate(**schedule, costs).makespan;
+  }
+
+  absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
+    const int q = static_cast<int>(placement.size());
+    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(q);
+    if (!schedule.ok()) return schedule.status();
+    std::vector<double> memory(q);
+    for (int s = 0; s < q; ++s) {
+      memory[s] = SumOf(problem_.layer_state_bytes, placement[s]) +
+                  pipeline::PeakInFlight(**schedule, s) *
+                      SumOf(problem_.layer_activation_bytes, placement[s]);
+      if (s == 0) memory[s] += problem_.first_stage_pinned_bytes;
+      if (s == q - 1) memory[s] += problem_.last_stage_pinned_bytes;
+    }
+    return memory;
+  }
+
+ private:
+  const RepackProblem& problem_;
+  std::map<int, pipeline::Schedule> schedules_;
+};
+
+// The coarsening of `current` that cuts after the old stages in `cuts` (ascending indices
+// of old stages that end a new stage, the last old stage implied).
+Placement Coarsen(const Placement& current, const std::vector<int>& cuts) {
+  Placement out;
+  int64_t begin = current.front().begin;
+  for (int cut : cuts) {
+    out.push_back({begin, current[cut].end});
+    begin = current[cut].end;
+  }
+  out.push_back({begin, current.back().end});
+  return out;
+}
+
+// Calls `visit` with every ascending choice of k indices from [0, n), in lexicographic
+// order; stops when `visit` returns false.
+template <typename Visit>
+void ForEachCombination(int n, int k, Visit visit) {
+  std::vector<int> pick(k);
+  for (int i = 0; i < k; ++i) pick[i] = i;
+  if (k > n) return;
+  while (true) {
+    if (!visit(pick)) return;
+    int i = k - 1;
+    while (i >= 0 && pick[i] == n - k + i) --i;
+    if (i < 0) return;
+    ++pick[i];
+    for (int j = i + 1; j < k; ++j) pick[j] = pick[j - 1] + 1;
+  }
+}
+
+}  // namespace
+
+absl::Status RepackOptions::Validate() const {
+  if (min_stages < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--repack_min_stages=", min_stages, " must be ≥ 1"));
+  }
+  if (!std::isfinite(max_slowdown) || max_slowdown < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--repack_max_slowdown=", max_slowdown, " must be a finite fraction ≥ 0 (0.05: 5%)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRepackProblem(const RepackProblem& problem) {
+  const int64_t n = problem.num_layers();
+  if (n < 1) return absl::InvalidArgumentError("repack problem: no layers (layer_forward is empty)");
+  if (auto s = CheckVector(problem.layer_forward, n, "layer_forward", false); !s.ok()) return s;
+  if (auto s = CheckVector(problem.layer_backward, n, "layer_backward", false); !s.ok()) return s;
+  if (auto s = CheckVector(problem.layer_weight, n, "layer_weight", true); !s.ok()) return s;
+  if (auto s = CheckVector(problem.layer_state_bytes, n, "layer_state_bytes", true); !s.ok()) {
+    return s;
+  }
+  if (auto s = CheckVector(problem.layer_activation_bytes, n, "layer_activation_bytes", true);
+      !s.ok()) {
+    return s;
+  }
+  for (const auto& [value, field] : std::vector<std::pair<double, const char*>>{
+           {problem.first_stage.forward, "first_stage.forward"},
+           {problem.first_stage.backward_input, "first_stage.backward_input"},
+           {problem.first_stage.backward_weight, "first_stage.backward_weight"},
+           {problem.last_stage.forward, "last_stage.forward"},
+           {problem.last_stage.backward_input, "last_stage.backward_input"},
+           {problem.last_stage.backward_weight, "last_stage.backward_weight"},
+           {problem.p2p, "p2p"},
+           {problem.first_stage_pinned_bytes, "first_stage_pinned_bytes"},
+           {problem.last_stage_pinned_bytes, "last_stage_pinned_bytes"}}) {
+    if (auto s = CheckScalar(value, field); !s.ok()) return s;
+  }
+  if (std::isnan(problem.memory_budget) || problem.memory_budget < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repack problem: memory_budget = ", problem.memory_budget, " must be ≥ 0"));
+  }
+  if (problem.num_microbatches < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repack problem: num_microbatches = ", problem.num_microbatches, " must be ≥ 1"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CheckPlacement(const RepackProblem& problem, const Placement& placement) {
+  BalanceProblem shape;
+  shape.num_stages = static_cast<int>(placement.size());
+  shape.layer_cost.assign(problem.num_layers(), 0.0);
+  if (placement.empty()) return absl::InvalidArgumentError("repack: an empty placement");
+  return ValidatePlacement(shape, placement);
+}
+
+}  // namespace
+
+absl::StatusOr<double> PredictIterationTime(const RepackProblem& problem,
+                                            const Placement& placement) {
+  if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
+  if (auto s = CheckPlacement(problem, placement); !s.ok()) return s;
+  Evaluator evaluator(problem);
+  return evaluator.Time(placement);
+}
+
+absl::StatusOr<std::vector<double>> RepackStageMemory(const RepackProblem& problem,
+                                                      const Placement& placement) {
+  if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
+  if (auto s = CheckPlacement(problem, placement); !s.ok()) return s;
+  Evaluator evaluator(problem);
+  return evaluator.Memory(placement);
+}
+
+absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Placement& current,
+                                        const RepackOptions& options) {
+  if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
+  if (auto s = CheckPlacement(problem, current); !s.ok()) return s;
+  if (auto s = options.Validate(); !s.ok()) return s;
+  Evaluator evaluator(problem);
+  RepackPlan plan;
+  plan.placement = current;
+  const int p = static_cast<int>(current.size());
+  absl::StatusOr<double> before = evaluator.Time(current);
+  if (!before.ok()) return before.status();
+  plan.predicted_before = *before;
+  plan.predicted_after = *before;
+  {
+    absl::StatusOr<std::vector<double>> memory = evaluator.Memory(current);
+    if (!memory.ok()) return memory.status();
+    plan.peak_memory = *std::max_element(memory->begin(), memory->end());
+  }
+  const double bound = (1.0 + options.max_slowdown) * plan.predicted_before;
+
+  // Admissible (NOTE [re-packing decision]): fits the budget and the slowdown bound.
+  absl::Status error = absl::OkStatus();
+  auto evaluate = [&](const Placement& candidate, double* time, double* peak) -> bool {
+    ++plan.candidates;
+    absl::StatusOr<std::vector<double>> memory = evaluator.Memory(candidate);
+    if (!memory.ok()) {
+      error = memory.status();
+      return false;
+    }
+    *peak = *std::max_element(memory->begin(), memory->end());
+    if (*peak > problem.memory_budget) return false;
+    absl::StatusOr<double> t = evaluator.Time(candidate);
+    if (!t.ok()) {
+      error = t.status();
+      return false;
+    }
+    *time = *t;
+    return *time <= bound;
+  };
+
+  if (p <= kExhaustiveRepackStages) {
+    // Fewest stages first; within a count, the fastest, then the smallest ends (the
+    // combinations come in lexicographic order and only a strictly faster one replaces).
+    for (int q = options.min_stages; q < p && !plan.repack; ++q) {
+      ForEachCombination(p - 1, q - 1, [&](const std::vector<int>& cuts) {
+        const Placement candidate = Coarsen(current, cuts);
+        double time = 0, peak = 0;
+        if (evaluate(candidate, &time, &peak) && (!plan.repack || time < plan.predicted_after)) {
+          plan.repack = true;
+          plan.placement = candidate;
+          plan.predicted_after = time;
+          plan.peak_memory = peak;
+        }
+        return error.ok();
+      });
+      if (!error.ok()) return error;
+    }
+  } else {
+    // First fit over adjacent pairs, leftmost first, until no merge is admissible.
+    Placement packed = current;
+    bool merged = true;
+    while (merged && static_cast<int>(packed.size()) > options.min_stages) {
+      merged = false;
+      for (size_t s = 0; s + 1 < packed.size(); ++s) {
+        Placement candidate = packed;
+        candidate[s].end = candidate[s + 1].end;
+        candidate.erase(candidate.begin() + static_cast<std::ptrdiff_t>(s) + 1);
+        double time = 0, peak = 0;
+        if (evaluate(candidate, &time, &peak)) {
+          packed = std::move(candidate);
+          plan.repack = true;
+          plan.placement = packed;
+          plan.predicted_after = time;
+          plan.peak_memory = peak;
+          merged = true;
+          break;
+        }
+        if (!error.ok()) return error;
+      }
+    }
+  }
+
+  if (plan.repack) {
+    plan.note = absl::StrFormat(
+        "repack: %d → %d stages, %s → %s; predicted iteration %.4g → %.4g (%+.1f%%, allowed "
+        "%+.1f%%), peak stage memory %.4g",
+        p, static_cast<int>(plan.placement.size()), FormatPlacement(current),
+        FormatPlacement(plan.placement), plan.predicted_before, plan.predicted_after,
+        100.0 * (plan.predicted_after / plan.predicted_before - 1.0), 100.0 * options.max_slowdown,
+        plan.peak_memory);
+  } else {
+    plan.note = absl::StrFormat(
+        "repack: keep %d stages; no coarsening onto ≥ %d stages fits the memory budget with a "
+        "predicted slowdown ≤ %.1f%% (%d tried)",
+        p, options.min_stages, 100.0 * options.max_slowdown, plan.candidates);
+  }
+  return plan;
+}
+
+absl::StatusOr<Placement> EvenCoarsening(const Placement& current, int num_stages) {
+  const int p = static_cast<int>(current.size());
+  if (num_stages < 1 || num_stages > p) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot pack ", p, " pipeline stages onto ",
+                                                   num_stages, "; expected 1..", p));
+  }
+  std::vector<int> cuts;
+  int end = 0;
+  for (int g = 0; g + 1 < num_stages; ++g) {
+    end += p / num_stages + (g < p % num_stages ? 1 : 0);
+    cuts.push_back(end - 1);
+  }
+  return Coarsen(current, cuts);
+}
+
+}  // namespace fulcrum::dynamic

@@ -1,0 +1,259 @@
+#include "dynamic/simulation.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "dynamic/balancers.h"
+#include "dynamic/load_model.h"
+#include "dynamic/partition.h"
+#include "pipeline/schedule.h"
+
+namespace fulcrum::dynamic {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Status CheckCosts(const IterationCosts& costs, int64_t layers, int64_t iteration) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scenario costs of iteration ", iteration, ": ", what));
+  };
+  if (costs.num_layers() != layers || static_cast<int64_t>(costs.backward.size()) != layers ||
+      static_cast<int64_t>(costs.weight.size()) != layers) {
+    return bad(absl::StrCat("forward/backward/weight have ", costs.forward.size(), "/",
+                            costs.backward.size(), "/", costs.weight.size(),
+                            " entries; expected ", layers, " (one per layer)"));
+  }
+  for (const std::vector<double>* v : {&costs.parameters, &costs.state_bytes, &costs.block_load}) {
+    if (!v->empty() && static_cast<int64_t>(v->size()) != layers) {
+      return bad(absl::StrCat("a per-layer vector has ", v->size(), " entries; expected ", layers,
+                              " or none"));
+    }
+  }
+  auto finite = [](double x) { return std::isfinite(x) && x >= 0; };
+  for (int64_t l = 0; l < layers; ++l) {
+    if (!finite(costs.forward[l]) || !finite(costs.backward[l]) || !finite(costs.weight[l])) {
+      return bad(absl::StrCat("layer ", l, " has a negative or non-finite time"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+double Sum(const std::vector<double>& v, StageRange range) {
+  double sum = 0;
+  for (int64_t l = range.begin; l < range.end; ++l) sum += v[l];
+  return sum;
+}
+
+double At(const std::vector<double>& v, int64_t l) { return v.empty() ? 0.0 : v[l]; }
+
+}  // namespace
+
+double NetworkOptions::P2pMs() const {
+  if (p2p_bytes <= 0) return 0;
+  return p2p_latency_us * 1e-3 + p2p_bytes / (p2p_bandwidth_gbps * 1e9) * 1e3;
+}
+
+double NetworkOptions::MigrationMs(double bytes) const {
+  return migration_latency_us * 1e-3 + bytes / (migration_bandwidth_gbps * 1e9) * 1e3;
+}
+
+std::vector<Strategy> StandardStrategies() {
+  return {
+      {"uniform (Megatron)", "none", BalanceBy::kTime, false},
+      {"params (DeepSpeed)", "none", BalanceBy::kParams, true},
+      {"partition by time", "partition", BalanceBy::kTime, false},
+      {"diffusion by time", "diffusion", BalanceBy::kTime, false},
+      {"partition by params", "partition", BalanceBy::kParams, false},
+      {"diffusion by params", "diffusion", BalanceBy::kParams, false},
+  };
+}
+
+std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
+                                                    const Placement& placement, double p2p_ms) {
+  const int p = static_cast<int>(placement.size());
+  std::vector<pipeline::ActionCosts> out(p);
+  for (int s = 0; s < p; ++s) {
+    pipeline::ActionCosts& c = out[s];
+    c.forward = Sum(costs.forward, placement[s]);
+    c.backward_input = Sum(costs.backward, placement[s]);
+    c.backward_weight = Sum(costs.weight, placement[s]);
+    c.p2p = p2p_ms;
+    if (s == 0) {
+      c.forward += costs.first_forward;
+      c.backward_input += costs.first_backward;
+      c.backward_weight += costs.first_weight;
+    }
+    if (s == p - 1) {
+      c.forward += costs.last_forward;
+      c.backward_input += costs.last_backward;
+      c.backward_weight += costs.last_weight;
+    }
+  }
+  return out;
+}
+
+std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
+                                                const pipeline::Schedule& schedule,
+                                                const Placement& ran_on, const Placement& now,
+                                                const pipeline::SimulationResult* timeline) {
+  const int p = static_cast<int>(now.size());
+  const double m = schedule.num_microbatches;
+  const bool fused = !pipeline::UsesSplitBackward(schedule);
+  std::vector<pipeline::ActionCosts> ran = StageActionCosts(costs, ran_on, 0.0);
+  std::vector<pipeline::StageLoad> loads(p);
+  for (int s = 0; s < p; ++s) {
+    pipeline::StageLoad& load = loads[s];
+    load.stage = s;
+    load.layer_begin = now[s].begin;
+    load.layer_end = now[s].end;
+    load.peak_in_flight = pipeline::PeakInFlight(schedule, s);
+    for (int64_t l = now[s].begin; l < now[s].end; ++l) {
+      const double b = costs.backward[l] + (fused ? costs.weight[l] : 0.0);
+      const double w = fused ? 0.0 : costs.weight[l];
+      load.layer_forward_ms.push_back(timeline ? m * costs.forward[l] : 0.0);
+      load.layer_backward_ms.push_back(timeline ? m * b : 0.0);
+      load.layer_weight_ms.push_back(timeline ? m * w : 0.0);
+      load.layer_parameters.push_back(At(costs.parameters, l));
+      load.layer_block_load.push_back(At(costs.block_load, l));
+      load.layer_state_bytes.push_back(static_cast<int64_t>(At(costs.state_bytes, l)));
+      load.parameter_bytes += static_cast<int64_t>(At(costs.state_bytes, l));
+    }
+    load.pinned_parameters = (s == 0 ? costs.first_parameters : 0.0) +
+                             (s == p - 1 ? costs.last_parameters : 0.0);
+    if (timeline != nullptr) {
+      const pipeline::ActionCosts& c = ran[s];
+      load.forward_ms = m * c.forward;
+      load.backward_ms = m * (c.backward_input + (fused ? c.backward_weight : 0.0));
+      load.weight_ms = fused ? 0.0 : m * c.backward_weight;
+      load.wait_ms = timeline->stages[s].idle;
+      load.total_ms = timeline->stages[s].end();
+    }
+  }
+  return loads;
+}
+
+absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages) {
+  BalanceProblem problem;
+  problem.num_stages = num_stages;
+  problem.layer_cost = costs.parameters;
+  if (problem.layer_cost.empty()) problem.layer_cost.assign(costs.num_layers(), 1.0);
+  problem.first_stage_cost = costs.first_parameters;
+  problem.last_stage_cost = costs.last_parameters;
+  return PartitionBalance(problem);
+}
+
+absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strategy& strategy,
+                                         const BalancerOptions& options) {
+  if (!scenario.costs) return absl::InvalidArgumentError("scenario '" + scenario.name + "' has no costs");
+  if (scenario.iterations < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--iterations=", scenario.iterations, " must be ≥ 1"));
+  }
+  absl::StatusOr<pipeline::Schedule> made =
+      pipeline::MakeSchedule(scenario.schedule, scenario.num_stages, scenario.num_microbatches);
+  if (!made.ok()) return made.status();
+  const pipeline::Schedule schedule = *std::move(made);
+
+  IterationCosts first = scenario.costs(1);
+  const int64_t layers = first.num_layers();
+  if (absl::Status s = CheckLayout(layers, scenario.num_stages); !s.ok()) return s;
+  if (absl::Status s = CheckCosts(first, layers, 1); !s.ok()) return s;
+
+  BalancerOptions named = options;
+  named.load.by = strategy.by;
+  absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> rebalancer =
+      MakeRebalancer(strategy.rebalancer, named);
+  if (!rebalancer.ok()) return rebalancer.status();
+
+  Placement current = UniformPlacement(layers, scenario.num_stages);
+  if (strategy.params_initial) {
+    absl::StatusOr<Placement> by_params = ParameterPlacement(first, scenario.num_stages);
+    if (!by_params.ok()) return by_params.status();
+    current = *std::move(by_params);
+  }
+
+  SimulatedRun run;
+  run.strategy = strategy.name;
+  const double p2p_ms = scenario.network.P2pMs();
+  IterationCosts previous;                 // Iteration i-1's costs.
+  Placement previous_ran_on;               // ...and the placement it ran on.
+  pipeline::SimulationResult previous_timeline;
+  for (int64_t i = 1; i <= scenario.iterations; ++i) {
+    IterationCosts costs = i == 1 ? first : scenario.costs(i);
+    if (absl::Status s = CheckCosts(costs, layers, i); !s.ok()) return s;
+
+    // Plan(i) with what iteration i-1 measured (NOTE [simulated loads]).
+    std::vector<pipeline::StageLoad> loads;
+    if (i > 1 && !previous.recorded_loads.empty() && previous.recorded_ran_on == previous_ran_on &&
+        PlacementOf(previous.recorded_loads) == current) {
+      loads = previous.recorded_loads;
+    } else if (i > 1) {
+      loads = SimulatedLoads(previous, schedule, previous_ran_on, current, &previous_timeline);
+    } else {
+      loads = SimulatedLoads(costs, schedule, current, current, nullptr);
+    }
+    const auto decide_start = Clock::now();
+    pipeline::RebalanceDecision decision = (*rebalancer)->Plan(i, loads);
+    const double decision_ms =
+        std::chrono::duration<double, std::milli>(Clock::now() - decide_start).count();
+    Placement next = current;
+    if (!decision.target.empty()) {
+      if (absl::Status s = pipeline::ValidateRanges(decision.target, layers, scenario.num_stages);
+          !s.ok()) {
+        return absl::InternalError(absl::StrCat("iteration ", i, ": rebalancer '",
+                                                strategy.rebalancer, "' planned an invalid placement: ",
+                                                s.message()));
+      }
+      next = ToPlacement(decision.target);
+    }
+
+    // Iteration i runs on `current`; the moves happen in its backward tail.
+    const pipeline::SimulationResult timeline =
+        pipeline::Simulate(schedule, StageActionCosts(costs, current, p2p_ms));
+    SimulatedIteration it;
+    it.iteration = i;
+    it.placement = current;
+    it.next_placement = next;
+    it.makespan_ms = timeline.makespan;
+    it.decision_ms = decision_ms;
+    it.note = decision.note;
+    double bubble = 0;
+    for (int s = 0; s < scenario.num_stages; ++s) {
+      bubble += timeline.BubbleRatio(s);
+      it.stage_busy_ms.push_back(timeline.stages[s].busy);
+    }
+    it.bubble_ratio = bubble / scenario.num_stages;
+    std::vector<double> into_stage(scenario.num_stages, 0.0);
+    for (const pipeline::PlannedMove& move :
+         pipeline::MovesBetween(ToLayerRanges(current), ToLayerRanges(next))) {
+      const double bytes = At(costs.state_bytes, move.layer);
+      ++it.layers_moved;
+      it.bytes_migrated += bytes;
+      into_stage[move.to_stage] += scenario.network.MigrationMs(bytes);
+    }
+    it.migration_ms = *std::max_element(into_stage.begin(), into_stage.end());
+    it.iteration_ms = it.makespan_ms + it.migration_ms + scenario.step_ms;
+
+    run.total_ms += it.iteration_ms;
+    run.mean_bubble_ratio += it.bubble_ratio;
+    run.layers_moved += it.layers_moved;
+    run.bytes_migrated += it.bytes_migrated;
+    run.migration_ms += it.migration_ms;
+    run.decision_ms += it.decision_ms;
+    run.iterations.push_back(std::move(it));
+
+    if (costs.model_changed) (*rebalancer)->OnModelChanged(i, costs.change_reason);
+    previous_ran_on = current;
+    previous_timeline = timeline;
+    previous = std::move(costs);
+    current = std::move(next);
+  }
+  run.mean_bubble_ratio /= static_cast<double>(run.iterations.size());
+  return run;
+}
+
+}  // namespace fulcrum::dynamic

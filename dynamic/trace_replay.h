@@ -1,0 +1,74 @@
+// Replaying a load trace (fulcrum_train --load_trace; format: NOTE [load trace lines] in
+// pipeline/load_trace.h) in the simulator, and scaling it to a larger model.
+//
+// A trace line's loads are what the live run's rebalancer was given; the replay turns each
+// line into the IterationCosts of the iteration it measured — per-layer F/B/W per
+// micro-batch, the pinned embedding / head time as the stage totals minus their layers (NOTE
+// [pinned time] in dynamic/load_model.h), parameters, state bytes, plugin loads — and keeps
+// the loads themselves, so SimulateRun hands them verbatim to the same balancer (NOTE
+// [simulated loads] in dynamic/simulation.h) and reaches the live run's decisions.
+//
+// NOTE [trace scaling]
+// ScaleTrace maps a trace of L layers and hidden size h onto a model of L' layers and hidden
+// h' (same sequence length and micro-batch): layer l' takes the costs of recorded layer
+// ⌊l'·L/L'⌋ (its pattern of dynamism: which layers are MoE, pruned, frozen), scaled by the
+// FLOP ratio of a transformer layer, (24·h'² + 4·s·h') / (24·h² + 4·s·h) per token (Megatron's
+// count, Narayanan et al. SC'21 §5.1: 24bsh² for the GEMMs, 4bs²h for attention); the pinned
+// embedding / head costs scale by h'/h (their GEMM is s·h·V); parameters by (h'/h)², state
+// bytes likewise. This keeps every layer's measured ratio to a dense layer — what the plugins
+// change — and assumes the machine's speed per FLOP stays what it was (stated in the output).
+//
+// Thread-safe: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dynamic/simulation.h"
+#include "pipeline/rebalancer.h"
+
+namespace fulcrum::dynamic {
+
+/// One line of a load trace.
+struct TraceLine {
+  int64_t iteration = 0;      ///< The iteration measured.
+  std::string schedule;
+  int microbatches = 0;
+  std::string rebalancer;
+  Placement ran_on;           ///< What it ran on.
+  Placement decision;         ///< What Plan(iteration + 1) chose.
+  std::vector<pipeline::StageLoad> loads;
+  std::vector<std::string> model_changed;
+  double pipeline_ms = 0, bubble_ratio = 0, iteration_ms = 0;  ///< Measured.
+  std::vector<double> stage_ms;
+};
+
+/// A whole trace: its lines in iteration order.
+struct LoadTrace {
+  std::vector<TraceLine> lines;
+  int num_stages() const { return lines.empty() ? 0 : static_cast<int>(lines[0].loads.size()); }
+  int64_t num_layers() const {
+    return lines.empty() || lines[0].loads.empty() ? 0 : lines[0].loads.back().layer_end;
+  }
+};
+
+/// Reads a --load_trace file. InvalidArgument naming the path and the line for a bad line,
+/// lines out of order, or a change of stages, layers, schedule or micro-batches; NotFound
+/// when the file cannot be opened.
+absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path);
+
+/// The costs of the iteration `line` measured (see the file comment).
+IterationCosts CostsFromTraceLine(const TraceLine& line);
+
+/// A scenario replaying `trace`: its schedule, stages, micro-batches and costs, iterations
+/// 1..lines (trace line k is iteration k; a trace that starts later is shifted).
+Scenario ScenarioFromTrace(const LoadTrace& trace, const std::string& name);
+
+/// NOTE [trace scaling]: `costs` of a model with `layers` layers of hidden `hidden` mapped
+/// onto `new_layers` layers of hidden `new_hidden`, sequence `seq_length`.
+IterationCosts ScaleCosts(const IterationCosts& costs, int64_t hidden, int64_t new_layers,
+                          int64_t new_hidden, int64_t seq_length);
+
+}  // namespace fulcrum::dynamic

@@ -1,0 +1,284 @@
+#include "tools/internal/sim_cases.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <memory>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace fulcrum::sim {
+namespace {
+
+// Measured by tools/fulcrum_bench_dynamism (1 thread, gpt_20m layer, seq 256 × micro-batch 4,
+// dense layer 235 ms): a pruned layer's time over the dense layer's at 50/80/90% sparsity
+// (sparse compute; below ~75% the dense kernels still win), a frozen layer's (no backward),
+// and a MoD-routed layer's at capacity 0.125; hash sparse attention with 8 buckets at seq
+// 1024 over dense attention.
+constexpr double kPrunedRatio[][2] = {{0.0, 1.0}, {0.5, 1.01}, {0.8, 0.60}, {0.9, 0.42}};
+constexpr double kFrozenRatio = 0.34;
+constexpr double kModRoutedRatio = 0.15;  // Capacity 0.125 (Raposo et al.'s 12.5%).
+constexpr double kSparseAttentionRatio = 0.91;  // 8 buckets, score density 0.17.
+
+double PrunedRatio(double sparsity) {
+  constexpr int n = sizeof(kPrunedRatio) / sizeof(kPrunedRatio[0]);
+  if (sparsity >= kPrunedRatio[n - 1][0]) return kPrunedRatio[n - 1][1];
+  for (int i = 1; i < n; ++i) {
+    if (sparsity <= kPrunedRatio[i][0]) {
+      const double t = (sparsity - kPrunedRatio[i - 1][0]) / (kPrunedRatio[i][0] - kPrunedRatio[i - 1][0]);
+      return kPrunedRatio[i - 1][1] + t * (kPrunedRatio[i][1] - kPrunedRatio[i - 1][1]);
+    }
+  }
+  return 1.0;
+}
+
+// Zhu & Gupta's cubic schedule as DynMo runs it (§4.2): S_i = 0, S_f = 0.9, from real
+// iteration 3000 every 1000 to 7000 (0, 52, 79, 89, 90%).
+double PruningSparsity(double real_iteration) {
+  if (real_iteration < 3000) return 0;
+  const double step = std::min(4.0, std::floor((real_iteration - 3000) / 1000));
+  return 0.9 * (1 - std::pow(1 - step / 4, 3));
+}
+
+// One layer's costs from the dense split, the parts scaled.
+void SetLayer(dynamic::IterationCosts* c, int64_t l, const DenseLayer& d, double gemm, double scores,
+              double mlp, bool backward = true) {
+  c->forward[l] = d.attention_gemm_f * gemm + d.scores_f * scores + d.mlp_f * gemm * mlp;
+  c->backward[l] = backward ? d.attention_gemm_b * gemm + d.scores_b * scores + d.mlp_b * gemm * mlp : 0;
+  c->weight[l] = backward ? d.attention_gemm_w * gemm + d.mlp_w * gemm * mlp : 0;
+}
+
+dynamic::Scenario Base(const std::string& name, int stages, const CaseOptions& o, int64_t layers) {
+  dynamic::Scenario s;
+  s.name = name;
+  s.num_stages = stages;
+  s.num_microbatches = o.num_microbatches > 0 ? o.num_microbatches : 4 * stages;
+  s.schedule = o.schedule;
+  s.iterations = o.iterations;
+  s.network = o.network;
+  s.network.p2p_bytes = static_cast<double>(o.shape.micro_batch * o.shape.seq_length * o.shape.hidden) *
+                        o.shape.bytes_per_activation;
+  s.tokens_per_iteration =
+      static_cast<double>(s.num_microbatches * o.shape.micro_batch * o.shape.seq_length);
+  (void)layers;
+  return s;
+}
+
+}  // namespace
+
+DenseLayer DenseLayerCosts(const GptShape& shape) {
+  const double b = static_cast<double>(shape.micro_batch), s = static_cast<double>(shape.seq_length);
+  const double h = static_cast<double>(shape.hidden), v = static_cast<double>(shape.vocab);
+  const double ms_per_flop = 1e3 / (shape.device_tflops * 1e12);
+  DenseLayer d;
+  d.attention_gemm_f = d.attention_gemm_b = d.attention_gemm_w = 8 * b * s * h * h * ms_per_flop;
+  d.scores_f = 4 * b * s * s * h * ms_per_flop;
+  d.scores_b = 2 * d.scores_f;
+  d.mlp_f = d.mlp_b = d.mlp_w = 16 * b * s * h * h * ms_per_flop;
+  d.head_f = 2 * b * s * h * v * ms_per_flop;
+  d.parameters = 12 * h * h + 13 * h;  // QKV, proj, MLP with biases; two LayerNorms.
+  d.head_parameters = v * h + 2 * h;   // Final norm and the untied LM head.
+  d.embedding_parameters = v * h + s * h;
+  return d;
+}
+
+dynamic::IterationCosts DenseCosts(const GptShape& shape) {
+  const DenseLayer d = DenseLayerCosts(shape);
+  dynamic::IterationCosts c;
+  c.forward.assign(shape.layers, d.f());
+  c.backward.assign(shape.layers, d.b());
+  c.weight.assign(shape.layers, d.w());
+  c.parameters.assign(shape.layers, d.parameters);
+  c.state_bytes.assign(shape.layers, d.parameters * shape.bytes_per_state_param);
+  c.last_forward = c.last_backward = c.last_weight = d.head_f;
+  c.first_parameters = d.embedding_parameters;
+  c.last_parameters = d.head_parameters;
+  return c;
+}
+
+std::vector<std::string> CaseNames() {
+  return {"moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"};
+}
+
+dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& options) {
+  dynamic::Scenario s = named.scenario;
+  GptShape shape = options.shape;
+  shape.layers = named.scenario.costs ? named.scenario.costs(1).num_layers() : shape.layers;
+  const dynamic::IterationCosts dense = DenseCosts(shape);
+  s.name = named.name + " (dense)";
+  s.costs = [dense](int64_t) { return dense; };
+  return s;
+}
+
+absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open the MoE metrics file '", path, "'"));
+  std::vector<std::vector<double>> rows;
+  std::string text;
+  while (std::getline(in, text)) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.contains("expert_tokens") || !j["expert_tokens"].is_object()) continue;
+    std::vector<std::pair<int, double>> per_layer;
+    for (const auto& [name, tokens] : j["expert_tokens"].items()) {
+      if (!tokens.is_array() || tokens.empty()) continue;
+      double sum = 0, max = 0;
+      for (const auto& t : tokens) {
+        sum += t.get<double>();
+        max = std::max(max, t.get<double>());
+      }
+      const double mean = sum / static_cast<double>(tokens.size());
+      const size_t dot = name.rfind('.');
+      const int layer = dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1);
+      if (mean > 0) per_layer.emplace_back(layer, max / mean);
+    }
+    if (per_layer.empty()) continue;
+    std::sort(per_layer.begin(), per_layer.end());
+    std::vector<double> row;
+    for (const auto& [layer, ratio] : per_layer) row.push_back(ratio);
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' holds no expert_tokens (a fulcrum_train --metrics_file of a MoE run)"));
+  }
+  return rows;
+}
+
+absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o) {
+  NamedCase out;
+  out.name = name;
+  GptShape shape = o.shape;
+  auto dense_layer = std::make_shared<DenseLayer>(DenseLayerCosts(shape));
+  if (name == "moe" || name == "mod") {
+    shape.layers = 32;
+    out.scenario = Base(name, 16, o, shape.layers);
+  } else {
+    shape.layers = 48;
+    out.scenario = Base(name, 24, o, shape.layers);
+  }
+  const dynamic::IterationCosts dense = DenseCosts(shape);
+  const int64_t layers = shape.layers;
+  const double real_per_sim = 10000.0 / static_cast<double>(o.iterations);  // DynMo: 10 000.
+
+  if (name == "moe") {
+    out.dynmo = "idle 25% -> 8%, 1.23x (LLaMA-MoE; 1.21x Mixtral)";
+    if (o.expert_imbalance.empty()) {
+      out.measured = false;
+      out.why_not = "no expert-token measurements given (--moe_metrics=PATH of a MoE run)";
+      return out;
+    }
+    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.expert_imbalance);
+    out.provenance = absl::StrCat(
+        "every layer MoE, 8 experts as wide as the MLP, top-2, one expert per GPU (EP 8): a "
+        "layer's MLP time = 2 x (max/mean tokens per expert) x dense MLP, the ratio per layer and "
+        "iteration from our router: ", o.expert_imbalance_source, " (", rows->size(),
+        " iterations x ", rows->front().size(),
+        " layers; layer l replays measured layer l mod ", rows->front().size(),
+        ", each further copy 7 iterations later)");
+    // Layer l replays measured layer l % C, the copies (l / C) shifted by 7 iterations each
+    // so that they are not in lockstep (a run of our tiny model has C = 4 MoE layers).
+    out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
+      dynamic::IterationCosts c = dense;
+      const size_t columns = rows->front().size();
+      for (int64_t l = 0; l < layers; ++l) {
+        const size_t copy = static_cast<size_t>(l) / columns;
+        const std::vector<double>& row = (*rows)[(static_cast<size_t>(i - 1) + 7 * copy) % rows->size()];
+        SetLayer(&c, l, *dense_layer, 1.0, 1.0, 2.0 * row[static_cast<size_t>(l) % row.size()]);
+      }
+      return c;
+    };
+  } else if (name == "mod") {
+    out.dynmo = "idle 18% -> 4%, 1.17x";
+    out.provenance = absl::StrFormat(
+        "every other layer (1, 3, ...) routes 12.5%% of the tokens (Raposo et al.): %.2fx the "
+        "routed layer's time, measured by fulcrum_bench_dynamism (capacity 0.125)",
+        kModRoutedRatio);
+    out.scenario.costs = [dense](int64_t) {
+      dynamic::IterationCosts c = dense;
+      for (int64_t l = 1; l < c.num_layers(); l += 2) {
+        c.forward[l] *= kModRoutedRatio;
+        c.backward[l] *= kModRoutedRatio;
+        c.weight[l] *= kModRoutedRatio;
+      }
+      return c;
+    };
+  } else if (name == "pruning") {
+    out.dynmo = "up to 3.18x; re-packing 8 -> 5.8 GPUs";
+    out.provenance =
+        "global magnitude pruning on DynMo's schedule (0, 52, 79, 89, 90% at real iterations "
+        "3000..7000 of 10 000); every layer's GEMMs at the global sparsity (per-layer sparsity "
+        "of a trained model not measured: uniform), time ratio interpolated from "
+        "fulcrum_bench_dynamism (50/80/90% -> 1.01/0.60/0.42x); attention scores and the LM "
+        "head not pruned";
+    out.scenario.costs = [dense, dense_layer, layers, real_per_sim](int64_t i) {
+      dynamic::IterationCosts c = dense;
+      const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
+      const double ratio = PrunedRatio(sparsity);
+      for (int64_t l = 0; l < layers; ++l) SetLayer(&c, l, *dense_layer, ratio, 1.0, 1.0);
+      const double next = PruningSparsity(static_cast<double>(i + 1) * real_per_sim);
+      if (next != sparsity) {
+        c.model_changed = true;
+        c.change_reason = absl::StrFormat("pruned to %.1f%%", 100 * next);
+      }
+      return c;
+    };
+  } else if (name == "freezing") {
+    out.dynmo = "2.23x (idle ~40%, 40 layers)";
+    out.provenance = absl::StrFormat(
+        "front-to-back freezing of 40 of 48 layers between 20%% and 80%% of the run; a frozen "
+        "layer runs its forward only (%.2fx the dense layer, fulcrum_bench_dynamism; the "
+        "FLOP model's F share is %.2f)",
+        kFrozenRatio, dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
+    const int64_t iterations = o.iterations;
+    auto frozen_at = [iterations](int64_t i) -> int64_t {
+      const double start = 0.2 * iterations, end = 0.8 * iterations;
+      if (i < start) return 0;
+      return std::min<int64_t>(40, std::llround(40.0 * (i - start) / (end - start)));
+    };
+    out.scenario.costs = [dense, frozen_at](int64_t i) {
+      dynamic::IterationCosts c = dense;
+      for (int64_t l = 0; l < frozen_at(i); ++l) c.backward[l] = c.weight[l] = 0;
+      if (frozen_at(i + 1) != frozen_at(i)) {
+        c.model_changed = true;
+        c.change_reason = absl::StrCat("froze layers up to ", frozen_at(i + 1));
+      }
+      return c;
+    };
+  } else if (name == "sparse_attention") {
+    out.dynmo = "2.71-4.02x vs dense (4x dense bubble)";
+    out.versus_dense = true;
+    out.provenance = absl::StrFormat(
+        "hash sparse attention, 8 buckets, in every layer: %.2fx the dense layer "
+        "(fulcrum_bench_dynamism at seq 1024; 2/4 buckets: 1.31/1.02x, i.e. not faster than "
+        "dense yet); per-layer variation of the density not measured: every layer alike",
+        kSparseAttentionRatio);
+    out.scenario.costs = [dense](int64_t) {
+      dynamic::IterationCosts c = dense;
+      for (int64_t l = 0; l < c.num_layers(); ++l) {
+        c.forward[l] *= kSparseAttentionRatio;
+        c.backward[l] *= kSparseAttentionRatio;
+        c.weight[l] *= kSparseAttentionRatio;
+      }
+      return c;
+    };
+  } else if (name == "early_exit") {
+    out.dynmo = "4.52x vs no exit";
+    out.versus_dense = true;
+    out.measured = false;
+    out.why_not =
+        "not measured yet: the early-exit plugin (plugins/early_exit.cc) has not landed; replay "
+        "a run of it with --trace once it has";
+    return out;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--case=", name, " is not a case; known: all, ",
+                                                   absl::StrJoin(CaseNames(), ", ")));
+  }
+  return out;
+}
+
+}  // namespace fulcrum::sim

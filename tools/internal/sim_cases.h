@@ -1,0 +1,103 @@
+// The named scenarios of fulcrum_sim --case: DynMo's six dynamic-model cases (Wahib et al.,
+// SC'25 §4.2, §5.1) at DynMo's scale, with per-layer cost behaviour that Fulcrum's own plugins
+// measured (tools/fulcrum_bench_dynamism, fulcrum_train runs), and a FLOP model for the dense
+// GPT layer they scale.
+//
+// NOTE [sim FLOP model]
+// A GPT layer on a micro-batch of b sequences of s tokens, hidden h, MLP 4h, counted as
+// Megatron does (Narayanan et al., SC'21 §5.1; no causal halving): forward = attention GEMMs
+// 8bsh² + attention scores and context 4bs²h + MLP 16bsh²; the input gradient B = 8bsh² +
+// 8bs²h + 16bsh² (the score backward is twice its forward); the weight gradient W = 8bsh² +
+// 16bsh². The LM head (untied, vocabulary V) costs 2bshV in each of F, B and W; the embedding
+// lookup is free. Time = FLOPs / --device_tflops (an assumed sustained rate, not measured on
+// an H100: only ratios of times, and their ratio to communication, matter here).
+//
+// Thread-safe: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dynamic/simulation.h"
+
+namespace fulcrum::sim {
+
+/// The model of a case (DynMo: GPT, hidden 1024, 32 heads, seq 2048, micro-batch 2).
+struct GptShape {
+  int64_t layers = 48;
+  int64_t hidden = 1024;
+  int64_t heads = 32;
+  int64_t seq_length = 2048;
+  int64_t micro_batch = 2;
+  int64_t vocab = 50304;      ///< GPT-2's 50257 padded to a multiple of 128.
+  double device_tflops = 400;  ///< Sustained FLOP/s per GPU, ×1e12.
+  double bytes_per_state_param = 16;  ///< bf16 weight + grad, fp32 master, two Adam moments.
+  double bytes_per_activation = 2;    ///< bf16 activations between stages.
+};
+
+/// A dense layer's time split into the parts the dynamisms change (ms per micro-batch).
+struct DenseLayer {
+  double attention_gemm_f = 0, attention_gemm_b = 0, attention_gemm_w = 0;  ///< QKV + proj.
+  double scores_f = 0, scores_b = 0;  ///< QKᵀ and the context product (no weights).
+  double mlp_f = 0, mlp_b = 0, mlp_w = 0;
+  double head_f = 0;  ///< LM head per kind (F = B = W).
+  double parameters = 0, head_parameters = 0, embedding_parameters = 0;
+
+  double f() const { return attention_gemm_f + scores_f + mlp_f; }
+  double b() const { return attention_gemm_b + scores_b + mlp_b; }
+  double w() const { return attention_gemm_w + mlp_w; }
+};
+
+/// NOTE [sim FLOP model].
+DenseLayer DenseLayerCosts(const GptShape& shape);
+
+/// The dense model's costs (every layer DenseLayerCosts; head on the last stage).
+dynamic::IterationCosts DenseCosts(const GptShape& shape);
+
+/// What a named case is built from.
+struct CaseOptions {
+  GptShape shape;
+  int64_t iterations = 100;  ///< Simulated iterations (each case maps its schedule onto them).
+  int num_microbatches = 0;  ///< 0: 4 per stage (DynMo: "4 micro-batches per GPU").
+  std::string schedule = "zbh1";
+  dynamic::NetworkOptions network;  ///< p2p_bytes is set from the shape.
+  /// MoE: per layer and iteration, max/mean tokens over the experts, as our router produced
+  /// them (rows of a run's metrics; see LoadExpertImbalance). Empty: the MoE case cannot be
+  /// built and says so.
+  std::vector<std::vector<double>> expert_imbalance;
+  std::string expert_imbalance_source;
+};
+
+/// A case: its scenario, DynMo's published figures beside it, and where the costs come from;
+/// `measured` false when a plugin has not landed and nothing may be simulated.
+struct NamedCase {
+  std::string name;
+  bool measured = true;
+  std::string why_not;        ///< When !measured.
+  dynamic::Scenario scenario;
+  std::string provenance;     ///< Where the per-layer behaviour comes from.
+  std::string dynmo;          ///< DynMo's published figures.
+  /// Compare also with the dense model's static run (the dynamism's own savings counted, as
+  /// DynMo does for sparse attention and early exit).
+  bool versus_dense = false;
+};
+
+/// "moe, pruning, freezing, sparse_attention, early_exit, mod".
+std::vector<std::string> CaseNames();
+
+/// The case `name` (one of CaseNames) built from `options`; InvalidArgument listing the names
+/// for an unknown one.
+absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& options);
+
+/// The dense model in the case's setting (stages, micro-batches, schedule, shape), for the
+/// speedup over a static dense run.
+dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& options);
+
+/// Per MoE layer and iteration, max over the experts of the tokens routed to an expert
+/// divided by their mean, from a fulcrum_train metrics file ("expert_tokens" per layer per
+/// iteration): rows by iteration, one entry per MoE layer. InvalidArgument/NotFound naming the
+/// file when it holds none.
+absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path);
+
+}  // namespace fulcrum::sim

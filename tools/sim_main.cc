@@ -1,0 +1,453 @@
+// fulcrum_sim: the pipeline simulator at scales our two-core machines cannot run (DESIGN.md
+// "Scale"). Every number it prints is SIMULATED: per-layer costs from a named case (measured
+// plugin behaviour on a FLOP model, tools/internal/sim_cases.h) or from a real run's
+// --load_trace, through the schedules and the balancers fulcrum_train uses
+// (dynamic/simulation.h).
+//
+//   fulcrum_sim --case=all                       the DynMo table: six cases, 16-24 stages
+//   fulcrum_sim --case=pruning --per_iteration   one case, iteration by iteration
+//   fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)
+//   fulcrum_sim --trace=run.jsonl --scale_layers=48 --scale_hidden=1024 --stages=24
+//   ... --repack                                 GPUs over time after re-packing
+//   ... --output=sim.jsonl                       per-iteration results, for fulcrum_plot
+//
+// Exit codes: 0 done, 2 bad flags or inputs, 1 a simulation failed.
+#include <gflags/gflags.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "dynamic/partition.h"
+#include "dynamic/simulation.h"
+#include "dynamic/trace_replay.h"
+#include "pipeline/schedule.h"
+#include "tools/internal/sim_cases.h"
+
+DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
+              "sparse_attention, early_exit, mod (DynMo's six, at DynMo's scale).");
+DEFINE_string(trace, "", "Replay a fulcrum_train --load_trace file instead of a case.");
+DEFINE_string(moe_metrics, "",
+              "fulcrum_train --metrics_file of a MoE run whose expert_tokens give the MoE case's "
+              "per-layer token imbalance (required for --case=moe).");
+DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
+              "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
+DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
+DEFINE_int32(stages, 0, "Pipeline stages (0: the case's, or the trace's).");
+DEFINE_int32(microbatches, 0, "Micro-batches per iteration (0: 4 per stage, or the trace's).");
+DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2 (empty: zbh1 for cases, the trace's).");
+DEFINE_int32(rebalance_interval, 1, "Balancers decide every this many iterations (and after a change).");
+DEFINE_double(rebalance_min_gain, 0.05, "Balancers' minimum predicted gain (hysteresis).");
+DEFINE_int32(rebalance_window, 3, "Balancers' median window of measured iterations.");
+DEFINE_double(p2p_bandwidth_gbps, 50, "Point-to-point bandwidth between stages, GB/s.");
+DEFINE_double(p2p_latency_us, 10, "Point-to-point latency, µs.");
+DEFINE_double(p2p_bytes, -1, "Bytes of one activation transfer (-1: the case's bf16 activation; "
+              "0 for traces unless given).");
+DEFINE_double(migration_bandwidth_gbps, 50, "Layer migration bandwidth, GB/s.");
+DEFINE_double(migration_latency_us, 10, "Layer migration latency per layer, µs.");
+DEFINE_double(device_tflops, 400, "Assumed sustained TFLOP/s per GPU of the cases' FLOP model.");
+DEFINE_int64(vocab, 50304,
+             "Vocabulary of the cases' GPT: its LM head (2·b·s·h·V FLOPs in each of F, B, W) sits on "
+             "the last stage; 0 leaves the head's cost out (as if it were spread over the stages, "
+             "e.g. vocabulary parallelism), isolating the dynamism's own imbalance.");
+DEFINE_int64(scale_layers, 0, "Scale a trace to this many layers (NOTE [trace scaling]).");
+DEFINE_int64(scale_hidden, 0, "...and this hidden size (needs --trace_hidden, --trace_seq).");
+DEFINE_int64(trace_hidden, 0, "Hidden size of the traced model (for scaling).");
+DEFINE_int64(trace_seq, 0, "Sequence length of the traced model (for scaling).");
+DEFINE_bool(repack, false, "Also show GPUs over time when stages are re-packed (partition by time).");
+DEFINE_double(repack_slack, 0.05, "Re-packing may slow the pipeline by at most this fraction.");
+DEFINE_bool(per_iteration, false, "Print every iteration of every strategy.");
+DEFINE_string(output, "", "Write per-iteration results as JSON lines here (for fulcrum_plot).");
+
+namespace fulcrum {
+namespace {
+
+constexpr int kUsageError = 2;
+using dynamic::Placement;
+using dynamic::SimulatedRun;
+
+std::string Ranges(const Placement& p) { return dynamic::FormatPlacement(p); }
+
+dynamic::BalancerOptions Options() {
+  dynamic::BalancerOptions o;
+  o.interval = FLAGS_rebalance_interval;
+  o.min_gain = FLAGS_rebalance_min_gain;
+  o.load.window = FLAGS_rebalance_window;
+  return o;
+}
+
+std::vector<dynamic::Strategy> Strategies() {
+  std::vector<dynamic::Strategy> all = dynamic::StandardStrategies();
+  const std::vector<std::string> keys = {"uniform", "params", "partition-time", "diffusion-time",
+                                         "partition-params", "diffusion-params"};
+  if (FLAGS_strategies.empty()) return all;
+  std::vector<dynamic::Strategy> out;
+  for (absl::string_view name : absl::StrSplit(FLAGS_strategies, ',')) {
+    auto it = std::find(keys.begin(), keys.end(), name);
+    if (it == keys.end()) {
+      std::fprintf(stderr, "--strategies: '%s' is not one of %s\n", std::string(name).c_str(),
+                   absl::StrJoin(keys, ", ").c_str());
+      std::exit(kUsageError);
+    }
+    out.push_back(all[it - keys.begin()]);
+  }
+  return out;
+}
+
+// Fewest stages whose time-balanced pipeline is at most (1 + slack) × the p-stage one's
+// makespan, for the costs of iteration `i`: the GPUs re-packing keeps.
+int RepackedStages(const dynamic::Scenario& s, const dynamic::IterationCosts& costs, double target_ms) {
+  for (int k = 1; k <= s.num_stages; ++k) {
+    if (costs.num_layers() < k) break;
+    dynamic::BalanceProblem problem;
+    problem.num_stages = k;
+    for (int64_t l = 0; l < costs.num_layers(); ++l) {
+      problem.layer_cost.push_back(costs.forward[l] + costs.backward[l] + costs.weight[l]);
+    }
+    problem.first_stage_cost = costs.first_forward + costs.first_backward + costs.first_weight;
+    problem.last_stage_cost = costs.last_forward + costs.last_backward + costs.last_weight;
+    absl::StatusOr<Placement> placement = dynamic::PartitionBalance(problem);
+    if (!placement.ok()) continue;
+    absl::StatusOr<pipeline::Schedule> schedule =
+        pipeline::MakeSchedule(s.schedule, k, s.num_microbatches);
+    if (!schedule.ok()) continue;
+    const double ms = pipeline::Simulate(*schedule, dynamic::StageActionCosts(costs, *placement,
+                                                                              s.network.P2pMs()))
+                          .makespan;
+    if (ms <= target_ms * (1 + FLAGS_repack_slack)) return k;
+  }
+  return s.num_stages;
+}
+
+// Mean GPUs over the run after re-packing, and the series "iterations a-b: k".
+std::pair<double, std::string> Repack(const dynamic::Scenario& s, const SimulatedRun& balanced) {
+  const double target = balanced.iterations.size() > 2 ? balanced.iterations[2].makespan_ms
+                                                       : balanced.iterations.back().makespan_ms;
+  double sum = 0;
+  std::string series;
+  int last = -1;
+  int64_t from = 1;
+  std::vector<double> last_costs;
+  int k = 0;
+  for (int64_t i = 1; i <= s.iterations; ++i) {
+    const dynamic::IterationCosts c = s.costs(i);
+    std::vector<double> key = c.forward;
+    key.insert(key.end(), c.backward.begin(), c.backward.end());
+    if (key != last_costs) k = RepackedStages(s, c, target);
+    last_costs = key;
+    sum += k;
+    if (k != last && last >= 0) {
+      absl::StrAppend(&series, series.empty() ? "" : ", ", from, "-", i - 1, ": ", last);
+      from = i;
+    }
+    last = k;
+  }
+  absl::StrAppend(&series, series.empty() ? "" : ", ", from, "-", s.iterations, ": ", last);
+  return {sum / static_cast<double>(s.iterations), series};
+}
+
+void WriteOutput(std::ofstream* out, const std::string& scenario, const SimulatedRun& run) {
+  if (out == nullptr || !*out) return;
+  for (const dynamic::SimulatedIteration& it : run.iterations) {
+    nlohmann::json ranges = nlohmann::json::array();
+    for (const dynamic::StageRange& r : it.placement) ranges.push_back({r.begin, r.end});
+    nlohmann::json line = {{"source", "fulcrum_sim"},  {"scenario", scenario},
+                           {"strategy", run.strategy}, {"iteration", it.iteration},
+                           {"stage_ranges", ranges},   {"stage_ms", it.stage_busy_ms},
+                           {"bubble_ratio", it.bubble_ratio}, {"iteration_ms", it.iteration_ms},
+                           {"layers_moved", it.layers_moved}, {"bytes_migrated", it.bytes_migrated}};
+    if (!it.note.empty()) line["note"] = it.note;
+    *out << line.dump() << "\n";
+  }
+}
+
+void PrintIterations(const SimulatedRun& run) {
+  std::printf("  %s, per iteration (simulated): iteration | ran on | bubble | ms | moved (bytes)\n",
+              run.strategy.c_str());
+  for (const dynamic::SimulatedIteration& it : run.iterations) {
+    std::printf("    %4lld  %s  %.3f  %.2f  %lld (%.0f)%s%s\n", static_cast<long long>(it.iteration),
+                Ranges(it.placement).c_str(), it.bubble_ratio, it.iteration_ms,
+                static_cast<long long>(it.layers_moved), it.bytes_migrated,
+                it.note.empty() ? "" : "  ", it.note.c_str());
+  }
+}
+
+// Runs every strategy on `s`; prints a line each; returns the runs (by strategy name).
+absl::StatusOr<std::vector<SimulatedRun>> RunAll(const dynamic::Scenario& s, std::ofstream* out) {
+  std::vector<SimulatedRun> runs;
+  for (const dynamic::Strategy& strategy : Strategies()) {
+    absl::StatusOr<SimulatedRun> run = dynamic::SimulateRun(s, strategy, Options());
+    if (!run.ok()) return run.status();
+    WriteOutput(out, s.name, *run);
+    runs.push_back(*std::move(run));
+  }
+  return runs;
+}
+
+void PrintRuns(const std::vector<SimulatedRun>& runs, double tokens_per_iteration) {
+  for (const SimulatedRun& r : runs) {
+    std::printf("  %-20s %10.1f ms  bubble %.3f  %7.3f it/s%s  moved %4lld layers (%.2f GB)  "
+                "decisions %.2f ms  migration %.2f ms  final %s\n",
+                r.strategy.c_str(), r.total_ms, r.mean_bubble_ratio, r.iterations_per_second(),
+                tokens_per_iteration > 0
+                    ? absl::StrFormat("  %9.0f tok/s", tokens_per_iteration * r.iterations_per_second()).c_str()
+                    : "",
+                static_cast<long long>(r.layers_moved), r.bytes_migrated / 1e9, r.decision_ms,
+                r.migration_ms, Ranges(r.iterations.back().next_placement).c_str());
+    if (FLAGS_per_iteration) PrintIterations(r);
+  }
+}
+
+const SimulatedRun* Best(const std::vector<SimulatedRun>& runs, bool is_static) {
+  const SimulatedRun* best = nullptr;
+  for (const SimulatedRun& r : runs) {
+    const bool r_static = r.strategy.rfind("uniform", 0) == 0 || r.strategy.rfind("params", 0) == 0;
+    if (r_static != is_static) continue;
+    if (!is_static && r.strategy.find("by time") == std::string::npos) continue;
+    if (best == nullptr || r.total_ms < best->total_ms) best = &r;
+  }
+  return best;
+}
+
+int RunCases(std::ofstream* out) {
+  sim::CaseOptions options;
+  options.iterations = FLAGS_iterations;
+  options.num_microbatches = FLAGS_microbatches;
+  if (!FLAGS_schedule.empty()) options.schedule = FLAGS_schedule;
+  options.shape.device_tflops = FLAGS_device_tflops;
+  options.shape.vocab = FLAGS_vocab;
+  options.network.p2p_bandwidth_gbps = FLAGS_p2p_bandwidth_gbps;
+  options.network.p2p_latency_us = FLAGS_p2p_latency_us;
+  options.network.migration_bandwidth_gbps = FLAGS_migration_bandwidth_gbps;
+  options.network.migration_latency_us = FLAGS_migration_latency_us;
+  if (!FLAGS_moe_metrics.empty()) {
+    absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExpertImbalance(FLAGS_moe_metrics);
+    if (!rows.ok()) {
+      std::fprintf(stderr, "--moe_metrics: %s\n", std::string(rows.status().message()).c_str());
+      return kUsageError;
+    }
+    options.expert_imbalance = *std::move(rows);
+    options.expert_imbalance_source = FLAGS_moe_metrics;
+  }
+  std::vector<std::string> names;
+  if (FLAGS_case == "all") {
+    names = sim::CaseNames();
+  } else {
+    names = absl::StrSplit(FLAGS_case, ',');
+  }
+  std::vector<std::string> table;
+  const auto start = std::chrono::steady_clock::now();
+  std::printf("fulcrum_sim: SIMULATED, not measured on GPUs. GPT hidden %lld, %lld heads, seq %lld, "
+              "micro-batch %lld, vocab %lld; %lld simulated iterations per case; %s; %.0f TFLOP/s "
+              "assumed; p2p %.0f GB/s + %.0f us; migration %.0f GB/s\n",
+              static_cast<long long>(options.shape.hidden), static_cast<long long>(options.shape.heads),
+              static_cast<long long>(options.shape.seq_length),
+              static_cast<long long>(options.shape.micro_batch), static_cast<long long>(options.shape.vocab),
+              static_cast<long long>(options.iterations), options.schedule.c_str(),
+              options.shape.device_tflops, options.network.p2p_bandwidth_gbps,
+              options.network.p2p_latency_us, options.network.migration_bandwidth_gbps);
+  for (const std::string& name : names) {
+    absl::StatusOr<sim::NamedCase> made = sim::MakeCase(name, options);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
+      return kUsageError;
+    }
+    sim::NamedCase& c = *made;
+    if (FLAGS_stages > 0) c.scenario.num_stages = FLAGS_stages;
+    std::printf("\n== %s\n", name.c_str());
+    if (!c.measured) {
+      std::printf("  %s\n", c.why_not.c_str());
+      table.push_back(absl::StrFormat("%-17s %-52s | DynMo: %s", name, "NOT MEASURED YET (see above)",
+                                      c.dynmo));
+      continue;
+    }
+    std::printf("  %d stages, %lld layers, %d micro-batches, %s. Costs: %s\n", c.scenario.num_stages,
+                static_cast<long long>(c.scenario.costs(1).num_layers()), c.scenario.num_microbatches,
+                c.scenario.schedule.c_str(), c.provenance.c_str());
+    absl::StatusOr<std::vector<SimulatedRun>> runs = RunAll(c.scenario, out);
+    if (!runs.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name.c_str(), std::string(runs.status().message()).c_str());
+      return 1;
+    }
+    PrintRuns(*runs, c.scenario.tokens_per_iteration);
+    const SimulatedRun* fixed = Best(*runs, true);
+    const SimulatedRun* balanced = Best(*runs, false);
+    if (fixed == nullptr || balanced == nullptr) continue;
+    std::string versus_dense;
+    if (c.versus_dense) {
+      const dynamic::Scenario dense = sim::DenseScenario(c, options);
+      double best_dense = 0;  // The best static placement of the dense model.
+      for (int k : {0, 1}) {
+        absl::StatusOr<SimulatedRun> d =
+            dynamic::SimulateRun(dense, dynamic::StandardStrategies()[k], Options());
+        if (d.ok() && (best_dense == 0 || d->total_ms < best_dense)) best_dense = d->total_ms;
+      }
+      if (best_dense > 0) versus_dense = absl::StrFormat(", %.2fx vs dense", best_dense / balanced->total_ms);
+    }
+    std::string gpus = "-";
+    if (FLAGS_repack) {
+      const auto [mean, series] = Repack(c.scenario, *balanced);
+      gpus = absl::StrFormat("%.1f", mean);
+      std::printf("  re-packed stages over iterations (partition by time, slowdown <= %.0f%%): %s; "
+                  "mean %.1f of %d\n",
+                  100 * FLAGS_repack_slack, series.c_str(), mean, c.scenario.num_stages);
+    }
+    const double overhead = balanced->total_ms > 0
+                                ? 100 * (balanced->decision_ms + balanced->migration_ms) / balanced->total_ms
+                                : 0;
+    table.push_back(absl::StrFormat(
+        "%-17s bubble %4.1f%% -> %4.1f%%  %5.2fx%-15s GPUs %2d -> %-4s ovh %4.2f%% | DynMo: %s", name,
+        100 * fixed->mean_bubble_ratio, 100 * balanced->mean_bubble_ratio,
+        fixed->total_ms / balanced->total_ms, versus_dense, c.scenario.num_stages, gpus, overhead,
+        c.dynmo));
+    std::printf("  best static: %s; best balanced: %s (decisions %.1f ms measured, migration %.1f ms "
+                "= bytes / bandwidth)\n",
+                fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
+                balanced->migration_ms);
+  }
+  std::printf("\nDynMo table (SIMULATED; bubble = mean idle fraction of the stages, best static -> "
+              "best time balancer; speedup over the best static baseline; overhead = decision time "
+              "measured + migration bytes / bandwidth, of the balanced run's time):\n");
+  for (const std::string& row : table) std::printf("  %s\n", row.c_str());
+  std::printf("(%.1f s)\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return 0;
+}
+
+int RunTrace(std::ofstream* out) {
+  absl::StatusOr<dynamic::LoadTrace> trace = dynamic::ReadLoadTrace(FLAGS_trace);
+  if (!trace.ok()) {
+    std::fprintf(stderr, "--trace: %s\n", std::string(trace.status().message()).c_str());
+    return kUsageError;
+  }
+  dynamic::Scenario s = dynamic::ScenarioFromTrace(*trace, FLAGS_trace);
+  s.network.p2p_bandwidth_gbps = FLAGS_p2p_bandwidth_gbps;
+  s.network.p2p_latency_us = FLAGS_p2p_latency_us;
+  s.network.p2p_bytes = std::max(0.0, FLAGS_p2p_bytes);
+  s.network.migration_bandwidth_gbps = FLAGS_migration_bandwidth_gbps;
+  s.network.migration_latency_us = FLAGS_migration_latency_us;
+  const bool scaled = FLAGS_scale_layers > 0 || FLAGS_scale_hidden > 0 || FLAGS_stages > 0;
+  if (FLAGS_scale_layers > 0 || FLAGS_scale_hidden > 0) {
+    if (FLAGS_trace_hidden <= 0 || FLAGS_trace_seq <= 0) {
+      std::fprintf(stderr, "--scale_layers/--scale_hidden need --trace_hidden and --trace_seq "
+                           "(the traced model's hidden size and sequence length)\n");
+      return kUsageError;
+    }
+    const int64_t layers = FLAGS_scale_layers > 0 ? FLAGS_scale_layers : trace->num_layers();
+    const int64_t hidden = FLAGS_scale_hidden > 0 ? FLAGS_scale_hidden : FLAGS_trace_hidden;
+    auto base = s.costs;
+    const int64_t from_hidden = FLAGS_trace_hidden, seq = FLAGS_trace_seq;
+    s.costs = [base, from_hidden, layers, hidden, seq](int64_t i) {
+      return dynamic::ScaleCosts(base(i), from_hidden, layers, hidden, seq);
+    };
+  }
+  if (FLAGS_stages > 0) s.num_stages = FLAGS_stages;
+  if (FLAGS_microbatches > 0) s.num_microbatches = FLAGS_microbatches;
+  if (!FLAGS_schedule.empty()) s.schedule = FLAGS_schedule;
+  std::printf("fulcrum_sim: replay of %s (SIMULATED from measured per-layer costs): %lld "
+              "iterations, %d stages, %lld layers, %d micro-batches, %s; live rebalancer '%s'\n",
+              FLAGS_trace.c_str(), static_cast<long long>(s.iterations), s.num_stages,
+              static_cast<long long>(s.costs(1).num_layers()), s.num_microbatches, s.schedule.c_str(),
+              trace->lines[0].rebalancer.c_str());
+  absl::StatusOr<std::vector<SimulatedRun>> runs = RunAll(s, out);
+  if (!runs.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(runs.status().message()).c_str());
+    return 1;
+  }
+  PrintRuns(*runs, 0);
+  if (FLAGS_repack) {
+    const SimulatedRun* balanced = Best(*runs, false);
+    if (balanced != nullptr) {
+      const auto [mean, series] = Repack(s, *balanced);
+      std::printf("  re-packed stages over iterations: %s; mean %.1f of %d\n", series.c_str(), mean,
+                  s.num_stages);
+    }
+  }
+  if (scaled) return 0;
+  // Validation: the strategy the live run used, against what the run measured.
+  const std::string live = trace->lines[0].rebalancer;
+  const SimulatedRun* same = nullptr;
+  for (const SimulatedRun& r : *runs) {
+    if ((live == "none" && r.strategy.rfind("uniform", 0) == 0) ||
+        (live != "none" && r.strategy == live + " by time")) {
+      same = &r;
+    }
+  }
+  if (same == nullptr) return 0;
+  int agree = 0;
+  std::vector<double> step;
+  double predicted = 0, measured = 0, bubble_p = 0, bubble_m = 0;
+  for (size_t k = 0; k < trace->lines.size(); ++k) {
+    const dynamic::TraceLine& line = trace->lines[k];
+    const dynamic::SimulatedIteration& it = same->iterations[k];
+    if (it.placement == line.ran_on && it.next_placement == line.decision) ++agree;
+    step.push_back(line.iteration_ms - line.pipeline_ms);
+  }
+  std::sort(step.begin(), step.end());
+  const double step_ms = step[step.size() / 2];
+  std::printf("\nvalidation against the live run (%s): placements and decisions agree in %d of %zu "
+              "iterations\n  iteration  ran on  predicted pipeline ms / measured | predicted bubble / "
+              "measured | predicted iteration ms (+%.1f ms step, median measured) / measured\n",
+              same->strategy.c_str(), agree, trace->lines.size(), step_ms);
+  for (size_t k = 0; k < trace->lines.size(); ++k) {
+    const dynamic::TraceLine& line = trace->lines[k];
+    const dynamic::SimulatedIteration& it = same->iterations[k];
+    if (k > 0) {  // The first iteration includes start-up.
+      predicted += it.makespan_ms;
+      measured += line.pipeline_ms;
+      bubble_p += it.bubble_ratio;
+      bubble_m += line.bubble_ratio;
+    }
+    if (FLAGS_per_iteration || k < 3 || k + 3 >= trace->lines.size()) {
+      std::printf("  %5lld  %s  %8.1f / %8.1f | %.3f / %.3f | %8.1f / %8.1f\n",
+                  static_cast<long long>(line.iteration), Ranges(line.ran_on).c_str(), it.makespan_ms,
+                  line.pipeline_ms, it.bubble_ratio, line.bubble_ratio, it.makespan_ms + step_ms,
+                  line.iteration_ms);
+    }
+  }
+  const double n = static_cast<double>(trace->lines.size() - 1);
+  if (n > 0) {
+    std::printf("  mean over iterations 2..%zu: pipeline %.1f predicted / %.1f measured ms (%+.1f%%); "
+                "bubble %.3f / %.3f (%+.1f%%)\n",
+                trace->lines.size(), predicted / n, measured / n, 100 * (predicted / measured - 1),
+                bubble_p / n, bubble_m / n, 100 * (bubble_p / bubble_m - 1));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace fulcrum
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "fulcrum_sim --case=all | --trace=PATH [options]: simulate pipeline balancing at scale "
+      "(every figure printed is simulated)");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (FLAGS_case.empty() == FLAGS_trace.empty()) {
+    std::fprintf(stderr, "fulcrum_sim: give exactly one of --case=NAMES|all and --trace=PATH\n");
+    return fulcrum::kUsageError;
+  }
+  if (FLAGS_iterations < 3) {
+    std::fprintf(stderr, "--iterations=%lld must be >= 3\n", static_cast<long long>(FLAGS_iterations));
+    return fulcrum::kUsageError;
+  }
+  std::ofstream out;
+  if (!FLAGS_output.empty()) {
+    out.open(FLAGS_output);
+    if (!out) {
+      std::fprintf(stderr, "--output=%s cannot be written\n", FLAGS_output.c_str());
+      return fulcrum::kUsageError;
+    }
+  }
+  return FLAGS_trace.empty() ? fulcrum::RunCases(out.is_open() ? &out : nullptr)
+                             : fulcrum::RunTrace(out.is_open() ? &out : nullptr);
+}

@@ -151,8 +151,11 @@ LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ct
   const int64_t s = tokens.size(1) - 1;
   at::Tensor inputs = tokens.narrow(1, 0, s);
   at::Tensor labels = tokens.narrow(1, 1, s);
-  at::Tensor hidden = Embed(inputs, ctx);
-  hidden = ForwardLayers(std::move(hidden), ctx);
+  ForwardContext local = ctx;  // the micro-batch starts without carried state
+  local.token_state = at::Tensor();
+  if (needs_labels()) local.labels = labels.t();
+  at::Tensor hidden = Embed(inputs, local);
+  hidden = ForwardLayers(std::move(hidden), local);
   return HeadLoss(hidden, labels);
 }
 

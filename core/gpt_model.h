@@ -119,6 +119,13 @@ class GptModel {
   /// micro-batch: layers move between stages).
   bool needs_token_positions() const;
 
+  /// Whether the layers read ForwardContext::labels, and whether they set the carried token
+  /// state (NOTE [carried token state]); fixed for the run (the customizer's answer).
+  bool needs_labels() const { return customizer_ != nullptr && customizer_->NeedsLabels(); }
+  bool carries_token_state() const {
+    return customizer_ != nullptr && customizer_->CarriesTokenState();
+  }
+
   /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;
 

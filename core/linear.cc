@@ -67,6 +67,51 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
+// y = x·W[rows]ᵀ: the gradient of W lands in its `rows` only (index_add into W's .grad),
+// deferred under the B/W split like LinearFunction's.
+class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const at::Tensor& rows) {
+    const at::Tensor selected = weight.index_select(0, rows);
+    ctx->save_for_backward({input, weight, selected});
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
+    return at::matmul(input, selected.t());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& selected = saved[2];
+    const at::Tensor rows = ctx->saved_data["rows"].toTensor();
+    const at::Tensor grad_out = grads[0].contiguous();
+    const int64_t out_features = selected.size(0);
+    const int64_t in_features = selected.size(1);
+    at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, selected) : at::Tensor();
+    auto rows_grad = [grad_out, input, out_features, in_features]() {
+      return at::matmul(grad_out.reshape({-1, out_features}).t(), input.reshape({-1, in_features}));
+    };
+    auto into_rows = [weight, rows](const at::Tensor& g) {
+      at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
+      if (!slot.defined()) slot = at::zeros_like(weight);
+      slot.index_add_(0, rows, g);
+    };
+    at::Tensor grad_weight;
+    if (!weight.requires_grad()) {
+      // Frozen: no weight gradient.
+    } else if (WeightGradStore* store = WeightGradStore::Active()) {
+      store->Push([into_rows, rows_grad]() { into_rows(rows_grad()); },
+                  ctx->saved_data[kTagKey].toInt(), Bytes(grad_out) + Bytes(input));
+    } else {
+      grad_weight = at::zeros_like(weight).index_add_(0, rows, rows_grad());
+    }
+    return {grad_input, grad_weight, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 WeightGradStore* WeightGradStore::Active() { return t_active_store; }
@@ -131,6 +176,12 @@ at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor out = LinearFunction::apply(input, weight);
   // The bias is an ordinary autograd op: its gradient is a cheap reduction done in B.
   return bias.defined() ? out + bias : out;
+}
+
+at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
+                             const at::Tensor& bias, const at::Tensor& rows) {
+  at::Tensor out = LinearRowsFunction::apply(input, weight, rows);
+  return bias.defined() ? out + bias.index_select(0, rows) : out;
 }
 
 }  // namespace fulcrum

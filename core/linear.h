@@ -104,4 +104,10 @@ class WeightGradStore {
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& bias);
 
+/// y = x·W[rows]ᵀ + b[rows] for `rows` [r] int64 (indices into W's first dimension): the
+/// product with some of W's rows, e.g. only the query rows of a QKV weight. W's gradient
+/// accumulates into those rows of W.grad (deferred under the B/W split like LinearForward's).
+at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
+                             const at::Tensor& bias, const at::Tensor& rows);
+
 }  // namespace fulcrum

@@ -108,6 +108,26 @@ absl::Status PluginSet::Metrics(PluginContext& ctx, nlohmann::json* record, std:
   return ForEach(plugins_, "metrics", [&](Plugin& p) { return p.Metrics(ctx, record, log_line); });
 }
 
+absl::Status PluginSet::AfterEvaluation(PluginContext& ctx, nlohmann::json* record,
+                                        std::string* log_line) {
+  return ForEach(plugins_, "after evaluation",
+                 [&](Plugin& p) { return p.AfterEvaluation(ctx, record, log_line); });
+}
+
+bool PluginSet::NeedsLabels() const {
+  for (const auto& plugin : plugins_) {
+    if (plugin->NeedsLabels()) return true;
+  }
+  return false;
+}
+
+bool PluginSet::CarriesTokenState() const {
+  for (const auto& plugin : plugins_) {
+    if (plugin->CarriesTokenState()) return true;
+  }
+  return false;
+}
+
 std::vector<std::pair<std::string, std::string>> PluginSet::CheckpointShape() const {
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& plugin : plugins_) {

@@ -78,6 +78,12 @@ class LayerCustomizer {
   }
   /// Edits the built layer (see the file comment).
   virtual void EditLayer(TransformerLayer& layer, bool initialize) {}
+  /// Whether the layers read ForwardContext::labels (early-exit heads compute a loss): then
+  /// every stage reads its micro-batches' labels.
+  virtual bool NeedsLabels() const { return false; }
+  /// Whether the layers set ForwardContext::token_state (NOTE [carried token state]): then
+  /// the pipeline sends it beside each activation.
+  virtual bool CarriesTokenState() const { return false; }
 };
 
 /// A LayerCustomizer that only replaces MLPs, from a FeedForwardFactory (core/feed_forward.h).
@@ -158,6 +164,13 @@ class Plugin : public LayerCustomizer {
   virtual absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) {
     return absl::OkStatus();
   }
+  /// After an evaluation (Trainer::Evaluate; collective like Metrics): fields for the
+  /// metrics record beside valid_loss and text for the validation log line, e.g. the
+  /// average exit layer of early exit.
+  virtual absl::Status AfterEvaluation(PluginContext& ctx, nlohmann::json* record,
+                                       std::string* log_line) {
+    return absl::OkStatus();
+  }
   /// Settings of the plugin that decide the shape of the model's parameters or state, as
   /// (flag name, value): recorded in checkpoints; a resume with other values is refused
   /// naming the flag (NOTE [resume checks] in core/training_manifest.h).
@@ -190,6 +203,11 @@ class PluginSet final : public LayerCustomizer {
   absl::Status AfterOptimizerStep(PluginContext& ctx);
   absl::Status AfterLoad(PluginContext& ctx);
   absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line);
+  /// Whether any plugin's layers read labels / set the token state.
+  bool NeedsLabels() const override;
+  bool CarriesTokenState() const override;
+  /// Every plugin's AfterEvaluation, in order.
+  absl::Status AfterEvaluation(PluginContext& ctx, nlohmann::json* record, std::string* log_line);
   /// Every plugin's CheckpointShape, concatenated.
   std::vector<std::pair<std::string, std::string>> CheckpointShape() const;
 

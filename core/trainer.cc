@@ -597,13 +597,31 @@ absl::Status Trainer::Run() {
     if (t.eval_interval > 0 &&
         (stats.iteration % t.eval_interval == 0 || stats.iteration == t.train_iters)) {
       FULCRUM_ASSIGN_OR_RETURN(double valid_loss, Evaluate());
+      std::string eval_extra;
+      if (!plugins_->empty()) {
+        PluginContext ctx = MakePluginContext(stats.iteration);
+        FULCRUM_RETURN_IF_ERROR(plugins_->AfterEvaluation(ctx, &record, &eval_extra));
+      }
       if (is_logging_rank()) {
-        FULCRUM_LOG(INFO) << absl::StrFormat("validation at iteration %d | loss %.4f | ppl %.2f",
-                                             stats.iteration, valid_loss, std::exp(valid_loss));
+        FULCRUM_LOG(INFO) << absl::StrFormat(
+            "validation at iteration %d | loss %.4f | ppl %.2f%s", stats.iteration, valid_loss,
+            std::exp(valid_loss), eval_extra);
       }
       record["valid_loss"] = valid_loss;
     }
     if (metrics_) FULCRUM_RETURN_IF_ERROR(metrics_->Write(record));
+    if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+        load_trace_ && pipeline != nullptr) {
+      // The runner's line describes the iteration before this one (its measurement is what
+      // this iteration's plan was made from): add that iteration's own measured time.
+      nlohmann::json line;
+      pipeline->LoadTrace(&line);
+      if (!line.is_null() && !line.empty()) {
+        line["measured"]["iteration_ms"] = previous_iteration_ms;
+        FULCRUM_RETURN_IF_ERROR(load_trace_->Write(line));
+      }
+    }
+    previous_iteration_ms = stats.iteration_ms;
     const bool exiting = t.exit_interval > 0 && iteration_ % t.exit_interval == 0;
     const bool finished = iteration_ == t.train_iters;
     const bool interval_save = t.save_interval > 0 && iteration_ % t.save_interval == 0;

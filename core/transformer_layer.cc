@@ -339,8 +339,62 @@ at::Tensor TransformerLayer::Residual(const at::Tensor& hidden, const ForwardCon
                         layer_index_, ctx);
 }
 
+at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tensor& index,
+                                        const ForwardContext& ctx) const {
+  const int64_t s = hidden.size(0);
+  const int64_t b = hidden.size(1);
+  const int64_t h = options_.hidden_size;
+  const int64_t k = index.size(0);
+  TORCH_CHECK(index.dim() == 2 && index.size(1) == b, "ResidualAt: index must be [k, ", b,
+              "], got ", index.sizes());
+  const at::Tensor index3 = index.unsqueeze(-1).expand({k, b, h});
+  const bool whole = options_.position_embedding == PositionEmbedding::kRotary ||
+                     attention_core_ != nullptr ||
+                     linears_[static_cast<int>(LinearSlot::kQkv)] ||
+                     (ctx.training && options_.attention_dropout > 0);
+  if (whole) return Residual(hidden, ctx).gather(0, index3);
+
+  const double eps = options_.layernorm_epsilon;
+  const int64_t heads = local_heads_;
+  const int64_t d = options_.head_dim();
+  // The local QKV weight's rows are [heads, 3, d] (q, k, v of each head in turn).
+  const at::Tensor base = at::arange(heads, at::kLong).mul_(3 * d).view({heads, 1, 1});
+  const at::Tensor within = at::arange(d, at::kLong).view({1, 1, d});
+  const at::Tensor q_rows = (base + within).reshape({-1});
+  const at::Tensor kv_rows =
+      (base + at::arange(1, 3, at::kLong).mul_(d).view({1, 2, 1}) + within).reshape({-1});
+  const at::Tensor x = CopyToRegion(tp_, at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps));
+  at::Tensor q = LinearRowsForward(x.gather(0, index3), qkv_weight_, qkv_bias_, q_rows)
+                     .view({k, b, heads, d})
+                     .permute({1, 2, 0, 3});  // [b, heads, k, d]
+  std::vector<at::Tensor> kv =
+      LinearRowsForward(x, qkv_weight_, qkv_bias_, kv_rows).view({s, b, heads, 2, d}).unbind(3);
+  const at::Tensor keys = kv[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
+  const at::Tensor values = kv[1].permute({1, 2, 0, 3});
+  at::Tensor scores = at::matmul(q * (1.0 / std::sqrt(double(d))), keys.transpose(-2, -1));
+  // Query at position p sees keys 0..p.
+  const at::Tensor future = at::arange(s, at::kLong).view({1, 1, 1, s}) >
+                            index.t().reshape({b, 1, k, 1});
+  at::Tensor context = at::matmul(at::softmax(scores.masked_fill(future, -INFINITY), -1), values)
+                           .permute({2, 0, 1, 3})
+                           .reshape({k, b, heads * d});
+  at::Tensor attn =
+      ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())) +
+      proj_bias_;
+  attn = Dropout(attn, options_.hidden_dropout, options_.seed, "attention_output_dropout",
+                 layer_index_, ctx);
+  at::Tensor mlp =
+      Mlp(at::layer_norm(hidden.gather(0, index3) + attn, {h}, ln2_weight_, ln2_bias_, eps), ctx);
+  return attn + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
+                        layer_index_, ctx);
+}
+
 at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardContext& ctx) const {
   if (forward_wrapper_) return forward_wrapper_(*this, hidden, ctx);
+  return PlainForward(hidden, ctx);
+}
+
+at::Tensor TransformerLayer::PlainForward(const at::Tensor& hidden, const ForwardContext& ctx) const {
   const int64_t h = options_.hidden_size;
   const double eps = options_.layernorm_epsilon;
   at::Tensor attn = Attention(at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps), ctx);

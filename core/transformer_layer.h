@@ -55,6 +55,17 @@ struct ForwardContext {
   at::Tensor token_positions;
   /// Data epoch of the optimizer step's first sample (training).
   int64_t epoch = 0;
+  /// [s, b] int64: each input token's label (the next token), on every stage whose model
+  /// asks for them (GptModel::needs_labels: early-exit heads); undefined otherwise.
+  at::Tensor labels;
+  /// NOTE [carried token state]
+  /// Per-token values [s, b] (float) that a plugin's layers set and read as the hidden
+  /// states pass through them — early exit: the layer each token exited at, −1 while it is
+  /// active — and that the pipeline sends beside the activation to the next stage when the
+  /// model carries them (GptModel::carries_token_state). Mutable because layers receive the
+  /// context as const; undefined until a layer sets it. One micro-batch's forward starts
+  /// without it (GptModel::ForwardLoss, the stage executor).
+  mutable at::Tensor token_state;
 };
 
 /// The scalar type of options.params_dtype.
@@ -133,6 +144,20 @@ class TransformerLayer : public Unit {
   /// → [n, b, h] for any n, the n tokens of each sequence attending causally to each other
   /// (learned positions only: rotary positions assume the tokens are 0..n−1).
   at::Tensor Residual(const at::Tensor& hidden, const ForwardContext& ctx) const;
+  /// Residual for some tokens only: f(x) of the tokens at `index` ([k, b] int64, each
+  /// sequence's positions in ascending order; repeats allowed) → [k, b, h], where every
+  /// token of `hidden` [s, b, h] still serves as a key and value — early exit's active tokens
+  /// attending to the propagated states of the exited ones (CALM, Schuster et al. 2022,
+  /// §3). The same function as Residual(hidden).gather(0, index), but the queries, the
+  /// attention's output projection and the MLP run on the k tokens only (the query rows of
+  /// the QKV weight on k tokens, its key and value rows on all s). Where that is not
+  /// possible — rotary positions, a replaced attention core or QKV product, attention
+  /// dropout in training — it computes Residual on all tokens and gathers.
+  at::Tensor ResidualAt(const at::Tensor& hidden, const at::Tensor& index,
+                        const ForwardContext& ctx) const;
+  /// The plain layer, hidden + Residual(hidden), whatever wrapper is set (a wrapper that
+  /// sometimes runs the whole layer calls it).
+  at::Tensor PlainForward(const at::Tensor& hidden, const ForwardContext& ctx) const;
   /// Replaces how Forward applies the layer (a plugin's EditLayer: Mixture-of-Depths runs
   /// Residual on the routed tokens only). The wrapper gets the layer and Forward's
   /// arguments; an empty one restores the plain layer.

@@ -54,7 +54,8 @@ struct StageExecutor::RunContext {
         transport(pp, actions,
                   {model.options().seq_length, micro_batch_size, model.options().hidden_size},
                   ParamsScalarType(model.options()), depth,
-                  /*receive_gradients=*/training && model.output_needs_grad()) {}
+                  /*receive_gradients=*/training && model.output_needs_grad(),
+                  /*carried_channels=*/model.carries_token_state() ? 1 : 0) {}
 
   GptModel& model;
   const MicroBatchPlan& plan;
@@ -153,9 +154,17 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
     ctx.token_positions = run.plan.token_positions(mb);
   }
   const int64_t s = model.options().seq_length;
-  at::Tensor tokens = (run.first || run.last) ? run.plan.tokens(mb) : at::Tensor();
+  const bool carry = model.carries_token_state();
+  at::Tensor tokens =
+      (run.first || run.last || model.needs_labels()) ? run.plan.tokens(mb) : at::Tensor();
+  if (model.needs_labels()) ctx.labels = tokens.narrow(1, 1, s).t();
   if (!run.first) {
     FULCRUM_ASSIGN_OR_RETURN(state->input, run.transport.TakeActivation(mb, &timing.wait_ms));
+    if (carry) {  // NOTE [carried token state]: the last channel
+      const int64_t h = model.options().hidden_size;
+      ctx.token_state = state->input.select(2, h).to(at::kFloat);
+      state->input = state->input.narrow(2, 0, h).contiguous();
+    }
     // NOTE [frozen prefix] in core/gpt_model.h: no gradient into the frozen layers before.
     if (run.training && model.input_needs_grad()) state->input.requires_grad_(true);
   }
@@ -195,6 +204,13 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
     run.result.loss_sum += loss.sum.item<double>();
     run.result.tokens += loss.tokens;
     if (run.training) state->loss = loss.sum * run.loss_scale;
+  } else if (carry) {
+    const at::Tensor carried = ctx.token_state.defined()
+                                   ? ctx.token_state
+                                   : at::full({hidden.size(0), hidden.size(1)}, -1.0, at::kFloat);
+    run.transport.SendActivation(
+        at::cat({hidden.detach(), carried.to(hidden.scalar_type()).unsqueeze(-1)}, 2), mb);
+    if (run.training) state->output = hidden;
   } else {
     run.transport.SendActivation(hidden, mb);
     if (run.training) state->output = hidden;

@@ -7,6 +7,12 @@
 namespace fulcrum::pipeline::internal {
 namespace {
 
+// The activation message's shape: the hidden state's and the carried token state's channels.
+std::vector<int64_t> WithCarried(std::vector<int64_t> shape, int64_t carried_channels) {
+  shape.back() += carried_channels;
+  return shape;
+}
+
 using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -67,11 +73,11 @@ void ReceiveQueue::Refill() {
 
 StageTransport::StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
                                std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
-                               bool receive_gradients)
+                               bool receive_gradients, int64_t carried_channels)
     : pp_(pp),
       stage_(pp->rank()),
       activations_(pp, stage_ - 1, stage_ > 0 ? ActivationTags(actions) : std::vector<int>{},
-                   shape, dtype, depth),
+                   WithCarried(shape, carried_channels), dtype, depth),
       gradients_(pp, stage_ + 1,
                  stage_ < pp->size() - 1 && receive_gradients ? GradientTags(actions)
                                                                 : std::vector<int>{},

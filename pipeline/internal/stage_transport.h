@@ -55,12 +55,14 @@ class ReceiveQueue {
 /// Both directions of one stage's run over `actions` (its list for the run).
 class StageTransport {
  public:
-  /// Posts the first receives. `shape` and `dtype` are those of an activation (and of its
-  /// gradient). Without `receive_gradients` the next stage sends none (NOTE [frozen prefix]
-  /// in core/gpt_model.h: this stage's output needs no gradient).
+  /// Posts the first receives. `shape` and `dtype` are those of an activation's gradient;
+  /// the activation message has `carried_channels` more in its last dimension (the carried
+  /// token state, NOTE [carried token state] in core/transformer_layer.h). Without
+  /// `receive_gradients` the next stage sends none (NOTE [frozen prefix] in
+  /// core/gpt_model.h: this stage's output needs no gradient).
   StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
                  std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
-                 bool receive_gradients = true);
+                 bool receive_gradients = true, int64_t carried_channels = 0);
 
   /// The activation of micro-batch `mb` from the previous stage; time blocked added to
   /// *wait_ms.

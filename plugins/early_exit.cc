@@ -338,7 +338,7 @@ class EarlyExitPlugin final : public Plugin {
     double avg_layers = 0;  // layers a token ran through, on average
   };
 
-  // Every layer's counts over the whole model (collective).
+  // Every layer's counts over the whole model and every data-parallel replica (collective).
   Report Gather(PluginContext& ctx, bool training) {
     const int64_t n = shared_->model.num_layers;
     std::vector<double> values(5 * n, 0.0);
@@ -350,6 +350,7 @@ class EarlyExitPlugin final : public Plugin {
       for (int j = 0; j < 5; ++j) values[5 * index + j] = v[j];
     }
     ctx.SumOverModel(values);
+    if (ctx.parallel() != nullptr) ctx.parallel()->SumOverDataParallel(values);  // every replica's tokens
     Report report;
     double seen = values[1];  // every token passes layer 0
     double layers_run = 0;

@@ -83,6 +83,9 @@ struct TrainOptions {
   /// checkpoints of `save` (never the one `latest` names).
   int64_t save_keep_last = 0;
   std::string metrics_file;           // Default: none. JSON lines, one per iteration.
+  /// Default: none. JSON lines of each iteration's measured per-layer F/B/W, plugin loads
+  /// and placement (pipeline/load_trace.h), for fulcrum_sim --trace.
+  std::string load_trace;
   /// Default: false. Resume from a checkpoint that trained on other data (another
   /// --data_path, --split or --seed) instead of refusing (NOTE [resume checks]).
   bool allow_data_change = false;

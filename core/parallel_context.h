@@ -57,6 +57,9 @@ class ForwardBackwardRunner {
   virtual void ModelChanged(int64_t iteration, const std::string& reason) {}
   /// Called once when training stops, on every rank (collective): flush what was recorded.
   virtual absl::Status Finish() { return absl::OkStatus(); }
+  /// One line of --load_trace after the last Run: the per-layer costs of the latest complete
+  /// measurement (a pipeline's: pipeline/load_trace.h); left empty when there is none.
+  virtual void LoadTrace(nlohmann::json* record) const {}
 };
 
 class ParallelContext {

@@ -147,6 +147,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   if (!config.train.metrics_file.empty() && trainer->is_logging_rank()) {
     FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_, MetricsWriter::Open(config.train.metrics_file));
   }
+  if (!config.train.load_trace.empty() && trainer->is_logging_rank()) {
+    FULCRUM_ASSIGN_OR_RETURN(trainer->load_trace_, MetricsWriter::Open(config.train.load_trace));
+  }
   trainer->model_ = std::make_unique<GptModel>(
       config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
       parallel ? parallel->tensor_parallel() : nullptr, trainer->plugins_);
@@ -554,6 +557,7 @@ absl::Status Trainer::Run() {
   double interval_loss = 0.0;
   int64_t interval_count = 0;
   bool exited_early = false;
+  double previous_iteration_ms = 0;  // The iteration a --load_trace line describes.
   while (iteration_ < t.train_iters) {
     FULCRUM_ASSIGN_OR_RETURN(IterationStats stats, TrainIteration());
     interval_loss += stats.loss;

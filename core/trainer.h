@@ -157,6 +157,7 @@ class Trainer {
   std::unique_ptr<data::GptDataset> train_data_;
   std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.
   std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<MetricsWriter> load_trace_;  // --load_trace; logging rank only.
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
   std::shared_ptr<PluginSet> plugins_;  // Never null; may be empty.

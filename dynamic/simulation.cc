@@ -170,6 +170,15 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
   if (!rebalancer.ok()) return rebalancer.status();
 
   Placement current = UniformPlacement(layers, scenario.num_stages);
+  if (!scenario.initial_placement.empty()) {
+    if (absl::Status s = ValidatePlacement(BalanceProblem{scenario.num_stages, first.forward},
+                                           scenario.initial_placement);
+        !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("scenario '", scenario.name,
+                                                     "': initial placement: ", s.message()));
+    }
+    current = scenario.initial_placement;
+  }
   if (strategy.params_initial) {
     absl::StatusOr<Placement> by_params = ParameterPlacement(first, scenario.num_stages);
     if (!by_params.ok()) return by_params.status();

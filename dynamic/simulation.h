@@ -99,6 +99,9 @@ struct Scenario {
   NetworkOptions network;
   /// Time outside the pipeline per iteration (optimizer step; ms). Default: 0.
   double step_ms = 0;
+  /// Where iteration 1 starts; empty: Megatron's even split. A replayed trace starts where
+  /// the live run started. Strategies that start parameter-balanced ignore it.
+  Placement initial_placement;
 };
 
 /// A way of placing layers: a static baseline or a balancer.

@@ -140,6 +140,7 @@ Scenario ScenarioFromTrace(const LoadTrace& trace, const std::string& name) {
   s.num_microbatches = trace.lines[0].microbatches;
   s.schedule = trace.lines[0].schedule;
   s.iterations = static_cast<int64_t>(trace.lines.size());
+  s.initial_placement = trace.lines[0].ran_on;
   auto costs = std::make_shared<std::vector<IterationCosts>>();
   for (const TraceLine& line : trace.lines) costs->push_back(CostsFromTraceLine(line));
   s.costs = [costs](int64_t i) { return (*costs)[static_cast<size_t>(i - 1)]; };

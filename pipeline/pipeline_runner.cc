@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "core/logging.h"
 #include "core/status.h"
+#include "pipeline/load_trace.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -248,6 +249,7 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
     FULCRUM_RETURN_IF_ERROR(CheckSamePlan(group, hash, "replica", iteration));
   }
   plan_ms_ = MsSince(start);
+  ran_on_ = current;
   ranges_ = target.empty() ? current : target;
   return target.empty() ? std::vector<PlannedMove>{} : MovesBetween(current, target);
 }
@@ -320,7 +322,14 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                const MicroBatchPlan& plan,
                                                                double loss_scale) {
   FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor(schedule_name_, plan.count));
+  // What the previous Run ran on and measured, for its load-trace line.
+  previous_ran_on_ = ran_on_;
+  previous_span_ms_ = span_ms_;
+  previous_bubble_ratio_ = bubble_ratio_;
+  previous_stage_ms_ = stage_ms_;
+  previous_microbatches_ = plan.count;
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
+  last_iteration_ = iteration;
   FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale,
                                                     /*forward_only=*/false, last_moves_));
   has_run_ = true;
@@ -384,6 +393,28 @@ void PipelineRunner::Metrics(nlohmann::json* record, std::string* log_line) cons
   for (const auto& [name, value] : rebalancer_->Metrics()) r[name] = value;
   absl::StrAppend(log_line, absl::StrFormat(" | bubble %.3f | imbalance %.3f", bubble_ratio_,
                                             Imbalance(stage_ms_)));
+}
+
+void PipelineRunner::LoadTrace(nlohmann::json* record) const {
+  // NOTE [load trace lines]: last_loads_ are what the previous Run measured.
+  if (previous_ran_on_.empty() || last_loads_.empty()) return;
+  nlohmann::json loads = nlohmann::json::array();
+  for (const StageLoad& load : last_loads_) loads.push_back(StageLoadToJson(load));
+  nlohmann::json& r = *record;
+  r["iteration"] = last_iteration_ - 1;
+  r["plan_iteration"] = last_iteration_;
+  r["schedule"] = schedule_name_;
+  r["microbatches"] = previous_microbatches_;
+  r["rebalancer"] = rebalancer_->name();
+  r["ran_on"] = RangesToJson(previous_ran_on_);
+  r["loads"] = std::move(loads);
+  r["decision"] = RangesToJson(ranges_);
+  for (const auto& [iteration, reason] : model_changes_) {
+    if (iteration == last_iteration_ - 1) r["model_changed"].push_back(reason);
+  }
+  r["measured"] = {{"pipeline_ms", previous_span_ms_},
+                   {"bubble_ratio", previous_bubble_ratio_},
+                   {"stage_ms", previous_stage_ms_}};
 }
 
 absl::Status PipelineRunner::Finish() {

@@ -76,8 +76,12 @@ class PipelineRunner final : public ForwardBackwardRunner {
   /// stage_ms (every stage's load), layers_moved (so far), stage_ranges (after the
   /// iteration's moves), and the rebalancer's own figures.
   void Metrics(nlohmann::json* record, std::string* log_line) const override;
+  /// The --load_trace line of the previous iteration's measurement (NOTE [load trace lines]
+  /// in pipeline/load_trace.h); nothing before the second Run.
+  void LoadTrace(nlohmann::json* record) const override;
   void ModelChanged(int64_t iteration, const std::string& reason) override {
     rebalancer_->OnModelChanged(iteration, reason);
+    model_changes_.emplace_back(iteration, reason);
   }
 
   /// The last Run's per-action timings on this stage (with its migrations).
@@ -122,6 +126,14 @@ class PipelineRunner final : public ForwardBackwardRunner {
   std::vector<PlannedMove> last_moves_;
   RebalanceDecision last_decision_;
   LayerRanges ranges_;  // After the last Run's moves.
+  LayerRanges ran_on_;  // What the last Run ran on (before its moves).
+  // The Run before the last one, for the load trace: its placement and what it measured.
+  int64_t last_iteration_ = 0;
+  LayerRanges previous_ran_on_;
+  double previous_span_ms_ = 0, previous_bubble_ratio_ = 0;
+  std::vector<double> previous_stage_ms_;
+  int previous_microbatches_ = 0;
+  std::vector<std::pair<int64_t, std::string>> model_changes_;  // For the load trace.
   double plan_ms_ = 0;  // Time the last plan took (gather, decision, checks).
   // Measured per iteration (NOTE [imbalance measurement]).
   std::vector<double> stage_ms_;

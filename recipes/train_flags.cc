@@ -128,6 +128,9 @@ DEFINE_bool(allow_data_change, false,
             "Resume --load on other data than the checkpoint trained on (another --data_path, "
             "--split or --seed), on purpose; without it such a resume is refused.");
 DEFINE_string(metrics_file, "", "Append one JSON object per iteration to this file.");
+DEFINE_string(load_trace, "",
+              "Append each iteration's measured per-layer F/B/W times, plugin loads and "
+              "placement to this file (JSON lines; pipeline runs) for fulcrum_sim --trace.");
 
 namespace fulcrum {
 namespace {
@@ -192,7 +195,7 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
       {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change"}},
-      {"Logging", {"log_interval", "metrics_file", "timeline"}},
+      {"Logging", {"log_interval", "metrics_file", "load_trace", "timeline"}},
   };
   spec.per_file_dir = "plugins";
   spec.per_file_title = "Plugins";
@@ -431,6 +434,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   t.save = FLAGS_save;
   t.load = FLAGS_load;
   t.metrics_file = FLAGS_metrics_file;
+  t.load_trace = FLAGS_load_trace;
   t.save_keep_last = FLAGS_save_keep_last;
   t.allow_data_change = FLAGS_allow_data_change;
   c.data_path = FLAGS_data_path;

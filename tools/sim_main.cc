@@ -350,6 +350,7 @@ int RunTrace(std::ofstream* out) {
       return dynamic::ScaleCosts(base(i), from_hidden, layers, hidden, seq);
     };
   }
+  if (scaled) s.initial_placement.clear();  // Another layout: start from the even split.
   if (FLAGS_stages > 0) s.num_stages = FLAGS_stages;
   if (FLAGS_microbatches > 0) s.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) s.schedule = FLAGS_schedule;
@@ -389,7 +390,10 @@ int RunTrace(std::ofstream* out) {
   for (size_t k = 0; k < trace->lines.size(); ++k) {
     const dynamic::TraceLine& line = trace->lines[k];
     const dynamic::SimulatedIteration& it = same->iterations[k];
-    if (it.placement == line.ran_on && it.next_placement == line.decision) ++agree;
+    // Line k: what iteration k ran on, and Plan(k+1)'s decision (simulated iteration k+1's).
+    const bool decided_alike = k + 1 >= trace->lines.size() ||
+                               same->iterations[k + 1].next_placement == line.decision;
+    if (it.placement == line.ran_on && decided_alike) ++agree;
     step.push_back(line.iteration_ms - line.pipeline_ms);
   }
   std::sort(step.begin(), step.end());

@@ -39,7 +39,12 @@ DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, f
 DEFINE_string(trace, "", "Replay a fulcrum_train --load_trace file instead of a case.");
 DEFINE_string(moe_metrics, "",
               "fulcrum_train --metrics_file of a MoE run whose expert_tokens give the MoE case's "
-              "per-layer token imbalance (required for --case=moe).");
+              "per-layer token imbalance (default: the run recorded in "
+              "tools/internal/sim_measured.cc).");
+DEFINE_string(early_exit_metrics, "",
+              "fulcrum_train --metrics_file of a --plugins=early_exit run whose per-layer token "
+              "counts give the early-exit case (default: the run recorded in "
+              "tools/internal/sim_measured.cc).");
 DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
               "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
@@ -238,6 +243,25 @@ int RunCases(std::ofstream* out) {
     }
     options.expert_imbalance = *std::move(rows);
     options.expert_imbalance_source = FLAGS_moe_metrics;
+  } else {
+    options.expert_imbalance = sim::MeasuredExpertImbalance();
+    options.expert_imbalance_source =
+        "fulcrum_train --recipe=tiny_moe --moe_layer_freq=1 --moe_capacity_factor=0 (60 "
+        "iterations; tools/internal/sim_measured.cc)";
+  }
+  if (!FLAGS_early_exit_metrics.empty()) {
+    absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExitFractions(FLAGS_early_exit_metrics);
+    if (!rows.ok()) {
+      std::fprintf(stderr, "--early_exit_metrics: %s\n", std::string(rows.status().message()).c_str());
+      return kUsageError;
+    }
+    options.exit_fractions = *std::move(rows);
+    options.exit_fractions_source = FLAGS_early_exit_metrics;
+  } else {
+    options.exit_fractions = sim::MeasuredExitFractions();
+    options.exit_fractions_source =
+        "fulcrum_train --recipe=tiny --num_layers=8 --plugins=early_exit "
+        "--early_exit_threshold=0.5 (80 iterations; tools/internal/sim_measured.cc)";
   }
   std::vector<std::string> names;
   if (FLAGS_case == "all") {

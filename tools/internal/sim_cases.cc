@@ -149,6 +149,36 @@ absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::
   return rows;
 }
 
+absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open the early-exit metrics file '", path, "'"));
+  std::vector<std::vector<double>> rows;
+  std::string text;
+  while (std::getline(in, text)) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.contains("early_exit_tokens") || !j["early_exit_tokens"].is_object()) continue;
+    std::vector<std::pair<int, double>> computed;
+    double entered = 0;
+    for (const auto& [name, counts] : j["early_exit_tokens"].items()) {
+      if (!counts.is_array() || counts.size() < 2) continue;
+      const size_t dot = name.rfind('.');
+      const int layer = dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1);
+      computed.emplace_back(layer, counts[0].get<double>());
+      if (layer == 0) entered = counts[1].get<double>();
+    }
+    if (computed.empty() || entered <= 0) continue;
+    std::sort(computed.begin(), computed.end());
+    std::vector<double> row;
+    for (const auto& [layer, tokens] : computed) row.push_back(tokens / entered);
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", path, "' holds no early_exit_tokens (a fulcrum_train --metrics_file of an early_exit run)"));
+  }
+  return rows;
+}
+
 absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o) {
   NamedCase out;
   out.name = name;
@@ -269,11 +299,31 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
   } else if (name == "early_exit") {
     out.dynmo = "4.52x vs no exit";
     out.versus_dense = true;
-    out.measured = false;
-    out.why_not =
-        "not measured yet: the early-exit plugin (plugins/early_exit.cc) has not landed; replay "
-        "a run of it with --trace once it has";
-    return out;
+    if (o.exit_fractions.empty()) {
+      out.measured = false;
+      out.why_not =
+          "not measured: give --early_exit_metrics=PATH, the --metrics_file of a fulcrum_train "
+          "--plugins=early_exit run (its per-layer token counts)";
+      return out;
+    }
+    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.exit_fractions);
+    out.provenance = absl::StrCat(
+        "a layer computes only the tokens that reach it (DynMo's load: tokens reaching the layer / "
+        "all tokens): the fraction per layer and iteration as our early_exit plugin counted it in ",
+        o.exit_fractions_source, " (", rows->size(), " iterations x ", rows->front().size(),
+        " layers; layer l takes measured layer l x ", rows->front().size(), " / 48); the exit "
+        "heads' own cost is not counted");
+    out.scenario.costs = [dense, rows, layers](int64_t i) {
+      dynamic::IterationCosts c = dense;
+      const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
+      for (int64_t l = 0; l < layers; ++l) {
+        const double f = row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)];
+        c.forward[l] *= f;
+        c.backward[l] *= f;
+        c.weight[l] *= f;
+      }
+      return c;
+    };
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--case=", name, " is not a case; known: all, ",
                                                    absl::StrJoin(CaseNames(), ", ")));

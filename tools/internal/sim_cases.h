@@ -67,6 +67,10 @@ struct CaseOptions {
   /// built and says so.
   std::vector<std::vector<double>> expert_imbalance;
   std::string expert_imbalance_source;
+  /// Early exit: per iteration, per layer, the fraction of the tokens that reach the layer,
+  /// as our early_exit plugin counted them (LoadExitFractions). Empty: not measured.
+  std::vector<std::vector<double>> exit_fractions;
+  std::string exit_fractions_source;
 };
 
 /// A case: its scenario, DynMo's published figures beside it, and where the costs come from;
@@ -99,5 +103,15 @@ dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& optio
 /// iteration): rows by iteration, one entry per MoE layer. InvalidArgument/NotFound naming the
 /// file when it holds none.
 absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path);
+
+/// Per iteration and layer, the tokens a layer computed over the tokens that entered the
+/// model ("early_exit_tokens": per layer [computed, seen, exited]) from a fulcrum_train
+/// metrics file of an early-exit run. InvalidArgument/NotFound naming the file.
+absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::string& path);
+
+/// What our runs measured (tools/internal/sim_measured.cc says which runs): the defaults of
+/// --moe_metrics and --early_exit_metrics, as LoadExpertImbalance / LoadExitFractions give them.
+const std::vector<std::vector<double>>& MeasuredExpertImbalance();
+const std::vector<std::vector<double>>& MeasuredExitFractions();
 
 }  // namespace fulcrum::sim

@@ -527,6 +527,28 @@ absl::Status Trainer::Load(const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::ChangeLayout(
+    ParallelContext* parallel,
+    const std::function<absl::Status(const GptModel& old_model, GptModel& new_model)>& fill) {
+  if (parallel == nullptr || parallel->dp_size() != dp_size()) {
+    return absl::InvalidArgumentError(
+        "ChangeLayout needs a parallel context with the same data-parallel size");
+  }
+  auto model = std::make_unique<GptModel>(config_.model, parallel->Stage(config_.model.num_layers),
+                                          parallel->tensor_parallel(), plugins_);
+  FULCRUM_RETURN_IF_ERROR(fill(*model_, *model));
+  model_ = std::move(model);
+  parallel_ = parallel;
+  // The metrics file follows the logging rank (the last stage's), which may have changed.
+  if (!is_logging_rank()) {
+    metrics_.reset();
+  } else if (!metrics_ && !config_.train.metrics_file.empty()) {
+    FULCRUM_ASSIGN_OR_RETURN(metrics_, MetricsWriter::Open(config_.train.metrics_file));
+  }
+  PluginContext ctx = MakePluginContext(iteration_);
+  return plugins_->AfterLoad(ctx);
+}
+
 absl::Status Trainer::Run() {
   const TrainOptions& t = config_.train;
   const int64_t tokens_per_iteration = t.global_batch_size * config_.data.seq_length;
@@ -569,6 +591,9 @@ absl::Status Trainer::Run() {
                              {"tokens_per_second", stats.tokens_per_second},
                              {"iteration_ms", stats.iteration_ms},
                              {"consumed_samples", consumed_samples_}};
+    // The layout the iteration ran on: re-packing (dynamic/repack.h) shrinks it.
+    record["pipeline_size"] = parallel_ ? parallel_->pp_size() : 1;
+    record["active_ranks"] = parallel_ ? parallel_->world_size() : 1;
     std::string extra;
     if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
       pipeline->Metrics(&record, &extra);

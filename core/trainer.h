@@ -102,6 +102,16 @@ class Trainer {
   /// Whether the last Run ended on a stop request.
   bool stopped() const { return stopped_; }
 
+  /// Continues on another parallel layout (a live shrink after re-packing, dynamic/repack.h
+  /// and pipeline/shrink.h): builds the model of `parallel`'s stage, lets `fill` load the
+  /// state of its units (from `old_model`, this rank's model so far, and from other ranks),
+  /// then trains on it under `parallel`, which must outlive the trainer. The plugins'
+  /// AfterLoad runs as after a checkpoint load. Call between Runs, on every rank that goes
+  /// on; the data-parallel size must not change.
+  absl::Status ChangeLayout(
+      ParallelContext* parallel,
+      const std::function<absl::Status(const GptModel& old_model, GptModel& new_model)>& fill);
+
   /// A dynamism changed the model after the current iteration (pruned, froze layers...):
   /// the pipeline's measured per-layer costs are stale, so its rebalancer profiles the next
   /// iteration and decides after it (pipeline/rebalancer.h, Rebalancer::OnModelChanged).

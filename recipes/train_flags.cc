@@ -152,7 +152,8 @@ cli::HelpSpec TrainHelpSpec() {
       "  fulcrum_launch --nproc_per_node=N -- fulcrum_train ...   (several processes)\n\n"
       "With no --data_path it trains on the embedded corpus. Exit status: 0 done (also after\n"
       "SIGTERM/SIGINT: the iteration in progress ends and is saved when --save is set),\n"
-      "2 bad flags, files or checkpoints (before any work), 1 a failure while training.\n\n"
+      "2 bad flags, files or checkpoints (before any work), 1 a failure while training,\n"
+      "75 saved for a relaunch on fewer ranks (--repack_via_checkpoint; fulcrum_launch does it).\n\n"
       "Recipes (--recipe; explicit flags override the recipe's):\n";
   for (const auto* entry : RecipeRegistry::Global().List()) {
     spec.usage += absl::StrCat("  ", entry->name,
@@ -184,6 +185,9 @@ cli::HelpSpec TrainHelpSpec() {
        {"pipeline_schedule", "pipeline_initial_partition", "rebalancer", "balance_by",
         "rebalance_window", "rebalance_interval", "rebalance_min_gain", "rebalance_max_moves",
         "rebalance_memory_budget_mb", "diffusion_max_rounds", "rebalance_script"}},
+      {"Re-packing (fewer pipeline stages when the work shrinks)",
+       {"repack", "repack_min_stages", "repack_interval", "repack_max_slowdown", "repack_script",
+        "repack_via_checkpoint", "on_release_command"}},
       {"MoE",
        {"num_experts", "moe_layer_freq", "moe_router", "moe_router_topk",
         "moe_router_topk_schedule", "moe_ffn_hidden_size", "moe_capacity_factor",

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <csignal>
 #include <iostream>
+#include <optional>
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
@@ -19,6 +20,8 @@
 #include "parallel/world_communicator.h"
 #include "plugins/plugin_registry.h"
 #include "recipes/initial_placement.h"
+#include "recipes/relaunch_protocol.h"
+#include "recipes/repack_flags.h"
 #include "recipes/train_flags.h"
 
 namespace {
@@ -93,6 +96,8 @@ int main(int argc, char** argv) {
   if (!backend.ok()) return Fail(backend.status());
   auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/0, layout->tp);
   if (!early.ok()) return Fail(early.status());
+  auto repack = fulcrum::RepackSettingsFromFlags(*layout, *early);
+  if (!repack.ok()) return Fail(repack.status());
   // The plugins: --plugins, and those their own flags ask for (--num_experts: moe); their
   // flags are checked against the model and the layout now, before any work.
   auto plugin_names = fulcrum::plugins::SelectPlugins(fulcrum::PluginsFlag());
@@ -107,6 +112,9 @@ int main(int argc, char** argv) {
       std::find(plugin_names->begin(), plugin_names->end(), "moe") == plugin_names->end()) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--expert_model_parallel_size=", layout->ep, " needs MoE layers (--num_experts)")));
+  }
+  if (absl::Status s = fulcrum::CheckLiveRepackPlugins(*repack, *plugin_names); !s.ok()) {
+    return Fail(s);
   }
   auto requested_threads = fulcrum::NumThreadsFlag();
   if (!requested_threads.ok()) return Fail(requested_threads.status());
@@ -130,6 +138,35 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<fulcrum::parallel::ProcessGroupContext> parallel;
   std::unique_ptr<fulcrum::pipeline::TimelineRecorder> timeline;
+  fulcrum::pipeline::PipelineRunner* pipeline_runner = nullptr;
+  // The pipeline runner of `ctx` (again after a live shrink, with the schedule regenerated
+  // for the new stage count); the timeline after a shrink goes to TIMELINE.ppN.json. A
+  // pipeline shrunk onto one stage keeps a one-stage runner: the trainer's own loop scales
+  // the loss by a division where the pipeline multiplies by the reciprocal, and re-packing
+  // must not change a loss bit.
+  auto install_runner = [&](fulcrum::parallel::ProcessGroupContext& ctx,
+                            const std::string& timeline_path, bool one_stage) -> absl::Status {
+    pipeline_runner = nullptr;
+    if (ctx.pp_size() == 1 && !one_stage) return absl::OkStatus();
+    auto rebalancer = fulcrum::RebalancerFromFlags();
+    if (!rebalancer.ok()) return rebalancer.status();
+    // Replicas of this stage (data- and tensor-parallel) agree on the loads, so all
+    // apply the same moves.
+    auto runner = std::make_unique<fulcrum::pipeline::PipelineRunner>(
+        &ctx.group(fulcrum::parallel::GroupKind::kPipeline), fulcrum::PipelineScheduleFlag(),
+        config->train.micro_batch_size, std::move(*rebalancer),
+        std::vector<fulcrum::parallel::Communicator*>{
+            &ctx.group(fulcrum::parallel::GroupKind::kTensor),
+            &ctx.group(fulcrum::parallel::GroupKind::kData)});
+    if (!timeline_path.empty()) {
+      timeline = std::make_unique<fulcrum::pipeline::TimelineRecorder>(&ctx.world(), timeline_path,
+                                                                       ctx.coords().pp);
+      runner->SetTimeline(timeline.get());
+    }
+    pipeline_runner = runner.get();
+    ctx.SetForwardBackward(std::move(runner));
+    return absl::OkStatus();
+  };
   if (world->world_size > 1) {
     const std::chrono::minutes timeout(fulcrum::DistributedTimeoutMinutesFlag());
     auto comm = fulcrum::parallel::CreateWorldCommunicator(*world, *backend, timeout);
@@ -138,24 +175,8 @@ int main(int argc, char** argv) {
                                                               config->model.tie_embeddings);
     if (!ctx.ok()) return Fail(ctx.status());
     parallel = std::move(*ctx);
-    if (layout->pp > 1) {
-      auto rebalancer = fulcrum::RebalancerFromFlags();
-      if (!rebalancer.ok()) return Fail(rebalancer.status());
-      // Replicas of this stage (data- and tensor-parallel) agree on the loads, so all
-      // apply the same moves.
-      auto runner = std::make_unique<fulcrum::pipeline::PipelineRunner>(
-          &parallel->group(fulcrum::parallel::GroupKind::kPipeline),
-          fulcrum::PipelineScheduleFlag(), config->train.micro_batch_size,
-          std::move(*rebalancer),
-          std::vector<fulcrum::parallel::Communicator*>{
-              &parallel->group(fulcrum::parallel::GroupKind::kTensor),
-              &parallel->group(fulcrum::parallel::GroupKind::kData)});
-      if (!fulcrum::TimelineFlag().empty()) {
-        timeline = std::make_unique<fulcrum::pipeline::TimelineRecorder>(
-            &parallel->world(), fulcrum::TimelineFlag(), parallel->coords().pp);
-        runner->SetTimeline(timeline.get());
-      }
-      parallel->SetForwardBackward(std::move(runner));
+    if (absl::Status s = install_runner(*parallel, fulcrum::TimelineFlag(), false); !s.ok()) {
+      return Fail(s);
     }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {
@@ -193,15 +214,109 @@ int main(int argc, char** argv) {
                                           fulcrum::DefaultFileSystem(), std::move(*plugins));
   if (!trainer.ok()) return Fail(trainer.status());
   InstallStopHandlers();
-  (*trainer)->SetStopRequest([] { return g_stop_signal != 0; });
+  // Re-packing through a checkpoint (recipes/repack_flags.h) rides on the graceful stop:
+  // every rank decides alike after the iteration's pipeline run, the trainer saves that
+  // iteration and returns, and main exits with kRelaunchExitCode.
+  std::optional<fulcrum::dynamic::RepackTrigger> repack_trigger;
+  std::optional<fulcrum::dynamic::RepackPlan> repack_plan;
+  absl::Status repack_error = absl::OkStatus();
+  if (repack->enabled && pipeline_runner != nullptr) repack_trigger.emplace(repack->trigger);
+  fulcrum::Trainer* trainer_ptr = trainer->get();
+  (*trainer)->SetStopRequest([&] {
+    if (repack_trigger && !repack_plan && repack_error.ok()) {
+      auto plan = repack_trigger->Check(trainer_ptr->iteration() + 1, pipeline_runner->ranges(),
+                                        pipeline_runner->last_loads());
+      if (!plan.ok()) {
+        repack_error = plan.status();
+      } else if (plan->has_value()) {
+        repack_plan = std::move(**plan);
+      }
+      if (parallel->is_logging_rank() && !repack_trigger->last_note().empty() &&
+          (repack_plan || !plan.ok())) {
+        FULCRUM_LOG(INFO) << repack_trigger->last_note();
+      }
+    }
+    return g_stop_signal != 0 || repack_plan.has_value() || !repack_error.ok();
+  });
   try {
     if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
       if (absl::Status s = (*trainer)->Load(load); !s.ok()) return Fail(s);
     }
     if (absl::Status s = (*trainer)->Run(); !s.ok()) return Fail(s);
+    // A live shrink (NOTE [live shrink] in pipeline/shrink.h): the trainer stopped after the
+    // decided iteration; the survivors go on from there on the smaller layout, the released
+    // ranks exit 0.
+    while (repack_plan && !repack->via_checkpoint && (*trainer)->stopped() &&
+           g_stop_signal == 0 && repack_error.ok()) {
+      const fulcrum::pipeline::LayerRanges old_ranges = pipeline_runner->ranges();
+      fulcrum::pipeline::LayerRanges new_ranges;
+      for (const auto& range : repack_plan->placement) new_ranges.emplace_back(range.begin, range.end);
+      const int old_pp = parallel->pp_size();
+      const int old_world = parallel->world_size();
+      const int old_rank = parallel->world_rank();
+      auto shrunk = fulcrum::ShrinkLive(*parallel, **trainer, old_ranges, new_ranges,
+                                        config->model.tie_embeddings);
+      if (!shrunk.ok()) return Fail(shrunk.status());
+      const int new_pp = static_cast<int>(new_ranges.size());
+      const int new_world = old_world / old_pp * new_pp;
+      if (*shrunk == nullptr) {
+        FULCRUM_LOG(INFO) << "released after iteration " << (*trainer)->iteration()
+                          << ": the pipeline shrank from " << old_pp << " to " << new_pp
+                          << " stages (" << old_world << " → " << new_world
+                          << " ranks); this rank's layers went to the survivors; exiting 0";
+        timeline.reset();
+        parallel.reset();
+        fulcrum::RunOnReleaseCommand(repack->on_release_command, old_rank);
+        fulcrum::MarkReleased(old_rank);
+        return 0;
+      }
+      std::string timeline_path = fulcrum::TimelineFlag();
+      if (!timeline_path.empty()) {
+        const size_t dot = timeline_path.rfind('.');
+        const std::string suffix = absl::StrCat(".pp", new_pp);
+        timeline_path = dot == std::string::npos || dot < timeline_path.rfind('/') + 1
+                            ? timeline_path + suffix
+                            : timeline_path.substr(0, dot) + suffix + timeline_path.substr(dot);
+      }
+      timeline.reset();
+      parallel = std::move(*shrunk);  // The old groups go; the trainer runs on the new ones.
+      if (absl::Status s = install_runner(*parallel, timeline_path, true); !s.ok()) return Fail(s);
+      if (parallel->is_logging_rank()) {
+        FULCRUM_LOG(INFO) << "re-packed live after iteration " << (*trainer)->iteration()
+                          << ": " << old_pp << " → " << new_pp << " pipeline stages, "
+                          << old_world << " → " << new_world << " ranks ("
+                          << old_world - new_world << " released); placement "
+                          << fulcrum::pipeline::FormatRanges(new_ranges);
+      }
+      repack_plan.reset();
+      if (parallel->pp_size() == 1) repack_trigger.reset();
+      if (absl::Status s = (*trainer)->Run(); !s.ok()) return Fail(s);
+    }
   } catch (const fulcrum::parallel::CommError& e) {
     std::cerr << "fulcrum_train: " << e.what() << std::endl;
     return 1;
+  }
+  if (!repack_error.ok()) {
+    std::cerr << "fulcrum_train: re-packing: " << repack_error.message() << std::endl;
+    return 1;
+  }
+  if (repack_plan && repack->via_checkpoint && (*trainer)->stopped()) {
+    const int stages = static_cast<int>(repack_plan->placement.size());
+    // Global rank 0 alone writes the launcher's request (NOTE [relaunch protocol]).
+    if (parallel->world_rank() == 0) {
+      absl::StatusOr<std::string> flags = fulcrum::WriteRelaunchRequest(
+          *layout, stages, config->train.save, repack_plan->note);
+      if (!flags.ok()) return Fail(flags.status());
+      FULCRUM_LOG(INFO) << "re-packing through a checkpoint: iteration "
+                        << (*trainer)->iteration() << " saved in " << config->train.save
+                        << "; exiting with code " << fulcrum::kRelaunchExitCode
+                        << " for a relaunch on " << layout->world_size / layout->pp * stages
+                        << " ranks with " << *flags
+                        << (std::getenv(fulcrum::kRelaunchFileEnv) == nullptr
+                                ? " (no fulcrum_launch asked for the request: relaunch by hand)"
+                                : "");
+    }
+    return fulcrum::kRelaunchExitCode;
   }
   if (!config->train.save.empty() && (parallel == nullptr || parallel->is_logging_rank())) {
     FULCRUM_LOG(INFO) << "checkpoints are in " << config->train.save;

@@ -78,6 +78,18 @@ DEFINE_string(model_flags, "--num_layers=8 --moe_layer_freq=[1,1,1,1,0,0,0,0]",
 DEFINE_double(loss_tolerance, 1e-6,
               "Largest relative loss difference per iteration allowed against the reference.");
 DEFINE_bool(keep_logs, false, "Keep each run's log and metrics (their directory is printed).");
+DEFINE_bool(repack_row, true,
+            "Also measure re-packing (pp=2 → 1 live, dynamic/repack.h) on a model whose work "
+            "freezing shrinks, against the same run without re-packing: tokens/s and tokens/s per "
+            "rank before and after. With --configs= (empty) only this row runs.");
+DEFINE_string(repack_model_flags,
+              "--recipe=tiny --num_layers=8 --plugins=freeze --freeze_schedule=5:0-5 "
+              "--freeze_max_fraction=0.75",
+              "fulcrum_train flags of the re-packing row's model (freezing shrinks its work).");
+DEFINE_int32(repack_iters, 40, "Iterations per run of the re-packing row.");
+DEFINE_int32(repack_at, 15,
+             "The re-packing row packs pp=2 onto one stage after this iteration (--repack_script); "
+             "'before' is iterations 8..AT, 'after' AT+3..--repack_iters.");
 
 namespace fulcrum {
 namespace {
@@ -241,7 +253,11 @@ std::optional<std::vector<Config>> ParseFlags(std::string* error) {
     }
     configs.push_back(*found);
   }
-  if (configs.empty()) *error = "--configs is empty";
+  if (configs.empty() && !FLAGS_repack_row) *error = "--configs is empty (and no --repack_row)";
+  if (FLAGS_repack_row && (FLAGS_repack_at < 8 || FLAGS_repack_iters < FLAGS_repack_at + 4)) {
+    *error = absl::StrCat("--repack_at=", FLAGS_repack_at, " must be >= 8 and --repack_iters=",
+                          FLAGS_repack_iters, " >= --repack_at + 4");
+  }
   if (FLAGS_pp < 2) *error = absl::StrCat("--pp=", FLAGS_pp, " must be >= 2");
   if (FLAGS_rounds < 1) *error = absl::StrCat("--rounds=", FLAGS_rounds, " must be >= 1");
   if (FLAGS_skip_iters < 0 || FLAGS_train_iters <= FLAGS_skip_iters) {
@@ -291,6 +307,130 @@ double MaxRelativeLossDifference(const Run& run, const Run& reference) {
     worst = std::max(worst, std::isnan(diff) ? INFINITY : diff);
   }
   return worst;
+}
+
+// The re-packing row: the same freezing run with and without --repack_script=AT:1 (pp=2 →
+// one stage, live), interleaved over the rounds; medians of tokens/s and tokens/s per
+// active rank before (iterations 8..AT) and after (AT+3..N). Returns false when a run
+// failed or the losses differ beyond --loss_tolerance.
+bool RunRepackRow(const std::string& bin_dir, const std::string& work_dir) {
+  struct RepackRun {
+    std::vector<double> tokens_per_second, loss;
+    std::vector<int> active_ranks, pipeline_size;
+  };
+  const std::vector<std::pair<std::string, std::string>> variants = {
+      {"static", ""}, {"repacked", absl::StrCat("--repack_script=", FLAGS_repack_at, ":1")}};
+  auto command = [&](const std::string& extra, const std::string& metrics) {
+    std::vector<std::string> args = {bin_dir + "/fulcrum_launch", "--nproc_per_node=2",
+                                     "--master_port=0", "--", bin_dir + "/fulcrum_train"};
+    for (absl::string_view flag : absl::StrSplit(FLAGS_repack_model_flags,
+                                                 absl::ByAnyChar(" \t\n"), absl::SkipWhitespace())) {
+      args.emplace_back(flag);
+    }
+    for (std::string flag : {std::string("--pipeline_model_parallel_size=2"),
+                             "--pipeline_schedule=" + FLAGS_schedule,
+                             absl::StrCat("--train_iters=", FLAGS_repack_iters),
+                             std::string("--eval_interval=0"),
+                             std::string("--log_interval=1000000"), "--metrics_file=" + metrics}) {
+      args.push_back(std::move(flag));
+    }
+    if (!extra.empty()) args.push_back(extra);
+    return args;
+  };
+  std::printf("\n# re-packing row: %s, pp=2, %d iterations; repacked: --repack_script=%d:1 (the "
+              "pipeline packs onto one stage after iteration %d, live; one rank is released)\n",
+              FLAGS_repack_model_flags.c_str(), FLAGS_repack_iters, FLAGS_repack_at,
+              FLAGS_repack_at);
+  for (const auto& [name, extra] : variants) {
+    std::printf("#   %-9s OMP_NUM_THREADS=1 %s\n", name.c_str(),
+                bench::ShellCommand(command(extra, work_dir + "/repack_" + name + ".jsonl")).c_str());
+  }
+  std::fflush(stdout);
+  std::map<std::string, std::vector<RepackRun>> runs;
+  bool ok = true;
+  for (int round = 1; round <= FLAGS_rounds; ++round) {
+    for (const auto& [name, extra] : variants) {
+      const std::string stem = absl::StrFormat("%s/repack_%s_r%d", work_dir, name, round);
+      std::remove((stem + ".jsonl").c_str());
+      std::string run_error;
+      const int code = bench::RunLogged(command(extra, stem + ".jsonl"), stem + ".log", &run_error);
+      RepackRun run;
+      std::ifstream in(stem + ".jsonl");
+      for (std::string line; std::getline(in, line);) {
+        const nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+        if (r.is_discarded()) continue;
+        run.tokens_per_second.push_back(r.value("tokens_per_second", NAN));
+        run.loss.push_back(r.value("loss", NAN));
+        run.active_ranks.push_back(r.value("active_ranks", 0));
+        run.pipeline_size.push_back(r.value("pipeline_size", 0));
+      }
+      if (code != 0 || static_cast<int>(run.loss.size()) != FLAGS_repack_iters) {
+        std::fprintf(stderr, "fulcrum_bench_balance: re-packing row %s round %d failed (exit %d)%s\n%s\n",
+                     name.c_str(), round, code, run_error.c_str(),
+                     bench::FileTail(stem + ".log").c_str());
+        ok = false;
+        continue;
+      }
+      std::fprintf(stderr, "  round %d repack %-9s pipeline %d -> %d\n", round, name.c_str(),
+                   run.pipeline_size.front(), run.pipeline_size.back());
+      runs[name].push_back(std::move(run));
+    }
+  }
+  // Medians over the rounds' iterations of a window [first, last] (1-based).
+  auto window = [&](const std::vector<RepackRun>& rs, int first, int last, bool per_rank) {
+    std::vector<double> values;
+    for (const RepackRun& r : rs) {
+      for (int i = first; i <= last; ++i) {
+        const double tps = r.tokens_per_second[i - 1];
+        values.push_back(per_rank ? tps / std::max(1, r.active_ranks[i - 1]) : tps);
+      }
+    }
+    return values.empty() ? NAN : Median(values);
+  };
+  const int before_first = 8, before_last = FLAGS_repack_at;
+  const int after_first = FLAGS_repack_at + 3, after_last = FLAGS_repack_iters;
+  std::printf("# tokens/s: medians over iterations %d..%d (before) and %d..%d (after) of every "
+              "round; per rank: divided by the ranks the iteration ran on (active_ranks)\n",
+              before_first, before_last, after_first, after_last);
+  std::printf("%-10s %12s %12s %12s %14s %14s %10s\n", "run", "ranks", "tok/s before",
+              "tok/s after", "tok/s/rank bef", "tok/s/rank aft", "per rank");
+  std::map<std::string, double> after_per_rank;
+  for (const auto& [name, extra] : variants) {
+    const auto& rs = runs[name];
+    if (rs.empty()) {
+      std::printf("%-10s %12s\n", name.c_str(), "failed");
+      continue;
+    }
+    const double before = window(rs, before_first, before_last, false);
+    const double after = window(rs, after_first, after_last, false);
+    const double before_rank = window(rs, before_first, before_last, true);
+    const double after_rank = window(rs, after_first, after_last, true);
+    after_per_rank[name] = after_rank;
+    std::printf("%-10s %12s %12.0f %12.0f %14.0f %14.0f %9.2fx\n", name.c_str(),
+                absl::StrFormat("%d -> %d", rs.front().active_ranks.front(),
+                                rs.front().active_ranks.back()).c_str(),
+                before, after, before_rank, after_rank, after_rank / before_rank);
+  }
+  if (after_per_rank.count("static") && after_per_rank.count("repacked")) {
+    std::printf("# after re-packing: %.2fx the tokens/s per rank of the run that keeps both ranks\n",
+                after_per_rank["repacked"] / after_per_rank["static"]);
+  }
+  // Losses: re-packing never changes the math (a tied output weight on one stage sums its two
+  // gradient halves in another order: equal to rounding).
+  if (!runs["static"].empty() && !runs["repacked"].empty()) {
+    const RepackRun& a = runs["static"].front();
+    double worst = 0;
+    for (const RepackRun& b : runs["repacked"]) {
+      for (size_t i = 0; i < a.loss.size() && i < b.loss.size(); ++i) {
+        worst = std::max(worst, std::fabs(a.loss[i] - b.loss[i]) / std::fabs(a.loss[i]));
+      }
+    }
+    const bool same = worst <= FLAGS_loss_tolerance;
+    ok = ok && same;
+    std::printf("# loss check: repacked vs static max relative difference %.3g (tolerance %g)  %s\n",
+                worst, FLAGS_loss_tolerance, same ? "ok" : "DIFFERS");
+  }
+  return ok;
 }
 
 int Main(const std::string& bin_dir) {
@@ -458,8 +598,10 @@ int Main(const std::string& bin_dir) {
     if (reference == nullptr || c.name == "none") reference = &c;
   }
   bool losses_differ = false;
-  auto ref_runs = results.find(reference->name);
-  if (ref_runs == results.end() || ref_runs->second.empty()) {
+  auto ref_runs = reference == nullptr ? results.end() : results.find(reference->name);
+  if (reference == nullptr) {
+    // Only the re-packing row (--configs=).
+  } else if (ref_runs == results.end() || ref_runs->second.empty()) {
     std::printf("\nloss check: not done, no run of the reference %s completed\n",
                 reference->name.c_str());
   } else {
@@ -482,6 +624,8 @@ int Main(const std::string& bin_dir) {
                   FLAGS_train_iters, ok ? "ok" : "DIFFERS");
     }
   }
+
+  if (FLAGS_repack_row && !RunRepackRow(bin_dir, work_dir)) failed = true;
 
   std::printf("\n# %d runs in %.0f s; 1-minute load average %s before, %s after\n",
               FLAGS_rounds * static_cast<int>(configs.size()), total_s,

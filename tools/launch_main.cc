@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <fstream>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -23,10 +25,13 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "recipes/relaunch_protocol.h"
 #include "tools/internal/launch_supervisor.h"
 
 extern char** environ;
@@ -78,6 +83,16 @@ process group), then SIGKILL after --kill_timeout_s. SIGINT, SIGTERM and SIGHUP 
 the launcher (a scheduler's pre-emption) are forwarded to every process, which get
 --stop_timeout_s to stop (fulcrum_train finishes its iteration and saves); a second such
 signal kills every process at once.
+
+Re-packing through a checkpoint (fulcrum_train --repack_via_checkpoint): every process
+gets FULCRUM_RELAUNCH_FILE=PATH. A process exiting with code 75 is not a failure: when
+every process exited 0 or 75 and rank 0 wrote PATH ({"world_size": N, "args": [...]}),
+the launcher starts N processes again with the same command followed by those args (the
+smaller --pipeline_model_parallel_size and --load of the checkpoint). Only with --nnodes=1.
+
+A live shrink (fulcrum_train --repack_script / --repack=auto) releases processes in
+place: each leaves a marker in that directory and exits 0, reported as released; the
+others go on, and a later failure still ends the job with its code.
 
 Exit status: 0 when every process exits 0, also after a forwarded stop signal; otherwise
 the first failure's code (128+S for signal S; 128+S too when the launcher was stopped by
@@ -235,10 +250,10 @@ bool MakeDirectories(const std::string& path, std::string* error) {
   return true;
 }
 
-// The environment of local rank `local_rank`: the launcher's own, with the rendezvous
-// variables replaced.
-std::vector<std::string> ChildEnvironment(int local_rank, int master_port) {
-  const int nproc = FLAGS_nproc_per_node;
+// The environment of local rank `local_rank` of `nproc`: the launcher's own, with the
+// rendezvous variables replaced.
+std::vector<std::string> ChildEnvironment(int local_rank, int nproc, int master_port,
+                                          const std::string& relaunch_file) {
   std::vector<std::pair<std::string, std::string>> assigned = {
       {"RANK", absl::StrCat(FLAGS_node_rank * nproc + local_rank)},
       {"LOCAL_RANK", absl::StrCat(local_rank)},
@@ -247,6 +262,7 @@ std::vector<std::string> ChildEnvironment(int local_rank, int master_port) {
       {"GROUP_RANK", absl::StrCat(FLAGS_node_rank)},
       {"MASTER_ADDR", FLAGS_master_addr},
       {"MASTER_PORT", absl::StrCat(master_port)},
+      {kRelaunchFileEnv, relaunch_file},
   };
   const char* omp_threads = getenv("OMP_NUM_THREADS");
   if (omp_threads == nullptr || *omp_threads == '\0') {
@@ -294,24 +310,86 @@ int Main(int argc, char** argv) {
     master_port = *port;
   }
 
-  const std::vector<std::string> command(argv + program_index, argv + argc);
-  std::vector<launch::ChildSpec> children;
-  for (int local_rank = 0; local_rank < FLAGS_nproc_per_node; ++local_rank) {
-    children.push_back({FLAGS_node_rank * FLAGS_nproc_per_node + local_rank, command,
-                        ChildEnvironment(local_rank, master_port)});
+  // NOTE [relaunch protocol] (recipes/relaunch_protocol.h): the ranks' request to come
+  // back smaller is a file in a directory of the launcher's own.
+  std::string relaunch_dir = "/tmp/fulcrum_launch_XXXXXX";
+  if (const char* tmp = getenv("TMPDIR"); tmp != nullptr && *tmp != '\0') {
+    relaunch_dir = absl::StrCat(tmp, "/fulcrum_launch_XXXXXX");
   }
-  std::cerr << absl::StrFormat(
-      "fulcrum_launch: node %d of %d starts ranks %d..%d of %d, master %s:%d: %s\n",
-      FLAGS_node_rank, FLAGS_nnodes, children.front().rank, children.back().rank,
-      FLAGS_nnodes * FLAGS_nproc_per_node, FLAGS_master_addr, master_port,
-      absl::StrJoin(command, " "));
-  std::cerr.flush();
+  if (mkdtemp(relaunch_dir.data()) == nullptr) {
+    std::cerr << "fulcrum_launch: cannot create a directory " << relaunch_dir << ": "
+              << strerror(errno) << "\n";
+    return 1;
+  }
+  const std::string relaunch_file = relaunch_dir + "/relaunch.json";
 
+  std::vector<std::string> command(argv + program_index, argv + argc);
+  int nproc = FLAGS_nproc_per_node;
   launch::SupervisorOptions options;
   options.kill_timeout_s = FLAGS_kill_timeout_s;
   options.stop_timeout_s = FLAGS_stop_timeout_s;
   options.log_dir = FLAGS_log_dir;
-  return launch::RunChildren(children, options);
+  options.relaunch_exit_code = kRelaunchExitCode;
+  options.release_dir = relaunch_dir;
+  int code = 0;
+  for (int launch_count = 0;; ++launch_count) {
+    std::vector<launch::ChildSpec> children;
+    for (int local_rank = 0; local_rank < nproc; ++local_rank) {
+      children.push_back({FLAGS_node_rank * nproc + local_rank, command,
+                          ChildEnvironment(local_rank, nproc, master_port, relaunch_file)});
+    }
+    std::cerr << absl::StrFormat(
+        "fulcrum_launch: node %d of %d starts ranks %d..%d of %d, master %s:%d: %s\n",
+        FLAGS_node_rank, FLAGS_nnodes, children.front().rank, children.back().rank,
+        FLAGS_nnodes * nproc, FLAGS_master_addr, master_port, absl::StrJoin(command, " "));
+    std::cerr.flush();
+    code = launch::RunChildren(children, options);
+    if (code != kRelaunchExitCode) break;
+    // Every rank exited 0 or asked for a relaunch: read what rank 0 asked for.
+    std::ifstream in(relaunch_file);
+    nlohmann::json request = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    std::remove(relaunch_file.c_str());
+    if (!in.is_open() || request.is_discarded() || !request.contains("world_size") ||
+        !request["world_size"].is_number_integer() || !request.contains("args") ||
+        !request["args"].is_array()) {
+      std::cerr << "fulcrum_launch: the ranks asked for a relaunch (exit code "
+                << kRelaunchExitCode << ") but left no valid request in " << relaunch_file
+                << "\n";
+      break;
+    }
+    const int world_size = request["world_size"].get<int>();
+    if (FLAGS_nnodes != 1 || world_size < 1 || world_size > FLAGS_nnodes * nproc) {
+      std::cerr << absl::StrFormat(
+          "fulcrum_launch: the ranks asked for a relaunch on %d ranks, which this launcher "
+          "cannot do (--nnodes=%d, %d ranks now); relaunch by hand with %s\n",
+          world_size, FLAGS_nnodes, FLAGS_nnodes * nproc, request["args"].dump());
+      break;
+    }
+    std::vector<std::string> extra;
+    for (const auto& arg : request["args"]) extra.push_back(arg.get<std::string>());
+    std::cerr << absl::StrFormat(
+        "fulcrum_launch: re-packing through a checkpoint: %d ranks released, relaunching %d "
+        "with %s (%s)\n",
+        nproc - world_size, world_size, absl::StrJoin(extra, " "),
+        request.value("reason", std::string("no reason given")));
+    command.insert(command.end(), extra.begin(), extra.end());
+    nproc = world_size;
+    if (FLAGS_master_port == 0) {
+      std::optional<int> port = PickFreePort(&error);
+      if (!port) {
+        std::cerr << "fulcrum_launch: cannot pick a free port for the relaunch: " << error << "\n";
+        code = 1;
+        break;
+      }
+      master_port = *port;
+    }
+  }
+  // The release markers of a live shrink, then the directory.
+  for (int rank = 0; rank < FLAGS_nnodes * FLAGS_nproc_per_node; ++rank) {
+    std::remove((relaunch_dir + "/" + ReleaseMarkerName(rank)).c_str());
+  }
+  rmdir(relaunch_dir.c_str());
+  return code;
 }
 
 }  // namespace

@@ -367,6 +367,65 @@ TEST_F(SlowLaunchTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
   EXPECT_THAT(r.err, Not(HasSubstr(kLeftBehind)));
 }
 
+// NOTE [relaunch protocol] (recipes/relaunch_protocol.h): ranks exiting 75 after rank 0
+// wrote the request are relaunched, fewer, with the request's flags after the command.
+TEST_F(SlowLaunchTest, RanksAskingForARelaunchComeBackFewerWithTheRequestsFlags) {
+  // First launch: no flags after the command ($# = 0); rank 0 asks for 2 ranks and two
+  // more arguments. Second launch: the arguments arrive and everybody exits 0.
+  const std::string script =
+      R"(if [ $# -gt 0 ]; then echo second RANK=$RANK WORLD_SIZE=$WORLD_SIZE args=$*; exit 0; fi; )"
+      R"(echo first RANK=$RANK WORLD_SIZE=$WORLD_SIZE; )"
+      R"(if [ $RANK = 0 ]; then echo '{"world_size": 2, "args": ["--a=1", "--b=2"], )"
+      R"("reason": "test"}' > $FULCRUM_RELAUNCH_FILE.tmp && )"
+      R"(mv $FULCRUM_RELAUNCH_FILE.tmp $FULCRUM_RELAUNCH_FILE; fi; exit 75)";
+  const RunResult r = RunLauncher(
+      {"--nproc_per_node=4", "--master_port=0", "--", "/bin/sh", "-c", script, "sh"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(CountOf(r.out, "] first RANK="), 4) << r.out;
+  EXPECT_EQ(CountOf(r.out, "] second RANK="), 2) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("[rank 1] second RANK=1 WORLD_SIZE=2 args=--a=1 --b=2"));
+  EXPECT_THAT(r.err, HasSubstr("exited with code 75: the job asks for a relaunch"));
+  EXPECT_THAT(r.err, HasSubstr("re-packing through a checkpoint: 2 ranks released, relaunching 2 "
+                               "with --a=1 --b=2 (test)"));
+  EXPECT_THAT(r.err, Not(HasSubstr("stopping the other")));
+}
+
+// A live shrink: rank 1 is released (its marker, exit 0) and rank 0 goes on; when rank 0
+// later fails, the job still ends with its error within seconds.
+TEST_F(SlowLaunchTest, ReleasedRanksExitZeroAndALaterFailureStillEndsTheJob) {
+  const std::string release =
+      R"(if [ $RANK = 1 ]; then touch $(dirname $FULCRUM_RELAUNCH_FILE)/released.1; exit 0; fi; )";
+  RunResult r = RunShell(2, release + "sleep 1; echo done");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("[rank 0] done"));
+  EXPECT_THAT(r.err, HasSubstr("rank 1 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("was released by re-packing and exited 0; 1 rank go on"));
+  EXPECT_THAT(r.err, HasSubstr("every rank exited 0; 1 of 2 were released early by re-packing"));
+
+  r = RunShell(3, release + R"(if [ $RANK = 0 ]; then sleep 1; echo crash; exit 5; fi; sleep 60)");
+  EXPECT_EQ(r.exit_code, 5) << r.err;
+  EXPECT_LT(r.seconds, 10);
+  EXPECT_THAT(r.err, HasSubstr("was released by re-packing"));
+  EXPECT_THAT(r.err, HasSubstr("rank 0 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("exited with code 5; stopping the other 1 rank"));
+}
+
+// A rank that fails while the others ask for a relaunch fails the job: no relaunch.
+TEST_F(SlowLaunchTest, AFailureBesideARelaunchRequestFailsTheJob) {
+  RunResult r = RunShell(
+      3, R"(if [ $RANK = 2 ]; then sleep 0.5; echo crash; exit 3; fi; )"
+         R"(if [ $RANK = 0 ]; then echo '{"world_size": 1, "args": []}' > $FULCRUM_RELAUNCH_FILE; )"
+         R"(fi; exit 75)");
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 2 (pid"));
+  EXPECT_THAT(r.err, HasSubstr("exited with code 3"));
+  EXPECT_THAT(r.err, Not(HasSubstr("relaunching")));
+  // Asking without a request is an error too: the launcher cannot know how to relaunch.
+  r = RunShell(2, "exit 75");
+  EXPECT_EQ(r.exit_code, 75) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("left no valid request"));
+}
+
 TEST_F(SlowLaunchTest, RankKilledBySignalFailsTheJob) {
   const RunResult r = RunShell(2, "if [ $RANK = 0 ]; then kill -9 $$; fi; sleep 60");
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.err;

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -146,6 +147,8 @@ class Supervisor {
   int stop_signal_ = 0;    // The stop signal forwarded before any rank failed, or 0.
   bool stopped_unclean_ = false;  // A rank exited non-zero after stop_signal_ was forwarded.
   int stop_signals_handled_ = 0;
+  bool relaunch_requested_ = false;  // A rank exited with options_.relaunch_exit_code.
+  int released_ = 0;                 // Ranks released by a live shrink (release_dir).
   std::optional<Clock::time_point> kill_deadline_;   // SIGKILL whatever still runs then.
   std::optional<Clock::time_point> drain_deadline_;  // Stop waiting for stray writers.
 };
@@ -368,7 +371,33 @@ void Supervisor::OnExit(Child& child, int status) {
     how = absl::StrCat("was killed by ", DescribeSignal(WTERMSIG(status)),
                        WCOREDUMP(status) ? ", core dumped" : "");
   }
-  if (code == 0) return;
+  if (code == 0) {
+    struct stat marker;
+    if (!options_.release_dir.empty() &&
+        stat(absl::StrCat(options_.release_dir, "/released.", child.rank).c_str(), &marker) == 0) {
+      ++released_;
+      const int others = CountRunning();
+      Say(absl::StrFormat("rank %d (pid %d) was released by re-packing and exited 0; %d rank%s "
+                          "go on",
+                          child.rank, child.pid, others, others == 1 ? "" : "s"));
+    }
+    return;
+  }
+  if (options_.relaunch_exit_code != 0 && code == options_.relaunch_exit_code && !stopping_) {
+    if (!relaunch_requested_) {
+      relaunch_requested_ = true;
+      const int others = CountRunning();
+      Say(absl::StrFormat("rank %d (pid %d) exited with code %d: the job asks for a relaunch%s",
+                          child.rank, child.pid, code,
+                          others == 0 ? ""
+                                      : absl::StrFormat("; the other %d rank%s get %g s to exit",
+                                                        others, others == 1 ? "" : "s",
+                                                        options_.stop_timeout_s)));
+      kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(options_.stop_timeout_s));
+    }
+    return;
+  }
   if (stop_signal_ != 0) stopped_unclean_ = true;
   const std::string what = absl::StrFormat("rank %d (pid %d) %s", child.rank, child.pid, how);
   if (stopping_) {
@@ -517,6 +546,13 @@ int Supervisor::Run(const std::vector<ChildSpec>& specs) {
     }
   }
   TearDown();
+  if (exit_code_ == 0 && stop_signal_ == 0 && relaunch_requested_) {
+    return options_.relaunch_exit_code;
+  }
+  if (exit_code_ == 0 && stop_signal_ == 0 && released_ > 0) {
+    Say(absl::StrFormat("every rank exited 0; %d of %d were released early by re-packing",
+                        released_, static_cast<int>(children_.size())));
+  }
   if (stop_signal_ != 0) {
     if (stopped_unclean_) return 128 + stop_signal_;
     Say(absl::StrFormat("every rank exited 0 after %s: the job stopped cleanly",

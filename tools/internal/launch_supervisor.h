@@ -35,6 +35,13 @@ struct SupervisorOptions {
   /// When not empty, an existing directory: each rank's output (stdout and stderr, without
   /// the prefix) is also written to log_dir/rank_K.log. Default: empty.
   std::string log_dir;
+  /// When not 0, a rank exiting with this code asks for a relaunch (NOTE [relaunch protocol]
+  /// in recipes/relaunch_protocol.h) and is not a failure: the others get stop_timeout_s to
+  /// exit too (then SIGKILL, a failure). Default: 0 (every non-zero code is a failure).
+  int relaunch_exit_code = 0;
+  /// When not empty, a directory where a rank released on purpose by a live shrink leaves
+  /// the file released.RANK before it exits 0: reported as a release, not as an early end.
+  std::string release_dir;
 };
 
 /// Starts `children` and supervises them until every one has exited. Returns the exit code
@@ -47,6 +54,7 @@ struct SupervisorOptions {
 ///    0 when every child still exited with status 0 — they stopped cleanly, as
 ///    fulcrum_train does after saving — else 128+N. SIGINT and SIGHUP that the launcher
 ///    inherited as ignored (nohup, background jobs) stay ignored;
+///  - relaunch_exit_code when every child exited 0 or with it, at least one with it;
 ///  - 1 when a child could not be started (fork or pipe failed) or a log file could not be
 ///    opened.
 /// A child whose program cannot be executed reports it on its stderr and exits 127 (126

@@ -1,0 +1,240 @@
+#include "pipeline/shrink.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/status.h"
+
+namespace fulcrum::pipeline {
+namespace {
+
+// One unit's state going from old world rank `src` to old world rank `dst`.
+struct Transfer {
+  int src = 0;
+  int dst = 0;
+  std::string unit;  // "embedding", "layers.<i>", "head".
+};
+
+// Tags of the three messages of one transfer; transfers run one at a time, so one set.
+constexpr int kHeaderTag = 7 << 20;
+constexpr int kNamesTag = kHeaderTag + 1;
+constexpr int kPayloadTag = kHeaderTag + 2;
+
+int OwnerStage(const LayerRanges& ranges, int64_t layer) {
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    if (layer >= ranges[s].first && layer < ranges[s].second) return static_cast<int>(s);
+  }
+  return -1;
+}
+
+// Every transfer of the shrink, in the order every rank runs them: replica by replica, new
+// stage by new stage, units in global order (NOTE [live shrink] step 3).
+std::vector<Transfer> Transfers(const ShrinkPlan& plan) {
+  const parallel::ParallelConfig& c = plan.old_config;
+  const std::vector<int> survivors = SurvivingStages(plan);
+  const int q = plan.new_stages();
+  const int p = plan.old_stages();
+  std::vector<Transfer> out;
+  for (int d = 0; d < c.dp(); ++d) {
+    for (int j = 0; j < q; ++j) {
+      const int dst = c.Rank(0, d, survivors[j]);
+      auto add = [&](int src_stage, std::string unit) {
+        out.push_back({c.Rank(0, d, src_stage), dst, std::move(unit)});
+      };
+      // The embedding: on the first stage, and on the last as the source of the tied output
+      // weight's mirror (a head on a stage of its own mirrors the word embeddings).
+      if (j == 0 || (j == q - 1 && q > 1 && plan.tie_embeddings)) add(0, "embedding");
+      for (int64_t l = plan.new_ranges[j].first; l < plan.new_ranges[j].second; ++l) {
+        add(OwnerStage(plan.old_ranges, l), absl::StrCat("layers.", l));
+      }
+      if (j == q - 1) add(p - 1, "head");
+    }
+  }
+  return out;
+}
+
+const Unit* FindUnit(const GptModel& model, const std::string& name) {
+  for (const Unit* unit : model.Units()) {
+    if (unit->name() == name) return unit;
+  }
+  return nullptr;
+}
+
+// "name|dtype|d0,d1,..." per tensor and the bytes of every tensor, concatenated.
+void Send(parallel::Communicator& world, int dst, const NamedTensors& tensors) {
+  std::string names;
+  std::vector<at::Tensor> bytes;
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor flat = tensor.detach().contiguous().reshape({-1});
+    absl::StrAppend(&names, name, "|", static_cast<int>(flat.scalar_type()), "|",
+                    absl::StrJoin(tensor.sizes(), ","), "\n");
+    if (flat.numel() > 0) bytes.push_back(flat.view(at::kByte));
+  }
+  at::Tensor payload = bytes.empty() ? at::empty({0}, at::kByte) : at::cat(bytes);
+  at::Tensor header =
+      at::tensor({static_cast<int64_t>(names.size()), payload.numel()}, at::kLong);
+  at::Tensor blob = at::empty({static_cast<int64_t>(names.size())}, at::kByte);
+  if (!names.empty()) std::memcpy(blob.data_ptr<uint8_t>(), names.data(), names.size());
+  world.Send(header, dst, kHeaderTag);
+  if (blob.numel() > 0) world.Send(blob, dst, kNamesTag);
+  if (payload.numel() > 0) world.Send(payload, dst, kPayloadTag);
+}
+
+absl::Status Receive(parallel::Communicator& world, int src,
+                     std::map<std::string, at::Tensor>* out) {
+  at::Tensor header = at::empty({2}, at::kLong);
+  world.Recv(header, src, kHeaderTag);
+  const int64_t names_bytes = header[0].item<int64_t>();
+  const int64_t payload_bytes = header[1].item<int64_t>();
+  at::Tensor blob = at::empty({names_bytes}, at::kByte);
+  if (names_bytes > 0) world.Recv(blob, src, kNamesTag);
+  at::Tensor payload = at::empty({payload_bytes}, at::kByte);
+  if (payload_bytes > 0) world.Recv(payload, src, kPayloadTag);
+  const std::string names(reinterpret_cast<const char*>(blob.data_ptr<uint8_t>()),
+                          static_cast<size_t>(names_bytes));
+  int64_t offset = 0;
+  for (absl::string_view line : absl::StrSplit(names, '\n', absl::SkipEmpty())) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(line, '|');
+    int dtype = 0;
+    std::vector<int64_t> sizes;
+    bool ok = parts.size() == 3 && absl::SimpleAtoi(parts[1], &dtype);
+    for (absl::string_view d : absl::StrSplit(parts.size() == 3 ? parts[2] : "", ',',
+                                              absl::SkipEmpty())) {
+      int64_t size = 0;
+      ok = ok && absl::SimpleAtoi(d, &size);
+      sizes.push_back(size);
+    }
+    if (!ok) {
+      return absl::DataLossError(absl::StrCat("shrink: bad tensor entry '", line, "' from rank ", src));
+    }
+    const auto scalar_type = static_cast<at::ScalarType>(dtype);
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    const int64_t size_bytes = numel * static_cast<int64_t>(c10::elementSize(scalar_type));
+    if (offset + size_bytes > payload_bytes) {
+      return absl::DataLossError(absl::StrCat("shrink: tensor ", parts[0], " from rank ", src,
+                                              " runs past the payload"));
+    }
+    at::Tensor tensor = at::empty(sizes, at::TensorOptions().dtype(scalar_type));
+    if (size_bytes > 0) {
+      std::memcpy(tensor.data_ptr(), payload.data_ptr<uint8_t>() + offset,
+                  static_cast<size_t>(size_bytes));
+    }
+    offset += size_bytes;
+    (*out)[std::string(parts[0])] = tensor;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateShrinkPlan(const ShrinkPlan& plan) {
+  const parallel::ParallelConfig& c = plan.old_config;
+  FULCRUM_RETURN_IF_ERROR(c.Validate());
+  if (c.tp != 1 || c.ep != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a live shrink moves whole units between the ranks of one replica; it needs "
+        "--tensor_model_parallel_size=1 and --expert_model_parallel_size=1, not tp=",
+        c.tp, " ep=", c.ep, " (re-pack through a checkpoint instead)"));
+  }
+  if (plan.old_stages() != c.pp) {
+    return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(),
+                                                   " old ranges for pp=", c.pp));
+  }
+  if (plan.new_stages() < 1 || plan.new_stages() >= plan.old_stages()) {
+    return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(), " → ",
+                                                   plan.new_stages(), " stages is no shrink"));
+  }
+  const int64_t layers = plan.old_ranges.back().second;
+  FULCRUM_RETURN_IF_ERROR(ValidateRanges(plan.old_ranges, layers, plan.old_stages()));
+  FULCRUM_RETURN_IF_ERROR(ValidateRanges(plan.new_ranges, layers, plan.new_stages()));
+  for (const auto& [begin, end] : plan.new_ranges) {
+    if (OwnerStage(plan.old_ranges, begin) < 0 ||
+        plan.old_ranges[OwnerStage(plan.old_ranges, begin)].first != begin) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shrink: ", FormatRanges(plan.new_ranges), " is not a coarsening of ",
+          FormatRanges(plan.old_ranges), " (stage boundaries may only disappear)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int> SurvivingStages(const ShrinkPlan& plan) {
+  std::vector<int> out;
+  for (const auto& range : plan.new_ranges) out.push_back(OwnerStage(plan.old_ranges, range.first));
+  return out;
+}
+
+parallel::ParallelConfig ShrunkConfig(const ShrinkPlan& plan) {
+  parallel::ParallelConfig c = plan.old_config;
+  c.world_size = c.world_size / c.pp * plan.new_stages();
+  c.pp = plan.new_stages();
+  return c;
+}
+
+std::vector<int> SurvivingRanks(const ShrinkPlan& plan) {
+  const parallel::ParallelConfig& c = plan.old_config;
+  std::vector<int> out;
+  for (int stage : SurvivingStages(plan)) {
+    for (int d = 0; d < c.dp(); ++d) {
+      for (int t = 0; t < c.tp; ++t) out.push_back(c.Rank(t, d, stage));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int NewRank(const ShrinkPlan& plan, int rank) {
+  const std::vector<int> survivors = SurvivingRanks(plan);
+  auto it = std::lower_bound(survivors.begin(), survivors.end(), rank);
+  return it != survivors.end() && *it == rank ? static_cast<int>(it - survivors.begin()) : -1;
+}
+
+absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan,
+                           const GptModel& old_model, GptModel* new_model) {
+  FULCRUM_RETURN_IF_ERROR(ValidateShrinkPlan(plan));
+  const int me = world.rank();
+  std::map<std::string, at::Tensor> received;
+  for (const Transfer& t : Transfers(plan)) {
+    if (t.src != me && t.dst != me) continue;
+    NamedTensors state;
+    if (t.src == me) {
+      const Unit* unit = FindUnit(old_model, t.unit);
+      if (unit == nullptr) {
+        return absl::InternalError(absl::StrCat("shrink: rank ", me, " should hold ", t.unit,
+                                                " but does not"));
+      }
+      state = unit->StateTensors();
+    }
+    if (t.src == me && t.dst == me) {
+      for (auto& [name, tensor] : state) received[name] = tensor.clone();
+    } else if (t.src == me) {
+      Send(world, t.dst, state);
+    } else {
+      FULCRUM_RETURN_IF_ERROR(Receive(world, t.src, &received));
+    }
+  }
+  if (new_model == nullptr) return absl::OkStatus();
+  auto lookup = [&received](const std::string& name) -> absl::StatusOr<at::Tensor> {
+    auto it = received.find(name);
+    if (it == received.end()) {
+      return absl::NotFoundError(absl::StrCat("shrink: no tensor ", name, " arrived"));
+    }
+    return it->second;
+  };
+  for (Unit* unit : new_model->Units()) {
+    if (absl::Status s = unit->LoadStateTensors(lookup, /*with_optimizer=*/true); !s.ok()) {
+      return absl::DataLossError(absl::StrCat("shrink: loading ", unit->name(), ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fulcrum::pipeline

@@ -1,0 +1,77 @@
+// Live shrink of a pipeline (DESIGN.md "Re-packing"): after a re-packing decision
+// (dynamic/repack.h) merged adjacent stages, the ranks of the first old stage of each
+// merged group survive and the others are released. This file is the mechanism's pure
+// arithmetic (who survives, the new layout, each rank's new rank) and the exchange of the
+// model's state from the old owners to the survivors over the old world communicator.
+//
+// NOTE [live shrink]
+// The shrink happens between iterations, after an optimizer step (gradients are zero then):
+//  1. Every rank knows the plan (old ranges → new ranges, a coarsening) and so who survives:
+//     in every data-parallel replica, the rank of the first old stage of each group.
+//  2. The survivors split the old world (Communicator::Split — a new generation of process
+//     groups on the rendezvous store, since c10d cannot shrink a group in place; on NCCL,
+//     ncclCommSplit) and build every group of the smaller layout from it; the released
+//     ranks take no part in that.
+//  3. Every rank then takes part in ExchangeState: a survivor builds the model of its new
+//     stage and fills every unit from its old owner — values, Adam moments, step and
+//     plugin buffers, exactly the state a checkpoint holds (invariant 4), so the units load
+//     it as they would load a checkpoint, bit for bit. Transfers run one by one in a global
+//     order every rank computes alike, so blocking sends and receives cannot deadlock.
+//  4. Released ranks leave: their old groups are destroyed and they exit 0.
+// Only tensor-parallel size 1 and no expert parallelism: a unit moves whole between two
+// ranks of the same replica.
+//
+// Not thread-safe; ExchangeState is collective over the old world.
+#pragma once
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/gpt_model.h"
+#include "parallel/communicator.h"
+#include "parallel/parallel_config.h"
+#include "pipeline/rebalancer.h"
+
+namespace fulcrum::pipeline {
+
+/// A planned shrink: the old layout and placement, and the coarsened placement.
+struct ShrinkPlan {
+  parallel::ParallelConfig old_config;
+  LayerRanges old_ranges;  ///< One range per old stage.
+  LayerRanges new_ranges;  ///< One range per new stage: unions of consecutive old ranges.
+  bool tie_embeddings = true;  ///< The model's (a separate head mirrors the embedding).
+
+  int old_stages() const { return static_cast<int>(old_ranges.size()); }
+  int new_stages() const { return static_cast<int>(new_ranges.size()); }
+};
+
+/// OK when `plan` can be carried out live: tp = 1 and ep = 1, old_ranges a placement over
+/// old_config.pp stages, new_ranges a coarsening of it with fewer stages. InvalidArgument
+/// naming what is wrong otherwise.
+absl::Status ValidateShrinkPlan(const ShrinkPlan& plan);
+
+/// For each new stage, the old stage whose ranks hold it after the shrink: the first old
+/// stage of its group (old stage 0 keeps the embedding and world rank 0, which hosts the
+/// rendezvous store).
+std::vector<int> SurvivingStages(const ShrinkPlan& plan);
+
+/// The layout after the shrink: new_stages() stages, the same tp and dp.
+parallel::ParallelConfig ShrunkConfig(const ShrinkPlan& plan);
+
+/// The world ranks (old numbering) that survive, ascending — the order of their new world
+/// ranks, which follows ShrunkConfig's rank order (pipeline stage slowest).
+std::vector<int> SurvivingRanks(const ShrinkPlan& plan);
+
+/// Old world rank `rank`'s rank after the shrink, or -1 when it is released.
+int NewRank(const ShrinkPlan& plan, int rank);
+
+/// Moves every unit's state to its owner after the shrink (NOTE [live shrink] step 3):
+/// `old_model` is what this rank held before (the old stage), `new_model` the model of its
+/// new stage (null on a released rank), built for ShrunkConfig and new_ranges. Collective
+/// over `world`, the old world communicator (ranks as in plan.old_config). DataLoss when a
+/// unit's state does not fit its new shell; communication failures throw CommError.
+absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan,
+                           const GptModel& old_model, GptModel* new_model);
+
+}  // namespace fulcrum::pipeline

@@ -1,0 +1,68 @@
+// fulcrum_train's re-packing flags (--repack, --repack_min_stages, --repack_interval,
+// --repack_max_slowdown, --repack_script, --repack_via_checkpoint, --on_release_command)
+// and what carries a re-packing decision out through a checkpoint (NOTE [relaunch
+// protocol] in recipes/relaunch_protocol.h). The decision itself is dynamic/repack.h's.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/trainer.h"
+#include "dynamic/repack_trigger.h"
+#include "parallel/parallel_config.h"
+#include "parallel/parallel_context.h"
+#include "pipeline/rebalancer.h"
+
+namespace fulcrum {
+
+/// The re-packing settings of the flags.
+struct RepackSettings {
+  bool enabled = false;         ///< --repack=auto or a --repack_script.
+  bool via_checkpoint = false;  ///< --repack_via_checkpoint.
+  dynamic::RepackTriggerOptions trigger;
+  std::string on_release_command;
+};
+
+/// The re-packing flags, validated against the layout and the training settings before any
+/// work: --repack off|auto; a script's steps within the run and below the stage count (a
+/// step at or above it is one a relaunch already did); a pipeline (pp > 1); --save for
+/// --repack_via_checkpoint; no --rebalance_script (its placements are for the first stage
+/// count); live (the default) needs tp = 1 and ep = 1.
+absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelConfig& layout,
+                                                       const TrainerConfig& config);
+
+/// Asks the launcher to relaunch the job with `num_stages` pipeline stages, resuming from
+/// the checkpoint in `save_dir` (NOTE [relaunch protocol]). Called by global rank 0 after
+/// the checkpoint is written. Returns the flags to add to the command line (for the log,
+/// and for a relaunch by hand when no launcher asked for a request file).
+absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig& layout,
+                                                 int num_stages, const std::string& save_dir,
+                                                 const std::string& reason);
+
+/// InvalidArgument when a live shrink meets a plugin that keeps the process groups it was
+/// built with (moe, early_exit): those need --repack_via_checkpoint.
+absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
+                                    const std::vector<std::string>& plugin_names);
+
+/// Carries out a live shrink on this rank (NOTE [live shrink] in pipeline/shrink.h) from
+/// `old` (the current layout, whose stages hold `old_ranges`) onto `new_ranges`. A survivor
+/// gets the new context, which `trainer` already trains on (it must outlive the trainer);
+/// a released rank gets null, has sent its state away and should exit 0. Collective over
+/// the old world.
+absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
+    parallel::ProcessGroupContext& old, Trainer& trainer, const pipeline::LayerRanges& old_ranges,
+    const pipeline::LayerRanges& new_ranges, bool tie_embeddings);
+
+/// Tells fulcrum_launch that global rank `rank` was released on purpose (NOTE [relaunch
+/// protocol]); nothing without a launcher that asked.
+void MarkReleased(int rank);
+
+/// Runs --on_release_command (sh -c) with FULCRUM_RELEASED_RANK=`rank`; logs a failure.
+void RunOnReleaseCommand(const std::string& command, int rank);
+
+}  // namespace fulcrum

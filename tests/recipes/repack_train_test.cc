@@ -1,0 +1,175 @@
+// Re-packing through the real binaries (dynamic/repack.h, pipeline/shrink.h,
+// recipes/relaunch_protocol.h): a forced shrink pp=4 → pp=2 after iteration 6, live and
+// through a checkpoint, and pp=2×dp=2 → pp=1×dp=2 live, each trains the losses of the run
+// that never shrinks; the released ranks exit 0, the launcher exits 0 and says who was
+// released; a checkpoint written after a shrink resumes under another layout.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
+
+namespace fulcrum {
+namespace {
+
+constexpr int kIterations = 12;
+constexpr int kShrinkAfter = 6;
+
+std::string Common() {
+  return "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=3";
+}
+
+int CountOf(const std::string& text, const std::string& needle) {
+  int count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+class SlowRepackTrainTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { dir_ = new std::string(testing::MakeTempDir("repack_train")); }
+
+  // Trains under `n` processes with `flags`; the metrics records.
+  std::vector<nlohmann::json> Train(int n, const std::string& name, const std::string& flags,
+                                    std::string* output) {
+    const std::string metrics = *dir_ + "/" + name + ".jsonl";
+    const int code = testing::RunCommand(
+        testing::TrainCommand(n, Common() + " " + flags + " --metrics_file=" + metrics), output);
+    EXPECT_EQ(code, 0) << *output;
+    return testing::MetricsRecords(metrics);
+  }
+
+  // The shrink happened after iteration kShrinkAfter: the layout fields change there.
+  static void ExpectShrunk(const std::vector<nlohmann::json>& records, int pp_before,
+                           int pp_after, int ranks_before, int ranks_after) {
+    ASSERT_EQ(records.size(), static_cast<size_t>(kIterations)) << "one record per iteration";
+    for (int i = 0; i < kIterations; ++i) {
+      SCOPED_TRACE(::testing::Message() << "iteration " << i + 1);
+      EXPECT_EQ(records[i]["iteration"], i + 1);
+      const bool before = i < kShrinkAfter;
+      EXPECT_EQ(records[i]["pipeline_size"], before ? pp_before : pp_after);
+      EXPECT_EQ(records[i]["active_ranks"], before ? ranks_before : ranks_after);
+    }
+  }
+
+  static void ExpectSameLosses(const std::vector<nlohmann::json>& a,
+                               const std::vector<nlohmann::json>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      // Bit for bit. (The gradient norm's sum over the stages runs in another order on
+      // fewer stages, so grad_norm may differ in its last bits.)
+      EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
+    }
+  }
+
+  static std::string* dir_;
+};
+std::string* SlowRepackTrainTest::dir_ = nullptr;
+
+TEST_F(SlowRepackTrainTest, Pp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
+  std::string output;
+  const std::vector<nlohmann::json> still =
+      Train(4, "pp4", "--pipeline_model_parallel_size=4", &output);
+  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+
+  // Live: ranks 1 and 3 (stages 1 and 3) hand their layers and the head over and exit 0.
+  const std::vector<nlohmann::json> live =
+      Train(4, "pp4_live", "--pipeline_model_parallel_size=4 --repack_script=6:2", &output);
+  ExpectShrunk(live, 4, 2, 4, 2);
+  EXPECT_EQ(CountOf(output, "released after iteration 6: the pipeline shrank from 4 to 2 stages"),
+            2)
+      << output;
+  EXPECT_NE(output.find("rank 1 (pid"), std::string::npos) << output;
+  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+  EXPECT_NE(output.find("every rank exited 0; 2 of 4 were released early by re-packing"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("re-packed live after iteration 6: 4 → 2 pipeline stages"),
+            std::string::npos)
+      << output;
+  ExpectSameLosses(live, still);
+
+  // Through a checkpoint: exit code 75, the launcher relaunches two ranks with pp=2.
+  const std::string save = *dir_ + "/ckpt_pp4";
+  const std::vector<nlohmann::json> relaunched =
+      Train(4, "pp4_ckpt",
+            "--pipeline_model_parallel_size=4 --repack_script=6:2 --repack_via_checkpoint "
+            "--save=" + save,
+            &output);
+  ExpectShrunk(relaunched, 4, 2, 4, 2);
+  EXPECT_NE(output.find("exited with code 75: the job asks for a relaunch"), std::string::npos)
+      << output;
+  EXPECT_NE(output.find("re-packing through a checkpoint: 2 ranks released, relaunching 2 with "
+                        "--pipeline_model_parallel_size=2 --load=" + save),
+            std::string::npos)
+      << output;
+  ExpectSameLosses(relaunched, still);
+
+  // Resume after the shrink under another layout: the checkpoint of iteration 6 (written
+  // on pp=4) and of iteration 12 (on pp=2) both load into one process.
+  const std::vector<nlohmann::json> resumed =
+      Train(1, "resumed_single", "--load=" + save + "/iter_0000006", &output);
+  ASSERT_EQ(resumed.size(), static_cast<size_t>(kIterations - kShrinkAfter)) << output;
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    // One process sums in another order than a pipeline: equal to rounding.
+    EXPECT_NEAR(resumed[i]["loss"].get<double>(), still[i + kShrinkAfter]["loss"].get<double>(),
+                1e-5 * still[i + kShrinkAfter]["loss"].get<double>());
+  }
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --train_iters=13 --load=" +
+                                                             save + "/iter_0000012"),
+                                &output),
+            0)
+      << output;
+}
+
+TEST_F(SlowRepackTrainTest, Pp2TimesDp2ToPp1TimesDp2ShrinksEveryReplicaAlike) {
+  std::string output;
+  // Untied embeddings: on one stage a tied output weight sums its two gradient halves in
+  // autograd's order, on two the embedding group sums them, so a tied model would agree to
+  // rounding only (about 3e-8 here), not bit for bit.
+  const std::string layout = "--pipeline_model_parallel_size=2 --global_batch_size=16 "
+                             "--micro_batch_size=4 --untie_embeddings_and_output_weights";
+  const std::vector<nlohmann::json> still = Train(4, "pp2dp2", layout, &output);
+  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+  const std::vector<nlohmann::json> live =
+      Train(4, "pp2dp2_live", layout + " --repack_script=6:1", &output);
+  ExpectShrunk(live, 2, 1, 4, 2);
+  // Both replicas' second stages (ranks 2 and 3) are released.
+  EXPECT_EQ(CountOf(output, "released after iteration 6: the pipeline shrank from 2 to 1 stages"),
+            2)
+      << output;
+  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+  ExpectSameLosses(live, still);
+}
+
+// The re-packing flags are checked before any work: exit 2 and one line naming the value.
+TEST(RepackFlagsTest, BadFlagsExitTwoNamingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--repack=sometimes", "--repack='sometimes' is unknown; expected off or auto"},
+      {"--repack_script=15", "step '15' is not ITER:STAGES"},
+      {"--repack_script=40:2", "iteration 40 is not before the last (--train_iters=30)"},
+      {"--repack=auto --repack_script=5:1", "both decide when to re-pack; give one of them"},
+      {"--repack_via_checkpoint", "--repack_via_checkpoint says how to re-pack; it needs"},
+      {"--repack_script=5:1 --repack_via_checkpoint", "it needs --save"},
+      {"--repack=auto --repack_max_slowdown=-1", "--repack_max_slowdown=-1 must be"},
+      {"--repack=auto --repack_interval=0", "--repack_interval=0 must be ≥ 1"},
+      {"--on_release_command=true", "--on_release_command runs on ranks a re-packing releases"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SCOPED_TRACE(flags);
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, "--recipe=tiny --train_iters=30 " + flags),
+                                  &output),
+              2);
+    EXPECT_NE(output.find(message), std::string::npos) << output;
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum

@@ -371,11 +371,25 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
       LinearRowsForward(x, qkv_weight_, qkv_bias_, kv_rows).view({s, b, heads, 2, d}).unbind(3);
   const at::Tensor keys = kv[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
   const at::Tensor values = kv[1].permute({1, 2, 0, 3});
-  at::Tensor scores = at::matmul(q * (1.0 / std::sqrt(double(d))), keys.transpose(-2, -1));
-  // Query at position p sees keys 0..p.
-  const at::Tensor future = at::arange(s, at::kLong).view({1, 1, 1, s}) >
-                            index.t().reshape({b, 1, k, 1});
-  at::Tensor context = at::matmul(at::softmax(scores.masked_fill(future, -INFINITY), -1), values)
+  // Causal query chunks as in SoftmaxAttention (NOTE [causal query chunks]): the rows of a
+  // chunk score only the keys up to the latest position among them, so with ascending
+  // positions about half of the k×s matrix is computed.
+  const at::Tensor scaled_q = q * (1.0 / std::sqrt(double(d)));
+  const at::Tensor query_pos = index.t().reshape({b, 1, k, 1});
+  const int64_t chunk = std::max<int64_t>(16, (k + 7) / 8);
+  std::vector<at::Tensor> parts;
+  for (int64_t begin = 0; begin < k; begin += chunk) {
+    const int64_t rows = std::min(k, begin + chunk) - begin;
+    const at::Tensor pos = query_pos.narrow(2, begin, rows);
+    const int64_t end = pos.max().item<int64_t>() + 1;
+    const at::Tensor scores =
+        at::matmul(scaled_q.narrow(2, begin, rows), keys.narrow(2, 0, end).transpose(-2, -1));
+    // Query at position p sees keys 0..p.
+    const at::Tensor future = at::arange(end, at::kLong).view({1, 1, 1, end}) > pos;
+    parts.push_back(
+        at::matmul(CausalSoftmaxFunction::apply(scores, future), values.narrow(2, 0, end)));
+  }
+  at::Tensor context = (parts.size() == 1 ? parts[0] : at::cat(parts, 2))
                            .permute({2, 0, 1, 3})
                            .reshape({k, b, heads * d});
   at::Tensor attn =

@@ -145,7 +145,7 @@ class TransformerLayer : public Unit {
   /// (learned positions only: rotary positions assume the tokens are 0..n−1).
   at::Tensor Residual(const at::Tensor& hidden, const ForwardContext& ctx) const;
   /// Residual for some tokens only: f(x) of the tokens at `index` ([k, b] int64, each
-  /// sequence's positions in ascending order; repeats allowed) → [k, b, h], where every
+  /// sequence's positions, ascending for speed; repeats allowed) → [k, b, h], where every
   /// token of `hidden` [s, b, h] still serves as a key and value — early exit's active tokens
   /// attending to the propagated states of the exited ones (CALM, Schuster et al. 2022,
   /// §3). The same function as Residual(hidden).gather(0, index), but the queries, the

@@ -150,7 +150,7 @@ struct ExitLayer {
   bool is_exit = false;
   double weight = 0;
   LayerCounts train, eval;  // by ForwardContext::training
-  double last_fraction = 1;  // computed / seen in the last iteration's training forwards
+  double last_fraction = 1;  // computed / seen of the previous iteration's training forwards
 };
 
 // The rank's copy of the head and what the layers' wrappers share (NOTE [early exit heads]).
@@ -277,13 +277,19 @@ class EarlyExitPlugin final : public Plugin {
                                           const ForwardContext& ctx) {
       return ExitForward(*shared, *raw, self, hidden, ctx);
     });
-    layer.SetLoadReporter([raw] { return raw->last_fraction; });
+    // This iteration's fraction once its forwards ran, else the last iteration's.
+    layer.SetLoadReporter([raw] {
+      return raw->train.seen > 0 ? raw->train.computed / raw->train.seen : raw->last_fraction;
+    });
   }
 
   absl::Status BeforeIteration(PluginContext& ctx) override {
     if (!shared_->synced) SyncHead(ctx);
     for (const auto& [index, layer] : ctx.model().layers()) {
-      if (ExitLayer* state = layer->Attached<ExitLayer>(kAttachment)) state->train = LayerCounts();
+      if (ExitLayer* state = layer->Attached<ExitLayer>(kAttachment)) {
+        if (state->train.seen > 0) state->last_fraction = state->train.computed / state->train.seen;
+        state->train = LayerCounts();
+      }
     }
     return absl::OkStatus();
   }
@@ -305,12 +311,6 @@ class EarlyExitPlugin final : public Plugin {
 
   absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) override {
     Report report = Gather(ctx, /*training=*/true);
-    for (const auto& [index, layer] : ctx.model().layers()) {
-      ExitLayer* state = layer->Attached<ExitLayer>(kAttachment);
-      if (state != nullptr && state->train.seen > 0) {
-        state->last_fraction = state->train.computed / state->train.seen;
-      }
-    }
     (*record)["early_exit_tokens"] = report.tokens;
     (*record)["early_exit_avg_layers"] = report.avg_layers;
     for (const auto& [name, value] : report.exit_losses.items()) (*record)[name] = value;

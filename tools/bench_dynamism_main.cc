@@ -12,6 +12,10 @@
 //                  AfterOptimizerStep): the layer is the model's frozen prefix, so it runs
 //                  its forward without autograd and has no backward at all
 //      mod@C       the mod plugin routing the layer at capacity C (--capacities)
+//      exit@A      the early_exit plugin, the layer after an exit (layer 1 of 2, exit after
+//                  layer 0) with the fraction A of each sequence's tokens still active
+//                  (--active; the others marked exited at random positions): queries and
+//                  MLP on the active tokens, keys and values of all
 //    and, in a second table at --attention_seq tokens per sequence against its own dense
 //    layer, the sparse_attention plugin at each of --buckets (blocks of --attention_block).
 //    Each repetition times, per configuration, the forward (F), the backward with a
@@ -23,18 +27,21 @@
 //    the plugin says the layer computed: weights kept, tokens routed (the layer's load), or
 //    attention scores computed out of s^2 per head (the attention core's load).
 //    Goals: a 90%-pruned layer, a frozen-prefix layer and a layer computing 25% of the
-//    tokens each <= 0.4x dense.
+//    tokens (mod, early exit) each <= 0.4x dense.
 //
 // 2. Pipeline (--pipeline). pp=2, two ranks x one thread, where a plugin makes the stages
 //    unequal, with --rebalancer=none against the partition balancer: it runs
 //    fulcrum_bench_balance (built next to this tool) with the plugin's flags, which prints
 //    bubble ratio, iteration time and imbalance side by side (none, partition, diffusion)
 //    and checks that the losses agree. The plugin cases: freeze (layers 0..2 of 8 frozen
-//    after iteration 1, so stage 0 keeps three forward-only layers) and mod (layers 4..7
-//    routed at capacity 0.125, so stage 1's layers compute an eighth of the tokens).
+//    after iteration 1, so stage 0 keeps three forward-only layers), mod (layers 4..7
+//    routed at capacity 0.125, so stage 1's layers compute an eighth of the tokens),
+//    early_exit (one exit after layer 3 with the state-saturation confidence, so the
+//    tokens that exit there skip stage 1) and sparse_attention (every layer, 4 buckets).
 //
 //   build/bin/fulcrum_bench_dynamism [--hidden=512] [--heads=8] [--ffn=2048] [--seq=256]
 //       [--micro_batch=4] [--sparsity=0.5,0.8,0.9] [--capacities=0.5,0.25,0.125]
+//       [--active=0.5,0.25,0.125]
 //       [--attention_seq=1024] [--buckets=2,4,8] [--attention_block=64] [--threads=1,2]
 //       [--reps=7] [--warmup=2]
 //       [--pipeline=true] [--pipeline_rounds=2] [--pipeline_iters=30]
@@ -44,6 +51,7 @@
 #include <gflags/gflags.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -74,6 +82,8 @@ DEFINE_int64(seq, 256, "Sequence length (gpt_20m: 256).");
 DEFINE_int64(micro_batch, 4, "Micro-batch size (gpt_20m: 4).");
 DEFINE_string(sparsity, "0.5,0.8,0.9", "Sparsities the prune plugin prunes the layer to.");
 DEFINE_string(capacities, "0.5,0.25,0.125", "Capacities of the mod plugin's routed layer.");
+DEFINE_string(active, "0.5,0.25,0.125",
+              "Fractions of tokens still active (not exited) at the early_exit plugin's layer.");
 DEFINE_int64(attention_seq, 1024,
              "Sequence length of the sparse-attention table (its own dense reference); 0 skips it.");
 DEFINE_string(buckets, "2,4,8", "Bucket counts of the sparse_attention plugin.");
@@ -94,6 +104,8 @@ DECLARE_string(freeze_schedule);
 DECLARE_int64(mod_layer_freq);
 DECLARE_double(mod_capacity);
 DECLARE_int64(sparse_attention_buckets);
+DECLARE_string(early_exit_layers);
+DECLARE_double(early_exit_threshold);
 DECLARE_int64(sparse_attention_block);
 
 namespace fulcrum {
@@ -127,10 +139,27 @@ struct Config {
   double target = 0;                   // the sparsity asked of the prune plugin
   double sparsity = 0;                 // measured from the weights
   double goal_work = -1;               // the fraction of work the goal is checked at
+  /// early_exit: the carried token state its layer receives (NOTE [carried token state]).
+  at::Tensor token_state;
   std::vector<double> f, b, w;
 };
 
 ForwardContext TrainingContext() { return ForwardContext{true, 1, 0, 1.0, {}, 0}; }
+
+ForwardContext ContextOf(const Config& c) {
+  ForwardContext ctx = TrainingContext();
+  if (c.token_state.defined()) ctx.token_state = c.token_state;
+  return ctx;
+}
+
+// Exactly round(active x s) active tokens in each of b sequences, at random positions; the
+// others exited at layer 0.
+at::Tensor ExitState(double active, int64_t seq, int64_t b) {
+  const int64_t k = std::clamp<int64_t>(std::llround(active * static_cast<double>(seq)), 1, seq);
+  torch::manual_seed(11);
+  const at::Tensor order = std::get<1>(at::rand({seq, b}).sort(0));
+  return at::zeros({seq, b}, at::kFloat).scatter(0, order.narrow(0, 0, k), -1.0);
+}
 
 absl::StatusOr<std::shared_ptr<PluginSet>> Plugins(const std::string& name,
                                                    const ModelOptions& options) {
@@ -189,6 +218,15 @@ absl::StatusOr<Config> MakeConfig(const std::string& kind, double knob, int64_t 
     FLAGS_mod_capacity = knob;
     FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("mod", options));
     c.model = std::make_unique<GptModel>(options, stage, nullptr, c.plugins);
+  } else if (kind == "early_exit") {
+    c.name = absl::StrFormat("exit@%.3f", knob);
+    ModelOptions two = options;
+    two.num_layers = 2;
+    FLAGS_early_exit_layers = "0";
+    FLAGS_early_exit_threshold = 2;  // the exits are given (token_state), none decided here
+    FULCRUM_ASSIGN_OR_RETURN(c.plugins, Plugins("early_exit", two));
+    c.model = std::make_unique<GptModel>(two, StageSpec{1, 2, false, false}, nullptr, c.plugins);
+    c.token_state = ExitState(knob, seq, FLAGS_micro_batch);
   } else if (kind == "sparse_attention") {
     c.name = absl::StrFormat("buckets=%d", static_cast<int>(knob));
     FLAGS_sparse_attention_buckets = static_cast<int64_t>(knob);
@@ -205,7 +243,7 @@ absl::StatusOr<Config> MakeConfig(const std::string& kind, double knob, int64_t 
 double CheckAgainstDense(const Config& c, const at::Tensor& hidden, int64_t seq) {
   GptModel dense(LayerOptions(seq), StageSpec{0, 1, false, false});
   at::NoGradGuard no_grad;
-  const TransformerLayer& from = *c.model->layers().at(0);
+  const TransformerLayer& from = *c.model->layers().begin()->second;
   TransformerLayer& to = *dense.layers().at(0);
   for (Parameter& p : to.parameters()) {
     for (const Parameter& q : from.parameters()) {
@@ -226,7 +264,7 @@ void RunOnce(Config& c, const at::Tensor& input, const at::Tensor& grad_out, boo
   at::Tensor out;
   {
     WeightGradStore::Scope scope(&store);
-    out = c.model->ForwardLayers(hidden, TrainingContext());
+    out = c.model->ForwardLayers(hidden, ContextOf(c));
   }
   const auto t1 = Clock::now();
   if (out.requires_grad()) {
@@ -266,7 +304,9 @@ bool LayerTable(const std::string& title, int threads, int64_t seq, const std::v
     }
     if (spec.kind == "prune" && std::abs(spec.knob - kGoalSparsity) < 1e-9) c->goal_work = 1 - spec.knob;
     if (spec.kind == "frozen") c->goal_work = 0;
-    if (spec.kind == "mod" && std::abs(spec.knob - 0.25) < 1e-9) c->goal_work = 0.25;
+    if ((spec.kind == "mod" || spec.kind == "early_exit") && std::abs(spec.knob - 0.25) < 1e-9) {
+      c->goal_work = 0.25;
+    }
     configs.push_back(*std::move(c));
   }
 
@@ -305,6 +345,7 @@ bool LayerTable(const std::string& title, int threads, int64_t seq, const std::v
     const std::string& kind = specs[i].kind;
     if (kind == "prune") work = 1 - c.sparsity;
     if (kind == "mod") work = c.model->layers().at(0)->Load();
+    if (kind == "early_exit") work = c.model->layers().at(1)->Load();
     if (kind == "sparse_attention") work = c.model->layers().at(0)->Load() / dense_scores;
     std::string goal;
     if (c.goal_work >= 0) {
@@ -331,6 +372,11 @@ bool PipelineTable(const std::string& bin_dir) {
   const std::vector<Case> cases = {
       {"freeze", "--num_layers=8 --plugins=freeze --freeze_schedule=1:0-2"},
       {"mod", "--num_layers=8 --plugins=mod --mod_layers=4-7 --mod_capacity=0.125"},
+      // One exit after layer 3: the tokens confident there skip stage 1's layers 4..7.
+      {"early_exit", "--num_layers=8 --plugins=early_exit --early_exit_layers=3 "
+                     "--early_exit_confidence=state --early_exit_threshold=0.9"},
+      // Every layer sparse: the stages stay nearly equal (bucket sizes differ per layer).
+      {"sparse_attention", "--num_layers=8 --plugins=sparse_attention"},
   };
   bool ok = true;
   for (const Case& c : cases) {
@@ -342,7 +388,7 @@ bool PipelineTable(const std::string& bin_dir) {
         absl::StrCat("--model_flags=", c.model_flags),
         absl::StrCat("--rounds=", FLAGS_pipeline_rounds),
         absl::StrCat("--train_iters=", FLAGS_pipeline_iters), "--skip_iters=6",
-        "--before_iters=2"};
+        "--before_iters=2", "--repack_row=false"};
     std::printf("%s\n", bench::ShellCommand(args).c_str());
     std::fflush(stdout);
     const int code = std::system(bench::ShellCommand(args).c_str());
@@ -374,8 +420,9 @@ std::optional<std::vector<double>> ParseNumbers(const char* flag, const std::str
 int Main(const std::string& bin_dir) {
   const auto sparsities = ParseNumbers("sparsity", FLAGS_sparsity, 1e-9, 1 - 1e-9);
   const auto capacities = ParseNumbers("capacities", FLAGS_capacities, 1e-9, 1);
+  const auto active = ParseNumbers("active", FLAGS_active, 1e-9, 1);
   const auto buckets = ParseNumbers("buckets", FLAGS_buckets, 1, 4096);
-  if (!sparsities || !capacities || !buckets) return bench::kUsageError;
+  if (!sparsities || !capacities || !active || !buckets) return bench::kUsageError;
   std::string error;
   std::optional<std::vector<int>> threads = bench::ParseInts("threads", FLAGS_threads, 1, &error);
   if (!threads) {
@@ -398,11 +445,12 @@ int Main(const std::string& bin_dir) {
   for (double s : *sparsities) layer.push_back({"prune", s});
   layer.push_back({"frozen", 0});
   for (double c : *capacities) layer.push_back({"mod", c});
+  for (double a : *active) layer.push_back({"early_exit", a});
   std::vector<Spec> attention = {{"dense", 0}};
   for (double b : *buckets) attention.push_back({"sparse_attention", b});
   bool ok = true;
   for (int t : *threads) {
-    ok = LayerTable("prune, freeze, mod", t, FLAGS_seq, layer) && ok;
+    ok = LayerTable("prune, freeze, mod, early exit", t, FLAGS_seq, layer) && ok;
     if (FLAGS_attention_seq > 0) {
       ok = LayerTable("sparse_attention", t, FLAGS_attention_seq, attention) && ok;
     }

@@ -18,7 +18,8 @@ namespace fulcrum {
 namespace {
 
 ModelOptions Fp64Model() {
-  ModelOptions m = testing::SmallModel();  // hidden 32, 4 heads, seq 16
+  ModelOptions m = testing::SmallModel();  // hidden 32, 4 heads
+  m.seq_length = 64;  // ResidualAt's query chunks are ≥ 16 rows: several chunks
   m.params_dtype = ParamsDtype::kFp64;
   m.hidden_dropout = 0;
   m.attention_dropout = 0;
@@ -80,6 +81,7 @@ TEST(ResidualAtTest, SomeTokensEqualTheDenseResidualAtThemValuesAndGradients) {
     const at::Tensor index = SomePositions(s, b, 7);
     const int64_t k = index.size(0);
     ASSERT_LT(k, s) << "a subset";
+    ASSERT_GT(k, 32) << "three query chunks";
     at::manual_seed(2);
     const at::Tensor x0 = at::randn({s, b, h}, at::kDouble);
     const at::Tensor upstream = at::randn({k, b, h}, at::kDouble);

@@ -675,7 +675,8 @@ absl::Status Trainer::Run() {
   }
   if (stopped_ && is_logging_rank()) {
     FULCRUM_LOG(INFO) << "stopped at iteration " << iteration_ << " of " << t.train_iters
-                      << " on request (a stop signal); "
+                      << " on request ("
+                      << (stop_reason_ ? stop_reason_() : std::string("a stop signal")) << "); "
                       << (t.save.empty() ? std::string("no --save, so nothing was saved")
                                          : absl::StrCat("checkpoint of iteration ", iteration_,
                                                         " saved in ", t.save));

@@ -98,7 +98,12 @@ class Trainer {
   // trainer only reads the flag through the function given here.
   /// `requested` (may be empty) says whether this rank was asked to stop; it is read once
   /// per iteration and must be cheap and async-signal-safe to back (an atomic flag).
-  void SetStopRequest(std::function<bool()> requested) { stop_request_ = std::move(requested); }
+  /// `reason` (may be empty: "a stop signal") names the request in the log line of the stop.
+  void SetStopRequest(std::function<bool()> requested,
+                      std::function<std::string()> reason = nullptr) {
+    stop_request_ = std::move(requested);
+    stop_reason_ = std::move(reason);
+  }
   /// Whether the last Run ended on a stop request.
   bool stopped() const { return stopped_; }
 
@@ -172,6 +177,7 @@ class Trainer {
   int64_t consumed_samples_ = 0;
   std::shared_ptr<PluginSet> plugins_;  // Never null; may be empty.
   std::function<bool()> stop_request_;
+  std::function<std::string()> stop_reason_;
   bool stopped_ = false;
 };
 

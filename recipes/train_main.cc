@@ -10,6 +10,7 @@
 #include <iostream>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/threads.h"
@@ -237,6 +238,9 @@ int main(int argc, char** argv) {
       }
     }
     return g_stop_signal != 0 || repack_plan.has_value() || !repack_error.ok();
+  }, [&]() -> std::string {
+    if (g_stop_signal != 0) return "a stop signal";
+    return repack_plan ? "re-packing" : "a re-packing error";
   });
   try {
     if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
@@ -254,6 +258,7 @@ int main(int argc, char** argv) {
       const int old_pp = parallel->pp_size();
       const int old_world = parallel->world_size();
       const int old_rank = parallel->world_rank();
+      const auto shrink_start = fulcrum::pipeline::TimelineRecorder::Clock::now();
       auto shrunk = fulcrum::ShrinkLive(*parallel, **trainer, old_ranges, new_ranges,
                                         config->model.tie_embeddings);
       if (!shrunk.ok()) return Fail(shrunk.status());
@@ -281,6 +286,13 @@ int main(int argc, char** argv) {
       timeline.reset();
       parallel = std::move(*shrunk);  // The old groups go; the trainer runs on the new ones.
       if (absl::Status s = install_runner(*parallel, timeline_path, true); !s.ok()) return Fail(s);
+      if (timeline != nullptr) {  // The shrink itself, on the new timeline's events row.
+        timeline->RecordSpan(absl::StrCat("re-pack ", old_pp, " -> ", new_pp, " stages after "
+                                          "iteration ", (*trainer)->iteration(), " (",
+                                          old_world - new_world, " ranks released)"),
+                             "repack", timeline->MillisecondsSinceOrigin(shrink_start),
+                             timeline->NowMs());
+      }
       if (parallel->is_logging_rank()) {
         FULCRUM_LOG(INFO) << "re-packed live after iteration " << (*trainer)->iteration()
                           << ": " << old_pp << " → " << new_pp << " pipeline stages, "

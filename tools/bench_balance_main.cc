@@ -87,6 +87,9 @@ DEFINE_string(repack_model_flags,
               "--freeze_max_fraction=0.75",
               "fulcrum_train flags of the re-packing row's model (freezing shrinks its work).");
 DEFINE_int32(repack_iters, 40, "Iterations per run of the re-packing row.");
+DEFINE_double(repack_auto_max_slowdown, 0.25,
+              "The re-packing row also runs --repack=auto --repack_interval=5 with this "
+              "--repack_max_slowdown (negative: not)." );
 DEFINE_int32(repack_at, 15,
              "The re-packing row packs pp=2 onto one stage after this iteration (--repack_script); "
              "'before' is iterations 8..AT, 'after' AT+3..--repack_iters.");
@@ -318,8 +321,15 @@ bool RunRepackRow(const std::string& bin_dir, const std::string& work_dir) {
     std::vector<double> tokens_per_second, loss;
     std::vector<int> active_ranks, pipeline_size;
   };
-  const std::vector<std::pair<std::string, std::string>> variants = {
+  std::vector<std::pair<std::string, std::string>> variants = {
       {"static", ""}, {"repacked", absl::StrCat("--repack_script=", FLAGS_repack_at, ":1")}};
+  if (FLAGS_repack_auto_max_slowdown >= 0) {
+    // The automatic decision on the measured per-layer costs, every 5 iterations from the
+    // freezing on; whether and when it packs depends on this machine's timings.
+    variants.emplace_back("auto", absl::StrCat("--repack=auto --repack_interval=5 "
+                                               "--repack_max_slowdown=",
+                                               FLAGS_repack_auto_max_slowdown));
+  }
   auto command = [&](const std::string& extra, const std::string& metrics) {
     std::vector<std::string> args = {bin_dir + "/fulcrum_launch", "--nproc_per_node=2",
                                      "--master_port=0", "--", bin_dir + "/fulcrum_train"};
@@ -334,7 +344,9 @@ bool RunRepackRow(const std::string& bin_dir, const std::string& work_dir) {
                              std::string("--log_interval=1000000"), "--metrics_file=" + metrics}) {
       args.push_back(std::move(flag));
     }
-    if (!extra.empty()) args.push_back(extra);
+    for (absl::string_view flag : absl::StrSplit(extra, ' ', absl::SkipWhitespace())) {
+      args.emplace_back(flag);
+    }
     return args;
   };
   std::printf("\n# re-packing row: %s, pp=2, %d iterations; repacked: --repack_script=%d:1 (the "
@@ -417,18 +429,21 @@ bool RunRepackRow(const std::string& bin_dir, const std::string& work_dir) {
   }
   // Losses: re-packing never changes the math (a tied output weight on one stage sums its two
   // gradient halves in another order: equal to rounding).
-  if (!runs["static"].empty() && !runs["repacked"].empty()) {
+  if (!runs["static"].empty()) {
     const RepackRun& a = runs["static"].front();
-    double worst = 0;
-    for (const RepackRun& b : runs["repacked"]) {
-      for (size_t i = 0; i < a.loss.size() && i < b.loss.size(); ++i) {
-        worst = std::max(worst, std::fabs(a.loss[i] - b.loss[i]) / std::fabs(a.loss[i]));
+    for (const auto& [name, extra] : variants) {
+      if (name == "static" || runs[name].empty()) continue;
+      double worst = 0;
+      for (const RepackRun& b : runs[name]) {
+        for (size_t i = 0; i < a.loss.size() && i < b.loss.size(); ++i) {
+          worst = std::max(worst, std::fabs(a.loss[i] - b.loss[i]) / std::fabs(a.loss[i]));
+        }
       }
+      const bool same = worst <= FLAGS_loss_tolerance;
+      ok = ok && same;
+      std::printf("# loss check: %s vs static max relative difference %.3g (tolerance %g)  %s\n",
+                  name.c_str(), worst, FLAGS_loss_tolerance, same ? "ok" : "DIFFERS");
     }
-    const bool same = worst <= FLAGS_loss_tolerance;
-    ok = ok && same;
-    std::printf("# loss check: repacked vs static max relative difference %.3g (tolerance %g)  %s\n",
-                worst, FLAGS_loss_tolerance, same ? "ok" : "DIFFERS");
   }
   return ok;
 }
@@ -453,6 +468,15 @@ int Main(const std::string& bin_dir) {
   }
   setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1);  // One thread per rank.
 
+  if (configs.empty()) {  // --configs= : only the re-packing row.
+    const bool ok = RunRepackRow(bin_dir, work_dir);
+    if (FLAGS_keep_logs) {
+      std::printf("# logs and metrics: %s\n", work_dir.c_str());
+    } else {
+      std::system(absl::StrCat("rm -rf '", work_dir, "'").c_str());
+    }
+    return ok ? 0 : 1;
+  }
   const int cores = bench::UsableCores();
   double load_start = -1;
   bench::ReadLoadAverage(&load_start);

@@ -133,6 +133,8 @@ class TransformerLayer : public Unit {
   double Load() const;
   /// Sets the function Load() returns (a plugin's predicted load: active tokens, density).
   void SetLoadReporter(std::function<double()> reporter) { load_reporter_ = std::move(reporter); }
+  /// The reporter set so far (empty: none), for a plugin composing with an earlier one's.
+  const std::function<double()>& load_reporter() const { return load_reporter_; }
 
   /// Unit's, plus the block's step state under "<layer>.mlp.step_state.<name>".
   NamedTensors MigrationTensors() const override;
@@ -165,6 +167,11 @@ class TransformerLayer : public Unit {
                                                   const at::Tensor& hidden,
                                                   const ForwardContext& ctx)>;
   void SetForwardWrapper(ForwardWrapper wrapper) { forward_wrapper_ = std::move(wrapper); }
+  /// The wrapper set so far (empty: none). Wrappers compose by hand: a plugin wrapping a
+  /// layer that an earlier plugin (in --plugins order) wrapped keeps this one and calls it
+  /// where it runs the whole layer (early exit around Mixture-of-Depths); a plugin that
+  /// cannot do so refuses a layer already wrapped.
+  const ForwardWrapper& forward_wrapper() const { return forward_wrapper_; }
 
  private:
   at::Tensor Attention(const at::Tensor& x, const ForwardContext& ctx) const;

@@ -151,6 +151,8 @@ struct ExitLayer {
   double weight = 0;
   LayerCounts train, eval;  // by ForwardContext::training
   double last_fraction = 1;  // computed / seen of the previous iteration's training forwards
+  // The wrapper an earlier plugin set on the layer, run where the whole layer runs.
+  TransformerLayer::ForwardWrapper inner;
 };
 
 // The rank's copy of the head and what the layers' wrappers share (NOTE [early exit heads]).
@@ -191,9 +193,17 @@ at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer&
   at::Tensor exit_state = ctx.token_state;
   at::Tensor out;
   at::Tensor index, valid;  // the active tokens, when some have exited
-  if (!exit_state.defined() || !exit_state.ge(0).any().item<bool>()) {
-    out = layer.PlainForward(hidden, ctx);
+  const bool exited = exit_state.defined() && exit_state.ge(0).any().item<bool>();
+  if (!exited) {
+    out = state.inner ? state.inner(layer, hidden, ctx) : layer.PlainForward(hidden, ctx);
     counts.computed += static_cast<double>(s * b);
+  } else if (state.inner) {
+    // Another plugin's wrapper (Mixture-of-Depths) runs the layer on every token; the
+    // exited ones keep their state (their compute is not saved on such a layer).
+    const at::Tensor keep = exit_state.ge(0).unsqueeze(-1);
+    out = at::where(keep, hidden, state.inner(layer, hidden, ctx));
+    counts.computed += static_cast<double>(s * b);
+    std::tie(index, valid) = ActiveIndex(exit_state.lt(0));
   } else {
     const at::Tensor active = exit_state.lt(0);
     std::tie(index, valid) = ActiveIndex(active);
@@ -270,6 +280,7 @@ class EarlyExitPlugin final : public Plugin {
     auto it = std::find(exits.begin(), exits.end(), state->index);
     state->is_exit = it != exits.end();
     if (state->is_exit) state->weight = shared_->options.weights[it - exits.begin()];
+    state->inner = layer.forward_wrapper();
     layer.Attach(kAttachment, state);
     ExitLayer* raw = state.get();  // the layer owns the state and the closures
     Shared* shared = shared_.get();  // the plugin outlives the model's layers
@@ -277,8 +288,11 @@ class EarlyExitPlugin final : public Plugin {
                                           const ForwardContext& ctx) {
       return ExitForward(*shared, *raw, self, hidden, ctx);
     });
-    // This iteration's fraction once its forwards ran, else the last iteration's.
-    layer.SetLoadReporter([raw] {
+    // This iteration's fraction once its forwards ran, else the last iteration's; on a
+    // layer an earlier plugin wraps, exits save nothing there and its own report stands.
+    std::function<double()> inner_load = layer.load_reporter();
+    layer.SetLoadReporter([raw, inner_load] {
+      if (raw->inner) return inner_load ? inner_load() : 1.0;
       return raw->train.seen > 0 ? raw->train.computed / raw->train.seen : raw->last_fraction;
     });
   }

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -154,6 +155,11 @@ class ModPlugin final : public Plugin {
       state->fc1_b = add("mod.predictor.fc1.bias", {width}, 0.0, false);
       state->fc2_w = add("mod.predictor.fc2.weight", {1, width}, model.init_method_std, true);
       state->fc2_b = add("mod.predictor.fc2.bias", {1}, 0.0, false);
+    }
+    if (layer.forward_wrapper()) {
+      throw std::logic_error(absl::StrCat(
+          "--plugins: mod cannot route layer ", layer.layer_index(),
+          ", which a plugin before it already wraps (e.g. early_exit): list mod first"));
     }
     layer.Attach(kAttachment, state);
     RoutedLayer* raw = state.get();  // the layer owns both the state and these closures

@@ -187,6 +187,45 @@ TEST(EarlyExitTest, ExitLossGradientsMatchAutogradOfTheWeightedLoss) {
   }
 }
 
+// With Mixture-of-Depths (listed first) early exit wraps mod's wrapper: without exits the
+// model is the mod model bit for bit; with exits, the routed layer leaves exited tokens
+// unchanged and gives the active ones mod's output. Listed the other way round, mod refuses.
+TEST(EarlyExitTest, ComposesAroundModAndModRefusesTheOtherOrder) {
+  gflags::FlagSaver saver;
+  Flags flags(/*threshold=*/1.5, "0");
+  ModelOptions m = Model();
+  m.num_layers = 2;
+  PluginSetup setup;
+  setup.model = m;
+  auto both = MakePlugins({"mod", "early_exit"}, setup);
+  auto mod_only = MakePlugins({"mod"}, setup);
+  ASSERT_TRUE(both.ok() && mod_only.ok());
+  GptModel composed(m, StageSpec(), nullptr, *both);
+  GptModel mod(m, StageSpec(), nullptr, *mod_only);
+  PluginContext ctx(0, composed, nullptr, {});
+  ASSERT_TRUE((*both)->BeforeIteration(ctx).ok());
+  const at::Tensor tokens = Tokens(m, 2, 4);
+  at::NoGradGuard no_grad;
+  ForwardContext train{true, 1, 0, 0.0};
+  EXPECT_TRUE(at::equal(composed.ForwardLoss(tokens, train).sum, mod.ForwardLoss(tokens, train).sum));
+
+  // Layer 1 is mod-routed (every other layer); mark some tokens exited.
+  const int64_t s = m.seq_length;
+  at::manual_seed(8);
+  const at::Tensor x = at::randn({s, 2, m.hidden_size}, at::kDouble);
+  ForwardContext exits{true, 1, 0, 0.0};
+  exits.token_state = at::full({s, 2}, -1.0, at::kFloat);
+  exits.token_state.narrow(0, 0, 5).fill_(0);
+  const at::Tensor out = composed.layers().at(1)->Forward(x, exits);
+  const at::Tensor want = mod.layers().at(1)->Forward(x, ForwardContext{true, 1, 0, 0.0});
+  EXPECT_TRUE(at::equal(out.narrow(0, 0, 5), x.narrow(0, 0, 5))) << "exited tokens unchanged";
+  EXPECT_TRUE(at::equal(out.narrow(0, 5, s - 5), want.narrow(0, 5, s - 5))) << "the others: mod's";
+
+  auto wrong_order = MakePlugins({"early_exit", "mod"}, setup);
+  ASSERT_TRUE(wrong_order.ok());
+  EXPECT_THROW(GptModel(m, StageSpec(), nullptr, *wrong_order), std::logic_error);
+}
+
 TEST(EarlyExitTest, BadFlagsAreRefusedNamingThem) {
   const ModelOptions m = Model();
   PluginSetup setup;

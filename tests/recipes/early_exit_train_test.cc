@@ -24,7 +24,10 @@ const std::string kCommon =
 TEST(SlowEarlyExitTrainTest, TokensExitAndEveryLayoutTrainsTheOneProcessLosses) {
   const std::string dir = testing::MakeTempDir("early_exit_train");
   std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --metrics_file=" + dir + "/one.jsonl"),
+  const std::string ckpt = dir + "/ckpt";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
+                                                             " --save_interval=5 --metrics_file=" +
+                                                             dir + "/one.jsonl"),
                                 &output),
             0)
       << output;
@@ -57,6 +60,19 @@ TEST(SlowEarlyExitTrainTest, TokensExitAndEveryLayoutTrainsTheOneProcessLosses) 
     if (name == "pp2_migrating") {
       EXPECT_EQ(records.back()["layers_moved"], 2) << "layer 1 moved there and back";
     }
+  }
+  // A resume from iteration 5 continues the straight run bit for bit (the head copies are
+  // refreshed from the loaded head).
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt +
+                                                             "/iter_0000005 --metrics_file=" + dir +
+                                                             "/resumed.jsonl"),
+                                &output),
+            0)
+      << output;
+  const std::vector<nlohmann::json> after = testing::MetricsRecords(dir + "/resumed.jsonl");
+  ASSERT_EQ(after.size(), 5u);
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i]["loss"], one[5 + i]["loss"]) << "iteration " << 6 + i;
   }
 }
 

@@ -102,6 +102,32 @@ TEST(AdamWTest, GradNormAndClipping) {
   EXPECT_EQ(AdamW(options).ClipFactor(1e9), 1.0) << "clip_grad=0 disables clipping";
 }
 
+// The one-pass fp32 sum (any length, not a multiple of its 8 running sums; a
+// non-contiguous gradient) equals the fp64 sum of the squares, computed here by hand.
+TEST(AdamWTest, GradSquaredSumIsFp64SumOfSquares) {
+  class BigUnit : public Unit {
+   public:
+    BigUnit() : Unit("big") {
+      AddParameter("a", at::zeros({1003}), true);
+      AddParameter("b", at::zeros({7, 5}), true);
+    }
+  } unit;
+  torch::manual_seed(3);
+  unit.parameters()[0].value.mutable_grad() = torch::randn({1003}) * 1e3;
+  unit.parameters()[1].value.mutable_grad() = torch::randn({5, 7}).t();  // non-contiguous
+  double expected = 0.0;
+  for (const Parameter& p : unit.parameters()) {
+    const at::Tensor g = p.value.grad().contiguous();
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      const double x = g.data_ptr<float>()[i];
+      expected += x * x;
+    }
+  }
+  const double got = AdamW::GradSquaredSum({&unit});
+  EXPECT_NEAR(got, expected, 1e-12 * expected);
+  EXPECT_GT(got, 1e8) << "the gradients were summed";
+}
+
 TEST(LrScheduleTest, WarmupThenCosine) {
   LrScheduleOptions o;
   o.lr = 1.0;

@@ -7,13 +7,22 @@
 // pre-generated tokens, with no framework around it. It prints the median tokens/s of both
 // and their ratio; the goal is framework overhead ≤ 5% (ratio ≥ 0.95).
 //
+// With --compare_reference it also times tools/bench_train_reference.py, the same model in
+// PyTorch eager (Debian's python3-torch), as a coprocess driven over a pipe so its rounds
+// interleave with Fulcrum's at the same thread count; it prints ms/step of all three and
+// Fulcrum's time ratio to PyTorch's (goal ≤ 0.9). Without python3-torch it says so and
+// measures the rest. The `gpt_8k` shape is issue 16's: 4 layers, hidden 256, 4 heads, seq
+// 128, micro-batch 8, vocab 8000, untied output layer.
+//
 // Then, with --layouts, it trains the tiny recipe under each parallel layout (through
 // fulcrum_launch and Gloo, on this machine's cores) and prints the median tokens/s of each
 // next to one process's.
 //
 //   build/bin/fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]
 //                                 [--layouts=1,tp2,dp2,tp2dp2] [--layout_iters=30]
+//                                 [--compare_reference] [--threads=0]
 #include <gflags/gflags.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -22,12 +31,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "absl/strings/str_split.h"
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
 #include "core/logging.h"
+#include "core/malloc_tuning.h"
+#include "core/threads.h"
 #include "core/trainer.h"
 
 DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");
@@ -38,6 +51,18 @@ DEFINE_string(layouts, "1,tp2,dp2,tp2dp2",
               "Parallel layouts to time with the tiny recipe: 1 (one process), tpN, dpN, tpNdpM; "
               "empty skips them.");
 DEFINE_int32(layout_iters, 30, "Iterations per layout run (the first 5 are not counted).");
+DEFINE_bool(compare_reference, false,
+            "Also time the same model in PyTorch eager (tools/bench_train_reference.py under "
+            "/usr/bin/python3 with python3-torch), interleaved; skipped with a note if absent.");
+DEFINE_string(reference_script, "",
+              "Path of bench_train_reference.py; empty: <binary dir>/../../tools/.");
+DEFINE_string(profile_trace, "",
+              "If set, after measuring, records LibTorch's op profile of 3 Fulcrum steps "
+              "per model to <this>.<model>.json (chrome trace; docs/PERF.md sums it by op).");
+DEFINE_bool(keep_heap, true,
+            "Keep freed step memory in the heap (core/malloc_tuning.h); the PyTorch-eager "
+            "reference keeps glibc's defaults either way.");
+DEFINE_int32(threads, 0, "Intra-op and OpenBLAS threads for both sides; 0 keeps the default.");
 
 namespace fulcrum {
 namespace {
@@ -47,10 +72,85 @@ using Clock = std::chrono::steady_clock;
 struct Shape {
   std::string name;
   int64_t layers, hidden, heads, ffn, seq, micro_batch, global_batch;
+  int64_t vocab = 384;  // The byte tokenizer's.
+  bool untied = false;
 };
 
 const Shape kShapes[] = {{"tiny", 4, 128, 4, 512, 128, 8, 16},
-                         {"gpt_20m", 6, 512, 8, 2048, 256, 4, 16}};
+                         {"gpt_20m", 6, 512, 8, 2048, 256, 4, 16},
+                         {"gpt_8k", 4, 256, 4, 1024, 128, 8, 8, 8000, true}};
+
+std::string g_reference_script;
+
+// The PyTorch-eager twin (tools/bench_train_reference.py) as a coprocess: Run(n) asks it
+// for n steps and returns their wall seconds (negative once it has failed).
+class Reference {
+ public:
+  static std::unique_ptr<Reference> Start(const Shape& s, int threads) {
+    if (std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
+      std::printf("  (reference: /usr/bin/python3 cannot import torch; install python3-torch "
+                  "to compare with PyTorch eager)\n");
+      return nullptr;
+    }
+    int to_child[2], from_child[2];
+    if (pipe(to_child) != 0 || pipe(from_child) != 0) return nullptr;
+    std::vector<std::string> args = {"/usr/bin/python3", g_reference_script,
+                                     "--layers=" + std::to_string(s.layers),
+                                     "--hidden=" + std::to_string(s.hidden),
+                                     "--heads=" + std::to_string(s.heads),
+                                     "--ffn=" + std::to_string(s.ffn),
+                                     "--seq=" + std::to_string(s.seq),
+                                     "--micro_batch=" + std::to_string(s.micro_batch),
+                                     "--global_batch=" + std::to_string(s.global_batch),
+                                     "--vocab=" + std::to_string(s.vocab),
+                                     "--threads=" + std::to_string(threads),
+                                     "--warmup=" + std::to_string(FLAGS_warmup_iters)};
+    if (s.untied) args.push_back("--untied");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      close(to_child[1]);
+      close(from_child[0]);
+      setenv("OPENBLAS_NUM_THREADS", std::to_string(threads).c_str(), 1);
+      setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    auto ref = std::unique_ptr<Reference>(new Reference);
+    ref->pid_ = pid;
+    ref->in_ = fdopen(to_child[1], "w");
+    ref->out_ = fdopen(from_child[0], "r");
+    char line[256];
+    if (std::fgets(line, sizeof(line), ref->out_) == nullptr || std::strncmp(line, "ready", 5) != 0) {
+      std::printf("  (reference: %s did not start)\n", g_reference_script.c_str());
+      return nullptr;
+    }
+    return ref;
+  }
+  double Run(int steps) {
+    std::fprintf(in_, "%d\n", steps);
+    std::fflush(in_);
+    char line[256];
+    if (std::fgets(line, sizeof(line), out_) == nullptr) return -1;
+    return std::atof(line);
+  }
+  ~Reference() {
+    if (in_ != nullptr) std::fclose(in_);
+    if (out_ != nullptr) std::fclose(out_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::FILE* in_ = nullptr;
+  std::FILE* out_ = nullptr;
+};
 
 // ---- The plain LibTorch reference: same math, no framework. ---------------------------
 struct PlainBlockImpl : torch::nn::Module {
@@ -83,6 +183,9 @@ TORCH_MODULE(PlainBlock);
 struct PlainGptImpl : torch::nn::Module {
   PlainGptImpl(const Shape& s, int64_t vocab) {
     wte = register_module("wte", torch::nn::Embedding(vocab, s.hidden));
+    if (s.untied) {
+      head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(s.hidden, vocab).bias(false)));
+    }
     wpe = register_module("wpe", torch::nn::Embedding(s.seq, s.hidden));
     for (int64_t i = 0; i < s.layers; ++i) {
       blocks.push_back(register_module("block" + std::to_string(i), PlainBlock(s)));
@@ -94,12 +197,13 @@ struct PlainGptImpl : torch::nn::Module {
     const int64_t s = tokens.size(1) - 1;
     auto x = wte(tokens.narrow(1, 0, s).t()) + wpe->weight.narrow(0, 0, s).unsqueeze(1);
     for (auto& block : blocks) x = block->forward(x, future);
-    auto logits = torch::matmul(lnf(x), wte->weight.t());
+    auto logits = head ? head(lnf(x)) : torch::matmul(lnf(x), wte->weight.t());
     return torch::nn::functional::cross_entropy(
         logits.reshape({-1, logits.size(-1)}), tokens.narrow(1, 1, s).t().reshape({-1}),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   }
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Linear head{nullptr};
   std::vector<PlainBlock> blocks;
   torch::nn::LayerNorm lnf{nullptr};
   torch::Tensor future;
@@ -111,8 +215,8 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> corpus,
-             int64_t vocab) {
+void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> corpus) {
+  const int64_t vocab = shape.vocab;
   TrainerConfig config;
   config.model.num_layers = shape.layers;
   config.model.hidden_size = shape.hidden;
@@ -120,6 +224,7 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   config.model.ffn_hidden_size = shape.ffn;
   config.model.seq_length = shape.seq;
   config.model.vocab_size = vocab;
+  config.model.tie_embeddings = !shape.untied;
   config.train.micro_batch_size = shape.micro_batch;
   config.train.global_batch_size = shape.global_batch;
   config.train.train_iters = 1 << 30;
@@ -156,26 +261,40 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
     plain_step();
     fulcrum_step();
   }
-  std::vector<double> ours, theirs, ratios;
+  std::unique_ptr<Reference> reference;
+  if (FLAGS_compare_reference) reference = Reference::Start(shape, at::get_num_threads());
+  // ms per step of each side, and Fulcrum's time over PyTorch's per round.
+  std::vector<double> ours, theirs, ratios, eager, eager_ratios;
   for (int r = 0; r < FLAGS_rounds; ++r) {
-    // Alternate which goes first so drift in machine load hits both alike.
-    double a, b;
-    if (r % 2 == 0) {
-      a = time_iters(fulcrum_step);
-      b = time_iters(plain_step);
-    } else {
-      b = time_iters(plain_step);
-      a = time_iters(fulcrum_step);
-    }
-    ours.push_back(a);
-    theirs.push_back(b);
-    ratios.push_back(a / b);
+    // Rotate which goes first so drift in machine load hits all alike.
+    std::vector<std::function<void()>> order = {
+        [&] { ours.push_back(tokens / time_iters(fulcrum_step) * 1e3); },
+        [&] { theirs.push_back(tokens / time_iters(plain_step) * 1e3); },
+        [&] {
+          if (reference == nullptr) return;
+          const double seconds = reference->Run(FLAGS_iters_per_round);
+          if (seconds > 0) eager.push_back(seconds / FLAGS_iters_per_round * 1e3);
+        }};
+    std::rotate(order.begin(), order.begin() + r % 3, order.end());
+    for (auto& run : order) run();
+    ratios.push_back(theirs.back() / ours.back());
+    if (eager.size() == ours.size()) eager_ratios.push_back(ours.back() / eager.back());
   }
   std::printf("%-8s %10lld params | fulcrum %9.0f tok/s | plain libtorch %9.0f tok/s | "
               "ratio %.3f (median of %d rounds; overhead %+.1f%%)\n",
               shape.name.c_str(), static_cast<long long>((*trainer)->model().NumParameterElements()),
-              Median(ours), Median(theirs), Median(ratios), FLAGS_rounds,
-              (1.0 - Median(ratios)) * 100.0);
+              tokens / Median(ours) * 1e3, tokens / Median(theirs) * 1e3, Median(ratios),
+              FLAGS_rounds, (1.0 - Median(ratios)) * 100.0);
+  if (!FLAGS_profile_trace.empty()) {
+    torch::autograd::profiler::RecordProfile profile(FLAGS_profile_trace + "." + shape.name + ".json");
+    for (int i = 0; i < 3; ++i) fulcrum_step();
+  }
+  if (!eager_ratios.empty()) {
+    std::printf("%-8s ms/step: fulcrum %.1f | plain libtorch %.1f | pytorch eager %.1f | "
+                "fulcrum/eager time %.3f (median of %zu rounds, %d threads; goal <= 0.9)\n",
+                shape.name.c_str(), Median(ours), Median(theirs), Median(eager),
+                Median(eager_ratios), eager_ratios.size(), at::get_num_threads());
+  }
   std::fflush(stdout);
 }
 
@@ -248,17 +367,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_train: %s\n", std::string(corpus.status().message()).c_str());
     return 1;
   }
-  std::printf("threads: %d intra-op\n", at::get_num_threads());
+  if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
+  if (FLAGS_threads > 0) fulcrum::SetComputeThreads(FLAGS_threads);
+  std::printf("threads: %d intra-op, OpenBLAS %d\n", at::get_num_threads(), fulcrum::BlasThreads());
+  fulcrum::g_reference_script = FLAGS_reference_script;
+  if (fulcrum::g_reference_script.empty()) {
+    const std::string self = argv[0];
+    const size_t slash = self.find_last_of('/');
+    fulcrum::g_reference_script =
+        (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) +
+        "/../../tools/bench_train_reference.py";
+  }
   for (absl::string_view name : absl::StrSplit(FLAGS_models, ',')) {
     bool found = false;
     for (const auto& shape : fulcrum::kShapes) {
       if (shape.name == name) {
-        fulcrum::Measure(shape, *corpus, /*vocab=*/384);
+        fulcrum::Measure(shape, *corpus);
         found = true;
       }
     }
     if (!found) {
-      std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m)\n", std::string(name).c_str());
+      std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m, gpt_8k)\n", std::string(name).c_str());
       return 2;
     }
   }

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The PyTorch-eager twin of fulcrum_bench_train's GPT step (--compare_reference).
+
+A pre-LayerNorm GPT written the ordinary PyTorch way (nn.Linear with biases, learned
+positions, causal softmax attention, GeLU MLP, untied or tied output layer, mean
+cross-entropy), trained with torch.optim.AdamW and clip_grad_norm_ over gradient
+accumulation, the same shape and thread count as the Fulcrum side.
+
+It is driven over a pipe so the C++ benchmark can interleave the two round by round: each
+line "N" on stdin runs N training steps and answers one line with their wall seconds; "q"
+(or end of input) exits. It prints "ready" once the model is built and warmed up.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--ffn", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--micro_batch", type=int, required=True)
+    p.add_argument("--global_batch", type=int, required=True)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--untied", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="0 keeps PyTorch's default")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trace", default="",
+                   help="after warmup, write a chrome trace of 3 steps here and exit "
+                        "(tools/op_profile_summary.py sums it by op)")
+    args = p.parse_args()
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            h = args.hidden
+            self.ln1 = nn.LayerNorm(h)
+            self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+            self.ln2 = nn.LayerNorm(h)
+            self.fc1 = nn.Linear(h, args.ffn)
+            self.fc2 = nn.Linear(args.ffn, h)
+
+        def forward(self, x, mask):  # x: [b, s, h]
+            b, s, h = x.shape
+            d = h // args.heads
+            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, args.heads, d).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            context = (probs @ v).transpose(1, 2).reshape(b, s, h)
+            x = x + self.proj(context)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Gpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(args.vocab, args.hidden)
+            self.wpe = nn.Embedding(args.seq, args.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
+            self.lnf = nn.LayerNorm(args.hidden)
+            self.head = nn.Linear(args.hidden, args.vocab, bias=False) if args.untied else None
+            self.register_buffer("mask", torch.ones(args.seq, args.seq, dtype=torch.bool).triu(1))
+
+        def forward(self, tokens):  # [b, s+1] → mean loss
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            x = self.wte(inputs) + self.wpe.weight[: inputs.shape[1]]
+            for block in self.blocks:
+                x = block(x, self.mask)
+            x = self.lnf(x)
+            logits = self.head(x) if self.head is not None else x @ self.wte.weight.t()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    model = Gpt()
+    decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
+    no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
+    micro = args.global_batch // args.micro_batch
+    batches = torch.randint(args.vocab, (micro, args.micro_batch, args.seq + 1))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for m in range(micro):
+            (model(batches[m]) / micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    if args.trace:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        prof.export_chrome_trace(args.trace)
+        return
+    print("ready threads=%d" % torch.get_num_threads(), flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line or line == "q":
+            break
+        n = int(line)
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        print("%.6f" % (time.perf_counter() - start), flush=True)
+
+
+if __name__ == "__main__":
+    main()

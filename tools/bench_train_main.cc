@@ -112,7 +112,9 @@ class Reference {
       dup2(from_child[1], 1);
       close(to_child[1]);
       close(from_child[0]);
-      setenv("OPENBLAS_NUM_THREADS", std::to_string(threads).c_str(), 1);
+      // OpenBLAS keeps its own pool (core/threads.h): give the child this process's.
+      const int blas = BlasThreads() > 0 ? BlasThreads() : threads;
+      setenv("OPENBLAS_NUM_THREADS", std::to_string(blas).c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
+#include "core/malloc_tuning.h"
 #include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
@@ -85,6 +86,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   fulcrum::InitLogging(argv[0]);
+  // Step-sized blocks (the logits) stay in the heap instead of being unmapped and faulted
+  // in again every step (core/malloc_tuning.h; docs/PERF.md).
+  fulcrum::KeepStepMemoryInHeap();
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
 
   // Validate everything that needs no data or peers before any work: the layout against

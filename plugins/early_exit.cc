@@ -133,6 +133,11 @@ absl::StatusOr<EarlyExitOptions> OptionsFromFlags(const ModelOptions& model) {
                             "' must be softmax or state"));
   }
   o.softmax = FLAGS_early_exit_confidence == "softmax";
+  if (model.position_embedding == PositionEmbedding::kRotary) {
+    return bad("--plugins=early_exit needs learned positions (--position_embedding_type="
+               "learned_absolute): the later layers compute only the active tokens, whose rotary "
+               "positions the attention does not take");
+  }
   return o;
 }
 
@@ -452,21 +457,9 @@ class EarlyExitPlugin final : public Plugin {
   std::shared_ptr<Shared> shared_;
 };
 
-absl::Status Validate(const PluginSetup& setup) {
-  FULCRUM_ASSIGN_OR_RETURN(EarlyExitOptions options, OptionsFromFlags(setup.model));
-  (void)options;
-  if (setup.model.position_embedding == PositionEmbedding::kRotary) {
-    // ResidualAt would fall back to computing every token: allowed, but say it.
-    return absl::InvalidArgumentError(
-        "--plugins=early_exit needs learned positions (--position_embedding_type="
-        "learned_absolute): the later layers compute only the active tokens, whose rotary "
-        "positions the attention does not take");
-  }
-  return absl::OkStatus();
-}
+absl::Status Validate(const PluginSetup& setup) { return OptionsFromFlags(setup.model).status(); }
 
 absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
-  FULCRUM_RETURN_IF_ERROR(Validate(setup));
   auto shared = std::make_shared<Shared>();
   FULCRUM_ASSIGN_OR_RETURN(shared->options, OptionsFromFlags(setup.model));
   shared->model = setup.model;

@@ -3,6 +3,9 @@
 // set together, so a GEMM and an elementwise op use the same number of cores.
 #pragma once
 
+#include <string>
+#include <vector>
+
 namespace fulcrum {
 
 /// Sets LibTorch's intra-op threads and OpenBLAS's to `n`; returns OpenBLAS's count after
@@ -11,5 +14,34 @@ int SetComputeThreads(int n);
 
 /// OpenBLAS's thread count (-1 when the process has no OpenBLAS).
 int BlasThreads();
+
+/// The thread count a process uses when none is asked for, and where it came from.
+struct ThreadChoice {
+  int threads = 1;
+  std::string source;  ///< "$OMP_NUM_THREADS" or "all N cores this process may use".
+};
+
+/// $OMP_NUM_THREADS when it is a positive integer (fulcrum_launch sets it to the cores per
+/// process; ctest sets 1), else every core the process's CPU affinity allows. LibTorch's
+/// own default (1 intra-op thread on Debian's build, whatever the machine) is not used:
+/// a single-process run should use the whole machine.
+ThreadChoice DefaultComputeThreads();
+
+// NOTE [OpenMP wait policy]
+// LibTorch's intra-op pool is libgomp's, and Debian's OpenBLAS keeps a pthread pool of its
+// own. With both at 2 threads on 2 cores, libgomp's workers spin (its default ACTIVE wait,
+// ~300k iterations) after every parallel region, on the cores OpenBLAS's threads need for
+// the next GEMM: the tiny recipe ran 2.2x slower than on one thread, with 9.6 s of system
+// time over 30 iterations against 0.2 s (measured 2026-11-25, `time fulcrum_train
+// --train_iters=30 --num_threads=1|2`). OMP_WAIT_POLICY=PASSIVE makes the workers sleep
+// instead, and the same run is then 1.29x faster than on one thread. libgomp reads the
+// variable once, when it is loaded (before main), so a process that computes with more
+// than one thread and finds it unset re-executes itself with it set.
+
+/// When `threads` > 1 and $OMP_WAIT_POLICY is unset, sets OMP_WAIT_POLICY=PASSIVE and
+/// re-executes this program (/proc/self/exe) with `argv`, the command line as main()
+/// received it (before flag parsing removed anything). Returns only when there was nothing
+/// to do, or when exec failed (the run then goes on with libgomp's default).
+void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& argv);
 
 }  // namespace fulcrum

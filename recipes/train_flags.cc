@@ -114,9 +114,9 @@ DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA bui
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
 DEFINE_int32(num_threads, 0,
-             "Compute threads of each process, LibTorch's intra-op pool and OpenBLAS's together; "
-             "0 keeps the libraries' own choice ($OMP_NUM_THREADS, which fulcrum_launch sets to "
-             "the cores per process). The first log line says what is used.");
+             "Compute threads of each process, LibTorch's intra-op pool and OpenBLAS's together. "
+             "0: $OMP_NUM_THREADS when set (fulcrum_launch sets it to the cores per process), "
+             "else every core the process may use. The data log line says what is used.");
 // Checkpoints and outputs.
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
@@ -367,12 +367,13 @@ absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags() {
 bool InitialPartitionByParamsFlag() { return FLAGS_pipeline_initial_partition == "params"; }
 int64_t DistributedTimeoutMinutesFlag() { return FLAGS_distributed_timeout_minutes; }
 
-absl::StatusOr<int> NumThreadsFlag() {
+absl::StatusOr<ThreadChoice> NumThreadsFlag() {
   if (FLAGS_num_threads < 0) {
     return Invalid(absl::StrCat("--num_threads=", FLAGS_num_threads,
-                                " must be ≥ 0 (0: the libraries' own choice)"));
+                                " must be ≥ 0 (0: $OMP_NUM_THREADS, else all cores)"));
   }
-  return FLAGS_num_threads;
+  if (FLAGS_num_threads > 0) return ThreadChoice{FLAGS_num_threads, "--num_threads"};
+  return DefaultComputeThreads();
 }
 
 absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {

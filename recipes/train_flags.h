@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/data/indexed_dataset.h"
+#include "core/threads.h"
 #include "core/trainer.h"
 #include "dynamic/balancing_rebalancer.h"
 #include "parallel/parallel_config.h"
@@ -55,8 +56,9 @@ absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>> RebalancerFromFlags();
 /// --pipeline_initial_partition=params.
 bool InitialPartitionByParamsFlag();
 int64_t DistributedTimeoutMinutesFlag();
-/// --num_threads (0: leave LibTorch's and OpenBLAS's own choice); InvalidArgument if < 0.
-absl::StatusOr<int> NumThreadsFlag();
+/// The compute threads per process: --num_threads, or when it is 0 DefaultComputeThreads()
+/// ($OMP_NUM_THREADS, else all cores); InvalidArgument if < 0.
+absl::StatusOr<ThreadChoice> NumThreadsFlag();
 
 /// --load, or empty.
 std::string LoadPathFlag();

@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
@@ -76,6 +79,7 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::vector<std::string> original_argv(argv, argv + argc);
   if (std::optional<int> exit_code =
           fulcrum::cli::ParseCommandLine(&argc, &argv, fulcrum::TrainHelpSpec())) {
     return *exit_code;
@@ -90,6 +94,10 @@ int main(int argc, char** argv) {
   // in again every step (core/malloc_tuning.h; docs/PERF.md).
   fulcrum::KeepStepMemoryInHeap();
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
+  auto requested_threads = fulcrum::NumThreadsFlag();
+  if (!requested_threads.ok()) return Fail(requested_threads.status());
+  // Before any work: libgomp must sleep, not spin, beside OpenBLAS (core/threads.h).
+  fulcrum::ReexecWithPassiveOpenMpWait(requested_threads->threads, original_argv);
 
   // Validate everything that needs no data or peers before any work: the layout against
   // the job's size, then the model and training flags (the vocabulary is not known yet).
@@ -121,11 +129,8 @@ int main(int argc, char** argv) {
   if (absl::Status s = fulcrum::CheckLiveRepackPlugins(*repack, *plugin_names); !s.ok()) {
     return Fail(s);
   }
-  auto requested_threads = fulcrum::NumThreadsFlag();
-  if (!requested_threads.ok()) return Fail(requested_threads.status());
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
-  // --num_threads=0 keeps the libraries' own choice (OMP_NUM_THREADS; fulcrum_launch sets it).
-  if (*requested_threads > 0) fulcrum::SetComputeThreads(*requested_threads);
+  fulcrum::SetComputeThreads(requested_threads->threads);
 
   // An unwritable --save would be found only at the first save, after the work it was
   // meant to keep.
@@ -187,8 +192,12 @@ int main(int argc, char** argv) {
   if (parallel == nullptr || parallel->is_logging_rank()) {
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
-                      << layout->ToString() << "; compute threads per process: LibTorch "
-                      << at::get_num_threads() << ", OpenBLAS " << fulcrum::BlasThreads();
+                      << layout->ToString() << "; compute threads per process: "
+                      << requested_threads->threads << " (" << requested_threads->source
+                      << "; LibTorch " << at::get_num_threads() << ", OpenBLAS "
+                      << fulcrum::BlasThreads() << ", OMP_WAIT_POLICY "
+                      << (std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "unset")
+                      << ")";
   }
 
   // The plugins' blocks (MoE layers) build communication groups: collective, so every

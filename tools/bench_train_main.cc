@@ -32,6 +32,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
+#include <vector>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,7 +64,13 @@ DEFINE_string(profile_trace, "",
 DEFINE_bool(keep_heap, true,
             "Keep freed step memory in the heap (core/malloc_tuning.h); the PyTorch-eager "
             "reference keeps glibc's defaults either way.");
-DEFINE_int32(threads, 0, "Intra-op and OpenBLAS threads for both sides; 0 keeps the default.");
+DEFINE_int32(threads, 0,
+             "Intra-op and OpenBLAS threads for both sides; 0: $OMP_NUM_THREADS, else all cores "
+             "(as fulcrum_train). With more than one, this process runs with "
+             "OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP wait policy] in core/threads.h).");
+DEFINE_string(reference_wait_policy, "same",
+              "OMP_WAIT_POLICY of the PyTorch-eager reference: 'same' (this process's) or "
+              "'default' (unset: libgomp's spinning wait, as a PyTorch user runs it).");
 
 namespace fulcrum {
 namespace {
@@ -116,6 +124,7 @@ class Reference {
       const int blas = BlasThreads() > 0 ? BlasThreads() : threads;
       setenv("OPENBLAS_NUM_THREADS", std::to_string(blas).c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+      if (FLAGS_reference_wait_policy == "default") unsetenv("OMP_WAIT_POLICY");
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -360,9 +369,18 @@ void MeasureLayouts(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
+  const std::vector<std::string> original_argv(argv, argv + argc);
   gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fulcrum::InitLogging(argv[0]);
+  if (FLAGS_reference_wait_policy != "same" && FLAGS_reference_wait_policy != "default") {
+    std::fprintf(stderr, "bench_train: --reference_wait_policy must be 'same' or 'default', got '%s'\n",
+                 FLAGS_reference_wait_policy.c_str());
+    return 2;
+  }
+  const int threads =
+      FLAGS_threads > 0 ? FLAGS_threads : fulcrum::DefaultComputeThreads().threads;
+  fulcrum::ReexecWithPassiveOpenMpWait(threads, original_argv);
   fulcrum::data::ByteTokenizer tokenizer;
   auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
   if (!corpus.ok()) {
@@ -370,8 +388,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
-  if (FLAGS_threads > 0) fulcrum::SetComputeThreads(FLAGS_threads);
-  std::printf("threads: %d intra-op, OpenBLAS %d\n", at::get_num_threads(), fulcrum::BlasThreads());
+  fulcrum::SetComputeThreads(threads);
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s (reference: %s)\n",
+              at::get_num_threads(), fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset",
+              FLAGS_reference_wait_policy == "same" ? "the same" : "unset");
   fulcrum::g_reference_script = FLAGS_reference_script;
   if (fulcrum::g_reference_script.empty()) {
     const std::string self = argv[0];

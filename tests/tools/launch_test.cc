@@ -266,6 +266,16 @@ TEST_F(SlowLaunchTest, SetsOmpNumThreadsUnlessAlreadySet) {
   EXPECT_EQ(CountOf(r.out, "] threads=7\n"), 2) << r.out;
 }
 
+TEST_F(SlowLaunchTest, SetsAPassiveOpenMpWaitUnlessAlreadySet) {
+  RunResult r = RunShell(2, "echo wait=$OMP_WAIT_POLICY", {}, {{"OMP_WAIT_POLICY", {}}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(CountOf(r.out, "] wait=PASSIVE\n"), 2) << r.out;
+
+  r = RunShell(2, "echo wait=$OMP_WAIT_POLICY", {}, {{"OMP_WAIT_POLICY", "ACTIVE"}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(CountOf(r.out, "] wait=ACTIVE\n"), 2) << r.out;
+}
+
 TEST_F(SlowLaunchTest, EveryLineIsPrefixedAndWhole) {
   // Each line is written in two pieces and ranks write concurrently, so only a launcher
   // that reassembles lines per rank prints them whole. Rank 0 adds one 200 kB line (more

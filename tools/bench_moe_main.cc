@@ -14,25 +14,43 @@
 // gradients, made during the backward, count on both sides alike; scratch memory that BLAS
 // keeps to itself counts on neither.
 //
-//   build/bin/fulcrum_bench_moe [--tokens=4096,16384] [--experts=8,16] [--topk=1,2]
+// The first table ("layer") times the whole MoE layer as the model runs it — moe::MoeLayer
+// from MakeMoeFactory: router, capacity, dispatch, E GeLU experts, combine, auxiliary loss —
+// beside an eager batched-GEMM reference written the way a PyTorch user writes a Tutel-style
+// layer: one [E, D, H] and one [E, H, D] weight, `baddbmm` over the [E, C, D] buffer, slots
+// from a one-hot cumsum, index_copy / index_add for dispatch and combine, autograd for the
+// backward. The reference starts from the layer's own weights, so both compute the same
+// function: the table prints the largest output and input-gradient differences.
+//
+//   build/bin/fulcrum_bench_moe [--tables=layer,dispatch] [--layer_tokens=4096]
+//                               [--tokens=4096,16384] [--experts=8,16] [--topk=1,2]
 //                               [--hidden=512] [--ffn_hidden=512] [--rounds=3] [--threads=0]
 #include <c10/core/CPUAllocator.h>
 #include <gflags/gflags.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "core/config.h"
 #include "core/logging.h"
+#include "core/threads.h"
+#include "core/transformer_layer.h"
+#include "core/unit.h"
 #include "moe/capacity.h"
+#include "moe/moe_layer.h"
 #include "moe/dispatch.h"
 #include "moe/router.h"
 
@@ -45,7 +63,20 @@ DEFINE_int32(rounds, 3,
              "Timed rounds per configuration; each times one forward+backward of each "
              "implementation, and the table shows the medians.");
 DEFINE_int32(warmup, 1, "Untimed forward+backward passes of each implementation first.");
-DEFINE_int32(threads, 0, "Intra-op threads; 0 keeps LibTorch's default.");
+DEFINE_int32(threads, 0,
+             "Compute threads (LibTorch and OpenBLAS); 0: $OMP_NUM_THREADS, else all cores, as "
+             "fulcrum_train (and, above one, the same passive OpenMP wait).");
+DEFINE_string(tables, "layer,dispatch",
+              "Which tables: 'layer' (moe::MoeLayer vs an eager batched-GEMM layer) and/or "
+              "'dispatch' (index dispatch/combine vs GShard's one-hot einsums).");
+DEFINE_int64(layer_tokens, 4096, "Tokens T of the layer table (seq 1024 x micro-batch 4).");
+DEFINE_int64(layer_experts, 8, "Experts E of the layer table.");
+DEFINE_int64(layer_topk, 2, "k of the layer table.");
+DEFINE_int32(layer_rounds, 7, "Timed rounds of the layer table (median).");
+DEFINE_string(profile_trace, "",
+              "If set, after the layer table, records LibTorch's op profile of 3 passes of each "
+              "side to <this>.moe_layer.json and <this>.eager.json (tools/op_profile_summary.py "
+              "sums them by op).");
 
 namespace fulcrum {
 namespace {
@@ -207,6 +238,167 @@ class MoeLayer {
   at::Tensor w1_, w2_, x_, upstream_;
 };
 
+// ---- The whole layer: moe::MoeLayer vs an eager batched-GEMM layer. ------------------------
+
+// The eager reference: what a PyTorch user writes for a Tutel-style layer (stacked expert
+// weights, batched GEMMs over [E, C, D], slots from a one-hot cumsum), as ATen calls from
+// C++, so it pays no interpreter. Same router math as moe/softmax_routers.cc `topk`: softmax
+// over linear logits, top-k renormalised, the Switch load-balancing loss; GShard's slot
+// order (every token's first choice before any second choice); capacity ceil(k·T/E).
+class EagerBatchedMoe {
+ public:
+  // Copies the layer's weights (global names layers.0.mlp.*) into stacked leaves.
+  EagerBatchedMoe(Unit& unit, int64_t experts, int64_t topk, double aux_coeff)
+      : experts_(experts), topk_(topk), aux_coeff_(aux_coeff) {
+    auto param = [&](const std::string& name) {
+      Parameter* p = unit.FindParameter(name);
+      TORCH_CHECK(p != nullptr, "bench_moe: the MoE layer has no parameter ", name);
+      return p->value.detach();
+    };
+    router_ = param("mlp.router.weight").clone().set_requires_grad(true);
+    std::vector<at::Tensor> w1, b1, w2, b2;
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string prefix = "mlp.experts." + std::to_string(e) + ".";
+      w1.push_back(param(prefix + "linear_fc1.weight").t());       // [D, H]
+      b1.push_back(param(prefix + "linear_fc1.bias").unsqueeze(0));  // [1, H]
+      w2.push_back(param(prefix + "linear_fc2.weight").t());       // [H, D]
+      b2.push_back(param(prefix + "linear_fc2.bias").unsqueeze(0));  // [1, D]
+    }
+    w1_ = at::stack(w1).contiguous().set_requires_grad(true);
+    b1_ = at::stack(b1).contiguous().set_requires_grad(true);
+    w2_ = at::stack(w2).contiguous().set_requires_grad(true);
+    b2_ = at::stack(b2).contiguous().set_requires_grad(true);
+  }
+
+  // x [.., D] → (out [.., D], auxiliary loss).
+  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x) {
+    const int64_t d = x.size(-1);
+    at::Tensor tokens = x.reshape({-1, d});
+    const int64_t t = tokens.size(0);
+    const int64_t capacity = (topk_ * t + experts_ - 1) / experts_;
+    at::Tensor probs = at::softmax(at::linear(tokens, router_), 1);  // [T, E]
+    auto [top_p, top_e] = at::topk(probs, topk_, 1);                 // [T, k]
+    at::Tensor gates = topk_ > 1 ? top_p / top_p.sum(1, true) : top_p;
+    // Choice-major assignments [k·T]: slot = rank among earlier assignments to the expert.
+    at::Tensor expert = top_e.t().reshape({-1});
+    at::Tensor token = at::arange(t, expert.options()).repeat({topk_});
+    at::Tensor gate = gates.t().reshape({-1});
+    at::Tensor one_hot = at::one_hot(expert, experts_);                     // [kT, E]
+    at::Tensor slot = (at::cumsum(one_hot, 0) - 1).gather(1, expert.unsqueeze(1)).squeeze(1);
+    at::Tensor kept = at::nonzero(slot < capacity).squeeze(1);
+    at::Tensor kept_token = token.index_select(0, kept);
+    at::Tensor position = (expert * capacity + slot).index_select(0, kept);
+    at::Tensor kept_gate = gate.index_select(0, kept);
+    at::Tensor buffer = at::zeros({experts_ * capacity, d}, tokens.options())
+                            .index_copy(0, position, tokens.index_select(0, kept_token))
+                            .view({experts_, capacity, d});
+    at::Tensor h = at::gelu(at::baddbmm(b1_, buffer, w1_));
+    at::Tensor y = at::baddbmm(b2_, h, w2_).view({experts_ * capacity, d});
+    at::Tensor out = at::zeros_like(tokens).index_add(
+        0, kept_token, y.index_select(0, position) * kept_gate.unsqueeze(1));
+    at::Tensor load = at::bincount(expert, /*weights=*/{}, experts_).to(probs.scalar_type());
+    at::Tensor aux = aux_coeff_ * static_cast<double>(experts_) *
+                     (load / static_cast<double>(t * topk_) * probs.mean(0)).sum();
+    return {out.view(x.sizes()), aux};
+  }
+
+  void ZeroGrad() {
+    for (at::Tensor* p : {&router_, &w1_, &b1_, &w2_, &b2_}) p->mutable_grad() = at::Tensor();
+  }
+
+ private:
+  int64_t experts_, topk_;
+  double aux_coeff_;
+  at::Tensor router_, w1_, b1_, w2_, b2_;
+};
+
+void MeasureLayer() {
+  const int64_t t = FLAGS_layer_tokens, e = FLAGS_layer_experts, k = FLAGS_layer_topk;
+  const int64_t seq = 1024, batch = std::max<int64_t>(1, t / seq);
+  TORCH_CHECK(seq * batch == t, "bench_moe: --layer_tokens must be a multiple of 1024");
+  ModelOptions model;
+  model.hidden_size = FLAGS_hidden;
+  model.num_attention_heads = 1;
+  model.ffn_hidden_size = FLAGS_ffn_hidden;
+  model.num_layers = 1;
+  model.seed = 1234;
+  moe::MoeOptions options;
+  options.num_experts = e;
+  options.topk = k;
+  options.ffn_hidden_size = FLAGS_ffn_hidden;
+  options.capacity_factor = 1.0;
+  auto factory = moe::MakeMoeFactory(options, model, moe::MoeGroups());
+  TORCH_CHECK(factory.ok(), "bench_moe: ", std::string(factory.status().message()));
+  Unit unit("layers.0");
+  std::unique_ptr<FeedForward> layer = (*factory)(0, unit, /*initialize=*/true);
+  EagerBatchedMoe eager(unit, e, k, options.router_options.aux_loss_coeff);
+
+  const at::Tensor x_value = torch::randn({seq, batch, FLAGS_hidden});
+  const at::Tensor upstream = torch::randn({seq, batch, FLAGS_hidden});
+  const double loss_scale = 1.0 / static_cast<double>(t);
+  // One forward+backward; returns {ms, output, input gradient}.
+  auto ours = [&]() {
+    unit.ZeroGrad();
+    at::Tensor x = x_value.clone().set_requires_grad(true);
+    const auto start = Clock::now();
+    at::Tensor out = layer->Forward(x, ForwardContext(true, 1, 0, loss_scale));
+    out.backward(upstream);
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    return std::make_tuple(ms, out.detach(), x.grad());
+  };
+  auto reference = [&]() {
+    eager.ZeroGrad();
+    at::Tensor x = x_value.clone().set_requires_grad(true);
+    const auto start = Clock::now();
+    auto [out, aux] = eager.Forward(x);
+    torch::autograd::backward({out, aux}, {upstream, at::full({}, loss_scale * t)});
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    return std::make_tuple(ms, out.detach(), x.grad());
+  };
+  auto [warm_ms, ours_out, ours_grad] = ours();
+  auto [warm_ref_ms, ref_out, ref_grad] = reference();
+  const double out_diff = (ours_out - ref_out).abs().max().item<double>();
+  const double grad_diff = (ours_grad - ref_grad).abs().max().item<double>();
+  std::vector<double> ours_ms, ref_ms, ratios;
+  for (int r = 0; r < FLAGS_layer_rounds; ++r) {
+    double a, b;
+    if (r % 2 == 0) {
+      a = std::get<0>(ours());
+      b = std::get<0>(reference());
+    } else {
+      b = std::get<0>(reference());
+      a = std::get<0>(ours());
+    }
+    ours_ms.push_back(a);
+    ref_ms.push_back(b);
+    ratios.push_back(a / b);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const double ratio = ratios[ratios.size() / 2];
+  std::printf("layer: T = %lld [%lld, %lld, %lld], E = %lld, k = %lld, capacity factor 1, "
+              "H = %lld, GeLU; forward+backward, median of %d rounds, interleaved\n",
+              static_cast<long long>(t), static_cast<long long>(seq),
+              static_cast<long long>(batch), static_cast<long long>(FLAGS_hidden),
+              static_cast<long long>(e), static_cast<long long>(k),
+              static_cast<long long>(FLAGS_ffn_hidden), FLAGS_layer_rounds);
+  std::printf("%-12s %-14s %-12s %-22s %s\n", "MoeLayer ms", "eager ref ms", "ratio",
+              "max |diff| out, dx", "goal <= 0.8");
+  std::sort(ours_ms.begin(), ours_ms.end());
+  std::sort(ref_ms.begin(), ref_ms.end());
+  std::printf("%-12.1f %-14.1f %-12.3f %-9.1e %-12.1e %s\n\n", ours_ms[ours_ms.size() / 2],
+              ref_ms[ref_ms.size() / 2], ratio, out_diff, grad_diff,
+              ratio <= 0.8 ? "met" : "not met");
+  std::fflush(stdout);
+  if (!FLAGS_profile_trace.empty()) {
+    {
+      torch::autograd::profiler::RecordProfile profile(FLAGS_profile_trace + ".moe_layer.json");
+      for (int i = 0; i < 3; ++i) ours();
+    }
+    torch::autograd::profiler::RecordProfile profile(FLAGS_profile_trace + ".eager.json");
+    for (int i = 0; i < 3; ++i) reference();
+  }
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -267,9 +459,31 @@ std::vector<int64_t> ParseList(const std::string& flag, const std::string& value
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("One MoE layer: index dispatch/combine vs GShard's one-hot einsums.");
+  const std::vector<std::string> original_argv(argv, argv + argc);
+  gflags::SetUsageMessage(
+      "One MoE layer: moe::MoeLayer vs an eager batched-GEMM layer; index dispatch/combine vs "
+      "GShard's one-hot einsums.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fulcrum::InitLogging(argv[0]);
+  bool layer_table = false, dispatch_table = false;
+  for (absl::string_view table : absl::StrSplit(FLAGS_tables, ',', absl::SkipEmpty())) {
+    if (table == "layer") {
+      layer_table = true;
+    } else if (table == "dispatch") {
+      dispatch_table = true;
+    } else {
+      std::fprintf(stderr, "bench_moe: --tables takes 'layer' and/or 'dispatch', got '%s'\n",
+                   FLAGS_tables.c_str());
+      return 2;
+    }
+  }
+  if (FLAGS_layer_tokens < 1024 || FLAGS_layer_tokens % 1024 != 0 || FLAGS_layer_experts < 1 ||
+      FLAGS_layer_topk < 1 || FLAGS_layer_topk > FLAGS_layer_experts || FLAGS_layer_rounds < 1) {
+    std::fprintf(stderr,
+                 "bench_moe: need --layer_tokens a multiple of 1024, 1 <= --layer_topk <= "
+                 "--layer_experts and --layer_rounds >= 1\n");
+    return 2;
+  }
   const auto tokens = fulcrum::ParseList("tokens", FLAGS_tokens);
   const auto experts = fulcrum::ParseList("experts", FLAGS_experts);
   const auto topk = fulcrum::ParseList("topk", FLAGS_topk);
@@ -289,10 +503,18 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (FLAGS_threads > 0) at::set_num_threads(FLAGS_threads);
-  // Before any tensor exists, so every block is counted from its allocation to its free.
-  c10::SetCPUAllocator(&fulcrum::CountingAllocator::Instance());
+  const int threads =
+      FLAGS_threads > 0 ? FLAGS_threads : fulcrum::DefaultComputeThreads().threads;
+  fulcrum::ReexecWithPassiveOpenMpWait(threads, original_argv);
+  fulcrum::SetComputeThreads(threads);
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s\n", at::get_num_threads(),
+              fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset");
   torch::manual_seed(1234);
+  if (layer_table) fulcrum::MeasureLayer();  // its tensors are all freed on return
+  if (!dispatch_table) return 0;
+  // Before the table's tensors exist, so every block is counted from its allocation to its free.
+  c10::SetCPUAllocator(&fulcrum::CountingAllocator::Instance());
 
   std::printf(
       "MoE layer forward+backward, fp32, D = %lld, H = %lld, capacity factor 1, "

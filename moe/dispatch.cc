@@ -9,6 +9,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Zeroes the rows of `flat` [rows, D] that no position names (empty slots).
+void ZeroUnnamedRows(at::Tensor& flat, const at::Tensor& position) {
+  const int64_t rows = flat.size(0);
+  if (position.numel() >= rows) return;
+  at::Tensor empty =
+      at::ones({rows}, position.options().dtype(at::kBool)).index_fill_(0, position, false);
+  flat.index_fill_(0, at::nonzero(empty).view({-1}), 0);
+}
+
 // x [T, D] → buffer [E, C, D]. Saves only the indices (NOTE [index dispatch memory]).
 class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
  public:
@@ -26,11 +35,7 @@ class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
     at::Tensor buffer = at::empty({num_experts, capacity, hidden}, x.options());
     at::Tensor flat = buffer.view({rows, hidden});
     at::index_select_out(flat, x, 0, source);
-    if (token.numel() < rows) {
-      at::Tensor empty =
-          at::ones({rows}, token.options().dtype(at::kBool)).index_fill_(0, position, false);
-      flat.index_fill_(0, at::nonzero(empty).view({-1}), 0);
-    }
+    ZeroUnnamedRows(flat, position);
     return buffer;
   }
 
@@ -48,38 +53,47 @@ class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
   }
 };
 
-// y [E, C, D] → out [T, D] = Σ gate·y[position] per token. Saves y, the gates and the indices.
+// y [E, C, D] → out [T, D] = Σ gate·y[position] per token. Saves the gates, the indices and,
+// when the gates need a gradient, the gathered rows y[position] [M, D] (not y: the backward
+// would gather them again, and M <= E·C).
 class CombineFunction : public torch::autograd::Function<CombineFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& gate,
                             const at::Tensor& token, const at::Tensor& position,
                             int64_t num_tokens) {
-    ctx->save_for_backward({y, gate, token, position});
     const int64_t hidden = y.size(2);
     at::Tensor rows = y.reshape({-1, hidden}).index_select(0, position);  // [M, D]
-    rows.mul_(gate.unsqueeze(1));
-    return at::zeros({num_tokens, hidden}, y.options()).index_add_(0, token, rows);
+    at::Tensor weighted;
+    if (ctx->needs_input_grad(1)) {
+      ctx->save_for_backward({rows, gate, token, position});
+      weighted = rows * gate.unsqueeze(1);
+    } else {
+      ctx->save_for_backward({at::Tensor(), gate, token, position});
+      weighted = rows.mul_(gate.unsqueeze(1));
+    }
+    ctx->saved_data["y_sizes"] = y.sizes();
+    return at::zeros({num_tokens, hidden}, y.options()).index_add_(0, token, weighted);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& y = saved[0];
+    const at::Tensor& rows = saved[0];
     const at::Tensor& gate = saved[1];
     const at::Tensor& token = saved[2];
     const at::Tensor& position = saved[3];
-    const int64_t hidden = y.size(2);
+    const std::vector<int64_t> y_sizes = ctx->saved_data["y_sizes"].toIntVector();
+    const int64_t hidden = y_sizes[2];
     at::Tensor grad_rows = grads[0].index_select(0, token);  // [M, D], grad_out[token]
 
-    at::Tensor grad_gate;
-    if (ctx->needs_input_grad(1)) {
-      // Rowwise dot product of grad_out[token] and y[position].
-      grad_gate = y.reshape({-1, hidden}).index_select(0, position).mul_(grad_rows).sum(1);
-    }
+    // Rowwise dot product of grad_out[token] and y[position].
+    at::Tensor grad_gate = ctx->needs_input_grad(1) ? (rows * grad_rows).sum(1) : at::Tensor();
     at::Tensor grad_y;
     if (ctx->needs_input_grad(0)) {
       grad_rows.mul_(gate.unsqueeze(1));
-      grad_y = at::zeros(y.sizes(), y.options());
-      grad_y.view({-1, hidden}).index_copy_(0, position, grad_rows);
+      grad_y = at::empty(y_sizes, grad_rows.options());
+      at::Tensor flat = grad_y.view({-1, hidden});
+      flat.index_copy_(0, position, grad_rows);
+      ZeroUnnamedRows(flat, position);  // slots no assignment reached get no gradient
     }
     return {grad_y, grad_gate, at::Tensor(), at::Tensor(), at::Tensor()};
   }

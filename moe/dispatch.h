@@ -12,8 +12,9 @@
 // tensor and builds its gradient, another [T, E, C]. Here the per-assignment state is three
 // [M] vectors (M <= k·T kept assignments) and the [M, D] rows gathered on the way, so
 // memory and work grow with T·k·D, linearly in T; the [E, C, D] buffer (x·k·T·D) is what
-// every formulation needs. Dispatch saves only the indices; Combine saves the expert output
-// y (the buffer's size) and the gates. Positions are unique, so each buffer row has at
+// every formulation needs. Dispatch saves only the indices; Combine saves the gates and,
+// when they need a gradient, the expert output rows it gathered ([M, D], at most the
+// buffer's size). Positions are unique, so each buffer row has at
 // most one source: Dispatch is a single gather into the buffer, with no accumulation and
 // deterministic; only index_add (Combine, Dispatch's backward) sums a token's k rows.
 //

@@ -46,6 +46,7 @@
 #include "absl/strings/str_split.h"
 #include "core/config.h"
 #include "core/logging.h"
+#include "core/malloc_tuning.h"
 #include "core/threads.h"
 #include "core/transformer_layer.h"
 #include "core/unit.h"
@@ -66,6 +67,9 @@ DEFINE_int32(warmup, 1, "Untimed forward+backward passes of each implementation 
 DEFINE_int32(threads, 0,
              "Compute threads (LibTorch and OpenBLAS); 0: $OMP_NUM_THREADS, else all cores, as "
              "fulcrum_train (and, above one, the same passive OpenMP wait).");
+DEFINE_bool(keep_heap, true,
+            "Keep freed memory in the heap as fulcrum_train does (core/malloc_tuning.h); both "
+            "sides of each table run in this process, so it applies to both.");
 DEFINE_string(tables, "layer,dispatch",
               "Which tables: 'layer' (moe::MoeLayer vs an eager batched-GEMM layer) and/or "
               "'dispatch' (index dispatch/combine vs GShard's one-hot einsums).");
@@ -506,10 +510,12 @@ int main(int argc, char** argv) {
   const int threads =
       FLAGS_threads > 0 ? FLAGS_threads : fulcrum::DefaultComputeThreads().threads;
   fulcrum::ReexecWithPassiveOpenMpWait(threads, original_argv);
+  if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
   fulcrum::SetComputeThreads(threads);
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s\n", at::get_num_threads(),
-              fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset");
+  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s; keep_heap %s\n",
+              at::get_num_threads(), fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset",
+              FLAGS_keep_heap ? "true" : "false");
   torch::manual_seed(1234);
   if (layer_table) fulcrum::MeasureLayer();  // its tensors are all freed on return
   if (!dispatch_table) return 0;

@@ -1,0 +1,67 @@
+// The benchmarks' comparisons against references run and agree: fulcrum_bench_moe's layer
+// table (moe::MoeLayer against the eager batched-GEMM layer built from the same weights) and
+// fulcrum_bench_train --compare_reference (PyTorch eager; only where Debian's python3-torch
+// is installed, which CI does not install).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <regex>
+#include <string>
+
+#include "tests/run_command.h"
+
+namespace fulcrum {
+namespace {
+
+const std::string kBin = FULCRUM_BIN_DIR;
+
+TEST(BenchMoeTest, LayerMatchesTheEagerBatchedReference) {
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(kBin + "/fulcrum_bench_moe --tables=layer --layer_tokens=1024 "
+                                       "--hidden=64 --ffn_hidden=32 --layer_rounds=1 --threads=1",
+                                &out),
+            0)
+      << out;
+  // "MoeLayer ms  eager ref ms  ratio  max |diff| out, dx  goal" then the numbers.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m,
+                                std::regex(R"(\n([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.e+-]+) +)"
+                                           R"(([0-9.e+-]+) +(met|not met)\n)")))
+      << out;
+  EXPECT_GT(std::stod(m[1]), 0.0);
+  EXPECT_GT(std::stod(m[2]), 0.0);
+  // The same weights, routing and GEMMs: the two layers agree to rounding.
+  EXPECT_LT(std::stod(m[4]), 1e-5) << "output differs from the eager reference\n" << out;
+  EXPECT_LT(std::stod(m[5]), 1e-5) << "input gradient differs from the eager reference\n" << out;
+}
+
+TEST(BenchMoeTest, RejectsAnUnknownTable) {
+  std::string out;
+  EXPECT_EQ(testing::RunCommand(kBin + "/fulcrum_bench_moe --tables=layers", &out), 2) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("--tables takes 'layer' and/or 'dispatch'"));
+}
+
+TEST(SlowBenchTrainTest, ComparesWithPyTorchEagerWhenInstalled) {
+  std::string probe;
+  if (testing::RunCommand("/usr/bin/python3 -c 'import torch'", &probe) != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed: " << probe;
+  }
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(kBin + "/fulcrum_bench_train --models=tiny --layouts= "
+                                       "--compare_reference --rounds=1 --iters_per_round=1 "
+                                       "--warmup_iters=1 --threads=1",
+                                &out),
+            0)
+      << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      out, m,
+      std::regex(R"(tiny +ms/step: fulcrum ([0-9.]+) \| plain libtorch ([0-9.]+) \| pytorch )"
+                 R"(eager ([0-9.]+) \| fulcrum/eager time ([0-9.]+))")))
+      << out;
+  for (int i = 1; i <= 4; ++i) EXPECT_GT(std::stod(m[i]), 0.0) << out;
+}
+
+}  // namespace
+}  // namespace fulcrum

@@ -45,7 +45,9 @@ class VocabParallelCrossEntropyFunction
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    at::Tensor grad = saved[0].clone();  // softmax, [tokens, V/size]
+    // The softmax [tokens, V/size] is this function's own (NOTE [cross-entropy backward in
+    // place]): it becomes the gradient.
+    at::Tensor grad = saved[0];
     const at::Tensor& in_range = saved[1];
     const at::Tensor& local_index = saved[2];
     // d loss / d logit = softmax − one_hot(target) on the rank that holds the target.
@@ -53,6 +55,44 @@ class VocabParallelCrossEntropyFunction
     grad.mul_(grads[0].reshape({-1, 1}));
     return {grad.view(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(),
             at::Tensor()};
+  }
+};
+
+// NOTE [cross-entropy backward in place]
+// The cross-entropy of one rank's logits [tokens, V] as one autograd node instead of
+// LibTorch's log_softmax + nll_loss pair. The forward is the same vectorised log_softmax and
+// a gather; it saves the log-probabilities, which nothing else holds, so the backward turns
+// them into the gradient in place — exp, subtract 1 at the targets, scale each row by its
+// token's incoming gradient — two passes over [tokens, V]. LibTorch's pair zero-fills a
+// fresh [tokens, V] buffer for nll_loss's gradient and makes another for log_softmax's
+// (31 MiB each at gpt_8k; docs/PERF.md). A second backward through the same graph
+// (retain_graph) fails on the saved tensor's version check instead of computing garbage.
+class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets) {
+    const int64_t vocab = logits.size(-1);
+    at::Tensor flat_targets = targets.reshape({-1, 1});
+    TORCH_CHECK(flat_targets.numel() == 0 ||
+                    (flat_targets.min().item<int64_t>() >= 0 &&
+                     flat_targets.max().item<int64_t>() < vocab),
+                "cross-entropy: a target is outside the vocabulary [0, ", vocab, ")");
+    at::Tensor log_probs = at::log_softmax(logits.reshape({-1, vocab}), 1);
+    at::Tensor loss = log_probs.gather(1, flat_targets).squeeze(1).neg();
+    ctx->save_for_backward({log_probs, flat_targets});
+    ctx->saved_data["shape"] = logits.sizes().vec();
+    return loss.view(targets.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].exp_();  // softmax, in place
+    const at::Tensor& flat_targets = saved[1];
+    grad.scatter_add_(1, flat_targets,
+                      at::full({flat_targets.size(0), 1}, -1.0, grad.options()));
+    grad.mul_(grads[0].reshape({-1, 1}));
+    return {grad.view(ctx->saved_data["shape"].toIntVector()), at::Tensor()};
   }
 };
 
@@ -69,10 +109,7 @@ at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size) {
 at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
                                      int64_t vocab_start, TensorParallelGroup* group) {
   if (group == nullptr || group->size() == 1) {
-    const int64_t vocab = logits.size(-1);
-    return at::cross_entropy_loss(logits.reshape({-1, vocab}), targets.reshape({-1}), {},
-                                  at::Reduction::None)
-        .view(targets.sizes());
+    return CrossEntropyFunction::apply(logits, targets);
   }
   return VocabParallelCrossEntropyFunction::apply(logits, targets, vocab_start, group);
 }

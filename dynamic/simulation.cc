@@ -171,8 +171,10 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
 
   Placement current = UniformPlacement(layers, scenario.num_stages);
   if (!scenario.initial_placement.empty()) {
-    if (absl::Status s = ValidatePlacement(BalanceProblem{scenario.num_stages, first.forward},
-                                           scenario.initial_placement);
+    BalanceProblem shape;
+    shape.num_stages = scenario.num_stages;
+    shape.layer_cost = first.forward;
+    if (absl::Status s = ValidatePlacement(shape, scenario.initial_placement);
         !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("scenario '", scenario.name,
                                                      "': initial placement: ", s.message()));

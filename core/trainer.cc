@@ -539,11 +539,19 @@ absl::Status Trainer::ChangeLayout(
   FULCRUM_RETURN_IF_ERROR(fill(*model_, *model));
   model_ = std::move(model);
   parallel_ = parallel;
-  // The metrics file follows the logging rank (the last stage's), which may have changed.
+  // The metrics file and the load trace follow the logging rank (the last stage's), which
+  // may have changed; both are opened for appending, so the new writer goes on after the
+  // old one's last line.
   if (!is_logging_rank()) {
     metrics_.reset();
-  } else if (!metrics_ && !config_.train.metrics_file.empty()) {
-    FULCRUM_ASSIGN_OR_RETURN(metrics_, MetricsWriter::Open(config_.train.metrics_file));
+    load_trace_.reset();
+  } else {
+    if (!metrics_ && !config_.train.metrics_file.empty()) {
+      FULCRUM_ASSIGN_OR_RETURN(metrics_, MetricsWriter::Open(config_.train.metrics_file));
+    }
+    if (!load_trace_ && !config_.train.load_trace.empty()) {
+      FULCRUM_ASSIGN_OR_RETURN(load_trace_, MetricsWriter::Open(config_.train.load_trace));
+    }
   }
   PluginContext ctx = MakePluginContext(iteration_);
   return plugins_->AfterLoad(ctx);

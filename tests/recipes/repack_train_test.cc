@@ -79,9 +79,22 @@ TEST_F(SlowRepackTrainTest, Pp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
   ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
 
   // Live: ranks 1 and 3 (stages 1 and 3) hand their layers and the head over and exit 0.
+  const std::string trace = *dir_ + "/pp4_live_trace.jsonl";
   const std::vector<nlohmann::json> live =
-      Train(4, "pp4_live", "--pipeline_model_parallel_size=4 --repack_script=6:2", &output);
+      Train(4, "pp4_live",
+            "--pipeline_model_parallel_size=4 --repack_script=6:2 --load_trace=" + trace, &output);
   ExpectShrunk(live, 4, 2, 4, 2);
+  // The load trace follows the logging rank to the shrunk pipeline's last stage: a line per
+  // iteration on 4 stages, then on 2 (iteration 6's measurement, on the layout re-packing
+  // replaced, has none; the run's last iteration never has one, NOTE [load trace lines]).
+  const std::vector<nlohmann::json> lines = testing::MetricsRecords(trace);
+  std::vector<int> iterations, stages;
+  for (const nlohmann::json& line : lines) {
+    iterations.push_back(line["iteration"].get<int>());
+    stages.push_back(static_cast<int>(line["ran_on"].size()));
+  }
+  EXPECT_EQ(iterations, (std::vector<int>{1, 2, 3, 4, 5, 7, 8, 9, 10, 11}));
+  EXPECT_EQ(stages, (std::vector<int>{4, 4, 4, 4, 4, 2, 2, 2, 2, 2}));
   EXPECT_EQ(CountOf(output, "released after iteration 6: the pipeline shrank from 4 to 2 stages"),
             2)
       << output;

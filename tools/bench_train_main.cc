@@ -20,7 +20,7 @@
 //
 //   build/bin/fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]
 //                                 [--layouts=1,tp2,dp2,tp2dp2] [--layout_iters=30]
-//                                 [--compare_reference] [--threads=0]
+//                                 [--compare_reference] [--threads=0] [--cross_entropy]
 #include <gflags/gflags.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
@@ -42,6 +42,7 @@
 #include "core/data/tokenizer.h"
 #include "core/logging.h"
 #include "core/malloc_tuning.h"
+#include "core/tensor_parallel.h"
 #include "core/threads.h"
 #include "core/trainer.h"
 
@@ -68,6 +69,11 @@ DEFINE_int32(threads, 0,
              "Intra-op and OpenBLAS threads for both sides; 0: $OMP_NUM_THREADS, else all cores "
              "(as fulcrum_train). With more than one, this process runs with "
              "OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP wait policy] in core/threads.h).");
+DEFINE_bool(cross_entropy, false,
+            "Also time the loss alone: VocabParallelCrossEntropy on one rank against LibTorch's "
+            "cross_entropy_loss (log_softmax + nll_loss), forward+backward on each model's "
+            "[micro-batch x seq, vocab] logits, interleaved (NOTE [cross-entropy backward in "
+            "place] in core/tensor_parallel.cc).");
 DEFINE_string(reference_wait_policy, "same",
               "OMP_WAIT_POLICY of the PyTorch-eager reference: 'same' (this process's) or "
               "'default' (unset: libgomp's spinning wait, as a PyTorch user runs it).");
@@ -347,6 +353,46 @@ double LayoutTokensPerSecond(const std::string& bin_dir, const std::string& layo
   return Median(std::vector<double>(rates.begin() + 5, rates.end()));
 }
 
+// The loss alone: Fulcrum's cross-entropy against LibTorch's, forward+backward on logits of
+// the model's shape, each scaled by one per-token weight as the trainer does.
+void MeasureCrossEntropy(const Shape& shape) {
+  const int64_t tokens = shape.micro_batch * shape.seq;
+  const at::Tensor base = torch::randn({tokens, shape.vocab});
+  const at::Tensor targets = torch::randint(shape.vocab, {tokens}, at::kLong);
+  const at::Tensor weight = torch::full({tokens}, 1.0 / static_cast<double>(tokens));
+  auto run = [&](bool ours) {
+    at::Tensor logits = base.clone().set_requires_grad(true);
+    const auto start = Clock::now();
+    at::Tensor loss = ours ? VocabParallelCrossEntropy(logits, targets, 0, nullptr)
+                           : at::cross_entropy_loss(logits, targets, {}, at::Reduction::None);
+    (loss * weight).sum().backward();
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  };
+  for (int i = 0; i < 3; ++i) {
+    run(true);
+    run(false);
+  }
+  std::vector<double> ours, theirs, ratios;
+  for (int r = 0; r < 21; ++r) {
+    double a, b;  // Alternate which goes first.
+    if (r % 2 == 0) {
+      a = run(true);
+      b = run(false);
+    } else {
+      b = run(false);
+      a = run(true);
+    }
+    ours.push_back(a);
+    theirs.push_back(b);
+    ratios.push_back(a / b);
+  }
+  std::printf("%-8s cross-entropy [%lld, %lld] fwd+bwd: fulcrum %.2f ms | libtorch %.2f ms | "
+              "ratio %.3f (median of 21, interleaved)\n",
+              shape.name.c_str(), static_cast<long long>(tokens),
+              static_cast<long long>(shape.vocab), Median(ours), Median(theirs), Median(ratios));
+  std::fflush(stdout);
+}
+
 void MeasureLayouts(const std::string& bin_dir) {
   std::printf("\nparallel layouts, tiny recipe, %d iterations each (Gloo on this machine):\n",
               FLAGS_layout_iters);
@@ -406,6 +452,7 @@ int main(int argc, char** argv) {
     for (const auto& shape : fulcrum::kShapes) {
       if (shape.name == name) {
         fulcrum::Measure(shape, *corpus);
+        if (FLAGS_cross_entropy) fulcrum::MeasureCrossEntropy(shape);
         found = true;
       }
     }

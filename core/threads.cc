@@ -8,10 +8,9 @@
 #include <cstdlib>
 #include <thread>
 
-#include "core/logging.h"
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/logging.h"
 
 namespace fulcrum {
 
@@ -53,6 +52,7 @@ void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& ar
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   execv("/proc/self/exe", args.data());
+  unsetenv("OMP_WAIT_POLICY");  // not in effect: the log must not say it is
   FULCRUM_LOG(WARNING) << "could not re-execute with OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP "
                           "wait policy] in core/threads.h); set it in the environment";
 }

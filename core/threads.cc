@@ -57,4 +57,16 @@ void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& ar
                           "wait policy] in core/threads.h); set it in the environment";
 }
 
+void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::string>& argv) {
+  ReexecWithPassiveOpenMpWait(choice.threads, argv);
+  SetComputeThreads(choice.threads);
+}
+
+std::string DescribeComputeThreads(const ThreadChoice& choice) {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  return absl::StrCat(choice.threads, " (", choice.source, "; LibTorch ", at::get_num_threads(),
+                      ", OpenBLAS ", BlasThreads(), ", OMP_WAIT_POLICY ",
+                      policy != nullptr && *policy != '\0' ? policy : "unset", ")");
+}
+
 }  // namespace fulcrum

@@ -44,4 +44,11 @@ ThreadChoice DefaultComputeThreads();
 /// to do, or when exec failed (the run then goes on with libgomp's default).
 void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& argv);
 
+/// A program's thread set-up, first thing in main: ReexecWithPassiveOpenMpWait (may not
+/// return), then SetComputeThreads(choice.threads).
+void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::string>& argv);
+
+/// For the log: "2 (--num_threads; LibTorch 2, OpenBLAS 2, OMP_WAIT_POLICY PASSIVE)".
+std::string DescribeComputeThreads(const ThreadChoice& choice);
+
 }  // namespace fulcrum

@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   auto requested_threads = fulcrum::NumThreadsFlag();
   if (!requested_threads.ok()) return Fail(requested_threads.status());
   // Before any work: libgomp must sleep, not spin, beside OpenBLAS (core/threads.h).
-  fulcrum::ReexecWithPassiveOpenMpWait(requested_threads->threads, original_argv);
+  fulcrum::SetUpComputeThreads(*requested_threads, original_argv);
 
   // Validate everything that needs no data or peers before any work: the layout against
   // the job's size, then the model and training flags (the vocabulary is not known yet).
@@ -130,7 +130,6 @@ int main(int argc, char** argv) {
     return Fail(s);
   }
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
-  fulcrum::SetComputeThreads(requested_threads->threads);
 
   // An unwritable --save would be found only at the first save, after the work it was
   // meant to keep.
@@ -193,11 +192,7 @@ int main(int argc, char** argv) {
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
                       << layout->ToString() << "; compute threads per process: "
-                      << requested_threads->threads << " (" << requested_threads->source
-                      << "; LibTorch " << at::get_num_threads() << ", OpenBLAS "
-                      << fulcrum::BlasThreads() << ", OMP_WAIT_POLICY "
-                      << (std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "unset")
-                      << ")";
+                      << fulcrum::DescribeComputeThreads(*requested_threads);
   }
 
   // The plugins' blocks (MoE layers) build communication groups: collective, so every

@@ -507,14 +507,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const int threads =
-      FLAGS_threads > 0 ? FLAGS_threads : fulcrum::DefaultComputeThreads().threads;
-  fulcrum::ReexecWithPassiveOpenMpWait(threads, original_argv);
+  const fulcrum::ThreadChoice threads = FLAGS_threads > 0
+                                            ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
+                                            : fulcrum::DefaultComputeThreads();
+  fulcrum::SetUpComputeThreads(threads, original_argv);
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
-  fulcrum::SetComputeThreads(threads);
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s; keep_heap %s\n",
-              at::get_num_threads(), fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset",
+  std::printf("threads: %s; keep_heap %s\n", fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_keep_heap ? "true" : "false");
   torch::manual_seed(1234);
   if (layer_table) fulcrum::MeasureLayer();  // its tensors are all freed on return

@@ -424,9 +424,10 @@ int main(int argc, char** argv) {
                  FLAGS_reference_wait_policy.c_str());
     return 2;
   }
-  const int threads =
-      FLAGS_threads > 0 ? FLAGS_threads : fulcrum::DefaultComputeThreads().threads;
-  fulcrum::ReexecWithPassiveOpenMpWait(threads, original_argv);
+  const fulcrum::ThreadChoice threads = FLAGS_threads > 0
+                                            ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
+                                            : fulcrum::DefaultComputeThreads();
+  fulcrum::SetUpComputeThreads(threads, original_argv);
   fulcrum::data::ByteTokenizer tokenizer;
   auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
   if (!corpus.ok()) {
@@ -434,10 +435,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
-  fulcrum::SetComputeThreads(threads);
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  std::printf("threads: %d intra-op, OpenBLAS %d, OMP_WAIT_POLICY %s (reference: %s)\n",
-              at::get_num_threads(), fulcrum::BlasThreads(), wait_policy ? wait_policy : "unset",
+  std::printf("threads: %s; the reference's OMP_WAIT_POLICY: %s\n",
+              fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_reference_wait_policy == "same" ? "the same" : "unset");
   fulcrum::g_reference_script = FLAGS_reference_script;
   if (fulcrum::g_reference_script.empty()) {

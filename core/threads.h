@@ -29,9 +29,9 @@ ThreadChoice DefaultComputeThreads();
 
 // NOTE [OpenMP wait policy]
 // LibTorch's intra-op pool is libgomp's, and Debian's OpenBLAS keeps a pthread pool of its
-// own. With both at 2 threads on 2 cores, libgomp's workers spin (its default ACTIVE wait,
-// ~300k iterations) after every parallel region, on the cores OpenBLAS's threads need for
-// the next GEMM: the tiny recipe ran 2.2x slower than on one thread, with 9.6 s of system
+// own. With both at 2 threads on 2 cores, libgomp's workers spin after every parallel
+// region (with OMP_WAIT_POLICY unset, 300,000 iterations before they sleep; ACTIVE spins
+// far longer), on the cores OpenBLAS's threads need for the next GEMM: the tiny recipe ran 2.2x slower than on one thread, with 9.6 s of system
 // time over 30 iterations against 0.2 s (measured 2026-11-25, `time fulcrum_train
 // --train_iters=30 --num_threads=1|2`). OMP_WAIT_POLICY=PASSIVE makes the workers sleep
 // instead, and the same run is then 1.29x faster than on one thread. libgomp reads the

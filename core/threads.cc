@@ -2,15 +2,14 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <cstdlib>
-#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/logging.h"
+#include "core/usable_cores.h"
 
 namespace fulcrum {
 
@@ -29,24 +28,28 @@ int SetComputeThreads(int n) {
   return BlasThreads();
 }
 
+namespace {
+
+// $OMP_WAIT_POLICY, or null when it is unset or empty (libgomp's default then).
+const char* WaitPolicy() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  return policy != nullptr && *policy != '\0' ? policy : nullptr;
+}
+
+}  // namespace
+
 ThreadChoice DefaultComputeThreads() {
   int from_env = 0;
   if (const char* env = std::getenv("OMP_NUM_THREADS");
       env != nullptr && absl::SimpleAtoi(env, &from_env) && from_env > 0) {
     return {from_env, "$OMP_NUM_THREADS"};
   }
-  int cores = 0;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
-  if (cores <= 0) cores = static_cast<int>(std::thread::hardware_concurrency());
-  if (cores <= 0) cores = 1;
+  const int cores = UsableCores();
   return {cores, absl::StrCat("all ", cores, " cores this process may use")};
 }
 
 void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& argv) {
-  const char* policy = std::getenv("OMP_WAIT_POLICY");
-  if (threads <= 1 || (policy != nullptr && *policy != '\0') || argv.empty()) return;
+  if (threads <= 1 || WaitPolicy() != nullptr || argv.empty()) return;
   setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -63,10 +66,10 @@ void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::stri
 }
 
 std::string DescribeComputeThreads(const ThreadChoice& choice) {
-  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* policy = WaitPolicy();
   return absl::StrCat(choice.threads, " (", choice.source, "; LibTorch ", at::get_num_threads(),
                       ", OpenBLAS ", BlasThreads(), ", OMP_WAIT_POLICY ",
-                      policy != nullptr && *policy != '\0' ? policy : "unset", ")");
+                      policy != nullptr ? policy : "unset", ")");
 }
 
 }  // namespace fulcrum

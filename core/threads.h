@@ -15,7 +15,7 @@ int SetComputeThreads(int n);
 /// OpenBLAS's thread count (-1 when the process has no OpenBLAS).
 int BlasThreads();
 
-/// The thread count a process uses when none is asked for, and where it came from.
+/// A thread count and where it came from (a flag, the environment, the cores).
 struct ThreadChoice {
   int threads = 1;
   std::string source;  ///< "$OMP_NUM_THREADS" or "all N cores this process may use".

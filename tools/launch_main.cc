@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/usable_cores.h"
 #include "recipes/relaunch_protocol.h"
 #include "tools/internal/launch_supervisor.h"
 
@@ -222,14 +223,6 @@ std::optional<int> PickFreePort(std::string* error) {
   }
   close(fd);
   return port;
-}
-
-// Cores this process may run on (its affinity mask: what taskset, cgroups cpusets or
-// SLURM's --cpus-per-task grant), which can be far fewer than the machine has.
-int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
 }
 
 // Creates `path` and its missing parents, like `mkdir -p`.

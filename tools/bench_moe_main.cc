@@ -54,6 +54,7 @@
 #include "moe/moe_layer.h"
 #include "moe/dispatch.h"
 #include "moe/router.h"
+#include "tools/internal/bench_util.h"
 
 DEFINE_string(tokens, "4096,16384", "Token counts T to measure (comma-separated).");
 DEFINE_string(experts, "8,16", "Expert counts E to measure.");
@@ -318,8 +319,7 @@ class EagerBatchedMoe {
 
 void MeasureLayer() {
   const int64_t t = FLAGS_layer_tokens, e = FLAGS_layer_experts, k = FLAGS_layer_topk;
-  const int64_t seq = 1024, batch = std::max<int64_t>(1, t / seq);
-  TORCH_CHECK(seq * batch == t, "bench_moe: --layer_tokens must be a multiple of 1024");
+  const int64_t seq = 1024, batch = t / seq;  // main checked that 1024 divides t
   ModelOptions model;
   model.hidden_size = FLAGS_hidden;
   model.num_attention_heads = 1;
@@ -363,22 +363,10 @@ void MeasureLayer() {
   auto [warm_ref_ms, ref_out, ref_grad] = reference();
   const double out_diff = (ours_out - ref_out).abs().max().item<double>();
   const double grad_diff = (ours_grad - ref_grad).abs().max().item<double>();
-  std::vector<double> ours_ms, ref_ms, ratios;
-  for (int r = 0; r < FLAGS_layer_rounds; ++r) {
-    double a, b;
-    if (r % 2 == 0) {
-      a = std::get<0>(ours());
-      b = std::get<0>(reference());
-    } else {
-      b = std::get<0>(reference());
-      a = std::get<0>(ours());
-    }
-    ours_ms.push_back(a);
-    ref_ms.push_back(b);
-    ratios.push_back(a / b);
-  }
-  std::sort(ratios.begin(), ratios.end());
-  const double ratio = ratios[ratios.size() / 2];
+  const bench::PairedRounds rounds =
+      bench::AlternateRounds(FLAGS_layer_rounds, [&] { return std::get<0>(ours()); },
+                             [&] { return std::get<0>(reference()); });
+  const double ratio = bench::Median(rounds.ratio);
   std::printf("layer: T = %lld [%lld, %lld, %lld], E = %lld, k = %lld, capacity factor 1, "
               "H = %lld, GeLU; forward+backward, median of %d rounds, interleaved\n",
               static_cast<long long>(t), static_cast<long long>(seq),
@@ -387,10 +375,8 @@ void MeasureLayer() {
               static_cast<long long>(FLAGS_ffn_hidden), FLAGS_layer_rounds);
   std::printf("%-12s %-14s %-12s %-22s %s\n", "MoeLayer ms", "eager ref ms", "ratio",
               "max |diff| out, dx", "goal <= 0.8");
-  std::sort(ours_ms.begin(), ours_ms.end());
-  std::sort(ref_ms.begin(), ref_ms.end());
-  std::printf("%-12.1f %-14.1f %-12.3f %-9.1e %-12.1e %s\n\n", ours_ms[ours_ms.size() / 2],
-              ref_ms[ref_ms.size() / 2], ratio, out_diff, grad_diff,
+  std::printf("%-12.1f %-14.1f %-12.3f %-9.1e %-12.1e %s\n\n", bench::Median(rounds.a),
+              bench::Median(rounds.b), ratio, out_diff, grad_diff,
               ratio <= 0.8 ? "met" : "not met");
   std::fflush(stdout);
   if (!FLAGS_profile_trace.empty()) {
@@ -403,10 +389,7 @@ void MeasureLayer() {
   }
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::Median;
 
 double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 

@@ -45,6 +45,7 @@
 #include "core/tensor_parallel.h"
 #include "core/threads.h"
 #include "core/trainer.h"
+#include "tools/internal/bench_util.h"
 
 DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");
 DEFINE_int32(iters_per_round, 5, "Training iterations per round and implementation.");
@@ -227,10 +228,7 @@ struct PlainGptImpl : torch::nn::Module {
 };
 TORCH_MODULE(PlainGpt);
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::Median;
 
 void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> corpus) {
   const int64_t vocab = shape.vocab;
@@ -268,11 +266,12 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
     auto stats = (*trainer)->TrainIteration();
     if (!stats.ok()) std::exit(1);
   };
-  auto time_iters = [&](const std::function<void()>& step) {
+  // Milliseconds per step of `step`, over --iters_per_round steps.
+  auto ms_per_step = [&](const std::function<void()>& step) {
     const auto start = Clock::now();
     for (int i = 0; i < FLAGS_iters_per_round; ++i) step();
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    return tokens * FLAGS_iters_per_round / seconds;
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count() /
+           FLAGS_iters_per_round;
   };
   for (int i = 0; i < FLAGS_warmup_iters; ++i) {
     plain_step();
@@ -285,8 +284,8 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   for (int r = 0; r < FLAGS_rounds; ++r) {
     // Rotate which goes first so drift in machine load hits all alike.
     std::vector<std::function<void()>> order = {
-        [&] { ours.push_back(tokens / time_iters(fulcrum_step) * 1e3); },
-        [&] { theirs.push_back(tokens / time_iters(plain_step) * 1e3); },
+        [&] { ours.push_back(ms_per_step(fulcrum_step)); },
+        [&] { theirs.push_back(ms_per_step(plain_step)); },
         [&] {
           if (reference == nullptr) return;
           const double seconds = reference->Run(FLAGS_iters_per_round);
@@ -372,24 +371,13 @@ void MeasureCrossEntropy(const Shape& shape) {
     run(true);
     run(false);
   }
-  std::vector<double> ours, theirs, ratios;
-  for (int r = 0; r < 21; ++r) {
-    double a, b;  // Alternate which goes first.
-    if (r % 2 == 0) {
-      a = run(true);
-      b = run(false);
-    } else {
-      b = run(false);
-      a = run(true);
-    }
-    ours.push_back(a);
-    theirs.push_back(b);
-    ratios.push_back(a / b);
-  }
+  const bench::PairedRounds rounds =
+      bench::AlternateRounds(21, [&] { return run(true); }, [&] { return run(false); });
   std::printf("%-8s cross-entropy [%lld, %lld] fwd+bwd: fulcrum %.2f ms | libtorch %.2f ms | "
               "ratio %.3f (median of 21, interleaved)\n",
               shape.name.c_str(), static_cast<long long>(tokens),
-              static_cast<long long>(shape.vocab), Median(ours), Median(theirs), Median(ratios));
+              static_cast<long long>(shape.vocab), Median(rounds.a), Median(rounds.b),
+              Median(rounds.ratio));
   std::fflush(stdout);
 }
 
@@ -438,14 +426,10 @@ int main(int argc, char** argv) {
   std::printf("threads: %s; the reference's OMP_WAIT_POLICY: %s\n",
               fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_reference_wait_policy == "same" ? "the same" : "unset");
-  fulcrum::g_reference_script = FLAGS_reference_script;
-  if (fulcrum::g_reference_script.empty()) {
-    const std::string self = argv[0];
-    const size_t slash = self.find_last_of('/');
-    fulcrum::g_reference_script =
-        (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) +
-        "/../../tools/bench_train_reference.py";
-  }
+  const std::string bin_dir = fulcrum::bench::BinDir(argv[0]);
+  fulcrum::g_reference_script = FLAGS_reference_script.empty()
+                                    ? bin_dir + "/../../tools/bench_train_reference.py"
+                                    : FLAGS_reference_script;
   for (absl::string_view name : absl::StrSplit(FLAGS_models, ',')) {
     bool found = false;
     for (const auto& shape : fulcrum::kShapes) {
@@ -460,10 +444,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!FLAGS_layouts.empty()) {
-    std::string bin_dir = argv[0];
-    bin_dir = bin_dir.substr(0, bin_dir.find_last_of('/') == std::string::npos ? 0 : bin_dir.find_last_of('/'));
-    fulcrum::MeasureLayouts(bin_dir.empty() ? "." : bin_dir);
-  }
+  if (!FLAGS_layouts.empty()) fulcrum::MeasureLayouts(bin_dir);
   return 0;
 }

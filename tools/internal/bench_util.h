@@ -1,7 +1,8 @@
 // Helpers the benchmark tools share: their command-line handling (bad flags are usage
 // errors, exit 2; --help lists only the tool's own flags), the machine's state that every
-// benchmark prints beside its numbers (usable cores, load average), medians, and running
-// the real binaries (fulcrum_launch, fulcrum_train) that sit next to the tool.
+// benchmark prints beside its numbers (usable cores, load average), medians, alternated
+// timing rounds, and running the real binaries (fulcrum_launch, fulcrum_train) that sit next
+// to the tool.
 //
 // Header-only: each tool is one executable built from its own main file.
 // Thread-safety: none needed; these run on the tool's main thread.
@@ -21,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -32,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "core/usable_cores.h"
 
 extern char** environ;
 
@@ -48,12 +51,34 @@ inline double Median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-/// The cores this process may run on (its affinity mask), not the machine's.
-inline int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+/// Per-round times (ms) of two implementations and their ratios a / b.
+struct PairedRounds {
+  std::vector<double> a, b, ratio;
+};
+
+/// Runs `a` and `b` (each returns its milliseconds) `rounds` times, alternating which goes
+/// first so drift in the machine's load hits both alike.
+inline PairedRounds AlternateRounds(int rounds, const std::function<double()>& a,
+                                    const std::function<double()>& b) {
+  PairedRounds out;
+  for (int r = 0; r < rounds; ++r) {
+    double ta, tb;
+    if (r % 2 == 0) {
+      ta = a();
+      tb = b();
+    } else {
+      tb = b();
+      ta = a();
+    }
+    out.a.push_back(ta);
+    out.b.push_back(tb);
+    out.ratio.push_back(ta / tb);
+  }
+  return out;
 }
+
+/// The cores this process may run on (core/usable_cores.h).
+using ::fulcrum::UsableCores;
 
 /// The 1-minute load average (/proc/loadavg); false where there is none.
 inline bool ReadLoadAverage(double* load) {

@@ -77,7 +77,8 @@ DEFINE_bool(cross_entropy, false,
             "place] in core/tensor_parallel.cc).");
 DEFINE_string(reference_wait_policy, "same",
               "OMP_WAIT_POLICY of the PyTorch-eager reference: 'same' (this process's) or "
-              "'default' (unset: libgomp's spinning wait, as a PyTorch user runs it).");
+              "'default' (unset: libgomp's default, spinning before it sleeps, as a PyTorch user "
+              "runs it).");
 
 namespace fulcrum {
 namespace {

@@ -55,16 +55,18 @@ class DispatchFunction : public torch::autograd::Function<DispatchFunction> {
 
 // y [E, C, D] → out [T, D] = Σ gate·y[position] per token. Saves the gates, the indices and,
 // when the gates need a gradient, the gathered rows y[position] [M, D] (not y: the backward
-// would gather them again, and M <= E·C).
+// would gather them again, and M <= E·C). `gate_needs_grad` comes from the caller: inside
+// forward() the context has no graph node yet when nothing needs a gradient (evaluation, a
+// frozen prefix), and asking it (`needs_input_grad`) throws.
 class CombineFunction : public torch::autograd::Function<CombineFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& gate,
                             const at::Tensor& token, const at::Tensor& position,
-                            int64_t num_tokens) {
+                            int64_t num_tokens, bool gate_needs_grad) {
     const int64_t hidden = y.size(2);
     at::Tensor rows = y.reshape({-1, hidden}).index_select(0, position);  // [M, D]
     at::Tensor weighted;
-    if (ctx->needs_input_grad(1)) {
+    if (gate_needs_grad) {
       ctx->save_for_backward({rows, gate, token, position});
       weighted = rows * gate.unsqueeze(1);
     } else {
@@ -95,7 +97,7 @@ class CombineFunction : public torch::autograd::Function<CombineFunction> {
       flat.index_copy_(0, position, grad_rows);
       ZeroUnnamedRows(flat, position);  // slots no assignment reached get no gradient
     }
-    return {grad_y, grad_gate, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_y, grad_gate, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -170,7 +172,9 @@ at::Tensor Combine(const at::Tensor& y, const DispatchPlan& plan) {
   // Routers keep fp32 gates (NOTE [router precision]); the sum is formed in y's dtype, and
   // autograd casts the gate's gradient back.
   const at::Tensor gate = plan.gate.to(y.scalar_type());
-  return CombineFunction::apply(y, gate, plan.token, plan.position, plan.num_tokens);
+  const bool gate_needs_grad = at::GradMode::is_enabled() && gate.requires_grad();
+  return CombineFunction::apply(y, gate, plan.token, plan.position, plan.num_tokens,
+                                gate_needs_grad);
 }
 
 }  // namespace fulcrum::moe

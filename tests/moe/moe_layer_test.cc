@@ -485,3 +485,33 @@ TEST(MoeLayerTest, EvaluationLeavesTheCacheAlone) {
 
 }  // namespace
 }  // namespace fulcrum::moe
+
+namespace fulcrum::moe {
+namespace {
+
+// Evaluation (a no-grad guard) and a frozen layer (no parameter and no input needs a
+// gradient) run the layer with no autograd graph; both give exactly the training-mode output
+// of the same weights and tokens, and neither builds a graph.
+TEST(MoeLayerTest, ForwardWithoutGradientsGivesTheSameOutput) {
+  for (double capacity_factor : {0.0, 0.5}) {
+    SCOPED_TRACE(absl::StrCat("capacity factor ", capacity_factor));
+    Built b = Build(Options("topk", capacity_factor));
+    const at::Tensor x = at::randn({5, 3, kHidden});
+    const ForwardContext ctx{/*training=*/false, 1, 0};
+    const at::Tensor with_grad = b.block->Forward(x, ctx);
+    ASSERT_TRUE(with_grad.requires_grad()) << "the reference must have built a graph";
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor evaluated = b.block->Forward(x, ctx);
+      EXPECT_FALSE(evaluated.requires_grad());
+      EXPECT_TRUE(evaluated.equal(with_grad.detach()));
+    }
+    for (Parameter& p : b.unit->parameters()) p.value.requires_grad_(false);
+    const at::Tensor frozen = b.block->Forward(x, ctx);
+    EXPECT_FALSE(frozen.requires_grad());
+    EXPECT_TRUE(frozen.equal(with_grad.detach()));
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::moe

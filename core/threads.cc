@@ -1,7 +1,6 @@
 #include "core/threads.h"
 
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,20 +12,7 @@
 
 namespace fulcrum {
 
-// Looked up at run time: the symbols exist only when OpenBLAS is the BLAS LibTorch loaded.
-int BlasThreads() {
-  using GetFn = int (*)();
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return get != nullptr ? get() : -1;
-}
-
-int SetComputeThreads(int n) {
-  at::set_num_threads(n);
-  using SetFn = void (*)(int);
-  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  if (set != nullptr) set(n);
-  return BlasThreads();
-}
+void SetComputeThreads(int n) { at::set_num_threads(n); }
 
 namespace {
 
@@ -68,7 +54,7 @@ void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::stri
 std::string DescribeComputeThreads(const ThreadChoice& choice) {
   const char* policy = WaitPolicy();
   return absl::StrCat(choice.threads, " (", choice.source, "; LibTorch ", at::get_num_threads(),
-                      ", OpenBLAS ", BlasThreads(), ", OMP_WAIT_POLICY ",
+                      ", OMP_WAIT_POLICY ",
                       policy != nullptr ? policy : "unset", ")");
 }
 

@@ -1,6 +1,6 @@
-// How many threads a process computes with. LibTorch's intra-op pool and OpenBLAS (Debian's
-// libopenblas0-pthread keeps its own pool, which at::set_num_threads does not change) are
-// set together, so a GEMM and an elementwise op use the same number of cores.
+// How many threads a process computes with. LibTorch 2.11 (torch's wheel) computes its GEMMs
+// with MKL and oneDNN under the same OpenMP runtime (libgomp) as its elementwise ops, so
+// at::set_num_threads sets them all.
 #pragma once
 
 #include <string>
@@ -8,12 +8,8 @@
 
 namespace fulcrum {
 
-/// Sets LibTorch's intra-op threads and OpenBLAS's to `n`; returns OpenBLAS's count after
-/// (-1 when the process has no OpenBLAS).
-int SetComputeThreads(int n);
-
-/// OpenBLAS's thread count (-1 when the process has no OpenBLAS).
-int BlasThreads();
+/// Sets LibTorch's intra-op threads (OpenMP, MKL, oneDNN) to `n`.
+void SetComputeThreads(int n);
 
 /// A thread count and where it came from (a flag, the environment, the cores).
 struct ThreadChoice {
@@ -23,8 +19,8 @@ struct ThreadChoice {
 
 /// $OMP_NUM_THREADS when it is a positive integer (fulcrum_launch sets it to the cores per
 /// process; ctest sets 1), else every core the process's CPU affinity allows. LibTorch's
-/// own default (1 intra-op thread on Debian's build, whatever the machine) is not used:
-/// a single-process run should use the whole machine.
+/// own default is not used: a single-process run should use the whole machine, and the
+/// count should be one the log can name.
 ThreadChoice DefaultComputeThreads();
 
 // NOTE [OpenMP wait policy]
@@ -48,7 +44,7 @@ void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& ar
 /// return), then SetComputeThreads(choice.threads).
 void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::string>& argv);
 
-/// For the log: "2 (--num_threads; LibTorch 2, OpenBLAS 2, OMP_WAIT_POLICY PASSIVE)".
+/// For the log: "2 (--num_threads; LibTorch 2, OMP_WAIT_POLICY PASSIVE)".
 std::string DescribeComputeThreads(const ThreadChoice& choice);
 
 }  // namespace fulcrum

@@ -17,6 +17,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/malloc_tuning.h"
+#include "core/platform.h"
 #include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
@@ -189,6 +190,7 @@ int main(int argc, char** argv) {
     }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "platform: " << fulcrum::DescribePlatform(fulcrum::CurrentPlatform());
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
                       << layout->ToString() << "; compute threads per process: "

@@ -144,7 +144,7 @@ TEST(TrainCliTest, ExplicitFlagsOverrideTheRecipeAndFlagfilesWork) {
       << output;
   auto records = ReadMetrics(dir + "/m.jsonl");
   EXPECT_EQ(records.size(), 2u) << "--train_iters from the flagfile beats the recipe's";
-  EXPECT_NE(output.find("compute threads per process: 2 (--num_threads; LibTorch 2, OpenBLAS 2, "
+  EXPECT_NE(output.find("compute threads per process: 2 (--num_threads; LibTorch 2, "
                        "OMP_WAIT_POLICY PASSIVE)"), std::string::npos)
       << output;
   // 1 layer of width 64 (flag beats the recipe's 128; MLP 4 x 64): parameter count in the log.

@@ -34,22 +34,7 @@ ThreadChoice DefaultComputeThreads() {
   return {cores, absl::StrCat("all ", cores, " cores this process may use")};
 }
 
-void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& argv) {
-  if (threads <= 1 || WaitPolicy() != nullptr || argv.empty()) return;
-  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  execv("/proc/self/exe", args.data());
-  unsetenv("OMP_WAIT_POLICY");  // not in effect: the log must not say it is
-  FULCRUM_LOG(WARNING) << "could not re-execute with OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP "
-                          "wait policy] in core/threads.h); set it in the environment";
-}
-
-void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::string>& argv) {
-  ReexecWithPassiveOpenMpWait(choice.threads, argv);
-  SetComputeThreads(choice.threads);
-}
+void SetUpComputeThreads(const ThreadChoice& choice) { SetComputeThreads(choice.threads); }
 
 std::string DescribeComputeThreads(const ThreadChoice& choice) {
   const char* policy = WaitPolicy();

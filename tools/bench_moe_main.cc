@@ -67,7 +67,7 @@ DEFINE_int32(rounds, 3,
 DEFINE_int32(warmup, 1, "Untimed forward+backward passes of each implementation first.");
 DEFINE_int32(threads, 0,
              "Compute threads (LibTorch's intra-op pool); 0: $OMP_NUM_THREADS, else all cores, as "
-             "fulcrum_train (and, above one, the same passive OpenMP wait).");
+             "fulcrum_train.");
 DEFINE_bool(keep_heap, true,
             "Keep freed memory in the heap as fulcrum_train does (core/malloc_tuning.h); both "
             "sides of each table run in this process, so it applies to both.");
@@ -449,7 +449,6 @@ std::vector<int64_t> ParseList(const std::string& flag, const std::string& value
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> original_argv(argv, argv + argc);
   gflags::SetUsageMessage(
       "One MoE layer: moe::MoeLayer vs an eager batched-GEMM layer; index dispatch/combine vs "
       "GShard's one-hot einsums.");
@@ -496,7 +495,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads, original_argv);
+  fulcrum::SetUpComputeThreads(threads);
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
   std::printf("threads: %s; keep_heap %s\n", fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_keep_heap ? "true" : "false");

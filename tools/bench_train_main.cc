@@ -73,8 +73,7 @@ DEFINE_bool(keep_heap, true,
             "reference keeps glibc's defaults either way.");
 DEFINE_int32(threads, 0,
              "Intra-op threads for both sides; 0: $OMP_NUM_THREADS, else all cores "
-             "(as fulcrum_train). With more than one, this process runs with "
-             "OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP wait policy] in core/threads.h).");
+             "(as fulcrum_train).");
 DEFINE_bool(cross_entropy, false,
             "Also time the loss alone: VocabParallelCrossEntropy on one rank against LibTorch's "
             "cross_entropy_loss (log_softmax + nll_loss), forward+backward on each model's "
@@ -422,7 +421,6 @@ void MeasureLayouts(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> original_argv(argv, argv + argc);
   gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fulcrum::InitLogging(argv[0]);
@@ -434,7 +432,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads, original_argv);
+  fulcrum::SetUpComputeThreads(threads);
   fulcrum::data::ByteTokenizer tokenizer;
   auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
   if (!corpus.ok()) {

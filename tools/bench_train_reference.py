@@ -38,6 +38,9 @@ def main():
                         "(tools/op_profile_summary.py sums it by op)")
     args = p.parse_args()
 
+    import warnings
+    # torch's import warns when numpy is absent; the reference does not use numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     import torch.nn as nn
     import torch.nn.functional as F

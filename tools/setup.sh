@@ -106,8 +106,16 @@ fulcrum_torch_cmake_dir() {
 fulcrum_build() {
   local start=$SECONDS torch_dir
   torch_dir="$(fulcrum_torch_cmake_dir)"
-  cmake -S "$FULCRUM_ROOT" -B "$FULCRUM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$torch_dir" ${FULCRUM_CMAKE_ARGS:-} >/dev/null
+  mkdir -p "$FULCRUM_BUILD_DIR"
+  local log="$FULCRUM_BUILD_DIR/configure.log"
+  if ! cmake -S "$FULCRUM_ROOT" -B "$FULCRUM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_dir" ${FULCRUM_CMAKE_ARGS:-} >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "fulcrum: CMake configure failed (log: $log)" >&2
+    return 1
+  fi
+  # What was found: the LibTorch, whether the CUDA build and the NCCL backend are on.
+  grep -E '^-- Fulcrum:' "$log" || true
   cmake --build "$FULCRUM_BUILD_DIR" -j "$(nproc)" "$@"
   echo "fulcrum: build finished in $((SECONDS - start)) s"
 }

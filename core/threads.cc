@@ -1,7 +1,6 @@
 #include "core/threads.h"
 
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,20 +12,7 @@
 
 namespace fulcrum {
 
-// Looked up at run time: the symbols exist only when OpenBLAS is the BLAS LibTorch loaded.
-int BlasThreads() {
-  using GetFn = int (*)();
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return get != nullptr ? get() : -1;
-}
-
-int SetComputeThreads(int n) {
-  at::set_num_threads(n);
-  using SetFn = void (*)(int);
-  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  if (set != nullptr) set(n);
-  return BlasThreads();
-}
+void SetComputeThreads(int n) { at::set_num_threads(n); }
 
 namespace {
 
@@ -48,27 +34,12 @@ ThreadChoice DefaultComputeThreads() {
   return {cores, absl::StrCat("all ", cores, " cores this process may use")};
 }
 
-void ReexecWithPassiveOpenMpWait(int threads, const std::vector<std::string>& argv) {
-  if (threads <= 1 || WaitPolicy() != nullptr || argv.empty()) return;
-  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/1);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  execv("/proc/self/exe", args.data());
-  unsetenv("OMP_WAIT_POLICY");  // not in effect: the log must not say it is
-  FULCRUM_LOG(WARNING) << "could not re-execute with OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP "
-                          "wait policy] in core/threads.h); set it in the environment";
-}
-
-void SetUpComputeThreads(const ThreadChoice& choice, const std::vector<std::string>& argv) {
-  ReexecWithPassiveOpenMpWait(choice.threads, argv);
-  SetComputeThreads(choice.threads);
-}
+void SetUpComputeThreads(const ThreadChoice& choice) { SetComputeThreads(choice.threads); }
 
 std::string DescribeComputeThreads(const ThreadChoice& choice) {
   const char* policy = WaitPolicy();
   return absl::StrCat(choice.threads, " (", choice.source, "; LibTorch ", at::get_num_threads(),
-                      ", OpenBLAS ", BlasThreads(), ", OMP_WAIT_POLICY ",
+                      ", OMP_WAIT_POLICY ",
                       policy != nullptr ? policy : "unset", ")");
 }
 

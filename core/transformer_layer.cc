@@ -272,53 +272,43 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
          proj_bias_;
 }
 
-// NOTE [causal query chunks]
-// Without attention dropout the queries are taken in chunks of max(64, ⌈s/8⌉) rows, and
-// chunk [a, e) scores only the keys [0, e) it may see: the products and the softmax cover
-// (n+1)/2n of the s×s matrix for n chunks (62.5% at s = 256, 56% at s = 1024) instead of
-// all of it. The masked entries it skips are exactly the zeros of the full computation, so
-// the result is the same function. With attention dropout the whole matrix is computed:
-// its masks are drawn per head over [s, s].
+// NOTE [dense causal attention]
+// Without attention dropout the layer calls at::scaled_dot_product_attention with
+// is_causal: on the CPU (and on CUDA) LibTorch 2.11 runs it as a flash-attention kernel that
+// walks the keys in blocks with an online softmax, skipping the blocks above the diagonal,
+// and never forms the s×s score matrix (its backward recomputes the scores block by block).
+// tests/core/causal_attention_test.cc holds it to the plain masked softmax at 1e-12 in fp64.
+// With attention dropout the whole matrix is computed here: its masks are drawn per head
+// over [s, s] from Fulcrum's own generators, so a head drops the same entries on whichever
+// rank holds it, which SDPA's dropout cannot promise. MoD's ResidualAt keeps its own chunked
+// loop (NOTE [causal query chunks]): its queries are a subset of the positions.
 at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const ForwardContext& ctx) const {
+  const bool dropout = ctx.training && options_.attention_dropout > 0;
+  if (!dropout) {
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true);
+  }
   const int64_t s = q.size(2);
   const int64_t heads = q.size(1);
   const int64_t d = q.size(3);
   // The 1/√d scale on q (b·heads·s·d elements), not on the scores (b·heads·s²), and the
-  // mask inside the softmax's node: at s = 256 this halves the attention's elementwise
-  // work, forward and backward.
+  // mask inside the softmax's node.
   const at::Tensor scaled_q = q * (1.0 / std::sqrt(double(d)));
-  const bool dropout = ctx.training && options_.attention_dropout > 0;
-  const int64_t chunk = dropout ? s : std::max<int64_t>(64, (s + 7) / 8);
-  if (chunk < s) {
-    std::vector<at::Tensor> parts;
-    for (int64_t begin = 0; begin < s; begin += chunk) {
-      const int64_t end = std::min(s, begin + chunk);
-      const at::Tensor keys = k.narrow(2, 0, end);
-      const at::Tensor scores = at::matmul(scaled_q.narrow(2, begin, end - begin), keys.transpose(-2, -1));
-      // Query begin + i may not see key j > begin + i.
-      const at::Tensor future =
-          at::ones({end - begin, end}, at::TensorOptions().dtype(at::kBool)).triu(begin + 1);
-      parts.push_back(at::matmul(CausalSoftmaxFunction::apply(scores, future), v.narrow(2, 0, end)));
-    }
-    return at::cat(parts, 2);
-  }
   at::Tensor scores = at::matmul(scaled_q, k.transpose(-2, -1));
   at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool)).triu(1);
   at::Tensor probs = CausalSoftmaxFunction::apply(scores, future);
-  if (dropout) {
-    // One mask per global head, so a head draws the same mask on whichever rank holds it.
-    const int64_t first_head = tp_rank() * heads;
-    std::vector<at::Tensor> per_head;
-    per_head.reserve(heads);
-    for (int64_t i = 0; i < heads; ++i) {
-      per_head.push_back(Dropout(probs.select(1, i), options_.attention_dropout, options_.seed,
-                                 "attention_dropout",
-                                 layer_index_ * options_.num_attention_heads + first_head + i,
-                                 ctx));
-    }
-    probs = at::stack(per_head, 1);
+  // One mask per global head, so a head draws the same mask on whichever rank holds it.
+  const int64_t first_head = tp_rank() * heads;
+  std::vector<at::Tensor> per_head;
+  per_head.reserve(heads);
+  for (int64_t i = 0; i < heads; ++i) {
+    per_head.push_back(Dropout(probs.select(1, i), options_.attention_dropout, options_.seed,
+                               "attention_dropout",
+                               layer_index_ * options_.num_attention_heads + first_head + i,
+                               ctx));
   }
+  probs = at::stack(per_head, 1);
   return at::matmul(probs, v);
 }
 
@@ -371,9 +361,12 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
       LinearRowsForward(x, qkv_weight_, qkv_bias_, kv_rows).view({s, b, heads, 2, d}).unbind(3);
   const at::Tensor keys = kv[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
   const at::Tensor values = kv[1].permute({1, 2, 0, 3});
-  // Causal query chunks as in SoftmaxAttention (NOTE [causal query chunks]): the rows of a
-  // chunk score only the keys up to the latest position among them, so with ascending
-  // positions about half of the k×s matrix is computed.
+  // NOTE [causal query chunks]
+  // The k chosen queries are taken in chunks of max(16, ⌈k/8⌉), and a chunk scores only the
+  // keys up to the latest position among its queries: with ascending positions about half
+  // of the k×s matrix is computed. The masked entries it skips are exactly the zeros of the
+  // full computation, so the result is the same function as the dense layer's
+  // (tests/core/residual_at_test.cc, 1e-12 in fp64).
   const at::Tensor scaled_q = q * (1.0 / std::sqrt(double(d)));
   const at::Tensor query_pos = index.t().reshape({b, 1, k, 1});
   const int64_t chunk = std::max<int64_t>(16, (k + 7) / 8);

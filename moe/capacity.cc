@@ -12,7 +12,7 @@ namespace {
 // group out in list order; subtracting the group's start gives the rank.
 at::Tensor RankWithinGroup(const at::Tensor& keys, int64_t num_groups) {
   const int64_t n = keys.size(0);
-  at::Tensor order = std::get<1>(at::sort(keys, /*stable=*/c10::optional<bool>(true), /*dim=*/0));
+  at::Tensor order = std::get<1>(at::sort(keys, /*stable=*/std::optional<bool>(true), /*dim=*/0));
   at::Tensor counts = at::bincount(keys, /*weights=*/{}, num_groups);
   at::Tensor group_start = counts.cumsum(0) - counts;  // [G]
   at::Tensor sorted_rank =
@@ -91,9 +91,9 @@ Routing PrioritizeByConfidence(const Routing& routing) {
   // Two stable sorts make a lexicographic order: by priority (descending) first, then by
   // choice (ascending); each keeps the previous order among equal keys.
   at::Tensor by_priority =
-      std::get<1>(at::sort(priority, /*stable=*/c10::optional<bool>(true), 0, /*descending=*/true));
+      std::get<1>(at::sort(priority, /*stable=*/std::optional<bool>(true), 0, /*descending=*/true));
   at::Tensor by_choice = std::get<1>(
-      at::sort(choice.index_select(0, by_priority), /*stable=*/c10::optional<bool>(true), 0));
+      at::sort(choice.index_select(0, by_priority), /*stable=*/std::optional<bool>(true), 0));
   at::Tensor order = by_priority.index_select(0, by_choice);
 
   Routing out;

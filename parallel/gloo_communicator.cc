@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/logging.h"
-#include "parallel/internal/c10d_compat.h"
+#include "parallel/internal/c10d_util.h"
 #include "parallel/internal/communicator_util.h"
 #include "parallel/internal/tcp_store.h"
 
@@ -192,12 +192,11 @@ class GlooCommunicator final : public Communicator {
     internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
     CheckHasRows(input, kOp);
     internal::CheckDivisible(input.size(0), size(), kOp, group_);
-    // Gloo in LibTorch 1.13 has no reduce_scatter: all_reduce a copy and keep this rank's
-    // chunk. Cost: 2(n-1)/n of the input's bytes on the wire per rank, twice a ring
-    // reduce-scatter's (n-1)/n, plus a full-size copy and the full reduction on every rank.
-    // Correct for every dtype and op; a ring of n-1 send/recv rounds would halve the bytes
-    // but add n-1 dependent latencies and a hand-written reduction. (LibTorch 2.x Gloo has
-    // _reduce_scatter_base; c10d_compat.h is where a 2.x build would switch to it.)
+    // An all_reduce of a copy, keeping this rank's chunk. Cost: 2(n-1)/n of the input's
+    // bytes on the wire per rank, twice a ring reduce-scatter's (n-1)/n, plus a full-size
+    // copy and the full reduction on every rank. Correct for every dtype and op. c10d's own
+    // Gloo reduce_scatter is not used: it is not known to move fewer bytes (its bytes on the
+    // wire have not been measured against this), and this path is what the tests prove.
     const bool staged = input.scalar_type() == at::kBFloat16;
     at::Tensor full = staged ? input.to(at::kFloat) : input.clone();
     Run(kOp, [&] {

@@ -7,7 +7,7 @@
 //    the members that went silent, and leaves the communicator unusable: its later calls
 //    throw at once instead of waiting out another timeout against a broken mesh.
 //  - bfloat16, which Gloo lacks, is reduced in float32 and moved as raw 16-bit words.
-//  - ReduceScatter costs an all_reduce (Gloo in LibTorch 1.13 has no reduce_scatter).
+//  - ReduceScatter costs an all_reduce (see ReduceScatter in gloo_communicator.cc).
 //  - Split builds a new process group among the members only, through the store. A Split
 //    that fails (a member never called it) leaves this communicator usable, but that
 //    (name, ranks) must not be split again: the members' split counts no longer agree.

@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/logging.h"
-#include "parallel/internal/c10d_compat.h"
+#include "parallel/internal/c10d_util.h"
 #include "parallel/internal/communicator_util.h"
 #include "parallel/internal/tcp_store.h"
 
@@ -28,6 +28,36 @@ bool LooksLikeTimeout(const std::exception& e, Clock::duration elapsed,
                       std::chrono::milliseconds timeout) {
   if (internal::IsC10dTimeout(e)) return true;
   return elapsed >= timeout * 9 / 10;
+}
+
+// Every rank counts itself in and waits for the others, so a rank that never started is
+// reported here, with the count, instead of later as an opaque communicator timeout.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> WaitForEveryRank(
+    c10::intrusive_ptr<c10d::Store> store, const WorldInfo& world, const std::string& where,
+    Clock::time_point deadline, std::chrono::milliseconds timeout, const char* role) {
+  int64_t joined = 0;
+  try {
+    joined = store->add(kJoinedKey, 1);
+    auto pause = std::chrono::milliseconds(5);
+    while (joined < world.world_size && Clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+      joined = store->add(kJoinedKey, 0);
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "rendezvous: lost the master at ", where, " while waiting for the other ranks (rank ",
+        world.rank, " of ", world.world_size, "): ", internal::ExceptionMessage(e)));
+  }
+  if (joined < world.world_size) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rendezvous: only ", joined, " of ", world.world_size, " ranks reached the master at ",
+        where, " within ", timeout.count(), " ms (rank ", world.rank, " of ", world.world_size,
+        "); were all ranks started, with the same MASTER_ADDR/MASTER_PORT?"));
+  }
+  FULCRUM_LOG(INFO) << "rendezvous: rank " << world.rank << " of " << world.world_size << " "
+                    << role << " the store at " << where;
+  return store;
 }
 
 }  // namespace
@@ -59,6 +89,23 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
   const auto port = static_cast<uint16_t>(world.master_port);
   const auto start = Clock::now();
   const auto deadline = start + timeout;
+
+  // Under torchrun's agent every rank is a client of the agent's store, and this attempt's
+  // keys get a prefix of their own (a restarted job must not read the last one's).
+  if (world.agent_store) {
+    c10::intrusive_ptr<c10d::Store> store;
+    try {
+      store = internal::MakePrefixStore(absl::StrCat("fulcrum/attempt_", world.restart_count, "/"),
+                                        internal::ConnectC10dTcpStore(world.master_addr, port,
+                                                                      timeout));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat(
+          "rendezvous: could not reach torchrun's agent store at ", where, " (rank ", world.rank,
+          " of ", world.world_size, "): ", internal::ExceptionMessage(e)));
+    }
+    return WaitForEveryRank(std::move(store), world, where, deadline, timeout,
+                            "joined torchrun's");
+  }
 
   // Rank 0 hosts the server on MASTER_ADDR's interface only (NOTE [own store] in
   // internal/tcp_store.h) and is then a client like every other rank.
@@ -92,31 +139,8 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
         world.world_size, "): ", cause, "; is rank 0 running and MASTER_ADDR/MASTER_PORT right?"));
   }
 
-  // Every rank counts itself in and waits for the others, so a rank that never started is
-  // reported here, with the count, instead of later as an opaque communicator timeout.
-  int64_t joined = 0;
-  try {
-    joined = store->add(kJoinedKey, 1);
-    auto pause = std::chrono::milliseconds(5);
-    while (joined < world.world_size && Clock::now() < deadline) {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(100));
-      joined = store->add(kJoinedKey, 0);
-    }
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat(
-        "rendezvous: lost the master at ", where, " while waiting for the other ranks (rank ",
-        world.rank, " of ", world.world_size, "): ", internal::ExceptionMessage(e)));
-  }
-  if (joined < world.world_size) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "rendezvous: only ", joined, " of ", world.world_size, " ranks reached the master at ",
-        where, " within ", timeout.count(), " ms (rank ", world.rank, " of ", world.world_size,
-        "); were all ranks started, with the same MASTER_ADDR/MASTER_PORT?"));
-  }
-  FULCRUM_LOG(INFO) << "rendezvous: rank " << world.rank << " of " << world.world_size
-                    << (is_server ? " hosts" : " joined") << " the store at " << where;
-  return store;
+  return WaitForEveryRank(std::move(store), world, where, deadline, timeout,
+                          is_server ? "hosts" : "joined");
 }
 
 }  // namespace fulcrum::parallel

@@ -140,6 +140,12 @@ absl::StatusOr<WorldInfo> FromTorchrun() {
         absl::StrFormat("LOCAL_WORLD_SIZE=%d must not exceed WORLD_SIZE=%d",
                         info.local_world_size, info.world_size));
   }
+  // torchrun's elastic agent writes Python's str(True).
+  if (std::optional<std::string> agent = GetEnv("TORCHELASTIC_USE_AGENT_STORE")) {
+    info.agent_store = *agent == "True" || *agent == "true" || *agent == "1";
+  }
+  FULCRUM_ASSIGN_OR_RETURN(info.restart_count,
+                           IntFromEnv("TORCHELASTIC_RESTART_COUNT", 0, 0));
   return info;
 }
 

@@ -18,12 +18,18 @@ struct WorldInfo {
   int master_port = 29500;
   std::string source = "single";   // Which environment supplied it: "torchrun", "slurm",
                                    // "openmpi" or "single" (no launcher: one process).
+  // Under torchrun's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True) the agent already
+  // hosts a c10d TCPStore at MASTER_ADDR:MASTER_PORT: the ranks join it as clients instead
+  // of rank 0 hosting one (parallel/rendezvous.h).
+  bool agent_store = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: each restart keys the store afresh.
 };
 
 /// Reads who this process is from the first launcher whose variables are present (a
 /// variable set to the empty string counts as unset):
 ///  - torchrun / fulcrum_launch: RANK and WORLD_SIZE (both required), LOCAL_RANK and
-///    LOCAL_WORLD_SIZE (default: one node, local_rank = rank).
+///    LOCAL_WORLD_SIZE (default: one node, local_rank = rank); torchrun's
+///    TORCHELASTIC_USE_AGENT_STORE ("True") and TORCHELASTIC_RESTART_COUNT.
 ///  - srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; tasks on this node from
 ///    SLURM_STEP_TASKS_PER_NODE, else SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE
 ///    ("4" or "4(x2),3", indexed by SLURM_NODEID); master address from the first host of

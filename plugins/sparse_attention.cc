@@ -85,17 +85,17 @@ constexpr char kRotationsBuffer[] = "sparse_attention.rotations";
 constexpr char kCountsBuffer[] = "sparse_attention.counts";
 constexpr int64_t kMaxBuckets = 4096;
 
-// scatter_reduce (ATen 1.13) warns once that it is in beta; the warning is not the user's
-// business. Drops warnings while alive.
+// scatter_reduce warns once that it is in beta; the warning is not the user's business.
+// Drops warnings while alive.
 class QuietWarnings final : public c10::WarningHandler {
  public:
-  void process(const c10::SourceLocation&, const std::string&, const bool) override {}
+  void process(const c10::Warning&) override {}
 };
 
 at::Tensor ScatterReduce(const at::Tensor& self, const at::Tensor& index, const at::Tensor& src,
                          const char* reduce) {
   QuietWarnings quiet;
-  c10::Warning::WarningHandlerGuard guard(&quiet);
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   return self.scatter_reduce(0, index, src, reduce);
 }
 

@@ -114,7 +114,7 @@ DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA bui
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
 DEFINE_int32(num_threads, 0,
-             "Compute threads of each process, LibTorch's intra-op pool and OpenBLAS's together. "
+             "Compute threads of each process (LibTorch's intra-op pool: OpenMP, MKL and oneDNN). "
              "0: $OMP_NUM_THREADS when set (fulcrum_launch sets it to the cores per process), "
              "else every core the process may use. The data log line says what is used.");
 // Checkpoints and outputs.

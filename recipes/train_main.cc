@@ -17,6 +17,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/logging.h"
 #include "core/malloc_tuning.h"
+#include "core/platform.h"
 #include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
@@ -79,7 +80,6 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> original_argv(argv, argv + argc);
   if (std::optional<int> exit_code =
           fulcrum::cli::ParseCommandLine(&argc, &argv, fulcrum::TrainHelpSpec())) {
     return *exit_code;
@@ -96,8 +96,7 @@ int main(int argc, char** argv) {
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
   auto requested_threads = fulcrum::NumThreadsFlag();
   if (!requested_threads.ok()) return Fail(requested_threads.status());
-  // Before any work: libgomp must sleep, not spin, beside OpenBLAS (core/threads.h).
-  fulcrum::SetUpComputeThreads(*requested_threads, original_argv);
+  fulcrum::SetUpComputeThreads(*requested_threads);
 
   // Validate everything that needs no data or peers before any work: the layout against
   // the job's size, then the model and training flags (the vocabulary is not known yet).
@@ -189,6 +188,7 @@ int main(int argc, char** argv) {
     }
   }
   if (parallel == nullptr || parallel->is_logging_rank()) {
+    FULCRUM_LOG(INFO) << "platform: " << fulcrum::DescribePlatform(fulcrum::CurrentPlatform());
     FULCRUM_LOG(INFO) << "data: " << data->description << "; vocabulary " << data->vocab_size
                       << " padded to " << config->model.vocab_size << "; layout "
                       << layout->ToString() << "; compute threads per process: "

@@ -88,7 +88,7 @@ DEFINE_int64(attention_seq, 1024,
              "Sequence length of the sparse-attention table (its own dense reference); 0 skips it.");
 DEFINE_string(buckets, "2,4,8", "Bucket counts of the sparse_attention plugin.");
 DEFINE_int64(attention_block, 64, "--sparse_attention_block of the sparse-attention table.");
-DEFINE_string(threads, "1,2", "Intra-op thread counts (OpenBLAS's too), one table each.");
+DEFINE_string(threads, "1,2", "Intra-op thread counts, one table each.");
 DEFINE_int32(reps, 7, "Timed repetitions (medians shown).");
 DEFINE_int32(warmup, 2, "Untimed repetitions first.");
 DEFINE_bool(pipeline, true, "Also run the pp=2 table (fulcrum_bench_balance with plugin flags).");
@@ -290,11 +290,11 @@ struct Spec {
 // One table: the configurations of `specs` (the first must be dense) on `seq` tokens per
 // sequence, interleaved, with the checks that apply to each kind.
 bool LayerTable(const std::string& title, int threads, int64_t seq, const std::vector<Spec>& specs) {
-  const int blas = SetComputeThreads(threads);
+  SetComputeThreads(threads);
   double load = 0;
   bench::ReadLoadAverage(&load);
-  std::printf("\n== %s, seq %ld, %d thread(s) (OpenBLAS %d), load average before %.2f\n",
-              title.c_str(), seq, threads, blas, load);
+  std::printf("\n== %s, seq %ld, %d thread(s), load average before %.2f\n", title.c_str(), seq,
+              threads, load);
   std::vector<Config> configs;
   for (const Spec& spec : specs) {
     absl::StatusOr<Config> c = MakeConfig(spec.kind, spec.knob, seq);

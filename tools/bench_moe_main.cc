@@ -66,8 +66,8 @@ DEFINE_int32(rounds, 3,
              "implementation, and the table shows the medians.");
 DEFINE_int32(warmup, 1, "Untimed forward+backward passes of each implementation first.");
 DEFINE_int32(threads, 0,
-             "Compute threads (LibTorch and OpenBLAS); 0: $OMP_NUM_THREADS, else all cores, as "
-             "fulcrum_train (and, above one, the same passive OpenMP wait).");
+             "Compute threads (LibTorch's intra-op pool); 0: $OMP_NUM_THREADS, else all cores, as "
+             "fulcrum_train.");
 DEFINE_bool(keep_heap, true,
             "Keep freed memory in the heap as fulcrum_train does (core/malloc_tuning.h); both "
             "sides of each table run in this process, so it applies to both.");
@@ -104,7 +104,7 @@ class CountingAllocator final : public c10::Allocator {
     return *instance;
   }
 
-  c10::DataPtr allocate(size_t bytes) const override {
+  c10::DataPtr allocate(size_t bytes) override {
     c10::DataPtr inner = inner_->allocate(bytes);
     const c10::Device device = inner.device();
     const c10::DeleterFnPtr inner_deleter = inner.get_deleter();
@@ -125,6 +125,9 @@ class CountingAllocator final : public c10::Allocator {
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 
   int64_t current() const { return current_.load(); }
   int64_t peak() const { return peak_.load(); }
@@ -225,7 +228,7 @@ class MoeLayer {
   at::Tensor ForwardGShard() {
     auto [routing, slots] = Route();
     const at::Tensor kept = at::nonzero(slots.slot >= 0).view({-1});
-    const c10::List<c10::optional<at::Tensor>> where({routing.token.index_select(0, kept),
+    const c10::List<std::optional<at::Tensor>> where({routing.token.index_select(0, kept),
                                                       routing.expert.index_select(0, kept),
                                                       slots.slot.index_select(0, kept)});
     const std::vector<int64_t> shape = {config_.tokens, config_.experts, capacity_};
@@ -446,7 +449,6 @@ std::vector<int64_t> ParseList(const std::string& flag, const std::string& value
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> original_argv(argv, argv + argc);
   gflags::SetUsageMessage(
       "One MoE layer: moe::MoeLayer vs an eager batched-GEMM layer; index dispatch/combine vs "
       "GShard's one-hot einsums.");
@@ -493,7 +495,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads, original_argv);
+  fulcrum::SetUpComputeThreads(threads);
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
   std::printf("threads: %s; keep_heap %s\n", fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_keep_heap ? "true" : "false");

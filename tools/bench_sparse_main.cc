@@ -1,5 +1,5 @@
 // bench_sparse: the linear layers of a pruned transformer layer, dense (LinearForward: the
-// OpenBLAS GEMM) against core/sparse_linear.h (SparseLinearForward: CSR/CSC SpMM and an
+// MKL GEMM) against core/sparse_linear.h (SparseLinearForward: CSR/CSC SpMM and an
 // SDDMM), side by side in one process, repetitions alternating dense and sparse.
 //
 // Each repetition runs the forward (F), the backward with a WeightGradStore active (B:
@@ -39,7 +39,7 @@ DEFINE_string(shapes, "qkv:1536x512,proj:512x512,fc1:2048x512,fc2:512x2048",
 DEFINE_int64(seq, 256, "Sequence length; tokens T = seq x micro_batch.");
 DEFINE_int64(micro_batch, 4, "Micro-batch size.");
 DEFINE_string(sparsity, "0.5,0.8,0.9,0.95", "Pruned fractions to measure.");
-DEFINE_string(threads, "1,2", "Intra-op thread counts (OpenBLAS's too).");
+DEFINE_string(threads, "1,2", "Intra-op thread counts.");
 DEFINE_int32(reps, 7, "Timed repetitions of each path per configuration (medians shown).");
 DEFINE_int32(warmup, 2, "Untimed repetitions of each path first.");
 DEFINE_bool(libtorch_csr, true, "Also time LibTorch's CSR x dense forward.");
@@ -228,9 +228,9 @@ std::vector<T> ParseList(const char* flag, const std::string& value, Parse parse
 
 void PrintTable(int threads, const std::vector<Shape>& shapes, const std::vector<double>& sparsities,
                 at::ScalarType dtype) {
-  const int blas_threads = SetComputeThreads(threads);
-  std::printf("\n== %d thread%s (OpenBLAS %d), load average before: %s\n", threads,
-              threads == 1 ? "" : "s", blas_threads, LoadAverage().c_str());
+  SetComputeThreads(threads);
+  std::printf("\n== %d thread%s, load average before: %s\n", threads, threads == 1 ? "" : "s",
+              LoadAverage().c_str());
   std::printf("%-5s %5s %5s %5s | %7s %7s %7s %7s | %7s %7s %7s %7s | %5s %5s %5s %5s | %7s %5s\n",
               "shape", "out", "in", "spars", "dense F", "B", "W", "F+B+W", "ours F", "B", "W",
               "F+B+W", "r F", "r B", "r W", "r sum", "csr F", "r csr");

@@ -8,10 +8,11 @@
 // and their ratio; the goal is framework overhead ≤ 5% (ratio ≥ 0.95).
 //
 // With --compare_reference it also times tools/bench_train_reference.py, the same model in
-// PyTorch eager (Debian's python3-torch), as a coprocess driven over a pipe so its rounds
-// interleave with Fulcrum's at the same thread count; it prints ms/step of all three and
-// Fulcrum's time ratio to PyTorch's (goal ≤ 0.9). Without python3-torch it says so and
-// measures the rest. The `gpt_8k` shape is issue 16's: 4 layers, hidden 256, 4 heads, seq
+// PyTorch on the same LibTorch (the venv's torch, tools/setup.sh), eager and under
+// torch.compile, as two coprocesses driven over pipes so their rounds interleave with
+// Fulcrum's at the same thread count; it prints ms/step of all four and Fulcrum's time ratio
+// to eager (goal ≤ 0.9) and to compiled (goal ≤ 1.0). Without a python that imports torch it
+// says so and measures the rest. The `gpt_8k` shape is issue 16's: 4 layers, hidden 256, 4 heads, seq
 // 128, micro-batch 8, vocab 8000, untied output layer.
 //
 // Then, with --layouts, it trains the tiny recipe under each parallel layout (through
@@ -56,8 +57,12 @@ DEFINE_string(layouts, "1,tp2,dp2,tp2dp2",
               "empty skips them.");
 DEFINE_int32(layout_iters, 30, "Iterations per layout run (the first 5 are not counted).");
 DEFINE_bool(compare_reference, false,
-            "Also time the same model in PyTorch eager (tools/bench_train_reference.py under "
-            "/usr/bin/python3 with python3-torch), interleaved; skipped with a note if absent.");
+            "Also time the same model in PyTorch eager and under torch.compile "
+            "(tools/bench_train_reference.py under --reference_python), interleaved; skipped "
+            "with a note if that python cannot import torch.");
+DEFINE_string(reference_python, FULCRUM_VENV_PYTHON,
+              "Python that runs the reference (default: the venv that holds this build's "
+              "LibTorch).");
 DEFINE_string(reference_script, "",
               "Path of bench_train_reference.py; empty: <binary dir>/../../tools/.");
 DEFINE_string(profile_trace, "",
@@ -67,9 +72,8 @@ DEFINE_bool(keep_heap, true,
             "Keep freed step memory in the heap (core/malloc_tuning.h); the PyTorch-eager "
             "reference keeps glibc's defaults either way.");
 DEFINE_int32(threads, 0,
-             "Intra-op and OpenBLAS threads for both sides; 0: $OMP_NUM_THREADS, else all cores "
-             "(as fulcrum_train). With more than one, this process runs with "
-             "OMP_WAIT_POLICY=PASSIVE (NOTE [OpenMP wait policy] in core/threads.h).");
+             "Intra-op threads for both sides; 0: $OMP_NUM_THREADS, else all cores "
+             "(as fulcrum_train).");
 DEFINE_bool(cross_entropy, false,
             "Also time the loss alone: VocabParallelCrossEntropy on one rank against LibTorch's "
             "cross_entropy_loss (log_softmax + nll_loss), forward+backward on each model's "
@@ -98,19 +102,21 @@ const Shape kShapes[] = {{"tiny", 4, 128, 4, 512, 128, 8, 16},
 
 std::string g_reference_script;
 
-// The PyTorch-eager twin (tools/bench_train_reference.py) as a coprocess: Run(n) asks it
-// for n steps and returns their wall seconds (negative once it has failed).
+// The PyTorch twin (tools/bench_train_reference.py), eager or compiled, as a coprocess:
+// Run(n) asks it for n steps and returns their wall seconds (negative once it has failed).
 class Reference {
  public:
-  static std::unique_ptr<Reference> Start(const Shape& s, int threads) {
-    if (std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
-      std::printf("  (reference: /usr/bin/python3 cannot import torch; install python3-torch "
-                  "to compare with PyTorch eager)\n");
+  static std::unique_ptr<Reference> Start(const Shape& s, int threads, bool compiled) {
+    const std::string& python = FLAGS_reference_python;
+    if (python.empty() ||
+        std::system((python + " -c 'import torch' > /dev/null 2>&1").c_str()) != 0) {
+      std::printf("  (reference: '%s' cannot import torch; run tools/setup.sh or pass "
+                  "--reference_python)\n", python.c_str());
       return nullptr;
     }
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) return nullptr;
-    std::vector<std::string> args = {"/usr/bin/python3", g_reference_script,
+    std::vector<std::string> args = {python, g_reference_script,
                                      "--layers=" + std::to_string(s.layers),
                                      "--hidden=" + std::to_string(s.hidden),
                                      "--heads=" + std::to_string(s.heads),
@@ -122,15 +128,13 @@ class Reference {
                                      "--threads=" + std::to_string(threads),
                                      "--warmup=" + std::to_string(FLAGS_warmup_iters)};
     if (s.untied) args.push_back("--untied");
+    if (compiled) args.push_back("--compile");
     const pid_t pid = fork();
     if (pid == 0) {
       dup2(to_child[0], 0);
       dup2(from_child[1], 1);
       close(to_child[1]);
       close(from_child[0]);
-      // OpenBLAS keeps its own pool (core/threads.h): give the child this process's.
-      const int blas = BlasThreads() > 0 ? BlasThreads() : threads;
-      setenv("OPENBLAS_NUM_THREADS", std::to_string(blas).c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
       if (FLAGS_reference_wait_policy == "default") unsetenv("OMP_WAIT_POLICY");
       std::vector<char*> argv;
@@ -147,7 +151,8 @@ class Reference {
     ref->out_ = fdopen(from_child[0], "r");
     char line[256];
     if (std::fgets(line, sizeof(line), ref->out_) == nullptr || std::strncmp(line, "ready", 5) != 0) {
-      std::printf("  (reference: %s did not start)\n", g_reference_script.c_str());
+      std::printf("  (reference: %s%s did not start)\n", g_reference_script.c_str(),
+                  compiled ? " --compile" : "");
       return nullptr;
     }
     return ref;
@@ -278,24 +283,30 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
     plain_step();
     fulcrum_step();
   }
-  std::unique_ptr<Reference> reference;
-  if (FLAGS_compare_reference) reference = Reference::Start(shape, at::get_num_threads());
+  std::unique_ptr<Reference> eager_reference, compiled_reference;
+  if (FLAGS_compare_reference) {
+    eager_reference = Reference::Start(shape, at::get_num_threads(), /*compiled=*/false);
+    compiled_reference = Reference::Start(shape, at::get_num_threads(), /*compiled=*/true);
+  }
   // ms per step of each side, and Fulcrum's time over PyTorch's per round.
-  std::vector<double> ours, theirs, ratios, eager, eager_ratios;
+  std::vector<double> ours, theirs, ratios, eager, eager_ratios, compiled, compiled_ratios;
+  auto time_reference = [&](Reference* reference, std::vector<double>* ms) {
+    if (reference == nullptr) return;
+    const double seconds = reference->Run(FLAGS_iters_per_round);
+    if (seconds > 0) ms->push_back(seconds / FLAGS_iters_per_round * 1e3);
+  };
   for (int r = 0; r < FLAGS_rounds; ++r) {
     // Rotate which goes first so drift in machine load hits all alike.
     std::vector<std::function<void()>> order = {
         [&] { ours.push_back(ms_per_step(fulcrum_step)); },
         [&] { theirs.push_back(ms_per_step(plain_step)); },
-        [&] {
-          if (reference == nullptr) return;
-          const double seconds = reference->Run(FLAGS_iters_per_round);
-          if (seconds > 0) eager.push_back(seconds / FLAGS_iters_per_round * 1e3);
-        }};
-    std::rotate(order.begin(), order.begin() + r % 3, order.end());
+        [&] { time_reference(eager_reference.get(), &eager); },
+        [&] { time_reference(compiled_reference.get(), &compiled); }};
+    std::rotate(order.begin(), order.begin() + r % order.size(), order.end());
     for (auto& run : order) run();
     ratios.push_back(theirs.back() / ours.back());
     if (eager.size() == ours.size()) eager_ratios.push_back(ours.back() / eager.back());
+    if (compiled.size() == ours.size()) compiled_ratios.push_back(ours.back() / compiled.back());
   }
   std::printf("%-8s %10lld params | fulcrum %9.0f tok/s | plain libtorch %9.0f tok/s | "
               "ratio %.3f (median of %d rounds; overhead %+.1f%%)\n",
@@ -311,6 +322,12 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
                 "fulcrum/eager time %.3f (median of %zu rounds, %d threads; goal <= 0.9)\n",
                 shape.name.c_str(), Median(ours), Median(theirs), Median(eager),
                 Median(eager_ratios), eager_ratios.size(), at::get_num_threads());
+  }
+  if (!compiled_ratios.empty()) {
+    std::printf("%-8s ms/step: fulcrum %.1f | torch.compile %.1f | fulcrum/compiled time %.3f "
+                "(median of %zu rounds, %d threads; goal <= 1.0)\n",
+                shape.name.c_str(), Median(ours), Median(compiled), Median(compiled_ratios),
+                compiled_ratios.size(), at::get_num_threads());
   }
   std::fflush(stdout);
 }
@@ -404,7 +421,6 @@ void MeasureLayouts(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> original_argv(argv, argv + argc);
   gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fulcrum::InitLogging(argv[0]);
@@ -416,7 +432,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads, original_argv);
+  fulcrum::SetUpComputeThreads(threads);
   fulcrum::data::ByteTokenizer tokenizer;
   auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
   if (!corpus.ok()) {

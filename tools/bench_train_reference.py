@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""The PyTorch-eager twin of fulcrum_bench_train's GPT step (--compare_reference).
+"""The PyTorch twin of fulcrum_bench_train's GPT step (--compare_reference), eager or compiled.
 
 A pre-LayerNorm GPT written the ordinary PyTorch way (nn.Linear with biases, learned
 positions, causal softmax attention, GeLU MLP, untied or tied output layer, mean
 cross-entropy), trained with torch.optim.AdamW and clip_grad_norm_ over gradient
-accumulation, the same shape and thread count as the Fulcrum side.
+accumulation, the same shape and thread count as the Fulcrum side. With --compile the model is wrapped
+in torch.compile (inductor; on the CPU it generates C++ and builds it with the machine's
+g++); compiling happens during the warm-up steps and is not timed.
 
 It is driven over a pipe so the C++ benchmark can interleave the two round by round: each
 line "N" on stdin runs N training steps and answers one line with their wall seconds; "q"
@@ -30,11 +32,15 @@ def main():
     p.add_argument("--untied", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="0 keeps PyTorch's default")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--trace", default="",
                    help="after warmup, write a chrome trace of 3 steps here and exit "
                         "(tools/op_profile_summary.py sums it by op)")
     args = p.parse_args()
 
+    import warnings
+    # torch's import warns when numpy is absent; the reference does not use numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -84,6 +90,7 @@ def main():
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
     model = Gpt()
+    run = torch.compile(model) if args.compile else model
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
@@ -94,7 +101,7 @@ def main():
     def step():
         opt.zero_grad(set_to_none=True)
         for m in range(micro):
-            (model(batches[m]) / micro).backward()
+            (run(batches[m]) / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

@@ -75,7 +75,7 @@ Each of the N processes gets in its environment:
   RANK=I*N+L  LOCAL_RANK=L  WORLD_SIZE=M*N  LOCAL_WORLD_SIZE=N  GROUP_RANK=I
   MASTER_ADDR  MASTER_PORT  and OMP_NUM_THREADS=max(1, usable cores / N) unless
   OMP_NUM_THREADS is already set (N processes with one thread per core each would
-  oversubscribe the node many times over), and OMP_WAIT_POLICY=PASSIVE unless set.
+  oversubscribe the node many times over).
 Its stdin is /dev/null. Every line it writes to stdout or stderr comes out whole on the
 launcher's stdout or stderr, prefixed "[rank K] ".
 
@@ -260,12 +260,6 @@ std::vector<std::string> ChildEnvironment(int local_rank, int nproc, int master_
   const char* omp_threads = getenv("OMP_NUM_THREADS");
   if (omp_threads == nullptr || *omp_threads == '\0') {
     assigned.emplace_back("OMP_NUM_THREADS", absl::StrCat(std::max(1, UsableCores() / nproc)));
-  }
-  // libgomp sleeps between regions instead of spinning on OpenBLAS's cores (NOTE [OpenMP
-  // wait policy] in core/threads.h); set here, fulcrum_train need not re-execute itself.
-  const char* wait_policy = getenv("OMP_WAIT_POLICY");
-  if (wait_policy == nullptr || *wait_policy == '\0') {
-    assigned.emplace_back("OMP_WAIT_POLICY", "PASSIVE");
   }
   std::vector<std::string> env;
   for (char** entry = environ; *entry != nullptr; ++entry) {

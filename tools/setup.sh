@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# Installs what Fulcrum needs to build and test (Debian 12 packages) if any is missing,
-# then configures and builds into build/ (binaries in build/bin/). Sourced by demo.sh and
-# test.sh; safe to run again (installs nothing twice, rebuilds incrementally).
+# Installs what Fulcrum needs to build and test if any of it is missing, then configures and
+# builds into build/ (binaries in build/bin/). Sourced by demo.sh and test.sh; safe to run
+# again (installs nothing twice, rebuilds incrementally).
+#
+# Two sources:
+#  - Debian 12 packages (apt-get): the compiler, CMake, glog, gflags, abseil, GoogleTest,
+#    SentencePiece, nlohmann-json, xxhash, Gloo's headers, python3-venv.
+#  - LibTorch 2.11.0: the one inside PyPI's torch==2.11.0 wheel (a CUDA 13.0 build that also
+#    runs without a GPU), pip-installed into a virtual environment, $FULCRUM_VENV
+#    (default: .venv/ in the checkout, ignored by git; about 4.6 GB with the nvidia-* wheels).
+#    CMake finds it through torch.utils.cmake_prefix_path.
+#
 #   FULCRUM_BUILD_DIR   build directory (default: build)
-#   FULCRUM_CMAKE_ARGS  extra CMake arguments (e.g. -DFULCRUM_CUDA=ON)
+#   FULCRUM_CMAKE_ARGS  extra CMake arguments (e.g. -DFULCRUM_CUDA=OFF)
+#   FULCRUM_VENV        the virtual environment holding torch (default: .venv)
+#   FULCRUM_TORCH_DIR   use this LibTorch instead of the venv's (a directory holding
+#                       TorchConfig.cmake, or a LibTorch root); nothing is pip-installed
 set -euo pipefail
 
 FULCRUM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FULCRUM_BUILD_DIR="${FULCRUM_BUILD_DIR:-$FULCRUM_ROOT/build}"
+FULCRUM_VENV="${FULCRUM_VENV:-$FULCRUM_ROOT/.venv}"
+FULCRUM_TORCH_VERSION=2.11.0
 
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
-  libtorch-dev libopenblas0-pthread   # without OpenBLAS matrix products run ~30x slower
-  libgloo-dev                         # c10d ProcessGroupGloo headers
+  python3 python3-venv python3-pip   # the venv that holds LibTorch (torch's wheel)
+  # c10d's ProcessGroupGloo.hpp includes Gloo's headers, which torch's wheel does not ship.
+  # Only the declarations are used: every Gloo object is made and freed inside LibTorch.
+  libgloo-dev
   libgoogle-glog-dev libgflags-dev libabsl-dev
   libgtest-dev libgmock-dev
   libsentencepiece-dev nlohmann-json3-dev libxxhash-dev zlib1g-dev
 )
 
-fulcrum_install_packages() {
+fulcrum_sudo() {
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "fulcrum: need root or sudo to run: $*" >&2; exit 1; }
+    sudo "$@"
+  else
+    "$@"
+  fi
+}
+
+fulcrum_install_debian_packages() {
   local missing=()
   for pkg in "${FULCRUM_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -27,19 +52,70 @@ fulcrum_install_packages() {
     return 0
   fi
   echo "fulcrum: installing ${missing[*]}"
-  local sudo=""
-  if [ "$(id -u)" -ne 0 ]; then
-    command -v sudo >/dev/null || { echo "fulcrum: need root or sudo to install ${missing[*]}" >&2; exit 1; }
-    sudo="sudo"
+  fulcrum_sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive fulcrum_sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+# The interpreter that makes the venv: the machine's python3 when it can make one (with
+# pip), else Debian's /usr/bin/python3 (python3-venv is in FULCRUM_PACKAGES).
+fulcrum_venv_python() {
+  local candidate
+  for candidate in "$(command -v python3 || true)" /usr/bin/python3; do
+    [ -n "$candidate" ] || continue
+    if "$candidate" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "fulcrum: no python3 here can make a virtual environment (install python3-venv)" >&2
+  return 1
+}
+
+fulcrum_torch_installed() {
+  [ -x "$FULCRUM_VENV/bin/python" ] &&
+    "$FULCRUM_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$FULCRUM_TORCH_VERSION')" \
+      >/dev/null 2>&1
+}
+
+fulcrum_install_torch() {
+  [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
+  fulcrum_torch_installed && return 0
+  local start=$SECONDS python
+  python="$(fulcrum_venv_python)"
+  echo "fulcrum: installing torch==$FULCRUM_TORCH_VERSION (LibTorch, CUDA 13.0 build) into $FULCRUM_VENV"
+  [ -x "$FULCRUM_VENV/bin/python" ] || "$python" -m venv "$FULCRUM_VENV"
+  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "torch==$FULCRUM_TORCH_VERSION"
+  echo "fulcrum: torch installed in $((SECONDS - start)) s"
+}
+
+fulcrum_install_packages() {
+  fulcrum_install_debian_packages
+  fulcrum_install_torch
+}
+
+# Where CMake finds LibTorch: $FULCRUM_TORCH_DIR, else the venv's torch.
+fulcrum_torch_cmake_dir() {
+  if [ -n "${FULCRUM_TORCH_DIR:-}" ]; then
+    echo "$FULCRUM_TORCH_DIR"
+  else
+    "$FULCRUM_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null
   fi
-  $sudo apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
 
 fulcrum_build() {
-  local start=$SECONDS
-  cmake -S "$FULCRUM_ROOT" -B "$FULCRUM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    ${FULCRUM_CMAKE_ARGS:-} >/dev/null
+  local start=$SECONDS torch_dir
+  torch_dir="$(fulcrum_torch_cmake_dir)"
+  mkdir -p "$FULCRUM_BUILD_DIR"
+  local log="$FULCRUM_BUILD_DIR/configure.log"
+  if ! cmake -S "$FULCRUM_ROOT" -B "$FULCRUM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_dir" ${FULCRUM_CMAKE_ARGS:-} >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "fulcrum: CMake configure failed (log: $log)" >&2
+    return 1
+  fi
+  # What was found: the LibTorch, whether the CUDA build and the NCCL backend are on.
+  grep -E '^-- Fulcrum:' "$log" || true
   cmake --build "$FULCRUM_BUILD_DIR" -j "$(nproc)" "$@"
   echo "fulcrum: build finished in $((SECONDS - start)) s"
 }

@@ -18,7 +18,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "parallel/internal/c10d_compat.h"
+#include "parallel/internal/c10d_util.h"
 #include "parallel/internal/store_protocol.h"
 
 namespace fulcrum::parallel::internal {

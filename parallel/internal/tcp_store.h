@@ -106,9 +106,8 @@ class TcpStore : public c10d::Store {
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override;
 
-  /// A new client of the same server (LibTorch 2.x's Store::clone, pure virtual in recent
-  /// versions; declared without `override` so 1.13, which lacks it, compiles too).
-  virtual c10::intrusive_ptr<c10d::Store> clone();
+  /// A new client of the same server (c10d::Store::clone).
+  c10::intrusive_ptr<c10d::Store> clone() override;
 
   /// set and check bounded by `timeout` instead of the store's timeout: the failure probe's
   /// calls, which a stopped server must not hold for the whole store timeout.

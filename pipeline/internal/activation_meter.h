@@ -21,8 +21,8 @@ namespace fulcrum::pipeline::internal {
 /// thread's c10 memory reporter.
 class ActivationMeter final : public c10::MemoryReportingInfoBase {
  public:
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, int64_t /*total_allocated*/,
-                         int64_t /*total_reserved*/, c10::Device /*device*/) override {
+  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, size_t /*total_allocated*/,
+                         size_t /*total_reserved*/, c10::Device /*device*/) override {
     live_.fetch_add(alloc_size, std::memory_order_relaxed);
   }
   // Disabled around migrations: they free tensors allocated before the meter was installed,

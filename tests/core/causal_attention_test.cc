@@ -1,6 +1,7 @@
-// The dense layer's causal attention (NOTE [causal query chunks] in core/transformer_layer.cc)
-// against a plain reference written here: the whole s×s masked softmax. Sequence lengths
-// below one chunk, a whole number of chunks and a ragged last chunk; forward and gradients.
+// The dense layer's causal attention (NOTE [dense causal attention] in
+// core/transformer_layer.cc: LibTorch's scaled_dot_product_attention) against a plain
+// reference written here: the whole s×s masked softmax. Several sequence lengths, short and
+// ragged against any block size; forward and gradients.
 #include <torch/torch.h>
 
 #include <cmath>
@@ -35,7 +36,7 @@ at::Tensor Reference(const TransformerLayer& layer, const ModelOptions& o, const
   return mid + mlp;
 }
 
-TEST(CausalAttentionTest, TheChunkedLayerEqualsTheFullMaskedSoftmax) {
+TEST(CausalAttentionTest, TheLayerEqualsTheFullMaskedSoftmax) {
   for (int64_t s : {40, 128, 300}) {
     SCOPED_TRACE(s);
     ModelOptions o;

@@ -93,7 +93,7 @@ struct Dense {
 Dense DenseReference(const Routing& r, const SlotAssignment& slots, int64_t tokens,
                      int64_t experts) {
   const at::Tensor kept = at::nonzero(slots.slot >= 0).view({-1});
-  const c10::List<c10::optional<at::Tensor>> where({r.token.index_select(0, kept),
+  const c10::List<std::optional<at::Tensor>> where({r.token.index_select(0, kept),
                                                     r.expert.index_select(0, kept),
                                                     slots.slot.index_select(0, kept)});
   const auto options = at::TensorOptions().dtype(at::kDouble);

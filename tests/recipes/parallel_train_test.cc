@@ -83,6 +83,34 @@ TEST_F(SlowParallelTrainTest, PipelineTwoStagesEverySchedule) {
   }
 }
 
+// PyTorch's own launcher: torchrun's elastic agent hosts the rendezvous store and the ranks
+// join it as clients (TORCHELASTIC_USE_AGENT_STORE). A pp=2 job under it trains exactly the
+// losses it trains under fulcrum_launch.
+TEST_F(SlowParallelTrainTest, PipelineUnderTorchrunMatchesFulcrumLaunch) {
+  const std::string torchrun = FULCRUM_TORCHRUN;
+  if (torchrun.empty()) GTEST_SKIP() << "no torchrun next to the LibTorch this was built with";
+  const std::string layout = " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
+  std::string output;
+  const std::string ours = *dir_ + "/pp2_launch.jsonl";
+  ASSERT_EQ(testing::RunCommand(
+                testing::TrainCommand(2, Common() + layout + " --metrics_file=" + ours), &output),
+            0)
+      << output;
+  const std::string theirs = *dir_ + "/pp2_torchrun.jsonl";
+  ASSERT_EQ(testing::RunCommand("OMP_NUM_THREADS=1 " + torchrun +
+                                    " --standalone --nproc_per_node=2 --no-python " + kBin +
+                                    "/fulcrum_train " + Common() + layout +
+                                    " --metrics_file=" + theirs,
+                                &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("joined torchrun's the store"), std::string::npos)
+      << "the ranks must have used the agent's store: " << output;
+  const std::vector<double> launched = Losses(ours);
+  ASSERT_EQ(launched.size(), 20u);
+  EXPECT_EQ(Losses(theirs), launched) << "bit-identical: the same ranks compute the same steps";
+}
+
 TEST_F(SlowParallelTrainTest, PipelineFourStages) {
   ExpectMatchesSingleProcess(4, "--pipeline_model_parallel_size=4 --pipeline_schedule=zbh1",
                              "pp4_zbh1");

@@ -1,36 +1,19 @@
-// The one place where the communicator layer touches c10d calls whose spelling differs
-// between LibTorch 1.13 (Debian's libtorch-dev, the CPU build) and LibTorch 2.x (the CUDA
-// build), so a 2.x build needs only this header changed. Include it from .cc files only:
-// it pulls in c10d and Gloo headers, which are heavy.
+// The communicator layer's few direct uses of c10d (LibTorch 2.11): the in-memory and
+// prefix stores, Gloo's transport and process group, c10d's timeout exception and reduce
+// ops. Include it from .cc files only: it pulls in c10d and Gloo headers, which are heavy.
 //
-// What differs, and what this header does about it:
-//  - 2.x makes ProcessGroupGloo a c10d::Backend (not a ProcessGroup) and its Options a
-//    Backend::Options; the constructor and the collective methods Fulcrum uses (allreduce,
-//    allgather, broadcast, alltoall_base, send, recv, barrier) keep their 1.13 signatures.
-//    MakeGlooProcessGroup hides the Options type and its default-timeout constant
-//    (kProcessGroupDefaultTimeout in 1.13, kBackendDefaultTimeout in 2.x).
-//  - c10d::TimeoutError is a std::runtime_error built from a message in 1.13 and a
-//    c10::Error built from a source location and a message (C10D_THROW_ERROR) in 2.x;
-//    ThrowC10dTimeout builds either. (Fulcrum's own store, tcp_store.h, throws it; c10d's
-//    TCPStore, which differs more between versions, is not used.)
-//  - c10d::Store gains virtuals in 2.x (append, multiGet, multiSet, hasExtendedApi with
-//    defaults; clone, pure in recent versions); tcp_store.h declares clone without
-//    `override` so that both compile.
-//  - ProcessGroupGloo.hpp is guarded by USE_C10D_GLOO; LibTorch's CMake package defines it
-//    for consumers of a Gloo-enabled build, and this header defines it for those that do not
-//    propagate it.
-//  - 2.x throws subclasses of c10::Error (DistBackendError, DistStoreError...) where 1.13
-//    throws c10::Error or c10d::TimeoutError; callers catch std::exception and tell a
-//    timeout by its type (IsC10dTimeout) or by the time it took, which works with both.
-//  - Gloo in 1.13 has no reduce_scatter and no bfloat16; the Gloo communicator works around
-//    both without c10d's help, so nothing here changes for them.
+// Worth knowing:
+//  - ProcessGroupGloo is a c10d::Backend; its Options are Backend::Options with the Gloo
+//    devices and the worker-thread count added.
+//  - USE_C10D_GLOO, which guards ProcessGroupGloo.hpp, comes with LibTorch's CMake target
+//    (INTERFACE_COMPILE_DEFINITIONS of torch_cpu), as it does for LibTorch's own code.
+//  - c10d throws subclasses of c10::Error (DistBackendError, DistNetworkError,
+//    DistStoreError, TimeoutError); callers catch std::exception and tell a timeout by its
+//    type (IsC10dTimeout) or by the time it took, since not every timeout is reported as
+//    c10d::TimeoutError.
 //
 // Thread-safety: stateless functions.
 #pragma once
-
-#ifndef USE_C10D_GLOO
-#define USE_C10D_GLOO 1
-#endif
 
 #include <torch/csrc/distributed/c10d/exception.h>
 
@@ -42,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -56,6 +40,20 @@ inline c10::intrusive_ptr<c10d::Store> MakeHashStore(std::chrono::milliseconds t
   auto store = c10::make_intrusive<c10d::HashStore>();
   store->setTimeout(timeout);
   return store;
+}
+
+/// A client of the c10d TCPStore at host:port that another process hosts (torchrun's
+/// elastic agent), connecting within `timeout`, which then bounds each of its calls. Throws
+/// what c10d throws (DistNetworkError when it cannot connect in time).
+inline c10::intrusive_ptr<c10d::Store> ConnectC10dTcpStore(const std::string& host,
+                                                           uint16_t port,
+                                                           std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = port;
+  options.isServer = false;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
 }
 
 /// A view of `store` whose keys all start with `prefix`.
@@ -86,17 +84,14 @@ inline c10::intrusive_ptr<c10d::ProcessGroupGloo> MakeGlooProcessGroup(
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
-/// Throws c10d::TimeoutError(message), however this LibTorch constructs it.
+/// Throws c10d::TimeoutError(message) (built with the throwing source location, as c10d
+/// does).
 [[noreturn]] inline void ThrowC10dTimeout(const std::string& message) {
-#ifdef C10D_THROW_ERROR  // 2.x: TimeoutError(SourceLocation, message).
   C10D_THROW_ERROR(TimeoutError, message);
-#else
-  throw c10d::TimeoutError(message);
-#endif
 }
 
-/// Whether `e` is c10d's own timeout exception (c10d::TimeoutError in 1.13). Not every
-/// timeout is reported this way (2.x uses other types), so callers also look at the clock.
+/// Whether `e` is c10d's timeout exception. Not every timeout is reported this way (a
+/// Gloo operation that times out throws DistBackendError), so callers also look at the clock.
 inline bool IsC10dTimeout(const std::exception& e) {
   return dynamic_cast<const c10d::TimeoutError*>(&e) != nullptr;
 }

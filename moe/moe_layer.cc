@@ -1,5 +1,6 @@
 #include "moe/moe_layer.h"
 
+#include <algorithm>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <array>
@@ -504,6 +505,14 @@ absl::Status ValidateMoeOptions(const MoeOptions& options, const ModelOptions& m
     return absl::InvalidArgumentError(absl::StrCat(
         "--moe_layer_freq=", options.LayerFreqText(), " has ", options.layer_pattern.size(),
         " entries but the model has --num_layers=", model.num_layers, " (one 0/1 per layer)"));
+  }
+  if (!options.layer_pattern.empty() &&
+      std::none_of(options.layer_pattern.begin(), options.layer_pattern.end(),
+                   [](auto moe) { return static_cast<bool>(moe); })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--moe_layer_freq=", options.LayerFreqText(),
+        " makes no layer an MoE layer; mark at least one with 1, or drop --num_experts and "
+        "--plugins=moe"));
   }
   if (options.num_experts % expert_parallel_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1,10 +1,14 @@
 #include "plugins/plugin_registry.h"
 
+#include <gflags/gflags.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/status.h"
@@ -33,6 +37,26 @@ absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list) 
     }
   }
   return names;
+}
+
+absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selected) {
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  for (const gflags::CommandLineFlagInfo& flag : flags) {
+    if (flag.is_default) continue;
+    // A plugin defines its flags in its own file (plugins/README.md), named after it.
+    const std::filesystem::path file(flag.filename);
+    if (file.parent_path().filename() != "plugins") continue;
+    const std::string plugin = file.stem().string();
+    if (PluginRegistry::Global().Find(plugin) == nullptr) continue;
+    if (std::find(selected.begin(), selected.end(), plugin) != selected.end()) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag.name, "=", flag.current_value, " is a flag of the '", plugin,
+        "' plugin, which is not selected, so it would do nothing; add ", plugin,
+        " to --plugins (selected: ", selected.empty() ? "none" : absl::StrJoin(selected, ","),
+        ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup) {

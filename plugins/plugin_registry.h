@@ -65,6 +65,12 @@ using PluginRegistry = Registry<PluginEntry>;
 /// --plugins for an unknown name (listing the plugins) or a name given twice.
 absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list);
 
+/// InvalidArgument when a flag defined in plugins/NAME.cc, NAME a registered plugin, was set
+/// (on the command line, in a flag file or by a recipe) while that plugin is not in
+/// `selected`: such a flag would do nothing. The message names the flag, the plugin and
+/// the fix.
+absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selected);
+
 /// Runs every selected plugin's check (PluginEntry::validate), in order.
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup);
 

@@ -322,6 +322,11 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     const int64_t micro = FLAGS_global_batch_size / std::max<int64_t>(1, FLAGS_micro_batch_size * config.dp());
     auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
     if (!schedule.ok()) return schedule.status();
+  } else if (pipeline::ScheduleRegistry::Global().Find(FLAGS_pipeline_schedule) == nullptr) {
+    // One stage runs no schedule, but a misspelt name is still a mistake worth naming (a
+    // re-pack or a resume at another pp would meet it later).
+    return Invalid(absl::StrCat("--pipeline_schedule='", FLAGS_pipeline_schedule,
+                                "' is unknown; schedules: ", pipeline::ScheduleNames()));
   }
   if (FLAGS_distributed_timeout_minutes < 1) {
     return Invalid(absl::StrCat("--distributed_timeout_minutes=", FLAGS_distributed_timeout_minutes,

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <stdexcept>
 #include <optional>
 #include <string>
 #include <vector>
@@ -77,9 +78,29 @@ int Fail(const absl::Status& status) {
   return IsCallerError(status) ? 2 : 1;
 }
 
+int Run(int argc, char** argv);
+
 }  // namespace
 
+// An exception that escapes the run (a plugin that refuses a model it cannot change throws
+// from the model's construction, LibTorch throws c10::Error) ends it with one line and an
+// exit code, not with std::terminate's abort: std::logic_error and its kin (the caller's
+// configuration) exit 2, anything else 1.
 int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::logic_error& e) {
+    std::cerr << "fulcrum_train: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fulcrum_train: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+namespace {
+
+int Run(int argc, char** argv) {
   if (std::optional<int> exit_code =
           fulcrum::cli::ParseCommandLine(&argc, &argv, fulcrum::TrainHelpSpec())) {
     return *exit_code;
@@ -114,6 +135,9 @@ int main(int argc, char** argv) {
   // flags are checked against the model and the layout now, before any work.
   auto plugin_names = fulcrum::plugins::SelectPlugins(fulcrum::PluginsFlag());
   if (!plugin_names.ok()) return Fail(plugin_names.status());
+  if (absl::Status s = fulcrum::plugins::CheckFlagsOfUnselectedPlugins(*plugin_names); !s.ok()) {
+    return Fail(s);
+  }
   fulcrum::plugins::PluginSetup plugin_setup;
   plugin_setup.model = early->model;
   plugin_setup.layout = *layout;
@@ -343,3 +367,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace

@@ -62,6 +62,17 @@ INSTANTIATE_TEST_SUITE_P(
                      "world size 1 is not divisible by --tensor_model_parallel_size=2"},
         BadInputCase{"UnknownBackend", "--distributed_backend=mpi", "mpi"},
         BadInputCase{"NegativeThreads", "--num_threads=-1", "--num_threads=-1 must be ≥ 0"},
+        // Checked at pp=1 too, where no schedule runs.
+        BadInputCase{"UnknownScheduleAtOneStage", "--pipeline_schedule=bogus",
+                     "--pipeline_schedule='bogus' is unknown; schedules: 1f1b"},
+        // Refused while the model is built: one line and exit 2, not an abort.
+        BadInputCase{"PluginOrderThatCannotCompose", "--plugins=early_exit,mod",
+                     "mod cannot route layer"},
+        BadInputCase{"FlagOfAPluginNotSelected", "--prune_final_sparsity=1.5",
+                     "--prune_final_sparsity=1.5 is a flag of the 'prune' plugin, which is not "
+                     "selected"},
+        BadInputCase{"NoMoeLayerInThePattern", "--recipe=tiny_moe --moe_layer_freq=[0,0,0,0]",
+                     "--moe_layer_freq=[0,0,0,0] makes no layer an MoE layer"},
         // Parse errors: one line naming the flag, exit 2 (gflags alone would exit 1).
         BadInputCase{"NonNumericValue", "--lr=abc", "--lr='abc' is not a valid number"},
         BadInputCase{"UnknownFlag", "--no_such_flag", "unknown flag --no_such_flag"},

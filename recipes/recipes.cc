@@ -1,5 +1,5 @@
 // The built-in recipes. Sizes are chosen for what each is for: `tiny` shows a falling loss
-// in about a minute on two CPU cores, `tiny_moe` is `tiny` with MoE layers; `gpt_20m` is a ~20M-parameter GPT for benchmarks and
+// in about half a minute on two CPU cores, `tiny_moe` is `tiny` with MoE layers; `gpt_20m` is a ~20M-parameter GPT for benchmarks and
 // longer CPU runs.
 #include "recipes/recipes.h"
 
@@ -45,7 +45,7 @@ Recipe With(Recipe base, const std::vector<std::pair<std::string, std::string>>&
 }  // namespace
 
 FULCRUM_REGISTER(Recipe, tiny,
-                 "4-layer, 128-wide GPT on the embedded corpus; trains in about a minute on 2 cores",
+                 "4-layer, 128-wide GPT on the embedded corpus; trains in about half a minute on 2 cores",
                  Tiny());
 
 // Fewer iterations and a lower learning rate than tiny: at 3e-3 the MoE loss spikes. The

@@ -9,7 +9,7 @@ fulcrum_build --target fulcrum_train fulcrum_ckpt
 
 out="${FULCRUM_DEMO_DIR:-$FULCRUM_ROOT/demo_run}"
 rm -rf "$out" && mkdir -p "$out"
-echo "fulcrum: training the tiny recipe on the embedded corpus (about a minute on 2 cores)"
+echo "fulcrum: training the tiny recipe on the embedded corpus (about half a minute on 2 cores)"
 "$FULCRUM_BUILD_DIR/bin/fulcrum_train" --recipe=tiny --save="$out/checkpoints" \
   --metrics_file="$out/metrics.jsonl" "$@"
 

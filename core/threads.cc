@@ -34,8 +34,6 @@ ThreadChoice DefaultComputeThreads() {
   return {cores, absl::StrCat("all ", cores, " cores this process may use")};
 }
 
-void SetUpComputeThreads(const ThreadChoice& choice) { SetComputeThreads(choice.threads); }
-
 std::string DescribeComputeThreads(const ThreadChoice& choice) {
   const char* policy = WaitPolicy();
   return absl::StrCat(choice.threads, " (", choice.source, "; LibTorch ", at::get_num_threads(),

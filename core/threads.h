@@ -33,9 +33,6 @@ ThreadChoice DefaultComputeThreads();
 // 2026-11-25) took 4.78-4.98 s on 1 thread, 2.86-2.93 s on 2 threads with libgomp's
 // default, 2.68-2.95 s with ACTIVE and 3.85-4.18 s with PASSIVE.
 
-/// A program's thread set-up, first thing in main: SetComputeThreads(choice.threads).
-void SetUpComputeThreads(const ThreadChoice& choice);
-
 /// For the log: "2 (--num_threads; LibTorch 2, OMP_WAIT_POLICY unset)".
 std::string DescribeComputeThreads(const ThreadChoice& choice);
 

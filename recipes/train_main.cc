@@ -117,7 +117,7 @@ int Run(int argc, char** argv) {
   if (absl::Status s = fulcrum::ApplyRecipe(); !s.ok()) return Fail(s);
   auto requested_threads = fulcrum::NumThreadsFlag();
   if (!requested_threads.ok()) return Fail(requested_threads.status());
-  fulcrum::SetUpComputeThreads(*requested_threads);
+  fulcrum::SetComputeThreads(requested_threads->threads);
 
   // Validate everything that needs no data or peers before any work: the layout against
   // the job's size, then the model and training flags (the vocabulary is not known yet).

@@ -495,7 +495,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads);
+  fulcrum::SetComputeThreads(threads.threads);
   if (FLAGS_keep_heap) fulcrum::KeepStepMemoryInHeap();
   std::printf("threads: %s; keep_heap %s\n", fulcrum::DescribeComputeThreads(threads).c_str(),
               FLAGS_keep_heap ? "true" : "false");

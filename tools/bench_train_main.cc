@@ -432,7 +432,7 @@ int main(int argc, char** argv) {
   const fulcrum::ThreadChoice threads = FLAGS_threads > 0
                                             ? fulcrum::ThreadChoice{FLAGS_threads, "--threads"}
                                             : fulcrum::DefaultComputeThreads();
-  fulcrum::SetUpComputeThreads(threads);
+  fulcrum::SetComputeThreads(threads.threads);
   fulcrum::data::ByteTokenizer tokenizer;
   auto corpus = fulcrum::data::BuildDefaultCorpus(tokenizer);
   if (!corpus.ok()) {

@@ -38,6 +38,28 @@ inline std::vector<double> LossesOf(const std::vector<nlohmann::json>& records) 
   return losses;
 }
 
+/// The valid_loss of every record that evaluated, in order.
+inline std::vector<double> ValidLossesOf(const std::vector<nlohmann::json>& records) {
+  std::vector<double> losses;
+  for (const auto& r : records) {
+    if (r.contains("valid_loss")) losses.push_back(r["valid_loss"].get<double>());
+  }
+  return losses;
+}
+
+/// How far apart, relative, two layouts of one fp32 run may end on any iteration's loss
+/// (training or validation). Measured over 12-20 iterations of the tiny recipes: 2.4e-8 to
+/// 2.4e-7 (reductions summed in another order). Turning weight decay off moves the same
+/// runs by 2.8e-5 once past the warm-up (kPastWarmup), so a layout that dropped it fails
+/// (SlowLayoutToleranceTest is that negative control).
+inline constexpr double kLayoutTolerance = 5e-7;
+
+/// Appended to a short test run's flags so it leaves the learning-rate warm-up after
+/// iteration 2 and decays to min_lr by the last iteration: the recipes' 20-iteration warm-up
+/// would keep a <= 20-iteration run at a tiny learning rate where weight decay and min_lr
+/// barely act.
+inline constexpr char kPastWarmup[] = " --lr_warmup_iters=2";
+
 /// The largest |a[i] − b[i]| / |b[i]| over the common length.
 inline double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;

@@ -535,10 +535,15 @@ absl::Status CheckFlags() {
   for (const auto& [flag, input] : {std::pair{"--trace", FLAGS_trace},
                                     std::pair{"--moe_metrics", FLAGS_moe_metrics},
                                     std::pair{"--early_exit_metrics", FLAGS_early_exit_metrics}}) {
-    if (!input.empty() && IsSameFile(input, FLAGS_output)) {
+    // WriteFileAtomically writes OUTPUT.tmp first: that must not be an input either.
+    if (!input.empty() &&
+        (IsSameFile(input, FLAGS_output) || IsSameFile(input, FLAGS_output + ".tmp"))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--output=", FLAGS_output, " is the input ", flag, "=", input, "; refusing to overwrite it"));
     }
+  }
+  if (DefaultFileSystem()->IsDirectory(FLAGS_output)) {
+    return absl::InvalidArgumentError(absl::StrCat("--output=", FLAGS_output, " is a directory"));
   }
   if (!DefaultFileSystem()->IsDirectory(DirName(FLAGS_output))) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -144,6 +144,7 @@ TEST(SimCliTest, OutputIsNeverAnInput) {
   EXPECT_EQ(Slurp(trace), before);
   ExpectRefusedInOneLine("--trace=" + trace + " --output=" + Temp("no/such/dir/out.jsonl"),
                          "does not exist");
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + dir, "is a directory");
 }
 
 TEST(SimCliTest, OutputOnlyFromARunThatSucceeded) {

@@ -303,6 +303,12 @@ std::string BaseName(std::string_view path) {
   return std::string(path.substr(slash + 1));
 }
 
+bool IsSameFile(const std::string& a, const std::string& b) {
+  struct stat sa, sb;
+  if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) return false;
+  return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
 absl::Status WriteStringToFile(FileSystem* fs, const std::string& path, std::string_view contents) {
   FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs->NewWritableFile(path));
   FULCRUM_RETURN_IF_ERROR(file->Append(contents));

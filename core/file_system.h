@@ -142,6 +142,11 @@ std::string DirName(std::string_view path);
 /// The last component of `path`, ignoring trailing slashes ("a/b/" -> "b").
 std::string BaseName(std::string_view path);
 
+/// True when `a` and `b` both exist and name the same file (same device and inode), however
+/// they are spelled ("t.jsonl", "./t.jsonl", a hard or symbolic link): a tool refuses to
+/// write its output onto one of its inputs.
+bool IsSameFile(const std::string& a, const std::string& b);
+
 /// Writes `contents` to `path`, fsyncs and closes it. Not atomic: a crash can leave a
 /// partial file. Use WriteFileAtomically when readers may look at `path` at any time.
 absl::Status WriteStringToFile(FileSystem* fs, const std::string& path, std::string_view contents);

@@ -1,19 +1,78 @@
 #include "dynamic/trace_replay.h"
 
 #include <algorithm>
-#include <fstream>
+#include <cmath>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/file_system.h"
 #include "dynamic/load_model.h"
 #include "pipeline/load_trace.h"
 
 namespace fulcrum::dynamic {
 namespace {
 
+absl::Status FiniteNonNegative(const char* field, double value) {
+  if (!std::isfinite(value) || value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("measured ", field, " = ", value, "; expected a finite time >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+// The per-layer vectors the replay indexes (CostsFromTraceLine): one entry per layer of the
+// stage's range; the optional ones may also be empty. ValidateLoads lets the times be empty
+// (a load without a per-layer measurement), which a replay cannot use.
+absl::Status CheckReplayable(const pipeline::StageLoad& load) {
+  const size_t n = static_cast<size_t>(load.layer_end - load.layer_begin);
+  for (const auto& [field, values] : {std::pair{"layer_forward_ms", &load.layer_forward_ms},
+                                      std::pair{"layer_backward_ms", &load.layer_backward_ms},
+                                      std::pair{"layer_weight_ms", &load.layer_weight_ms}}) {
+    if (values->size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stage ", load.stage, "'s load has ", values->size(), " ", field,
+          "; a replay needs one per layer of its range [", load.layer_begin, ",", load.layer_end,
+          ")"));
+    }
+  }
+  if (!load.layer_block_load.empty() && load.layer_block_load.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("stage ", load.stage, "'s load has ",
+                                                   load.layer_block_load.size(),
+                                                   " layer_block_load; expected ", n, " or none"));
+  }
+  for (double v : load.layer_block_load) {
+    if (!std::isfinite(v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stage ", load.stage, "'s load has a non-finite layer_block_load"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `what` ("ran_on", "decision") of `j`: a placement of the loads' layers over their stages.
+absl::StatusOr<Placement> PlacementField(const nlohmann::json& j, const char* what,
+                                         const std::vector<pipeline::StageLoad>& loads) {
+  if (!j.contains(what)) return absl::InvalidArgumentError(absl::StrCat("no '", what, "'"));
+  absl::StatusOr<pipeline::LayerRanges> ranges = pipeline::RangesFromJson(j.at(what));
+  if (!ranges.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", what, "': ", ranges.status().message()));
+  }
+  if (absl::Status s = pipeline::ValidateRanges(*ranges, loads.back().layer_end,
+                                                static_cast<int>(loads.size()));
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", what, "' is not a placement of the loads' ",
+                                                   loads.back().layer_end, " layers over ",
+                                                   loads.size(), " stages: ", s.message()));
+  }
+  return ToPlacement(*ranges);
+}
+
 absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
+  if (!j.is_object()) return absl::InvalidArgumentError("not a JSON object");
   TraceLine line;
   try {
     line.iteration = j.at("iteration").get<int64_t>();
@@ -21,6 +80,7 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
     line.microbatches = j.at("microbatches").get<int>();
     line.rebalancer = j.value("rebalancer", std::string());
     const nlohmann::json& measured = j.at("measured");
+    if (!measured.is_object()) return absl::InvalidArgumentError("'measured' is not an object");
     line.pipeline_ms = measured.value("pipeline_ms", 0.0);
     line.bubble_ratio = measured.value("bubble_ratio", 0.0);
     line.iteration_ms = measured.value("iteration_ms", 0.0);
@@ -31,41 +91,68 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(e.what());
   }
-  absl::StatusOr<pipeline::LayerRanges> ran_on = pipeline::RangesFromJson(j.at("ran_on"));
-  if (!ran_on.ok()) return ran_on.status();
-  absl::StatusOr<pipeline::LayerRanges> decision = pipeline::RangesFromJson(j.at("decision"));
-  if (!decision.ok()) return decision.status();
-  line.ran_on = ToPlacement(*ran_on);
-  line.decision = ToPlacement(*decision);
-  if (!j.at("loads").is_array()) return absl::InvalidArgumentError("'loads' is not an array");
+  if (line.iteration < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("iteration ", line.iteration, "; iterations count from 1"));
+  }
+  if (line.microbatches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("microbatches = ", line.microbatches, "; expected >= 1"));
+  }
+  if (line.schedule.empty()) return absl::InvalidArgumentError("an empty schedule name");
+  for (const auto& [field, value] : {std::pair{"pipeline_ms", line.pipeline_ms},
+                                     std::pair{"iteration_ms", line.iteration_ms}}) {
+    if (absl::Status s = FiniteNonNegative(field, value); !s.ok()) return s;
+  }
+  for (double ms : line.stage_ms) {
+    if (absl::Status s = FiniteNonNegative("stage_ms", ms); !s.ok()) return s;
+  }
+  if (!(line.bubble_ratio >= 0 && line.bubble_ratio <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("measured bubble_ratio = ", line.bubble_ratio, "; expected a value in [0, 1]"));
+  }
+  if (!j.contains("loads") || !j.at("loads").is_array()) {
+    return absl::InvalidArgumentError("'loads' is missing or not an array");
+  }
   for (const nlohmann::json& stage : j.at("loads")) {
     absl::StatusOr<pipeline::StageLoad> load = pipeline::StageLoadFromJson(stage);
     if (!load.ok()) return load.status();
     line.loads.push_back(*std::move(load));
   }
   if (absl::Status s = ValidateLoads(line.loads); !s.ok()) return s;
+  for (const pipeline::StageLoad& load : line.loads) {
+    if (absl::Status s = CheckReplayable(load); !s.ok()) return s;
+  }
+  absl::StatusOr<Placement> ran_on = PlacementField(j, "ran_on", line.loads);
+  if (!ran_on.ok()) return ran_on.status();
+  absl::StatusOr<Placement> decision = PlacementField(j, "decision", line.loads);
+  if (!decision.ok()) return decision.status();
+  line.ran_on = *std::move(ran_on);
+  line.decision = *std::move(decision);
   return line;
 }
 
 }  // namespace
 
-absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open the load trace '", path, "'"));
+absl::StatusOr<LoadTrace> ParseLoadTrace(std::string_view text_view, std::string_view name_view) {
+  // This abseil's string_view is its own type, not std::string_view.
+  const absl::string_view text(text_view.data(), text_view.size());
+  const absl::string_view name(name_view.data(), name_view.size());
   LoadTrace trace;
-  std::string text;
-  for (int number = 1; std::getline(in, text); ++number) {
-    if (text.empty()) continue;
+  int number = 0;
+  for (absl::string_view row : absl::StrSplit(text, '\n')) {
+    ++number;
+    if (absl::StripAsciiWhitespace(row).empty()) continue;
     auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", why));
+      return absl::InvalidArgumentError(absl::StrCat(name, ":", number, ": ", why));
     };
-    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json j = nlohmann::json::parse(row.begin(), row.end(), nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return bad("not JSON");
     absl::StatusOr<TraceLine> line = ParseLine(j);
     if (!line.ok()) return bad(line.status().message());
     if (!trace.lines.empty()) {
       const TraceLine& first = trace.lines.front();
-      if (line->iteration != trace.lines.back().iteration + 1) {
+      if (line->iteration - 1 != trace.lines.back().iteration) {
         return bad(absl::StrCat("iteration ", line->iteration, " after ",
                                 trace.lines.back().iteration, " (one run, in order, expected)"));
       }
@@ -79,9 +166,15 @@ absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
   }
   if (trace.lines.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the load trace '", path, "' has no lines (a run writes one per iteration from its second)"));
+        "the load trace '", name, "' has no lines (a run writes one per iteration from its second)"));
   }
   return trace;
+}
+
+absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
+  absl::StatusOr<std::string> text = DefaultFileSystem()->ReadFile(path);
+  if (!text.ok()) return text.status();  // "cannot open PATH: No such file or directory".
+  return ParseLoadTrace(*text, path);
 }
 
 IterationCosts CostsFromTraceLine(const TraceLine& line) {

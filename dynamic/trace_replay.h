@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -54,9 +55,16 @@ struct LoadTrace {
   }
 };
 
-/// Reads a --load_trace file. InvalidArgument naming the path and the line for a bad line,
-/// lines out of order, or a change of stages, layers, schedule or micro-batches; NotFound
-/// when the file cannot be opened.
+/// Parses the text of a --load_trace file; `name` (the path) starts every message.
+/// InvalidArgument naming the line for a line that is not a trace line (a missing or
+/// mistyped field; ranges that are not a placement of the loads' layers over their stages;
+/// per-layer times that are not one per layer; a negative or non-finite measured time; a
+/// bubble ratio outside [0, 1]; fewer than one micro-batch), lines out of order, a change of
+/// stages, layers, schedule or micro-batches, or no lines at all. Never throws: any text is
+/// either a LoadTrace that CostsFromTraceLine and ScenarioFromTrace can use, or an error.
+absl::StatusOr<LoadTrace> ParseLoadTrace(std::string_view text, std::string_view name);
+
+/// ParseLoadTrace of the file `path`; NotFound (naming it) when it cannot be read.
 absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path);
 
 /// The costs of the iteration `line` measured (see the file comment).

@@ -1,32 +1,36 @@
-// fulcrum_plot: one self-contained SVG of a balancing run, to open in a browser.
+// fulcrum_plot: one self-contained SVG of one or more runs, to open in a browser.
 //
-//   fulcrum_plot m.jsonl -o m.svg                 a fulcrum_train --metrics_file
+//   fulcrum_plot m.jsonl -o m.svg                 a fulcrum_train --metrics_file (any run)
 //   fulcrum_plot none.jsonl partition.jsonl -o m.svg    runs side by side (static vs balanced)
 //   fulcrum_plot trace.jsonl -o t.svg             a --load_trace file
 //   fulcrum_plot sim.jsonl -o s.svg               fulcrum_sim --output (one panel per strategy)
 //
-// Each run (a file, or a strategy of a simulation) is one column of three charts sharing the
-// iteration axis: which layer lived on which stage (a band per stage, coloured by stage), each
+// Each run (a file, or a strategy of a simulation) is one column of charts sharing the
+// iteration axis. A pipeline run (a metrics file with stage ranges, a trace, a simulation)
+// gets three: which layer lived on which stage (a band per stage, coloured by stage), each
 // stage's load (compute ms) and the bubble ratio; dashed lines mark balancer decisions that
-// moved layers (blue) and re-packings, where the stage count changes (red). Elements carry
-// their values as data-* attributes (data-iteration, data-stage, data-begin, data-end,
-// data-values), so tests and scripts can read the picture back.
+// moved layers (blue) and re-packings, where the stage count changes (red). A metrics file
+// also gets its training curves: the loss (train, and validation where it was evaluated), the
+// learning rate, the gradient norm and tokens/s. Elements carry their values as data-*
+// attributes (data-iteration, data-stage, data-begin, data-end, data-values,
+// data-iterations), so tests and scripts can read the picture back. What the inputs may hold:
+// NOTE [plot input] in tools/internal/plot_input.h.
 //
-// Exit codes: 0 written, 2 bad flags or unreadable input.
+// Exit codes: 0 written, 2 bad flags or unreadable input (one line, before anything is
+// written), 1 the SVG could not be written. The SVG is written atomically (a temporary file
+// renamed over -o) and never onto an input.
 #include <gflags/gflags.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <map>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/file_system.h"
+#include "tools/internal/plot_input.h"
 
 DEFINE_string(o, "", "The SVG file to write (required).");
 DEFINE_string(title, "", "Title (default: the input file names).");
@@ -35,94 +39,11 @@ namespace fulcrum {
 namespace {
 
 constexpr int kUsageError = 2;
+constexpr double kTop = 50;  // Below the column title.
 
-struct Point {
-  int64_t iteration = 0;
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // The placement of the iteration.
-  std::vector<double> stage_ms;
-  double bubble = 0;
-  bool decision = false;  // Layers moved in this iteration.
-  bool repack = false;    // The stage count changed.
-};
-
-struct Series {
-  std::string name;
-  std::vector<Point> points;
-};
-
-std::vector<std::pair<int64_t, int64_t>> Ranges(const nlohmann::json& j) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  if (!j.is_array()) return out;
-  for (const auto& r : j) {
-    if (r.is_array() && r.size() == 2) out.emplace_back(r[0].get<int64_t>(), r[1].get<int64_t>());
-  }
-  return out;
-}
-
-// Reads one input file into one or more series (a simulation: one per strategy).
-bool Read(const std::string& path, std::vector<Series>* out) {
-  std::ifstream in(path);
-  if (!in) {
-    std::fprintf(stderr, "fulcrum_plot: cannot open '%s'\n", path.c_str());
-    return false;
-  }
-  std::map<std::string, size_t> by_name;
-  auto series = [&](const std::string& name) -> Series& {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) {
-      it = by_name.emplace(name, out->size()).first;
-      out->push_back({name, {}});
-    }
-    return (*out)[it->second];
-  };
-  std::string text;
-  int number = 0;
-  int64_t moved_before = 0;
-  while (std::getline(in, text)) {
-    ++number;
-    if (text.empty()) continue;
-    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("iteration")) {
-      std::fprintf(stderr, "fulcrum_plot: %s:%d is not a metrics, trace or simulation line\n",
-                   path.c_str(), number);
-      return false;
-    }
-    Point p;
-    p.iteration = j["iteration"].get<int64_t>();
-    std::string name = path;
-    if (j.contains("loads") && j.contains("ran_on")) {  // --load_trace
-      p.ranges = Ranges(j["ran_on"]);
-      for (const auto& load : j["loads"]) {
-        p.stage_ms.push_back(load.value("forward_ms", 0.0) + load.value("backward_ms", 0.0) +
-                             load.value("weight_ms", 0.0));
-      }
-      p.bubble = j.contains("measured") ? j["measured"].value("bubble_ratio", 0.0) : 0.0;
-      p.decision = Ranges(j["decision"]) != p.ranges;
-    } else if (j.value("source", "") == "fulcrum_sim") {
-      name = absl::StrCat(j.value("scenario", ""), ": ", j.value("strategy", ""));
-      p.ranges = Ranges(j["stage_ranges"]);
-      p.stage_ms = j.value("stage_ms", std::vector<double>{});
-      p.bubble = j.value("bubble_ratio", 0.0);
-      p.decision = j.value("layers_moved", 0) > 0;
-    } else {  // --metrics_file: stage_ranges after the iteration's moves, moves cumulative.
-      if (!j.contains("stage_ranges")) {
-        std::fprintf(stderr, "fulcrum_plot: %s:%d has no stage_ranges (a pipeline run's metrics?)\n",
-                     path.c_str(), number);
-        return false;
-      }
-      p.ranges = Ranges(j["stage_ranges"]);
-      p.stage_ms = j.value("stage_ms", std::vector<double>{});
-      p.bubble = j.value("bubble_ratio", 0.0);
-      const int64_t moved = j.value("layers_moved", int64_t{0});
-      p.decision = moved > moved_before;
-      moved_before = moved;
-    }
-    Series& s = series(name);
-    if (!s.points.empty() && s.points.back().ranges.size() != p.ranges.size()) p.repack = true;
-    s.points.push_back(std::move(p));
-  }
-  return true;
-}
+using plot::Series;
+using plot::StagePoint;
+using plot::TrainingPoint;
 
 // Text and attribute values: the five XML specials escaped.
 std::string Escape(const std::string& text) {
@@ -142,32 +63,29 @@ std::string Escape(const std::string& text) {
 
 std::string Color(int stage) { return absl::StrFormat("hsl(%d,55%%,62%%)", (stage * 137) % 360); }
 
-// One column: the three charts of `s` at horizontal offset x0.
-std::string Column(const Series& s, double x0, double width) {
-  std::string svg;
-  if (s.points.empty()) return svg;
-  const int64_t first = s.points.front().iteration, last = s.points.back().iteration;
+// The three pipeline charts of `s` at horizontal offset x0, from kTop; appended to `svg`.
+// Returns the y below them.
+double StageCharts(const Series& s, double x0, double width, std::string* out) {
+  std::string& svg = *out;
+  const int64_t first = s.stages.front().iteration, last = s.stages.back().iteration;
   const double span = std::max<int64_t>(1, last - first + 1);
   const double dx = width / span;
   auto x_of = [&](int64_t it) { return x0 + (static_cast<double>(it - first)) * dx; };
   int64_t layers = 1;
   size_t stages = 1;
   double max_ms = 0;
-  for (const Point& p : s.points) {
+  for (const StagePoint& p : s.stages) {
     if (!p.ranges.empty()) layers = std::max(layers, p.ranges.back().second);
     stages = std::max(stages, p.ranges.size());
     for (double v : p.stage_ms) max_ms = std::max(max_ms, v);
   }
   if (max_ms <= 0) max_ms = 1;
-  const double top1 = 50, h1 = 220, top2 = top1 + h1 + 40, h2 = 150, top3 = top2 + h2 + 40, h3 = 100;
-  absl::StrAppend(&svg, "<g class=\"series\" data-name=\"", Escape(s.name), "\">\n");
-  absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"30\" font-size=\"13\" font-weight=\"bold\">%s</text>\n",
-                        x0, Escape(s.name));
+  const double top1 = kTop, h1 = 220, top2 = top1 + h1 + 40, h2 = 150, top3 = top2 + h2 + 40, h3 = 100;
   absl::StrAppendFormat(&svg,
                         "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">layers on stages (layer 0 at the "
                         "top; %d layers)</text>\n",
                         x0, top1 - 6, layers);
-  for (const Point& p : s.points) {
+  for (const StagePoint& p : s.stages) {
     for (size_t st = 0; st < p.ranges.size(); ++st) {
       const auto [b, e] = p.ranges[st];
       absl::StrAppendFormat(
@@ -185,7 +103,7 @@ std::string Column(const Series& s, double x0, double width) {
                               "stroke=\"#ccc\"/>\n", x0, top2, width, h2);
   for (size_t st = 0; st < stages; ++st) {
     std::vector<std::string> xy, values;
-    for (const Point& p : s.points) {
+    for (const StagePoint& p : s.stages) {
       if (st >= p.stage_ms.size()) continue;
       xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + dx / 2,
                                    top2 + h2 - h2 * p.stage_ms[st] / max_ms));
@@ -202,7 +120,7 @@ std::string Column(const Series& s, double x0, double width) {
   absl::StrAppendFormat(&svg, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
                               "stroke=\"#ccc\"/>\n", x0, top3, width, h3);
   std::vector<std::string> xy, values;
-  for (const Point& p : s.points) {
+  for (const StagePoint& p : s.stages) {
     xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + dx / 2, top3 + h3 - h3 * p.bubble));
     values.push_back(absl::StrFormat("%g", p.bubble));
   }
@@ -210,7 +128,7 @@ std::string Column(const Series& s, double x0, double width) {
                         "<polyline class=\"bubble\" data-values=\"%s\" points=\"%s\" fill=\"none\" "
                         "stroke=\"black\" stroke-width=\"1.5\"/>\n",
                         absl::StrJoin(values, " "), absl::StrJoin(xy, " "));
-  for (const Point& p : s.points) {
+  for (const StagePoint& p : s.stages) {
     if (!p.decision && !p.repack) continue;
     absl::StrAppendFormat(
         &svg,
@@ -225,7 +143,108 @@ std::string Column(const Series& s, double x0, double width) {
   absl::StrAppendFormat(&svg,
                         "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%d</text>\n",
                         x0 + width, top3 + h3 + 16, last);
+  return top3 + h3 + 40;
+}
+
+// One line of a training chart: (iteration, value) pairs.
+struct Curve {
+  const char* cls;  // The polyline's class: the metrics field it draws.
+  const char* color;
+  std::vector<std::pair<int64_t, double>> values;
+};
+
+// A chart of `curves` over iterations [first, last], from y = top; appended to `svg`. Returns
+// the y below it (top, unchanged, when no curve has a value).
+double Chart(const std::string& title, const std::vector<Curve>& curves, int64_t first, int64_t last,
+             double x0, double width, double top, std::string* svg) {
+  double lo = 0, hi = 0;
+  bool any = false;
+  for (const Curve& c : curves) {
+    for (const auto& [it, v] : c.values) {
+      lo = any ? std::min(lo, v) : v;
+      hi = any ? std::max(hi, v) : v;
+      any = true;
+    }
+  }
+  if (!any) return top;
+  if (hi == lo) {  // A flat curve sits in the middle of the chart.
+    const double pad = lo == 0 ? 1 : std::abs(lo) * 0.05;
+    lo -= pad;
+    hi += pad;
+  }
+  const double height = 110;
+  const double span = static_cast<double>(std::max<int64_t>(1, last - first));
+  auto x_of = [&](int64_t it) { return x0 + width * static_cast<double>(it - first) / span; };
+  auto y_of = [&](double v) { return top + height - height * (v - lo) / (hi - lo); };
+  absl::StrAppendFormat(svg, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">%s (%g to %g)</text>\n",
+                        x0, top - 6, Escape(title), lo, hi);
+  absl::StrAppendFormat(svg, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+                             "stroke=\"#ccc\"/>\n", x0, top, width, height);
+  for (const Curve& c : curves) {
+    if (c.values.empty()) continue;
+    std::vector<std::string> xy, values, iterations;
+    for (const auto& [it, v] : c.values) {
+      xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(it), y_of(v)));
+      values.push_back(absl::StrFormat("%g", v));
+      iterations.push_back(absl::StrCat(it));
+    }
+    // A single value still shows: a polyline of one point draws nothing, a circle does.
+    if (c.values.size() == 1) {
+      absl::StrAppendFormat(svg, "<circle cx=\"%.2f\" cy=\"%.2f\" r=\"2.5\" fill=\"%s\"/>\n",
+                            x_of(c.values[0].first), y_of(c.values[0].second), c.color);
+    }
+    absl::StrAppendFormat(svg,
+                          "<polyline class=\"%s\" data-iterations=\"%s\" data-values=\"%s\" "
+                          "points=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\"/>\n",
+                          c.cls, absl::StrJoin(iterations, " "), absl::StrJoin(values, " "),
+                          absl::StrJoin(xy, " "), c.color);
+  }
+  return top + height + 40;
+}
+
+// The training charts of `s` (loss, learning rate, grad norm, tokens/s) from y = top.
+double TrainingCharts(const Series& s, double x0, double width, double top, std::string* svg) {
+  const int64_t first = s.training.front().iteration, last = s.training.back().iteration;
+  auto curve = [&](const char* cls, const char* color,
+                   std::optional<double> TrainingPoint::*field) {
+    Curve c{cls, color, {}};
+    for (const TrainingPoint& p : s.training) {
+      if (p.*field) c.values.emplace_back(p.iteration, *(p.*field));
+    }
+    return c;
+  };
+  double y = top;
+  y = Chart("loss (train black, validation orange)",
+            {curve("loss", "black", &TrainingPoint::loss),
+             curve("valid_loss", "#ea580c", &TrainingPoint::valid_loss)},
+            first, last, x0, width, y, svg);
+  y = Chart("learning rate", {curve("lr", "#2563eb", &TrainingPoint::lr)}, first, last, x0, width,
+            y, svg);
+  y = Chart("gradient norm", {curve("grad_norm", "#7c3aed", &TrainingPoint::grad_norm)}, first,
+            last, x0, width, y, svg);
+  y = Chart("tokens/s", {curve("tokens_per_second", "#16a34a", &TrainingPoint::tokens_per_second)},
+            first, last, x0, width, y, svg);
+  if (y > top) {
+    absl::StrAppendFormat(svg, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">iteration %d</text>\n",
+                          x0, y - 24, first);
+    absl::StrAppendFormat(svg,
+                          "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\">%d</text>\n",
+                          x0 + width, y - 24, last);
+  }
+  return y;
+}
+
+// One column: the charts of `s` at horizontal offset x0. `*bottom` gets the y below them.
+std::string Column(const Series& s, double x0, double width, double* bottom) {
+  std::string svg;
+  absl::StrAppend(&svg, "<g class=\"series\" data-name=\"", Escape(s.name), "\">\n");
+  absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"30\" font-size=\"13\" font-weight=\"bold\">%s</text>\n",
+                        x0, Escape(s.name));
+  double y = kTop;
+  if (!s.stages.empty()) y = StageCharts(s, x0, width, &svg);
+  if (!s.training.empty()) y = TrainingCharts(s, x0, width, y, &svg);
   svg += "</g>\n";
+  *bottom = y;
   return svg;
 }
 
@@ -233,35 +252,64 @@ std::string Column(const Series& s, double x0, double width) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("fulcrum_plot INPUT.jsonl... -o OUT.svg: draw balancing runs (metrics, "
-                          "load traces or fulcrum_sim --output) side by side");
+  gflags::SetUsageMessage("fulcrum_plot INPUT.jsonl... -o OUT.svg: draw runs (metrics files of any "
+                          "run, load traces or fulcrum_sim --output) side by side");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc < 2 || FLAGS_o.empty()) {
     std::fprintf(stderr, "fulcrum_plot: give one or more input files and -o OUT.svg\n");
     return fulcrum::kUsageError;
   }
+  std::vector<std::string> inputs(argv + 1, argv + argc);
+  for (const std::string& input : inputs) {
+    // WriteFileAtomically writes OUT.tmp first: that must not be an input either.
+    if (fulcrum::IsSameFile(input, FLAGS_o) || fulcrum::IsSameFile(input, FLAGS_o + ".tmp")) {
+      std::fprintf(stderr, "fulcrum_plot: -o %s is the input %s; refusing to overwrite it\n",
+                   FLAGS_o.c_str(), input.c_str());
+      return fulcrum::kUsageError;
+    }
+  }
+  if (fulcrum::DefaultFileSystem()->IsDirectory(FLAGS_o)) {
+    std::fprintf(stderr, "fulcrum_plot: -o %s is a directory\n", FLAGS_o.c_str());
+    return fulcrum::kUsageError;
+  }
+  if (!fulcrum::DefaultFileSystem()->IsDirectory(fulcrum::DirName(FLAGS_o))) {
+    std::fprintf(stderr, "fulcrum_plot: -o %s: the directory '%s' does not exist\n", FLAGS_o.c_str(),
+                 fulcrum::DirName(FLAGS_o).c_str());
+    return fulcrum::kUsageError;
+  }
   std::vector<fulcrum::Series> series;
-  std::vector<std::string> inputs;
-  for (int i = 1; i < argc; ++i) {
-    inputs.push_back(argv[i]);
-    if (!fulcrum::Read(argv[i], &series)) return fulcrum::kUsageError;
+  for (const std::string& input : inputs) {
+    absl::StatusOr<std::string> text = fulcrum::DefaultFileSystem()->ReadFile(input);
+    absl::StatusOr<std::vector<fulcrum::Series>> read =
+        text.ok() ? fulcrum::plot::ParsePlotInput(*text, input)
+                  : absl::StatusOr<std::vector<fulcrum::Series>>(text.status());
+    if (!read.ok()) {
+      std::fprintf(stderr, "fulcrum_plot: %s\n", std::string(read.status().message()).c_str());
+      return fulcrum::kUsageError;
+    }
+    series.insert(series.end(), read->begin(), read->end());
   }
   const double column = 420, gap = 40;
   const double width = gap + static_cast<double>(series.size()) * (column + gap);
+  std::string columns;
+  double height = 0;
+  for (size_t i = 0; i < series.size(); ++i) {
+    double bottom = 0;
+    columns += fulcrum::Column(series[i], gap + static_cast<double>(i) * (column + gap), column, &bottom);
+    height = std::max(height, bottom);
+  }
   std::string svg = absl::StrFormat(
       "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
-      "width=\"%.0f\" height=\"640\" viewBox=\"0 0 %.0f 640\" font-family=\"sans-serif\">\n"
+      "width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" font-family=\"sans-serif\">\n"
       "<title>%s</title>\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-      width, width, fulcrum::Escape(FLAGS_title.empty() ? absl::StrJoin(inputs, " vs ") : FLAGS_title));
-  for (size_t i = 0; i < series.size(); ++i) {
-    svg += fulcrum::Column(series[i], gap + static_cast<double>(i) * (column + gap), column);
-  }
+      width, height, width, height,
+      fulcrum::Escape(FLAGS_title.empty() ? absl::StrJoin(inputs, " vs ") : FLAGS_title));
+  svg += columns;
   svg += "</svg>\n";
-  std::ofstream out(FLAGS_o);
-  out << svg;
-  if (!out) {
-    std::fprintf(stderr, "fulcrum_plot: cannot write '%s'\n", FLAGS_o.c_str());
-    return fulcrum::kUsageError;
+  if (absl::Status s = fulcrum::WriteFileAtomically(fulcrum::DefaultFileSystem(), FLAGS_o, svg);
+      !s.ok()) {
+    std::fprintf(stderr, "fulcrum_plot: -o %s: %s\n", FLAGS_o.c_str(), std::string(s.message()).c_str());
+    return 1;
   }
   std::printf("wrote %s: %zu run(s), %zu bytes\n", FLAGS_o.c_str(), series.size(), svg.size());
   return 0;

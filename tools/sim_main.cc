@@ -11,13 +11,16 @@
 //   ... --repack                                 GPUs over time after re-packing
 //   ... --output=sim.jsonl                       per-iteration results, for fulcrum_plot
 //
-// Exit codes: 0 done, 2 bad flags or inputs, 1 a simulation failed.
+// Exit codes: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or
+// the write of --output failed. --output is written atomically (a temporary file renamed over
+// it) once every simulation succeeded, and never onto an input: a failed run leaves the
+// previous file as it was.
 #include <gflags/gflags.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,6 +31,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/file_system.h"
+#include "dynamic/balancing_rebalancer.h"
 #include "dynamic/partition.h"
 #include "dynamic/simulation.h"
 #include "dynamic/trace_replay.h"
@@ -72,7 +77,8 @@ DEFINE_int64(trace_seq, 0, "Sequence length of the traced model (for scaling).")
 DEFINE_bool(repack, false, "Also show GPUs over time when stages are re-packed (partition by time).");
 DEFINE_double(repack_slack, 0.05, "Re-packing may slow the pipeline by at most this fraction.");
 DEFINE_bool(per_iteration, false, "Print every iteration of every strategy.");
-DEFINE_string(output, "", "Write per-iteration results as JSON lines here (for fulcrum_plot).");
+DEFINE_string(output, "", "Write per-iteration results as JSON lines here (for fulcrum_plot), "
+              "atomically and only when every simulation succeeded; never onto an input.");
 
 namespace fulcrum {
 namespace {
@@ -91,7 +97,8 @@ dynamic::BalancerOptions Options() {
   return o;
 }
 
-std::vector<dynamic::Strategy> Strategies() {
+// The strategies of --strategies; InvalidArgument naming an unknown one.
+absl::StatusOr<std::vector<dynamic::Strategy>> Strategies() {
   std::vector<dynamic::Strategy> all = dynamic::StandardStrategies();
   const std::vector<std::string> keys = {"uniform", "params", "partition-time", "diffusion-time",
                                          "partition-params", "diffusion-params"};
@@ -100,9 +107,8 @@ std::vector<dynamic::Strategy> Strategies() {
   for (absl::string_view name : absl::StrSplit(FLAGS_strategies, ',')) {
     auto it = std::find(keys.begin(), keys.end(), name);
     if (it == keys.end()) {
-      std::fprintf(stderr, "--strategies: '%s' is not one of %s\n", std::string(name).c_str(),
-                   absl::StrJoin(keys, ", ").c_str());
-      std::exit(kUsageError);
+      return absl::InvalidArgumentError(absl::StrCat("--strategies: '", name, "' is not one of ",
+                                                     absl::StrJoin(keys, ", ")));
     }
     out.push_back(all[it - keys.begin()]);
   }
@@ -161,8 +167,9 @@ std::pair<double, std::string> Repack(const dynamic::Scenario& s, const Simulate
   return {sum / static_cast<double>(s.iterations), series};
 }
 
-void WriteOutput(std::ofstream* out, const std::string& scenario, const SimulatedRun& run) {
-  if (out == nullptr || !*out) return;
+// Appends the JSON lines of `run` to `out` (null: no --output).
+void WriteOutput(std::string* out, const std::string& scenario, const SimulatedRun& run) {
+  if (out == nullptr) return;
   for (const dynamic::SimulatedIteration& it : run.iterations) {
     nlohmann::json ranges = nlohmann::json::array();
     for (const dynamic::StageRange& r : it.placement) ranges.push_back({r.begin, r.end});
@@ -172,7 +179,7 @@ void WriteOutput(std::ofstream* out, const std::string& scenario, const Simulate
                            {"bubble_ratio", it.bubble_ratio}, {"iteration_ms", it.iteration_ms},
                            {"layers_moved", it.layers_moved}, {"bytes_migrated", it.bytes_migrated}};
     if (!it.note.empty()) line["note"] = it.note;
-    *out << line.dump() << "\n";
+    absl::StrAppend(out, line.dump(), "\n");
   }
 }
 
@@ -188,9 +195,11 @@ void PrintIterations(const SimulatedRun& run) {
 }
 
 // Runs every strategy on `s`; prints a line each; returns the runs (by strategy name).
-absl::StatusOr<std::vector<SimulatedRun>> RunAll(const dynamic::Scenario& s, std::ofstream* out) {
+absl::StatusOr<std::vector<SimulatedRun>> RunAll(const dynamic::Scenario& s, std::string* out) {
   std::vector<SimulatedRun> runs;
-  for (const dynamic::Strategy& strategy : Strategies()) {
+  absl::StatusOr<std::vector<dynamic::Strategy>> strategies = Strategies();
+  if (!strategies.ok()) return strategies.status();  // CheckFlags found it first.
+  for (const dynamic::Strategy& strategy : *strategies) {
     absl::StatusOr<SimulatedRun> run = dynamic::SimulateRun(s, strategy, Options());
     if (!run.ok()) return run.status();
     WriteOutput(out, s.name, *run);
@@ -224,7 +233,27 @@ const SimulatedRun* Best(const std::vector<SimulatedRun>& runs, bool is_static) 
   return best;
 }
 
-int RunCases(std::ofstream* out) {
+// OK when `s` can be simulated: its schedule exists for its stages and micro-batches, and
+// every stage gets a layer. Checked before the work, so a bad layout is a usage error.
+absl::Status CheckScenario(const dynamic::Scenario& s) {
+  if (absl::StatusOr<pipeline::Schedule> schedule =
+          pipeline::MakeSchedule(s.schedule, s.num_stages, s.num_microbatches);
+      !schedule.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("schedule '%s' with %d stages and %d micro-batches (--schedule, --stages, "
+                        "--microbatches): %s",
+                        s.schedule, s.num_stages, s.num_microbatches, schedule.status().message()));
+  }
+  const int64_t layers = s.costs(1).num_layers();
+  if (layers < s.num_stages) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d layers cannot fill %d stages (--stages): every stage needs a layer", layers,
+        s.num_stages));
+  }
+  return absl::OkStatus();
+}
+
+int RunCases(std::string* out) {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
   options.num_microbatches = FLAGS_microbatches;
@@ -269,6 +298,24 @@ int RunCases(std::ofstream* out) {
   } else {
     names = absl::StrSplit(FLAGS_case, ',');
   }
+  // Every case is built and checked before any is simulated: a bad name or layout is a
+  // usage error, found before the work.
+  std::vector<sim::NamedCase> cases;
+  for (const std::string& name : names) {
+    absl::StatusOr<sim::NamedCase> made = sim::MakeCase(name, options);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
+      return kUsageError;
+    }
+    if (FLAGS_stages > 0) made->scenario.num_stages = FLAGS_stages;
+    if (made->measured) {
+      if (absl::Status st = CheckScenario(made->scenario); !st.ok()) {
+        std::fprintf(stderr, "--case=%s: %s\n", name.c_str(), std::string(st.message()).c_str());
+        return kUsageError;
+      }
+    }
+    cases.push_back(*std::move(made));
+  }
   std::vector<std::string> table;
   const auto start = std::chrono::steady_clock::now();
   std::printf("fulcrum_sim: SIMULATED, not measured on GPUs. GPT hidden %lld, %lld heads, seq %lld, "
@@ -280,14 +327,8 @@ int RunCases(std::ofstream* out) {
               static_cast<long long>(options.iterations), options.schedule.c_str(),
               options.shape.device_tflops, options.network.p2p_bandwidth_gbps,
               options.network.p2p_latency_us, options.network.migration_bandwidth_gbps);
-  for (const std::string& name : names) {
-    absl::StatusOr<sim::NamedCase> made = sim::MakeCase(name, options);
-    if (!made.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
-      return kUsageError;
-    }
-    sim::NamedCase& c = *made;
-    if (FLAGS_stages > 0) c.scenario.num_stages = FLAGS_stages;
+  for (sim::NamedCase& c : cases) {
+    const std::string& name = c.name;
     std::printf("\n== %s\n", name.c_str());
     if (!c.measured) {
       std::printf("  %s\n", c.why_not.c_str());
@@ -347,7 +388,7 @@ int RunCases(std::ofstream* out) {
   return 0;
 }
 
-int RunTrace(std::ofstream* out) {
+int RunTrace(std::string* out) {
   absl::StatusOr<dynamic::LoadTrace> trace = dynamic::ReadLoadTrace(FLAGS_trace);
   if (!trace.ok()) {
     std::fprintf(stderr, "--trace: %s\n", std::string(trace.status().message()).c_str());
@@ -378,6 +419,10 @@ int RunTrace(std::ofstream* out) {
   if (FLAGS_stages > 0) s.num_stages = FLAGS_stages;
   if (FLAGS_microbatches > 0) s.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) s.schedule = FLAGS_schedule;
+  if (absl::Status st = CheckScenario(s); !st.ok()) {
+    std::fprintf(stderr, "--trace=%s: %s\n", FLAGS_trace.c_str(), std::string(st.message()).c_str());
+    return kUsageError;
+  }
   std::printf("fulcrum_sim: replay of %s (SIMULATED from measured per-layer costs): %lld "
               "iterations, %d stages, %lld layers, %d micro-batches, %s; live rebalancer '%s'\n",
               FLAGS_trace.c_str(), static_cast<long long>(s.iterations), s.num_stages,
@@ -452,6 +497,61 @@ int RunTrace(std::ofstream* out) {
   return 0;
 }
 
+// The numeric flags, and --output against the inputs: InvalidArgument naming the first bad
+// flag and its value, before any work.
+absl::Status CheckFlags() {
+  auto bad = [](const char* flag, double value, const char* expected) {
+    return absl::InvalidArgumentError(absl::StrFormat("--%s=%g: expected %s", flag, value, expected));
+  };
+  if (FLAGS_iterations < 3) return bad("iterations", FLAGS_iterations, "an integer >= 3");
+  for (const auto& [flag, value] :
+       {std::pair{"stages", FLAGS_stages}, std::pair{"microbatches", FLAGS_microbatches}}) {
+    if (value < 0) return bad(flag, value, "an integer >= 0 (0: the case's or the trace's)");
+  }
+  for (const auto& [flag, value] : {std::pair{"vocab", FLAGS_vocab},
+                                    std::pair{"scale_layers", FLAGS_scale_layers},
+                                    std::pair{"scale_hidden", FLAGS_scale_hidden},
+                                    std::pair{"trace_hidden", FLAGS_trace_hidden},
+                                    std::pair{"trace_seq", FLAGS_trace_seq}}) {
+    if (value < 0) return bad(flag, static_cast<double>(value), "an integer >= 0");
+  }
+  for (const auto& [flag, value] :
+       {std::pair{"p2p_bandwidth_gbps", FLAGS_p2p_bandwidth_gbps},
+        std::pair{"migration_bandwidth_gbps", FLAGS_migration_bandwidth_gbps},
+        std::pair{"device_tflops", FLAGS_device_tflops}}) {
+    if (!(std::isfinite(value) && value > 0)) return bad(flag, value, "a finite value > 0");
+  }
+  for (const auto& [flag, value] : {std::pair{"p2p_latency_us", FLAGS_p2p_latency_us},
+                                    std::pair{"migration_latency_us", FLAGS_migration_latency_us},
+                                    std::pair{"repack_slack", FLAGS_repack_slack}}) {
+    if (!(std::isfinite(value) && value >= 0)) return bad(flag, value, "a finite value >= 0");
+  }
+  if (!(FLAGS_p2p_bytes == -1 || (std::isfinite(FLAGS_p2p_bytes) && FLAGS_p2p_bytes >= 0))) {
+    return bad("p2p_bytes", FLAGS_p2p_bytes, "a finite value >= 0, or -1 for the case's");
+  }
+  if (absl::Status s = Options().Validate(); !s.ok()) return s;
+  if (absl::Status s = Strategies().status(); !s.ok()) return s;
+  if (FLAGS_output.empty()) return absl::OkStatus();
+  for (const auto& [flag, input] : {std::pair{"--trace", FLAGS_trace},
+                                    std::pair{"--moe_metrics", FLAGS_moe_metrics},
+                                    std::pair{"--early_exit_metrics", FLAGS_early_exit_metrics}}) {
+    // WriteFileAtomically writes OUTPUT.tmp first: that must not be an input either.
+    if (!input.empty() &&
+        (IsSameFile(input, FLAGS_output) || IsSameFile(input, FLAGS_output + ".tmp"))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--output=", FLAGS_output, " is the input ", flag, "=", input, "; refusing to overwrite it"));
+    }
+  }
+  if (DefaultFileSystem()->IsDirectory(FLAGS_output)) {
+    return absl::InvalidArgumentError(absl::StrCat("--output=", FLAGS_output, " is a directory"));
+  }
+  if (!DefaultFileSystem()->IsDirectory(DirName(FLAGS_output))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--output=", FLAGS_output, ": the directory '", DirName(FLAGS_output), "' does not exist"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace fulcrum
 
@@ -464,18 +564,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fulcrum_sim: give exactly one of --case=NAMES|all and --trace=PATH\n");
     return fulcrum::kUsageError;
   }
-  if (FLAGS_iterations < 3) {
-    std::fprintf(stderr, "--iterations=%lld must be >= 3\n", static_cast<long long>(FLAGS_iterations));
+  if (absl::Status s = fulcrum::CheckFlags(); !s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return fulcrum::kUsageError;
   }
-  std::ofstream out;
-  if (!FLAGS_output.empty()) {
-    out.open(FLAGS_output);
-    if (!out) {
-      std::fprintf(stderr, "--output=%s cannot be written\n", FLAGS_output.c_str());
-      return fulcrum::kUsageError;
-    }
+  std::string out;
+  const int code = FLAGS_trace.empty() ? fulcrum::RunCases(FLAGS_output.empty() ? nullptr : &out)
+                                       : fulcrum::RunTrace(FLAGS_output.empty() ? nullptr : &out);
+  if (code != 0 || FLAGS_output.empty()) return code;  // A failed run writes nothing.
+  if (absl::Status s = fulcrum::WriteFileAtomically(fulcrum::DefaultFileSystem(), FLAGS_output, out);
+      !s.ok()) {
+    std::fprintf(stderr, "--output=%s: %s\n", FLAGS_output.c_str(), std::string(s.message()).c_str());
+    return 1;
   }
-  return FLAGS_trace.empty() ? fulcrum::RunCases(out.is_open() ? &out : nullptr)
-                             : fulcrum::RunTrace(out.is_open() ? &out : nullptr);
+  return 0;
 }

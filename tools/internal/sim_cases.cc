@@ -120,14 +120,22 @@ absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open the MoE metrics file '", path, "'"));
   std::vector<std::vector<double>> rows;
   std::string text;
-  while (std::getline(in, text)) {
+  for (int number = 1; std::getline(in, text); ++number) {
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.contains("expert_tokens") || !j["expert_tokens"].is_object()) continue;
+    if (j.is_discarded() || !j.is_object() || !j.contains("expert_tokens") ||
+        !j["expert_tokens"].is_object()) {
+      continue;
+    }
     std::vector<std::pair<int, double>> per_layer;
     for (const auto& [name, tokens] : j["expert_tokens"].items()) {
       if (!tokens.is_array() || tokens.empty()) continue;
       double sum = 0, max = 0;
       for (const auto& t : tokens) {
+        if (!t.is_number() || !std::isfinite(t.get<double>()) || t.get<double>() < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              path, ":", number, ": expert_tokens '", name, "' holds ", t.dump(),
+              "; expected token counts >= 0"));
+        }
         sum += t.get<double>();
         max = std::max(max, t.get<double>());
       }
@@ -154,13 +162,22 @@ absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::st
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open the early-exit metrics file '", path, "'"));
   std::vector<std::vector<double>> rows;
   std::string text;
-  while (std::getline(in, text)) {
+  for (int number = 1; std::getline(in, text); ++number) {
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_discarded() || !j.contains("early_exit_tokens") || !j["early_exit_tokens"].is_object()) continue;
+    if (j.is_discarded() || !j.is_object() || !j.contains("early_exit_tokens") ||
+        !j["early_exit_tokens"].is_object()) {
+      continue;
+    }
     std::vector<std::pair<int, double>> computed;
     double entered = 0;
     for (const auto& [name, counts] : j["early_exit_tokens"].items()) {
       if (!counts.is_array() || counts.size() < 2) continue;
+      if (!counts[0].is_number() || !counts[1].is_number() ||
+          !std::isfinite(counts[0].get<double>()) || counts[0].get<double>() < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ":", number, ": early_exit_tokens '", name, "' holds ", counts.dump(),
+            "; expected [computed, seen, exited] token counts >= 0"));
+      }
       const size_t dot = name.rfind('.');
       const int layer = dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1);
       computed.emplace_back(layer, counts[0].get<double>());

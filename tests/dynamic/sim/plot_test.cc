@@ -1,9 +1,13 @@
 // fulcrum_plot through its binary: two hand-written metrics files (a static run and a
 // balancing one that moves a layer and then re-packs) become one SVG whose elements are read
 // back: tags balanced, one column per run, a band per stage and iteration at the layers it
-// held, the loads and bubble ratios in their polylines, decisions and re-packing marked.
+// held, the loads and bubble ratios in their polylines, decisions and re-packing marked. A
+// single-process run's metrics give the training curves; bad input exits 2 in one line and
+// writes nothing; the SVG never replaces an input.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -130,15 +134,131 @@ TEST(PlotTest, DrawsStaticAndBalancedRunsSideBySide) {
   EXPECT_EQ(repacks[0]->attributes.at("data-iteration"), "3");
 }
 
-TEST(PlotTest, RefusesInputItCannotDraw) {
-  const std::string bad = Temp("bad.jsonl");
-  std::ofstream(bad) << "{\"iteration\":1,\"loss\":2.5}\n";
+const std::string kPlot = std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot";
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The elements of class `cls` in `tags`.
+std::vector<const Element*> OfClass(const std::vector<Element>& tags, const std::string& cls) {
+  std::vector<const Element*> out;
+  for (const Element& e : tags) {
+    const auto it = e.attributes.find("class");
+    if (it != e.attributes.end() && it->second == cls) out.push_back(&e);
+  }
+  return out;
+}
+
+// A single-process run has no stage ranges: its column is the training curves. The loss the
+// writer could not represent (NaN, written as null) is a gap; validation where evaluated.
+TEST(PlotTest, DrawsTheTrainingCurvesOfASingleProcessRun) {
+  const std::string metrics = Temp("single.jsonl");
+  std::ofstream(metrics)
+      << "{\"iteration\":1,\"loss\":10.5,\"lr\":0.001,\"grad_norm\":4,\"tokens_per_second\":900,"
+         "\"iteration_ms\":70,\"consumed_samples\":8,\"pipeline_size\":1,\"active_ranks\":1}\n"
+      << "{\"iteration\":2,\"loss\":null,\"lr\":0.002,\"grad_norm\":3,\"tokens_per_second\":1000,"
+         "\"valid_loss\":9.25}\n"
+      << "{\"iteration\":3,\"loss\":8,\"lr\":0.002,\"grad_norm\":2,\"tokens_per_second\":1100}\n";
+  const std::string svg_path = Temp("single.svg");
   std::string output;
-  EXPECT_EQ(testing::RunCommand(std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot " + bad + " -o " +
-                                    Temp("bad.svg"),
-                                &output),
-            2);
-  EXPECT_NE(output.find("has no stage_ranges"), std::string::npos) << output;
+  ASSERT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + svg_path, &output), 0) << output;
+  const std::vector<Element> tags = ParseTags(Slurp(svg_path));
+  ASSERT_EQ(OfClass(tags, "series").size(), 1u);
+  EXPECT_TRUE(OfClass(tags, "range").empty());
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"loss", "10.5 8"}, {"valid_loss", "9.25"}, {"lr", "0.001 0.002 0.002"},
+      {"grad_norm", "4 3 2"}, {"tokens_per_second", "900 1000 1100"}};
+  for (const auto& [cls, values] : expected) {
+    const std::vector<const Element*> lines = OfClass(tags, cls);
+    ASSERT_EQ(lines.size(), 1u) << cls;
+    EXPECT_EQ(lines[0]->attributes.at("data-values"), values) << cls;
+  }
+  EXPECT_EQ(OfClass(tags, "loss")[0]->attributes.at("data-iterations"), "1 3");
+  EXPECT_EQ(OfClass(tags, "valid_loss")[0]->attributes.at("data-iterations"), "2");
+}
+
+// A pipeline run's metrics keep the per-stage pictures and gain the training curves below.
+TEST(PlotTest, PipelineMetricsGetStageAndTrainingCharts) {
+  const std::string metrics = Temp("pp.jsonl");
+  std::ofstream(metrics) << "{\"iteration\":1,\"loss\":3,\"stage_ranges\":[[0,2],[2,4]],"
+                            "\"stage_ms\":[5,6],\"bubble_ratio\":0.2,\"layers_moved\":0}\n"
+                         << "{\"iteration\":2,\"loss\":2,\"stage_ranges\":[[0,2],[2,4]],"
+                            "\"stage_ms\":[5,6],\"bubble_ratio\":0.2,\"layers_moved\":0}\n";
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + Temp("pp.svg"), &output), 0) << output;
+  const std::vector<Element> tags = ParseTags(Slurp(Temp("pp.svg")));
+  EXPECT_EQ(OfClass(tags, "range").size(), 4u);
+  ASSERT_EQ(OfClass(tags, "loss").size(), 1u);
+  EXPECT_EQ(OfClass(tags, "loss")[0]->attributes.at("data-values"), "3 2");
+  // Below the stage charts (which end at y = 600).
+  const std::string points = OfClass(tags, "loss")[0]->attributes.at("points");
+  EXPECT_GT(std::stod(points.substr(points.find(',') + 1)), 600) << points;
+}
+
+// Inputs that crashed it (a string where a number belongs, non-numeric stage ranges, a trace
+// line with malformed loads) or that it drew as an empty picture: exit 2, one line naming the
+// file and line, and no SVG written.
+TEST(PlotTest, BadInputExitsTwoInOneLineAndWritesNothing) {
+  const std::string trace_head =
+      "{\"iteration\":1,\"ran_on\":[[0,1],[1,2]],\"decision\":[[0,1],[1,2]],\"loads\":";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{\"iteration\":\"1\",\"loss\":2}", ":1: no integer 'iteration'"},
+      {"{\"iteration\":1,\"loss\":\"low\"}", ":1: 'loss' is \"low\""},
+      {"{\"iteration\":1,\"stage_ranges\":[[0,2],[2,4]],\"stage_ms\":[\"5\",6]}", ":1: 'stage_ms'"},
+      {"{\"iteration\":1,\"stage_ranges\":[[\"0\",\"2\"]]}", ":1: 'stage_ranges' holds"},
+      {"{\"iteration\":1,\"stage_ranges\":[[0,2],[3,4]]}", ":1: 'stage_ranges' holds [3,4]"},
+      {trace_head + "3}", ":1: 'loads' is not an array"},
+      {trace_head + "[{\"forward_ms\":\"x\"}]}", ":1: a stage load's 'forward_ms'"},
+      {"{\"iteration\":1,\"source\":\"fulcrum_sim\",\"scenario\":1}", ":1: a fulcrum_sim line"},
+      {"{\"iteration\":1,\"note\":\"nothing to draw\"}", ":1: neither a metrics line"},
+      {"[1,2,3]", ":1: not a JSON object"},
+      {"", " holds no lines to draw"},
+  };
+  int k = 0;
+  for (const auto& [line, message] : cases) {
+    const std::string input = Temp("bad" + std::to_string(k) + ".jsonl");
+    const std::string svg = Temp("bad" + std::to_string(k++) + ".svg");
+    std::ofstream(input) << line << (line.empty() ? "" : "\n");
+    std::remove(svg.c_str());
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(kPlot + " " + input + " -o " + svg, &output), 2) << line << "\n" << output;
+    EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << output;
+    EXPECT_NE(output.find(input + message), std::string::npos) << line << "\n" << output;
+    EXPECT_FALSE(std::ifstream(svg).good()) << line;
+  }
+}
+
+TEST(PlotTest, NeverWritesOntoAnInputNorOverAGoodSvgOnFailure) {
+  const std::string metrics = Temp("input.jsonl");
+  std::ofstream(metrics) << "{\"iteration\":1,\"loss\":2.5}\n";
+  const std::string before = Slurp(metrics);
+  std::string output;
+  const std::string dir = metrics.substr(0, metrics.rfind('/'));
+  for (const std::string& o : {metrics, dir + "/./" + metrics.substr(metrics.rfind('/') + 1)}) {
+    EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + o, &output), 2) << output;
+    EXPECT_NE(output.find("refusing to overwrite"), std::string::npos) << output;
+  }
+  EXPECT_EQ(Slurp(metrics), before);
+  // Nor onto the temporary file the atomic write starts with (-o OUT writes OUT.tmp first).
+  const std::string tmp_input = Temp("picture.svg.tmp");
+  std::ofstream(tmp_input) << "{\"iteration\":1,\"loss\":2.5}\n";
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + tmp_input + " -o " + Temp("picture.svg"), &output), 2);
+  EXPECT_NE(output.find("refusing to overwrite"), std::string::npos) << output;
+  EXPECT_EQ(Slurp(tmp_input), "{\"iteration\":1,\"loss\":2.5}\n");
+
+  const std::string svg = Temp("kept.svg"), broken = Temp("broken.jsonl");
+  std::ofstream(svg) << "<svg>the previous picture</svg>\n";
+  std::ofstream(broken) << "{\"iteration\":1,\"loss\":2.5}\n{\"iteration\":2,\"loss\":[]}\n";
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " " + broken + " -o " + svg, &output), 2);
+  EXPECT_EQ(Slurp(svg), "<svg>the previous picture</svg>\n");
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + Temp("no/such/dir.svg"), &output), 2);
+  EXPECT_NE(output.find("does not exist"), std::string::npos) << output;
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + dir, &output), 2);
+  EXPECT_NE(output.find("is a directory"), std::string::npos) << output;
 }
 
 }  // namespace

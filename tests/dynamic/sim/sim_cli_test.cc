@@ -1,15 +1,53 @@
 // fulcrum_sim through its binary: --case=all prints the six-case table (early exit and MoE
-// from the measured behaviour built in), every figure labelled simulated; bad flags exit 2
-// naming the value.
+// from the measured behaviour built in), every figure labelled simulated; bad flags and bad
+// traces exit 2 with one line naming the value, before any work; --output is written only
+// by a run that succeeded, and never onto an input.
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "gtest/gtest.h"
+#include "tests/dynamic/sim/hand_trace.h"
 #include "tests/run_command.h"
 
 namespace fulcrum {
 namespace {
 
 const std::string kSim = std::string(FULCRUM_BIN_DIR) + "/fulcrum_sim";
+
+std::string Temp(const std::string& name) {
+  return ::testing::TempDir() + "/sim_cli_" + std::to_string(::getpid()) + "_" + name;
+}
+
+// Writes `lines` (a trace of hand-written lines) to a temporary file; returns its path.
+std::string WriteTrace(const std::string& name, const std::vector<nlohmann::json>& lines) {
+  const std::string path = Temp(name);
+  std::ofstream out(path);
+  for (const nlohmann::json& line : lines) out << line.dump() << "\n";
+  return path;
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Exit code 2 and exactly one line of output, which contains `expected`.
+void ExpectRefusedInOneLine(const std::string& args, const std::string& expected) {
+  std::string output;
+  EXPECT_EQ(testing::RunCommand(kSim + " " + args, &output), 2) << args << "\n" << output;
+  EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << args << "\n" << output;
+  EXPECT_NE(output.find(expected), std::string::npos) << args << "\n" << output;
+}
 
 TEST(SimCliTest, CaseAllPrintsTheSixCaseTable) {
   std::string output;
@@ -36,6 +74,103 @@ TEST(SimCliTest, BadFlagsExitTwoNamingTheValue) {
   EXPECT_NE(output.find("/nonexistent/trace.jsonl"), std::string::npos) << output;
   EXPECT_EQ(testing::RunCommand(kSim + " --case=moe --strategies=fastest", &output), 2);
   EXPECT_NE(output.find("fastest"), std::string::npos) << output;
+}
+
+// Traces that crashed the simulator (an uncaught JSON exception, or per-layer vectors indexed
+// past their end) and measurements it accepted although no run can produce them.
+TEST(SimCliTest, BadTracesExitTwoInOneLineNamingTheLine) {
+  const std::vector<std::pair<std::function<void(nlohmann::json*)>, std::string>> cases = {
+      {[](nlohmann::json* j) { j->erase("ran_on"); }, ":2: no 'ran_on'"},
+      {[](nlohmann::json* j) {
+         for (const char* f : {"layer_forward_ms", "layer_backward_ms", "layer_weight_ms"}) {
+           (*j)["loads"][1][f] = nlohmann::json::array();
+         }
+       },
+       ":2: stage 1's load has 0 layer_forward_ms"},
+      {[](nlohmann::json* j) { (*j)["ran_on"] = {{0, 1}, {1, 5}}; }, ":2: 'ran_on' is not a placement"},
+      {[](nlohmann::json* j) { (*j)["loads"] = {{{"stage", "zero"}}}; }, ":2: load trace:"},
+      {[](nlohmann::json* j) { (*j)["measured"]["pipeline_ms"] = -30.0; }, ":2: measured pipeline_ms = -30"},
+      {[](nlohmann::json* j) { (*j)["measured"]["iteration_ms"] = -33.0; }, ":2: measured iteration_ms = -33"},
+      {[](nlohmann::json* j) { (*j)["schedule"] = "gpipe"; }, "schedule 'gpipe'"},
+  };
+  int k = 0;
+  for (const auto& [edit, message] : cases) {
+    nlohmann::json second = dynamic::HandTraceLine(2);
+    edit(&second);
+    if (second["schedule"] == "gpipe") {  // One schedule per trace: both lines.
+      nlohmann::json first = dynamic::HandTraceLine(1);
+      first["schedule"] = "gpipe";
+      ExpectRefusedInOneLine("--trace=" + WriteTrace("bad" + std::to_string(k++), {first, second}),
+                             message);
+      continue;
+    }
+    const std::string path = WriteTrace("bad" + std::to_string(k++), {dynamic::HandTraceLine(1), second});
+    ExpectRefusedInOneLine("--trace=" + path, path + message);
+  }
+}
+
+TEST(SimCliTest, NumericFlagsOutOfRangeExitTwoInOneLine) {
+  const std::string trace = "--trace=" + WriteTrace("flags", {dynamic::HandTraceLine(1)});
+  for (const std::string flag :
+       {"--p2p_bandwidth_gbps=0", "--p2p_bandwidth_gbps=-1", "--p2p_bandwidth_gbps=nan",
+        "--migration_bandwidth_gbps=0", "--p2p_latency_us=-1", "--migration_latency_us=inf",
+        "--p2p_bytes=-2", "--stages=-1", "--microbatches=-4", "--repack_slack=-0.5",
+        "--rebalance_min_gain=nan", "--rebalance_interval=0", "--rebalance_window=0",
+        "--scale_layers=-48", "--iterations=2"}) {
+    ExpectRefusedInOneLine(trace + " " + flag, flag.substr(0, flag.find('=')));
+  }
+  ExpectRefusedInOneLine("--case=moe --device_tflops=0", "--device_tflops=0");
+  ExpectRefusedInOneLine("--case=moe --vocab=-1", "--vocab=-1");
+  ExpectRefusedInOneLine(trace + " --stages=5", "3 layers cannot fill 5 stages");
+  ExpectRefusedInOneLine("--case=pruning --stages=1000", "cannot fill 1000 stages");
+}
+
+TEST(SimCliTest, MetricsWithAStringForACountExitTwo) {
+  const std::string moe = Temp("moe.jsonl"), exits = Temp("exits.jsonl");
+  std::ofstream(moe) << "{\"iteration\":1,\"expert_tokens\":{\"layers.0\":[\"many\",2]}}\n";
+  std::ofstream(exits) << "{\"iteration\":1,\"early_exit_tokens\":{\"layers.0\":[\"x\",2,0]}}\n";
+  ExpectRefusedInOneLine("--case=moe --moe_metrics=" + moe, moe + ":1: expert_tokens");
+  ExpectRefusedInOneLine("--case=early_exit --early_exit_metrics=" + exits, exits + ":1: early_exit_tokens");
+}
+
+TEST(SimCliTest, OutputIsNeverAnInput) {
+  const std::string trace = WriteTrace("input.jsonl", {dynamic::HandTraceLine(1), dynamic::HandTraceLine(2)});
+  const std::string before = Slurp(trace);
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + trace, "refusing to overwrite");
+  // Another spelling of the same file.
+  const std::string dir = trace.substr(0, trace.rfind('/'));
+  const std::string other = dir + "/./" + trace.substr(trace.rfind('/') + 1);
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + other, "refusing to overwrite");
+  EXPECT_EQ(Slurp(trace), before);
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + Temp("no/such/dir/out.jsonl"),
+                         "does not exist");
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + dir, "is a directory");
+}
+
+TEST(SimCliTest, OutputOnlyFromARunThatSucceeded) {
+  const std::string out = Temp("out.jsonl");
+  std::ofstream(out) << "the previous run's results\n";
+  nlohmann::json broken = dynamic::HandTraceLine(1);
+  broken.erase("decision");
+  ExpectRefusedInOneLine("--trace=" + WriteTrace("broken", {broken}) + " --output=" + out,
+                         "no 'decision'");
+  EXPECT_EQ(Slurp(out), "the previous run's results\n");
+  EXPECT_FALSE(std::ifstream(out + ".tmp").good());
+
+  const std::string trace = WriteTrace("good", {dynamic::HandTraceLine(1), dynamic::HandTraceLine(2)});
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kSim + " --trace=" + trace + " --strategies=uniform,partition-time "
+                                "--output=" + out, &output), 0) << output;
+  std::istringstream lines(Slurp(out));
+  std::string line;
+  int count = 0;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j.at("source"), "fulcrum_sim");
+    ++count;
+  }
+  EXPECT_EQ(count, 4);  // Two strategies × two iterations.
+  EXPECT_FALSE(std::ifstream(out + ".tmp").good());
 }
 
 }  // namespace

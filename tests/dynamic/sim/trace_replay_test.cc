@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 
 #include "gtest/gtest.h"
 #include "pipeline/load_trace.h"
+#include "tests/dynamic/sim/hand_trace.h"
 #include "tests/run_command.h"
 
 namespace fulcrum::dynamic {
@@ -22,49 +24,6 @@ namespace {
 
 std::string TempPath(const std::string& name) {
   return ::testing::TempDir() + "/" + name + "_" + std::to_string(::getpid());
-}
-
-// Stage 0 holds layers [0,1), stage 1 [1,3); m = 2; per-layer F/B/W summed over the
-// micro-batches; stage 0's totals carry 2 ms of embedding forward, stage 1's 6 ms of head
-// forward and 4 ms of head backward.
-nlohmann::json Line(int64_t iteration, const std::string& ranges = "[[0,1],[1,3]]") {
-  pipeline::StageLoad a;
-  a.stage = 0;
-  a.layer_begin = 0;
-  a.layer_end = 1;
-  a.layer_forward_ms = {4};
-  a.layer_backward_ms = {8};
-  a.layer_weight_ms = {6};
-  a.layer_parameters = {100};
-  a.layer_state_bytes = {1600};
-  a.layer_block_load = {0};
-  a.forward_ms = 6;
-  a.backward_ms = 8;
-  a.weight_ms = 6;
-  a.pinned_parameters = 50;
-  pipeline::StageLoad b;
-  b.stage = 1;
-  b.layer_begin = 1;
-  b.layer_end = 3;
-  b.layer_forward_ms = {2, 4};
-  b.layer_backward_ms = {4, 8};
-  b.layer_weight_ms = {2, 4};
-  b.layer_parameters = {100, 100};
-  b.layer_state_bytes = {1600, 1600};
-  b.layer_block_load = {0, 7};
-  b.forward_ms = 12;
-  b.backward_ms = 16;
-  b.weight_ms = 6;
-  b.pinned_parameters = 60;
-  return {{"iteration", iteration},
-          {"plan_iteration", iteration + 1},
-          {"schedule", "zbh1"},
-          {"microbatches", 2},
-          {"rebalancer", "partition"},
-          {"ran_on", nlohmann::json::parse(ranges)},
-          {"loads", {pipeline::StageLoadToJson(a), pipeline::StageLoadToJson(b)}},
-          {"decision", nlohmann::json::parse(ranges)},
-          {"measured", {{"pipeline_ms", 30.0}, {"bubble_ratio", 0.25}, {"iteration_ms", 33.0}}}};
 }
 
 std::string Write(const std::string& name, const std::vector<nlohmann::json>& lines) {
@@ -75,7 +34,7 @@ std::string Write(const std::string& name, const std::vector<nlohmann::json>& li
 }
 
 TEST(TraceReplayTest, CostsAndPinnedTimesFromAHandWrittenTrace) {
-  absl::StatusOr<LoadTrace> trace = ReadLoadTrace(Write("hand", {Line(1), Line(2)}));
+  absl::StatusOr<LoadTrace> trace = ReadLoadTrace(Write("hand", {HandTraceLine(1), HandTraceLine(2)}));
   ASSERT_TRUE(trace.ok()) << trace.status();
   ASSERT_EQ(trace->lines.size(), 2u);
   EXPECT_EQ(trace->num_stages(), 2);
@@ -112,11 +71,11 @@ TEST(TraceReplayTest, CostsAndPinnedTimesFromAHandWrittenTrace) {
 }
 
 TEST(TraceReplayTest, RefusesBadTracesNamingTheLine) {
-  absl::StatusOr<LoadTrace> gap = ReadLoadTrace(Write("gap", {Line(1), Line(3)}));
+  absl::StatusOr<LoadTrace> gap = ReadLoadTrace(Write("gap", {HandTraceLine(1), HandTraceLine(3)}));
   ASSERT_FALSE(gap.ok());
   EXPECT_NE(std::string(gap.status().message()).find(":2: iteration 3 after 1"), std::string::npos)
       << gap.status();
-  nlohmann::json broken = Line(1);
+  nlohmann::json broken = HandTraceLine(1);
   broken["loads"][1].erase("layer_weight_ms");
   absl::StatusOr<LoadTrace> missing = ReadLoadTrace(Write("missing", {broken}));
   ASSERT_FALSE(missing.ok());
@@ -125,8 +84,65 @@ TEST(TraceReplayTest, RefusesBadTracesNamingTheLine) {
   EXPECT_EQ(ReadLoadTrace(TempPath("absent")).status().code(), absl::StatusCode::kNotFound);
 }
 
+// Each malformed line is refused, naming the line and what is wrong, instead of reaching
+// CostsFromTraceLine (which indexes the per-layer vectors by the ranges) or an uncaught
+// JSON exception.
+TEST(TraceReplayTest, ParseRefusesMalformedLinesNamingThem) {
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json*)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"no ran_on", [](nlohmann::json* j) { j->erase("ran_on"); }, "no 'ran_on'"},
+      {"no decision", [](nlohmann::json* j) { j->erase("decision"); }, "no 'decision'"},
+      {"empty per-layer times",
+       [](nlohmann::json* j) { (*j)["loads"][1]["layer_forward_ms"] = nlohmann::json::array(); },
+       "0 layer_forward_ms"},
+      {"ran_on past the layers", [](nlohmann::json* j) { (*j)["ran_on"][1][1] = 5; },
+       "'ran_on' is not a placement"},
+      {"decision past the layers", [](nlohmann::json* j) { (*j)["decision"][1][1] = 9; },
+       "'decision' is not a placement"},
+      {"ran_on of one stage", [](nlohmann::json* j) { (*j)["ran_on"] = {{0, 3}}; },
+       "'ran_on' is not a placement"},
+      {"loads not an array", [](nlohmann::json* j) { (*j)["loads"] = "x"; }, "'loads'"},
+      {"a load not an object", [](nlohmann::json* j) { (*j)["loads"][0] = 3; }, "not an object"},
+      {"a string time", [](nlohmann::json* j) { (*j)["loads"][0]["forward_ms"] = "6"; },
+       "forward_ms"},
+      {"block loads of another length",
+       [](nlohmann::json* j) { (*j)["loads"][1]["layer_block_load"] = {1}; }, "layer_block_load"},
+      {"negative pipeline time", [](nlohmann::json* j) { (*j)["measured"]["pipeline_ms"] = -5; },
+       "pipeline_ms = -5"},
+      {"negative iteration time", [](nlohmann::json* j) { (*j)["measured"]["iteration_ms"] = -1; },
+       "iteration_ms = -1"},
+      {"negative stage time", [](nlohmann::json* j) { (*j)["measured"]["stage_ms"] = {3, -2}; },
+       "stage_ms = -2"},
+      {"bubble above 1", [](nlohmann::json* j) { (*j)["measured"]["bubble_ratio"] = 1.5; },
+       "bubble_ratio = 1.5"},
+      {"measured not an object", [](nlohmann::json* j) { (*j)["measured"] = 3; }, "'measured'"},
+      {"no micro-batches", [](nlohmann::json* j) { (*j)["microbatches"] = 0; }, "microbatches = 0"},
+      {"iteration 0", [](nlohmann::json* j) { (*j)["iteration"] = 0; }, "iteration 0"},
+      {"a string iteration", [](nlohmann::json* j) { (*j)["iteration"] = "1"; }, "number"},
+      {"an array", [](nlohmann::json* j) { *j = {1, 2}; }, "not a JSON object"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json line = HandTraceLine(2);
+    c.edit(&line);
+    const std::string text = HandTraceLine(1).dump() + "\n" + line.dump() + "\n";
+    absl::StatusOr<LoadTrace> trace = ParseLoadTrace(text, "t.jsonl");
+    ASSERT_FALSE(trace.ok()) << c.what;
+    EXPECT_EQ(trace.status().code(), absl::StatusCode::kInvalidArgument) << c.what;
+    const std::string message(trace.status().message());
+    EXPECT_EQ(message.rfind("t.jsonl:2: ", 0), 0u) << c.what << ": " << message;
+    EXPECT_NE(message.find(c.message), std::string::npos) << c.what << ": " << message;
+  }
+  // The unbroken text parses; blank lines are skipped; no lines at all is an error.
+  EXPECT_TRUE(ParseLoadTrace(HandTraceLine(1).dump() + "\n\n" + HandTraceLine(2).dump(), "t").ok());
+  EXPECT_FALSE(ParseLoadTrace("\n  \n", "t").ok());
+}
+
 TEST(TraceReplayTest, ScalingFollowsTheFlopModel) {
-  absl::StatusOr<LoadTrace> trace = ReadLoadTrace(Write("scale", {Line(1)}));
+  absl::StatusOr<LoadTrace> trace = ReadLoadTrace(Write("scale", {HandTraceLine(1)}));
   ASSERT_TRUE(trace.ok()) << trace.status();
   const IterationCosts c = CostsFromTraceLine(trace->lines[0]);
   // 3 layers of hidden 128, seq 256 -> 6 layers of hidden 256: per-token layer FLOPs

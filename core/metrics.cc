@@ -63,7 +63,9 @@ Scalars TensorBoardScalars(const nlohmann::json& record) {
       } else {
         out.emplace_back(renamed->second.first, value.get<double>() * renamed->second.second);
       }
-      if (field == "valid_loss") out.emplace_back("lm loss validation ppl", std::exp(value.get<double>()));
+      if (field == "valid_loss") {
+        out.emplace_back("lm loss validation ppl", std::exp(value.get<double>()));
+      }
     } else if (value.is_array()) {
       const auto per_stage = kPerStage.find(field);
       for (size_t i = 0; i < value.size(); ++i) {

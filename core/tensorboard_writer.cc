@@ -45,10 +45,14 @@ void PutVarint(std::string* out, uint64_t value) {
 
 template <typename T>
 void PutLittleEndian(std::string* out, T value) {
-  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    out->push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
+  }
 }
 
-void PutKey(std::string* out, uint32_t field, WireType type) { PutVarint(out, (field << 3) | type); }
+void PutKey(std::string* out, uint32_t field, WireType type) {
+  PutVarint(out, (field << 3) | type);
+}
 
 void PutBytes(std::string* out, uint32_t field, std::string_view bytes) {
   PutKey(out, field, kLengthDelimited);

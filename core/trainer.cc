@@ -660,7 +660,8 @@ absl::Status Trainer::Run() {
     }
     if (metrics_) FULCRUM_RETURN_IF_ERROR(metrics_->Write(record));
     if (tensorboard_) {
-      FULCRUM_RETURN_IF_ERROR(tensorboard_->WriteScalars(stats.iteration, TensorBoardScalars(record)));
+      FULCRUM_RETURN_IF_ERROR(
+          tensorboard_->WriteScalars(stats.iteration, TensorBoardScalars(record)));
     }
     if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
         load_trace_ && pipeline != nullptr) {

@@ -355,7 +355,8 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   bubble_ratio_max_ = all.select(1, 0).max().item<double>();
   bubble_ratio_in_run_ = all.select(1, 1).mean().item<double>();
   const at::Tensor bubbles = all.select(1, 0).contiguous();
-  stage_bubble_ratio_.assign(bubbles.data_ptr<double>(), bubbles.data_ptr<double>() + bubbles.numel());
+  stage_bubble_ratio_.assign(bubbles.data_ptr<double>(),
+                             bubbles.data_ptr<double>() + bubbles.numel());
   const at::Tensor compute = all.select(1, 2).contiguous();
   stage_ms_.assign(compute.data_ptr<double>(), compute.data_ptr<double>() + compute.numel());
   // NOTE [imbalance measurement]: the iteration after moves says what they achieved.

@@ -43,7 +43,8 @@ std::vector<std::string> ReadRecords(const std::string& file) {
   while (at + 12 <= file.size()) {
     uint64_t length;
     std::memcpy(&length, file.data() + at, 8);
-    if (ReadU32(file, at + 8) != tensorboard::MaskCrc(tensorboard::Crc32c(file.substr(at, 8)))) break;
+    const uint32_t length_crc = tensorboard::MaskCrc(tensorboard::Crc32c(file.substr(at, 8)));
+    if (ReadU32(file, at + 8) != length_crc) break;
     if (at + 12 + length + 4 > file.size()) break;
     const std::string data = file.substr(at + 12, length);
     if (ReadU32(file, at + 12 + length) != tensorboard::MaskCrc(tensorboard::Crc32c(data))) break;
@@ -128,8 +129,10 @@ TEST(TensorBoardWriterTest, AWriterThatDiesHalfwayLeavesEveryWholeEvent) {
   const std::string dir = testing::MakeTempDir("tb_fault");
   testing_util::FaultInjectionFileSystem fs(DefaultFileSystem());
   const size_t version = tensorboard::FrameRecord(tensorboard::FileVersionEvent(0)).size();
-  const size_t scalars = tensorboard::FrameRecord(tensorboard::ScalarsEvent(0, 1, {{"x", 1}})).size();
-  fs.FaultAfterBytes(version + 2 * scalars + scalars / 2, testing_util::FaultInjectionFileSystem::Action::kFail);
+  const size_t scalars =
+      tensorboard::FrameRecord(tensorboard::ScalarsEvent(0, 1, {{"x", 1}})).size();
+  fs.FaultAfterBytes(version + 2 * scalars + scalars / 2,
+                     testing_util::FaultInjectionFileSystem::Action::kFail);
   auto writer = TensorBoardWriter::Open(&fs, dir);
   ASSERT_TRUE(writer.ok()) << writer.status();
   EXPECT_TRUE((*writer)->WriteScalars(1, {{"x", 1}}).ok());

@@ -107,7 +107,8 @@ def check_files(logdir, problems):
             reference = io.BytesIO()
             RecordWriter(reference).write(payload)
             if reference.getvalue() != framed:
-                problems.append(f"{name}: record {index} is framed unlike TensorBoard's RecordWriter")
+                problems.append(
+                    f"{name}: record {index} is framed unlike TensorBoard's RecordWriter")
             event = event_pb2.Event.FromString(payload)
             if event.SerializeToString(deterministic=True) != payload:
                 problems.append(f"{name}: record {index} is not protobuf's own encoding of {event}")
@@ -147,7 +148,8 @@ def main():
         got = [(e.step, e.value) for e in accumulator.Scalars(tag)]
         want = expected[tag]
         if [s for s, _ in got] != [s for s, _ in want]:
-            problems.append(f"{tag!r}: steps {[s for s, _ in got]}, expected {[s for s, _ in want]}")
+            problems.append(
+                f"{tag!r}: steps {[s for s, _ in got]}, expected {[s for s, _ in want]}")
             continue
         for (step, value), (_, reference) in zip(got, want):
             # simple_value is a float32: the stored value is the reference rounded to float32.

@@ -86,6 +86,9 @@ struct TrainOptions {
   /// Default: none. JSON lines of each iteration's measured per-layer F/B/W, plugin loads
   /// and placement (pipeline/load_trace.h), for fulcrum_sim --trace.
   std::string load_trace;
+  /// Default: none. A directory for TensorBoard event files: the metrics record's scalars
+  /// each iteration (core/metrics.h, TensorBoardScalars), one new file per run.
+  std::string tensorboard_dir;
   /// Default: false. Resume from a checkpoint that trained on other data (another
   /// --data_path, --split or --seed) instead of refusing (NOTE [resume checks]).
   bool allow_data_change = false;

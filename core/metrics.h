@@ -3,6 +3,8 @@
 //   iteration, loss, lr, grad_norm, tokens_per_second, iteration_ms, consumed_samples,
 //   and valid_loss on iterations that evaluated. Only one process of a job writes it.
 //
+// TensorBoardScalars turns the same record into TensorBoard scalars (--tensorboard_dir).
+//
 // Not thread-safe.
 #pragma once
 
@@ -13,6 +15,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "absl/status/statusor.h"
+#include "core/tensorboard_writer.h"
 
 namespace fulcrum {
 
@@ -33,5 +36,17 @@ class MetricsWriter {
   std::string path_;
   std::FILE* file_;
 };
+
+/// The scalars of one metrics record, for TensorBoard, the record's iteration being the
+/// step. Megatron's tags where Megatron has the figure: "lm loss", "learning-rate",
+/// "grad-norm", "iteration-time" (seconds), "lm loss validation" and "lm loss validation
+/// ppl"; "tokens-per-second", "consumed-samples". The pipeline runner's figures under
+/// "pipeline/": "bubble-ratio", "bubble-ratio-max", "bubble-ratio-in-run", "imbalance",
+/// "pipeline-ms", "activation-peak-mb", "layers-moved", and each stage's
+/// "stage<i>-load-ms" (stage_ms) and "stage<i>-bubble-ratio" (stage_bubble_ratio). Every
+/// other number keeps its field name (a plugin's "moe_aux_loss"), a list of numbers gives
+/// "<field>/<i>" and an object of numbers "<field>/<key>" (layer_loads/layers.3);
+/// anything else (stage_ranges) is left out.
+Scalars TensorBoardScalars(const nlohmann::json& record);
 
 }  // namespace fulcrum

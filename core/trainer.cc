@@ -150,6 +150,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   if (!config.train.load_trace.empty() && trainer->is_logging_rank()) {
     FULCRUM_ASSIGN_OR_RETURN(trainer->load_trace_, MetricsWriter::Open(config.train.load_trace));
   }
+  if (!config.train.tensorboard_dir.empty() && trainer->is_logging_rank()) {
+    FULCRUM_ASSIGN_OR_RETURN(trainer->tensorboard_,
+                             TensorBoardWriter::Open(fs, config.train.tensorboard_dir));
+  }
   trainer->model_ = std::make_unique<GptModel>(
       config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
       parallel ? parallel->tensor_parallel() : nullptr, trainer->plugins_);
@@ -541,11 +545,17 @@ absl::Status Trainer::ChangeLayout(
   parallel_ = parallel;
   // The metrics file and the load trace follow the logging rank (the last stage's), which
   // may have changed; both are opened for appending, so the new writer goes on after the
-  // old one's last line.
+  // old one's last line. A new logging rank starts a new TensorBoard file, which sorts
+  // after the old one (NOTE [tensorboard resume]).
   if (!is_logging_rank()) {
     metrics_.reset();
     load_trace_.reset();
+    tensorboard_.reset();
   } else {
+    if (!tensorboard_ && !config_.train.tensorboard_dir.empty()) {
+      FULCRUM_ASSIGN_OR_RETURN(tensorboard_,
+                               TensorBoardWriter::Open(fs_, config_.train.tensorboard_dir));
+    }
     if (!metrics_ && !config_.train.metrics_file.empty()) {
       FULCRUM_ASSIGN_OR_RETURN(metrics_, MetricsWriter::Open(config_.train.metrics_file));
     }
@@ -581,6 +591,8 @@ absl::Status Trainer::Run() {
                       << "; " << tokens_per_iteration << " tokens per iteration; "
                       << train_data_->samples_per_epoch() << " samples per epoch";
   }
+  // NOTE [tensorboard resume]: steps from here on replace those of earlier files.
+  if (tensorboard_) FULCRUM_RETURN_IF_ERROR(tensorboard_->WriteStart(iteration_ + 1));
   const auto run_start = Clock::now();
   const int64_t first_iteration = iteration_;
   stopped_ = false;
@@ -647,6 +659,10 @@ absl::Status Trainer::Run() {
       record["valid_loss"] = valid_loss;
     }
     if (metrics_) FULCRUM_RETURN_IF_ERROR(metrics_->Write(record));
+    if (tensorboard_) {
+      FULCRUM_RETURN_IF_ERROR(
+          tensorboard_->WriteScalars(stats.iteration, TensorBoardScalars(record)));
+    }
     if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
         load_trace_ && pipeline != nullptr) {
       // The runner's line describes the iteration before this one (its measurement is what

@@ -30,6 +30,7 @@
 #include "core/optimizer.h"
 #include "core/parallel_context.h"
 #include "core/plugin.h"
+#include "core/tensorboard_writer.h"
 
 namespace fulcrum {
 
@@ -173,6 +174,7 @@ class Trainer {
   std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.
   std::unique_ptr<MetricsWriter> metrics_;
   std::unique_ptr<MetricsWriter> load_trace_;  // --load_trace; logging rank only.
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // --tensorboard_dir; logging rank only.
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
   std::shared_ptr<PluginSet> plugins_;  // Never null; may be empty.

@@ -354,6 +354,9 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   bubble_ratio_ = all.select(1, 0).mean().item<double>();
   bubble_ratio_max_ = all.select(1, 0).max().item<double>();
   bubble_ratio_in_run_ = all.select(1, 1).mean().item<double>();
+  const at::Tensor bubbles = all.select(1, 0).contiguous();
+  stage_bubble_ratio_.assign(bubbles.data_ptr<double>(),
+                             bubbles.data_ptr<double>() + bubbles.numel());
   const at::Tensor compute = all.select(1, 2).contiguous();
   stage_ms_.assign(compute.data_ptr<double>(), compute.data_ptr<double>() + compute.numel());
   // NOTE [imbalance measurement]: the iteration after moves says what they achieved.
@@ -382,6 +385,7 @@ void PipelineRunner::Metrics(nlohmann::json* record, std::string* log_line) cons
   r["bubble_ratio"] = bubble_ratio_;
   r["bubble_ratio_max"] = bubble_ratio_max_;
   r["bubble_ratio_in_run"] = bubble_ratio_in_run_;
+  r["stage_bubble_ratio"] = stage_bubble_ratio_;
   r["pipeline_ms"] = span_ms_;
   r["activation_peak_mb"] = static_cast<double>(last_run_.peak_activation_bytes) / (1 << 20);
   r["imbalance"] = Imbalance(stage_ms_);

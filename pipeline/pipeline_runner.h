@@ -21,8 +21,9 @@
 // simulator's SimulationResult::BubbleRatio. bubble_ratio_in_run leaves the tail wait out
 // (the measure before this note, kept for comparison): a stage that finishes early, as the
 // last stages of 1F1B do, shows no bubble there although it idles until the step. Metrics:
-// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run (mean), and this
-// stage's pipeline_ms (run + tail wait) and activation_peak_mb.
+// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run (mean),
+// stage_bubble_ratio (every stage's bubble_ratio), and this stage's pipeline_ms (run + tail
+// wait) and activation_peak_mb.
 //
 // Not thread-safe.
 #pragma once
@@ -71,8 +72,9 @@ class PipelineRunner final : public ForwardBackwardRunner {
                                                  double loss_scale) override;
   absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& stage,
                                                       const MicroBatchPlan& plan) override;
-  /// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run, pipeline_ms and
-  /// activation_peak_mb (this stage), imbalance (NOTE [imbalance measurement]),
+  /// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run,
+  /// stage_bubble_ratio (every stage's), pipeline_ms and activation_peak_mb (this stage),
+  /// imbalance (NOTE [imbalance measurement]),
   /// stage_ms (every stage's load), layers_moved (so far), stage_ranges (after the
   /// iteration's moves), and the rebalancer's own figures.
   void Metrics(nlohmann::json* record, std::string* log_line) const override;
@@ -138,6 +140,7 @@ class PipelineRunner final : public ForwardBackwardRunner {
   // Measured per iteration (NOTE [imbalance measurement]).
   std::vector<double> stage_ms_;
   double bubble_ratio_ = 0, bubble_ratio_max_ = 0, bubble_ratio_in_run_ = 0;
+  std::vector<double> stage_bubble_ratio_;
   double span_ms_ = 0;
   // The iteration before the last moves: what the next one is compared with in the log.
   double bottleneck_before_moves_ms_ = 0;

@@ -131,6 +131,10 @@ DEFINE_string(metrics_file, "", "Append one JSON object per iteration to this fi
 DEFINE_string(load_trace, "",
               "Append each iteration's measured per-layer F/B/W times, plugin loads and "
               "placement to this file (JSON lines; pipeline runs) for fulcrum_sim --trace.");
+DEFINE_string(tensorboard_dir, "",
+              "Write TensorBoard event files into this directory (created if missing): each "
+              "iteration's loss, learning rate, grad norm, throughput, validation loss and, "
+              "for pipeline runs, every stage's load and bubble. A resumed run adds a new file.");
 
 namespace fulcrum {
 namespace {
@@ -199,7 +203,7 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
       {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change"}},
-      {"Logging", {"log_interval", "metrics_file", "load_trace", "timeline"}},
+      {"Logging", {"log_interval", "metrics_file", "tensorboard_dir", "load_trace", "timeline"}},
   };
   spec.per_file_dir = "plugins";
   spec.per_file_title = "Plugins";
@@ -445,6 +449,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   t.load = FLAGS_load;
   t.metrics_file = FLAGS_metrics_file;
   t.load_trace = FLAGS_load_trace;
+  t.tensorboard_dir = FLAGS_tensorboard_dir;
   t.save_keep_last = FLAGS_save_keep_last;
   t.allow_data_change = FLAGS_allow_data_change;
   c.data_path = FLAGS_data_path;

@@ -19,6 +19,7 @@
 #include "core/logging.h"
 #include "core/malloc_tuning.h"
 #include "core/platform.h"
+#include "core/tensorboard_writer.h"
 #include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
@@ -155,9 +156,15 @@ int Run(int argc, char** argv) {
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
 
   // An unwritable --save would be found only at the first save, after the work it was
-  // meant to keep.
+  // meant to keep; --tensorboard_dir is checked on every rank, before the data is read.
   if (const std::string save = fulcrum::SavePathFlag(); !save.empty()) {
     if (absl::Status s = fulcrum::ckpt::CheckSaveDirWritable(fulcrum::DefaultFileSystem(), save);
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
+  if (const std::string& dir = early->train.tensorboard_dir; !dir.empty()) {
+    if (absl::Status s = fulcrum::CheckTensorBoardDirWritable(fulcrum::DefaultFileSystem(), dir);
         !s.ok()) {
       return Fail(s);
     }

@@ -10,6 +10,8 @@
 #    runs without a GPU), pip-installed into a virtual environment, $FULCRUM_VENV
 #    (default: .venv/ in the checkout, ignored by git; about 4.6 GB with the nvidia-* wheels).
 #    CMake finds it through torch.utils.cmake_prefix_path.
+#  - tensorboard (PyPI, pinned), into the same venv: the tests read fulcrum_train's
+#    --tensorboard_dir back with it (tests/recipes/tensorboard_check.py).
 #
 #   FULCRUM_BUILD_DIR   build directory (default: build)
 #   FULCRUM_CMAKE_ARGS  extra CMake arguments (e.g. -DFULCRUM_CUDA=OFF)
@@ -22,6 +24,7 @@ FULCRUM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FULCRUM_BUILD_DIR="${FULCRUM_BUILD_DIR:-$FULCRUM_ROOT/build}"
 FULCRUM_VENV="${FULCRUM_VENV:-$FULCRUM_ROOT/.venv}"
 FULCRUM_TORCH_VERSION=2.11.0
+FULCRUM_TENSORBOARD_VERSION=2.20.0
 
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
@@ -89,9 +92,23 @@ fulcrum_install_torch() {
   echo "fulcrum: torch installed in $((SECONDS - start)) s"
 }
 
+fulcrum_tensorboard_installed() {
+  "$FULCRUM_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$FULCRUM_TENSORBOARD_VERSION')" \
+    >/dev/null 2>&1
+}
+
+fulcrum_install_tensorboard() {
+  [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
+  fulcrum_tensorboard_installed && return 0
+  echo "fulcrum: installing tensorboard==$FULCRUM_TENSORBOARD_VERSION into $FULCRUM_VENV"
+  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "tensorboard==$FULCRUM_TENSORBOARD_VERSION"
+}
+
 fulcrum_install_packages() {
   fulcrum_install_debian_packages
   fulcrum_install_torch
+  fulcrum_install_tensorboard
 }
 
 # Where CMake finds LibTorch: $FULCRUM_TORCH_DIR, else the venv's torch.

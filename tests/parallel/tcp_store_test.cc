@@ -42,15 +42,20 @@ std::string Text(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
 }
 
-std::unique_ptr<StoreServer> StartLoopbackServer() {
-  auto server = StoreServer::Start("127.0.0.1", 0);
+// The limits of the tests' servers and clients: those of an 8-rank job.
+const store_protocol::Limits kLimits = store_protocol::Limits::ForWorld(8);
+
+std::unique_ptr<StoreServer> StartLoopbackServer(
+    const store_protocol::Limits& limits = kLimits) {
+  auto server = StoreServer::Start("127.0.0.1", 0, limits);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? std::move(server).value() : nullptr;
 }
 
 c10::intrusive_ptr<TcpStore> Client(const StoreServer& server,
-                                    milliseconds timeout = milliseconds(5000)) {
-  return TcpStore::Connect("127.0.0.1", server.port(), timeout);
+                                    milliseconds timeout = milliseconds(5000),
+                                    const store_protocol::Limits& limits = kLimits) {
+  return TcpStore::Connect("127.0.0.1", server.port(), timeout, limits);
 }
 
 // Runs `call`, expecting c10d::TimeoutError; returns how long it took and (in *message) why.
@@ -277,7 +282,7 @@ TEST(TcpStoreTest, ConcurrentAddsSumExactly) {
 
 TEST(TcpStoreTest, WithinBoundsTheCallsOfAStoppedServer) {
   SilentListener stopped;
-  auto store = TcpStore::Connect("127.0.0.1", stopped.port(), milliseconds(30000));
+  auto store = TcpStore::Connect("127.0.0.1", stopped.port(), milliseconds(30000), kLimits);
   c10d::Store& as_c10d = *store;
   std::string message;
   Clock::duration took =
@@ -293,7 +298,7 @@ TEST(TcpStoreTest, ConnectRetriesARefusedConnectionUntilItsTimeout) {
   const uint16_t port = UnusedPort();
   std::string message;
   const Clock::duration took =
-      TimeOut([&] { TcpStore::Connect("127.0.0.1", port, milliseconds(500)); }, &message);
+      TimeOut([&] { TcpStore::Connect("127.0.0.1", port, milliseconds(500), kLimits); }, &message);
   EXPECT_GE(took, milliseconds(450));
   EXPECT_LT(took, milliseconds(1500));
   EXPECT_THAT(message, HasSubstr("store at 127.0.0.1:" + std::to_string(port) +
@@ -303,11 +308,11 @@ TEST(TcpStoreTest, ConnectRetriesARefusedConnectionUntilItsTimeout) {
   std::unique_ptr<StoreServer> server;
   std::thread late([&] {
     std::this_thread::sleep_for(milliseconds(300));
-    auto started = StoreServer::Start("127.0.0.1", port);
+    auto started = StoreServer::Start("127.0.0.1", port, kLimits);
     ASSERT_TRUE(started.ok()) << started.status();
     server = std::move(started).value();
   });
-  auto store = TcpStore::Connect("127.0.0.1", port, milliseconds(5000));
+  auto store = TcpStore::Connect("127.0.0.1", port, milliseconds(5000), kLimits);
   late.join();
   ASSERT_NE(server, nullptr);
   EXPECT_EQ(store->add("n", 1), 1);
@@ -345,7 +350,7 @@ TEST(StoreServerTest, RefusesAnAddressThatIsNotThisHosts) {
     }
   }
   ASSERT_FALSE(foreign.empty()) << "this host has all three documentation addresses";
-  auto server = StoreServer::Start(foreign, 0);
+  auto server = StoreServer::Start(foreign, 0, kLimits);
   ASSERT_FALSE(server.ok());
   EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(server.status().message()),
@@ -367,7 +372,7 @@ TEST(StoreServerTest, RefusesAnAddressThatIsNotThisHosts) {
 
 TEST(StoreServerTest, PortInUseIsAClearError) {
   SilentListener other;
-  auto server = StoreServer::Start("127.0.0.1", other.port());
+  auto server = StoreServer::Start("127.0.0.1", other.port(), kLimits);
   ASSERT_FALSE(server.ok());
   EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(server.status().message()), HasSubstr("is MASTER_PORT already in use?"));
@@ -404,19 +409,19 @@ TEST(StoreServerTest, OnANonLoopbackAddressListensThereOnly) {
     if (candidate.rfind("127.", 0) != 0) address = candidate;
   }
   if (address.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address";
-  auto server = StoreServer::Start(address, 0);
+  auto server = StoreServer::Start(address, 0, kLimits);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_TRUE(CanConnect(address, (*server)->port()));
   EXPECT_FALSE(CanConnect("127.0.0.1", (*server)->port()));
   EXPECT_EQ(ListeningAddresses((*server)->port()).size(), 1u);
-  auto store = TcpStore::Connect(address, (*server)->port(), milliseconds(2000));
+  auto store = TcpStore::Connect(address, (*server)->port(), milliseconds(2000), kLimits);
   EXPECT_EQ(store->add("n", 2), 2);
 }
 
 TEST(StoreServerTest, ServesTheIpv6Loopback) {
-  auto server = StoreServer::Start("::1", 0);
+  auto server = StoreServer::Start("::1", 0, kLimits);
   if (!server.ok()) GTEST_SKIP() << "no IPv6 loopback here: " << server.status();
-  auto store = TcpStore::Connect("::1", (*server)->port(), milliseconds(2000));
+  auto store = TcpStore::Connect("::1", (*server)->port(), milliseconds(2000), kLimits);
   EXPECT_EQ(store->address(), "[::1]:" + std::to_string((*server)->port()));
   EXPECT_EQ(store->add("n", 7), 7);
   EXPECT_FALSE(CanConnect("127.0.0.1", (*server)->port()));

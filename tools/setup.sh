@@ -5,7 +5,7 @@
 #
 # Two sources:
 #  - Debian 12 packages (apt-get): the compiler, CMake, glog, gflags, abseil, GoogleTest,
-#    SentencePiece, nlohmann-json, xxhash, Gloo's headers, python3-venv.
+#    SentencePiece, nlohmann-json, xxhash, Gloo's headers, python3-venv, iproute2.
 #  - LibTorch 2.11.0: the one inside PyPI's torch==2.11.0 wheel (a CUDA 13.0 build that also
 #    runs without a GPU), pip-installed into a virtual environment, $FULCRUM_VENV
 #    (default: .venv/ in the checkout, ignored by git; about 4.6 GB with the nvidia-* wheels).
@@ -32,6 +32,9 @@ FULCRUM_PACKAGES=(
   libgoogle-glog-dev libgflags-dev libabsl-dev
   libgtest-dev libgmock-dev
   libsentencepiece-dev nlohmann-json3-dev libxxhash-dev zlib1g-dev
+  # The store's bind-address tests give themselves an address in a network namespace
+  # (unshare, from util-linux, and ip) when the machine has only loopback, as CI may.
+  iproute2
 )
 
 fulcrum_sudo() {

@@ -127,22 +127,24 @@ std::vector<std::string> NonLoopbackIpv4Addresses() {
   return others;
 }
 
-// The address RerunInANamespaceWithAnAddress gives the namespace (TEST-NET-2).
+// The address RerunInANamespace gives the namespace's loopback interface (TEST-NET-2).
 constexpr char kNamespaceAddress[] = "198.51.100.7";
 
-// For a test that needs an IPv4 address besides loopback on a host that has none (a CI
-// container with only `lo`): runs the current test again in a network namespace of its own
-// (util-linux's unshare) whose loopback interface also holds kNamespaceAddress (iproute2's
-// ip; a dummy interface would do too, but not every kernel has the module). That takes root,
-// which CI has: as root a failure to set it up fails the test; otherwise it is skipped.
-void RerunInANamespaceWithAnAddress() {
+// For a test whose addresses this host lacks (a CI container with only `lo`, or with IPv6
+// turned off, as Docker does): runs the current test again in a network namespace of its
+// own (util-linux's unshare), where `lo` is up with ::1 (when the kernel has IPv6) and also
+// holds kNamespaceAddress (iproute2's ip; a dummy interface would do too, but not every
+// kernel has the module). That takes root, which CI has: as root a failure to set it up
+// fails the test; otherwise it is skipped, saying why (`lacking`).
+void RerunInANamespace(const std::string& lacking) {
   if (std::getenv("FULCRUM_TEST_NETNS") != nullptr) {
-    ADD_FAILURE() << "the network namespace has no address besides loopback";
+    ADD_FAILURE() << "the network namespace made for this test has no " << lacking;
     return;
   }
   if (geteuid() != 0) {
-    GTEST_SKIP() << "this host has no IPv4 address besides loopback, and only root can make a "
-                    "network namespace with one (CI runs as root and does)";
+    GTEST_SKIP() << "this host has no " << lacking
+                 << ", and only root can make a network namespace with one (CI runs as root "
+                    "and does)";
   }
   const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
   char self[4096] = {};
@@ -431,7 +433,7 @@ TEST(StoreServerTest, ListensOnTheLoopbackAddressOnly) {
 TEST(StoreServerTest, IsNotReachableOnTheHostsOtherAddresses) {
   const std::vector<std::string> others = NonLoopbackIpv4Addresses();
   if (others.empty()) {
-    RerunInANamespaceWithAnAddress();
+    RerunInANamespace("IPv4 address besides loopback");
     return;
   }
   auto server = StartLoopbackServer();
@@ -446,7 +448,7 @@ TEST(StoreServerTest, IsNotReachableOnTheHostsOtherAddresses) {
 TEST(StoreServerTest, OnANonLoopbackAddressListensThereOnly) {
   const std::vector<std::string> others = NonLoopbackIpv4Addresses();
   if (others.empty()) {
-    RerunInANamespaceWithAnAddress();
+    RerunInANamespace("IPv4 address besides loopback");
     return;
   }
   const std::string address = others.back();
@@ -461,7 +463,13 @@ TEST(StoreServerTest, OnANonLoopbackAddressListensThereOnly) {
 
 TEST(StoreServerTest, ServesTheIpv6Loopback) {
   auto server = StoreServer::Start("::1", 0, kLimits);
-  if (!server.ok()) GTEST_SKIP() << "no IPv6 loopback here: " << server.status();
+  if (!server.ok()) {
+    if (access("/proc/net/if_inet6", F_OK) != 0) {
+      GTEST_SKIP() << "this kernel has no IPv6 (no /proc/net/if_inet6): " << server.status();
+    }
+    RerunInANamespace("IPv6 loopback address (" + server.status().ToString() + ")");
+    return;
+  }
   auto store = TcpStore::Connect("::1", (*server)->port(), milliseconds(2000), kLimits);
   EXPECT_EQ(store->address(), "[::1]:" + std::to_string((*server)->port()));
   EXPECT_EQ(store->add("n", 7), 7);

@@ -43,8 +43,9 @@ namespace fulcrum::parallel::internal {
 /// The server: a key-value map served to TcpStore clients from one thread (poll()). Requests
 /// that wait for keys (get, wait) are parked until another client sets them; a client that
 /// gives up closes its connection, which drops its parked request. A connection beyond
-/// `limits.max_connections`, a frame longer than `limits.max_frame_bytes()` or a request sent
-/// before the last one was answered is closed, and the server goes on serving the others.
+/// `limits.max_connections`, a frame longer than `limits.max_frame_bytes()` or more than a
+/// frame sent before the last request was answered is closed, and the server goes on
+/// serving the others.
 class StoreServer {
  public:
   /// Listens on the addresses `host` resolves to (not on every interface), port `port`

@@ -109,10 +109,13 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
 
   // Rank 0 hosts the server on MASTER_ADDR's interface only (NOTE [own store] in
   // internal/tcp_store.h) and is then a client like every other rank.
+  // Its keys, values and connections are bounded by what a job of this size needs (NOTE
+  // [store bounds] in internal/store_protocol.h).
+  const auto limits = internal::store_protocol::Limits::ForWorld(world.world_size);
   std::shared_ptr<internal::StoreServer> server;
   if (is_server) {
     absl::StatusOr<std::unique_ptr<internal::StoreServer>> started =
-        internal::StoreServer::Start(world.master_addr, port);
+        internal::StoreServer::Start(world.master_addr, port, limits);
     if (!started.ok()) {
       return absl::UnavailableError(absl::StrCat("rendezvous: rank 0 could not host the master at ",
                                                  where, ": ", started.status().message()));
@@ -121,7 +124,7 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const WorldInfo& wo
   }
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = internal::TcpStore::Connect(world.master_addr, port, timeout, std::move(server));
+    store = internal::TcpStore::Connect(world.master_addr, port, timeout, limits, std::move(server));
   } catch (const std::exception& e) {
     const std::string cause = internal::ExceptionMessage(e);
     if (is_server) {

@@ -5,7 +5,8 @@
 #
 # Two sources:
 #  - Debian 12 packages (apt-get): the compiler, CMake, glog, gflags, abseil, GoogleTest,
-#    SentencePiece, nlohmann-json, xxhash, Gloo's headers, python3-venv.
+#    SentencePiece, nlohmann-json, xxhash, Gloo's headers, python3-venv, python3-dev,
+#    iproute2.
 #  - LibTorch 2.11.0: the one inside PyPI's torch==2.11.0 wheel (a CUDA 13.0 build that also
 #    runs without a GPU), pip-installed into a virtual environment, $FULCRUM_VENV
 #    (default: .venv/ in the checkout, ignored by git; about 4.6 GB with the nvidia-* wheels).
@@ -29,12 +30,16 @@ FULCRUM_TENSORBOARD_VERSION=2.20.0
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
   python3 python3-venv python3-pip   # the venv that holds LibTorch (torch's wheel)
+  python3-dev   # Python.h: torch.compile's C++ in the benchmark's reference (tools_test)
   # c10d's ProcessGroupGloo.hpp includes Gloo's headers, which torch's wheel does not ship.
   # Only the declarations are used: every Gloo object is made and freed inside LibTorch.
   libgloo-dev
   libgoogle-glog-dev libgflags-dev libabsl-dev
   libgtest-dev libgmock-dev
   libsentencepiece-dev nlohmann-json3-dev libxxhash-dev zlib1g-dev
+  # The store's bind-address tests give themselves an address in a network namespace
+  # (unshare, from util-linux, and ip) when the machine has only loopback, as CI may.
+  iproute2
 )
 
 fulcrum_sudo() {

@@ -26,9 +26,56 @@ enum class Op : uint8_t {
 
 enum class Status : uint8_t { kOk = 0, kError = 1 };  // Then the fields, or a message.
 
-/// The largest frame either side accepts: the store holds addresses and ids, not tensors,
-/// and a stray client (a port scanner) must not make the server allocate gigabytes.
-constexpr uint32_t kMaxFrameBytes = 64u << 20;
+// NOTE [store bounds]: the server is reachable, unauthenticated, by anything that can
+// connect to MASTER_ADDR:MASTER_PORT, so what one connection may make it hold is bounded by
+// what the job's own requests need, and so is the number of connections.
+//  - Fields. The largest key or value of a job's requests grows with its world size: Gloo's
+//    TCP rendezvous value (gloo/transport/tcp/context.cc, Rank::bytes) is the hostname, the
+//    device address and 8 bytes per rank of the group; a split's key (SplitKey) lists its
+//    members' world ranks, up to 8 characters each, once per level of splitting. NCCL's
+//    unique id is 128 bytes; the rest are counters and flags. So a field may have
+//    kBaseFieldBytes plus kFieldBytesPerRank per world rank; the largest request
+//    (compareSet: a key and two values) bounds a frame.
+//  - Connections. Each rank holds one connection (rendezvous.cc; ProcessGroupGloo does not
+//    clone the store); a client that timed out reconnects after closing, and a rank whose
+//    host died leaves a connection the kernel has not yet dropped: world size plus
+//    kConnectionMargin.
+//  - Per connection the server holds at most one request being received, one reply being
+//    sent and one parked request (a client waits for each reply before its next request),
+//    so its buffers stay under three frames; a client that sends more is not one of ours
+//    and is closed.
+// What the map holds is not bounded: a client that speaks the protocol may store what a
+// rank may store.
+
+/// The bytes of a key or value that any job may use, whatever its size (see above).
+constexpr uint32_t kBaseFieldBytes = 64u << 10;
+/// The bytes per world rank a key or value may add: 8 per rank in Gloo's rendezvous value,
+/// up to 8 per rank and level in a split's key, with room to spare.
+constexpr uint32_t kFieldBytesPerRank = 64;
+/// Connections beyond one per rank (see above).
+constexpr int kConnectionMargin = 16;
+
+/// What a server admits and a client may send (NOTE [store bounds]).
+struct Limits {
+  /// The largest key or value of a request or reply.
+  uint32_t max_field_bytes = kBaseFieldBytes;
+  /// Connections open at once; the server closes any more as soon as it accepts them.
+  int max_connections = 1 + kConnectionMargin;
+
+  /// The limits of a job of `world_size` ranks (at least 1).
+  static constexpr Limits ForWorld(int world_size) {
+    const uint64_t ranks = world_size < 1 ? 1 : static_cast<uint64_t>(world_size);
+    const uint64_t field = kBaseFieldBytes + kFieldBytesPerRank * ranks;
+    Limits limits;
+    limits.max_field_bytes = static_cast<uint32_t>(field < (256u << 20) ? field : (256u << 20));
+    limits.max_connections = ranks < (1u << 30) ? static_cast<int>(ranks) + kConnectionMargin
+                                                : (1 << 30) + kConnectionMargin;
+    return limits;
+  }
+
+  /// The largest frame payload: an opcode and three fields (compareSet), each with its length.
+  constexpr uint32_t max_frame_bytes() const { return 1 + 3 * (4 + max_field_bytes); }
+};
 
 /// Builds one frame's payload.
 class Encoder {

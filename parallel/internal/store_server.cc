@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -20,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/logging.h"
 #include "parallel/internal/store_protocol.h"
 #include "parallel/internal/tcp_store.h"
 
@@ -28,6 +30,7 @@ namespace {
 
 using store_protocol::Decoder;
 using store_protocol::Encoder;
+using store_protocol::Limits;
 using store_protocol::Op;
 using store_protocol::Status;
 
@@ -165,12 +168,25 @@ class KeyValueMap {
   std::unordered_map<std::string, std::string> map_;
 };
 
-// Handles what `connection` sent, request by request, until its input runs out or a request
-// is parked (later requests wait behind it, so replies stay in order).
-void HandleInput(Connection& connection, KeyValueMap& map, bool* changed) {
-  while (!connection.closed && connection.parked.empty() && connection.in.size() >= 4) {
+// The most input a connection may hold: one frame (NOTE [store bounds]) and one byte, which
+// tells that more than a frame came.
+size_t InputCap(const Limits& limits) { return 4 + size_t{limits.max_frame_bytes()} + 1; }
+
+// Whether `in` starts with a whole frame (or with the header of one too long to accept).
+bool HasWholeFrame(const std::string& in, const Limits& limits) {
+  if (in.size() < 4) return false;
+  const uint32_t length = store_protocol::FrameLength(in);
+  return length > limits.max_frame_bytes() || in.size() >= 4 + size_t{length};
+}
+
+// Handles what `connection` sent, one request at a time: the next waits until the reply to
+// the last has been sent and no request is parked (so replies stay in order, and the server
+// holds one reply per connection).
+void HandleInput(Connection& connection, KeyValueMap& map, const Limits& limits, bool* changed) {
+  while (!connection.closed && connection.parked.empty() && connection.out.empty() &&
+         connection.in.size() >= 4) {
     const uint32_t length = store_protocol::FrameLength(connection.in);
-    if (length > store_protocol::kMaxFrameBytes) {
+    if (length > limits.max_frame_bytes()) {
       connection.closed = true;
       return;
     }
@@ -186,15 +202,15 @@ void HandleInput(Connection& connection, KeyValueMap& map, bool* changed) {
       connection.out += outcome.reply;
     }
   }
-  // A client piling up input behind a parked request is not one of ours.
-  if (connection.in.size() > 4 + static_cast<size_t>(store_protocol::kMaxFrameBytes)) {
-    connection.closed = true;
-  }
+  // Our clients wait for each reply: one piling up more than a frame behind a request is not
+  // one of ours.
+  if (connection.in.size() >= InputCap(limits)) connection.closed = true;
 }
 
-// Answers the parked requests that the last changes made answerable, and what their
-// connections sent after them; repeats while that changes the map again.
-void ResumeParked(std::vector<Connection>& connections, KeyValueMap& map, bool changed) {
+// Answers the parked requests that the last changes made answerable; repeats while that
+// changes the map again. (What their connections sent next waits for the reply to go out.)
+void ResumeParked(std::vector<Connection>& connections, KeyValueMap& map, const Limits& limits,
+                  bool changed) {
   while (changed) {
     changed = false;
     for (Connection& connection : connections) {
@@ -203,15 +219,18 @@ void ResumeParked(std::vector<Connection>& connections, KeyValueMap& map, bool c
       if (outcome.kind == Outcome::kPark) continue;
       connection.parked.clear();
       connection.out += outcome.reply;  // get and wait are never kDrop once parsed.
-      HandleInput(connection, map, &changed);
+      HandleInput(connection, map, limits, &changed);
     }
   }
 }
 
-void Receive(Connection& connection) {
+// Reads what `connection` sent, up to InputCap bytes held (the rest waits in the socket).
+void Receive(Connection& connection, const Limits& limits) {
   char buffer[64 * 1024];
-  for (;;) {
-    const ssize_t n = recv(connection.fd, buffer, sizeof(buffer), 0);
+  const size_t cap = InputCap(limits);
+  while (connection.in.size() < cap) {
+    const ssize_t n =
+        recv(connection.fd, buffer, std::min(sizeof(buffer), cap - connection.in.size()), 0);
     if (n > 0) {
       connection.in.append(buffer, static_cast<size_t>(n));
       continue;
@@ -239,12 +258,31 @@ void Send(Connection& connection) {
   }
 }
 
-void Accept(int listen_fd, std::vector<Connection>& connections) {
+// Accepts the connections waiting on `listen_fd`; those beyond limits.max_connections are
+// closed at once (*refused counts them, for the log).
+void Accept(int listen_fd, std::vector<Connection>& connections, const Limits& limits,
+            uint64_t* refused) {
   for (;;) {
-    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    sockaddr_storage peer{};
+    socklen_t peer_length = sizeof(peer);
+    const int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&peer), &peer_length,
+                           SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR) continue;
       return;  // EAGAIN: no more; other errors (EMFILE, a reset): the client retries.
+    }
+    if (connections.size() >= static_cast<size_t>(limits.max_connections)) {
+      close(fd);
+      // The 1st, 2nd, 4th, 8th... refusal: a scanner hammering the port cannot flood the log.
+      const uint64_t count = ++*refused;
+      if ((count & (count - 1)) == 0) {
+        FULCRUM_LOG(WARNING) << "store: closed a connection from "
+                             << NumericHost(reinterpret_cast<sockaddr*>(&peer), peer_length)
+                             << ": already " << connections.size()
+                             << " open, the most a job of this size needs (" << count
+                             << " closed so far)";
+      }
+      continue;
     }
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -262,7 +300,8 @@ void CloseAll(std::vector<int>& fds) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host,
-                                                                uint16_t port) {
+                                                                uint16_t port,
+                                                                const Limits& limits) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -342,15 +381,16 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::strin
     return absl::UnavailableError(absl::StrCat("store server: pipe: ", error));
   }
   return std::unique_ptr<StoreServer>(
-      new StoreServer(std::move(fds), wake[0], wake[1], bound_port));
+      new StoreServer(std::move(fds), wake[0], wake[1], bound_port, limits));
 }
 
 StoreServer::StoreServer(std::vector<int> listen_fds, int wake_read_fd, int wake_write_fd,
-                         uint16_t port)
+                         uint16_t port, const Limits& limits)
     : listen_fds_(std::move(listen_fds)),
       wake_read_fd_(wake_read_fd),
       wake_write_fd_(wake_write_fd),
-      port_(port) {
+      port_(port),
+      limits_(limits) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -368,15 +408,21 @@ void StoreServer::Serve() {
   KeyValueMap map;
   std::vector<Connection> connections;
   std::vector<pollfd> polled;
+  uint64_t refused = 0;
   for (;;) {
     polled.clear();
     polled.push_back({wake_read_fd_, POLLIN, 0});
     for (int fd : listen_fds_) polled.push_back({fd, POLLIN, 0});
+    // A request received while the last reply was still being sent waits in `in`: handle it
+    // now rather than when the socket next becomes readable.
+    bool runnable = false;
     for (const Connection& connection : connections) {
       polled.push_back(
           {connection.fd, static_cast<short>(POLLIN | (connection.out.empty() ? 0 : POLLOUT)), 0});
+      runnable |= connection.out.empty() && connection.parked.empty() &&
+                  HasWholeFrame(connection.in, limits_);
     }
-    if (poll(polled.data(), polled.size(), -1) < 0) continue;  // EINTR.
+    if (poll(polled.data(), polled.size(), runnable ? 0 : -1) < 0) continue;  // EINTR.
     if (polled[0].revents != 0) break;
 
     const size_t first_connection = 1 + listen_fds_.size();
@@ -384,10 +430,10 @@ void StoreServer::Serve() {
     for (size_t i = 0; i < connections.size(); ++i) {
       const short revents = polled[first_connection + i].revents;
       Connection& connection = connections[i];
-      if (revents & (POLLIN | POLLHUP | POLLERR)) Receive(connection);
-      HandleInput(connection, map, &changed);
+      if (revents & (POLLIN | POLLHUP | POLLERR)) Receive(connection, limits_);
+      HandleInput(connection, map, limits_, &changed);
     }
-    ResumeParked(connections, map, changed);
+    ResumeParked(connections, map, limits_, changed);
     for (Connection& connection : connections) Send(connection);
     // Closed connections go (their parked requests with them); new ones come last, so the
     // indices above matched `polled`.
@@ -400,7 +446,7 @@ void StoreServer::Serve() {
       }
     }
     for (size_t i = 0; i < listen_fds_.size(); ++i) {
-      if (polled[1 + i].revents & POLLIN) Accept(listen_fds_[i], connections);
+      if (polled[1 + i].revents & POLLIN) Accept(listen_fds_[i], connections, limits_, &refused);
     }
   }
   for (Connection& connection : connections) close(connection.fd);

@@ -135,7 +135,12 @@ int ConnectOnce(const std::string& host, uint16_t port,
   return connected;
 }
 
-std::string Quoted(const std::string& key) { return absl::StrCat("'", key, "'"); }
+// A key for messages; a long one (a split's key lists its members) is cut.
+std::string Quoted(const std::string& key) {
+  constexpr size_t kShown = 120;
+  if (key.size() <= kShown) return absl::StrCat("'", key, "'");
+  return absl::StrCat("'", key.substr(0, kShown), "...' (", key.size(), " bytes)");
+}
 
 std::string QuotedKeys(const std::vector<std::string>& keys) {
   std::string text;
@@ -153,18 +158,21 @@ std::string QuotedKeys(const std::vector<std::string>& keys) {
 
 }  // namespace
 
-TcpStore::TcpStore(std::string host, uint16_t port, std::chrono::milliseconds timeout)
+TcpStore::TcpStore(std::string host, uint16_t port, std::chrono::milliseconds timeout,
+                   const store_protocol::Limits& limits)
     : c10d::Store(timeout),
       host_(std::move(host)),
       port_(port),
       address_(
           absl::StrCat(host_.find(':') == std::string::npos ? host_ : absl::StrCat("[", host_, "]"),
-                       ":", port)) {}
+                       ":", port)),
+      limits_(limits) {}
 
 c10::intrusive_ptr<TcpStore> TcpStore::Connect(const std::string& host, uint16_t port,
                                                std::chrono::milliseconds timeout,
+                                               const store_protocol::Limits& limits,
                                                std::shared_ptr<StoreServer> hosted) {
-  auto store = c10::make_intrusive<TcpStore>(host, port, timeout);
+  auto store = c10::make_intrusive<TcpStore>(host, port, timeout, limits);
   store->hosted_ = std::move(hosted);
   // The server may not listen yet (rank 0 starts a moment later): retry refusals, more
   // often at first.
@@ -189,7 +197,7 @@ c10::intrusive_ptr<TcpStore> TcpStore::Connect(const std::string& host, uint16_t
 TcpStore::~TcpStore() { Disconnect(); }
 
 c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
-  auto copy = c10::make_intrusive<TcpStore>(host_, port_, timeout_);
+  auto copy = c10::make_intrusive<TcpStore>(host_, port_, timeout_, limits_);
   copy->hosted_ = hosted_;
   return copy;
 }
@@ -197,6 +205,14 @@ c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
 TcpStore::Deadline TcpStore::DeadlineAfter(std::chrono::milliseconds timeout) const {
   if (timeout == c10d::Store::kNoTimeout) return std::nullopt;
   return Clock::now() + timeout;
+}
+
+void TcpStore::CheckField(const std::string& what, const char* kind, size_t bytes) const {
+  if (bytes <= limits_.max_field_bytes) return;
+  throw std::invalid_argument(absl::StrCat(
+      "store at ", address_, ": ", what, ": the ", kind, " has ", bytes,
+      " bytes, more than the store's limit of ", limits_.max_field_bytes,
+      " bytes for a job of this size (NOTE [store bounds] in parallel/internal/store_protocol.h)"));
 }
 
 void TcpStore::Disconnect() {
@@ -222,6 +238,12 @@ void TcpStore::EnsureConnected(const std::string& what, Deadline deadline,
 
 std::string TcpStore::Call(const std::string& frame, const std::string& what, Deadline deadline,
                            std::chrono::milliseconds bound) {
+  // Keys and values were checked by the callers; a key list may still be too long.
+  if (frame.size() - 4 > limits_.max_frame_bytes()) {
+    throw std::invalid_argument(absl::StrCat("store at ", address_, ": ", what, ": the request has ",
+                                             frame.size() - 4, " bytes, more than the store's limit of ",
+                                             limits_.max_frame_bytes(), " bytes"));
+  }
   std::unique_lock<std::timed_mutex> lock(mutex_, std::defer_lock);
   if (!deadline) {
     lock.lock();
@@ -237,7 +259,7 @@ std::string TcpStore::Call(const std::string& frame, const std::string& what, De
   if (io == Io::kOk) io = ReceiveExactly(fd_, 4, &header, deadline);
   if (io == Io::kOk) {
     const uint32_t length = store_protocol::FrameLength(header);
-    if (length == 0 || length > store_protocol::kMaxFrameBytes) {
+    if (length == 0 || length > limits_.max_frame_bytes()) {
       Disconnect();
       ThrowMalformed(address_, what);
     }
@@ -274,14 +296,20 @@ void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
 
 void TcpStore::SetWithin(const std::string& key, const std::vector<uint8_t>& value,
                          std::chrono::milliseconds timeout) {
-  Call(Encoder().U8(static_cast<uint8_t>(Op::kSet)).Bytes(key).Bytes(value).Frame(),
-       absl::StrCat("set ", Quoted(key)), DeadlineAfter(timeout), timeout);
+  const std::string what = absl::StrCat("set ", Quoted(key));
+  CheckField(what, "key", key.size());
+  CheckField(what, "value", value.size());
+  Call(Encoder().U8(static_cast<uint8_t>(Op::kSet)).Bytes(key).Bytes(value).Frame(), what,
+       DeadlineAfter(timeout), timeout);
 }
 
 std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
                                           const std::vector<uint8_t>& currentValue,
                                           const std::vector<uint8_t>& newValue) {
   const std::string what = absl::StrCat("compareSet ", Quoted(key));
+  CheckField(what, "key", key.size());
+  CheckField(what, "expected value", currentValue.size());
+  CheckField(what, "new value", newValue.size());
   const std::string reply = Call(Encoder()
                                      .U8(static_cast<uint8_t>(Op::kCompareSet))
                                      .Bytes(key)
@@ -297,6 +325,7 @@ std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
 
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
   const std::string what = absl::StrCat("get ", Quoted(key));
+  CheckField(what, "key", key.size());
   const std::string reply = Call(Encoder().U8(static_cast<uint8_t>(Op::kGet)).Bytes(key).Frame(),
                                  what, DeadlineAfter(timeout_), timeout_);
   Decoder in(reply);
@@ -307,6 +336,7 @@ std::vector<uint8_t> TcpStore::get(const std::string& key) {
 
 int64_t TcpStore::add(const std::string& key, int64_t value) {
   const std::string what = absl::StrCat("add to ", Quoted(key));
+  CheckField(what, "key", key.size());
   const std::string reply =
       Call(Encoder().U8(static_cast<uint8_t>(Op::kAdd)).Bytes(key).I64(value).Frame(), what,
            DeadlineAfter(timeout_), timeout_);
@@ -318,6 +348,7 @@ int64_t TcpStore::add(const std::string& key, int64_t value) {
 
 bool TcpStore::deleteKey(const std::string& key) {
   const std::string what = absl::StrCat("deleteKey ", Quoted(key));
+  CheckField(what, "key", key.size());
   const std::string reply =
       Call(Encoder().U8(static_cast<uint8_t>(Op::kDeleteKey)).Bytes(key).Frame(), what,
            DeadlineAfter(timeout_), timeout_);

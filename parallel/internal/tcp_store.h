@@ -14,7 +14,9 @@
 // Wire format (both directions): frames of a 4-byte big-endian length and that many bytes.
 // A request is an opcode byte and its fields; a reply is a status byte (ok or error) and its
 // fields. Strings and byte vectors are a 4-byte length and the bytes; integers are 8 bytes,
-// big-endian. A client sends one request at a time and waits for its reply.
+// big-endian. A client sends one request at a time and waits for its reply. Keys, values,
+// frames and connections are bounded by the job's world size (NOTE [store bounds] in
+// store_protocol.h).
 //
 // Thread-safety: a StoreServer serves from one thread of its own; its methods may be called
 // from any thread. TcpStore is thread-safe: calls are serialized over its one connection, and
@@ -34,19 +36,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "parallel/internal/store_protocol.h"
 
 namespace fulcrum::parallel::internal {
 
 /// The server: a key-value map served to TcpStore clients from one thread (poll()). Requests
 /// that wait for keys (get, wait) are parked until another client sets them; a client that
-/// gives up closes its connection, which drops its parked request.
+/// gives up closes its connection, which drops its parked request. A connection beyond
+/// `limits.max_connections`, a frame longer than `limits.max_frame_bytes()` or more than a
+/// frame sent before the last request was answered is closed, and the server goes on
+/// serving the others.
 class StoreServer {
  public:
   /// Listens on the addresses `host` resolves to (not on every interface), port `port`
   /// (0: any free port, see port()), with SO_REUSEADDR as c10d sets it. Errors (all
   /// Unavailable): `host` does not resolve; none of its addresses belongs to this machine
   /// ("MASTER_ADDR=<host> is not an address of rank 0's host"); the port is in use.
-  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, uint16_t port);
+  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, uint16_t port,
+                                                            const store_protocol::Limits& limits);
 
   /// Stops serving and closes every connection: clients' calls fail at once.
   ~StoreServer();
@@ -57,13 +64,15 @@ class StoreServer {
   uint16_t port() const { return port_; }
 
  private:
-  StoreServer(std::vector<int> listen_fds, int wake_read_fd, int wake_write_fd, uint16_t port);
+  StoreServer(std::vector<int> listen_fds, int wake_read_fd, int wake_write_fd, uint16_t port,
+              const store_protocol::Limits& limits);
   void Serve();
 
   std::vector<int> listen_fds_;  // One per bound address.
   int wake_read_fd_;             // A pipe whose write end stops Serve().
   int wake_write_fd_;
   uint16_t port_;
+  store_protocol::Limits limits_;
   std::thread thread_;
 };
 
@@ -77,11 +86,16 @@ class StoreServer {
 /// Every call is bounded by the store's timeout (getTimeout(); kNoTimeout waits forever).
 /// A call that runs out of time throws c10d::TimeoutError and drops the connection (a late
 /// reply would otherwise answer the next call); the next call reconnects once. A connection
-/// that breaks (the server's process died) throws std::runtime_error naming the store.
+/// that breaks (the server's process died) throws std::runtime_error naming the store. A
+/// key or value longer than the limits' max_field_bytes (or a key list whose request would
+/// be longer than a frame) throws std::invalid_argument naming the call and both sizes,
+/// before anything is sent; the connection stays usable.
 class TcpStore : public c10d::Store {
  public:
-  /// A client of host:port that connects on first use, without retrying.
-  TcpStore(std::string host, uint16_t port, std::chrono::milliseconds timeout);
+  /// A client of host:port that connects on first use, without retrying. `limits` must be
+  /// those of the server (Limits::ForWorld of the same world size).
+  TcpStore(std::string host, uint16_t port, std::chrono::milliseconds timeout,
+           const store_protocol::Limits& limits);
 
   /// Connects to host:port, retrying a refused connection (the server may not be listening
   /// yet) until `timeout` passes: then it throws c10d::TimeoutError. Other errors (the host
@@ -90,6 +104,7 @@ class TcpStore : public c10d::Store {
   /// clones) keep it alive.
   static c10::intrusive_ptr<TcpStore> Connect(const std::string& host, uint16_t port,
                                               std::chrono::milliseconds timeout,
+                                              const store_protocol::Limits& limits,
                                               std::shared_ptr<StoreServer> hosted = nullptr);
 
   ~TcpStore() override;
@@ -130,10 +145,14 @@ class TcpStore : public c10d::Store {
   void EnsureConnected(const std::string& what, Deadline deadline, std::chrono::milliseconds bound);
   void Disconnect();
   Deadline DeadlineAfter(std::chrono::milliseconds timeout) const;
+  // Throws std::invalid_argument when `field` (a key or value of call `what`) is longer than
+  // the limits allow.
+  void CheckField(const std::string& what, const char* kind, size_t bytes) const;
 
   std::string host_;
   uint16_t port_;
   std::string address_;
+  store_protocol::Limits limits_;
   std::shared_ptr<StoreServer> hosted_;
   std::timed_mutex mutex_;  // Serializes calls; a call waits for it up to its deadline.
   int fd_ = -1;             // The connection, or -1 before the first call and after a failure.

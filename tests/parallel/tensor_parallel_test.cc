@@ -19,6 +19,7 @@
 #include "parallel/tensor_parallel.h"
 #include "parallel/world.h"
 #include "tests/run_command.h"
+#include "tests/worker_runs.h"
 #include "parallel/world_communicator.h"
 
 namespace fulcrum::parallel {
@@ -159,18 +160,27 @@ std::string RunWorkers(int n, int* code) {
   return output;
 }
 
+// Every rank ran and passed every TpWorker case (tests/worker_runs.h).
+void ExpectEveryRankPassed(const std::string& output, int n) {
+  const int selected =
+      fulcrum::testing::CountSelectedTests(std::string(FULCRUM_BIN_DIR) + "/parallel_test",
+                                           "TpWorker.*");
+  EXPECT_TRUE(fulcrum::testing::RanksRanAndPassed(output, fulcrum::testing::FirstRanks(n), selected))
+      << output;
+}
+
 TEST(SlowTensorParallelTest, TwoRanks) {
   int code = 0;
   const std::string output = RunWorkers(2, &code);
   EXPECT_EQ(code, 0) << output;
-  EXPECT_NE(output.find("[  PASSED  ] 3 tests"), std::string::npos) << output;
+  ExpectEveryRankPassed(output, 2);
 }
 
 TEST(SlowTensorParallelTest, FourRanks) {
   int code = 0;
   const std::string output = RunWorkers(4, &code);
   EXPECT_EQ(code, 0) << output;
-  EXPECT_NE(output.find("[  PASSED  ] 3 tests"), std::string::npos) << output;
+  ExpectEveryRankPassed(output, 4);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "parallel/world_communicator.h"
 #include "tests/run_command.h"
+#include "tests/worker_runs.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -267,6 +268,10 @@ TEST(SlowTimelineTest, ThreeRanksGatherIntoOneFile) {
                                   " --gtest_filter='TimelineWorker.*'",
                               &output);
   ASSERT_EQ(code, 0) << output;
+  EXPECT_TRUE(fulcrum::testing::RanksRanAndPassed(
+      output, fulcrum::testing::FirstRanks(3),
+      fulcrum::testing::CountSelectedTests(self, "TimelineWorker.*")))
+      << output;
   EXPECT_EQ(output.find("[  SKIPPED ]"), std::string::npos) << output;
   const json trace = ReadJson(path);
   ExpectValidTrace(trace);

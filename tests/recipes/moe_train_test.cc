@@ -111,7 +111,24 @@ TEST_F(SlowMoeTrainTest, SingleProcessLearnsAndReportsExpertTokens) {
     }
     EXPECT_GT(record["load_balancing_loss"].get<double>(), 0.0);
     EXPECT_GT(record["z_loss"].get<double>(), 0.0);
-    EXPECT_GE(record["dropped_tokens"].get<double>(), 0.0);
+    // Capacity 1.25: each of the 4 micro-batches of 4 × 128 tokens gives an expert
+    // C = 1.25 · 2 · 512 / 8 = 160 slots. An expert routed L tokens in an iteration (its
+    // expert_tokens, counted before drops) dropped at least L - 4C (all micro-batches full)
+    // and at most L - C (one micro-batch took them all); dropped_tokens sums both layers.
+    constexpr double kCapacity = 160;
+    constexpr int kMicroBatches = 4;
+    double at_least = 0;
+    double at_most = 0;
+    for (const char* layer : {"layers.0", "layers.2"}) {
+      for (double load : per_layer[layer].get<std::vector<double>>()) {
+        at_least += std::max(0.0, load - kMicroBatches * kCapacity);
+        at_most += std::max(0.0, load - kCapacity);
+      }
+    }
+    const double dropped = record["dropped_tokens"].get<double>();
+    EXPECT_EQ(dropped, std::round(dropped));
+    EXPECT_GE(dropped, at_least) << record.dump();
+    EXPECT_LE(dropped, at_most) << record.dump();
   }
 }
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "tests/run_command.h"
+#include "tests/worker_runs.h"
 
 namespace fulcrum::pipeline::testing {
 
@@ -18,7 +19,12 @@ int LaunchWorkers(int nproc, const std::string& worker_filter, std::string* outp
                               std::string(FULCRUM_BIN_DIR) + "/fulcrum_launch --nproc_per_node=" +
                               std::to_string(nproc) + " --master_port=0 -- " + SelfPath() +
                               " --gtest_filter='" + worker_filter + "'";
-  return fulcrum::testing::RunCommand(command, output);
+  const int code = fulcrum::testing::RunCommand(command, output);
+  EXPECT_TRUE(fulcrum::testing::RanksRanAndPassed(
+      *output, fulcrum::testing::FirstRanks(nproc),
+      fulcrum::testing::CountSelectedTests(SelfPath(), worker_filter)))
+      << *output;
+  return code;
 }
 
 }  // namespace fulcrum::pipeline::testing

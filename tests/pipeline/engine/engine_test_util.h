@@ -53,7 +53,8 @@ inline MicroBatchPlan RandomPlan(const ModelOptions& m, int count, int64_t micro
 std::string SelfPath();
 
 /// Runs this binary under fulcrum_launch with `nproc` ranks, filtered to `worker_filter`,
-/// with FULCRUM_ENGINE_WORKER=1 set; returns the exit code and the output.
+/// with FULCRUM_ENGINE_WORKER=1 set; returns the exit code and the output. Fails the calling
+/// test unless every rank ran and passed every case the filter selects (at least one).
 int LaunchWorkers(int nproc, const std::string& worker_filter, std::string* output);
 
 /// Whether this process is a launched worker (else Worker tests skip).

@@ -162,8 +162,9 @@ class Checker {
   bool Check(const Setting& s) {
     if (std::find(std::begin(kGflagsExitFlags), std::end(kGflagsExitFlags), s.name) !=
         std::end(kGflagsExitFlags)) {
-      const bool ours = s.name == "helpfull" || std::find(std::begin(kHelpFlags), std::end(kHelpFlags),
-                                                          s.name) != std::end(kHelpFlags);
+      const bool ours =
+          s.name == "helpfull" ||
+          std::find(std::begin(kHelpFlags), std::end(kHelpFlags), s.name) != std::end(kHelpFlags);
       return Fail(s, ours ? "asks for help, which only the command line can"
                           : "is gflags' own help, not offered here; --help lists the flags");
     }

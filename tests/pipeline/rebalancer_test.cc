@@ -28,8 +28,9 @@ TEST(ScriptedRebalancerTest, LayerCountsBeyondTheModelAreRefused) {
   ASSERT_TRUE(rebalancer.ok()) << rebalancer.status();
   const auto placements = (*rebalancer)->Placements({{0, 4}, {4, 8}});
   ASSERT_FALSE(placements.ok());
-  EXPECT_THAT(std::string(placements.status().message()),
-              HasSubstr("--rebalance_script at iteration 5: places more than the model's 8 layers"));
+  EXPECT_THAT(
+      std::string(placements.status().message()),
+      HasSubstr("--rebalance_script at iteration 5: places more than the model's 8 layers"));
   // A sum that fits but is not the layer count keeps its message.
   const auto short_script = ScriptedRebalancer::Parse("5:1,2");
   ASSERT_TRUE(short_script.ok());

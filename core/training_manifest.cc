@@ -1,5 +1,6 @@
 #include "core/training_manifest.h"
 
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -7,19 +8,6 @@
 
 namespace fulcrum {
 namespace {
-
-// Configuration fields that must agree between a checkpoint and the run loading it: they
-// decide the shape of the parameters. Named by their flag.
-constexpr std::pair<const char*, const char*> kShapeFields[] = {
-    {"num_layers", "num_layers"},
-    {"hidden_size", "hidden_size"},
-    {"num_attention_heads", "num_attention_heads"},
-    {"ffn_hidden_size", "ffn_hidden_size"},
-    {"vocab_size", "vocab_size (--make_vocab_size_divisible_by, --tokenizer_model)"},
-    {"seq_length", "seq_length"},
-    {"position_embedding_type", "position_embedding_type"},
-    {"tie_embeddings", "untie_embeddings_and_output_weights"},
-};
 
 // Typed reads of manifest fields; errors name the field by its JSON pointer.
 class FieldReader {
@@ -88,10 +76,6 @@ class FieldReader {
   const nlohmann::json& root_;
   std::string source_;
 };
-
-std::string Show(const nlohmann::json& value) {
-  return value.is_string() ? value.get<std::string>() : value.dump();
-}
 
 }  // namespace
 
@@ -201,78 +185,6 @@ absl::StatusOr<TrainingManifest> ParseTrainingManifest(const nlohmann::json& man
     }
   }
   return m;
-}
-
-absl::Status CheckResume(const TrainingManifest& saved, const TrainerConfig& ours,
-                         const DataIdentity& our_data, const std::string& source,
-                         std::vector<std::string>* warnings) {
-  auto refuse = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", what));
-  };
-  const nlohmann::json mine = ConfigToJson(ours);
-  const nlohmann::json& theirs = saved.config["model"];
-  for (const auto& [field, flag] : kShapeFields) {
-    const nlohmann::json value = theirs.value(field, nlohmann::json());
-    if (value != mine["model"][field]) {
-      return refuse(absl::StrCat("checkpoint has ", field, "=", Show(value), " but this run has ",
-                                 field, "=", Show(mine["model"][field]), " (--", flag, ")"));
-    }
-  }
-  // The MLP replacement (MoE) must have the same shape; a checkpoint without the field is
-  // from a dense model. Fields are flag names.
-  const nlohmann::json saved_blocks = saved.config.value("feed_forward", nlohmann::json::object());
-  const nlohmann::json& our_blocks = mine["feed_forward"];
-  // num_experts first: a dense model against an MoE one differs in every field, and the
-  // expert count is what the user changed.
-  std::vector<std::string> fields = {"num_experts"};
-  for (const nlohmann::json* side : {&saved_blocks, &our_blocks}) {
-    for (const auto& [field, value] : side->items()) fields.push_back(field);
-  }
-  for (const std::string& field : fields) {
-    const std::string unset = field == "num_experts" ? "0" : "(unset)";  // dense
-    const std::string a = saved_blocks.contains(field) ? Show(saved_blocks[field]) : unset;
-    const std::string b = our_blocks.contains(field) ? Show(our_blocks[field]) : unset;
-    if (a != b) {
-      return refuse(absl::StrCat("checkpoint has --", field, "=", a, " but this run has --", field,
-                                 "=", b));
-    }
-  }
-  if (ours.train.train_iters < saved.iteration) {
-    return refuse(absl::StrCat("--train_iters=", ours.train.train_iters,
-                               " is below the checkpoint's iteration ", saved.iteration,
-                               "; nothing would be trained (raise --train_iters)"));
-  }
-  // The data and its order (NOTE [resume checks]).
-  std::vector<std::string> changes;
-  if (saved.data_seed != ours.data.seed) {
-    changes.push_back(absl::StrCat("--seed ", saved.data_seed, " → ", ours.data.seed));
-  }
-  if (saved.split != ours.data.split) {
-    changes.push_back(absl::StrCat("--split '", saved.split, "' → '", ours.data.split, "'"));
-  }
-  const bool identified = saved.data.documents > 0;
-  if (identified &&
-      (saved.data.documents != our_data.documents || saved.data.tokens != our_data.tokens)) {
-    changes.push_back(absl::StrCat(
-        "data ", saved.data.path.empty() ? "(embedded corpus)" : saved.data.path, " with ",
-        saved.data.documents, " documents / ", saved.data.tokens, " tokens → ",
-        our_data.path.empty() ? "(embedded corpus)" : our_data.path, " with ", our_data.documents,
-        " documents / ", our_data.tokens, " tokens (--data_path)"));
-  } else if (identified && saved.data.path != our_data.path) {
-    warnings->push_back(absl::StrCat("the checkpoint trained on ", saved.data.path,
-                                     "; this run reads ", our_data.path,
-                                     " (same documents and tokens: taken as the same data)"));
-  }
-  if (!changes.empty()) {
-    std::string list;
-    for (const std::string& c : changes) absl::StrAppend(&list, list.empty() ? "" : "; ", c);
-    if (!ours.train.allow_data_change) {
-      return refuse(absl::StrCat("this run would not continue the saved run's data: ", list,
-                                 ". Pass --allow_data_change to resume on other data on purpose"));
-    }
-    warnings->push_back(absl::StrCat("resuming on changed data (--allow_data_change): ", list));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace fulcrum

@@ -13,6 +13,9 @@
 // the wrong type or out of range is DataLoss naming the field — never an exception. (Edits
 // to a manifest are caught before this, by its own checksum: ckpt::CheckpointReader.)
 //
+// Parsing needs no LibTorch (the fuzz target in tests/fuzz calls it); CheckResume, which
+// compares with the trainer's configuration, is in core/resume_check.cc.
+//
 // Thread-safety: pure functions.
 #pragma once
 
@@ -24,9 +27,10 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
-#include "core/trainer.h"
 
 namespace fulcrum {
+
+struct TrainerConfig;  // core/trainer.h
 
 /// What the data of a run is: enough to tell another corpus from the same one.
 struct DataIdentity {

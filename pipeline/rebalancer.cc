@@ -77,6 +77,10 @@ absl::StatusOr<LayerRanges> ApplyStep(const ScriptedRebalancer::Step& step,
   LayerRanges target;
   int64_t begin = 0;
   for (int64_t size : step.sizes) {
+    if (size > layers - begin) {  // Sizes are ≥ 1; their sum could overflow 64 bits.
+      return absl::FailedPreconditionError(
+          absl::StrCat("places more than the model's ", layers, " layers"));
+    }
     target.emplace_back(begin, begin + size);
     begin += size;
   }

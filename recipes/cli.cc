@@ -3,11 +3,15 @@
 #include <gflags/gflags.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
+#include <string_view>
+#include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -25,7 +29,14 @@ namespace {
 // gflags' own flags that act on the command line itself rather than set a value.
 constexpr const char* kFileFlags[] = {"flagfile", "fromenv", "tryfromenv"};
 constexpr const char* kHelpFlags[] = {"help", "h", "helpshort"};
+// gflags' flags that make ParseCommandLineFlags print something and exit on its own. On the
+// command line kHelpFlags and "helpfull" are ours; anywhere else (a flag file, --fromenv)
+// these are refused, so gflags never exits behind our back.
+constexpr const char* kGflagsExitFlags[] = {"help",        "h",       "helpshort", "helpfull",
+                                            "helpxml",     "helpon",  "helpmatch",
+                                            "helppackage", "version"};
 constexpr int kMaxFlagfileDepth = 8;
+constexpr size_t kMaxFlagfileBytes = size_t{16} << 20;
 constexpr size_t kHelpWidth = 100;
 
 bool IsOurs(const gflags::CommandLineFlagInfo& info) {
@@ -110,6 +121,32 @@ std::string FlagLine(const gflags::CommandLineFlagInfo& info) {
   return absl::StrCat(head, WrapText(info.description, kTextColumn, kTextColumn), "\n");
 }
 
+// The lines of a flag file with their 1-based numbers, split exactly as gflags splits them
+// (ProcessOptionsFromStringLocked in gflags.cc) so that the checks see the values gflags
+// will parse: the text ends at its first NUL (gflags reads it as a C string); a line starts
+// after leading white space and ends at the next '\r' if one follows anywhere, else at the
+// next '\n'; nothing is stripped from its end ("--lr=0.1 " is a bad value to gflags).
+std::vector<std::pair<int, std::string>> FlagfileLines(std::string_view contents) {
+  contents = contents.substr(0, contents.find('\0'));
+  std::vector<std::pair<int, std::string>> lines;
+  int number = 1;
+  size_t start = 0;
+  while (true) {
+    while (start < contents.size() && absl::ascii_isspace(contents[start])) {
+      if (contents[start++] == '\n') ++number;
+    }
+    size_t end = contents.find('\r', start);
+    if (end == std::string_view::npos) end = contents.find('\n', start);
+    const std::string_view line = contents.substr(start, end - start);
+    lines.emplace_back(number, std::string(line));
+    if (end == std::string_view::npos) break;
+    number += static_cast<int>(std::count(line.begin(), line.end(), '\n'));
+    if (contents[end] == '\n') ++number;
+    start = end + 1;
+  }
+  return lines;
+}
+
 // One flag setting to check: where it came from, for the message.
 struct Setting {
   std::string name;
@@ -123,12 +160,31 @@ class Checker {
 
   // Checks one setting; on failure sets error_ and returns false.
   bool Check(const Setting& s) {
+    if (std::find(std::begin(kGflagsExitFlags), std::end(kGflagsExitFlags), s.name) !=
+        std::end(kGflagsExitFlags)) {
+      const bool ours =
+          s.name == "helpfull" ||
+          std::find(std::begin(kHelpFlags), std::end(kHelpFlags), s.name) != std::end(kHelpFlags);
+      return Fail(s, ours ? "asks for help, which only the command line can"
+                          : "is gflags' own help, not offered here; --help lists the flags");
+    }
     if (std::find(std::begin(kFileFlags), std::end(kFileFlags), s.name) != std::end(kFileFlags)) {
       if (!s.value.has_value() || s.value->empty()) return Fail(s, "needs a value");
-      if (s.name == "flagfile") {
-        for (absl::string_view file : absl::StrSplit(*s.value, ',', absl::SkipEmpty())) {
-          if (!CheckFlagfile(std::string(file), s)) return false;
+      // gflags' ParseFlagList exits on an empty entry or one that starts with '-'.
+      const std::vector<std::string> items = absl::StrSplit(*s.value, ',');
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (items[i].empty() && i + 1 == items.size()) break;  // "a,": gflags ignores the end.
+        if (items[i].empty() || items[i][0] == '-') {
+          return Fail(s, absl::StrCat("='", *s.value, "' has an entry '", items[i],
+                                      "'; expected a comma-separated list of ",
+                                      s.name == "flagfile" ? "files" : "flag names"));
         }
+      }
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (items[i].empty()) continue;
+        const bool ok = s.name == "flagfile" ? CheckFlagfile(items[i], s)
+                                             : CheckFromEnv(items[i], s.name == "fromenv", s);
+        if (!ok) return false;
       }
       return true;
     }
@@ -178,22 +234,51 @@ class Checker {
       return Fail(from, absl::StrCat("=", path, " nests flag files deeper than ",
                                      kMaxFlagfileDepth, " levels"));
     }
-    std::ifstream in(path);
+    std::ifstream in(path, std::ios::binary);
     if (!in) return Fail(from, absl::StrCat("=", path, ": cannot read that file"));
-    std::string line;
-    int number = 0;
-    while (std::getline(in, line)) {
-      ++number;
-      absl::string_view text = absl::StripAsciiWhitespace(line);
+    std::string contents;
+    char chunk[1 << 16];
+    while (contents.size() <= kMaxFlagfileBytes && in.read(chunk, sizeof(chunk)).gcount() > 0) {
+      contents.append(chunk, static_cast<size_t>(in.gcount()));
+    }
+    if (contents.size() > kMaxFlagfileBytes) {  // /dev/zero, or a file given by mistake.
+      return Fail(from, absl::StrCat("=", path, " is larger than ", kMaxFlagfileBytes >> 20,
+                                     " MB, too large for a flag file"));
+    }
+    for (const auto& [number, text] : FlagfileLines(contents)) {
       // gflags: blank lines and comments are skipped; a line without a leading dash names
       // the programs the following flags apply to, which Fulcrum does not use.
-      if (text.empty() || text[0] == '#' || text[0] != '-') continue;
+      if (text.empty() || text[0] != '-') continue;
       Setting s = Split(text);
       s.where = absl::StrFormat(" (in %s:%d)", path, number);
       if (!Check(s)) return false;
     }
     --depth_;
     return true;
+  }
+
+  // --fromenv / --tryfromenv naming `name`: gflags sets the flag from $FLAGS_<name>, and
+  // exits on an unknown name, a variable --fromenv needs but does not find, or a bad value.
+  bool CheckFromEnv(const std::string& name, bool required, const Setting& from) {
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      return Fail(from, absl::StrCat("names an unknown flag --", name, Suggestion(name)));
+    }
+    const std::string variable = "FLAGS_" + name;
+    const char* value = std::getenv(variable.c_str());
+    if (value == nullptr) {
+      return required ? Fail(from, absl::StrCat("=", name, ": $", variable, " is not set")) : true;
+    }
+    if (std::string_view(value) == "fromenv" || std::string_view(value) == "tryfromenv") {
+      return Fail(from, absl::StrCat("=", name, ": $", variable, " recurses"));
+    }
+    if (++depth_ > kMaxFlagfileDepth) {
+      return Fail(from, absl::StrCat("=", name, " nests deeper than ", kMaxFlagfileDepth,
+                                     " levels"));
+    }
+    const bool ok = Check(Setting{name, value, absl::StrCat(" (from $", variable, ")")});
+    --depth_;
+    return ok;
   }
 
  public:

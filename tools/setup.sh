@@ -19,6 +19,8 @@
 #   FULCRUM_VENV        the virtual environment holding torch (default: .venv)
 #   FULCRUM_TORCH_DIR   use this LibTorch instead of the venv's (a directory holding
 #                       TorchConfig.cmake, or a LibTorch root); nothing is pip-installed
+#   FULCRUM_FUZZ_SECONDS  how long fulcrum_fuzz runs each fuzz target (default 20; 0: none)
+#   FULCRUM_FUZZ_BUILD_DIR  the fuzz targets' clang build (default: build-fuzz)
 set -euo pipefail
 
 FULCRUM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +42,7 @@ FULCRUM_PACKAGES=(
   # The store's bind-address tests give themselves an address in a network namespace
   # (unshare, from util-linux, and ip) when the machine has only loopback, as CI may.
   iproute2
+  clang libclang-rt-dev   # libFuzzer and the sanitizers of the fuzz targets (tests/fuzz)
 )
 
 fulcrum_sudo() {
@@ -140,4 +143,25 @@ fulcrum_build() {
   grep -E '^-- Fulcrum:' "$log" || true
   cmake --build "$FULCRUM_BUILD_DIR" -j "$(nproc)" "$@"
   echo "fulcrum: build finished in $((SECONDS - start)) s"
+}
+
+# The fuzz targets (tests/fuzz/CMakeLists.txt): a clang build of the parsers of users'
+# files with libFuzzer, ASan and UBSan, then each target fuzzed for FULCRUM_FUZZ_SECONDS
+# as a ctest (label "fuzz"), side by side on every core. Fails on any crash; the input is
+# in $FULCRUM_FUZZ_BUILD_DIR/artifacts/<target>/.
+fulcrum_fuzz() {
+  local seconds="${FULCRUM_FUZZ_SECONDS:-20}"
+  local dir="${FULCRUM_FUZZ_BUILD_DIR:-$FULCRUM_ROOT/build-fuzz}"
+  [ "$seconds" = 0 ] && return 0
+  local start=$SECONDS
+  mkdir -p "$dir"
+  if ! cmake -S "$FULCRUM_ROOT/tests/fuzz" -B "$dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+    -DFULCRUM_FUZZ_SECONDS="$seconds" >"$dir/configure.log" 2>&1; then
+    cat "$dir/configure.log" >&2
+    echo "fulcrum: CMake configure of the fuzz targets failed (log: $dir/configure.log)" >&2
+    return 1
+  fi
+  cmake --build "$dir" -j "$(nproc)"
+  ctest --test-dir "$dir" --output-on-failure -j "$(nproc)"
+  echo "fulcrum: fuzz targets built and run in $((SECONDS - start)) s"
 }

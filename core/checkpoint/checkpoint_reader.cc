@@ -93,61 +93,26 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const st
 absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir) {
   const std::string manifest_path = JoinPath(dir, kManifestFileName);
   FULCRUM_ASSIGN_OR_RETURN(const std::string text, fs->ReadFile(manifest_path));
-  auto manifest = std::make_shared<nlohmann::json>(
-      nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false));
+  FULCRUM_ASSIGN_OR_RETURN(ManifestJson parsed, ParseManifestJson(text, manifest_path));
   auto error = [&](absl::string_view what) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": ", what));
   };
-  if (manifest->is_discarded()) return error("not valid JSON");
-  if (!manifest->is_object()) return error("expected a JSON object");
-  const auto version = manifest->find("format_version");
-  if (version == manifest->end() || !version->is_number_integer()) {
-    return error("missing integer field 'format_version'");
-  }
-  if (version->get<int64_t>() > kManifestFormatVersion) {
-    return error(absl::StrCat("format_version ", version->get<int64_t>(),
-                              " is newer than this build understands (", kManifestFormatVersion,
-                              ")"));
-  }
-  // NOTE [manifest checksum]
-  const auto checksum = manifest->find(kManifestChecksumKey);
-  if (version->get<int64_t>() >= 2) {
-    if (checksum == manifest->end() || !checksum->is_string()) {
-      return error(absl::StrCat("missing string field '", kManifestChecksumKey,
-                                "' (the manifest's own checksum)"));
-    }
-    const std::string actual = ManifestChecksum(*manifest);
-    if (checksum->get<std::string>() != actual) {
-      return error(absl::StrCat("the manifest was changed after it was written: its fields hash "
-                                "to ", actual, " but '", kManifestChecksumKey, "' records ",
-                                checksum->get<std::string>(),
-                                " (an edited or damaged manifest is not trusted)"));
-    }
-  } else {
-    FULCRUM_LOG(WARNING) << manifest_path << ": format_version " << version->get<int64_t>()
+  if (!parsed.verified) {
+    FULCRUM_LOG(WARNING) << manifest_path << ": format_version " << parsed.format_version
                          << " predates manifest checksums; its fields are not verified";
   }
-  const auto iteration = manifest->find("iteration");
-  if (iteration == manifest->end() || !iteration->is_number_integer()) {
-    return error("missing integer field 'iteration'");
-  }
-  const auto files = manifest->find("files");
-  if (files == manifest->end() || !files->is_object()) return error("missing object 'files'");
-  const auto tensors = manifest->find("tensors");
-  if (tensors == manifest->end()) return error("missing object 'tensors'");
+  auto manifest = std::make_shared<nlohmann::json>(std::move(parsed.json));
+  const nlohmann::json& files = manifest->at("files");
 
   auto state = std::make_shared<State>();
   state->dir = dir;
-  state->iteration = iteration->get<int64_t>();
-  FULCRUM_ASSIGN_OR_RETURN(state->entries, ParseTensorTable(*tensors, manifest_path));
+  state->iteration = parsed.iteration;
+  state->entries = ToTensorTable(std::move(parsed.tensors));
 
   // Open every shard: a missing, truncated or corrupt file is reported here, naming it,
   // before any tensor is handed out.
-  for (const auto& [file_name, file_info] : files->items()) {
+  for (const auto& [file_name, file_info] : files.items()) {
     const std::string path = JoinPath(dir, file_name);
-    if (BaseName(file_name) != file_name || file_name.empty() || file_name[0] == '.') {
-      return error(absl::StrCat("'files' entry '", file_name, "' is not a plain file name"));
-    }
     if (!fs->FileExists(path)) {
       return absl::DataLossError(absl::StrCat(path, " is missing (listed in ", manifest_path, ")"));
     }

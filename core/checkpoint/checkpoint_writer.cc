@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/checksum.h"
+#include "core/json_limits.h"
 #include "core/logging.h"
 #include "core/status.h"
 
@@ -180,6 +181,7 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
     if (!absl::EndsWith(name, kShardIndexSuffix)) continue;
     const std::string index_path = JoinPath(temp_dir_, name);
     FULCRUM_ASSIGN_OR_RETURN(const std::string text, fs_->ReadFile(index_path));
+    FULCRUM_RETURN_IF_ERROR(CheckJsonDepth(text, index_path));  // NOTE [JSON nesting limit]
     nlohmann::json index = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (index.is_discarded() || !index.is_object() || !index.contains("files") ||
         !index["files"].is_object() || !index.contains("tensors")) {

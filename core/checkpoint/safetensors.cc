@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -29,76 +28,10 @@ constexpr DtypeName kDtypeNames[] = {
     {at::kByte, "U8"},    {at::kBool, "BOOL"},
 };
 
-uint64_t DecodeLittleEndian64(const char* bytes) {
-  uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(bytes[i]);
-  return value;
-}
-
 std::string EncodeLittleEndian64(uint64_t value) {
   std::string bytes(8, '\0');
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((value >> (8 * i)) & 0xff);
   return bytes;
-}
-
-// Parses one "<name>": {...} header entry; `data_size` is the size of the data buffer.
-absl::StatusOr<SafetensorsTensorInfo> ParseEntry(const std::string& path, const std::string& name,
-                                                 const nlohmann::json& entry, uint64_t data_size) {
-  auto error = [&](absl::string_view what) {
-    return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': ", what));
-  };
-  if (!entry.is_object()) {
-    return error(
-        absl::StrCat("expected a JSON object {dtype, shape, data_offsets}, found ", entry.dump()));
-  }
-  SafetensorsTensorInfo info;
-  info.name = name;
-
-  const auto dtype = entry.find("dtype");
-  if (dtype == entry.end() || !dtype->is_string()) return error("missing string field 'dtype'");
-  absl::StatusOr<at::ScalarType> scalar_type =
-      ScalarTypeFromSafetensorsDtype(dtype->get_ref<const std::string&>());
-  if (!scalar_type.ok()) return error(scalar_type.status().message());
-  info.dtype = *scalar_type;
-
-  const auto shape = entry.find("shape");
-  if (shape == entry.end() || !shape->is_array()) return error("missing array field 'shape'");
-  // numel * itemsize, checked for overflow: a corrupt shape must not wrap around to a
-  // small size that happens to match the byte range.
-  uint64_t expected_bytes = static_cast<uint64_t>(c10::elementSize(info.dtype));
-  for (const nlohmann::json& dim : *shape) {
-    if (!dim.is_number_unsigned() ||
-        dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return error(absl::StrCat("shape ", shape->dump(), " must hold non-negative integers, found ",
-                                dim.dump()));
-    }
-    const uint64_t extent = dim.get<uint64_t>();
-    if (__builtin_mul_overflow(expected_bytes, extent, &expected_bytes)) {
-      return error(absl::StrCat("shape ", shape->dump(), " overflows 64 bits"));
-    }
-    info.shape.push_back(static_cast<int64_t>(extent));
-  }
-
-  const auto offsets = entry.find("data_offsets");
-  if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
-      !(*offsets)[0].is_number_unsigned() || !(*offsets)[1].is_number_unsigned()) {
-    return error("missing field 'data_offsets': [begin, end] with non-negative integers");
-  }
-  info.begin = (*offsets)[0].get<uint64_t>();
-  info.end = (*offsets)[1].get<uint64_t>();
-  if (info.end < info.begin) {
-    return error(absl::StrCat("data_offsets ", offsets->dump(), " end before they begin"));
-  }
-  if (info.end > data_size) {
-    return error(absl::StrCat("data_offsets ", offsets->dump(), " reach past the data buffer, ",
-                              "which holds only ", data_size, " bytes (file truncated?)"));
-  }
-  if (info.byte_size() != expected_bytes) {
-    return error(absl::StrCat("data_offsets ", offsets->dump(), " span ", info.byte_size(),
-                              " bytes but dtype ", dtype->get_ref<const std::string&>(),
-                              " and shape ", shape->dump(), " need ", expected_bytes));
-  }
-  return info;
 }
 
 // The CPU, contiguous version of `tensor` whose bytes go into the file.
@@ -231,83 +164,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(
   std::unique_ptr<SafetensorsReader> reader(new SafetensorsReader());
   reader->path_ = path;
   FULCRUM_ASSIGN_OR_RETURN(reader->region_, fs->NewReadOnlyMemoryRegion(path));
-  const std::string_view file = reader->region_->bytes();
-  auto error = [&](absl::string_view what) {
-    return absl::DataLossError(absl::StrCat(path, ": ", what));
-  };
-
-  if (file.size() < 8) {
-    return error(
-        absl::StrCat("file has ", file.size(), " bytes, too short for the 8-byte header length"));
-  }
-  const uint64_t header_size = DecodeLittleEndian64(file.data());
-  if (header_size > kMaxSafetensorsHeaderBytes) {
-    return error(absl::StrCat("header length field says ", header_size,
-                              " bytes, more than the limit of ", kMaxSafetensorsHeaderBytes,
-                              " (not a safetensors file, or a corrupt length)"));
-  }
-  if (header_size > file.size() - 8) {
-    return error(absl::StrCat("header length field says ", header_size, " bytes but only ",
-                              file.size() - 8, " bytes follow it (file truncated?)"));
-  }
-  reader->data_start_ = 8 + header_size;
-  const uint64_t data_size = file.size() - reader->data_start_;
-
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(file.substr(8, header_size));
-  } catch (const nlohmann::json::parse_error& e) {
-    return error(absl::StrCat("header is not valid JSON: ", e.what()));
-  }
-  if (!header.is_object()) {
-    return error(absl::StrCat("header must be a JSON object, found a ", header.type_name()));
-  }
-
-  for (const auto& [key, value] : header.items()) {
-    if (key == kMetadataKey) {
-      if (!value.is_object()) return error("'__metadata__' must be an object of strings");
-      for (const auto& [meta_key, meta_value] : value.items()) {
-        if (!meta_value.is_string()) {
-          return error(absl::StrCat("'__metadata__' value for '", meta_key,
-                                    "' must be a string, found ", meta_value.dump()));
-        }
-        reader->metadata_[meta_key] = meta_value.get<std::string>();
-      }
-      continue;
-    }
-    FULCRUM_ASSIGN_OR_RETURN(SafetensorsTensorInfo info, ParseEntry(path, key, value, data_size));
+  FULCRUM_ASSIGN_OR_RETURN(SafetensorsHeader header,
+                           ParseSafetensorsHeader(path, reader->region_->bytes()));
+  reader->data_start_ = header.data_start;
+  reader->metadata_ = std::move(header.metadata);
+  for (SafetensorsHeaderEntry& entry : header.entries) {
+    SafetensorsTensorInfo info;
+    info.name = std::move(entry.name);
+    // The header parser accepted the name, and the two dtype tables agree (a test checks).
+    info.dtype = *ScalarTypeFromSafetensorsDtype(entry.dtype);
+    info.shape = std::move(entry.shape);
+    info.begin = entry.begin;
+    info.end = entry.end;
+    reader->names_.push_back(info.name);
+    reader->index_.emplace(info.name, reader->infos_.size());
     reader->infos_.push_back(std::move(info));
-  }
-
-  // The ranges must tile [0, data_size): each tensor starts where the previous one ended.
-  // Zero-byte tensors share their offset with a neighbour, so ties order by end, then name.
-  std::sort(reader->infos_.begin(), reader->infos_.end(),
-            [](const SafetensorsTensorInfo& a, const SafetensorsTensorInfo& b) {
-              return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
-            });
-  uint64_t covered = 0;
-  const SafetensorsTensorInfo* previous = nullptr;
-  for (const SafetensorsTensorInfo& info : reader->infos_) {
-    if (info.begin < covered) {
-      return error(absl::StrCat("tensor '", info.name, "' bytes [", info.begin, ", ", info.end,
-                                ") overlap tensor '", previous->name, "' bytes [", previous->begin,
-                                ", ", previous->end, ")"));
-    }
-    if (info.begin > covered) {
-      return error(absl::StrCat("data bytes [", covered, ", ", info.begin,
-                                ") belong to no tensor (gap before tensor '", info.name, "')"));
-    }
-    covered = info.end;
-    previous = &info;
-  }
-  if (covered != data_size) {
-    return error(absl::StrCat("the tensors cover ", covered, " data bytes but the file holds ",
-                              data_size, " (", data_size - covered, " trailing bytes)"));
-  }
-
-  for (size_t i = 0; i < reader->infos_.size(); ++i) {
-    reader->names_.push_back(reader->infos_[i].name);
-    reader->index_.emplace(reader->infos_[i].name, i);
   }
   return reader;
 }

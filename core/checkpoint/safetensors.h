@@ -33,13 +33,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/checkpoint/safetensors_header.h"
 #include "core/file_system.h"
 
 namespace fulcrum::ckpt {
-
-/// Headers larger than this are rejected before being parsed (the reference
-/// implementation's limit; real headers are at most a few MB).
-inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 
 /// The safetensors name of `dtype` ("F32", "BF16", "BOOL", ...). Supported: F64, F32, F16,
 /// BF16, I64, I32, I16, I8, U8, BOOL; anything else is InvalidArgument.
@@ -77,11 +74,8 @@ absl::Status WriteSafetensors(FileSystem* fs, const std::string& path,
 /// A memory-mapped safetensors file whose header was fully validated by Open.
 class SafetensorsReader {
  public:
-  /// Maps `path` and validates it: length field sane for the file size, header is a JSON
-  /// object, every entry has a known dtype, a shape of non-negative integers and a byte
-  /// range of exactly numel * itemsize, the ranges tile the data buffer (no overlap, no
-  /// gap, nothing missing or trailing), metadata values are strings. Errors are
-  /// InvalidArgument / DataLoss naming the file and, where it applies, the tensor.
+  /// Maps `path` and validates its header (ParseSafetensorsHeader, which lists the checks).
+  /// Errors are InvalidArgument / DataLoss naming the file and, where it applies, the tensor.
   static absl::StatusOr<std::unique_ptr<SafetensorsReader>> Open(FileSystem* fs,
                                                                  const std::string& path);
   /// Open() on DefaultFileSystem().

@@ -10,7 +10,6 @@
 #include <cstring>
 #include <limits>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 
@@ -20,13 +19,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 
 namespace fulcrum::data {
 namespace {
-
-constexpr char kMagic[] = "MMIDIDX\x00\x00";  // 9 bytes; the literal adds a 10th NUL.
-constexpr int64_t kMagicSize = 9;
-constexpr uint64_t kVersion = 1;
-// magic + u64 version + u8 dtype + u64 sequence_count + u64 document_count.
-constexpr int64_t kHeaderSize = kMagicSize + 8 + 1 + 8 + 8;
-static_assert(kHeaderSize == 34, "Megatron's _IndexReader documents a 34-byte header");
 
 // Writes flush to the .bin file in chunks of this size.
 constexpr size_t kWriteBufferBytes = size_t{4} << 20;
@@ -86,30 +78,6 @@ std::string ErrnoMessage(int error) { return std::strerror(error); }
 
 }  // namespace
 
-int64_t DTypeSize(DType dtype) {
-  int64_t size = 0;
-  VisitDType(dtype, [&](auto t) { size = sizeof(t); });
-  return size;
-}
-
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kUInt8: return "uint8";
-    case DType::kInt8: return "int8";
-    case DType::kInt16: return "int16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFloat64: return "float64";
-    case DType::kFloat32: return "float32";
-    case DType::kUInt16: return "uint16";
-  }
-  return "unknown";
-}
-
-DType BestTokenDType(int64_t vocab_size) {
-  return vocab_size < 65500 ? DType::kUInt16 : DType::kInt32;
-}
-
 // ---------------------------------------------------------------------------------------
 // MappedFile: a read-only mmap of a whole file.
 
@@ -164,57 +132,6 @@ class IndexedDataset::MappedFile {
 // ---------------------------------------------------------------------------------------
 // IndexedDataset
 
-namespace {
-
-// Checks the index arrays against each other; `where` names the file in messages. Shared by
-// Open (file contents) and FromMemory (arrays from code).
-absl::Status ValidateIndex(const std::string& where, DType dtype,
-                           const std::vector<int32_t>& lengths,
-                           const std::vector<int64_t>& pointers,
-                           const std::vector<int64_t>& document_indices) {
-  const int64_t itemsize = DTypeSize(dtype);
-  const int64_t num_sequences = static_cast<int64_t>(lengths.size());
-  int64_t expected_pointer = 0;
-  for (int64_t i = 0; i < num_sequences; ++i) {
-    if (lengths[i] < 0) {
-      return absl::DataLossError(absl::StrCat(where, ": sequence_lengths[", i, "] is ", lengths[i],
-                                              ", expected a length >= 0"));
-    }
-    if (!pointers.empty() && pointers[i] != expected_pointer) {
-      return absl::DataLossError(absl::StrCat(
-          where, ": sequence_pointers[", i, "] is ", pointers[i], ", expected ", expected_pointer,
-          i == 0 ? " (the first sequence starts at byte 0)"
-                 : absl::StrCat(" (= sequence_pointers[", i - 1, "] + sequence_lengths[", i - 1,
-                                "] * ", itemsize, " bytes per ", DTypeName(dtype), ")")));
-    }
-    expected_pointer += int64_t{lengths[i]} * itemsize;
-  }
-  if (document_indices.empty()) {
-    return absl::DataLossError(
-        absl::StrCat(where, ": document_indices is empty, expected at least the leading 0"));
-  }
-  if (document_indices.front() != 0) {
-    return absl::DataLossError(
-        absl::StrCat(where, ": document_indices[0] is ", document_indices.front(), ", expected 0"));
-  }
-  for (size_t d = 1; d < document_indices.size(); ++d) {
-    if (document_indices[d] < document_indices[d - 1] || document_indices[d] > num_sequences) {
-      return absl::DataLossError(
-          absl::StrCat(where, ": document_indices[", d, "] is ", document_indices[d],
-                       ", expected a value in [", document_indices[d - 1], ", ", num_sequences,
-                       "] (document indices are non-decreasing sequence counts)"));
-    }
-  }
-  if (document_indices.back() != num_sequences) {
-    return absl::DataLossError(absl::StrCat(
-        where, ": the last document index is ", document_indices.back(), ", expected ",
-        num_sequences, " (the sequence count), so every sequence belongs to a document"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 IndexedDataset::~IndexedDataset() = default;
 
 absl::StatusOr<std::shared_ptr<IndexedDataset>> IndexedDataset::Open(
@@ -223,70 +140,20 @@ absl::StatusOr<std::shared_ptr<IndexedDataset>> IndexedDataset::Open(
   const std::string bin_path = BinPath(path_prefix);
   FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> idx, MappedFile::Open(idx_path));
 
-  // Header.
-  const uint8_t* p = idx->data();
-  const int64_t idx_size = idx->size();
-  if (idx_size < kHeaderSize) {
-    return absl::DataLossError(absl::StrCat(idx_path, ": truncated: ", idx_size,
-                                            " bytes, shorter than the ", kHeaderSize,
-                                            "-byte header of a Megatron indexed dataset"));
-  }
-  if (std::memcmp(p, kMagic, kMagicSize) != 0) {
-    return absl::DataLossError(absl::StrCat(
-        idx_path, ": bad magic: expected \"", absl::CHexEscape(std::string(kMagic, kMagicSize)),
-        "\" (Megatron MMIDIDX index), found \"",
-        absl::CHexEscape(std::string(reinterpret_cast<const char*>(p), kMagicSize)), "\""));
-  }
-  const uint64_t version = LoadUnaligned<uint64_t>(p + 9);
-  if (version != kVersion) {
-    return absl::DataLossError(
-        absl::StrCat(idx_path, ": unsupported version ", version, ", expected ", kVersion));
-  }
-  const uint8_t dtype_code = p[17];
-  if (!IsKnownDTypeCode(dtype_code)) {
-    return absl::DataLossError(absl::StrCat(idx_path, ": unknown dtype code ", dtype_code,
-                                            ", expected 1..8 (Megatron's DType enum)"));
-  }
-  const uint64_t sequence_count = LoadUnaligned<uint64_t>(p + 18);
-  const uint64_t document_count = LoadUnaligned<uint64_t>(p + 26);
-
-  // Array sizes. Bound the counts first so the byte arithmetic cannot overflow.
-  const uint64_t room = static_cast<uint64_t>(idx_size - kHeaderSize);
-  const uint64_t expected_bytes = sequence_count <= room / 12 && document_count <= room / 8
-                                      ? sequence_count * 12 + document_count * 8
-                                      : std::numeric_limits<uint64_t>::max();
-  if (expected_bytes > room) {
-    return absl::DataLossError(absl::StrCat(
-        idx_path, ": truncated: header says ", sequence_count, " sequences and ", document_count,
-        " document indices, which need ", kHeaderSize, " + 12 * ", sequence_count, " + 8 * ",
-        document_count, " bytes; file has ", idx_size, " bytes (room for ",
-        room >= document_count * 8 ? (room - document_count * 8) / 12 : 0, " sequences)"));
-  }
-  if (expected_bytes < room) {
-    const uint64_t extra = room - expected_bytes;
-    return absl::DataLossError(absl::StrCat(
-        idx_path, ": ", extra, " unexpected bytes after the document indices (header says ",
-        sequence_count, " sequences and ", document_count, " document indices)",
-        extra == sequence_count ? "; this looks like a multimodal dataset (per-sequence modes), "
-                                  "which is not supported"
-                                : ""));
-  }
-
+  FULCRUM_ASSIGN_OR_RETURN(
+      MegatronIndex index,
+      ParseMegatronIndex(idx_path, std::string_view(reinterpret_cast<const char*>(idx->data()),
+                                                    static_cast<size_t>(idx->size()))));
+  idx.reset();
   auto dataset = std::shared_ptr<IndexedDataset>(new IndexedDataset);
   dataset->path_prefix_ = path_prefix;
-  dataset->dtype_ = static_cast<DType>(dtype_code);
-  dataset->itemsize_ = DTypeSize(dataset->dtype_);
-  const uint8_t* arrays = p + kHeaderSize;
-  dataset->sequence_lengths_.resize(sequence_count);
-  dataset->sequence_pointers_.resize(sequence_count);
-  dataset->document_indices_.resize(document_count);
-  std::memcpy(dataset->sequence_lengths_.data(), arrays, sequence_count * 4);
-  std::memcpy(dataset->sequence_pointers_.data(), arrays + sequence_count * 4, sequence_count * 8);
-  std::memcpy(dataset->document_indices_.data(), arrays + sequence_count * 12, document_count * 8);
-  idx.reset();
-  FULCRUM_RETURN_IF_ERROR(ValidateIndex(idx_path, dataset->dtype_, dataset->sequence_lengths_,
-                                        dataset->sequence_pointers_, dataset->document_indices_));
-  for (int32_t length : dataset->sequence_lengths_) dataset->num_tokens_ += length;
+  dataset->dtype_ = index.dtype;
+  dataset->itemsize_ = DTypeSize(index.dtype);
+  dataset->num_tokens_ = index.num_tokens;
+  dataset->sequence_lengths_ = std::move(index.sequence_lengths);
+  dataset->sequence_pointers_ = std::move(index.sequence_pointers);
+  dataset->document_indices_ = std::move(index.document_indices);
+  const uint64_t sequence_count = dataset->sequence_lengths_.size();
 
   FULCRUM_ASSIGN_OR_RETURN(dataset->bin_, MappedFile::Open(bin_path));
   const int64_t expected_bin_bytes = dataset->num_tokens_ * dataset->itemsize_;
@@ -317,8 +184,8 @@ std::shared_ptr<IndexedDataset> IndexedDataset::FromMemory(std::string name,
     pointer += int64_t{length} * dataset->itemsize_;
   }
   const absl::Status status =
-      ValidateIndex(dataset->path_prefix_, dataset->dtype_, dataset->sequence_lengths_,
-                    dataset->sequence_pointers_, dataset->document_indices_);
+      ValidateMegatronIndex(dataset->path_prefix_, dataset->dtype_, dataset->sequence_lengths_,
+                            dataset->sequence_pointers_, dataset->document_indices_);
   TORCH_CHECK(status.ok(), "IndexedDataset::FromMemory: ", status.message());
   dataset->num_tokens_ = pointer / dataset->itemsize_;
   TORCH_CHECK(dataset->num_tokens_ == static_cast<int64_t>(tokens.size()),
@@ -469,27 +336,11 @@ absl::Status IndexedDatasetWriter::Finalize() {
   }
 
   // The index, laid out per NOTE [Megatron .idx layout].
-  const uint64_t sequence_count = sequence_lengths_.size();
-  const uint64_t document_count = document_indices_.size();
-  std::string idx;
-  idx.reserve(kHeaderSize + sequence_count * 12 + document_count * 8);
-  auto append = [&idx](const void* data, size_t size) {
-    idx.append(static_cast<const char*>(data), size);
-  };
-  append(kMagic, kMagicSize);
-  append(&kVersion, 8);
-  const uint8_t code = static_cast<uint8_t>(dtype_);
-  append(&code, 1);
-  append(&sequence_count, 8);
-  append(&document_count, 8);
-  append(sequence_lengths_.data(), sequence_count * 4);
-  const int64_t itemsize = DTypeSize(dtype_);
-  int64_t pointer = 0;
-  for (int32_t length : sequence_lengths_) {
-    append(&pointer, 8);
-    pointer += int64_t{length} * itemsize;
-  }
-  append(document_indices_.data(), document_count * 8);
+  MegatronIndex index;
+  index.dtype = dtype_;
+  index.sequence_lengths = sequence_lengths_;
+  index.document_indices = document_indices_;
+  const std::string idx = EncodeMegatronIndex(index);
 
   std::FILE* idx_file = std::fopen(idx_partial.c_str(), "wb");
   if (idx_file == nullptr) {

@@ -33,31 +33,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/data/megatron_index.h"
 
 namespace fulcrum::data {
-
-/// Element type of the tokens in a `.bin` file. The values are Megatron's dtype codes, the
-/// byte stored at offset 17 of the `.idx` file.
-enum class DType : uint8_t {
-  kUInt8 = 1,
-  kInt8 = 2,
-  kInt16 = 3,
-  kInt32 = 4,
-  kInt64 = 5,
-  kFloat64 = 6,
-  kFloat32 = 7,
-  kUInt16 = 8,
-};
-
-/// Size of one element in bytes.
-int64_t DTypeSize(DType dtype);
-
-/// NumPy's name for the type ("uint16", "int32", ...), as Megatron names it.
-const char* DTypeName(DType dtype);
-
-/// The token dtype Megatron's preprocessor picks for a vocabulary: uint16 when
-/// `vocab_size < 65500`, else int32 (DType.optimal_dtype in indexed_dataset.py).
-DType BestTokenDType(int64_t vocab_size);
 
 /// A read-only view of a Megatron indexed dataset: the index held in memory, the tokens
 /// memory-mapped (or owned, for datasets built in memory).

@@ -3,6 +3,7 @@
 // against the run (NOTE [resume checks]).
 #include "core/training_manifest.h"
 
+#include "core/trainer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"

@@ -182,6 +182,51 @@ TEST(TrainCliTest, ParseErrorsPrintOneLine) {
       << output;
 }
 
+// Flag-file lines that gflags rejects by exiting 1 with its own message (or printing its
+// own help) after our checks had passed them; found by tests/fuzz/flagfile_fuzz.cc's
+// "fuzz target exited". Each is now refused before gflags parses: one line, exit 2.
+TEST(TrainCliTest, FlagfileLinesGflagsWouldRejectAreRefusedFirst) {
+  const std::string dir = testing::MakeTempDir("cli_flagfile_gflags");
+  struct Case {
+    std::string contents;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      // gflags parses the value up to the line end; we used to strip the space.
+      {"--lr=0.1 \n", "--lr='0.1 ' is not a valid number (in " + dir + "/flags:1)"},
+      // gflags prints its own help and exits 1.
+      {"# comment\n--help\n", "--help asks for help, which only the command line can (in " +
+                                   dir + "/flags:2)"},
+      {"--helpon=cli\n", "--helpon is gflags' own help, not offered here"},
+      // gflags exits when $FLAGS_<name> is unset, or the name unknown.
+      {"--fromenv=lr\n", "--fromenv=lr: $FLAGS_lr is not set"},
+      {"--tryfromenv=no_such_flag\n", "--tryfromenv names an unknown flag --no_such_flag"},
+      // gflags' list parser exits on an empty entry.
+      {"--flagfile=" + dir + "/flags,,x\n", "has an entry ''"},
+      // Lines end at '\r' when there is one, as in gflags; line numbers still count '\n'.
+      {"--num_layers=1\r\n\n--lr=x\r\n", "--lr='x' is not a valid number (in " + dir + "/flags:3)"},
+  };
+  for (const Case& c : cases) {
+    {
+      std::ofstream flagfile(dir + "/flags", std::ios::binary | std::ios::trunc);
+      flagfile << c.contents;
+    }
+    std::string output;
+    EXPECT_EQ(testing::RunCommand("env -u FLAGS_lr " + kTrain + " --flagfile=" + dir + "/flags",
+                                  &output),
+              2)
+        << c.contents << output;
+    EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << output;
+    EXPECT_NE(output.find(c.expected), std::string::npos) << c.contents << output;
+  }
+  // --tryfromenv with the variable set checks its value like any other.
+  std::string output;
+  EXPECT_EQ(testing::RunCommand("FLAGS_lr=fast " + kTrain + " --tryfromenv=lr", &output), 2)
+      << output;
+  EXPECT_NE(output.find("--lr='fast' is not a valid number (from $FLAGS_lr)"), std::string::npos)
+      << output;
+}
+
 TEST(TrainCliTest, HelpShowsFulcrumsFlagsInGroupsAndExitsZero) {
   std::string output;
   ASSERT_EQ(testing::RunCommand(kTrain + " --help", &output), 0) << output;

@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -259,6 +260,27 @@ TEST(CheckpointTest, OpenRejectsTruncatedShardAndCorruptManifest) {
   WriteBytes(manifest_path, edited.dump(1));
   EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
               HasSubstr("missing string field 'manifest_xxh3'"));
+
+  // Nested a million levels deep, a manifest overflowed the stack when it was copied for
+  // its checksum (NOTE [JSON nesting limit]); now it is refused before it is parsed.
+  std::string deep = manifest;
+  deep.insert(deep.find('{') + 1,
+              "\"deep\":" + std::string(1'000'000, '[') + std::string(1'000'000, ']') + ",");
+  WriteBytes(manifest_path, deep);
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
+              AllOf(HasSubstr(manifest_path), HasSubstr("JSON nests more than 64 levels deep")));
+
+  // A format_version past int64 wrapped around to -1, an old format read without its
+  // checksum (seen while making the parser a function for tests/fuzz).
+  edited = nlohmann::json::parse(manifest);
+  edited["format_version"] = std::numeric_limits<uint64_t>::max();
+  WriteBytes(manifest_path, edited.dump());
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
+              HasSubstr("format_version 18446744073709551615 is newer than this build"));
+  edited["format_version"] = 0;
+  WriteBytes(manifest_path, edited.dump());
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
+              HasSubstr("format_version 0 is not a format version (1 or more)"));
 
   // A manifest row that disagrees with the shard header (checksummed anew, as a tool that
   // rewrites manifests would): the header check still catches it.

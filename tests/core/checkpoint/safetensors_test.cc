@@ -39,7 +39,10 @@ TEST(SafetensorsDtypeTest, NamesRoundTrip) {
   for (const auto& [dtype, name] : names) {
     EXPECT_EQ(*SafetensorsDtypeName(dtype), name);
     EXPECT_EQ(*ScalarTypeFromSafetensorsDtype(name), dtype);
+    // The torch-free header parser (safetensors_header.h) has its own table of sizes.
+    EXPECT_EQ(SafetensorsDtypeSize(name), c10::elementSize(dtype)) << name;
   }
+  EXPECT_EQ(SafetensorsDtypeSize("F33"), 0u);
   EXPECT_FALSE(SafetensorsDtypeName(at::kComplexFloat).ok());
   EXPECT_THAT(std::string(ScalarTypeFromSafetensorsDtype("F33").status().message()),
               HasSubstr("F33"));
@@ -242,6 +245,16 @@ TEST(SafetensorsTest, ReaderRejectsMalformedFilesNamingFileAndTensor) {
            R"({"__metadata__":{"step":3},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
            eight),
        "'__metadata__' value for 'step' must be a string"},
+      // Found by tests/fuzz/safetensors_header_fuzz: nlohmann_json throws out_of_range, not
+      // parse_error, for a number beyond a double.
+      {"number_beyond_double",
+       MakeFile(R"({"w":{"dtype":"F32","shape":[1e500],"data_offsets":[0,8]}})", eight),
+       "header is not valid JSON: [json.exception.out_of_range.406] number overflow"},
+      // Printing this entry in the error message overflowed the stack (NOTE [JSON nesting
+      // limit] in core/json_limits.h).
+      {"deep_nesting",
+       MakeFile("{\"w\":" + std::string(1'000'000, '[') + std::string(1'000'000, ']') + "}", ""),
+       "JSON nests more than 64 levels deep"},
   };
   for (const BadFileCase& c : cases) {
     SCOPED_TRACE(c.label);

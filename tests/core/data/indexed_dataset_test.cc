@@ -185,6 +185,30 @@ TEST(IndexedDatasetTest, CreateFailsInMissingFolder) {
   EXPECT_THAT(writer.status().message(), HasSubstr("/nonexistent/folder/x.bin"));
 }
 
+// The torch-free parser the fuzz target calls (core/data/megatron_index.h) reads what the
+// writer wrote, and encodes it back byte for byte; an empty index too (its zero-length
+// arrays were copied from null pointers, which UBSan reports; the fuzz corpus keeps it).
+TEST(MegatronIndexTest, ParsesAndEncodesBackTheWritersBytes) {
+  const std::string prefix = MakeTempDir() + "/parse";
+  WriteSmallDataset(prefix);
+  const std::string idx = ReadBytes(prefix + ".idx");
+  const absl::StatusOr<MegatronIndex> index = ParseMegatronIndex(prefix + ".idx", idx);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->sequence_lengths.size(), 3u);
+  EXPECT_EQ(EncodeMegatronIndex(*index), idx);
+
+  MegatronIndex empty;
+  empty.dtype = DType::kUInt16;
+  empty.document_indices = {0};
+  const std::string empty_idx = EncodeMegatronIndex(empty);
+  EXPECT_EQ(empty_idx.size(), 34u + 8u);
+  const absl::StatusOr<MegatronIndex> parsed = ParseMegatronIndex("empty.idx", empty_idx);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->num_tokens, 0);
+  EXPECT_TRUE(parsed->sequence_lengths.empty());
+  EXPECT_EQ(parsed->document_indices, std::vector<int64_t>{0});
+}
+
 // Each corruption of a valid pair gives an error naming the damaged file and what is wrong.
 class CorruptionTest : public ::testing::Test {
  protected:
@@ -245,6 +269,8 @@ TEST_F(CorruptionTest, TruncatedIdx) {
 TEST_F(CorruptionTest, HugeCountsDoNotOverflow) {
   PatchIdx(18, int64_t{1} << 62);  // sequence_count
   EXPECT_THAT(OpenError(), AllOf(HasSubstr(prefix_ + ".idx"), HasSubstr("truncated")));
+  PatchIdx(26, int64_t{1} << 62);  // document_count: 8 times it wraps to 0 in 64 bits.
+  EXPECT_THAT(OpenError(), AllOf(HasSubstr("truncated"), HasSubstr("(room for 0 sequences)")));
 }
 
 TEST_F(CorruptionTest, TrailingBytes) {

@@ -69,12 +69,14 @@ absl::StatusOr<std::string> NewestCheckpointDir(FileSystem* fs, const std::strin
 
 }  // namespace
 
-absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path) {
-  return Open(DefaultFileSystem(), path);
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path,
+                                                        const CheckpointReadOptions& options) {
+  return Open(DefaultFileSystem(), path, options);
 }
 
-absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const std::string& path) {
-  if (fs->FileExists(JoinPath(path, kManifestFileName))) return OpenDir(fs, path);
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const std::string& path,
+                                                        const CheckpointReadOptions& options) {
+  if (fs->FileExists(JoinPath(path, kManifestFileName))) return OpenDir(fs, path, options);
   if (!fs->IsDirectory(path)) {
     return absl::NotFoundError(absl::StrCat("no checkpoint at ", path, ": no such directory"));
   }
@@ -84,13 +86,14 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const st
   }
   if (fs->FileExists(JoinPath(path, kLatestFileName))) {
     FULCRUM_ASSIGN_OR_RETURN(const std::string dir, FollowLatest(fs, path));
-    return OpenDir(fs, dir);
+    return OpenDir(fs, dir, options);
   }
   FULCRUM_ASSIGN_OR_RETURN(const std::string dir, NewestCheckpointDir(fs, path));
-  return OpenDir(fs, dir);
+  return OpenDir(fs, dir, options);
 }
 
-absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir) {
+absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir,
+                                                           const CheckpointReadOptions& options) {
   const std::string manifest_path = JoinPath(dir, kManifestFileName);
   FULCRUM_ASSIGN_OR_RETURN(const std::string text, fs->ReadFile(manifest_path));
   auto manifest = std::make_shared<nlohmann::json>(
@@ -109,9 +112,21 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
                               " is newer than this build understands (", kManifestFormatVersion,
                               ")"));
   }
+  if (version->get<int64_t>() < 1) {
+    return error(absl::StrCat("format_version ", version->get<int64_t>(),
+                              " is not a Fulcrum manifest format (1 to ", kManifestFormatVersion,
+                              ")"));
+  }
   // NOTE [manifest checksum]
   const auto checksum = manifest->find(kManifestChecksumKey);
-  if (version->get<int64_t>() >= 2) {
+  const bool checksummed = version->get<int64_t>() >= 2;
+  if (!checksummed && !options.allow_unchecksummed_manifest) {
+    return error(absl::StrCat("format_version ", version->get<int64_t>(),
+                              " predates manifest checksums, so an edited field (iteration, "
+                              "data position) would go unnoticed; pass "
+                              "--allow_unchecksummed_manifest to read it anyway"));
+  }
+  if (checksummed) {
     if (checksum == manifest->end() || !checksum->is_string()) {
       return error(absl::StrCat("missing string field '", kManifestChecksumKey,
                                 "' (the manifest's own checksum)"));
@@ -125,7 +140,8 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
     }
   } else {
     FULCRUM_LOG(WARNING) << manifest_path << ": format_version " << version->get<int64_t>()
-                         << " predates manifest checksums; its fields are not verified";
+                         << " predates manifest checksums; its fields are not verified "
+                            "(--allow_unchecksummed_manifest)";
   }
   const auto iteration = manifest->find("iteration");
   if (iteration == manifest->end() || !iteration->is_number_integer()) {
@@ -139,6 +155,7 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
   auto state = std::make_shared<State>();
   state->dir = dir;
   state->iteration = iteration->get<int64_t>();
+  state->manifest_checksummed = checksummed;
   FULCRUM_ASSIGN_OR_RETURN(state->entries, ParseTensorTable(*tensors, manifest_path));
 
   // Open every shard: a missing, truncated or corrupt file is reported here, naming it,

@@ -15,7 +15,7 @@ absl::StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::Open(const std::st
   std::FILE* file = std::fopen(path.c_str(), "a");
   if (file == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--metrics_file: cannot open ", path, ": ", std::strerror(errno)));
+        absl::StrCat("cannot open ", path, " for appending: ", std::strerror(errno)));
   }
   return std::unique_ptr<MetricsWriter>(new MetricsWriter(path, file));
 }

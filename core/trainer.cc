@@ -32,6 +32,18 @@ std::string FormatDuration(double seconds) {
   return absl::StrFormat("%ds", s);
 }
 
+// The JSON-lines file `path` that flag `flag` (metrics_file, load_trace) names, opened for
+// appending; an error names the flag.
+absl::StatusOr<std::unique_ptr<MetricsWriter>> OpenJsonLines(const std::string& path,
+                                                             const char* flag) {
+  absl::StatusOr<std::unique_ptr<MetricsWriter>> writer = MetricsWriter::Open(path);
+  if (!writer.ok()) {
+    return absl::Status(writer.status().code(),
+                        absl::StrCat("--", flag, ": ", writer.status().message()));
+  }
+  return writer;
+}
+
 }  // namespace
 
 nlohmann::json ConfigToJson(const TrainerConfig& c) {
@@ -145,10 +157,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         config.model.vocab_size, " entries (--vocab_size / --tokenizer_model)"));
   }
   if (!config.train.metrics_file.empty() && trainer->is_logging_rank()) {
-    FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_, MetricsWriter::Open(config.train.metrics_file));
+    FULCRUM_ASSIGN_OR_RETURN(trainer->metrics_,
+                             OpenJsonLines(config.train.metrics_file, "metrics_file"));
   }
   if (!config.train.load_trace.empty() && trainer->is_logging_rank()) {
-    FULCRUM_ASSIGN_OR_RETURN(trainer->load_trace_, MetricsWriter::Open(config.train.load_trace));
+    FULCRUM_ASSIGN_OR_RETURN(trainer->load_trace_,
+                             OpenJsonLines(config.train.load_trace, "load_trace"));
   }
   if (!config.train.tensorboard_dir.empty() && trainer->is_logging_rank()) {
     FULCRUM_ASSIGN_OR_RETURN(trainer->tensorboard_,
@@ -493,7 +507,12 @@ absl::Status Trainer::Save() {
 }
 
 absl::Status Trainer::Load(const std::string& path) {
-  FULCRUM_ASSIGN_OR_RETURN(auto reader, ckpt::CheckpointReader::Open(fs_, path));
+  FULCRUM_ASSIGN_OR_RETURN(const ckpt::CheckpointReader reader,
+                           ckpt::CheckpointReader::Open(fs_, path));
+  return Load(reader);
+}
+
+absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
   const std::string source = JoinPath(reader.dir(), ckpt::kManifestFileName);
   FULCRUM_ASSIGN_OR_RETURN(const TrainingManifest saved,
                            ParseTrainingManifest(reader.manifest(), source));
@@ -557,10 +576,10 @@ absl::Status Trainer::ChangeLayout(
                                TensorBoardWriter::Open(fs_, config_.train.tensorboard_dir));
     }
     if (!metrics_ && !config_.train.metrics_file.empty()) {
-      FULCRUM_ASSIGN_OR_RETURN(metrics_, MetricsWriter::Open(config_.train.metrics_file));
+      FULCRUM_ASSIGN_OR_RETURN(metrics_, OpenJsonLines(config_.train.metrics_file, "metrics_file"));
     }
     if (!load_trace_ && !config_.train.load_trace.empty()) {
-      FULCRUM_ASSIGN_OR_RETURN(load_trace_, MetricsWriter::Open(config_.train.load_trace));
+      FULCRUM_ASSIGN_OR_RETURN(load_trace_, OpenJsonLines(config_.train.load_trace, "load_trace"));
     }
   }
   PluginContext ctx = MakePluginContext(iteration_);

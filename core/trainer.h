@@ -34,6 +34,10 @@
 
 namespace fulcrum {
 
+namespace ckpt {
+class CheckpointReader;
+}  // namespace ckpt
+
 /// Everything a training run is configured by.
 struct TrainerConfig {
   ModelOptions model;
@@ -82,6 +86,9 @@ class Trainer {
   /// Restores model, optimizer state, iteration and data position from `path` (a save
   /// directory following its `latest`, or one iteration directory).
   absl::Status Load(const std::string& path);
+  /// The same from a checkpoint already opened (fulcrum_train opens --load before any work,
+  /// with the reading options its flags give).
+  absl::Status Load(const ckpt::CheckpointReader& reader);
 
   /// Trains until train_iters (or the next multiple of exit_interval), saving on the
   /// configured intervals and at the end — or until a stop is requested (SetStopRequest):

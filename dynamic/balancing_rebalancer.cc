@@ -151,6 +151,19 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
 
   absl::StatusOr<BalanceProblem> problem = model_.Problem(loads, measured_on);
   if (!problem.ok()) return keep(absl::StrCat(problem.status().message(), forced));
+  // A budget that the current placement exceeds and no other meets is the caller's error,
+  // whichever algorithm runs: the exact partition decides whether any placement fits.
+  if (!FitsMemory(*problem, current)) {
+    absl::StatusOr<Placement> fitting = PartitionBalance(*problem, &current);
+    if (!fitting.ok() && fitting.status().code() == absl::StatusCode::kResourceExhausted) {
+      decision.error = absl::InvalidArgumentError(absl::StrFormat(
+          "--rebalance_memory_budget_mb=%g: %s (planning iteration %d)",
+          options_.load.memory_budget_bytes / (1024.0 * 1024.0), fitting.status().message(),
+          iteration));
+      decision.note = absl::StrCat(name(), ": ", decision.error.message());
+      return decision;
+    }
+  }
   absl::StatusOr<Placement> proposal = Propose(*problem, current);
   if (!proposal.ok()) return keep(absl::StrCat(proposal.status().message(), forced));
   // NOTE [rebalance hysteresis]: the gain is the whole proposal's; a capped step towards it

@@ -110,16 +110,26 @@ absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
   for (const auto& [begin, end] : current) placement.push_back({begin, end});
   const int p = static_cast<int>(placement.size());
   if (!options_.automatic) {
-    auto step = options_.script.find(iteration);
-    if (step == options_.script.end() || step->second >= p) return std::nullopt;
+    // NOTE [overdue script step]: the latest step at or before `iteration`; stage counts
+    // fall from step to step, so if it asks for no fewer stages than run now, none does.
+    auto step = options_.script.upper_bound(iteration);
+    if (step == options_.script.begin()) return std::nullopt;
+    --step;
+    if (step->second >= p) return std::nullopt;
     absl::StatusOr<Placement> packed = EvenCoarsening(placement, step->second);
     if (!packed.ok()) return packed.status();
     RepackPlan plan;
     plan.repack = true;
     plan.placement = *packed;
+    const std::string overdue =
+        step->first == iteration
+            ? ""
+            : absl::StrCat(" (the step ", step->first, ":", step->second, " was due after "
+                           "iteration ", step->first, "; this run resumed from a checkpoint "
+                           "past it on ", p, " stages, so it re-packs at its first chance)");
     plan.note = absl::StrCat("repack: --repack_script packs ", p, " stages onto ", step->second,
-                             " after iteration ", iteration, ": ", FormatPlacement(placement),
-                             " → ", FormatPlacement(plan.placement));
+                             " after iteration ", iteration, overdue, ": ",
+                             FormatPlacement(placement), " → ", FormatPlacement(plan.placement));
     last_note_ = plan.note;
     return std::optional<RepackPlan>(std::move(plan));
   }

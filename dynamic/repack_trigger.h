@@ -57,6 +57,13 @@ struct RepackTriggerOptions {
   double memory_budget = std::numeric_limits<double>::infinity();
 };
 
+// NOTE [overdue script step]
+// A --repack_script step ITER:STAGES is due from the end of iteration ITER on, not only
+// then: a run stopped in iteration ITER (a SIGTERM there saves that iteration and exits
+// before the shrink), or saved past ITER by a run without the step, resumes on the old stage
+// count from a checkpoint of iteration ≥ ITER and never sees ITER again. It re-packs after
+// its first iteration instead, and says so; the losses are the same either way (re-packing
+// never changes the math), only the ranks are released one iteration later.
 class RepackTrigger {
  public:
   explicit RepackTrigger(RepackTriggerOptions options) : options_(std::move(options)) {}
@@ -65,7 +72,8 @@ class RepackTrigger {
   /// `loads` are what the pipeline gave its rebalancer at the start of the iteration (zero
   /// times before anything was measured: no automatic decision then). A script step whose
   /// stage count is not below the current one is already done (a relaunch after it) and is
-  /// skipped. Returns the plan to carry out, or nullopt; errors from the decision.
+  /// skipped; one still to do whose iteration has passed is done now (NOTE [overdue script
+  /// step]). Returns the plan to carry out, or nullopt; errors from the decision.
   absl::StatusOr<std::optional<RepackPlan>> Check(int64_t iteration,
                                                   const pipeline::LayerRanges& current,
                                                   const std::vector<pipeline::StageLoad>& loads);

@@ -209,6 +209,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     }
     const auto decide_start = Clock::now();
     pipeline::RebalanceDecision decision = (*rebalancer)->Plan(i, loads);
+    if (!decision.error.ok()) return decision.error;  // As training ends on it.
     const double decision_ms =
         std::chrono::duration<double, std::milli>(Clock::now() - decide_start).count();
     Placement next = current;

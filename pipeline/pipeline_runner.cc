@@ -232,6 +232,7 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
   LayerRanges current;
   for (const StageLoad& load : last_loads_) current.emplace_back(load.layer_begin, load.layer_end);
   last_decision_ = rebalancer_->Plan(iteration, last_loads_);
+  if (!last_decision_.error.ok()) return last_decision_.error;
   const LayerRanges& target = last_decision_.target;
   // Validated on the gathered ranges: every rank refuses a bad plan alike.
   if (!target.empty()) {

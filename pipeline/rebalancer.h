@@ -113,6 +113,9 @@ struct RebalanceDecision {
   std::string unit;  // "ms", "params".
   /// One line for the log: what was decided and why (empty: nothing to say).
   std::string note;
+  /// Not OK when the caller asked for what no placement can give (a memory budget that no
+  /// placement fits): the pipeline run fails with it, on every rank alike, and the run ends.
+  absl::Status error;
 };
 
 class Rebalancer {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,7 +48,8 @@ absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentE
 }  // namespace
 
 absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelConfig& layout,
-                                                       const TrainerConfig& config) {
+                                                       const TrainerConfig& config,
+                                                       std::optional<int64_t> resumed_iteration) {
   RepackSettings out;
   if (FLAGS_repack != "off" && FLAGS_repack != "auto") {
     return Invalid(absl::StrCat("--repack='", FLAGS_repack, "' is unknown; expected off or auto"));
@@ -80,10 +82,14 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
     return Invalid(absl::StrCat("--repack=auto and --repack_script='", FLAGS_repack_script,
                                 "' both decide when to re-pack; give one of them"));
   }
-  if (FLAGS_repack_min_stages > layout.pp && automatic && layout.pp > 1) {
+  // A relaunch after re-packing comes back with the same flags on fewer stages, resuming
+  // from the checkpoint the re-packing saved: what it already did is no error then.
+  const bool resumed = resumed_iteration.has_value();
+  if (automatic && layout.pp > 1 &&
+      (FLAGS_repack_min_stages > layout.pp || (FLAGS_repack_min_stages == layout.pp && !resumed))) {
     return Invalid(absl::StrCat("--repack_min_stages=", FLAGS_repack_min_stages,
-                                " exceeds --pipeline_model_parallel_size=", layout.pp,
-                                "; nothing could be re-packed"));
+                                " leaves no stage of --pipeline_model_parallel_size=", layout.pp,
+                                " to spare; nothing could be re-packed"));
   }
   if (!FLAGS_repack_script.empty()) {
     auto script = dynamic::ParseRepackScript(FLAGS_repack_script);
@@ -116,6 +122,23 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
       !script_info.current_value.empty()) {
     return Invalid("--rebalance_script's placements are for the first stage count; re-packing "
                    "changes it, so give one of --rebalance_script and re-packing");
+  }
+  if (automatic && layout.pp < 2 && !resumed) {
+    return Invalid("--repack=auto merges pipeline stages onto fewer ranks; "
+                   "--pipeline_model_parallel_size=1 has one stage");
+  }
+  for (const auto& [iteration, stages] : t.script) {
+    // A step onto as many stages as there are, or more, cannot happen, unless the
+    // checkpoint is of a run that took it (and then was relaunched on that many).
+    if (stages >= layout.pp && !(resumed && iteration <= *resumed_iteration)) {
+      return Invalid(absl::StrCat(
+          "--repack_script: step ", iteration, ":", stages, " cannot happen: re-packing merges "
+          "pipeline stages onto fewer, and --pipeline_model_parallel_size=", layout.pp, " has ",
+          layout.pp,
+          resumed ? absl::StrCat(" (the --load checkpoint, of iteration ", *resumed_iteration,
+                                 ", is not past the step)")
+                  : ""));
+    }
   }
   if (layout.pp < 2) {
     // Nothing left to pack: a relaunch onto one stage comes back here with the same flags.

@@ -29,12 +29,16 @@ struct RepackSettings {
 };
 
 /// The re-packing flags, validated against the layout and the training settings before any
-/// work: --repack off|auto; a script's steps within the run and below the stage count (a
-/// step at or above it is one a relaunch already did); a pipeline (pp > 1); --save for
-/// --repack_via_checkpoint; no --rebalance_script (its placements are for the first stage
-/// count); live (the default) needs tp = 1 and ep = 1.
+/// work: --repack off|auto; a script's steps within the run; a pipeline (pp > 1) with
+/// stages to spare; --save for --repack_via_checkpoint; no --rebalance_script (its
+/// placements are for the first stage count); live (the default) needs tp = 1 and ep = 1.
+/// `resumed_iteration` is the iteration of the --load checkpoint (nullopt: a fresh run).
+/// A script step onto at least the current stage count, or any re-packing at pp = 1, is an
+/// error unless the checkpoint is past it: then it is a step the run that saved it already
+/// took (a relaunch with the same flags, NOTE [relaunch protocol]).
 absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelConfig& layout,
-                                                       const TrainerConfig& config);
+                                                       const TrainerConfig& config,
+                                                       std::optional<int64_t> resumed_iteration);
 
 /// Asks the launcher to relaunch the job with `num_stages` pipeline stages, resuming from
 /// the checkpoint in `save_dir` (NOTE [relaunch protocol]). Called by global rank 0 after

@@ -127,6 +127,10 @@ DEFINE_int32(save_keep_last, 0,
 DEFINE_bool(allow_data_change, false,
             "Resume --load on other data than the checkpoint trained on (another --data_path, "
             "--split or --seed), on purpose; without it such a resume is refused.");
+DEFINE_bool(allow_unchecksummed_manifest, false,
+            "Resume --load from a checkpoint whose manifest predates manifest checksums "
+            "(format_version 1), whose fields (iteration, data position) nothing verifies; "
+            "without it such a checkpoint is refused.");
 DEFINE_string(metrics_file, "", "Append one JSON object per iteration to this file.");
 DEFINE_string(load_trace, "",
               "Append each iteration's measured per-layer F/B/W times, plugin loads and "
@@ -202,7 +206,8 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_cosine_init_temperature", "moe_cosine_min_temperature", "moe_a2a_overlap_degree",
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
-      {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change"}},
+      {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change",
+                       "allow_unchecksummed_manifest"}},
       {"Logging", {"log_interval", "metrics_file", "tensorboard_dir", "load_trace", "timeline"}},
   };
   spec.per_file_dir = "plugins";
@@ -462,7 +467,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
 }
 
 std::string LoadPathFlag() { return FLAGS_load; }
+bool AllowUnchecksummedManifestFlag() { return FLAGS_allow_unchecksummed_manifest; }
 std::string PluginsFlag() { return FLAGS_plugins; }
-std::string SavePathFlag() { return FLAGS_save; }
 
 }  // namespace fulcrum

@@ -62,9 +62,9 @@ absl::StatusOr<ThreadChoice> NumThreadsFlag();
 
 /// --load, or empty.
 std::string LoadPathFlag();
+/// --allow_unchecksummed_manifest (ckpt::CheckpointReadOptions).
+bool AllowUnchecksummedManifestFlag();
 /// --plugins as given (plugins::SelectPlugins adds those their own flags ask for).
 std::string PluginsFlag();
-/// --save, or empty.
-std::string SavePathFlag();
 
 }  // namespace fulcrum

@@ -28,6 +28,7 @@
 #include "parallel/world_communicator.h"
 #include "plugins/plugin_registry.h"
 #include "recipes/initial_placement.h"
+#include "recipes/output_paths.h"
 #include "recipes/relaunch_protocol.h"
 #include "recipes/repack_flags.h"
 #include "recipes/train_flags.h"
@@ -130,7 +131,20 @@ int Run(int argc, char** argv) {
   if (!backend.ok()) return Fail(backend.status());
   auto early = fulcrum::ConfigFromFlags(/*vocab_size=*/0, layout->tp);
   if (!early.ok()) return Fail(early.status());
-  auto repack = fulcrum::RepackSettingsFromFlags(*layout, *early);
+  // --load is opened now: a missing or damaged checkpoint is reported before any work, and
+  // the re-packing flags are checked against the iteration it resumes from.
+  std::optional<fulcrum::ckpt::CheckpointReader> checkpoint;
+  if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
+    fulcrum::ckpt::CheckpointReadOptions read_options;
+    read_options.allow_unchecksummed_manifest = fulcrum::AllowUnchecksummedManifestFlag();
+    auto opened = fulcrum::ckpt::CheckpointReader::Open(fulcrum::DefaultFileSystem(), load,
+                                                        read_options);
+    if (!opened.ok()) return Fail(opened.status());
+    checkpoint = std::move(*opened);
+  }
+  auto repack = fulcrum::RepackSettingsFromFlags(
+      *layout, *early,
+      checkpoint ? std::optional<int64_t>(checkpoint->iteration()) : std::nullopt);
   if (!repack.ok()) return Fail(repack.status());
   // The plugins: --plugins, and those their own flags ask for (--num_experts: moe); their
   // flags are checked against the model and the layout now, before any work.
@@ -156,12 +170,11 @@ int Run(int argc, char** argv) {
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
 
   // An unwritable --save would be found only at the first save, after the work it was
-  // meant to keep; --tensorboard_dir is checked on every rank, before the data is read.
-  if (const std::string save = fulcrum::SavePathFlag(); !save.empty()) {
-    if (absl::Status s = fulcrum::ckpt::CheckSaveDirWritable(fulcrum::DefaultFileSystem(), save);
-        !s.ok()) {
-      return Fail(s);
-    }
+  // meant to keep, an unwritable --timeline only at the end; --tensorboard_dir is checked
+  // on every rank, before the data is read.
+  if (absl::Status s = fulcrum::CheckOutputsWritable(early->train, fulcrum::TimelineFlag());
+      !s.ok()) {
+    return Fail(s);
   }
   if (const std::string& dir = early->train.tensorboard_dir; !dir.empty()) {
     if (absl::Status s = fulcrum::CheckTensorBoardDirWritable(fulcrum::DefaultFileSystem(), dir);
@@ -263,7 +276,10 @@ int Run(int argc, char** argv) {
   if (repack->enabled && pipeline_runner != nullptr) repack_trigger.emplace(repack->trigger);
   fulcrum::Trainer* trainer_ptr = trainer->get();
   (*trainer)->SetStopRequest([&] {
-    if (repack_trigger && !repack_plan && repack_error.ok()) {
+    // Re-packing after the last iteration would release ranks with nothing left to train
+    // (an overdue step met by a run resumed just before its end).
+    if (repack_trigger && !repack_plan && repack_error.ok() &&
+        trainer_ptr->iteration() + 1 < config->train.train_iters) {
       auto plan = repack_trigger->Check(trainer_ptr->iteration() + 1, pipeline_runner->ranges(),
                                         pipeline_runner->last_loads());
       if (!plan.ok()) {
@@ -282,8 +298,9 @@ int Run(int argc, char** argv) {
     return repack_plan ? "re-packing" : "a re-packing error";
   });
   try {
-    if (const std::string load = fulcrum::LoadPathFlag(); !load.empty()) {
-      if (absl::Status s = (*trainer)->Load(load); !s.ok()) return Fail(s);
+    if (checkpoint) {
+      if (absl::Status s = (*trainer)->Load(*checkpoint); !s.ok()) return Fail(s);
+      checkpoint.reset();  // Its shard files stay mapped only as long as needed.
     }
     if (absl::Status s = (*trainer)->Run(); !s.ok()) return Fail(s);
     // A live shrink (NOTE [live shrink] in pipeline/shrink.h): the trainer stopped after the

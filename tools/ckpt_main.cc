@@ -1,7 +1,9 @@
 // fulcrum_ckpt: inspect and verify Fulcrum checkpoints from the command line.
 //
 //   fulcrum_ckpt list   /ckpt            iteration, manifest fields, tensor table, totals
-//   fulcrum_ckpt verify /ckpt            every checksum; exit 1 on corruption
+//   fulcrum_ckpt verify /ckpt            every checksum; exit 1 on corruption (or on a
+//                                        manifest without a checksum, unless
+//                                        --allow_unchecksummed_manifest)
 //   fulcrum_ckpt show   /ckpt --key=iteration
 #include <gflags/gflags.h>
 
@@ -21,6 +23,11 @@ DEFINE_string(key, "",
               "For `show`: the manifest field to print, a top-level name (iteration, "
               "consumed_samples, config, ...) or a JSON pointer (/config/hidden_size). "
               "Empty: every field except the tensor table.");
+DEFINE_bool(allow_unchecksummed_manifest, false,
+            "For `verify`: accept a manifest of format_version 1, which predates the manifest's "
+            "own checksum (its fields, such as the iteration and the data position, cannot be "
+            "verified). Without it `verify` fails such a checkpoint; `list` and `show` always "
+            "display it.");
 
 namespace fulcrum {
 namespace {
@@ -31,8 +38,10 @@ constexpr char kUsageText[] =
 Usage:
   fulcrum_ckpt list   PATH             iteration, manifest fields and the tensor table
                                        (name, dtype, shape, file, numel) with totals
-  fulcrum_ckpt verify PATH             checks every tensor's xxh3 checksum; prints OK or
-                                       the bad tensors and exits 1
+  fulcrum_ckpt verify PATH             checks the manifest's and every tensor's xxh3
+                                       checksum; prints OK or what is wrong and exits 1
+                                       (a format 1 manifest has no checksum: it fails
+                                       unless --allow_unchecksummed_manifest)
   fulcrum_ckpt show   PATH [--key=K]   prints manifest field K as JSON (a top-level name
                                        or a JSON pointer such as /config/hidden_size);
                                        without --key, all fields but the tensor table
@@ -115,7 +124,12 @@ int Verify(const ckpt::CheckpointReader& reader) {
   }
   std::cout << "OK: " << reader.entries().size() << " tensors in "
             << reader.manifest()["files"].size() << " files match their checksums (" << reader.dir()
-            << ", iteration " << reader.iteration() << ")\n";
+            << ", iteration " << reader.iteration() << ")"
+            << (reader.manifest_checksummed()
+                    ? ""
+                    : "; the manifest itself has no checksum (format_version 1, accepted by "
+                      "--allow_unchecksummed_manifest)")
+            << "\n";
   return kOk;
 }
 
@@ -158,6 +172,8 @@ int Main(int argc, char** argv) {
     if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "help") {
       std::cout << "fulcrum_ckpt " << gflags::ProgramUsage()
                 << "\n\nFlags:\n  --key: " << gflags::GetCommandLineFlagInfoOrDie("key").description
+                << "\n  --allow_unchecksummed_manifest: "
+                << gflags::GetCommandLineFlagInfoOrDie("allow_unchecksummed_manifest").description
                 << "\n";
       return kOk;
     }
@@ -167,7 +183,9 @@ int Main(int argc, char** argv) {
     const std::string_view arg = argv[i];
     if (arg.empty() || arg[0] != '-') continue;
     const std::string_view name = arg.substr(arg.find_first_not_of('-'));
-    if (name.substr(0, name.find('=')) != "key") {
+    const std::string_view flag = name.substr(0, name.find('='));
+    if (flag != "key" && flag != "allow_unchecksummed_manifest" &&
+        flag != "noallow_unchecksummed_manifest") {
       return UsageError(absl::StrCat("unknown flag '", std::string(arg), "'"));
     }
   }
@@ -183,8 +201,15 @@ int Main(int argc, char** argv) {
   if (!FLAGS_key.empty() && command != "show") {
     return UsageError("--key only applies to `show`");
   }
+  if (FLAGS_allow_unchecksummed_manifest && command != "verify") {
+    return UsageError("--allow_unchecksummed_manifest only applies to `verify`");
+  }
 
-  absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(path);
+  // `list` and `show` display any manifest, checksummed or not (the reader warns); `verify`
+  // vouches for the checkpoint, so it fails one it cannot vouch for unless told otherwise.
+  ckpt::CheckpointReadOptions options;
+  options.allow_unchecksummed_manifest = command != "verify" || FLAGS_allow_unchecksummed_manifest;
+  absl::StatusOr<ckpt::CheckpointReader> reader = ckpt::CheckpointReader::Open(path, options);
   if (!reader.ok()) {
     if (command == "verify") {
       std::cout << "FAILED: " << reader.status().message() << "\n";

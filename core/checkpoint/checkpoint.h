@@ -118,6 +118,14 @@ absl::StatusOr<std::vector<std::string>> RemoveOldCheckpoints(FileSystem* fs,
                                                               const std::string& save_dir,
                                                               int64_t keep);
 
+/// How CheckpointReader::Open treats what it cannot verify.
+struct CheckpointReadOptions {
+  /// Default: false. Read a manifest of format_version 1, which predates the manifest's
+  /// own checksum, so nothing catches an edited field (iteration, data position) in it;
+  /// without this such a checkpoint is DataLoss (NOTE [manifest checksum]).
+  bool allow_unchecksummed_manifest = false;
+};
+
 /// A committed checkpoint, opened for reading. Cheap to copy (shares its state).
 class CheckpointReader {
  public:
@@ -127,10 +135,12 @@ class CheckpointReader {
   /// manifest, validates every shard header and checks that every tensor in the manifest
   /// is in its file with the recorded dtype and shape; only checksums are left to Read and
   /// VerifyAll. Errors name the file: NotFound if there is no checkpoint, DataLoss if one is
-  /// damaged.
-  static absl::StatusOr<CheckpointReader> Open(FileSystem* fs, const std::string& path);
+  /// damaged (or its manifest has no checksum and `options` does not allow that).
+  static absl::StatusOr<CheckpointReader> Open(FileSystem* fs, const std::string& path,
+                                               const CheckpointReadOptions& options = {});
   /// Open() on DefaultFileSystem().
-  static absl::StatusOr<CheckpointReader> Open(const std::string& path);
+  static absl::StatusOr<CheckpointReader> Open(const std::string& path,
+                                               const CheckpointReadOptions& options = {});
 
   /// The checkpoint directory actually read (e.g. /save/iter_0000020).
   const std::string& dir() const { return state_->dir; }
@@ -141,6 +151,9 @@ class CheckpointReader {
   std::vector<std::string> names() const;
   /// The tensor table, by name.
   const TensorTable& entries() const { return state_->entries; }
+  /// False for a manifest of format_version 1 (read only with
+  /// CheckpointReadOptions::allow_unchecksummed_manifest): its fields were not verified.
+  bool manifest_checksummed() const { return state_->manifest_checksummed; }
   bool Has(std::string_view name) const { return entries().count(name) > 0; }
 
   /// Reads `name` into a new CPU tensor after checking its checksum; a mismatch is
@@ -158,11 +171,13 @@ class CheckpointReader {
     std::string dir;
     std::shared_ptr<const nlohmann::json> manifest;
     int64_t iteration = 0;
+    bool manifest_checksummed = true;
     TensorTable entries;
     std::map<std::string, std::unique_ptr<SafetensorsReader>> files;  // By file name.
   };
   explicit CheckpointReader(std::shared_ptr<const State> state) : state_(std::move(state)) {}
-  static absl::StatusOr<CheckpointReader> OpenDir(FileSystem* fs, const std::string& dir);
+  static absl::StatusOr<CheckpointReader> OpenDir(FileSystem* fs, const std::string& dir,
+                                                  const CheckpointReadOptions& options);
   // The bytes of `name` after checking them against the manifest's checksum.
   absl::StatusOr<std::string_view> VerifiedBytes(const std::string& name,
                                                  const ManifestEntry& entry) const;

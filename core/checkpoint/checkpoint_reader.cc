@@ -69,12 +69,14 @@ absl::StatusOr<std::string> NewestCheckpointDir(FileSystem* fs, const std::strin
 
 }  // namespace
 
-absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path) {
-  return Open(DefaultFileSystem(), path);
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path,
+                                                        const CheckpointReadOptions& options) {
+  return Open(DefaultFileSystem(), path, options);
 }
 
-absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const std::string& path) {
-  if (fs->FileExists(JoinPath(path, kManifestFileName))) return OpenDir(fs, path);
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const std::string& path,
+                                                        const CheckpointReadOptions& options) {
+  if (fs->FileExists(JoinPath(path, kManifestFileName))) return OpenDir(fs, path, options);
   if (!fs->IsDirectory(path)) {
     return absl::NotFoundError(absl::StrCat("no checkpoint at ", path, ": no such directory"));
   }
@@ -84,22 +86,31 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(FileSystem* fs, const st
   }
   if (fs->FileExists(JoinPath(path, kLatestFileName))) {
     FULCRUM_ASSIGN_OR_RETURN(const std::string dir, FollowLatest(fs, path));
-    return OpenDir(fs, dir);
+    return OpenDir(fs, dir, options);
   }
   FULCRUM_ASSIGN_OR_RETURN(const std::string dir, NewestCheckpointDir(fs, path));
-  return OpenDir(fs, dir);
+  return OpenDir(fs, dir, options);
 }
 
-absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir) {
+absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const std::string& dir,
+                                                           const CheckpointReadOptions& options) {
   const std::string manifest_path = JoinPath(dir, kManifestFileName);
   FULCRUM_ASSIGN_OR_RETURN(const std::string text, fs->ReadFile(manifest_path));
   FULCRUM_ASSIGN_OR_RETURN(ManifestJson parsed, ParseManifestJson(text, manifest_path));
   auto error = [&](absl::string_view what) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": ", what));
   };
+  // NOTE [manifest checksum]
+  if (!parsed.verified && !options.allow_unchecksummed_manifest) {
+    return error(absl::StrCat("format_version ", parsed.format_version,
+                              " predates manifest checksums, so an edited field (iteration, "
+                              "data position) would go unnoticed; pass "
+                              "--allow_unchecksummed_manifest to read it anyway"));
+  }
   if (!parsed.verified) {
     FULCRUM_LOG(WARNING) << manifest_path << ": format_version " << parsed.format_version
-                         << " predates manifest checksums; its fields are not verified";
+                         << " predates manifest checksums; its fields are not verified "
+                            "(--allow_unchecksummed_manifest)";
   }
   auto manifest = std::make_shared<nlohmann::json>(std::move(parsed.json));
   const nlohmann::json& files = manifest->at("files");
@@ -107,6 +118,7 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
   auto state = std::make_shared<State>();
   state->dir = dir;
   state->iteration = parsed.iteration;
+  state->manifest_checksummed = parsed.verified;
   state->entries = ToTensorTable(std::move(parsed.tensors));
 
   // Open every shard: a missing, truncated or corrupt file is reported here, naming it,

@@ -263,8 +263,12 @@ absl::Status CheckSaveDirWritable(FileSystem* fs, const std::string& save_dir) {
   // prefix makes a probe left by a killed process garbage the next Begin removes.
   const std::string probe =
       JoinPath(save_dir, absl::StrCat(kTempDirPrefix, "write_probe_", getpid()));
-  if (absl::Status s = WriteStringToFile(fs, probe, "fulcrum\n"); !s.ok()) return refuse(s);
-  if (absl::Status s = fs->DeleteRecursively(probe); !s.ok()) return refuse(s);
+  // A write that fails (a full disk fails the sync, not the creation) must not leave the
+  // probe behind: it is removed whatever the write did.
+  const absl::Status written = WriteStringToFile(fs, probe, "fulcrum\n");
+  const absl::Status removed = fs->DeleteRecursively(probe);
+  if (!written.ok()) return refuse(written);
+  if (!removed.ok()) return refuse(removed);
   return absl::OkStatus();
 }
 

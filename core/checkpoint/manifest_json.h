@@ -40,8 +40,11 @@ inline constexpr char kManifestChecksumKey[] = "manifest_xxh3";
 // the XXH3 of the manifest's canonical serialisation (nlohmann::json::dump() of the whole
 // object without this field: keys sorted, no whitespace) under kManifestChecksumKey, and
 // every reader recomputes it. Re-indenting the file keeps it valid; changing any value,
-// adding or removing a field does not. Manifests of format 1 have no checksum and are read
-// with a warning.
+// adding or removing a field does not. Manifests of format 1 have no checksum; since
+// "format_version" is itself just a field, setting it to 1 and deleting the checksum would
+// otherwise let any edit through, so a format 1 manifest is read only when the caller asks
+// for it (CheckpointReadOptions::allow_unchecksummed_manifest: fulcrum_train and
+// fulcrum_ckpt's --allow_unchecksummed_manifest), with a warning.
 
 /// XXH3 of `manifest` without kManifestChecksumKey, canonically serialised, as 16 hex digits.
 std::string ManifestChecksum(const nlohmann::json& manifest);

@@ -29,6 +29,7 @@ using balance_testing::UnmeasuredLoads;
 using pipeline::LayerRanges;
 using pipeline::RebalanceDecision;
 using pipeline::StageLoad;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -360,21 +361,44 @@ TEST(BalancingRebalancerMemoryTest, APlacementOverTheBudgetMakesWayForOneThatFit
   EXPECT_THAT(decision.note, HasSubstr("to fit --rebalance_memory_budget_mb"));
 }
 
-TEST(BalancingRebalancerMemoryTest, NoPlacementFitsKeepsThePlacementAndSaysWhy) {
+// README: no placement within the budget is a clear error, not a note: the decision
+// carries it (the pipeline run fails with it), naming the flag, for either algorithm.
+TEST(BalancingRebalancerMemoryTest, NoPlacementFitsIsAnErrorNamingTheBudget) {
   for (const char* algorithm : {"partition", "diffusion"}) {
     BalancerOptions options = Algorithm(algorithm);
+    options.load.memory_budget_bytes = 1024 * 1024 / 8;  // 0.125 MiB; a layer holds 100 bytes
+    auto rebalancer = Make(options);
+    const Placement even = UniformPlacement(4, 2);
+    std::vector<StageLoad> loads = WithMemory(MakeLoads(even, SyntheticTimes{{10, 10, 30, 30}}));
+    rebalancer->Plan(1, WithMemory(UnmeasuredLoads(even)));
+    EXPECT_TRUE(rebalancer->Plan(2, loads).error.ok()) << "every placement fits 0.125 MiB";
     options.load.memory_budget_bytes = 1;
+    rebalancer = Make(options);
+    rebalancer->Plan(1, WithMemory(UnmeasuredLoads(even)));
+    const RebalanceDecision decision = rebalancer->Plan(2, loads);
+    EXPECT_THAT(decision.target, IsEmpty()) << algorithm;
+    EXPECT_EQ(decision.error.code(), absl::StatusCode::kInvalidArgument) << algorithm;
+    EXPECT_THAT(std::string(decision.error.message()),
+                AllOf(HasSubstr("--rebalance_memory_budget_mb=9.53674e-07: no placement of 4 "
+                                "layers on 2 pipeline stages fits the memory budget"),
+                      HasSubstr("(planning iteration 2)")))
+        << algorithm;
+  }
+}
+
+// A budget that the current placement exceeds but another meets is no error: the move
+// to it is planned (APlacementOverTheBudgetMakesWayForOneThatFits), and a budget every
+// placement meets leaves the decision to the costs.
+TEST(BalancingRebalancerMemoryTest, AFeasibleBudgetIsNoError) {
+  for (const char* algorithm : {"partition", "diffusion"}) {
+    BalancerOptions options = Algorithm(algorithm);
+    options.load.memory_budget_bytes = 300;
     auto rebalancer = Make(options);
     const Placement even = UniformPlacement(4, 2);
     rebalancer->Plan(1, WithMemory(UnmeasuredLoads(even)));
     const RebalanceDecision decision =
-        rebalancer->Plan(2, WithMemory(MakeLoads(even, SyntheticTimes{{10, 10, 30, 30}})));
-    EXPECT_THAT(decision.target, IsEmpty()) << algorithm;
-    EXPECT_THAT(decision.note, HasSubstr(": keep [0,2) [2,4)")) << algorithm;
-    EXPECT_THAT(decision.note, HasSubstr(std::string(algorithm) == "partition"
-                                             ? "fits the memory budget"
-                                             : "over --rebalance_memory_budget_mb"))
-        << decision.note;
+        rebalancer->Plan(2, WithMemory(MakeLoads(even, SyntheticTimes{{10, 10, 10, 10}})));
+    EXPECT_TRUE(decision.error.ok()) << algorithm << ": " << decision.error;
   }
 }
 

@@ -21,6 +21,7 @@
 namespace fulcrum::dynamic {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // Equal layers: F 1, B 1, W 1 per micro-batch, nothing pinned.
@@ -443,6 +444,38 @@ TEST(RepackTriggerTest, ScriptPacksAtItsIterationOnlyWhenStillWider) {
   EXPECT_THAT(trigger.last_note(), HasSubstr("packs 4 stages onto 2 after iteration 15"));
   // Relaunched on two stages from the checkpoint of iteration 15: the step is done.
   plan = trigger.Check(15, {{0, 2}, {2, 4}}, {});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->has_value());
+}
+
+// NOTE [overdue script step]: a run resumed past a step on the old stage count (stopped by
+// a signal in the step's iteration, say) re-packs at its first Check, and says why; once on
+// the step's stage count, and on a later step's, nothing more is due until the next step.
+TEST(RepackTriggerTest, OverdueScriptStepPacksAtTheFirstCheckOfAResumedRun) {
+  RepackTriggerOptions options;
+  options.script = {{15, 2}, {20, 1}};
+  RepackTrigger trigger(options);
+  const pipeline::LayerRanges four = {{0, 1}, {1, 2}, {2, 3}, {3, 4}};
+  auto plan = trigger.Check(16, four, {});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(plan->has_value());
+  EXPECT_EQ((*plan)->placement, (Placement{{0, 2}, {2, 4}}));
+  EXPECT_THAT(trigger.last_note(),
+              AllOf(HasSubstr("packs 4 stages onto 2 after iteration 16"),
+                    HasSubstr("the step 15:2 was due after iteration 15")));
+  const pipeline::LayerRanges two = {{0, 2}, {2, 4}};
+  for (const int64_t iteration : {17, 19}) {
+    plan = trigger.Check(iteration, two, {});
+    ASSERT_TRUE(plan.ok());
+    EXPECT_FALSE(plan->has_value()) << iteration;
+  }
+  // Resumed past both steps, still on four stages: straight to the last one's count.
+  plan = trigger.Check(25, four, {});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(plan->has_value());
+  EXPECT_EQ((*plan)->placement, (Placement{{0, 4}}));
+  EXPECT_THAT(trigger.last_note(), HasSubstr("the step 20:1 was due after iteration 20"));
+  plan = trigger.Check(25, {{0, 4}}, {});
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->has_value());
 }

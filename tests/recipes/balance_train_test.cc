@@ -96,5 +96,25 @@ TEST(SlowBalanceTrainTest, ParameterBalancedInitialPlacementGivesTheHeavyStageFe
   EXPECT_NE(output.find("--rebalancer"), std::string::npos) << output;
 }
 
+// README: a memory budget that no placement fits is a clear error. The state of a layer is
+// known only with the model and the activations only once measured, so it is found at the
+// first decision (planning iteration 1 with --balance_by=params, before any compute; after
+// the first measured iteration by time): exit 2, naming the flag, on every rank alike.
+TEST(SlowBalanceTrainTest, AMemoryBudgetNoPlacementFitsExitsTwoNamingIt) {
+  std::string output;
+  const int code = testing::RunCommand(
+      testing::TrainCommand(2, "--recipe=tiny --train_iters=6 --eval_interval=0 --log_interval=1 "
+                               "--pipeline_model_parallel_size=2 --rebalancer=partition "
+                               "--balance_by=params --rebalance_memory_budget_mb=1"),
+      &output);
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_NE(output.find("fulcrum_train: --rebalance_memory_budget_mb=1: no placement of 4 layers "
+                        "on 2 pipeline stages fits the memory budget"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("(planning iteration 1)"), std::string::npos) << output;
+  EXPECT_EQ(output.find("loss"), std::string::npos) << "no iteration may finish: " << output;
+}
+
 }  // namespace
 }  // namespace fulcrum

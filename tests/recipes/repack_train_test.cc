@@ -161,6 +161,60 @@ TEST_F(SlowRepackTrainTest, Pp2TimesDp2ToPp1TimesDp2ShrinksEveryReplicaAlike) {
   ExpectSameLosses(live, still);
 }
 
+// NOTE [overdue script step]: a pp=4 run saved after iteration 4 on four stages (as a
+// SIGTERM in the step's own iteration leaves it), resumed with --repack_script=3:2: the
+// step is past, so the resumed run re-packs after its first iteration and says why —
+// and trains the losses of the run that never stopped nor shrank.
+TEST_F(SlowRepackTrainTest, ResumedRunPastAScriptStepRepacksAtItsFirstIteration) {
+  std::string output;
+  const std::string common = "--pipeline_model_parallel_size=4 --train_iters=8";
+  const std::vector<nlohmann::json> still = Train(4, "overdue_still", common, &output);
+  ASSERT_EQ(still.size(), 8u);
+  const std::string save = *dir_ + "/ckpt_overdue";
+  const std::vector<nlohmann::json> first =
+      Train(4, "overdue_first", common + " --exit_interval=4 --save=" + save, &output);
+  ASSERT_EQ(first.size(), 4u) << output;
+  const std::vector<nlohmann::json> resumed = Train(
+      4, "overdue_resumed", common + " --repack_script=3:2 --load=" + save, &output);
+  ASSERT_EQ(resumed.size(), 4u) << output;
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "iteration " << i + 5);
+    EXPECT_EQ(resumed[i]["iteration"], i + 5);
+    EXPECT_EQ(resumed[i]["pipeline_size"], i == 0 ? 4 : 2);
+    EXPECT_EQ(resumed[i]["active_ranks"], i == 0 ? 4 : 2);
+    EXPECT_EQ(resumed[i]["loss"], still[i + 4]["loss"]);
+  }
+  EXPECT_NE(output.find("the step 3:2 was due after iteration 3"), std::string::npos) << output;
+  EXPECT_NE(output.find("re-packed live after iteration 5: 4 → 2 pipeline stages"),
+            std::string::npos)
+      << output;
+}
+
+// Re-packing targets that cannot happen on the layout are refused before any work: a
+// script step onto as many stages as there are or more, and an output only written at the
+// end (--timeline). Two processes, pp=2.
+TEST(SlowRepackFlagsTest, TargetsThePipelineCannotReachExitTwoNamingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--repack_script=2:8", "--repack_script: step 2:8 cannot happen"},
+      {"--repack_script=2:2", "--repack_script: step 2:2 cannot happen"},
+      {"--timeline=/proc/fulcrum_no_such_dir/t.json",
+       "--timeline=/proc/fulcrum_no_such_dir/t.json cannot be written"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SCOPED_TRACE(flags);
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(
+                  testing::TrainCommand(2, "--recipe=tiny --train_iters=3 --log_interval=1 "
+                                           "--eval_interval=0 --pipeline_model_parallel_size=2 " +
+                                               flags),
+                  &output),
+              2)
+        << output;
+    EXPECT_NE(output.find(message), std::string::npos) << output;
+    EXPECT_EQ(output.find("iteration 1"), std::string::npos) << "no training may start: " << output;
+  }
+}
+
 // The re-packing flags are checked before any work: exit 2 and one line naming the value.
 TEST(RepackFlagsTest, BadFlagsExitTwoNamingThem) {
   const std::vector<std::pair<std::string, std::string>> cases = {

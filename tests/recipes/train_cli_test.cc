@@ -87,7 +87,19 @@ INSTANTIATE_TEST_SUITE_P(
         BadInputCase{"UnwritableSave", "--save=/proc/fulcrum_no_such_dir",
                      "cannot save checkpoints to /proc/fulcrum_no_such_dir (--save)"},
         BadInputCase{"KeepLastWithoutSave", "--save_keep_last=2", "--save_keep_last=2 needs --save"},
-        BadInputCase{"UnknownParamsDtype", "--params_dtype=fp16", "--params_dtype='fp16' is unknown"}),
+        BadInputCase{"UnknownParamsDtype", "--params_dtype=fp16", "--params_dtype='fp16' is unknown"},
+        // Outputs are checked before any work, each error naming its own flag.
+        BadInputCase{"UnwritableMetricsFile",
+                     "--recipe=tiny --train_iters=2 --metrics_file=/proc/fulcrum_no_such_dir/m.jsonl",
+                     "--metrics_file=/proc/fulcrum_no_such_dir/m.jsonl cannot be written"},
+        BadInputCase{"UnwritableLoadTrace",
+                     "--recipe=tiny --train_iters=2 --load_trace=/proc/fulcrum_no_such_dir/t.jsonl",
+                     "--load_trace=/proc/fulcrum_no_such_dir/t.jsonl cannot be written"},
+        // Re-packing merges pipeline stages; one stage has none to merge.
+        BadInputCase{"RepackScriptAtOneStage", "--recipe=tiny --train_iters=3 --repack_script=2:1",
+                     "--repack_script: step 2:1 cannot happen"},
+        BadInputCase{"RepackAutoAtOneStage", "--recipe=tiny --train_iters=3 --repack=auto",
+                     "--repack=auto merges pipeline stages onto fewer ranks"}),
     [](const ::testing::TestParamInfo<BadInputCase>& info) { return info.param.name; });
 
 std::vector<nlohmann::json> ReadMetrics(const std::string& path) {
@@ -255,6 +267,40 @@ TEST(TrainCliTest, HelpShowsFulcrumsFlagsInGroupsAndExitsZero) {
   EXPECT_NE(full.find("logtostderr"), std::string::npos);
   EXPECT_LT(std::count(output.begin(), output.end(), '\n'),
             std::count(full.begin(), full.end(), '\n'));
+}
+
+// NOTE [manifest checksum]: a checkpoint made to look like format 1 (no checksum) with an
+// edited data position is refused by --load before any work, naming the flag that would
+// accept it; with the flag it resumes, from the edited position.
+TEST(TrainCliTest, LoadRefusesAManifestWithoutChecksumUnlessAllowed) {
+  const std::string dir = testing::MakeTempDir("cli_format1");
+  const std::string common = kTrain + " --recipe=tiny --num_layers=2 --eval_interval=0 --log_interval=1";
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(common + " --train_iters=2 --save=" + dir + "/ckpt", &output), 0)
+      << output;
+  const std::string manifest_path = dir + "/ckpt/iter_0000002/manifest.json";
+  nlohmann::json manifest;
+  {
+    std::ifstream in(manifest_path);
+    manifest = nlohmann::json::parse(in);
+  }
+  ASSERT_EQ(manifest["consumed_samples"].get<int64_t>(), 32) << manifest.dump();
+  manifest["format_version"] = 1;
+  manifest.erase("manifest_xxh3");
+  manifest["consumed_samples"] = 16;  // Consistently, where the sampler records it too.
+  ASSERT_EQ(manifest["sampler"]["consumed_samples"].get<int64_t>(), 32) << manifest.dump();
+  manifest["sampler"]["consumed_samples"] = 16;
+  std::ofstream(manifest_path) << manifest.dump(2);
+
+  const std::string resume = common + " --train_iters=3 --load=" + dir + "/ckpt";
+  EXPECT_EQ(testing::RunCommand(resume, &output), 2) << output;
+  EXPECT_NE(output.find("format_version 1 predates manifest checksums"), std::string::npos)
+      << output;
+  EXPECT_NE(output.find("--allow_unchecksummed_manifest"), std::string::npos) << output;
+  EXPECT_EQ(output.find("iteration 3"), std::string::npos) << "no training may start: " << output;
+
+  EXPECT_EQ(testing::RunCommand(resume + " --allow_unchecksummed_manifest", &output), 0) << output;
+  EXPECT_NE(output.find("consumed samples 16"), std::string::npos) << output;
 }
 
 // Pre-emption (NOTE [graceful stop]): SIGTERM to a training run — one process, and a pp=2

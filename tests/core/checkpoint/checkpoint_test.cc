@@ -261,6 +261,31 @@ TEST(CheckpointTest, OpenRejectsTruncatedShardAndCorruptManifest) {
   EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
               HasSubstr("missing string field 'manifest_xxh3'"));
 
+  // Claiming the format before checksums does not get around it: format 1 is read only
+  // when the caller allows it, and then the reader says its fields were not verified.
+  edited["format_version"] = 1;
+  WriteBytes(manifest_path, edited.dump(1));
+  absl::StatusOr<CheckpointReader> unchecked = CheckpointReader::Open(save.path());
+  EXPECT_EQ(unchecked.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(unchecked.status().message()),
+              AllOf(HasSubstr(manifest_path), HasSubstr("format_version 1 predates manifest checksums"),
+                    HasSubstr("--allow_unchecksummed_manifest")));
+  CheckpointReadOptions allow;
+  allow.allow_unchecksummed_manifest = true;
+  unchecked = CheckpointReader::Open(save.path(), allow);
+  ASSERT_TRUE(unchecked.ok()) << unchecked.status();
+  EXPECT_FALSE(unchecked->manifest_checksummed());
+  EXPECT_EQ(unchecked->manifest()["consumed_samples"], 12345);
+  EXPECT_TRUE(CheckpointReader::Open(save.path(), allow).ok());
+  edited["format_version"] = 0;
+  WriteBytes(manifest_path, edited.dump(1));
+  EXPECT_THAT(std::string(CheckpointReader::Open(save.path(), allow).status().message()),
+              HasSubstr("format_version 0 is not a format version (1 or more)"));
+  WriteBytes(manifest_path, manifest);
+  absl::StatusOr<CheckpointReader> checked = CheckpointReader::Open(save.path());
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_TRUE(checked->manifest_checksummed());
+
   // Nested a million levels deep, a manifest overflowed the stack when it was copied for
   // its checksum (NOTE [JSON nesting limit]); now it is refused before it is parsed.
   std::string deep = manifest;
@@ -281,6 +306,7 @@ TEST(CheckpointTest, OpenRejectsTruncatedShardAndCorruptManifest) {
   WriteBytes(manifest_path, edited.dump());
   EXPECT_THAT(std::string(CheckpointReader::Open(save.path()).status().message()),
               HasSubstr("format_version 0 is not a format version (1 or more)"));
+  WriteBytes(manifest_path, manifest);
 
   // A manifest row that disagrees with the shard header (checksummed anew, as a tool that
   // rewrites manifests would): the header check still catches it.

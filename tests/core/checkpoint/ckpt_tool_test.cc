@@ -100,6 +100,35 @@ TEST_F(CkptToolTest, VerifyCatchesAnEditedManifest) {
                                    HasSubstr("the manifest was changed after it was written")));
 }
 
+// The bypass: format_version set to 1 (before manifest checksums), the checksum
+// deleted and a field edited. `verify` fails it unless told to accept an unchecksummed
+// manifest, and then says what it could not check; `show` displays it either way.
+TEST_F(CkptToolTest, VerifyFailsAManifestWithoutChecksumUnlessAllowed) {
+  const std::string manifest_path = save_.Join("iter_0000020/manifest.json");
+  nlohmann::json manifest = nlohmann::json::parse(ReadBytes(manifest_path));
+  manifest["format_version"] = 1;
+  manifest.erase(kManifestChecksumKey);
+  manifest["consumed_samples"] = 64;
+  WriteBytes(manifest_path, manifest.dump(2));
+
+  RunResult result = RunTool("verify " + save_.path());
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output,
+              AllOf(HasSubstr("FAILED"), HasSubstr("manifest.json: format_version 1 predates "
+                                                   "manifest checksums"),
+                    HasSubstr("--allow_unchecksummed_manifest"), Not(HasSubstr("OK"))));
+
+  result = RunTool("verify " + save_.path() + " --allow_unchecksummed_manifest");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, AllOf(HasSubstr("OK: 3 tensors"),
+                                   HasSubstr("the manifest itself has no checksum")));
+
+  result = RunTool("show " + save_.path() + " --key=consumed_samples");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("64\n"));
+  EXPECT_EQ(RunTool("list " + save_.path() + " --allow_unchecksummed_manifest").exit_code, 2);
+}
+
 TEST_F(CkptToolTest, ShowPrintsOneField) {
   RunResult result = RunTool("show " + save_.path() + " --key=iteration");
   EXPECT_EQ(result.exit_code, 0) << result.output;

@@ -156,6 +156,28 @@ TEST(CheckpointCrashTest, ErrorAtEveryOperationKeepsALoadableCheckpoint) {
   }
 }
 
+// The --save check before training on a full disk: the probe file is created but writing
+// it fails (at the append, the sync or the close, wherever the file system reports it).
+// The check fails naming the directory, and the probe is gone.
+TEST(CheckpointCrashTest, FailedWriteProbeLeavesNothingBehind) {
+  for (const std::string kind : {"Append", "Sync", "Close"}) {
+    SCOPED_TRACE(kind);
+    ScopedTempDir save;
+    FaultInjectionFileSystem faulty(DefaultFileSystem());
+    faulty.FaultWhen([&](const Op& op) { return op.kind == kind; }, Action::kFailOnce);
+    const absl::Status status = CheckSaveDirWritable(&faulty, save.path());
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(std::string(status.message()),
+                ::testing::AllOf(::testing::HasSubstr("cannot save checkpoints to " + save.path()),
+                                 ::testing::HasSubstr("injected fault"),
+                                 ::testing::HasSubstr(kind)));
+    bool created = false;
+    for (const Op& op : faulty.log()) created = created || op.kind == "NewWritableFile";
+    ASSERT_TRUE(created) << "the probe was never created";
+    EXPECT_THAT(*DefaultFileSystem()->ListDir(save.path()), ::testing::IsEmpty());
+  }
+}
+
 // Real kills. Named Slow* because they fork (see tests/CMakeLists.txt).
 TEST(SlowCheckpointCrashTest, KillHalfwayThroughShardKeepsPreviousCheckpoint) {
   ScopedTempDir save;

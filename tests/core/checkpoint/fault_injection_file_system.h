@@ -28,6 +28,8 @@ class FaultInjectionFileSystem : public FileSystemWrapper {
   enum class Action {
     kFail,  // The operation returns an error and so does every later one.
     kKill,  // raise(SIGKILL) before the operation takes effect.
+    kFailOnce,  // Only the operation returns an error (a full disk: the write fails, the
+                // delete that follows works).
   };
   /// One mutating operation, as seen by a trigger.
   struct Op {
@@ -107,7 +109,12 @@ class FaultInjectionFileSystem : public FileSystemWrapper {
       ::raise(SIGKILL);
       ::_exit(9);  // Not reached.
     }
-    faulted_ = true;
+    if (action_ == Action::kFailOnce) {
+      trigger_ = nullptr;
+      byte_budget_ = UINT64_MAX;
+    } else {
+      faulted_ = true;
+    }
     return Injected(op);
   }
   static absl::Status Injected(const Op& op) {

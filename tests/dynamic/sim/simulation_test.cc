@@ -79,6 +79,18 @@ TEST(SimulateRunTest, BubbleFormulasOfEqualStages) {
   }
 }
 
+// A memory budget no placement fits ends the simulated run as it ends a training run
+// (RebalanceDecision::error), naming the flag.
+TEST(SimulateRunTest, AMemoryBudgetNoPlacementFitsEndsTheRun) {
+  Scenario s = Fixed({3, 1, 1, 1}, 2, 4, "zbh1", 4);
+  BalancerOptions options;
+  options.load.memory_budget_bytes = 1;
+  absl::StatusOr<SimulatedRun> run = SimulateRun(s, kPartition, options);
+  EXPECT_EQ(run.status().code(), absl::StatusCode::kInvalidArgument) << run.status();
+  EXPECT_NE(run.status().message().find("--rebalance_memory_budget_mb="), std::string::npos)
+      << run.status();
+}
+
 TEST(SimulateRunTest, PartitionMovesAfterProfilingAndMigrationIsCounted) {
   // Layers (3, 1, 1, 1) on 2 stages: uniform [0,2) [2,4) has loads 4:2; the optimum is
   // [0,1) [1,4) with 3:3. Plan(2) decides on iteration 1's times (NOTE [rebalance events]),

@@ -48,11 +48,19 @@ inline std::vector<double> ValidLossesOf(const std::vector<nlohmann::json>& reco
 }
 
 /// How far apart, relative, two layouts of one fp32 run may end on any iteration's loss
-/// (training or validation). Measured over 12-20 iterations of the tiny recipes: 2.4e-8 to
-/// 2.4e-7 (reductions summed in another order). Turning weight decay off moves the same
-/// runs by 2.8e-5 once past the warm-up (kPastWarmup), so a layout that dropped it fails
-/// (SlowLayoutToleranceTest is that negative control).
-inline constexpr double kLayoutTolerance = 5e-7;
+/// (training or validation): reductions summed in another order round differently, and
+/// training amplifies that. Measured on the tiny recipes past the warm-up (kPastWarmup):
+/// 1.5e-8 to 6e-8 over 12 iterations with pipeline stages, up to 2.5e-6 over 20 iterations
+/// with tensor parallelism (tp2dp2). Turning weight decay off moves the same runs by 2.8e-5
+/// within 12 iterations, so a layout that dropped it fails (SlowLayoutToleranceTest is that
+/// negative control).
+///
+/// Plugins that make discrete choices from the activations (MoE routing with capacity
+/// drops, sparse attention's bucket blocks) flip a choice on such a rounding difference once
+/// the learning rate is high, and from then on the curves part (1e-4 after 20 iterations:
+/// their tests compare inside the warm-up, where the measured differences are below 1e-7,
+/// except MoE's dropless capacity, which pads to another size).
+inline constexpr double kLayoutTolerance = 5e-6;
 
 /// Appended to a short test run's flags so it leaves the learning-rate warm-up after
 /// iteration 2 and decays to min_lr by the last iteration: the recipes' 20-iteration warm-up

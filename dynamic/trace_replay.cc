@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/file_system.h"
+#include "core/json_limits.h"
 #include "dynamic/load_model.h"
 #include "pipeline/load_trace.h"
 
@@ -75,9 +76,20 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
   if (!j.is_object()) return absl::InvalidArgumentError("not a JSON object");
   TraceLine line;
   try {
-    line.iteration = j.at("iteration").get<int64_t>();
+    // NOTE [JSON integers] (core/json_limits.h): a float here would be cast unchecked.
+    absl::StatusOr<int64_t> iteration = JsonInteger<int64_t>(j.at("iteration"));
+    if (!iteration.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'iteration': ", iteration.status().message()));
+    }
+    line.iteration = *iteration;
     line.schedule = j.at("schedule").get<std::string>();
-    line.microbatches = j.at("microbatches").get<int>();
+    absl::StatusOr<int> microbatches = JsonInteger<int>(j.at("microbatches"));
+    if (!microbatches.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'microbatches': ", microbatches.status().message()));
+    }
+    line.microbatches = *microbatches;
     line.rebalancer = j.value("rebalancer", std::string());
     const nlohmann::json& measured = j.at("measured");
     if (!measured.is_object()) return absl::InvalidArgumentError("'measured' is not an object");

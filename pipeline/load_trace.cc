@@ -1,11 +1,40 @@
 #include "pipeline/load_trace.h"
 
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/json_limits.h"
 
 namespace fulcrum::pipeline {
 namespace {
+
+// One field of a stage load. Integers (and lists of them) must be JSON integers that fit
+// (NOTE [JSON integers]); the rest go through nlohmann_json, which throws on a wrong type.
+template <typename T>
+absl::Status ReadValue(const nlohmann::json& value, T* out) {
+  if constexpr (std::is_integral_v<T>) {
+    absl::StatusOr<T> v = JsonInteger<T>(value);
+    if (!v.ok()) return v.status();
+    *out = *v;
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    if (!value.is_array()) return absl::InvalidArgumentError("not an array");
+    out->clear();
+    for (const nlohmann::json& item : value) {
+      absl::StatusOr<int64_t> v = JsonInteger<int64_t>(item);
+      if (!v.ok()) return v.status();
+      out->push_back(*v);
+    }
+  } else {
+    try {
+      *out = value.get<T>();
+    } catch (const nlohmann::json::exception& e) {
+      return absl::InvalidArgumentError(e.what());
+    }
+  }
+  return absl::OkStatus();
+}
 
 template <typename T>
 absl::Status Read(const nlohmann::json& object, const char* name, T* out) {
@@ -13,11 +42,9 @@ absl::Status Read(const nlohmann::json& object, const char* name, T* out) {
   if (it == object.end()) {
     return absl::InvalidArgumentError(absl::StrCat("load trace: a stage load lacks '", name, "'"));
   }
-  try {
-    *out = it->get<T>();
-  } catch (const nlohmann::json::exception& e) {
+  if (absl::Status s = ReadValue(*it, out); !s.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("load trace: stage load field '", name, "': ", e.what()));
+        absl::StrCat("load trace: stage load field '", name, "': ", s.message()));
   }
   return absl::OkStatus();
 }

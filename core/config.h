@@ -37,6 +37,10 @@ struct ModelOptions {
   bool tie_embeddings = true;         // Default: true. LM head reuses the word embeddings.
   double init_method_std = 0.02;      // Default: 0.02. Output projections get std/√(2·layers).
   double layernorm_epsilon = 1e-5;    // Default: 1e-5.
+  // TEMPORARY (branch mixtral): the two fields of the lead's "model: RMSNorm, SwiGLU, ..."
+  // commit that the MoE experts read; dropped in favour of main's at merge time.
+  bool swiglu = false;                // Default: false. MLP/experts: fc2(silu(gate) * up).
+  bool add_bias_linear = true;        // Default: true. Biases on qkv, proj, fc1, fc2, experts.
   double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
   double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
   uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.

@@ -31,6 +31,13 @@ namespace {
 constexpr std::array<const char*, 4> kAuxLossNames = {"load_balancing_loss", "importance_loss",
                                                       "load_loss", "z_loss"};
 
+// silu(gate) * up of fc1's output h [n, 2F'] whose columns interleave (gate_j, up_j)
+// (NOTE [SwiGLU rows]): [n, F']. As HF's act_fn(gate_proj(x)) * up_proj(x) (Llama, Mixtral).
+at::Tensor SwiGlu(const at::Tensor& h) {
+  const at::Tensor pairs = h.unflatten(-1, {-1, 2});
+  return at::silu(pairs.select(-1, 0)) * pairs.select(-1, 1);
+}
+
 class MoeLayer final : public FeedForward {
  public:
   MoeLayer(const MoeOptions& options, const ModelOptions& model, int64_t layer_index,
@@ -61,6 +68,10 @@ class MoeLayer final : public FeedForward {
     const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
     const double std = model.init_method_std;
     const double out_std = std / std::sqrt(2.0 * model.num_layers);
+    swiglu_ = model.swiglu;
+    // NOTE [SwiGLU rows]: gate and up rows interleave, so the contiguous tensor-parallel
+    // shard of fc1's 2F rows (2F/tp is even: F % tp == 0 is validated) holds whole pairs.
+    const int64_t fc1_rows = swiglu_ ? 2 * f : f;
     local_experts_ = options.num_experts / ep_size;
     first_expert_ = ep_rank * local_experts_;
     auto add = [&](const std::string& name, at::IntArrayRef shape, double s, int64_t shard_dim,
@@ -81,10 +92,14 @@ class MoeLayer final : public FeedForward {
     for (int64_t e = first_expert_; e < first_expert_ + local_experts_; ++e) {
       const std::string prefix = absl::StrCat("mlp.experts.", e, ".");
       Expert expert;
-      expert.fc1_weight = add(prefix + "linear_fc1.weight", {f, d}, std, 0, true);
-      expert.fc1_bias = add(prefix + "linear_fc1.bias", {f}, 0, 0, false);
+      expert.fc1_weight = add(prefix + "linear_fc1.weight", {fc1_rows, d}, std, 0, true);
       expert.fc2_weight = add(prefix + "linear_fc2.weight", {d, f}, out_std, 1, true);
-      expert.fc2_bias = add(prefix + "linear_fc2.bias", {d}, 0, -1, false);
+      // --disable_bias_linear: no bias parameters at all (Mixtral's experts have none), so
+      // checkpoints, optimizer state and migrations carry nothing for them.
+      if (model.add_bias_linear) {
+        expert.fc1_bias = add(prefix + "linear_fc1.bias", {fc1_rows}, 0, 0, false);
+        expert.fc2_bias = add(prefix + "linear_fc2.bias", {d}, 0, -1, false);
+      }
       experts_.push_back(std::move(expert));
     }
   }
@@ -270,14 +285,15 @@ class MoeLayer final : public FeedForward {
     for (size_t e = 0; e < experts_.size(); ++e) {
       const Expert& expert = experts_[e];
       const at::Tensor& x = inputs[e];
-      at::Tensor h = at::gelu(LinearForward(x, expert.fc1_weight, expert.fc1_bias));
+      at::Tensor h = LinearForward(x, expert.fc1_weight, expert.fc1_bias);
+      h = swiglu_ ? SwiGlu(h) : at::gelu(h);
       // Row-parallel fc2: its bias is added once, after the reduction.
       outputs.push_back(LinearForward(h, expert.fc2_weight, sharded ? at::Tensor() : expert.fc2_bias));
     }
     at::Tensor y = at::cat(outputs);
     if (groups_.tensor == nullptr) return y;
     y = groups_.tensor->ReduceFromRegion(y);
-    if (!sharded) return y;
+    if (!sharded || experts_.empty() || !experts_[0].fc2_bias.defined()) return y;
     std::vector<at::Tensor> biases;
     std::vector<int64_t> row_expert;
     for (size_t e = 0; e < experts_.size(); ++e) {
@@ -390,6 +406,7 @@ class MoeLayer final : public FeedForward {
   }
 
  private:
+  // The biases are undefined without ModelOptions::add_bias_linear.
   struct Expert {
     at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;
   };
@@ -414,6 +431,7 @@ class MoeLayer final : public FeedForward {
   std::unique_ptr<AssignmentCache> cache_;    // Null unless --moe_assignment_cache_threshold.
   int64_t early_micro_batches_ = 0;  // This step's micro-batches that took CachedExperts.
   MoeGroups groups_;
+  bool swiglu_ = false;  // ModelOptions::swiglu: fc2(silu(gate) * up), else fc2(gelu(fc1)).
   int64_t local_experts_ = 0;
   int64_t first_expert_ = 0;
   std::vector<Expert> experts_;

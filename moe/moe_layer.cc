@@ -31,19 +31,13 @@ namespace {
 constexpr std::array<const char*, 4> kAuxLossNames = {"load_balancing_loss", "importance_loss",
                                                       "load_loss", "z_loss"};
 
-// silu(gate) * up of fc1's output h [n, 2F'] whose columns interleave (gate_j, up_j)
-// (NOTE [SwiGLU rows]): [n, F']. As HF's act_fn(gate_proj(x)) * up_proj(x) (Llama, Mixtral).
-at::Tensor SwiGlu(const at::Tensor& h) {
-  const at::Tensor pairs = h.unflatten(-1, {-1, 2});
-  return at::silu(pairs.select(-1, 0)) * pairs.select(-1, 1);
-}
-
 class MoeLayer final : public FeedForward {
  public:
   MoeLayer(const MoeOptions& options, const ModelOptions& model, int64_t layer_index,
            Unit& unit, bool initialize, std::unique_ptr<Router> router,
            std::shared_ptr<ExpertExchange> exchange, const MoeGroups& groups)
       : options_(options),
+        model_(model),
         layer_index_(layer_index),
         router_(std::move(router)),
         exchange_(std::move(exchange)),
@@ -68,10 +62,9 @@ class MoeLayer final : public FeedForward {
     const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
     const double std = model.init_method_std;
     const double out_std = std / std::sqrt(2.0 * model.num_layers);
-    swiglu_ = model.swiglu;
     // NOTE [SwiGLU rows]: gate and up rows interleave, so the contiguous tensor-parallel
     // shard of fc1's 2F rows (2F/tp is even: F % tp == 0 is validated) holds whole pairs.
-    const int64_t fc1_rows = swiglu_ ? 2 * f : f;
+    const int64_t fc1_rows = model.swiglu ? 2 * f : f;
     local_experts_ = options.num_experts / ep_size;
     first_expert_ = ep_rank * local_experts_;
     auto add = [&](const std::string& name, at::IntArrayRef shape, double s, int64_t shard_dim,
@@ -286,7 +279,7 @@ class MoeLayer final : public FeedForward {
       const Expert& expert = experts_[e];
       const at::Tensor& x = inputs[e];
       at::Tensor h = LinearForward(x, expert.fc1_weight, expert.fc1_bias);
-      h = swiglu_ ? SwiGlu(h) : at::gelu(h);
+      h = MlpActivation(model_, h);  // the dense MLP's: GeLU (tanh with openai_gelu) or SwiGLU
       // Row-parallel fc2: its bias is added once, after the reduction.
       outputs.push_back(LinearForward(h, expert.fc2_weight, sharded ? at::Tensor() : expert.fc2_bias));
     }
@@ -425,13 +418,13 @@ class MoeLayer final : public FeedForward {
   }
 
   MoeOptions options_;
+  ModelOptions model_;  // MlpActivation's choice: swiglu, openai_gelu.
   int64_t layer_index_;
   std::unique_ptr<Router> router_;
   std::shared_ptr<ExpertExchange> exchange_;  // Null when ep == 1.
   std::unique_ptr<AssignmentCache> cache_;    // Null unless --moe_assignment_cache_threshold.
   int64_t early_micro_batches_ = 0;  // This step's micro-batches that took CachedExperts.
   MoeGroups groups_;
-  bool swiglu_ = false;  // ModelOptions::swiglu: fc2(silu(gate) * up), else fc2(gelu(fc1)).
   int64_t local_experts_ = 0;
   int64_t first_expert_ = 0;
   std::vector<Expert> experts_;

@@ -1,7 +1,9 @@
 // The MoE layer: replaces the dense MLP of every --moe_layer_freq-th transformer layer
-// (core/feed_forward.h) by E experts behind a router: GeLU MLPs, or under --swiglu
-// fc2(silu(gate) * up) as Mixtral's (with --moe_router=mixtral, --disable_bias_linear and a
-// dropless --moe_capacity_factor=0, the numbers of HF transformers' MixtralSparseMoeBlock).
+// (core/feed_forward.h) by E experts behind a router: MLPs with the dense MLP's activation
+// (MlpActivation in core/transformer_layer.h: GeLU, tanh GeLU under --openai_gelu, or
+// fc2(silu(gate) * up) under --swiglu, as Mixtral's). With --moe_router=mixtral,
+// --disable_bias_linear and a dropless --moe_capacity_factor=0 the layer computes what HF
+// transformers' MixtralSparseMoeBlock does.
 //
 //   x [T, D] → router (moe/router.h) → capacity and slots (moe/capacity.h)
 //     → Dispatch by indices into [E, C, D] (moe/dispatch.h)

@@ -197,11 +197,15 @@ TEST_F(SlowMoeTrainTest, DroplessCapacityAgreesOverTheExpertGroup) {
                 testing::LossesOf(records), 2e-5);
 }
 
-// Mixtral's MoE (--moe_router=mixtral, dropless, no z-loss): one process, then ep=2 and
-// ep=2 x tp=2 on real processes give its curve, with identical expert loads and nothing
-// dropped (NOTE [MoE layout equivalence]). Measured: 3.7e-8 (ep=2), 9.7e-8 (ep=2 x tp=2).
+// Mixtral's MoE (--moe_router=mixtral, dropless, no z-loss, SwiGLU experts without biases):
+// one process, then ep=2 and ep=2 x tp=2 on real processes give its curve, with identical
+// expert loads and nothing dropped (NOTE [MoE layout equivalence]); under tp=2 each rank's
+// contiguous half of an expert's interleaved fc1 rows is whole gate/up pairs (NOTE [SwiGLU
+// rows]).
 TEST_F(SlowMoeTrainTest, MixtralMoeAgreesOverExpertAndTensorParallel) {
-  const std::string mixtral = " --moe_router=mixtral --moe_capacity_factor=0 --moe_z_loss_coeff=0";
+  const std::string mixtral =
+      " --moe_router=mixtral --moe_capacity_factor=0 --moe_z_loss_coeff=0 --swiglu "
+      "--disable_bias_linear";
   std::string output;
   const std::string single = *dir_ + "/mixtral_single.jsonl";
   ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + mixtral + " --metrics_file=" + single),

@@ -22,9 +22,11 @@ namespace {
 // `switch` is the k = 1 case under its paper's name; it refuses k != 1.
 //
 // `mixtral` is Hugging Face transformers' MixtralSparseMoeBlock (MixtralTopKRouter, v4 and
-// v5 alike): the same logits, fp32 softmax over all E, top-k, and the k weights renormalised
-// to sum 1 for every k — for k > 1 these are exactly `topk`'s gates, for k = 1 the gate is 1
-// where `topk` keeps p. Its balancing loss is HF's load_balancing_loss_func for one layer,
+// v5 alike): softmax over all E, top-k, and the k weights renormalised to sum 1 for every
+// k — for k > 1 these are exactly `topk`'s gates, for k = 1 the gate is 1 where `topk` keeps
+// p. HF computes the logits in the model's dtype and the softmax in fp32; here both are in
+// the router's fp32 (NOTE [router precision]), so the two agree exactly for fp32 models and
+// differ by the logits' rounding for bf16 ones. Its balancing loss is HF's load_balancing_loss_func for one layer,
 // k times `topk`'s (MixtralLoadBalancingLoss; NOTE [Mixtral aux loss across layers] for
 // models with several MoE layers), so --moe_aux_loss_coeff = router_aux_loss_coef gives
 // HF's `router_aux_loss_coef * aux_loss`. HF adds that term only with output_router_logits

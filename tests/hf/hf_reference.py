@@ -292,8 +292,11 @@ def cmd_check_export(args):
 
 
 def cmd_compare(args):
-    _imports()
-    from safetensors.torch import load_file
+    # torch and safetensors only: importing transformers costs seconds.
+    try:
+        from safetensors.torch import load_file
+    except ImportError as e:
+        _fail(f"{e}: run tools/setup.sh")
     diffs = _differences(load_file(args.actual), load_file(args.expect))
     worst = max(diffs.values())
     within = worst <= args.tolerance  # False for NaN too.
@@ -323,7 +326,7 @@ def _permute_rotary_rows(w, heads):
 
 
 def cmd_perturb(args):
-    _imports()
+    # Files only: no transformers import (seconds).
     from safetensors.torch import load_file, save_file
     shutil.copytree(args.model, args.out)
     with open(os.path.join(args.out, "config.json")) as f:
@@ -337,6 +340,14 @@ def cmd_perturb(args):
         config["rope_parameters"] = dict(rope, rope_theta=wrong)
         config.pop("rope_theta", None)
         changed.append(f"rope_theta {theta} -> {wrong}")
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    elif args.kind == "activation":
+        # A converter that reads gelu_new as the exact GeLU (or the reverse).
+        act = config.get("activation_function")
+        wrong = "gelu" if act == "gelu_new" else "gelu_new"
+        config["activation_function"] = wrong
+        changed.append(f"activation_function {act} -> {wrong}")
         with open(os.path.join(args.out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     else:
@@ -435,7 +446,8 @@ def main(argv=None):
     perturb.add_argument("--model", required=True)
     perturb.add_argument("--out", required=True)
     perturb.add_argument("--kind", required=True,
-                         choices=["rope_base", "conv1d_transpose", "qk_permute", "gate_up_swap"])
+                         choices=["rope_base", "conv1d_transpose", "qk_permute", "gate_up_swap",
+                                  "activation"])
     perturb.set_defaults(func=cmd_perturb)
 
     args = parser.parse_args(argv)

@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/safetensors.h"
@@ -41,6 +42,7 @@
 #include "core/logging.h"
 #include "core/optimizer.h"
 #include "core/status.h"
+#include "moe/moe_layer.h"
 
 DEFINE_string(load, "", "Fulcrum checkpoint: a save directory or an iter_NNNNNNN directory.");
 DEFINE_string(tokens, "",
@@ -53,6 +55,12 @@ DEFINE_double(adam_beta1, 0.9, "AdamW beta1.");
 DEFINE_double(adam_beta2, 0.999, "AdamW beta2.");
 DEFINE_double(adam_eps, 1e-8, "AdamW epsilon.");
 DEFINE_string(params_dtype, "fp32", "fp32 or fp64: the dtype the checkpoint is computed in.");
+DEFINE_int64(moe_router_topk, 0,
+             "MoE checkpoints: experts per token; 0 = the imported config's "
+             "num_experts_per_tok (manifest imported_from.config).");
+DEFINE_double(moe_aux_loss_coeff, 0.0,
+              "MoE checkpoints: the router's balancing-loss scale in the AdamW step (0: the "
+              "plain token loss, as hf_reference.py's step).");
 
 namespace fulcrum {
 namespace {
@@ -129,6 +137,68 @@ absl::StatusOr<ModelOptions> ModelOptionsFromJson(const nlohmann::json& model) {
   return m;
 }
 
+// The MoE layers of the manifest's "config"."feed_forward" (moe::MoeShape: string values),
+// or a null factory for a dense model. Routing as Mixtral's: softmax top-k renormalised
+// (the `topk` router), dropless (capacity factor 0: transformers drops no token), no
+// jitter or noise.
+absl::StatusOr<FeedForwardFactory> MoeFactory(const nlohmann::json& manifest,
+                                              const ModelOptions& model) {
+  const nlohmann::json& config = manifest["config"];
+  if (!config.contains("feed_forward") || config["feed_forward"].empty()) return FeedForwardFactory();
+  const nlohmann::json& shape = config["feed_forward"];
+  moe::MoeOptions o;
+  std::set<std::string> seen;
+  auto integer = [&](const char* key, int64_t* out) -> absl::Status {
+    seen.insert(key);
+    if (!shape.contains(key) || !shape[key].is_string() ||
+        !absl::SimpleAtoi(shape[key].get<std::string>(), out)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "manifest config.feed_forward.", key, " must be an integer string, got ",
+          shape.contains(key) ? shape[key].dump() : "nothing"));
+    }
+    return absl::OkStatus();
+  };
+  FULCRUM_RETURN_IF_ERROR(integer("num_experts", &o.num_experts));
+  FULCRUM_RETURN_IF_ERROR(integer("moe_ffn_hidden_size", &o.ffn_hidden_size));
+  seen.insert("moe_layer_freq");
+  seen.insert("moe_router");
+  if (!shape.contains("moe_layer_freq") || !shape["moe_layer_freq"].is_string() ||
+      !shape.contains("moe_router") || !shape["moe_router"].is_string()) {
+    return absl::InvalidArgumentError(
+        "manifest config.feed_forward needs string moe_layer_freq and moe_router");
+  }
+  FULCRUM_RETURN_IF_ERROR(moe::ParseMoeLayerFreq(shape["moe_layer_freq"].get<std::string>(), &o));
+  o.router = shape["moe_router"].get<std::string>();
+  for (const auto& [key, value] : shape.items()) {
+    if (seen.count(key) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "manifest config.feed_forward.", key, " is not something fulcrum_hf_logits can set"));
+    }
+  }
+  o.topk = FLAGS_moe_router_topk;
+  if (o.topk == 0) {
+    const nlohmann::json imported =
+        manifest.value("imported_from", nlohmann::json::object()).value("config", nlohmann::json::object());
+    if (!imported.contains("num_experts_per_tok") || !imported["num_experts_per_tok"].is_number_integer()) {
+      return absl::InvalidArgumentError(
+          "an MoE checkpoint without imported_from.config.num_experts_per_tok needs --moe_router_topk");
+    }
+    o.topk = imported["num_experts_per_tok"].get<int64_t>();
+  }
+  o.capacity_factor = 0.0;
+  moe::RouterOptions& r = o.router_options;
+  r.num_experts = o.num_experts;
+  r.topk = o.topk;
+  r.aux_loss_coeff = FLAGS_moe_aux_loss_coeff;
+  r.z_loss_coeff = 0.0;
+  r.input_jitter_eps = 0.0;
+  r.seed = model.seed;
+  r.hidden_size = model.hidden_size;
+  FULCRUM_RETURN_IF_ERROR(moe::ValidateMoeOptions(o, model, /*expert_parallel_size=*/1,
+                                                  /*tensor_parallel_size=*/1));
+  return moe::MakeMoeFactory(o, model, moe::MoeGroups());
+}
+
 absl::StatusOr<at::Tensor> ReadTokens(const std::string& path) {
   FULCRUM_ASSIGN_OR_RETURN(const std::string text, DefaultFileSystem()->ReadFile(path));
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -189,7 +259,8 @@ absl::Status Run() {
         absl::StrCat(FLAGS_tokens, ": token ids must lie in [0, ", options.vocab_size, ")"));
   }
 
-  GptModel model(options);
+  FULCRUM_ASSIGN_OR_RETURN(FeedForwardFactory moe_layers, MoeFactory(manifest, options));
+  GptModel model(options, StageSpec(), /*tp=*/nullptr, std::move(moe_layers));
   const std::vector<Unit*> units = model.Units();
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {

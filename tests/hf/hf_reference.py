@@ -10,7 +10,7 @@ Everything here is offline: models are made from configs, never downloaded.
               model.safetensors.index.json)
   tokens      --vocab V --batch B --seq S --seed K --out FILE
               B rows of S+1 token ids as JSON {"tokens": [[...], ...]}
-  reference   --model DIR --tokens FILE --out FILE [AdamW flags]
+  reference   --model DIR --tokens FILE --out FILE [--model DIR --out FILE ...] [AdamW flags]
               logits, mean loss, and the loss after one torch.optim.AdamW step
   check-export --model DIR --tokens FILE --expect FILE
               from_pretrained with no warning at all (missing, unexpected or mismatched
@@ -160,7 +160,19 @@ def cmd_make(args):
     # One file unless --shards: then at most total/N bytes a file (a tensor larger than that
     # gets its own file), which gives at least N files.
     shard = max(1, total // args.shards) if args.shards > 1 else total * 2
-    model.save_pretrained(args.out, safe_serialization=True, max_shard_size=shard)
+    if args.fused_experts:
+        # The names transformers 5 uses in memory (mlp.experts.gate_up_proj [E, 2F, h],
+        # mlp.experts.down_proj, mlp.gate), which save_pretrained converts back to the hub's
+        # per-expert layout; from_pretrained reads both (NOTE [transformers save format]).
+        from safetensors.torch import save_file
+        if args.arch != "mixtral" or args.shards > 1:
+            _fail("--fused_experts is for --arch=mixtral, unsharded")
+        os.makedirs(args.out, exist_ok=True)
+        config.save_pretrained(args.out)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(args.out, safe_serialization=True, max_shard_size=shard)
     files = sorted(f for f in os.listdir(args.out) if f.endswith(".safetensors"))
     if args.shards > 1 and (len(files) < 2 or
                             not os.path.exists(os.path.join(args.out, "model.safetensors.index.json"))):
@@ -234,12 +246,10 @@ def _logits_and_loss(model, tokens):
     return logits, loss
 
 
-def cmd_reference(args):
-    _imports()
+def _reference(model_dir, tokens, args):
     import torch
     from safetensors.torch import save_file
-    model = _load(args.model, strict=True)
-    tokens = _read_tokens(args.tokens)
+    model = _load(model_dir, strict=True)
     with torch.no_grad():
         logits, loss = _logits_and_loss(model, tokens)
     # One AdamW step as Fulcrum's (core/optimizer.h): decoupled decay, none on biases and
@@ -255,11 +265,24 @@ def cmd_reference(args):
     optimizer.step()
     with torch.no_grad():
         _, loss_after = _logits_and_loss(model, tokens)
-    save_file({"logits": logits.contiguous(),
-               "loss": loss.double().reshape(()),
-               "loss_after_step": loss_after.double().reshape(())},
-              args.out, metadata={"producer": "hf_reference.py", "model": args.model})
-    print(json.dumps({"loss": loss.item(), "loss_after_step": loss_after.item()}))
+    return logits, loss, loss_after
+
+
+def cmd_reference(args):
+    _imports()
+    from safetensors.torch import save_file
+    if len(args.model) != len(args.out):
+        _fail(f"{len(args.model)} --model but {len(args.out)} --out: give them in pairs")
+    tokens = _read_tokens(args.tokens)
+    # Several models in one process: importing transformers costs seconds each time.
+    for model_dir, out in zip(args.model, args.out):
+        logits, loss, loss_after = _reference(model_dir, tokens, args)
+        save_file({"logits": logits.contiguous(),
+                   "loss": loss.double().reshape(()),
+                   "loss_after_step": loss_after.double().reshape(())},
+                  out, metadata={"producer": "hf_reference.py", "model": model_dir})
+        print(json.dumps({"model": model_dir, "loss": loss.item(),
+                          "loss_after_step": loss_after.item()}))
 
 
 def _differences(actual, expect):
@@ -407,6 +430,8 @@ def main(argv=None):
     make.add_argument("--top_k", type=int, default=2)
     make.add_argument("--aux_loss_coef", type=float, default=0.0)
     make.add_argument("--init_std", type=float, default=0.05)
+    make.add_argument("--fused_experts", action="store_true",
+                      help="mixtral: write transformers 5's fused expert tensors")
     make.set_defaults(func=cmd_make)
 
     tokens = sub.add_parser("tokens", help="random token rows as JSON")
@@ -418,9 +443,9 @@ def main(argv=None):
     tokens.set_defaults(func=cmd_tokens)
 
     ref = sub.add_parser("reference", help="logits, loss, loss after one AdamW step")
-    ref.add_argument("--model", required=True)
+    ref.add_argument("--model", required=True, action="append", help="repeatable")
     ref.add_argument("--tokens", required=True)
-    ref.add_argument("--out", required=True)
+    ref.add_argument("--out", required=True, action="append", help="one per --model")
     ref.add_argument("--lr", type=float, default=1e-3)
     ref.add_argument("--weight_decay", type=float, default=0.0)
     ref.add_argument("--adam_beta1", type=float, default=0.9)

@@ -11,7 +11,7 @@ transformers' own save_pretrained):
      loads OUT with no warning and its logits agree with Fulcrum's within 1e-5
   4. negative controls: the same model with one deliberate conversion mistake (GPT-2's
      Conv1D weights not transposed, a wrong rope base, rotary rows permuted, gate and up
-     swapped) must miss Fulcrum's logits by more than 100× the tolerance: the tolerance has
+     swapped) must miss Fulcrum's logits by more than 10× the tolerance: the tolerance has
      teeth for each mistake a converter is likely to make
 Then bad inputs: a missing shard, a tensor of the wrong shape, an unknown architecture and
 a sliding window must each make import-hf exit 2 and write nothing.

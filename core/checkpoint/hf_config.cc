@@ -16,7 +16,9 @@ class Fields {
       : object_(object), source_(std::move(source)) {}
 
   absl::Status Error(const std::string& field, const std::string& what) const {
-    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, " ", what));
+    // "field=value ..." when `what` starts with the value, else "field what".
+    const char* glue = !what.empty() && what[0] == '=' ? "" : " ";
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, glue, what));
   }
   bool Present(const std::string& field) const {
     return object_.contains(field) && !object_[field].is_null();

@@ -376,6 +376,9 @@ std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
       absl::StrCat("--num_attention_heads=", m.num_attention_heads),
       absl::StrCat("--ffn_hidden_size=", m.ffn_hidden_size),
       absl::StrCat("--norm_epsilon=", DoubleText(m.norm_epsilon)),
+      // The vocabulary as it is: fulcrum_train would otherwise pad it to a multiple of 128.
+      absl::StrCat("--vocab_size=", m.vocab_size),
+      "--make_vocab_size_divisible_by=1",
   };
   if (gpt2) {
     flags.push_back(absl::StrCat("--seq_length=", m.max_positions));

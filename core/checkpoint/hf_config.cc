@@ -16,7 +16,9 @@ class Fields {
       : object_(object), source_(std::move(source)) {}
 
   absl::Status Error(const std::string& field, const std::string& what) const {
-    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, " ", what));
+    // "field=value ..." when `what` starts with the value, else "field what".
+    const char* glue = !what.empty() && what[0] == '=' ? "" : " ";
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, glue, what));
   }
   bool Present(const std::string& field) const {
     return object_.contains(field) && !object_[field].is_null();
@@ -374,6 +376,9 @@ std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
       absl::StrCat("--num_attention_heads=", m.num_attention_heads),
       absl::StrCat("--ffn_hidden_size=", m.ffn_hidden_size),
       absl::StrCat("--norm_epsilon=", DoubleText(m.norm_epsilon)),
+      // The vocabulary as it is: fulcrum_train would otherwise pad it to a multiple of 128.
+      absl::StrCat("--vocab_size=", m.vocab_size),
+      "--make_vocab_size_divisible_by=1",
   };
   if (gpt2) {
     flags.push_back(absl::StrCat("--seq_length=", m.max_positions));

@@ -53,7 +53,7 @@ CASES = {
     # The same with transformers 5's fused expert tensors (gate_up_proj [E, 2F, h]).
     "mixtral_fused": (["--arch", "mixtral", "--fused_experts"], []),
 }
-DEFAULT_CASES = "gpt2_gelu,gpt2,llama"
+DEFAULT_CASES = "gpt2_gelu,gpt2,llama,mixtral,mixtral_fused"
 
 
 class Failure(Exception):

@@ -105,7 +105,8 @@ def check_case(r, name, tokens):
     theirs = r.path(name + ".reference.safetensors")
     r.reference("make", *make_args, "--out", hf)
     r.tool("fulcrum_ckpt", "import-hf", hf, ckpt)
-    r.tool("fulcrum_hf_logits", f"--load={ckpt}", f"--tokens={tokens}", f"--out={ours}", *ADAM)
+    r.tool("fulcrum_hf_logits", f"--load={ckpt}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
+           what=f"{name}: fulcrum_hf_logits on the imported checkpoint")
     # The references of the model and of its negative controls, in one process.
     models = ["--model", hf, "--out", theirs]
     for kind in controls:

@@ -48,12 +48,15 @@ CASES = {
     # GQA 4 heads / 2 groups, RMSNorm, SwiGLU, rope, untied head; sharded with an index.
     "llama": (["--arch", "llama", "--shards", "3", "--rope_theta", "50000"],
               ["rope_base", "qk_permute", "gate_up_swap"]),
+    # A hub-style config.json (transformers 4: top-level rope_theta) and tied embeddings.
+    "llama_v4_tied": (["--arch", "llama", "--v4_config", "--tie", "--rope_theta", "50000"],
+                      ["rope_base"]),
     # 4 experts, top-2, SwiGLU experts.
     "mixtral": (["--arch", "mixtral"], ["gate_up_swap", "rope_base"]),
     # The same with transformers 5's fused expert tensors (gate_up_proj [E, 2F, h]).
     "mixtral_fused": (["--arch", "mixtral", "--fused_experts"], []),
 }
-DEFAULT_CASES = "gpt2_gelu,gpt2,llama,mixtral,mixtral_fused"
+DEFAULT_CASES = "gpt2_gelu,gpt2,llama,llama_v4_tied,mixtral,mixtral_fused"
 
 
 class Failure(Exception):

@@ -173,6 +173,19 @@ def cmd_make(args):
                   os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     else:
         model.save_pretrained(args.out, safe_serialization=True, max_shard_size=shard)
+    if args.v4_config:
+        # config.json as transformers 4 wrote it, as most hub checkpoints hold it: a
+        # top-level rope_theta, torch_dtype. transformers 5 reads it into rope_parameters.
+        path = os.path.join(args.out, "config.json")
+        with open(path) as f:
+            written = json.load(f)
+        rope = written.pop("rope_parameters", None) or {}
+        if "rope_theta" in rope:
+            written["rope_theta"] = rope["rope_theta"]
+        written["torch_dtype"] = written.pop("dtype", "float32")
+        written["transformers_version"] = "4.46.0"
+        with open(path, "w") as f:
+            json.dump(written, f, indent=2)
     files = sorted(f for f in os.listdir(args.out) if f.endswith(".safetensors"))
     if args.shards > 1 and (len(files) < 2 or
                             not os.path.exists(os.path.join(args.out, "model.safetensors.index.json"))):
@@ -432,6 +445,8 @@ def main(argv=None):
     make.add_argument("--top_k", type=int, default=2)
     make.add_argument("--aux_loss_coef", type=float, default=0.0)
     make.add_argument("--init_std", type=float, default=0.05)
+    make.add_argument("--v4_config", action="store_true",
+                      help="rewrite config.json as transformers 4 wrote it (top-level rope_theta)")
     make.add_argument("--fused_experts", action="store_true",
                       help="mixtral: write transformers 5's fused expert tensors")
     make.set_defaults(func=cmd_make)

@@ -52,6 +52,21 @@ absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out) {
   return absl::OkStatus();
 }
 
+absl::Status ParseNormalization(const std::string& text, Normalization* out) {
+  if (text == "LayerNorm") {
+    *out = Normalization::kLayerNorm;
+  } else if (text == "RMSNorm") {
+    *out = Normalization::kRMSNorm;
+  } else {
+    return Invalid(absl::StrCat("--normalization='", text, "' is unknown; use LayerNorm or RMSNorm"));
+  }
+  return absl::OkStatus();
+}
+
+const char* NormalizationName(Normalization n) {
+  return n == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm";
+}
+
 const char* LrDecayStyleName(LrDecayStyle s) {
   switch (s) {
     case LrDecayStyle::kConstant: return "constant";
@@ -72,6 +87,10 @@ absl::Status ModelOptions::Validate() const {
                                 " is not divisible by --num_attention_heads=",
                                 num_attention_heads));
   }
+  if (num_query_groups < 0 || num_attention_heads % query_groups() != 0) {
+    return Invalid(absl::StrCat("--num_query_groups=", num_query_groups,
+                                " must divide --num_attention_heads=", num_attention_heads));
+  }
   if (position_embedding == PositionEmbedding::kRotary && head_dim() % 2 != 0) {
     return Invalid(absl::StrCat("rotary positions need an even head dimension; hidden_size/heads = ",
                                 head_dim()));
@@ -85,7 +104,7 @@ absl::Status ModelOptions::Validate() const {
     return Invalid(absl::StrCat("--init_method_std=", init_method_std, " must be > 0"));
   }
   if (!(layernorm_epsilon > 0)) {
-    return Invalid(absl::StrCat("--layernorm_epsilon=", layernorm_epsilon, " must be > 0"));
+    return Invalid(absl::StrCat("--norm_epsilon=", layernorm_epsilon, " must be > 0"));
   }
   if (!(hidden_dropout >= 0 && hidden_dropout < 1)) {
     return Invalid(absl::StrCat("--hidden_dropout=", hidden_dropout, " must be in [0, 1)"));

@@ -11,6 +11,9 @@
 namespace fulcrum {
 
 enum class PositionEmbedding { kLearned, kRotary };
+/// The layer norms' kind: LayerNorm (GPT-2: weight and bias) or RMSNorm (Llama: weight only,
+/// x / sqrt(mean(x²) + eps), computed in fp32 as Hugging Face's LlamaRMSNorm does).
+enum class Normalization { kLayerNorm, kRMSNorm };
 enum class LrDecayStyle { kConstant, kLinear, kCosine };
 /// The dtype of parameters, gradients, optimizer state and activations. fp64 is for
 /// numerical checks (telling rounding from bugs, e.g. layout drift): slower, CPU only.
@@ -19,6 +22,9 @@ enum class ParamsDtype { kFp32, kFp64 };
 /// "learned" / "rope" (also "rotary") → enum; error names the flag otherwise.
 absl::Status ParsePositionEmbedding(const std::string& text, PositionEmbedding* out);
 const char* PositionEmbeddingName(PositionEmbedding p);
+/// "LayerNorm" / "RMSNorm" (Megatron's spellings) → enum; error names --normalization otherwise.
+absl::Status ParseNormalization(const std::string& text, Normalization* out);
+const char* NormalizationName(Normalization n);
 absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out);
 /// "fp32" / "fp64" → enum; error names --params_dtype otherwise.
 absl::Status ParseParamsDtype(const std::string& text, ParamsDtype* out);
@@ -36,7 +42,18 @@ struct ModelOptions {
   double rotary_base = 10000.0;       // Default: 10000 (RoFormer).
   bool tie_embeddings = true;         // Default: true. LM head reuses the word embeddings.
   double init_method_std = 0.02;      // Default: 0.02. Output projections get std/√(2·layers).
-  double layernorm_epsilon = 1e-5;    // Default: 1e-5.
+  double layernorm_epsilon = 1e-5;    // Default: 1e-5 (--norm_epsilon). Of either norm.
+  Normalization normalization = Normalization::kLayerNorm;  // Default: LayerNorm.
+  /// Default: false. The MLP (and MoE experts) compute fc2(silu(gate) ⊙ up) with fc1 holding
+  /// the gate and up rows interleaved (NOTE [SwiGLU rows]); ffn_hidden_size is the width of
+  /// gate and of up.
+  bool swiglu = false;
+  /// Default: 0 = num_attention_heads (multi-head attention). Key/value heads, each shared by
+  /// num_attention_heads / num_query_groups query heads (grouped-query attention; NOTE [QKV
+  /// rows]). Must divide num_attention_heads.
+  int64_t num_query_groups = 0;
+  bool add_bias_linear = true;        // Default: true. Biases on qkv, proj, fc1, fc2, experts.
+  bool openai_gelu = false;           // Default: false. tanh-approximate GeLU (GPT-2's gelu_new).
   double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
   double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
   uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.
@@ -44,6 +61,10 @@ struct ModelOptions {
                                       //   fp32 whatever the dtype, so fp64 starts from them.
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  /// Key/value heads: num_query_groups, or num_attention_heads when it is 0.
+  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  /// Rows of the fused QKV weight: queries of every head plus keys and values of every group.
+  int64_t qkv_rows() const { return (num_attention_heads + 2 * query_groups()) * head_dim(); }
   absl::Status Validate() const;
 };
 

@@ -27,10 +27,11 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
                    std::shared_ptr<LayerCustomizer> customizer)
     : options_(options), tp_(tp), customizer_(std::move(customizer)) {
   const int tp_size = tp ? tp->size() : 1;
-  TORCH_CHECK(options.num_attention_heads % tp_size == 0 && options.ffn_hidden_size % tp_size == 0 &&
-                  options.vocab_size % tp_size == 0,
-              "heads (", options.num_attention_heads, "), ffn size (", options.ffn_hidden_size,
-              ") and vocabulary (", options.vocab_size, ") must be divisible by tp=", tp_size);
+  TORCH_CHECK(options.num_attention_heads % tp_size == 0 && options.query_groups() % tp_size == 0 &&
+                  options.ffn_hidden_size % tp_size == 0 && options.vocab_size % tp_size == 0,
+              "heads (", options.num_attention_heads, "), query groups (", options.query_groups(),
+              "), ffn size (", options.ffn_hidden_size, ") and vocabulary (", options.vocab_size,
+              ") must be divisible by tp=", tp_size);
   const int64_t end = stage.layer_end < 0 ? options.num_layers : stage.layer_end;
   TORCH_CHECK(0 <= stage.layer_begin && stage.layer_begin <= end && end <= options.num_layers,
               "stage layer range [", stage.layer_begin, ", ", end, ") is outside [0, ",

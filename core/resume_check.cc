@@ -22,7 +22,20 @@ constexpr std::pair<const char*, const char*> kShapeFields[] = {
     {"seq_length", "seq_length"},
     {"position_embedding_type", "position_embedding_type"},
     {"tie_embeddings", "untie_embeddings_and_output_weights"},
+    {"normalization", "normalization"},
+    {"swiglu", "swiglu"},
+    {"num_query_groups", "num_query_groups"},
+    {"add_bias_linear", "disable_bias_linear"},
 };
+
+// What a checkpoint saved before a shape field existed had: the GPT-2 shape.
+nlohmann::json DefaultShapeField(const std::string& field, const nlohmann::json& model) {
+  if (field == "normalization") return "LayerNorm";
+  if (field == "swiglu") return false;
+  if (field == "add_bias_linear") return true;
+  if (field == "num_query_groups") return model.value("num_attention_heads", nlohmann::json());
+  return nlohmann::json();
+}
 
 std::string Show(const nlohmann::json& value) {
   return value.is_string() ? value.get<std::string>() : value.dump();
@@ -83,7 +96,8 @@ absl::Status CheckResume(const TrainingManifest& saved, const TrainerConfig& our
   const nlohmann::json mine = ConfigToJson(ours);
   const nlohmann::json& theirs = saved.config["model"];
   for (const auto& [field, flag] : kShapeFields) {
-    const nlohmann::json value = theirs.value(field, nlohmann::json());
+    const nlohmann::json value =
+        theirs.contains(field) ? theirs[field] : DefaultShapeField(field, theirs);
     if (value != mine["model"][field]) {
       return refuse(absl::StrCat("checkpoint has ", field, "=", Show(value), " but this run has ",
                                  field, "=", Show(mine["model"][field]), " (--", flag, ")"));

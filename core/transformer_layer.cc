@@ -46,7 +46,30 @@ class CausalSoftmaxFunction : public torch::autograd::Function<CausalSoftmaxFunc
   }
 };
 
+// x + b, or x when the bias is absent (--disable_bias_linear).
+at::Tensor AddBias(const at::Tensor& x, const at::Tensor& bias) {
+  return bias.defined() ? x + bias : x;
+}
+
 }  // namespace
+
+at::Tensor Norm(const ModelOptions& options, const at::Tensor& x, const at::Tensor& weight,
+                const at::Tensor& bias) {
+  const int64_t h = x.size(-1);
+  if (options.normalization == Normalization::kLayerNorm) {
+    return at::layer_norm(x, {h}, weight, bias, options.layernorm_epsilon);
+  }
+  return at::rms_norm(x, {h}, weight, options.layernorm_epsilon);
+}
+
+at::Tensor MlpActivation(const ModelOptions& options, const at::Tensor& fc1_out) {
+  if (options.swiglu) {
+    // NOTE [SwiGLU rows]: gate and up rows alternate, so the last dimension is (f, 2).
+    const at::Tensor pairs = fc1_out.unflatten(-1, {-1, 2});
+    return at::silu(pairs.select(-1, 0)) * pairs.select(-1, 1);
+  }
+  return options.openai_gelu ? at::gelu(fc1_out, "tanh") : at::gelu(fc1_out);
+}
 
 at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
                    int64_t layer, const ForwardContext& ctx) {
@@ -56,19 +79,41 @@ at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_vie
   return x * keep.div_(1.0 - p);
 }
 
-at::Tensor ApplyRotary(const at::Tensor& x, double base) {
-  const int64_t s = x.size(2);
+namespace {
+
+// x rotated by `angles` [..., n, d] (broadcast over x [b, heads, n, d]).
+at::Tensor Rotate(const at::Tensor& x, at::Tensor angles) {
   const int64_t d = x.size(3);
-  at::Tensor inv_freq =
-      at::pow(base, -at::arange(0, d, 2, at::kDouble) / static_cast<double>(d));  // [d/2]
-  at::Tensor angles = at::outer(at::arange(s, at::kDouble), inv_freq);            // [s, d/2]
-  angles = at::cat({angles, angles}, -1).to(x.scalar_type());                     // [s, d]
+  angles = at::cat({angles, angles}, -1).to(x.scalar_type());
   at::Tensor cos = angles.cos();
   at::Tensor sin = angles.sin();
   at::Tensor x1 = x.narrow(-1, 0, d / 2);
   at::Tensor x2 = x.narrow(-1, d / 2, d / 2);
   at::Tensor rotated = at::cat({-x2, x1}, -1);
   return x * cos + rotated * sin;
+}
+
+at::Tensor InverseFrequencies(int64_t d, double base) {
+  return at::pow(base, -at::arange(0, d, 2, at::kDouble) / static_cast<double>(d));  // [d/2]
+}
+
+}  // namespace
+
+at::Tensor ApplyRotary(const at::Tensor& x, double base) {
+  const int64_t s = x.size(2);
+  return Rotate(x, at::outer(at::arange(s, at::kDouble), InverseFrequencies(x.size(3), base)));
+}
+
+at::Tensor ApplyRotaryAt(const at::Tensor& x, const at::Tensor& positions, double base) {
+  TORCH_CHECK(positions.dim() == 2 && positions.size(0) == x.size(0) && positions.size(1) == x.size(2),
+              "rotary positions must be [", x.size(0), ", ", x.size(2), "], got ", positions.sizes());
+  const at::Tensor angles = positions.to(at::kDouble).unsqueeze(-1) *
+                            InverseFrequencies(x.size(3), base);  // [b, n, d/2]
+  return Rotate(x, angles.unsqueeze(1));
+}
+
+at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group) {
+  return per_group == 1 ? kv : kv.repeat_interleave(per_group, 1);
 }
 
 at::ScalarType ParamsScalarType(const ModelOptions& options) {
@@ -131,7 +176,8 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
       options_(options),
       tp_(tp),
       layer_index_(layer_index),
-      local_heads_(options.num_attention_heads / TpSize(tp)) {
+      local_heads_(options.num_attention_heads / TpSize(tp)),
+      local_groups_(options.query_groups() / TpSize(tp)) {
   set_params_dtype(ParamsScalarType(options));
   const int64_t h = options.hidden_size;
   const int64_t f = options.ffn_hidden_size;
@@ -157,25 +203,31 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
     at::Tensor init = initialize ? ShardOf(full, shard_dim, r, n) : shell(full.sizes(), shard_dim);
     return AddParameter(name, init, /*weight_decay=*/false, shard_dim);
   };
+  const bool norm_bias = options.normalization == Normalization::kLayerNorm;
+  const bool bias = options.add_bias_linear;
+  const int64_t qkv_rows = options.qkv_rows();
   ln1_weight_ = constant("input_layernorm.weight", Ones({h}), -1);
-  ln1_bias_ = constant("input_layernorm.bias", Zeros({h}), -1);
-  // Column-parallel; rows ordered (head, {q, k, v}, head_dim) so each shard is whole heads.
-  qkv_weight_ = weight("self_attention.linear_qkv.weight", {3 * h, h}, std, 0);
-  qkv_bias_ = constant("self_attention.linear_qkv.bias", Zeros({3 * h}), 0);
+  if (norm_bias) ln1_bias_ = constant("input_layernorm.bias", Zeros({h}), -1);
+  // Column-parallel; rows grouped by key/value head so each shard is whole groups (NOTE
+  // [QKV rows]).
+  qkv_weight_ = weight("self_attention.linear_qkv.weight", {qkv_rows, h}, std, 0);
+  if (bias) qkv_bias_ = constant("self_attention.linear_qkv.bias", Zeros({qkv_rows}), 0);
   // Row-parallel; the bias is added once, after the reduction.
   proj_weight_ = weight("self_attention.linear_proj.weight", {h, h}, out_std, 1);
-  proj_bias_ = constant("self_attention.linear_proj.bias", Zeros({h}), -1);
+  if (bias) proj_bias_ = constant("self_attention.linear_proj.bias", Zeros({h}), -1);
   ln2_weight_ = constant("pre_mlp_layernorm.weight", Ones({h}), -1);
-  ln2_bias_ = constant("pre_mlp_layernorm.bias", Zeros({h}), -1);
+  if (norm_bias) ln2_bias_ = constant("pre_mlp_layernorm.bias", Zeros({h}), -1);
   if (customizer != nullptr) {
     attention_core_ = customizer->MakeAttentionCore(layer_index, *this, initialize);
     feed_forward_ = customizer->MakeFeedForward(layer_index, *this, initialize);
   }
   if (feed_forward_ == nullptr) {
-    fc1_weight_ = weight("mlp.linear_fc1.weight", {f, h}, std, 0);
-    fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({f}), 0);
+    // Under SwiGLU fc1 holds gate and up, interleaved (NOTE [SwiGLU rows]).
+    const int64_t fc1_rows = options.swiglu ? 2 * f : f;
+    fc1_weight_ = weight("mlp.linear_fc1.weight", {fc1_rows, h}, std, 0);
+    if (bias) fc1_bias_ = constant("mlp.linear_fc1.bias", Zeros({fc1_rows}), 0);
     fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
-    fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
+    if (bias) fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
   }
   if (customizer != nullptr) customizer->EditLayer(*this, initialize);
 }
@@ -250,26 +302,45 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   const int64_t s = x.size(0);
   const int64_t b = x.size(1);
   const int64_t heads = local_heads_;
+  const int64_t groups = local_groups_;
+  const int64_t per_group = heads / groups;
   const int64_t d = options_.head_dim();
   at::Tensor qkv = Project(LinearSlot::kQkv, CopyToRegion(tp_, x), qkv_weight_, qkv_bias_)
-                       .view({s, b, heads, 3, d});
+                       .view({s, b, groups, per_group + 2, d});
   // [s, b, heads, d] → [b, heads, s, d]. unbind, not three selects: its backward writes
   // the three gradients into one tensor instead of zero-filling and adding three.
-  std::vector<at::Tensor> parts = qkv.unbind(3);
-  at::Tensor q = parts[0].permute({1, 2, 0, 3});
-  at::Tensor k = parts[1].permute({1, 2, 0, 3});
-  at::Tensor v = parts[2].permute({1, 2, 0, 3});
-  if (options_.position_embedding == PositionEmbedding::kRotary) {
-    q = ApplyRotary(q, options_.rotary_base);
-    k = ApplyRotary(k, options_.rotary_base);
+  at::Tensor q, k, v;
+  if (per_group == 1) {
+    std::vector<at::Tensor> parts = qkv.unbind(3);
+    q = parts[0].permute({1, 2, 0, 3});
+    k = parts[1].permute({1, 2, 0, 3});
+    v = parts[2].permute({1, 2, 0, 3});
+  } else {
+    std::vector<at::Tensor> parts = qkv.split({per_group, 1, 1}, 3);
+    q = parts[0].reshape({s, b, heads, d}).permute({1, 2, 0, 3});
+    k = parts[1].squeeze(3).permute({1, 2, 0, 3});  // [b, groups, s, d]
+    v = parts[2].squeeze(3).permute({1, 2, 0, 3});
   }
+  if (options_.position_embedding == PositionEmbedding::kRotary) {
+    if (ctx.rotary_positions.defined()) {
+      const at::Tensor positions = ctx.rotary_positions.t();  // [b, s]
+      q = ApplyRotaryAt(q, positions, options_.rotary_base);
+      k = ApplyRotaryAt(k, positions, options_.rotary_base);
+    } else {
+      q = ApplyRotary(q, options_.rotary_base);
+      k = ApplyRotary(k, options_.rotary_base);
+    }
+  }
+  // Each key/value head serves its group's query heads (after rotary: fewer heads to rotate).
+  k = ExpandGroups(k, per_group);
+  v = ExpandGroups(v, per_group);
   at::Tensor context = attention_core_ != nullptr ? attention_core_->Forward(q, k, v, ctx)
                                                   : SoftmaxAttention(q, k, v, ctx);  // [b, heads, s, d]
   context = context.permute({2, 0, 1, 3})                   // [s, b, heads, d]
                 .reshape({s, b, heads * d});
   // Row-parallel: partial products summed over the group, then the bias once.
-  return ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())) +
-         proj_bias_;
+  return AddBias(ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
+                 proj_bias_);
 }
 
 // NOTE [dense causal attention]
@@ -314,17 +385,17 @@ at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Ten
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
   if (feed_forward_ != nullptr) return feed_forward_->Forward(x, ctx);
-  at::Tensor h = at::gelu(Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
-  return ReduceFromRegion(tp_, Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor())) + fc2_bias_;
+  at::Tensor h = MlpActivation(
+      options_, Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
+  return AddBias(ReduceFromRegion(tp_, Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor())),
+                 fc2_bias_);
 }
 
 at::Tensor TransformerLayer::Residual(const at::Tensor& hidden, const ForwardContext& ctx) const {
-  const int64_t h = options_.hidden_size;
-  const double eps = options_.layernorm_epsilon;
-  at::Tensor attn = Dropout(Attention(at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps), ctx),
+  at::Tensor attn = Dropout(Attention(Norm(options_, hidden, ln1_weight_, ln1_bias_), ctx),
                             options_.hidden_dropout, options_.seed, "attention_output_dropout",
                             layer_index_, ctx);
-  at::Tensor mlp = Mlp(at::layer_norm(hidden + attn, {h}, ln2_weight_, ln2_bias_, eps), ctx);
+  at::Tensor mlp = Mlp(Norm(options_, hidden + attn, ln2_weight_, ln2_bias_), ctx);
   return attn + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
                         layer_index_, ctx);
 }
@@ -338,29 +409,42 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   TORCH_CHECK(index.dim() == 2 && index.size(1) == b, "ResidualAt: index must be [k, ", b,
               "], got ", index.sizes());
   const at::Tensor index3 = index.unsqueeze(-1).expand({k, b, h});
-  const bool whole = options_.position_embedding == PositionEmbedding::kRotary ||
-                     attention_core_ != nullptr ||
+  const bool whole = attention_core_ != nullptr ||
                      linears_[static_cast<int>(LinearSlot::kQkv)] ||
                      (ctx.training && options_.attention_dropout > 0);
   if (whole) return Residual(hidden, ctx).gather(0, index3);
 
-  const double eps = options_.layernorm_epsilon;
   const int64_t heads = local_heads_;
+  const int64_t groups = local_groups_;
+  const int64_t per_group = heads / groups;
   const int64_t d = options_.head_dim();
-  // The local QKV weight's rows are [heads, 3, d] (q, k, v of each head in turn).
-  const at::Tensor base = at::arange(heads, at::kLong).mul_(3 * d).view({heads, 1, 1});
+  // The local QKV weight's rows are [groups, per_group + 2, d]: each group's query heads,
+  // then its key and its value (NOTE [QKV rows]).
+  const at::Tensor base =
+      at::arange(groups, at::kLong).mul_((per_group + 2) * d).view({groups, 1, 1});
   const at::Tensor within = at::arange(d, at::kLong).view({1, 1, d});
-  const at::Tensor q_rows = (base + within).reshape({-1});
+  const at::Tensor q_rows =
+      (base + at::arange(per_group, at::kLong).mul_(d).view({1, per_group, 1}) + within)
+          .reshape({-1});
   const at::Tensor kv_rows =
-      (base + at::arange(1, 3, at::kLong).mul_(d).view({1, 2, 1}) + within).reshape({-1});
-  const at::Tensor x = CopyToRegion(tp_, at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps));
+      (base + at::arange(per_group, per_group + 2, at::kLong).mul_(d).view({1, 2, 1}) + within)
+          .reshape({-1});
+  const at::Tensor x = CopyToRegion(tp_, Norm(options_, hidden, ln1_weight_, ln1_bias_));
   at::Tensor q = LinearRowsForward(x.gather(0, index3), qkv_weight_, qkv_bias_, q_rows)
                      .view({k, b, heads, d})
                      .permute({1, 2, 0, 3});  // [b, heads, k, d]
   std::vector<at::Tensor> kv =
-      LinearRowsForward(x, qkv_weight_, qkv_bias_, kv_rows).view({s, b, heads, 2, d}).unbind(3);
-  const at::Tensor keys = kv[0].permute({1, 2, 0, 3});  // [b, heads, s, d]
-  const at::Tensor values = kv[1].permute({1, 2, 0, 3});
+      LinearRowsForward(x, qkv_weight_, qkv_bias_, kv_rows).view({s, b, groups, 2, d}).unbind(3);
+  at::Tensor key_heads = kv[0].permute({1, 2, 0, 3});  // [b, groups, s, d]
+  if (options_.position_embedding == PositionEmbedding::kRotary) {
+    // The queries at their own positions, the keys at every position.
+    const at::Tensor all = ctx.rotary_positions.defined() ? ctx.rotary_positions
+                                                          : at::arange(s, at::kLong).unsqueeze(1).expand({s, b});
+    q = ApplyRotaryAt(q, all.gather(0, index).t(), options_.rotary_base);
+    key_heads = ApplyRotaryAt(key_heads, all.t(), options_.rotary_base);
+  }
+  const at::Tensor keys = ExpandGroups(key_heads, per_group);  // [b, heads, s, d]
+  const at::Tensor values = ExpandGroups(kv[1].permute({1, 2, 0, 3}), per_group);
   // NOTE [causal query chunks]
   // The k chosen queries are taken in chunks of max(16, ⌈k/8⌉), and a chunk scores only the
   // keys up to the latest position among its queries: with ascending positions about half
@@ -385,13 +469,13 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   at::Tensor context = (parts.size() == 1 ? parts[0] : at::cat(parts, 2))
                            .permute({2, 0, 1, 3})
                            .reshape({k, b, heads * d});
-  at::Tensor attn =
-      ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())) +
-      proj_bias_;
+  at::Tensor attn = AddBias(
+      ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
+      proj_bias_);
   attn = Dropout(attn, options_.hidden_dropout, options_.seed, "attention_output_dropout",
                  layer_index_, ctx);
   at::Tensor mlp =
-      Mlp(at::layer_norm(hidden.gather(0, index3) + attn, {h}, ln2_weight_, ln2_bias_, eps), ctx);
+      Mlp(Norm(options_, hidden.gather(0, index3) + attn, ln2_weight_, ln2_bias_), ctx);
   return attn + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
                         layer_index_, ctx);
 }
@@ -402,12 +486,10 @@ at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardCont
 }
 
 at::Tensor TransformerLayer::PlainForward(const at::Tensor& hidden, const ForwardContext& ctx) const {
-  const int64_t h = options_.hidden_size;
-  const double eps = options_.layernorm_epsilon;
-  at::Tensor attn = Attention(at::layer_norm(hidden, {h}, ln1_weight_, ln1_bias_, eps), ctx);
+  at::Tensor attn = Attention(Norm(options_, hidden, ln1_weight_, ln1_bias_), ctx);
   at::Tensor x = hidden + Dropout(attn, options_.hidden_dropout, options_.seed,
                                   "attention_output_dropout", layer_index_, ctx);
-  at::Tensor mlp = Mlp(at::layer_norm(x, {h}, ln2_weight_, ln2_bias_, eps), ctx);
+  at::Tensor mlp = Mlp(Norm(options_, x, ln2_weight_, ln2_bias_), ctx);
   return x + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
                      layer_index_, ctx);
 }
@@ -421,7 +503,9 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
   set_params_dtype(ParamsScalarType(options));
   const int64_t h = options.hidden_size;
   ln_weight_ = AddParameter("final_layernorm.weight", Ones({h}), false);
-  ln_bias_ = AddParameter("final_layernorm.bias", Zeros({h}), false);
+  if (options.normalization == Normalization::kLayerNorm) {
+    ln_bias_ = AddParameter("final_layernorm.bias", Zeros({h}), false);
+  }
   if (!options.tie_embeddings) {
     output_weight_ = AddParameter(
         "output_layer.weight",
@@ -441,8 +525,7 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
 }
 
 at::Tensor Head::Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const {
-  at::Tensor x = at::layer_norm(hidden, {options_.hidden_size}, ln_weight_, ln_bias_,
-                                options_.layernorm_epsilon);
+  at::Tensor x = Norm(options_, hidden, ln_weight_, ln_bias_);
   const at::Tensor& w = output_weight_.defined() ? output_weight_ : word_embeddings;
   TORCH_CHECK(w.defined(), "tied output layer needs the word embeddings");
   // Vocab-parallel output layer: column-parallel over the vocabulary.

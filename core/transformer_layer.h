@@ -2,6 +2,23 @@
 //   Embedding         "embedding": word_embeddings.weight [V, h], position_embeddings.weight [S, h]
 //   TransformerLayer  "layers.<i>": pre-norm causal self-attention and GeLU MLP
 //   Head              "head": final_layernorm.*, output_layer.weight (untied only)
+// and, by ModelOptions, the Llama family's variants: RMSNorm (no norm biases), SwiGLU MLP,
+// grouped-query attention, no linear biases (--disable_bias_linear).
+//
+// NOTE [QKV rows]
+// The fused QKV weight is [(heads + 2·G)·d, h] for G key/value heads (query groups), its
+// rows grouped by key/value head: for g = 0..G−1, the d rows of each of the heads/G query
+// heads of group g, then g's key rows, then g's value rows. Query head j uses key/value
+// head j / (heads/G), as Hugging Face's repeat_kv does. With G = heads this is (head,
+// {q, k, v}, d). A tensor-parallel shard is a contiguous block of whole groups, so G must be
+// a multiple of tp, and the checkpoint holds the same tensor under every tp.
+//
+// NOTE [SwiGLU rows]
+// Under --swiglu the MLP computes fc2(silu(gate) ⊙ up); fc1 holds both [2f, h], its rows
+// interleaved: row 2j is gate row j, row 2j+1 up row j. Any contiguous shard of whole pairs
+// then holds matching gate and up rows, so tensor parallelism slices fc1 as it does the GeLU
+// MLP's and checkpoints stay layout-free (Megatron instead concatenates [gate; up] per
+// rank, which ties the stored tensor to the tp size). MoE experts use the same layout.
 //
 // Activations are [sequence, batch, hidden] like Megatron, so sequence parallelism can
 // later split dimension 0 contiguously. With a tensor-parallel group each unit holds its
@@ -66,7 +83,22 @@ struct ForwardContext {
   /// context as const; undefined until a layer sets it. One micro-batch's forward starts
   /// without it (GptModel::ForwardLoss, the stage executor).
   mutable at::Tensor token_state;
+  /// [n, b] int64: each token's position in its sequence, for the rotary positions of hidden
+  /// states [n, b, h] that are not the sequence's tokens 0..n−1 (Mixture-of-Depths' routed
+  /// subset, ascending); undefined: 0..n−1.
+  at::Tensor rotary_positions;
 };
+
+/// The layer norm of options.normalization over x's last dimension: LayerNorm with weight and
+/// bias, or RMSNorm with the weight (bias undefined).
+at::Tensor Norm(const ModelOptions& options, const at::Tensor& x, const at::Tensor& weight,
+                const at::Tensor& bias);
+/// The MLP's nonlinearity applied to fc1's output [..., f] (GeLU, exact or tanh-approximate
+/// with openai_gelu) or [..., 2f] (SwiGLU: NOTE [SwiGLU rows]) → [..., f].
+at::Tensor MlpActivation(const ModelOptions& options, const at::Tensor& fc1_out);
+/// Keys or values [b, G, s, d] → [b, G·per_group, s, d], each head repeated for the query
+/// heads of its group (NOTE [QKV rows]); the tensor itself when per_group is 1.
+at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group);
 
 /// The scalar type of options.params_dtype.
 at::ScalarType ParamsScalarType(const ModelOptions& options);
@@ -144,7 +176,7 @@ class TransformerLayer : public Unit {
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
   /// What the layer adds to the residual stream, f(x) = attention + MLP: hidden [n, b, h]
   /// → [n, b, h] for any n, the n tokens of each sequence attending causally to each other
-  /// (learned positions only: rotary positions assume the tokens are 0..n−1).
+  /// (rotary positions: ctx.rotary_positions, else 0..n−1).
   at::Tensor Residual(const at::Tensor& hidden, const ForwardContext& ctx) const;
   /// Residual for some tokens only: f(x) of the tokens at `index` ([k, b] int64, each
   /// sequence's positions, ascending for speed; repeats allowed) → [k, b, h], where every
@@ -153,8 +185,9 @@ class TransformerLayer : public Unit {
   /// §3). The same function as Residual(hidden).gather(0, index), but the queries, the
   /// attention's output projection and the MLP run on the k tokens only (the query rows of
   /// the QKV weight on k tokens, its key and value rows on all s). Where that is not
-  /// possible — rotary positions, a replaced attention core or QKV product, attention
-  /// dropout in training — it computes Residual on all tokens and gathers.
+  /// possible — a replaced attention core or QKV product, attention dropout in training —
+  /// it computes Residual on all tokens and gathers. Rotary positions: the queries are
+  /// rotated to their positions in `index`, the keys to 0..s−1.
   at::Tensor ResidualAt(const at::Tensor& hidden, const at::Tensor& index,
                         const ForwardContext& ctx) const;
   /// The plain layer, hidden + Residual(hidden), whatever wrapper is set (a wrapper that
@@ -186,7 +219,8 @@ class TransformerLayer : public Unit {
   ModelOptions options_;
   TensorParallelGroup* tp_;
   int64_t layer_index_;
-  int64_t local_heads_;  // Attention heads on this rank: num_attention_heads / tp.
+  int64_t local_heads_;   // Attention heads on this rank: num_attention_heads / tp.
+  int64_t local_groups_;  // Key/value heads on this rank: query_groups() / tp.
   at::Tensor ln1_weight_, ln1_bias_, qkv_weight_, qkv_bias_, proj_weight_, proj_bias_;
   at::Tensor ln2_weight_, ln2_bias_, fc1_weight_, fc1_bias_, fc2_weight_, fc2_bias_;
   std::unique_ptr<FeedForward> feed_forward_;  // Replaces the fc1/fc2 MLP when set.
@@ -221,5 +255,8 @@ class Head : public Unit {
 /// Applies rotary position embedding (RoFormer, Su et al. 2021, eq. 34; the "rotate half"
 /// pairing of GPT-NeoX) to x [b, heads, s, d].
 at::Tensor ApplyRotary(const at::Tensor& x, double base);
+/// The same at given positions: x [b, heads, n, d], positions [b, n] int64. With positions
+/// 0..n−1 it equals ApplyRotary bit for bit.
+at::Tensor ApplyRotaryAt(const at::Tensor& x, const at::Tensor& positions, double base);
 
 }  // namespace fulcrum

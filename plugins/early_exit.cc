@@ -133,11 +133,6 @@ absl::StatusOr<EarlyExitOptions> OptionsFromFlags(const ModelOptions& model) {
                             "' must be softmax or state"));
   }
   o.softmax = FLAGS_early_exit_confidence == "softmax";
-  if (model.position_embedding == PositionEmbedding::kRotary) {
-    return bad("--plugins=early_exit needs learned positions (--position_embedding_type="
-               "learned_absolute): the later layers compute only the active tokens, whose rotary "
-               "positions the attention does not take");
-  }
   return o;
 }
 

@@ -31,8 +31,9 @@
 //
 // Layout: the router and predictor are replicated over tensor parallelism (identical
 // inputs give identical choices on every shard); routing is per sequence, so data and
-// pipeline parallelism see the same choices as one process. Positions must be learned (the
-// gathered tokens are not at positions 0..k−1 for rotary embeddings). The parameters are
+// pipeline parallelism see the same choices as one process. With rotary positions the routed
+// tokens are rotated to their places in the sequence (ForwardContext::rotary_positions), not
+// to 0..k−1. The parameters are
 // the layer's own: they migrate with it and are saved in checkpoints.
 #include <gflags/gflags.h>
 
@@ -111,11 +112,6 @@ absl::StatusOr<ModOptions> OptionsFromFlags(const ModelOptions& model) {
                             model.num_layers, ")"));
   }
   o.layers.insert(layers->begin(), layers->end());
-  if (model.position_embedding == PositionEmbedding::kRotary) {
-    return bad("--plugins=mod needs learned positions (--position_embedding_type="
-               "learned_absolute): a routed layer computes a subset of the tokens, whose rotary "
-               "positions it would not know");
-  }
   return o;
 }
 
@@ -224,6 +220,8 @@ class ModPlugin final : public Plugin {
     const at::Tensor index3 = index.unsqueeze(-1).expand({k, b, h});
     ForwardContext sub = ctx;
     if (ctx.token_positions.defined()) sub.token_positions = ctx.token_positions.gather(0, index);
+    // Rotary positions: the routed tokens keep their places in the sequence.
+    sub.rotary_positions = ctx.rotary_positions.defined() ? ctx.rotary_positions.gather(0, index) : index;
     const at::Tensor gate = at::sigmoid(logits.gather(0, index)).unsqueeze(-1);  // [k, b, 1]
     const at::Tensor update = layer.Residual(hidden.gather(0, index3), sub) * gate;
     at::Tensor out = hidden.scatter_add(0, index3, update);
@@ -258,6 +256,8 @@ class ModPlugin final : public Plugin {
       }
       ForwardContext sub = ctx;
       sub.token_positions = at::Tensor();
+      sub.rotary_positions = (ctx.rotary_positions.defined() ? ctx.rotary_positions.select(1, j).index_select(0, index)
+                                                             : index).unsqueeze(1);
       const at::Tensor gate = at::sigmoid(logits.select(1, j).index_select(0, index)).unsqueeze(-1);
       const at::Tensor update =
           layer.Residual(x.index_select(0, index).unsqueeze(1), sub).squeeze(1) * gate;

@@ -1,9 +1,12 @@
 // The built-in recipes. Sizes are chosen for what each is for: `tiny` shows a falling loss
-// in about half a minute on two CPU cores, `tiny_moe` is `tiny` with MoE layers; `gpt_20m` is a ~20M-parameter GPT for benchmarks and
-// longer CPU runs.
+// in about half a minute on two CPU cores, `tiny_moe` is `tiny` with MoE layers, `llama_tiny`
+// is `tiny` shaped as a Llama; `gpt_20m` is a ~20M-parameter GPT for benchmarks and longer
+// CPU runs; `llama2_7b` and `llama3_8b` are published models' shapes for GPU users.
 #include "recipes/recipes.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 
 namespace fulcrum {
 
@@ -48,6 +51,53 @@ FULCRUM_REGISTER(Recipe, tiny,
                  "4-layer, 128-wide GPT on the embedded corpus; trains in about half a minute on 2 cores",
                  Tiny());
 
+// The Llama architecture (Touvron et al. 2023) at tiny's size: RMSNorm, SwiGLU with Llama's
+// 8/3 width rounded up to a multiple of 32, rotary positions, grouped-query attention
+// (2 key/value heads for 4 query heads), no linear biases, an untied output layer.
+Recipe LlamaTiny() {
+  return With(Tiny(), {{"normalization", "RMSNorm"},
+                       {"swiglu", "true"},
+                       {"ffn_hidden_size", "352"},
+                       {"position_embedding_type", "rope"},
+                       {"group_query_attention", "true"},
+                       {"num_query_groups", "2"},
+                       {"disable_bias_linear", "true"},
+                       {"untie_embeddings_and_output_weights", "true"},
+                       {"norm_epsilon", "1e-5"}});
+}
+
+// A published model's shape (no weights: import them with `fulcrum_ckpt import-hf`), with
+// the pre-training hyper-parameters its paper reports; the vocabulary comes from the data
+// or the imported checkpoint. These need GPUs.
+Recipe LlamaShape(int64_t layers, int64_t hidden, int64_t heads, int64_t groups, int64_t ffn,
+                  int64_t seq, const char* rotary_base) {
+  return Recipe{{{"num_layers", std::to_string(layers)},
+                 {"hidden_size", std::to_string(hidden)},
+                 {"num_attention_heads", std::to_string(heads)},
+                 {"group_query_attention", groups == heads ? "false" : "true"},
+                 {"num_query_groups", std::to_string(groups == heads ? 1 : groups)},
+                 {"ffn_hidden_size", std::to_string(ffn)},
+                 {"seq_length", std::to_string(seq)},
+                 {"normalization", "RMSNorm"},
+                 {"norm_epsilon", "1e-5"},
+                 {"swiglu", "true"},
+                 {"disable_bias_linear", "true"},
+                 {"position_embedding_type", "rope"},
+                 {"rotary_base", rotary_base},
+                 {"untie_embeddings_and_output_weights", "true"},
+                 {"micro_batch_size", "1"},
+                 {"global_batch_size", "1024"},
+                 {"lr", "3e-4"},
+                 {"min_lr", "3e-5"},
+                 {"lr_warmup_iters", "2000"},
+                 {"lr_decay_style", "cosine"},
+                 {"weight_decay", "0.1"},
+                 {"adam_beta2", "0.95"},
+                 {"adam_eps", "1e-5"},
+                 {"clip_grad", "1.0"},
+                 {"log_interval", "10"}}};
+}
+
 // Fewer iterations and a lower learning rate than tiny: at 3e-3 the MoE loss spikes. The
 // experts are as wide as the dense MLP (Mixtral's shape), so top-2 routing costs an MoE
 // layer about twice a dense MLP's compute: MoE layers are the heavy ones a pipeline must
@@ -66,6 +116,19 @@ FULCRUM_REGISTER(Recipe, tiny_moe,
                                {"train_iters", "200"},
                                {"lr", "2e-3"},
                                {"min_lr", "2e-4"}}));
+
+FULCRUM_REGISTER(Recipe, llama_tiny,
+                 "tiny as a Llama: RMSNorm, SwiGLU, rope, 2 key/value heads, no biases, untied "
+                 "head; about half a minute on 2 cores",
+                 LlamaTiny());
+
+FULCRUM_REGISTER(Recipe, llama2_7b,
+                 "Llama 2 7B's shape (32 layers, 4096 wide, 32 heads, seq 4096); GPUs",
+                 LlamaShape(32, 4096, 32, 32, 11008, 4096, "10000"));
+
+FULCRUM_REGISTER(Recipe, llama3_8b,
+                 "Llama 3 8B's shape (32 layers, 4096 wide, 8 key/value heads, seq 8192); GPUs",
+                 LlamaShape(32, 4096, 32, 8, 14336, 8192, "500000"));
 
 FULCRUM_REGISTER(Recipe, gpt_20m,
                  "6-layer, 512-wide GPT (~20M parameters with a small vocabulary)",

@@ -29,7 +29,19 @@ DEFINE_double(rotary_base, 10000.0, "Base of the rotary frequencies (with rope).
 DEFINE_bool(untie_embeddings_and_output_weights, false,
             "Give the LM head its own weight instead of the word embeddings.");
 DEFINE_double(init_method_std, 0.02, "Std of the normal initialisation.");
-DEFINE_double(layernorm_epsilon, 1e-5, "LayerNorm epsilon.");
+DEFINE_double(norm_epsilon, 1e-5, "Epsilon of the layer norms (LayerNorm or RMSNorm).");
+DEFINE_string(normalization, "LayerNorm", "LayerNorm (GPT-2) or RMSNorm (Llama: no norm biases).");
+DEFINE_bool(swiglu, false,
+            "SwiGLU MLP (and MoE experts): fc2(silu(gate) * up), gate and up each "
+            "--ffn_hidden_size wide (Llama, Mixtral).");
+DEFINE_bool(group_query_attention, false,
+            "Grouped-query attention: --num_query_groups key/value heads shared by the query heads.");
+DEFINE_int64(num_query_groups, 1,
+             "Key/value heads with --group_query_attention; must divide --num_attention_heads "
+             "and be a multiple of --tensor_model_parallel_size.");
+DEFINE_bool(disable_bias_linear, false,
+            "No biases on the attention and MLP projections (and experts), as in Llama.");
+DEFINE_bool(openai_gelu, false, "tanh-approximate GeLU (GPT-2's gelu_new) instead of the exact one.");
 DEFINE_double(hidden_dropout, 0.0, "Dropout after attention and MLP outputs and embeddings.");
 DEFINE_double(attention_dropout, 0.0, "Dropout on attention probabilities.");
 DEFINE_int64(make_vocab_size_divisible_by, 128, "Pad the vocabulary to a multiple of this.");
@@ -181,7 +193,8 @@ cli::HelpSpec TrainHelpSpec() {
       {"Model",
        {"recipe", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
         "seq_length", "position_embedding_type", "rotary_base",
-        "untie_embeddings_and_output_weights", "init_method_std", "layernorm_epsilon",
+        "untie_embeddings_and_output_weights", "init_method_std", "normalization", "norm_epsilon",
+        "swiglu", "openai_gelu", "disable_bias_linear", "group_query_attention", "num_query_groups",
         "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "seed",
         "params_dtype"}},
       {"Training",
@@ -278,6 +291,15 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   if (FLAGS_num_attention_heads % config.tp != 0) {
     return Invalid(absl::StrCat("--num_attention_heads=", FLAGS_num_attention_heads,
                                 " is not divisible by --tensor_model_parallel_size=", config.tp));
+  }
+  if (FLAGS_group_query_attention && FLAGS_num_query_groups % config.tp != 0) {
+    // Megatron's rule too. Replicating key/value heads over ranks would make a parameter
+    // half sharded and half replicated, which the checkpoint gather and the gradient
+    // reduction do not express.
+    return Invalid(absl::StrCat("--num_query_groups=", FLAGS_num_query_groups,
+                                " is not divisible by --tensor_model_parallel_size=", config.tp,
+                                " (key/value heads are split over tensor-parallel ranks, not "
+                                "replicated)"));
   }
   if (ffn % config.tp != 0) {
     return Invalid(absl::StrCat("the MLP size ", ffn,
@@ -407,7 +429,20 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   m.rotary_base = FLAGS_rotary_base;
   m.tie_embeddings = !FLAGS_untie_embeddings_and_output_weights;
   m.init_method_std = FLAGS_init_method_std;
-  m.layernorm_epsilon = FLAGS_layernorm_epsilon;
+  m.layernorm_epsilon = FLAGS_norm_epsilon;
+  FULCRUM_RETURN_IF_ERROR(ParseNormalization(FLAGS_normalization, &m.normalization));
+  m.swiglu = FLAGS_swiglu;
+  if (FLAGS_group_query_attention) {
+    if (FLAGS_num_query_groups < 1) {
+      return Invalid(absl::StrCat("--num_query_groups=", FLAGS_num_query_groups, " must be ≥ 1"));
+    }
+    m.num_query_groups = FLAGS_num_query_groups;
+  } else if (!gflags::GetCommandLineFlagInfoOrDie("num_query_groups").is_default) {
+    return Invalid("--num_query_groups needs --group_query_attention");
+  }
+  m.add_bias_linear = !FLAGS_disable_bias_linear;
+  m.openai_gelu = FLAGS_openai_gelu;
+  if (m.swiglu && m.openai_gelu) return Invalid("--openai_gelu and --swiglu exclude each other");
   m.hidden_dropout = FLAGS_hidden_dropout;
   m.attention_dropout = FLAGS_attention_dropout;
   m.seed = FLAGS_seed;

@@ -26,6 +26,24 @@ ModelOptions Fp64Model() {
   return m;
 }
 
+// The Llama variants with learned positions (rotary positions take the whole-layer path):
+// two query heads per key/value head, RMSNorm, SwiGLU, no linear biases.
+ModelOptions Fp64Grouped() {
+  ModelOptions m = Fp64Model();
+  m.num_query_groups = 2;
+  m.normalization = Normalization::kRMSNorm;
+  m.swiglu = true;
+  m.add_bias_linear = false;
+  return m;
+}
+
+// The same with rotary positions: the queries rotated to their positions, the keys to all.
+ModelOptions Fp64GroupedRotary() {
+  ModelOptions m = Fp64Grouped();
+  m.position_embedding = PositionEmbedding::kRotary;
+  return m;
+}
+
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
 // Ascending positions per column: column j keeps the positions whose random draw is below
@@ -73,9 +91,11 @@ TEST(ResidualAtTest, AllPositionsEqualTheDenseResidual) {
 }
 
 TEST(ResidualAtTest, SomeTokensEqualTheDenseResidualAtThemValuesAndGradients) {
-  const ModelOptions m = Fp64Model();
+  for (const ModelOptions& m : {Fp64Model(), Fp64Grouped(), Fp64GroupedRotary()})
   for (bool deferred : {false, true}) {
     SCOPED_TRACE(deferred ? "weight gradients deferred" : "fused");
+    SCOPED_TRACE(m.query_groups() == m.num_attention_heads ? "multi-head" : "grouped-query");
+    SCOPED_TRACE(m.position_embedding == PositionEmbedding::kRotary ? "rotary" : "learned");
     TransformerLayer layer(m, /*layer_index=*/1);
     const int64_t s = m.seq_length, b = 3, h = m.hidden_size;
     const at::Tensor index = SomePositions(s, b, 7);
@@ -115,6 +135,28 @@ TEST(ResidualAtTest, SomeTokensEqualTheDenseResidualAtThemValuesAndGradients) {
     }
     EXPECT_GT(want_grads.at("self_attention.linear_qkv.weight").abs().sum().item<double>(), 0);
   }
+}
+
+// Rotary positions of a subset (Mixture-of-Depths): only the distances between positions
+// matter, so shifting every position alike changes nothing; positions 0..s−1 given
+// explicitly are the default bit for bit; the subset's own positions are not 0..k−1's.
+TEST(ResidualAtTest, RotaryPositionsOfASubset) {
+  const ModelOptions m = Fp64GroupedRotary();
+  TransformerLayer layer(m, /*layer_index=*/1);
+  const int64_t s = 20, b = 2;
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({s, b, m.hidden_size}, at::kDouble);
+  at::NoGradGuard no_grad;
+  ForwardContext plain{false};
+  ForwardContext given{false};
+  given.rotary_positions = at::arange(s, at::kLong).unsqueeze(1).expand({s, b});
+  EXPECT_TRUE(at::equal(layer.Residual(x, given), layer.Residual(x, plain)));
+  const at::Tensor spread = (at::arange(s, at::kLong) * 3 + 1).unsqueeze(1).expand({s, b});
+  ForwardContext at_spread{false}, shifted{false};
+  at_spread.rotary_positions = spread;
+  shifted.rotary_positions = spread + 17;
+  EXPECT_LT(MaxAbsDiff(layer.Residual(x, at_spread), layer.Residual(x, shifted)), 1e-10);
+  EXPECT_GT(MaxAbsDiff(layer.Residual(x, at_spread), layer.Residual(x, plain)), 1e-5);
 }
 
 TEST(LinearRowsForwardTest, EqualsTheProductWithTheSelectedRows) {

@@ -183,6 +183,38 @@ TEST(FinetuneTest, TrainedCheckpointLoadsWeightsOnlyOnOtherData) {
   EXPECT_EQ((*other)->iteration(), 2);
 }
 
+TEST(FinetuneTest, RotaryModelsFinetuneAtAnotherSequenceLength) {
+  // Rotary positions have no parameters, so seq_length is no shape; learned ones are.
+  TrainerConfig config = SmallTrainerConfig();
+  config.model.position_embedding = PositionEmbedding::kRotary;
+  config.train.save = testing::MakeTempDir("finetune_rope");
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(trainer.ok());
+  ASSERT_TRUE((*trainer)->Save().ok());
+  TrainerConfig longer = config;
+  longer.model.seq_length = longer.data.seq_length = 2 * config.model.seq_length;
+  longer.train.load = config.train.save;
+  longer.train.finetune = true;
+  auto other = Trainer::Create(longer, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(other.ok());
+  absl::Status status = (*other)->Load(longer.train.load);
+  EXPECT_TRUE(status.ok()) << status;
+
+  TrainerConfig learned = SmallTrainerConfig();
+  learned.train.save = testing::MakeTempDir("finetune_learned");
+  auto base = Trainer::Create(learned, SyntheticCorpus(40, 200, learned.model.vocab_size));
+  ASSERT_TRUE(base.ok());
+  ASSERT_TRUE((*base)->Save().ok());
+  learned.model.seq_length = learned.data.seq_length = 2 * learned.model.seq_length;
+  learned.train.load = learned.train.save;
+  learned.train.finetune = true;
+  auto refused = Trainer::Create(learned, SyntheticCorpus(40, 200, learned.model.vocab_size));
+  ASSERT_TRUE(refused.ok());
+  status = (*refused)->Load(learned.train.load);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("(--seq_length)"), std::string::npos) << status;
+}
+
 TEST(FinetuneTest, DataOutsideTheCheckpointsVocabularyIsRefused) {
   TrainerConfig config = SmallTrainerConfig();  // vocab 64
   config.train.save = testing::MakeTempDir("finetune_vocab");

@@ -196,6 +196,13 @@ def main():
         return 1
     print(f"transformers {check.stdout.strip()} on {args.python}", flush=True)
 
+    for name in ("fulcrum_ckpt", "fulcrum_hf_logits"):
+        binary = os.path.join(args.build, "bin", name)
+        if not os.access(binary, os.X_OK):
+            print(f"FAIL: {binary} is missing: build it (cmake --build build --target {name})",
+                  file=sys.stderr)
+            return 1
+
     work = args.keep or tempfile.mkdtemp(prefix="fulcrum_hf_interop_")
     os.makedirs(work, exist_ok=True)
     r = Runner(args, work)

@@ -243,7 +243,11 @@ def _load(model_dir, strict):
     tf_logger.removeHandler(captured)
     problems = [f"{key}: {sorted(value)}" for key, value in info.items() if value]
     if strict:
-        problems += captured.messages + [f"warning: {w.message}" for w in caught]
+        # Python warnings raised by the loading code (not, say, a DeprecationWarning of an
+        # unrelated library that imports inside it).
+        ours = ("transformers", "huggingface_hub", "safetensors")
+        problems += captured.messages + [f"warning: {w.message} ({w.filename})" for w in caught
+                                         if any(part in w.filename for part in ours)]
     if problems:
         _fail(f"from_pretrained({model_dir}) was not clean:\n  " + "\n  ".join(problems))
     model.eval()  # No dropout, whatever the config says (the comparison has none).

@@ -125,6 +125,15 @@ def check_case(r, name, tokens):
     r.tool("fulcrum_ckpt", "export-hf", ckpt, exported)
     r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
                 what=f"{name}: export-hf loaded by transformers")
+    if name == "llama":
+        # check-export's own negative control: an export missing a tensor must fail it.
+        broken = r.path(f"{name}.export.drop_norm")
+        r.reference("perturb", "--model", exported, "--out", broken, "--kind", "drop_norm")
+        proc = r.reference("check-export", "--model", broken, "--tokens", tokens, "--expect", ours,
+                           expect_rc=1, what=f"{name}: check-export of an export without a tensor")
+        if "model.norm.weight" not in proc.stderr:
+            raise Failure(f"check-export of {broken} failed without naming model.norm.weight:\n"
+                          f"{proc.stderr}")
 
 
 def edit_config(hf, **changes):

@@ -410,6 +410,10 @@ def cmd_perturb(args):
                              else config["num_key_value_heads"])
                     tensors[key] = _permute_rotary_rows(tensors[key], heads).contiguous()
                     changed.append(key)
+                elif args.kind == "drop_norm" and key.endswith("model.norm.weight"):
+                    # An exporter that forgets a tensor: from_pretrained must complain.
+                    del tensors[key]
+                    changed.append(key)
                 elif args.kind == "gate_up_swap" and (".w1." in key or "gate_proj" in key):
                     other = key.replace(".w1.", ".w3.").replace("gate_proj", "up_proj")
                     tensors[key], tensors[other] = tensors[other], tensors[key]
@@ -493,7 +497,7 @@ def main(argv=None):
     perturb.add_argument("--out", required=True)
     perturb.add_argument("--kind", required=True,
                          choices=["rope_base", "conv1d_transpose", "qk_permute", "gate_up_swap",
-                                  "activation"])
+                                  "activation", "drop_norm"])
     perturb.set_defaults(func=cmd_perturb)
 
     args = parser.parse_args(argv)

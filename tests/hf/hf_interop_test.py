@@ -8,7 +8,8 @@ transformers' own save_pretrained):
      same tokens: logits, loss and the loss after one AdamW step agree within 1e-5
      (relative; NOTE [hf comparison file] in hf_reference.py)
   3. fulcrum_ckpt export-hf CKPT OUT, then `check-export`: transformers' from_pretrained
-     loads OUT with no warning and its logits agree with Fulcrum's within 1e-5
+     loads OUT with no warning and its logits agree with Fulcrum's within 1e-5 (and, for
+     llama, the same export without model.norm.weight must fail that check)
   4. negative controls: the same model with one deliberate conversion mistake (GPT-2's
      Conv1D weights not transposed, a wrong rope base, rotary rows permuted, gate and up
      swapped) must miss Fulcrum's logits by more than 10× the tolerance: the tolerance has

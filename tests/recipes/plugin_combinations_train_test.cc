@@ -85,6 +85,7 @@ const std::vector<Combination>& Combinations() {
        }},
       // The Llama shape (RMSNorm, SwiGLU fc1 pruned as one weight, grouped-query attention
       // under sparse attention, rope with MoD's routed subsets and early exit's active tokens).
+      {"mixtral", "--recipe=mixtral_tiny --plugins=moe,freeze", MoeRouted},
       {"llama_prune", "--recipe=llama_tiny --plugins=prune,freeze" + kPrune, Pruned},
       {"llama_sparse_attention",
        "--recipe=llama_tiny --plugins=sparse_attention,freeze --sparse_attention_buckets=4 "

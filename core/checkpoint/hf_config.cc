@@ -407,6 +407,7 @@ std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
     flags.push_back("--moe_layer_freq=1");
     flags.push_back("--moe_router=mixtral");
     flags.push_back(absl::StrCat("--moe_router_topk=", m.experts_per_token));
+    flags.push_back("--moe_capacity_factor=0");  // Mixtral drops no token.
     flags.push_back(absl::StrCat("--moe_aux_loss_coeff=", DoubleText(m.router_aux_loss_coef)));
   }
   return flags;

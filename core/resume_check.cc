@@ -65,25 +65,11 @@ absl::Status CompareFeedForward(const nlohmann::json& saved_config, const nlohma
   return absl::OkStatus();
 }
 
-// What the model computes beyond its shapes (NOTE [finetune]), by flag; a checkpoint from
-// before a field existed trained with its default (ArchitectureValue).
-constexpr std::pair<const char*, const char*> kArchitectureFields[] = {
-    {"normalization", "normalization"},
-    {"swiglu", "swiglu"},
-    {"num_query_groups", "num_query_groups (--group_query_attention)"},
-    {"add_bias_linear", "disable_bias_linear"},
+// Not a shape, but what the model computes: --finetune refuses a mismatch (NOTE [finetune]).
+// Checkpoints from before the field trained with plain GeLU.
+constexpr std::pair<const char*, const char*> kFunctionFields[] = {
     {"openai_gelu", "openai_gelu"},
 };
-
-nlohmann::json ArchitectureValue(const nlohmann::json& model, const std::string& field) {
-  const bool present = model.contains(field) && !model[field].is_null();
-  if (field == "num_query_groups" && (!present || model[field] == 0)) {
-    return model.value("num_attention_heads", nlohmann::json());  // 0: one group per head.
-  }
-  if (present) return model[field];
-  if (field == "normalization") return "LayerNorm";
-  return field == "add_bias_linear";  // swiglu, openai_gelu: false; add_bias_linear: true.
-}
 
 }  // namespace
 
@@ -159,7 +145,8 @@ absl::Status CheckFinetune(const nlohmann::json& saved_config, const TrainerConf
   const bool rope = theirs.value("position_embedding_type", std::string()) == "rope" &&
                     mine["model"]["position_embedding_type"] == "rope";
   for (const auto& [field, flag] : kShapeFields) {
-    const nlohmann::json value = theirs.value(field, nlohmann::json());
+    const nlohmann::json value =
+        theirs.contains(field) ? theirs[field] : DefaultShapeField(field, theirs);
     const nlohmann::json& our_value = mine["model"][field];
     if (rope && std::string(field) == "seq_length") {
       // Rotary positions have no parameters: any length loads, a longer one extrapolates.
@@ -175,9 +162,9 @@ absl::Status CheckFinetune(const nlohmann::json& saved_config, const TrainerConf
                                  field, "=", Show(our_value), " (--", flag, ")"));
     }
   }
-  for (const auto& [field, flag] : kArchitectureFields) {
-    const nlohmann::json value = ArchitectureValue(theirs, field);
-    const nlohmann::json our_value = ArchitectureValue(mine["model"], field);
+  for (const auto& [field, flag] : kFunctionFields) {
+    const nlohmann::json value = theirs.value(field, false);
+    const nlohmann::json& our_value = mine["model"][field];
     if (value != our_value) {
       return refuse(absl::StrCat("checkpoint has ", field, "=", Show(value), " but this run has ",
                                  field, "=", Show(our_value), " (--", flag, ")"));

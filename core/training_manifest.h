@@ -75,10 +75,9 @@ absl::Status CheckResume(const TrainingManifest& saved, const TrainerConfig& our
 
 /// NOTE [finetune] --finetune loads a checkpoint's model weights into a new run: iteration
 /// 0, fresh optimizer and schedule, no data identity or position checks, any data. The
-/// model must still be the checkpoint's: the shape fields of NOTE [resume checks], the MoE
-/// shape, and the architecture fields (normalization, swiglu, num_query_groups,
-/// add_bias_linear, openai_gelu; absent in older checkpoints, which had the defaults) are
-/// refused on a mismatch naming the flag. seq_length is a shape only with learned
+/// model must still be the checkpoint's: the shape fields of NOTE [resume checks] (among
+/// them normalization, swiglu, num_query_groups, add_bias_linear), the MoE shape and
+/// openai_gelu are refused on a mismatch naming the flag. seq_length is a shape only with learned
 /// positions: with rope a longer run than the checkpoint's is a warning. The checkpoint
 /// may be an import (hf_checkpoint.h, NOTE [imported checkpoints]), whose manifest holds
 /// the config but none of the trainer's fields, or any trained checkpoint.

@@ -238,6 +238,12 @@ absl::Status ParseMixtral(const Fields& f, HfModelConfig* m) {
   FULCRUM_ASSIGN_OR_RETURN(m->num_experts, f.Positive("num_local_experts"));
   FULCRUM_ASSIGN_OR_RETURN(m->experts_per_token, f.Positive("num_experts_per_tok"));
   FULCRUM_ASSIGN_OR_RETURN(m->router_aux_loss_coef, f.Number("router_aux_loss_coef", 0.001));
+  FULCRUM_ASSIGN_OR_RETURN(const double jitter, f.Number("router_jitter_noise", 0.0));
+  if (jitter != 0.0) {
+    return f.Error("router_jitter_noise",
+                   absl::StrCat("=", jitter, " is not supported (Fulcrum's --moe_input_jitter_eps "
+                                "does not jitter the experts' input as HF does); only 0"));
+  }
   if (m->experts_per_token > m->num_experts) {
     return f.Error("num_experts_per_tok", absl::StrCat("=", m->experts_per_token,
                                                        " exceeds num_local_experts=",
@@ -365,7 +371,7 @@ nlohmann::json FulcrumFeedForwardJson(const HfModelConfig& m) {
   return {{"num_experts", std::to_string(m.num_experts)},
           {"moe_layer_freq", "1"},
           {"moe_ffn_hidden_size", std::to_string(m.ffn_hidden_size)},
-          {"moe_router", "topk"}};
+          {"moe_router", "mixtral"}};
 }
 
 std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
@@ -399,8 +405,9 @@ std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
   if (m.num_experts > 0) {
     flags.push_back(absl::StrCat("--num_experts=", m.num_experts));
     flags.push_back("--moe_layer_freq=1");
-    flags.push_back("--moe_router=topk");
+    flags.push_back("--moe_router=mixtral");
     flags.push_back(absl::StrCat("--moe_router_topk=", m.experts_per_token));
+    flags.push_back("--moe_capacity_factor=0");  // Mixtral drops no token.
     flags.push_back(absl::StrCat("--moe_aux_loss_coeff=", DoubleText(m.router_aux_loss_coef)));
   }
   return flags;
@@ -447,6 +454,7 @@ absl::StatusOr<HfModelConfig> HfConfigFromFulcrum(const nlohmann::json& model,
   }
 
   int64_t num_experts = 0;
+  bool topk_router = false;
   if (feed_forward.is_object() && feed_forward.contains("num_experts")) {
     const nlohmann::json& e = feed_forward["num_experts"];
     const std::string text = e.is_string() ? e.get<std::string>() : e.dump();
@@ -458,10 +466,11 @@ absl::StatusOr<HfModelConfig> HfConfigFromFulcrum(const nlohmann::json& model,
                                    "layer: only 1)"));
       }
       const std::string router = feed_forward.value("moe_router", std::string("topk"));
-      if (router != "topk") {
+      if (router != "mixtral" && router != "topk") {
         return refuse(absl::StrCat("--moe_router=", router, " (Mixtral routes by softmax top-k "
-                                   "renormalised: only topk)"));
+                                   "renormalised: only mixtral, or topk with k > 1)"));
       }
+      topk_router = router == "topk";
       if (feed_forward.contains("moe_assignment_cache_threshold")) {
         return refuse("--moe_assignment_cache_threshold (Mixtral has no assignment cache)");
       }
@@ -515,6 +524,11 @@ absl::StatusOr<HfModelConfig> HfConfigFromFulcrum(const nlohmann::json& model,
           "the checkpoint does not record the MoE top-k (num_experts_per_tok); pass "
           "--num_experts_per_tok=K with 1 ≤ K ≤ ", m.num_experts,
           " (the --moe_router_topk it trained with)"));
+    }
+    if (topk_router && m.experts_per_token == 1) {
+      // For k = 1 `topk` keeps the probability as the gate; Mixtral renormalises it to 1.
+      return refuse("--moe_router=topk with top-1 routing (Mixtral's gate would be 1: only "
+                    "--moe_router=mixtral)");
     }
   }
   return m;

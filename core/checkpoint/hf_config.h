@@ -9,7 +9,8 @@
 //                      --openai_gelu), biases everywhere, tied embeddings, heads == groups
 //   LlamaForCausalLM   RMSNorm, rope, SwiGLU, no biases, grouped-query attention
 //   MixtralForCausalLM Llama's attention with an MoE of SwiGLU experts in every layer,
-//                      routed by softmax top-k renormalised (Fulcrum's `topk` router)
+//                      routed by softmax top-k renormalised (Fulcrum's `mixtral` router;
+//                      `topk` computes the same for k > 1 and exports too)
 // Anything else is refused naming the config field (or the Fulcrum flag, on export) that
 // has no counterpart: nothing is converted approximately. The tensor layouts are in
 // /work/notes/hf-spec.md and hf_checkpoint.cc.

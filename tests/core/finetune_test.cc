@@ -3,6 +3,7 @@
 // --finetune, another model shape and data outside the model's vocabulary are refused.
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -112,43 +113,81 @@ TEST(FinetuneTest, ShapeMismatchIsRefusedNamingTheFlag) {
   EXPECT_NE(status.message().find("--finetune"), std::string::npos) << status;
 }
 
-TEST(FinetuneTest, ArchitectureMismatchIsRefusedNamingTheFlag) {
-  // An imported Llama into today's default (LayerNorm, GeLU) model of the same sizes.
-  const std::string dir = testing::MakeTempDir("finetune_llama");
+// A LlamaForCausalLM of SmallModel's sizes (one layer, 2 key/value heads, tied) written
+// into `dir`/hf and imported into `dir`/imported.
+void ImportSmallLlama(const std::string& dir) {
   const std::string hf = JoinPath(dir, "hf");
   ASSERT_TRUE(DefaultFileSystem()->CreateDir(hf).ok());
-  const TrainerConfig config0 = SmallTrainerConfig();
-  const int64_t h = config0.model.hidden_size, f = config0.model.ffn_hidden_size;
-  const int64_t v = config0.model.vocab_size;
+  const ModelOptions m = SmallTrainerConfig().model;
+  const int64_t h = m.hidden_size, f = m.ffn_hidden_size, v = m.vocab_size;
+  const int64_t kv = 2 * m.head_dim();
   const nlohmann::json llama = {
       {"architectures", {"LlamaForCausalLM"}}, {"hidden_size", h},
-      {"num_hidden_layers", 1}, {"num_attention_heads", config0.model.num_attention_heads},
-      {"intermediate_size", f}, {"vocab_size", v}, {"max_position_embeddings", 16},
-      {"tie_word_embeddings", true}};
+      {"num_hidden_layers", 1}, {"num_attention_heads", m.num_attention_heads},
+      {"num_key_value_heads", 2}, {"intermediate_size", f}, {"vocab_size", v},
+      {"max_position_embeddings", 16}, {"rms_norm_eps", 1e-5}, {"tie_word_embeddings", true}};
   ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), JoinPath(hf, "config.json"), llama.dump()).ok());
+  torch::manual_seed(3);
   std::vector<std::pair<std::string, at::Tensor>> tensors = {
       {"model.embed_tokens.weight", torch::randn({v, h})},
-      {"model.layers.0.input_layernorm.weight", torch::ones({h})},
-      {"model.layers.0.self_attn.q_proj.weight", torch::randn({h, h})},
-      {"model.layers.0.self_attn.k_proj.weight", torch::randn({h, h})},
-      {"model.layers.0.self_attn.v_proj.weight", torch::randn({h, h})},
-      {"model.layers.0.self_attn.o_proj.weight", torch::randn({h, h})},
-      {"model.layers.0.post_attention_layernorm.weight", torch::ones({h})},
-      {"model.layers.0.mlp.gate_proj.weight", torch::randn({f, h})},
-      {"model.layers.0.mlp.up_proj.weight", torch::randn({f, h})},
-      {"model.layers.0.mlp.down_proj.weight", torch::randn({h, f})},
-      {"model.norm.weight", torch::ones({h})}};
+      {"model.layers.0.input_layernorm.weight", torch::rand({h}) + 0.5},
+      {"model.layers.0.self_attn.q_proj.weight", torch::randn({h, h}) * 0.1},
+      {"model.layers.0.self_attn.k_proj.weight", torch::randn({kv, h}) * 0.1},
+      {"model.layers.0.self_attn.v_proj.weight", torch::randn({kv, h}) * 0.1},
+      {"model.layers.0.self_attn.o_proj.weight", torch::randn({h, h}) * 0.1},
+      {"model.layers.0.post_attention_layernorm.weight", torch::rand({h}) + 0.5},
+      {"model.layers.0.mlp.gate_proj.weight", torch::randn({f, h}) * 0.1},
+      {"model.layers.0.mlp.up_proj.weight", torch::randn({f, h}) * 0.1},
+      {"model.layers.0.mlp.down_proj.weight", torch::randn({h, f}) * 0.1},
+      {"model.norm.weight", torch::rand({h}) + 0.5}};
   ASSERT_TRUE(ckpt::WriteSafetensors(DefaultFileSystem(), JoinPath(hf, "model.safetensors"),
                                      tensors, {})
                   .ok());
-  ASSERT_TRUE(ckpt::ImportHuggingFace(DefaultFileSystem(), hf, JoinPath(dir, "imported")).ok());
+  auto imported = ckpt::ImportHuggingFace(DefaultFileSystem(), hf, JoinPath(dir, "imported"));
+  ASSERT_TRUE(imported.ok()) << imported.status();
+}
 
-  TrainerConfig config = config0;
+TEST(FinetuneTest, ImportedLlamaLoadsIntoTheLlamaModel) {
+  const std::string dir = testing::MakeTempDir("finetune_llama_ok");
+  ImportSmallLlama(dir);
+  TrainerConfig config = SmallTrainerConfig();
+  config.model.num_layers = 1;
+  config.model.position_embedding = PositionEmbedding::kRotary;
+  config.model.normalization = Normalization::kRMSNorm;
+  config.model.swiglu = true;
+  config.model.num_query_groups = 2;
+  config.model.add_bias_linear = false;
+  config.train.load = JoinPath(dir, "imported");
+  config.train.finetune = true;
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  absl::Status loaded = (*trainer)->Load(config.train.load);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  // Every parameter of the model is the imported tensor of its name.
+  auto reader = ckpt::CheckpointReader::Open(config.train.load);
+  ASSERT_TRUE(reader.ok());
+  const auto weights = Weights(**trainer);
+  EXPECT_EQ(weights.size(), reader->names().size());
+  for (const auto& [name, value] : weights) {
+    auto stored = reader->Read(name);
+    ASSERT_TRUE(stored.ok()) << name << ": " << stored.status();
+    EXPECT_TRUE(at::equal(value, *stored)) << name;
+  }
+  auto stats = (*trainer)->TrainIteration();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_TRUE(std::isfinite(stats->loss));
+}
+
+TEST(FinetuneTest, ArchitectureMismatchIsRefusedNamingTheFlag) {
+  // The imported Llama into today's default (LayerNorm, GeLU) model of the same sizes.
+  const std::string dir = testing::MakeTempDir("finetune_llama");
+  ImportSmallLlama(dir);
+  TrainerConfig config = SmallTrainerConfig();
   config.model.num_layers = 1;
   config.model.position_embedding = PositionEmbedding::kRotary;
   config.train.load = JoinPath(dir, "imported");
   config.train.finetune = true;
-  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, v));
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
   ASSERT_TRUE(trainer.ok());
   const absl::Status status = (*trainer)->Load(config.train.load);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);

@@ -382,7 +382,7 @@ TEST(HfMixtralTest, RoundTripIsExactAndExpertsInterleaved) {
   const nlohmann::json& ff = reader->manifest()["config"]["feed_forward"];
   EXPECT_EQ(ff["num_experts"], "3");
   EXPECT_EQ(ff["moe_layer_freq"], "1");
-  EXPECT_EQ(ff["moe_router"], "topk");
+  EXPECT_EQ(ff["moe_router"], "mixtral");
 
   auto exported = ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back"));
   ASSERT_TRUE(exported.ok()) << exported.status();
@@ -540,6 +540,20 @@ INSTANTIATE_TEST_SUITE_P(
                       "scale_attn_by_inverse_layer_idx=true"},
         BadConfigCase{"MissingField", false, "n_embd", nullptr, "n_embd is missing"}),
     [](const ::testing::TestParamInfo<BadConfigCase>& info) { return info.param.name; });
+
+TEST(HfBadInputTest, MixtralRouterJitterAndTooManyExpertsPerToken) {
+  ScopedTempDir tmp;
+  nlohmann::json jitter = MixtralConfig();
+  jitter["router_jitter_noise"] = 0.01;
+  WriteHfDir(tmp.Join("a"), jitter, LlamaTensors(/*mixtral=*/true));
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("a"), tmp.Join("ca")).status(),
+                                 "router_jitter_noise=0.01", tmp, tmp.Join("ca"));
+  nlohmann::json topk = MixtralConfig();
+  topk["num_experts_per_tok"] = kExperts + 1;
+  WriteHfDir(tmp.Join("b"), topk, LlamaTensors(/*mixtral=*/true));
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("b"), tmp.Join("cb")).status(),
+                                 "num_experts_per_tok=4", tmp, tmp.Join("cb"));
+}
 
 TEST(HfBadInputTest, MissingShardFile) {
   ScopedTempDir tmp;

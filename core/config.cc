@@ -192,6 +192,9 @@ absl::Status TrainOptions::Validate() const {
   if (save_interval > 0 && save.empty()) {
     return Invalid(absl::StrCat("--save_interval=", save_interval, " needs --save=DIR"));
   }
+  if (finetune && load.empty()) {
+    return Invalid("--finetune needs --load=DIR: the checkpoint whose weights to start from");
+  }
   return absl::OkStatus();
 }
 

@@ -113,6 +113,11 @@ struct TrainOptions {
   /// Default: false. Resume from a checkpoint that trained on other data (another
   /// --data_path, --split or --seed) instead of refusing (NOTE [resume checks]).
   bool allow_data_change = false;
+  /// Default: false. Start from the model weights of `load` alone (an imported Hugging Face
+  /// checkpoint, or any Fulcrum checkpoint): iteration 0, a fresh optimizer and schedule,
+  /// no data checks; the model's shape must still agree (NOTE [finetune],
+  /// core/training_manifest.h). Needs `load`.
+  bool finetune = false;
   absl::Status Validate() const;
 };
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/hf_checkpoint.h"
 #include "core/logging.h"
 #include "core/status.h"
 #include "core/training_manifest.h"
@@ -156,6 +157,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
                              data::GptDataset::Create(corpus, data::Split::kValid, config.data));
   }
   const int64_t max_token = corpus->MaxToken();
+  trainer->corpus_max_token_ = max_token;
   if (max_token >= config.model.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the data holds token id ", max_token, " but the vocabulary has ",
@@ -519,6 +521,21 @@ absl::Status Trainer::Load(const std::string& path) {
 
 absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
   const std::string source = JoinPath(reader.dir(), ckpt::kManifestFileName);
+  const nlohmann::json& manifest = reader.manifest();
+  if (manifest.contains(ckpt::kImportedFromField) && !config_.train.finetune) {
+    const nlohmann::json& from = manifest[ckpt::kImportedFromField];
+    return absl::InvalidArgumentError(absl::StrCat(
+        reader.dir(), " was imported (from ",
+        from.is_object() ? from.value("architecture", std::string("?")) : std::string("?"),
+        "): it holds model weights but no training state to resume; add --finetune to start "
+        "training from its weights"));
+  }
+  // The data must be of the model's vocabulary, whichever the way in.
+  if (manifest.contains("config") && manifest["config"].is_object()) {
+    FULCRUM_RETURN_IF_ERROR(
+        CheckDataFitsVocabulary(manifest["config"], corpus_max_token_, source));
+  }
+  if (config_.train.finetune) return LoadWeightsOnly(reader, source);
   FULCRUM_ASSIGN_OR_RETURN(const TrainingManifest saved,
                            ParseTrainingManifest(reader.manifest(), source));
   std::vector<std::string> warnings;
@@ -552,6 +569,42 @@ absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
   }
   FULCRUM_LOG(INFO) << "loaded checkpoint " << reader.dir() << ": iteration " << iteration_
                     << ", consumed samples " << consumed_samples_;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::LoadWeightsOnly(const ckpt::CheckpointReader& reader,
+                                      const std::string& source) {
+  // NOTE [finetune]: only the model's shape is checked; the optimizer, schedule, data
+  // position and random state start afresh, as in a new run.
+  std::vector<std::string> warnings;
+  FULCRUM_RETURN_IF_ERROR(
+      CheckFinetune(reader.manifest().value("config", nlohmann::json()), config_, source,
+                    &warnings));
+  if (is_logging_rank()) {
+    for (const std::string& warning : warnings) FULCRUM_LOG(WARNING) << warning;
+  }
+  auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
+  for (Unit* unit : model_->Units()) {
+    absl::Status status = unit->LoadStateTensors(lookup, /*with_optimizer=*/false);
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(source, " (--finetune): ", status.message()));
+    }
+  }
+  iteration_ = 0;
+  consumed_samples_ = 0;
+  {
+    PluginContext ctx = MakePluginContext(iteration_);
+    FULCRUM_RETURN_IF_ERROR(plugins_->AfterLoad(ctx));
+  }
+  const nlohmann::json& manifest = reader.manifest();
+  std::string origin = absl::StrCat("iteration ", reader.iteration());
+  if (manifest.contains(ckpt::kImportedFromField) && manifest[ckpt::kImportedFromField].is_object()) {
+    const nlohmann::json& from = manifest[ckpt::kImportedFromField];
+    origin = absl::StrCat(from.value("architecture", std::string("?")), " imported from ",
+                          from.value("source", std::string("?")));
+  }
+  FULCRUM_LOG(INFO) << "fine-tuning from the weights of " << reader.dir() << " (" << origin
+                    << "): iteration 0, fresh optimizer and schedule (--finetune)";
   return absl::OkStatus();
 }
 

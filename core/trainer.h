@@ -84,7 +84,9 @@ class Trainer {
       ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward);
 
   /// Restores model, optimizer state, iteration and data position from `path` (a save
-  /// directory following its `latest`, or one iteration directory).
+  /// directory following its `latest`, or one iteration directory). With
+  /// TrainOptions::finetune, the model weights only, from iteration 0 (NOTE [finetune]).
+  /// An imported checkpoint (ckpt::kImportedFromField) needs finetune.
   absl::Status Load(const std::string& path);
   /// The same from a checkpoint already opened (fulcrum_train opens --load before any work,
   /// with the reading options its flags give).
@@ -162,6 +164,9 @@ class Trainer {
   /// What the run trains on (checkpoints record it; NOTE [resume checks]).
   int64_t corpus_documents_ = 0;
   int64_t corpus_tokens_ = 0;
+  int64_t corpus_max_token_ = 0;  // The largest token id in the data.
+  // Load's --finetune half: the weights alone.
+  absl::Status LoadWeightsOnly(const ckpt::CheckpointReader& reader, const std::string& source);
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).
   nlohmann::json BlockStatistics();

@@ -73,4 +73,24 @@ absl::Status CheckResume(const TrainingManifest& saved, const TrainerConfig& our
                          const DataIdentity& our_data, const std::string& source,
                          std::vector<std::string>* warnings);
 
+/// NOTE [finetune] --finetune loads a checkpoint's model weights into a new run: iteration
+/// 0, fresh optimizer and schedule, no data identity or position checks, any data. The
+/// model must still be the checkpoint's: the shape fields of NOTE [resume checks] (among
+/// them normalization, swiglu, num_query_groups, add_bias_linear), the MoE shape and
+/// openai_gelu are refused on a mismatch naming the flag. seq_length is a shape only with learned
+/// positions: with rope a longer run than the checkpoint's is a warning. The checkpoint
+/// may be an import (hf_checkpoint.h, NOTE [imported checkpoints]), whose manifest holds
+/// the config but none of the trainer's fields, or any trained checkpoint.
+///
+/// `saved_config` is the manifest's "config" object. InvalidArgument naming the flag, or
+/// DataLoss when the manifest has no config.model.
+absl::Status CheckFinetune(const nlohmann::json& saved_config, const TrainerConfig& ours,
+                           const std::string& source, std::vector<std::string>* warnings);
+
+/// InvalidArgument when the data's largest token id `data_max_token` does not fit the
+/// checkpoint's vocabulary (`saved_config`'s model.vocab_size): data tokenized for another
+/// model. OK when the checkpoint does not record a vocabulary size.
+absl::Status CheckDataFitsVocabulary(const nlohmann::json& saved_config, int64_t data_max_token,
+                                     const std::string& source);
+
 }  // namespace fulcrum

@@ -139,6 +139,10 @@ DEFINE_int32(save_keep_last, 0,
 DEFINE_bool(allow_data_change, false,
             "Resume --load on other data than the checkpoint trained on (another --data_path, "
             "--split or --seed), on purpose; without it such a resume is refused.");
+DEFINE_bool(finetune, false,
+            "Start from the model weights of --load alone (a checkpoint imported by fulcrum_ckpt "
+            "import-hf, or any checkpoint): iteration 0, a fresh optimizer and schedule, any "
+            "data. The model flags must still give the checkpoint's model.");
 DEFINE_bool(allow_unchecksummed_manifest, false,
             "Resume --load from a checkpoint whose manifest predates manifest checksums "
             "(format_version 1), whose fields (iteration, data position) nothing verifies; "
@@ -219,8 +223,8 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_cosine_init_temperature", "moe_cosine_min_temperature", "moe_a2a_overlap_degree",
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
-      {"Checkpoints", {"save", "load", "save_interval", "save_keep_last", "allow_data_change",
-                       "allow_unchecksummed_manifest"}},
+      {"Checkpoints", {"save", "load", "finetune", "save_interval", "save_keep_last",
+                       "allow_data_change", "allow_unchecksummed_manifest"}},
       {"Logging", {"log_interval", "metrics_file", "tensorboard_dir", "load_trace", "timeline"}},
   };
   spec.per_file_dir = "plugins";
@@ -492,6 +496,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   t.tensorboard_dir = FLAGS_tensorboard_dir;
   t.save_keep_last = FLAGS_save_keep_last;
   t.allow_data_change = FLAGS_allow_data_change;
+  t.finetune = FLAGS_finetune;
   c.data_path = FLAGS_data_path;
 
   c.data.seq_length = FLAGS_seq_length;

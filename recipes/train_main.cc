@@ -144,7 +144,8 @@ int Run(int argc, char** argv) {
   }
   auto repack = fulcrum::RepackSettingsFromFlags(
       *layout, *early,
-      checkpoint ? std::optional<int64_t>(checkpoint->iteration()) : std::nullopt);
+      checkpoint ? std::optional<int64_t>(early->train.finetune ? 0 : checkpoint->iteration())
+                 : std::nullopt);
   if (!repack.ok()) return Fail(repack.status());
   // The plugins: --plugins, and those their own flags ask for (--num_experts: moe); their
   // flags are checked against the model and the layout now, before any work.

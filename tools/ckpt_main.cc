@@ -5,6 +5,9 @@
 //                                        manifest without a checksum, unless
 //                                        --allow_unchecksummed_manifest)
 //   fulcrum_ckpt show   /ckpt --key=iteration
+//   fulcrum_ckpt import-hf HF_DIR OUT    a transformers model directory → a Fulcrum
+//                                        checkpoint of iteration 0 (core/checkpoint/hf_checkpoint.h)
+//   fulcrum_ckpt export-hf CKPT OUT      a Fulcrum checkpoint's model → a transformers directory
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -17,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/hf_checkpoint.h"
 #include "core/logging.h"
 
 DEFINE_string(key, "",
@@ -28,6 +32,14 @@ DEFINE_bool(allow_unchecksummed_manifest, false,
             "own checksum (its fields, such as the iteration and the data position, cannot be "
             "verified). Without it `verify` fails such a checkpoint; `list` and `show` always "
             "display it.");
+DEFINE_string(max_shard_size, "5GB",
+              "For `export-hf`: the largest model file to write (5GB, 500MB, 2GiB or bytes); a "
+              "larger model is written as model-XXXXX-of-YYYYY.safetensors shards with "
+              "model.safetensors.index.json. 0: always one model.safetensors.");
+DEFINE_int64(num_experts_per_tok, 0,
+             "For `export-hf` of an MoE (Mixtral) checkpoint that was trained rather than "
+             "imported: the router's top-k (--moe_router_topk), which its manifest does not "
+             "record. 0: from the checkpoint.");
 
 namespace fulcrum {
 namespace {
@@ -45,11 +57,24 @@ Usage:
   fulcrum_ckpt show   PATH [--key=K]   prints manifest field K as JSON (a top-level name
                                        or a JSON pointer such as /config/hidden_size);
                                        without --key, all fields but the tensor table
+  fulcrum_ckpt import-hf HF_DIR OUT    converts a Hugging Face transformers directory
+                                       (config.json + model.safetensors, or sharded with
+                                       model.safetensors.index.json) of a GPT2LMHeadModel,
+                                       LlamaForCausalLM or MixtralForCausalLM into a Fulcrum
+                                       checkpoint of iteration 0 in the new directory OUT;
+                                       prints the fulcrum_train flags of the model. Train
+                                       from it with --load=OUT --finetune.
+  fulcrum_ckpt export-hf CKPT OUT      writes the model of Fulcrum checkpoint CKPT as a
+                                       transformers directory OUT (config.json +
+                                       model.safetensors), for from_pretrained
+                                       [--max_shard_size=5GB] [--num_experts_per_tok=K]
 
 PATH is a save directory (its `latest` file names the checkpoint) or one checkpoint
 directory such as /ckpt/iter_0000020.
 
-Exit status: 0 success, 1 missing or damaged checkpoint (or unknown --key), 2 wrong usage.)";
+Exit status: 0 success, 1 missing or damaged checkpoint (or unknown --key), 2 wrong usage.
+import-hf and export-hf: 0 success, 2 input refused (unsupported configuration, missing
+file or tensor, shape mismatch, OUT not empty; nothing is written), 1 failure writing OUT.)";
 
 // Tensors whose global name starts with this hold optimizer state, not parameters.
 constexpr char kOptimizerPrefix[] = "optimizer.";
@@ -164,6 +189,62 @@ int Show(const ckpt::CheckpointReader& reader, const std::string& key) {
   return kOk;
 }
 
+// A refused input is a usage-class error (2): the caller must change what it gave; a
+// failure while writing the output is 1.
+int ConversionFailed(const absl::Status& status) {
+  std::cerr << "fulcrum_ckpt: " << status.message() << "\n";
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kAlreadyExists:
+      return kUsageError;
+    default:
+      return kFailed;
+  }
+}
+
+int ConvertHf(int argc, char** argv) {
+  const std::string command = argv[1];
+  if (argc != 4) {
+    return UsageError(command == "import-hf" ? "expected: import-hf HF_DIR OUT"
+                                             : "expected: export-hf CKPT OUT");
+  }
+  if (!FLAGS_key.empty() || FLAGS_allow_unchecksummed_manifest) {
+    return UsageError(absl::StrCat("--key and --allow_unchecksummed_manifest do not apply to `",
+                                   command, "`"));
+  }
+  FileSystem* fs = DefaultFileSystem();
+  if (command == "import-hf") {
+    if (!gflags::GetCommandLineFlagInfoOrDie("max_shard_size").is_default ||
+        FLAGS_num_experts_per_tok != 0) {
+      return UsageError("--max_shard_size and --num_experts_per_tok only apply to `export-hf`");
+    }
+    absl::StatusOr<ckpt::HfImportResult> result = ckpt::ImportHuggingFace(fs, argv[2], argv[3]);
+    if (!result.ok()) return ConversionFailed(result.status());
+    std::cout << "imported " << ckpt::HfArchitectureName(result->model.architecture) << " from "
+              << argv[2] << ": " << result->tensors << " tensors, " << result->parameters
+              << " parameters, into " << result->checkpoint_dir << "\n"
+              << "fine-tune it with: fulcrum_train --load=" << argv[3] << " --finetune "
+              << absl::StrJoin(result->flags, " ") << "\n";
+    return kOk;
+  }
+  ckpt::HfExportOptions options;
+  absl::StatusOr<uint64_t> max_shard = ckpt::ParseByteSize(FLAGS_max_shard_size);
+  if (!max_shard.ok()) return UsageError(std::string(max_shard.status().message()));
+  options.max_shard_bytes = *max_shard;
+  if (FLAGS_num_experts_per_tok < 0) return UsageError("--num_experts_per_tok must be ≥ 0");
+  options.num_experts_per_tok = FLAGS_num_experts_per_tok;
+  absl::StatusOr<ckpt::HfExportResult> result =
+      ckpt::ExportHuggingFace(fs, argv[2], argv[3], options);
+  if (!result.ok()) return ConversionFailed(result.status());
+  std::cout << "exported " << ckpt::HfArchitectureName(result->model.architecture) << " to "
+            << argv[3] << ": " << result->tensors << " tensors in "
+            << absl::StrJoin(result->files, ", ") << "\n";
+  return kOk;
+}
+
 int Main(int argc, char** argv) {
   gflags::SetUsageMessage(kUsageText);
   // gflags' own --help lists the flags of every linked library; ours says what matters.
@@ -174,6 +255,10 @@ int Main(int argc, char** argv) {
                 << "\n\nFlags:\n  --key: " << gflags::GetCommandLineFlagInfoOrDie("key").description
                 << "\n  --allow_unchecksummed_manifest: "
                 << gflags::GetCommandLineFlagInfoOrDie("allow_unchecksummed_manifest").description
+                << "\n  --max_shard_size: "
+                << gflags::GetCommandLineFlagInfoOrDie("max_shard_size").description
+                << "\n  --num_experts_per_tok: "
+                << gflags::GetCommandLineFlagInfoOrDie("num_experts_per_tok").description
                 << "\n";
       return kOk;
     }
@@ -185,13 +270,21 @@ int Main(int argc, char** argv) {
     const std::string_view name = arg.substr(arg.find_first_not_of('-'));
     const std::string_view flag = name.substr(0, name.find('='));
     if (flag != "key" && flag != "allow_unchecksummed_manifest" &&
-        flag != "noallow_unchecksummed_manifest") {
+        flag != "noallow_unchecksummed_manifest" && flag != "max_shard_size" &&
+        flag != "num_experts_per_tok") {
       return UsageError(absl::StrCat("unknown flag '", std::string(arg), "'"));
     }
   }
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
   InitLogging(argv[0]);
 
+  if (argc >= 2 && (std::string(argv[1]) == "import-hf" || std::string(argv[1]) == "export-hf")) {
+    return ConvertHf(argc, argv);
+  }
+  if (!gflags::GetCommandLineFlagInfoOrDie("max_shard_size").is_default ||
+      FLAGS_num_experts_per_tok != 0) {
+    return UsageError("--max_shard_size and --num_experts_per_tok only apply to `export-hf`");
+  }
   if (argc != 3) return UsageError("expected a command and a PATH");
   const std::string command = argv[1];
   const std::string path = argv[2];

@@ -13,6 +13,9 @@
 #    CMake finds it through torch.utils.cmake_prefix_path.
 #  - tensorboard (PyPI, pinned), into the same venv: the tests read fulcrum_train's
 #    --tensorboard_dir back with it (tests/recipes/tensorboard_check.py).
+#  - transformers (PyPI, pinned; CPU, with its safetensors, huggingface_hub and tokenizers),
+#    into the same venv: the Hugging Face interoperability test (tests/hf) makes tiny models
+#    with it and checks fulcrum_ckpt import-hf / export-hf against it. Offline once installed.
 #
 #   FULCRUM_BUILD_DIR   build directory (default: build)
 #   FULCRUM_CMAKE_ARGS  extra CMake arguments (e.g. -DFULCRUM_CUDA=OFF)
@@ -28,6 +31,7 @@ FULCRUM_BUILD_DIR="${FULCRUM_BUILD_DIR:-$FULCRUM_ROOT/build}"
 FULCRUM_VENV="${FULCRUM_VENV:-$FULCRUM_ROOT/.venv}"
 FULCRUM_TORCH_VERSION=2.11.0
 FULCRUM_TENSORBOARD_VERSION=2.20.0
+FULCRUM_TRANSFORMERS_VERSION=5.24.0
 
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
@@ -113,10 +117,25 @@ fulcrum_install_tensorboard() {
     "tensorboard==$FULCRUM_TENSORBOARD_VERSION"
 }
 
+fulcrum_transformers_installed() {
+  "$FULCRUM_VENV/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$FULCRUM_TRANSFORMERS_VERSION')" \
+    >/dev/null 2>&1
+}
+
+fulcrum_install_transformers() {
+  [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
+  fulcrum_transformers_installed && return 0
+  echo "fulcrum: installing transformers==$FULCRUM_TRANSFORMERS_VERSION into $FULCRUM_VENV"
+  # torch is already there at its pinned version; pip keeps it (transformers accepts 2.11).
+  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "transformers==$FULCRUM_TRANSFORMERS_VERSION" "torch==$FULCRUM_TORCH_VERSION"
+}
+
 fulcrum_install_packages() {
   fulcrum_install_debian_packages
   fulcrum_install_torch
   fulcrum_install_tensorboard
+  fulcrum_install_transformers
 }
 
 # Where CMake finds LibTorch: $FULCRUM_TORCH_DIR, else the venv's torch.

@@ -75,7 +75,10 @@ DEFINE_string(data_path, "",
               "corpus (/usr/share/common-licenses, byte tokens).");
 DEFINE_string(split, "969,30,1", "Train/valid/test proportions of the documents.");
 DEFINE_string(tokenizer_model, "", "SentencePiece model of --data_path (gives the vocab size).");
-DEFINE_int64(vocab_size, 0, "Vocabulary size of --data_path when no --tokenizer_model is given.");
+DEFINE_int64(vocab_size, 0,
+             "The model's vocabulary size before padding (default: --tokenizer_model's, else the "
+             "data's largest token + 1, or 257 byte tokens without --data_path); every token of the "
+             "data must fit.");
 // Parallelism.
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
@@ -259,9 +262,17 @@ absl::StatusOr<TrainData> LoadTrainData() {
     FULCRUM_ASSIGN_OR_RETURN(out.corpus, data::BuildDefaultCorpus(tokenizer));
     out.vocab_size = tokenizer.vocab_size();
     out.description = data::DefaultCorpusDescription() + ", byte tokens";
-    if (!FLAGS_tokenizer_model.empty() || FLAGS_vocab_size > 0) {
-      return Invalid("--tokenizer_model / --vocab_size need --data_path (the embedded corpus "
-                     "uses byte tokens)");
+    if (!FLAGS_tokenizer_model.empty()) {
+      return Invalid("--tokenizer_model needs --data_path (the embedded corpus uses byte tokens)");
+    }
+    // A larger vocabulary is allowed: a model imported from elsewhere (fulcrum_ckpt
+    // import-hf prints its --vocab_size) fine-tunes on the byte tokens, which fit.
+    if (FLAGS_vocab_size > 0) {
+      if (FLAGS_vocab_size < out.vocab_size) {
+        return Invalid(absl::StrCat("--vocab_size=", FLAGS_vocab_size, " is below the embedded corpus's ",
+                                    out.vocab_size, " byte tokens"));
+      }
+      out.vocab_size = FLAGS_vocab_size;
     }
     return out;
   }

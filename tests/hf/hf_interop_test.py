@@ -137,6 +137,54 @@ def check_case(r, name, tokens):
                           f"{proc.stderr}")
 
 
+def check_trained(r, tokens):
+    """Import → fine-tune 10 iterations at pp=2 with layers migrating → 5 more at tp=2 →
+    export: transformers loads the result and reproduces Fulcrum's logits of it."""
+    hf = r.path("trained.hf")
+    ckpt = r.path("trained.imported")
+    r.reference("make", "--arch", "llama", "--layers", "4", "--out", hf)
+    printed = r.tool("fulcrum_ckpt", "import-hf", hf, ckpt).stdout
+    marker = " --finetune "
+    line = next((l for l in printed.splitlines() if marker in l), None)
+    if line is None:
+        raise Failure(f"import-hf printed no fulcrum_train flags:\n{printed}")
+    model_flags = line.split(marker, 1)[1].split()
+    launch = [os.path.join(r.bin, "fulcrum_launch"), "--nproc_per_node=2", "--master_port=0", "--",
+              os.path.join(r.bin, "fulcrum_train")]
+    common = model_flags + ["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=8",
+                            "--lr=1e-3", "--lr_warmup_iters=2", "--eval_interval=0",
+                            "--log_interval=5", "--train_iters=15"]
+    # [0,2)|[2,4) → (3) [0,1)|[1,4) → (6) [0,3)|[3,4): two plans, three layer moves.
+    pp_ckpt, pp_metrics = r.path("trained.pp2"), r.path("trained.pp2.jsonl")
+    r.run(launch + [f"--load={ckpt}", "--finetune", *common, "--exit_interval=10",
+                    "--pipeline_model_parallel_size=2", "--pipeline_schedule=zbh1",
+                    "--rebalance_script=3:1->1;6:1->0,2->0", f"--save={pp_ckpt}",
+                    f"--metrics_file={pp_metrics}"],
+          what="fine-tuning the import at pp=2 with layers moving")
+    with open(pp_metrics) as f:
+        records = [json.loads(l) for l in f if l.strip()]
+    moved = [rec.get("layers_moved", 0) for rec in records]
+    if len(records) != 10 or moved[-1] != 3:
+        raise Failure(f"the pp=2 fine-tune should log 10 iterations and 3 layer moves, got "
+                      f"{len(records)} iterations, layers_moved {moved}")
+    tp_ckpt = r.path("trained.tp2")
+    r.run(launch + [f"--load={pp_ckpt}", *common, "--tensor_model_parallel_size=2",
+                    f"--save={tp_ckpt}"],
+          what="resuming it at tp=2")
+    ours = r.path("trained.fulcrum.safetensors")
+    r.tool("fulcrum_hf_logits", f"--load={tp_ckpt}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
+           what="fulcrum_hf_logits on the fine-tuned checkpoint")
+    exported = r.path("trained.export")
+    r.tool("fulcrum_ckpt", "export-hf", tp_ckpt, exported)
+    r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
+                what="the fine-tuned model exported and loaded by transformers")
+    # It trained: the imported model's logits are far from the fine-tuned one's.
+    before = r.path("trained.imported.safetensors")
+    r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
+    r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
+                what="the fine-tuned model against the imported one")
+
+
 def edit_config(hf, **changes):
     path = os.path.join(hf, "config.json")
     with open(path) as f:
@@ -230,6 +278,11 @@ def main():
                 check_case(r, name, tokens)
             except Failure as e:
                 failures.append(str(e))
+        print("== trained: import, fine-tune at pp=2 (moving layers) and tp=2, export", flush=True)
+        try:
+            check_trained(r, tokens)
+        except Failure as e:
+            failures.append(str(e))
         if not args.skip_bad_inputs:
             print("== bad inputs", flush=True)
             try:

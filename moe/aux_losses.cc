@@ -28,6 +28,21 @@ at::Tensor LoadBalancingLoss(const at::Tensor& probs, const at::Tensor& expert_l
   return (fraction * mean_prob).sum() * static_cast<double>(num_experts);
 }
 
+at::Tensor MixtralLoadBalancingLoss(const at::Tensor& probs, const at::Tensor& expert_load) {
+  CheckLogits(probs, "MixtralLoadBalancingLoss: probs");
+  const int64_t num_tokens = probs.size(0);
+  const int64_t num_experts = probs.size(1);
+  TORCH_CHECK(expert_load.dim() == 1 && expert_load.size(0) == num_experts,
+              "MixtralLoadBalancingLoss: expert_load must be [", num_experts, "], got ",
+              expert_load.sizes());
+  TORCH_CHECK(num_tokens >= 1, "MixtralLoadBalancingLoss: no tokens");
+  // HF: tokens_per_expert = histc(top-k indices) / T (no gradient), router_prob_per_expert
+  // = mean of the softmax (the gradient), loss = E · Σ of their product.
+  at::Tensor tokens_per_expert =
+      expert_load.to(probs.scalar_type()) / static_cast<double>(num_tokens);
+  return (tokens_per_expert * probs.mean(0)).sum() * static_cast<double>(num_experts);
+}
+
 at::Tensor ZLoss(const at::Tensor& logits) {
   CheckLogits(logits, "ZLoss: logits");
   TORCH_CHECK(logits.size(0) >= 1, "ZLoss: no tokens");

@@ -16,6 +16,23 @@ namespace fulcrum::moe {
 /// probs [T, E] float; expert_load [E] integer; k >= 1.
 at::Tensor LoadBalancingLoss(const at::Tensor& probs, const at::Tensor& expert_load, int64_t k);
 
+/// Hugging Face transformers' `load_balancing_loss_func` (modeling_mixtral, Mixtral's
+/// `aux_loss`) for one MoE layer: E · Σᵢ (expert_load[i] / T) · Pᵢ, Pᵢ the mean over tokens
+/// of probs[:, i]. Its fᵢ divides the top-k assignment count by T, not T·k, so it is exactly
+/// k · LoadBalancingLoss (1 at perfect balance for k = 1, k for k > 1).
+///
+/// NOTE [Mixtral aux loss across layers]
+/// HF computes one loss for the whole model: it concatenates every layer's router logits
+/// (sums the counts and probabilities over layers, divides by L·T) and takes E·Σᵢ f̄ᵢ·P̄ᵢ of
+/// those cross-layer means. Fulcrum's MoE layers each add their own loss (NOTE [MoE auxiliary
+/// losses] in moe/moe_layer.h), i.e. Σ_l E·Σᵢ f_l,i·P_l,i. For a model with one MoE layer the
+/// two are the same number; with L > 1 layers ours is not HF's: HF's is a product of means
+/// over layers (≈ 1/L of our sum when the layers' loads agree, and different from it — by
+/// the layers' covariance of f and P — when they do not). Compare HF and Fulcrum with one
+/// MoE layer, or with --moe_aux_loss_coeff = 0.
+/// probs [T, E] float; expert_load [E] integer (the top-k counts).
+at::Tensor MixtralLoadBalancingLoss(const at::Tensor& probs, const at::Tensor& expert_load);
+
 /// ST-MoE router z-loss (Zoph et al. 2022, §3.1, eq. 5): mean over tokens of
 /// logsumexp(logits[t, :])². Penalises large logits, which make the router's softmax
 /// round-off sensitive. logits [T, E] float.

@@ -37,6 +37,7 @@ class MoeLayer final : public FeedForward {
            Unit& unit, bool initialize, std::unique_ptr<Router> router,
            std::shared_ptr<ExpertExchange> exchange, const MoeGroups& groups)
       : options_(options),
+        model_(model),
         layer_index_(layer_index),
         router_(std::move(router)),
         exchange_(std::move(exchange)),
@@ -61,6 +62,9 @@ class MoeLayer final : public FeedForward {
     const int64_t f = options.ffn_hidden_size > 0 ? options.ffn_hidden_size : model.ffn_hidden_size;
     const double std = model.init_method_std;
     const double out_std = std / std::sqrt(2.0 * model.num_layers);
+    // NOTE [SwiGLU rows]: gate and up rows interleave, so the contiguous tensor-parallel
+    // shard of fc1's 2F rows (2F/tp is even: F % tp == 0 is validated) holds whole pairs.
+    const int64_t fc1_rows = model.swiglu ? 2 * f : f;
     local_experts_ = options.num_experts / ep_size;
     first_expert_ = ep_rank * local_experts_;
     auto add = [&](const std::string& name, at::IntArrayRef shape, double s, int64_t shard_dim,
@@ -81,10 +85,14 @@ class MoeLayer final : public FeedForward {
     for (int64_t e = first_expert_; e < first_expert_ + local_experts_; ++e) {
       const std::string prefix = absl::StrCat("mlp.experts.", e, ".");
       Expert expert;
-      expert.fc1_weight = add(prefix + "linear_fc1.weight", {f, d}, std, 0, true);
-      expert.fc1_bias = add(prefix + "linear_fc1.bias", {f}, 0, 0, false);
+      expert.fc1_weight = add(prefix + "linear_fc1.weight", {fc1_rows, d}, std, 0, true);
       expert.fc2_weight = add(prefix + "linear_fc2.weight", {d, f}, out_std, 1, true);
-      expert.fc2_bias = add(prefix + "linear_fc2.bias", {d}, 0, -1, false);
+      // --disable_bias_linear: no bias parameters at all (Mixtral's experts have none), so
+      // checkpoints, optimizer state and migrations carry nothing for them.
+      if (model.add_bias_linear) {
+        expert.fc1_bias = add(prefix + "linear_fc1.bias", {fc1_rows}, 0, 0, false);
+        expert.fc2_bias = add(prefix + "linear_fc2.bias", {d}, 0, -1, false);
+      }
       experts_.push_back(std::move(expert));
     }
   }
@@ -270,14 +278,15 @@ class MoeLayer final : public FeedForward {
     for (size_t e = 0; e < experts_.size(); ++e) {
       const Expert& expert = experts_[e];
       const at::Tensor& x = inputs[e];
-      at::Tensor h = at::gelu(LinearForward(x, expert.fc1_weight, expert.fc1_bias));
+      at::Tensor h = LinearForward(x, expert.fc1_weight, expert.fc1_bias);
+      h = MlpActivation(model_, h);  // the dense MLP's: GeLU (tanh with openai_gelu) or SwiGLU
       // Row-parallel fc2: its bias is added once, after the reduction.
       outputs.push_back(LinearForward(h, expert.fc2_weight, sharded ? at::Tensor() : expert.fc2_bias));
     }
     at::Tensor y = at::cat(outputs);
     if (groups_.tensor == nullptr) return y;
     y = groups_.tensor->ReduceFromRegion(y);
-    if (!sharded) return y;
+    if (!sharded || experts_.empty() || !experts_[0].fc2_bias.defined()) return y;
     std::vector<at::Tensor> biases;
     std::vector<int64_t> row_expert;
     for (size_t e = 0; e < experts_.size(); ++e) {
@@ -390,6 +399,7 @@ class MoeLayer final : public FeedForward {
   }
 
  private:
+  // The biases are undefined without ModelOptions::add_bias_linear.
   struct Expert {
     at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;
   };
@@ -408,6 +418,7 @@ class MoeLayer final : public FeedForward {
   }
 
   MoeOptions options_;
+  ModelOptions model_;  // MlpActivation's choice: swiglu, openai_gelu.
   int64_t layer_index_;
   std::unique_ptr<Router> router_;
   std::shared_ptr<ExpertExchange> exchange_;  // Null when ep == 1.

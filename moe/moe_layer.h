@@ -1,10 +1,14 @@
 // The MoE layer: replaces the dense MLP of every --moe_layer_freq-th transformer layer
-// (core/feed_forward.h) by E GeLU experts behind a router.
+// (core/feed_forward.h) by E experts behind a router: MLPs with the dense MLP's activation
+// (MlpActivation in core/transformer_layer.h: GeLU, tanh GeLU under --openai_gelu, or
+// fc2(silu(gate) * up) under --swiglu, as Mixtral's). With --moe_router=mixtral,
+// --disable_bias_linear and a dropless --moe_capacity_factor=0 the layer computes what HF
+// transformers' MixtralSparseMoeBlock does.
 //
 //   x [T, D] → router (moe/router.h) → capacity and slots (moe/capacity.h)
 //     → Dispatch by indices into [E, C, D] (moe/dispatch.h)
 //     → all-to-all over the expert-parallel group → [E/n, n·C, D] (moe/expert_parallel.h)
-//     → each local expert: fc1, GeLU, fc2 (tensor-parallel like the dense MLP)
+//     → each local expert: fc1, GeLU or SwiGLU, fc2 (tensor-parallel like the dense MLP)
 //     → all-to-all back → Combine by indices → [T, D]
 // With cached assignments (moe/assignment_cache.h) the router's choice of experts comes
 // from the cache, and for a fully cached micro-batch (padded buffers, no batch-prioritized
@@ -13,10 +17,13 @@
 // Parameters, as global names of layer i (Megatron-core's, with global expert ids, so a
 // checkpoint loads under any expert-parallel size):
 //   layers.i.mlp.router.weight (and the router's other parameters)
-//   layers.i.mlp.experts.<e>.linear_fc1.weight [F, D]  (tensor-parallel rows)
-//   layers.i.mlp.experts.<e>.linear_fc1.bias   [F]     (tensor-parallel)
+//   layers.i.mlp.experts.<e>.linear_fc1.weight [F, D]  (tensor-parallel rows; [2F, D]
+//                                                      under --swiglu, gate and up rows
+//                                                      interleaved: NOTE [SwiGLU rows])
+//   layers.i.mlp.experts.<e>.linear_fc1.bias   [F]     (tensor-parallel; [2F] under --swiglu)
 //   layers.i.mlp.experts.<e>.linear_fc2.weight [D, F]  (tensor-parallel columns)
 //   layers.i.mlp.experts.<e>.linear_fc2.bias   [D]
+// The biases exist only with ModelOptions::add_bias_linear (not under --disable_bias_linear).
 // Expert parameters are Parameter::expert_parallel; a rank holds only its experts.
 // Router state that is not trained (the aux_free bias) is a buffer of the layer's unit, as
 // are the assignment cache's table and counters (layers.i.mlp.assignment_cache[_state]).

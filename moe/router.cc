@@ -12,13 +12,17 @@
 namespace fulcrum::moe {
 
 FULCRUM_REGISTER(RouterFactory, topk,
-                 "softmax over experts, top-k, gates renormalised (Megatron/Mixtral); "
+                 "softmax over experts, top-k, gates renormalised for k > 1 (Megatron); "
                  "load-balancing loss",
                  internal::NewTopKRouter);
 FULCRUM_REGISTER(RouterFactory, switch,
                  "Switch Transformer top-1 (Fedus et al. 2022); load-balancing loss; needs "
                  "--moe_router_topk=1",
                  internal::NewSwitchRouter);
+FULCRUM_REGISTER(RouterFactory, mixtral,
+                 "Hugging Face Mixtral: fp32 softmax over experts, top-k, gates always "
+                 "renormalised; HF's load_balancing_loss_func (k x topk's)",
+                 internal::NewMixtralRouter);
 FULCRUM_REGISTER(RouterFactory, noisy_topk,
                  "noisy top-k gating (Shazeer et al. 2017); importance and load losses",
                  internal::NewNoisyTopKRouter);

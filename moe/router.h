@@ -50,7 +50,8 @@ struct RouterOptions {
   /// --hidden_size: width D of the router input. Must be > 0.
   int64_t hidden_size = 0;
   /// --moe_aux_loss_coeff: scale of the balancing losses (Switch/GShard load balancing for
-  /// `topk`, `switch`, `cosine`; importance and load for `noisy_topk`). Default: 1e-2.
+  /// `topk`, `switch`, `cosine`; Hugging Face's for `mixtral`, HF's router_aux_loss_coef;
+  /// importance and load for `noisy_topk`). Default: 1e-2.
   /// Must be >= 0; 0 turns them off.
   double aux_loss_coeff = 1e-2;
   /// --moe_z_loss_coeff: ST-MoE router z-loss scale (Zoph et al. 2022, §3.1). Default: 0

@@ -1,4 +1,5 @@
-// Token-choice routers over a softmax of linear logits: `topk`, `switch`, `noisy_topk`.
+// Token-choice routers over a softmax of linear logits: `topk`, `switch`, `mixtral`,
+// `noisy_topk`.
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -8,7 +9,7 @@
 namespace fulcrum::moe::internal {
 namespace {
 
-// Softmax top-k (`topk`) and Switch top-1 (`switch`).
+// Softmax top-k (`topk`), Switch top-1 (`switch`) and Hugging Face's Mixtral (`mixtral`).
 //
 //   logits = x·Wᵀ,  probs = softmax(logits),  experts = top-k of probs,
 //   gates  = the top-k probs renormalised to sum 1 when k > 1 (Megatron's default, Mixtral,
@@ -19,12 +20,26 @@ namespace {
 // Balancing: the Switch Transformer loss (Fedus et al. 2022, §2.2) α·E·Σᵢ fᵢ·Pᵢ, where for
 // k > 1 fᵢ counts all k choices (Megatron's aux_loss), and the optional z-loss.
 // `switch` is the k = 1 case under its paper's name; it refuses k != 1.
+//
+// `mixtral` is Hugging Face transformers' MixtralSparseMoeBlock (MixtralTopKRouter, v4 and
+// v5 alike): softmax over all E, top-k, and the k weights renormalised to sum 1 for every
+// k — for k > 1 these are exactly `topk`'s gates, for k = 1 the gate is 1 where `topk` keeps
+// p. HF computes the logits in the model's dtype and the softmax in fp32; here both are in
+// the router's fp32 (NOTE [router precision]), so the two agree exactly for fp32 models and
+// differ by the logits' rounding for bf16 ones. Its balancing loss is HF's load_balancing_loss_func for one layer,
+// k times `topk`'s (MixtralLoadBalancingLoss; NOTE [Mixtral aux loss across layers] for
+// models with several MoE layers), so --moe_aux_loss_coeff = router_aux_loss_coef gives
+// HF's `router_aux_loss_coef * aux_loss`. HF adds that term only with output_router_logits
+// (default false); its router_jitter_noise also jitters the experts' input, which
+// --moe_input_jitter_eps does not (Mixtral checkpoints set 0).
+enum class TopKFlavor { kMegatron, kSwitch, kMixtral };
+
 class TopKRouter : public Router {
  public:
-  TopKRouter(const RouterOptions& options, const char* name, bool top1_only)
+  TopKRouter(const RouterOptions& options, const char* name, TopKFlavor flavor)
       : Router(options),
         name_(name),
-        top1_only_(top1_only),
+        flavor_(flavor),
         weight_(NormalParameter(options, "router.weight",
                                 {options.num_experts, options.hidden_size}, options.init_std)) {}
 
@@ -32,15 +47,26 @@ class TopKRouter : public Router {
 
   Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
     CheckRouteArguments(hidden, k);
-    TORCH_CHECK(!top1_only_ || k == 1, name_, " router routes each token to one expert, got k=", k);
+    TORCH_CHECK(flavor_ != TopKFlavor::kSwitch || k == 1, name_,
+                " router routes each token to one expert, got k=", k);
     at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
     at::Tensor logits = at::linear(x, weight_);  // [T, E]
     at::Tensor probs = at::softmax(logits, 1);
     at::Tensor own;
     at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
-    Routing routing = TokenChoiceRouting(experts, TokenChoiceGates(probs.gather(1, experts)),
-                                         probs, num_experts(), own);
-    AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
+    at::Tensor chosen = probs.gather(1, experts);
+    at::Tensor gates = flavor_ == TopKFlavor::kMixtral ? chosen / chosen.sum(1, /*keepdim=*/true)
+                                                       : TokenChoiceGates(chosen);
+    Routing routing = TokenChoiceRouting(experts, gates, probs, num_experts(), own);
+    if (flavor_ == TopKFlavor::kMixtral) {
+      if (options_.aux_loss_coeff > 0.0) {
+        routing.aux_losses.emplace_back(
+            "load_balancing_loss",
+            MixtralLoadBalancingLoss(routing.probs, routing.expert_load) * options_.aux_loss_coeff);
+      }
+    } else {
+      AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
+    }
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
   }
@@ -51,7 +77,7 @@ class TopKRouter : public Router {
 
  private:
   const char* name_;
-  bool top1_only_;
+  TopKFlavor flavor_;
   at::Tensor weight_;  // [E, D] W_r
 };
 
@@ -127,7 +153,11 @@ class NoisyTopKRouter : public Router {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Router>> NewTopKRouter(const RouterOptions& options) {
-  return std::make_unique<TopKRouter>(options, "topk", /*top1_only=*/false);
+  return std::make_unique<TopKRouter>(options, "topk", TopKFlavor::kMegatron);
+}
+
+absl::StatusOr<std::unique_ptr<Router>> NewMixtralRouter(const RouterOptions& options) {
+  return std::make_unique<TopKRouter>(options, "mixtral", TopKFlavor::kMixtral);
 }
 
 absl::StatusOr<std::unique_ptr<Router>> NewSwitchRouter(const RouterOptions& options) {
@@ -137,7 +167,7 @@ absl::StatusOr<std::unique_ptr<Router>> NewSwitchRouter(const RouterOptions& opt
         "got ",
         options.topk));
   }
-  return std::make_unique<TopKRouter>(options, "switch", /*top1_only=*/true);
+  return std::make_unique<TopKRouter>(options, "switch", TopKFlavor::kSwitch);
 }
 
 absl::StatusOr<std::unique_ptr<Router>> NewNoisyTopKRouter(const RouterOptions& options) {

@@ -32,7 +32,8 @@ DEFINE_bool(moe_per_expert_capacity, false,
 DEFINE_bool(moe_batch_prioritized_routing, false,
             "Confident tokens claim expert slots first (V-MoE's batch priority routing).");
 DEFINE_double(moe_aux_loss_coeff, 1e-2,
-              "Scale of the balancing losses (load balancing; importance and load for noisy_topk).");
+              "Scale of the balancing losses (load balancing; importance and load for noisy_topk; "
+              "HF's router_aux_loss_coef for mixtral).");
 DEFINE_double(moe_z_loss_coeff, 0.0, "Router z-loss scale (ST-MoE); 0 = off.");
 DEFINE_double(moe_input_jitter_eps, 0.0, "Multiplicative router input jitter in training; 0 = off.");
 DEFINE_double(moe_router_init_std, 0.02, "Std of the router weight initialisation.");

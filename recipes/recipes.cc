@@ -130,6 +130,35 @@ FULCRUM_REGISTER(Recipe, llama3_8b,
                  "Llama 3 8B's shape (32 layers, 4096 wide, 8 key/value heads, seq 8192); GPUs",
                  LlamaShape(32, 4096, 32, 8, 14336, 8192, "500000"));
 
+// Mixtral (Jiang et al. 2024) at llama_tiny's size: every layer's MLP is 4 SwiGLU experts,
+// each as wide as llama_tiny's MLP, behind Mixtral's router (top-2 of a softmax over all
+// experts, renormalised), dropless.
+FULCRUM_REGISTER(Recipe, mixtral_tiny,
+                 "llama_tiny with 4 top-2 SwiGLU experts in every layer (Mixtral's router, "
+                 "dropless); about a minute on 2 cores",
+                 With(LlamaTiny(), {{"num_experts", "4"},
+                                    {"moe_router_topk", "2"},
+                                    {"moe_ffn_hidden_size", "352"},
+                                    {"moe_layer_freq", "1"},
+                                    {"moe_router", "mixtral"},
+                                    {"moe_capacity_factor", "0"},
+                                    {"moe_aux_loss_coeff", "1e-2"},
+                                    {"train_iters", "200"},
+                                    {"lr", "2e-3"},
+                                    {"min_lr", "2e-4"}}));
+
+FULCRUM_REGISTER(Recipe, mixtral_8x7b,
+                 "Mixtral 8x7B's shape (32 layers, 4096 wide, 8 key/value heads, 8 top-2 "
+                 "experts of 14336); GPUs",
+                 With(LlamaShape(32, 4096, 32, 8, 14336, 4096, "1000000"),
+                      {{"num_experts", "8"},
+                       {"moe_router_topk", "2"},
+                       {"moe_ffn_hidden_size", "14336"},
+                       {"moe_layer_freq", "1"},
+                       {"moe_router", "mixtral"},
+                       {"moe_capacity_factor", "0"},
+                       {"moe_aux_loss_coeff", "1e-2"}}));
+
 FULCRUM_REGISTER(Recipe, gpt_20m,
                  "6-layer, 512-wide GPT (~20M parameters with a small vocabulary)",
                  (Recipe{{{"num_layers", "6"},

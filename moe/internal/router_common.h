@@ -21,6 +21,7 @@ namespace fulcrum::moe::internal {
 // ---- Factories (options already passed ValidateRouterOptions). -------------------------
 absl::StatusOr<std::unique_ptr<Router>> NewTopKRouter(const RouterOptions& options);
 absl::StatusOr<std::unique_ptr<Router>> NewSwitchRouter(const RouterOptions& options);
+absl::StatusOr<std::unique_ptr<Router>> NewMixtralRouter(const RouterOptions& options);
 absl::StatusOr<std::unique_ptr<Router>> NewNoisyTopKRouter(const RouterOptions& options);
 absl::StatusOr<std::unique_ptr<Router>> NewExpertChoiceRouter(const RouterOptions& options);
 absl::StatusOr<std::unique_ptr<Router>> NewSinkhornRouter(const RouterOptions& options);

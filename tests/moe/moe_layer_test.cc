@@ -79,16 +79,18 @@ std::unique_ptr<Router> MirrorRouter(const MoeOptions& options, Unit& unit) {
   return router;
 }
 
-// Σ over kept assignments of gate · expert(x), expert by expert, from the unit's parameters.
+// Σ over kept assignments of gate · expert(x), expert by expert, from the unit's parameters
+// (GeLU experts; tanh-approximate with `tanh_gelu`).
 at::Tensor Reference(Unit& unit, const Routing& routing, const at::Tensor& keep,
-                     const at::Tensor& tokens) {
+                     const at::Tensor& tokens, bool tanh_gelu = false) {
   at::Tensor out = at::zeros_like(tokens);
   for (int64_t a = 0; a < routing.size(); ++a) {
     if (!keep[a].item<bool>()) continue;
     const int64_t t = routing.token[a].item<int64_t>();
     const std::string e = absl::StrCat("mlp.experts.", routing.expert[a].item<int64_t>(), ".");
     at::Tensor h = at::gelu(at::linear(tokens[t], ParamOf(unit, e + "linear_fc1.weight"),
-                                       ParamOf(unit, e + "linear_fc1.bias")));
+                                       ParamOf(unit, e + "linear_fc1.bias")),
+                            tanh_gelu ? "tanh" : "none");
     at::Tensor y = at::linear(h, ParamOf(unit, e + "linear_fc2.weight"),
                               ParamOf(unit, e + "linear_fc2.bias"));
     out = out.index_add(0, routing.token.narrow(0, a, 1), (routing.gate[a] * y).unsqueeze(0));
@@ -141,6 +143,37 @@ TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
       EXPECT_TRUE(at::allclose(grads[name], g, 1e-5, 1e-6)) << name;
     }
   }
+}
+
+// The experts take the model's activation: --openai_gelu's tanh GeLU. fc1 is scaled up so
+// that its outputs reach where the exact GeLU differs from the tanh one (negative control).
+TEST(MoeLayerTest, ExpertsFollowOpenAiGelu) {
+  ModelOptions model = Model();
+  model.openai_gelu = true;
+  MoeOptions options = Options("topk", 0.0);
+  auto factory = MakeMoeFactory(options, model, MoeGroups());
+  ASSERT_TRUE(factory.ok()) << factory.status();
+  Unit unit("layers.0");
+  std::unique_ptr<FeedForward> block = (*factory)(0, unit, /*initialize=*/true);
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t e = 0; e < kExperts; ++e) {
+      ParamOf(unit, absl::StrCat("mlp.experts.", e, ".linear_fc1.weight")).mul_(50.0);
+    }
+  }
+  const at::Tensor x = at::randn({5, 3, kHidden});
+  const at::Tensor out = block->Forward(x, ForwardContext{false, 1, 0}).view({-1, kHidden}).detach();
+  std::unique_ptr<Router> router = MirrorRouter(options, unit);
+  const at::Tensor tokens = x.view({-1, kHidden});
+  Routing routing = router->Route(tokens, options.topk, testing::Eval());
+  const at::Tensor all = at::ones({routing.size()}, at::kBool);
+  at::NoGradGuard no_grad;
+  const double scale = out.abs().max().item<double>();
+  const double tanh_error =
+      (out - Reference(unit, routing, all, tokens, /*tanh_gelu=*/true)).abs().max().item<double>();
+  const double exact_error = (out - Reference(unit, routing, all, tokens)).abs().max().item<double>();
+  EXPECT_LE(tanh_error, 1e-6 * scale);
+  EXPECT_GT(exact_error, 100 * tanh_error) << "the exact GeLU must be told apart";
 }
 
 TEST(MoeLayerTest, PerExpertCapacityGivesThePaddedLayersOutputsAndGradients) {

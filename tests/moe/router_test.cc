@@ -24,8 +24,8 @@ using testing::SetParam;
 using testing::TinyOptions;
 using testing::Training;
 
-const std::vector<std::string> kAllRouters = {"aux_free", "cosine", "expert_choice", "noisy_topk",
-                                              "sinkhorn", "switch", "topk"};
+const std::vector<std::string> kAllRouters = {"aux_free", "cosine",   "expert_choice", "mixtral",
+                                              "noisy_topk", "sinkhorn", "switch",        "topk"};
 
 // ---- Registry and option checks. ---------------------------------------------------------
 
@@ -35,18 +35,18 @@ TEST(MakeRouterTest, UnknownNameListsTheKnownRouters) {
   EXPECT_EQ(router.status().code(), absl::StatusCode::kNotFound);
   const std::string message(router.status().message());
   EXPECT_NE(message.find("--moe_router='nope'"), std::string::npos) << message;
-  EXPECT_NE(message.find("aux_free, cosine, expert_choice, noisy_topk, sinkhorn, switch, topk"),
+  EXPECT_NE(message.find("aux_free, cosine, expert_choice, mixtral, noisy_topk, sinkhorn, switch, topk"),
             std::string::npos)
       << message;
 }
 
 TEST(MakeRouterTest, HelpHasOneLinePerRouter) {
-  EXPECT_EQ(RouterNames(), "aux_free, cosine, expert_choice, noisy_topk, sinkhorn, switch, topk");
+  EXPECT_EQ(RouterNames(), "aux_free, cosine, expert_choice, mixtral, noisy_topk, sinkhorn, switch, topk");
   const std::string help = RouterHelp();
   for (const std::string& name : kAllRouters) {
     EXPECT_NE(help.find("  " + name + "  "), std::string::npos) << help;
   }
-  EXPECT_EQ(std::count(help.begin(), help.end(), '\n'), 7);
+  EXPECT_EQ(std::count(help.begin(), help.end(), '\n'), 8);
 }
 
 // Each bad option is refused with a message that names its flag.

@@ -1,5 +1,5 @@
 // Every dynamism plugin, alone and in the combinations README documents (moe,freeze,prune and
-// mod,early_exit), through the real binaries: each trains with layer 0 frozen from iteration 3
+// mod,early_exit), also on the Llama shape (llama_tiny), through the real binaries: each trains with layer 0 frozen from iteration 3
 // (so its forward runs without gradients), evaluates at iterations 4, 8 and 12 (a no-grad
 // forward of every layer), does its own work (experts get tokens, weights get pruned, tokens
 // exit or skip, attention is block-sparse), and one process and pp=2 give the same training
@@ -79,6 +79,20 @@ const std::vector<Combination>& Combinations() {
          Pruned(last);
        }},
       {"mod_early_exit", "--recipe=tiny --plugins=mod,early_exit,freeze --mod_capacity=0.25" + kExit,
+       [](const nlohmann::json& last) {
+         Skipped(last);
+         Exited(last);
+       }},
+      // The Llama shape (RMSNorm, SwiGLU fc1 pruned as one weight, grouped-query attention
+      // under sparse attention, rope with MoD's routed subsets and early exit's active tokens).
+      {"mixtral", "--recipe=mixtral_tiny --plugins=moe,freeze", MoeRouted},
+      {"llama_prune", "--recipe=llama_tiny --plugins=prune,freeze" + kPrune, Pruned},
+      {"llama_sparse_attention",
+       "--recipe=llama_tiny --plugins=sparse_attention,freeze --sparse_attention_buckets=4 "
+       "--sparse_attention_block=16",
+       Sparse},
+      {"llama_mod_early_exit",
+       "--recipe=llama_tiny --plugins=mod,early_exit,freeze --mod_capacity=0.25" + kExit,
        [](const nlohmann::json& last) {
          Skipped(last);
          Exited(last);

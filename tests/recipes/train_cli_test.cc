@@ -313,6 +313,62 @@ TEST(TrainCliTest, LoadRefusesAManifestWithoutChecksumUnlessAllowed) {
   EXPECT_NE(output.find("consumed samples 16"), std::string::npos) << output;
 }
 
+// A Hugging Face round trip on the command line (fulcrum_ckpt export-hf, import-hf), then
+// --finetune from the import: refused without the flag and with another model shape, run
+// from iteration 0 with it (NOTE [finetune]).
+TEST(TrainCliTest, FinetuneFromAnImportedCheckpoint) {
+  const std::string dir = testing::MakeTempDir("cli_finetune");
+  const std::string ckpt_tool = std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt";
+  const std::string common = kTrain + " --recipe=llama_tiny --num_layers=2 --eval_interval=0 --log_interval=1";
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(common + " --train_iters=2 --save=" + dir + "/ckpt", &output), 0)
+      << output;
+  ASSERT_EQ(testing::RunCommand(ckpt_tool + " export-hf " + dir + "/ckpt " + dir + "/hf", &output), 0)
+      << output;
+  EXPECT_NE(output.find("exported LlamaForCausalLM"), std::string::npos) << output;
+  ASSERT_EQ(testing::RunCommand(ckpt_tool + " import-hf " + dir + "/hf " + dir + "/imported", &output),
+            0)
+      << output;
+
+  const std::string load = common + " --train_iters=2 --load=" + dir + "/imported";
+  EXPECT_EQ(testing::RunCommand(load, &output), 2) << output;
+  EXPECT_NE(output.find("add --finetune"), std::string::npos) << output;
+  EXPECT_EQ(testing::RunCommand(load + " --finetune --hidden_size=64", &output), 2) << output;
+  EXPECT_NE(output.find("(--hidden_size)"), std::string::npos) << output;
+  EXPECT_EQ(testing::RunCommand(load + " --finetune", &output), 0) << output;
+  EXPECT_NE(output.find("fine-tuning from the weights of"), std::string::npos) << output;
+  EXPECT_NE(output.find("iteration      1/2"), std::string::npos) << output;
+
+  EXPECT_EQ(testing::RunCommand(common + " --train_iters=2 --finetune", &output), 2) << output;
+  EXPECT_NE(output.find("--finetune needs --load"), std::string::npos) << output;
+}
+
+// The same for Mixtral (mixtral_tiny): a trained MoE checkpoint does not record its top-k,
+// which export-hf then needs as --num_experts_per_tok.
+TEST(TrainCliTest, MixtralRoundTripAndFinetune) {
+  const std::string dir = testing::MakeTempDir("cli_mixtral");
+  const std::string ckpt_tool = std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt";
+  const std::string common =
+      kTrain + " --recipe=mixtral_tiny --num_layers=2 --eval_interval=0 --log_interval=1";
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(common + " --train_iters=2 --save=" + dir + "/ckpt", &output), 0)
+      << output;
+  const std::string do_export = ckpt_tool + " export-hf " + dir + "/ckpt " + dir + "/hf";
+  EXPECT_EQ(testing::RunCommand(do_export, &output), 2) << output;
+  EXPECT_NE(output.find("--num_experts_per_tok"), std::string::npos) << output;
+  ASSERT_EQ(testing::RunCommand(do_export + " --num_experts_per_tok=2", &output), 0) << output;
+  EXPECT_NE(output.find("exported MixtralForCausalLM"), std::string::npos) << output;
+  ASSERT_EQ(testing::RunCommand(ckpt_tool + " import-hf " + dir + "/hf " + dir + "/imported", &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("--moe_router=mixtral"), std::string::npos) << output;
+  EXPECT_EQ(testing::RunCommand(common + " --train_iters=2 --finetune --load=" + dir + "/imported",
+                                &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("fine-tuning from the weights of"), std::string::npos) << output;
+}
+
 // Pre-emption (NOTE [graceful stop]): SIGTERM to a training run — one process, and a pp=2
 // job through fulcrum_launch — ends it after the iteration in progress, saves that
 // iteration, and exits 0 with a line saying so.

@@ -88,6 +88,7 @@ void ExpectSameTensors(const Tensors& expected, const Tensors& actual) {
   ASSERT_EQ(expected.size(), actual.size());
   for (const auto& [name, t] : expected) {
     ASSERT_TRUE(actual.count(name)) << "missing " << name;
+    EXPECT_EQ(t.scalar_type(), actual.at(name).scalar_type()) << name;
     EXPECT_TRUE(at::equal(t, actual.at(name))) << name;
   }
 }
@@ -351,6 +352,20 @@ TEST(HfLlamaTest, GroupedQkvAndSwiGluRowsAsTheSpecSays) {
   EXPECT_EQ(model["num_query_groups"], kLG);
   EXPECT_EQ(model["position_embedding_type"], "rope");
   EXPECT_EQ(model["tie_embeddings"], false);
+}
+
+TEST(HfLlamaTest, Bfloat16StaysBfloat16) {
+  ScopedTempDir tmp;
+  Tensors original = LlamaTensors(/*mixtral=*/false);
+  for (auto& [name, t] : original) t = t.to(at::kBFloat16);
+  WriteHfDir(tmp.Join("hf"), LlamaConfig(), original);
+  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  EXPECT_EQ(Imported(tmp.Join("ckpt"), "layers.0.mlp.linear_fc1.weight").scalar_type(),
+            at::kBFloat16);
+  ASSERT_TRUE(ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back")).ok());
+  ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
+  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  EXPECT_EQ(config["dtype"], "bfloat16");
 }
 
 TEST(HfLlamaTest, TiedEmbeddingsHaveNoHeadWeight) {

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Runs every command README.md shows, and fails if one exits non-zero.
 
-A command is a line of a fenced ```bash block that starts with `build/bin/` or `tools/`
-(continued over lines ending in a backslash; a trailing `# comment` is dropped). Each block
-runs in a fresh scratch directory in which `build` points at the build tree, its commands in
-order, so a later command may read what an earlier one wrote (a metrics file, a trace).
+A command is a line of a fenced ```bash block that starts with `build/bin/`, `tools/` or
+`.venv/bin/python` (continued over lines ending in a backslash; a trailing `# comment` is
+dropped). Each block runs in a fresh scratch directory in which `build` points at the build
+tree and `.venv` and `tests` at the repository's, its commands in order, so a later command
+may read what an earlier one wrote (a metrics file, a trace, a converted checkpoint).
 
 An HTML comment right before a block (invisible on the rendered page) adapts it to a test:
 
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 MARKER = re.compile(r"<!--\s*readme-test:(.*?)-->")
-COMMAND_PREFIXES = ("build/bin/", "tools/")
+COMMAND_PREFIXES = ("build/bin/", "tools/", ".venv/bin/python")
 TIMEOUT_S = 600
 
 
@@ -93,13 +94,16 @@ def runs_fulcrum_train(argv):
     return any(os.path.basename(arg) == "fulcrum_train" for arg in argv)
 
 
-def run_block(block, build_dir, failures):
+def run_block(block, build_dir, repo, failures):
     reason = block.directives.get("skip")
     if reason:
         print(f"README.md:{block.line}: skipped ({reason})", flush=True)
         return 0
     scratch = tempfile.mkdtemp(prefix=f"readme_{block.line}_")
     os.symlink(build_dir, os.path.join(scratch, "build"))
+    for name in (".venv", "tests"):
+        if os.path.exists(os.path.join(repo, name)):
+            os.symlink(os.path.join(repo, name), os.path.join(scratch, name))
     env = dict(os.environ)
     if "setup" in block.directives:
         setup = subprocess.run(["bash", "-euo", "pipefail", "-c", block.directives["setup"]],
@@ -147,7 +151,8 @@ def main():
             block.commands = [c for c in block.commands if args.only in " ".join(c[1])]
     failures, ran = [], 0
     for block in blocks:
-        ran += run_block(block, build_dir, failures)
+        ran += run_block(block, build_dir, os.path.dirname(os.path.abspath(args.readme)),
+                         failures)
     total = sum(len(b.commands) for b in blocks)
     print(f"{ran} README commands run ({total} found in {len(blocks)} bash blocks), "
           f"{len(failures)} failed")

@@ -311,6 +311,11 @@ nlohmann::json HfConfigJson(const HfModelConfig& m, const std::string& dtype) {
     j["scale_attn_weights"] = true;
     j["scale_attn_by_inverse_layer_idx"] = false;
     j["reorder_and_upcast_attn"] = false;
+    // A Fulcrum checkpoint knows no special tokens. Left out, GPT2Config would default both
+    // to 50256, which lies outside a smaller vocabulary (the byte tokens' 384) and makes
+    // transformers warn on every load.
+    j["bos_token_id"] = nullptr;
+    j["eos_token_id"] = nullptr;
     return j;
   }
   j["model_type"] = m.architecture == HfArchitecture::kLlama ? "llama" : "mixtral";

@@ -104,38 +104,29 @@ fulcrum_install_torch() {
   echo "fulcrum: torch installed in $((SECONDS - start)) s"
 }
 
-fulcrum_tensorboard_installed() {
-  "$FULCRUM_VENV/bin/python" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$FULCRUM_TENSORBOARD_VERSION')" \
-    >/dev/null 2>&1
+# Whether the venv's python imports module $1 at version $2.
+fulcrum_venv_has() {
+  "$FULCRUM_VENV/bin/python" -c "import $1, sys; sys.exit($1.__version__ != '$2')" >/dev/null 2>&1
 }
 
-fulcrum_install_tensorboard() {
+# Installs PyPI's $1==$2 into the venv (further requirements after it), unless it is there at
+# that version or LibTorch comes from FULCRUM_TORCH_DIR (no venv of ours).
+fulcrum_install_pinned() {
+  local package=$1 version=$2
+  shift 2
   [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
-  fulcrum_tensorboard_installed && return 0
-  echo "fulcrum: installing tensorboard==$FULCRUM_TENSORBOARD_VERSION into $FULCRUM_VENV"
+  fulcrum_venv_has "$package" "$version" && return 0
+  echo "fulcrum: installing $package==$version into $FULCRUM_VENV"
   "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    "tensorboard==$FULCRUM_TENSORBOARD_VERSION"
-}
-
-fulcrum_transformers_installed() {
-  "$FULCRUM_VENV/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$FULCRUM_TRANSFORMERS_VERSION')" \
-    >/dev/null 2>&1
-}
-
-fulcrum_install_transformers() {
-  [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
-  fulcrum_transformers_installed && return 0
-  echo "fulcrum: installing transformers==$FULCRUM_TRANSFORMERS_VERSION into $FULCRUM_VENV"
-  # torch is already there at its pinned version; pip keeps it (transformers accepts 2.11).
-  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    "transformers==$FULCRUM_TRANSFORMERS_VERSION" "torch==$FULCRUM_TORCH_VERSION"
+    "$package==$version" "$@"
 }
 
 fulcrum_install_packages() {
   fulcrum_install_debian_packages
   fulcrum_install_torch
-  fulcrum_install_tensorboard
-  fulcrum_install_transformers
+  fulcrum_install_pinned tensorboard "$FULCRUM_TENSORBOARD_VERSION"
+  # torch is already there at its pinned version; pip keeps it (transformers accepts 2.11).
+  fulcrum_install_pinned transformers "$FULCRUM_TRANSFORMERS_VERSION" "torch==$FULCRUM_TORCH_VERSION"
 }
 
 # Where CMake finds LibTorch: $FULCRUM_TORCH_DIR, else the venv's torch.

@@ -10,7 +10,8 @@
 //    compute of pruned weights), register per-layer state as the layer's buffers (they
 //    travel with the layer when it migrates and are saved in checkpoints — invariant 2),
 //    re-derive what depends on that state whenever it is loaded (Unit::OnStateLoaded), and
-//    report the layer's predicted load (TransformerLayer::SetLoadReporter);
+//    say how much of the layer's work runs (TransformerLayer::AddLoadFraction, SetLoadReporter;
+//    NOTE [layer load composition]);
 //  - act at fixed points of each iteration (BeforeIteration, AfterBackward — gradients
 //    complete and reduced over data parallelism, before clipping — and AfterOptimizerStep),
 //    deciding over the whole distributed model through the PluginContext, and tell the

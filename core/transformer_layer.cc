@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -263,10 +264,26 @@ at::Tensor TransformerLayer::Project(LinearSlot slot, const at::Tensor& x, const
 }
 
 double TransformerLayer::Load() const {
-  if (load_reporter_) return load_reporter_();
-  double load = feed_forward_ != nullptr ? feed_forward_->Load() : 0.0;
-  if (attention_core_ != nullptr) load += attention_core_->Load();
+  // NOTE [layer load composition].
+  double measured = feed_forward_ != nullptr ? feed_forward_->Load() : 0.0;
+  if (attention_core_ != nullptr) measured += attention_core_->Load();
+  if (load_fractions_.empty()) return load_reporter_ ? load_reporter_() : measured;
+  const bool from_blocks = !load_reporter_ && measured > 0;
+  double load = load_reporter_ ? load_reporter_() : from_blocks ? measured : 1.0;
+  for (const auto& [kind, fraction] : load_fractions_) {
+    if (from_blocks && kind == LoadFraction::kTokens) continue;  // the blocks saw the tokens
+    load *= fraction();
+  }
   return load;
+}
+
+void TransformerLayer::SetLoadReporter(std::function<double()> reporter) {
+  if (load_reporter_) {
+    throw std::logic_error(absl::StrCat(
+        name(), ": a second plugin sets the layer's load reporter; plugins that scale a "
+        "layer's work compose through AddLoadFraction (NOTE [layer load composition])"));
+  }
+  load_reporter_ = std::move(reporter);
 }
 
 TransformerLayer::~TransformerLayer() = default;

@@ -20,6 +20,19 @@
 // MLP's and checkpoints stay layout-free (Megatron instead concatenates [gate; up] per
 // rank, which ties the stored tensor to the tp size). MoE experts use the same layout.
 //
+// NOTE [layer load composition]
+// Several plugins may say how much of a layer's work runs, and their effects are
+// independent, so they multiply: Load() = base × the product of the fractions. The base is a
+// plugin's absolute prediction (SetLoadReporter, at most one), else what the layer's blocks
+// measured (an MoE block's expert rows, a sparse-attention core's score entries), else 1 —
+// a fraction of the dense layer. Fractions are of two kinds: weights (pruning keeps 50% of
+// the weights: half of each product's work) and tokens (Mixture-of-Depths computes 25% of
+// the tokens). Mixture-of-Depths routing 25% of the tokens through weights pruned to 50% does
+// 12.5% of the dense work. A block's measure counts only the tokens it was given (an MoE
+// block under Mixture-of-Depths multiplies the routed rows only), so token fractions are
+// not applied on top of it again; weight fractions always are. A layer no plugin speaks for
+// reports its blocks' measure, 0 for a plain dense layer.
+//
 // Activations are [sequence, batch, hidden] like Megatron, so sequence parallelism can
 // later split dimension 0 contiguously. With a tensor-parallel group each unit holds its
 // shards (NOTE [tensor-parallel sharding]); the group pointer must outlive the unit.
@@ -34,6 +47,7 @@
 #include <memory>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "core/config.h"
 #include "core/feed_forward.h"
@@ -159,14 +173,25 @@ class TransformerLayer : public Unit {
   void SetLinear(LinearSlot slot, LinearImpl impl);
   /// The weight of `slot` (undefined for the MLP slots of a layer whose MLP is replaced).
   const at::Tensor& weight(LinearSlot slot) const;
-  /// The layer's own measure of its work in the last step, for the balancers (StageLoad::
-  /// layer_block_load): the reporter's (SetLoadReporter) if one is set, else its MLP
-  /// block's plus its attention core's; 0 for a plain dense layer.
+  /// The layer's measure of its work in the last step, for the balancers (StageLoad::
+  /// layer_block_load) and the metrics file's layer_loads: its base (a plugin's reporter,
+  /// else its MLP block's plus its attention core's measure) times the plugins' fractions
+  /// (NOTE [layer load composition]); 0 for a plain dense layer.
   double Load() const;
-  /// Sets the function Load() returns (a plugin's predicted load: active tokens, density).
-  void SetLoadReporter(std::function<double()> reporter) { load_reporter_ = std::move(reporter); }
-  /// The reporter set so far (empty: none), for a plugin composing with an earlier one's.
-  const std::function<double()>& load_reporter() const { return load_reporter_; }
+  /// What a load fraction scales (NOTE [layer load composition]).
+  enum class LoadFraction {
+    kTokens,   ///< the share of the layer's tokens it computes (Mixture-of-Depths, early exit)
+    kWeights,  ///< the share of its weights it multiplies (pruning)
+  };
+  /// Adds a plugin's fraction of the layer's dense work, in [0, 1], read at every Load().
+  void AddLoadFraction(LoadFraction kind, std::function<double()> fraction) {
+    load_fractions_.push_back({kind, std::move(fraction)});
+  }
+  /// Sets the layer's base load: a plugin's own absolute prediction (e.g. an average of
+  /// something it measures), which replaces the blocks' measures. One per layer: a second
+  /// reporter throws std::logic_error (fractions compose; two predictions of the same work
+  /// would not).
+  void SetLoadReporter(std::function<double()> reporter);
 
   /// Unit's, plus the block's step state under "<layer>.mlp.step_state.<name>".
   NamedTensors MigrationTensors() const override;
@@ -227,6 +252,7 @@ class TransformerLayer : public Unit {
   std::unique_ptr<AttentionCore> attention_core_;  // Replaces softmax attention when set.
   std::array<LinearImpl, kNumLinearSlots> linears_;
   std::function<double()> load_reporter_;
+  std::vector<std::pair<LoadFraction, std::function<double()>>> load_fractions_;
   ForwardWrapper forward_wrapper_;
 };
 

@@ -289,10 +289,10 @@ class EarlyExitPlugin final : public Plugin {
       return ExitForward(*shared, *raw, self, hidden, ctx);
     });
     // This iteration's fraction once its forwards ran, else the last iteration's; on a
-    // layer an earlier plugin wraps, exits save nothing there and its own report stands.
-    std::function<double()> inner_load = layer.load_reporter();
-    layer.SetLoadReporter([raw, inner_load] {
-      if (raw->inner) return inner_load ? inner_load() : 1.0;
+    // layer an earlier plugin wraps, exits save nothing (ExitForward runs the wrapper on
+    // every token), so the fraction is 1 and the wrapper's own stands alone.
+    layer.AddLoadFraction(TransformerLayer::LoadFraction::kTokens, [raw] {
+      if (raw->inner) return 1.0;
       return raw->train.seen > 0 ? raw->train.computed / raw->train.seen : raw->last_fraction;
     });
   }

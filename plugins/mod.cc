@@ -165,7 +165,7 @@ class ModPlugin final : public Plugin {
       return ctx.training ? RouteTopK(options, *raw, self, hidden, ctx)
                           : RouteCausal(options, *raw, self, hidden, ctx);
     });
-    layer.SetLoadReporter([raw] {
+    layer.AddLoadFraction(TransformerLayer::LoadFraction::kTokens, [raw] {
       return raw->total > 0 ? static_cast<double>(raw->computed) / raw->total : 1.0;
     });
   }

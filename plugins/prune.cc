@@ -189,13 +189,13 @@ class PrunePlugin final : public Plugin {
     if (layer.feed_forward() == nullptr) {
       // The kept fraction of the layer's prunable weights: what the balancer may expect.
       LayerPrune* raw = state.get();  // The layer owns both the reporter and the state.
-      layer.SetLoadReporter([raw] {
+      layer.AddLoadFraction(TransformerLayer::LoadFraction::kWeights, [raw] {
         double kept = 0, all = 0;
         for (size_t i = 0; i < kSlots.size(); ++i) {
           all += static_cast<double>(raw->size[i]);
           kept += static_cast<double>(raw->kept[i]);
         }
-        return all > 0 ? kept / all : 0.0;
+        return all > 0 ? kept / all : 1.0;
       });
     }
   }
@@ -245,15 +245,26 @@ class PrunePlugin final : public Plugin {
   }
 
   absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) override {
-    // The whole model's sparsity, counted (collective).
-    std::vector<double> counts{0, 0};
-    ForEachWeight(ctx, [&](TransformerLayer&, size_t, const at::Tensor&, LayerPrune& state, size_t i) {
+    // The whole model's sparsity and each layer's kept fraction (density), counted over
+    // every stage and shard (collective): [pruned, size] then [kept, size] per layer.
+    const int64_t layers = ctx.model().options().num_layers;
+    std::vector<double> counts(2 + 2 * layers, 0.0);
+    ForEachWeight(ctx, [&](TransformerLayer&, size_t index, const at::Tensor&, LayerPrune& state,
+                           size_t i) {
       counts[0] += static_cast<double>(state.size[i] - state.kept[i]);
       counts[1] += static_cast<double>(state.size[i]);
+      counts[2 + 2 * index] += static_cast<double>(state.kept[i]);
+      counts[3 + 2 * index] += static_cast<double>(state.size[i]);
     });
     ctx.SumOverModel(counts);
     const double sparsity = counts[1] > 0 ? counts[0] / counts[1] : 0.0;
     (*record)["sparsity"] = sparsity;
+    nlohmann::json density = nlohmann::json::object();
+    for (int64_t l = 0; l < layers; ++l) {
+      const double size = counts[3 + 2 * l];
+      if (size > 0) density[absl::StrCat("layers.", l)] = counts[2 + 2 * l] / size;
+    }
+    (*record)["prune_layer_density"] = std::move(density);
     if (last_step_ == ctx.iteration()) {
       (*record)["prune_threshold"] = last_threshold_;
       (*record)["prune_target_sparsity"] = last_target_;

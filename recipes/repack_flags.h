@@ -55,7 +55,7 @@ absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
                                     const std::vector<std::string>& plugin_names);
 
 /// Builds the pipeline runner of a new layout for the trainer (null: the trainer's own
-/// loop); the caller owns it.
+/// loop); whoever supplies the factory owns the runner and keeps it alive for the trainer.
 using RunnerFactory =
     std::function<absl::StatusOr<ForwardBackwardRunner*>(parallel::ProcessGroupContext& context)>;
 

@@ -1,8 +1,10 @@
 // What the training loop needs from the parallel layout. core/ knows no communicators: the
 // implementation over process groups lives in parallel/ (parallel/parallel_context.h) and is
-// injected into the Trainer. A null ParallelContext* means one process.
+// injected into the Trainer. A null ParallelContext* means one process. This rank's roles
+// (sizes, who logs, who saves what) are a value of their own: core/rank_roles.h.
 //
-// Not thread-safe; every method except the accessors is collective over the group it names.
+// Not thread-safe; every ParallelContext method except tensor_parallel() and Stage() is
+// collective over the group it names.
 #pragma once
 
 #include <cstdint>
@@ -62,25 +64,18 @@ class ForwardBackwardRunner {
   virtual void LoadTrace(nlohmann::json* record) const {}
 };
 
+/// The collectives of the parallel layout the training loop uses. Who this rank is — its
+/// sizes, ranks, and duties — is a plain value beside it (core/rank_roles.h), and the
+/// pipeline runner is handed to the trainer directly (TrainerPlacement in core/trainer.h).
 class ParallelContext {
  public:
   virtual ~ParallelContext() = default;
-
-  virtual int world_rank() const = 0;
-  virtual int world_size() const = 0;
-  virtual int tp_size() const = 0;
-  virtual int pp_size() const = 0;
-  virtual int ep_size() const = 0;
-  virtual int dp_rank() const = 0;
-  virtual int dp_size() const = 0;
 
   /// The tensor-parallel group the model shards over; null when tp == 1.
   virtual TensorParallelGroup* tensor_parallel() = 0;
 
   /// The part of a `num_layers`-layer model this rank holds.
   virtual StageSpec Stage(int64_t num_layers) const = 0;
-  /// The pipeline runner when pp > 1, else null (the trainer runs its micro-batches itself).
-  virtual ForwardBackwardRunner* forward_backward() = 0;
 
   /// Sums every defined gradient of `units` over the data-parallel group, in place (and,
   /// with a tied output weight split over pipeline stages, the embedding and its mirror).
@@ -88,12 +83,8 @@ class ParallelContext {
   /// Sums each value over the data-parallel group, in place.
   virtual void SumOverDataParallel(std::vector<double>& values) = 0;
   /// Sums each value over the ranks that hold different parts of one model replica
-  /// (tensor × pipeline parallel), in place.
+  /// (tensor × pipeline parallel), in place; RankRoles::model_parallel_rank orders them.
   virtual void SumOverModelParallel(std::vector<double>& values) = 0;
-  /// This rank's place among those ranks (0 .. model_parallel_size() − 1), the same order on
-  /// every replica: for decisions that need a canonical order of the model's parts.
-  virtual int model_parallel_rank() const = 0;
-  virtual int model_parallel_size() const = 0;
   /// Sums each value over the expert-parallel group (the ranks that share out the experts
   /// of one stage), in place; identity when ep == 1.
   virtual void SumOverExpertParallel(std::vector<double>& values) = 0;
@@ -105,21 +96,6 @@ class ParallelContext {
                                                                      int64_t end) = 0;
   /// Waits for every rank of the job.
   virtual void Barrier() = 0;
-
-  /// Whether this rank logs iterations and writes the metrics file (one rank per job).
-  virtual bool is_logging_rank() const = 0;
-  /// What this rank's tensor-parallel group saves to a checkpoint: everything (data-parallel
-  /// rank 0), only expert-parallel parameters (the other ranks of the first expert-parallel
-  /// group, which hold other experts), or nothing (replicas). The group gathers its shards;
-  /// tensor-parallel rank 0 writes them.
-  enum class CheckpointPart { kNothing, kExpertParallel, kEverything };
-  virtual CheckpointPart checkpoint_part() const = 0;
-  /// Whether this rank writes a checkpoint shard (one rank per distinct part of the model).
-  virtual bool writes_checkpoint_shard() const = 0;
-  /// Whether this rank commits checkpoints (one rank per job).
-  virtual bool commits_checkpoint() const = 0;
-  /// Name of this rank's checkpoint shard file, unique among writers.
-  virtual std::string checkpoint_shard_name() const = 0;
 };
 
 }  // namespace fulcrum

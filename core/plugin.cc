@@ -32,17 +32,11 @@ void PluginContext::SumOverExperts(std::vector<double>& values) {
   if (parallel_ != nullptr) parallel_->SumOverExpertParallel(values);
 }
 
-int PluginContext::model_parallel_rank() const {
-  return parallel_ != nullptr ? parallel_->model_parallel_rank() : 0;
-}
+int PluginContext::model_parallel_rank() const { return roles_.model_parallel_rank; }
 
-int PluginContext::model_parallel_size() const {
-  return parallel_ != nullptr ? parallel_->model_parallel_size() : 1;
-}
+int PluginContext::model_parallel_size() const { return roles_.model_parallel_size; }
 
-bool PluginContext::is_logging_rank() const {
-  return parallel_ == nullptr || parallel_->is_logging_rank();
-}
+bool PluginContext::is_logging_rank() const { return roles_.is_logging_rank; }
 
 std::string PluginSet::Names() const {
   std::string out;

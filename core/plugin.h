@@ -40,6 +40,7 @@
 
 #include "absl/status/status.h"
 #include "core/feed_forward.h"
+#include "core/rank_roles.h"
 
 namespace fulcrum {
 
@@ -102,12 +103,14 @@ class FeedForwardCustomizer final : public LayerCustomizer {
 /// What a plugin's hooks are given.
 class PluginContext {
  public:
+  /// `roles` are this rank's under `parallel` (default: the one-process job's).
   PluginContext(int64_t iteration, GptModel& model, ParallelContext* parallel,
-                std::function<void(const std::string&)> model_changed)
+                std::function<void(const std::string&)> model_changed, RankRoles roles = {})
       : iteration_(iteration),
         model_(model),
         parallel_(parallel),
-        model_changed_(std::move(model_changed)) {}
+        model_changed_(std::move(model_changed)),
+        roles_(std::move(roles)) {}
 
   /// The optimizer step being computed (BeforeIteration, AfterBackward) or just taken
   /// (AfterOptimizerStep); after a checkpoint load, the checkpoint's iteration.
@@ -142,6 +145,7 @@ class PluginContext {
   GptModel& model_;
   ParallelContext* parallel_;
   std::function<void(const std::string&)> model_changed_;
+  RankRoles roles_;
 };
 
 /// A dynamism plugin. Every method has a default that does nothing.

@@ -103,9 +103,9 @@ absl::Status TrainerConfig::Validate() const {
   return absl::OkStatus();
 }
 
-Trainer::Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSystem* fs)
+Trainer::Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileSystem* fs)
     : config_(config),
-      parallel_(parallel),
+      layout_(layout),
       fs_(fs),
       optimizer_(config.optimizer),
       schedule_(config.schedule, config.train.train_iters) {}
@@ -125,28 +125,41 @@ class FeedForwardOnly final : public Plugin {
   FeedForwardFactory factory_;
 };
 
+// A layout without collectives is the one-process job: roles of a bigger job there would
+// make this rank skip its share of logging or saving with nobody to do it instead.
+absl::Status ValidateLayout(const TrainerLayout& layout) {
+  if (layout.parallel == nullptr && layout.roles.world_size != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the roles of rank ", layout.roles.world_rank, " of ", layout.roles.world_size,
+        " ranks need a ParallelContext (TrainerLayout::parallel is null)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-    ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward) {
+    const TrainerLayout& layout, FileSystem* fs, FeedForwardFactory feed_forward) {
   auto plugins = std::make_shared<PluginSet>();
   if (feed_forward) plugins->Add(std::make_unique<FeedForwardOnly>(std::move(feed_forward)));
-  return Create(config, std::move(corpus), parallel, fs, std::move(plugins));
+  return Create(config, std::move(corpus), layout, fs, std::move(plugins));
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-    ParallelContext* parallel, FileSystem* fs, std::shared_ptr<PluginSet> plugins) {
+    const TrainerLayout& layout, FileSystem* fs, std::shared_ptr<PluginSet> plugins) {
   FULCRUM_RETURN_IF_ERROR(config.Validate());
-  const int dp = parallel ? parallel->dp_size() : 1;
+  FULCRUM_RETURN_IF_ERROR(ValidateLayout(layout));
+  ParallelContext* parallel = layout.parallel;
+  const int dp = layout.roles.dp_size;
   if (config.train.global_batch_size % (config.train.micro_batch_size * dp) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--global_batch_size=", config.train.global_batch_size,
         " is not a multiple of --micro_batch_size=", config.train.micro_batch_size,
         " × data-parallel size ", dp));
   }
-  std::unique_ptr<Trainer> trainer(new Trainer(config, parallel, fs));
+  std::unique_ptr<Trainer> trainer(new Trainer(config, layout, fs));
   trainer->plugins_ = plugins ? std::move(plugins) : std::make_shared<PluginSet>();
   trainer->corpus_documents_ = corpus->num_sequences();
   trainer->corpus_tokens_ = corpus->num_tokens();
@@ -221,7 +234,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   double loss_sum = 0.0;
   // Each micro-batch's loss is scaled by the global token count, so accumulated (and
   // data-parallel summed) gradients are those of the mean loss over the global batch.
-  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+  ForwardBackwardRunner* pipeline = layout_.runner;
   if (pipeline != nullptr) {
     MicroBatchPlan plan;
     plan.count = static_cast<int>(local_micro);
@@ -259,9 +272,9 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   // loss, then over the model-parallel ranks with the gradient norm — over the whole job.
   const double stop_here = stop_request_ && stop_request_() ? 1.0 : 0.0;
   std::vector<double> sums{loss_sum, stop_here};
-  if (parallel_ != nullptr) {
-    parallel_->AllReduceGradients(units);
-    parallel_->SumOverDataParallel(sums);
+  if (layout_.parallel != nullptr) {
+    layout_.parallel->AllReduceGradients(units);
+    layout_.parallel->SumOverDataParallel(sums);
   }
   {
     // The gradients are complete and agree over the replicas (e.g. masked by pruning).
@@ -270,11 +283,11 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   }
   const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
   std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
-  if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_sq);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverExpertParallel(expert_sq);
   std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
                                   expert_sq[0],
                               sums[1]};
-  if (parallel_ != nullptr) parallel_->SumOverModelParallel(grad_sq);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(grad_sq);
   const double grad_norm = std::sqrt(grad_sq[0]);
   const bool stop_requested = grad_sq[1] > 0;
   loss_sum = sums[0];
@@ -310,16 +323,19 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
 }
 
 void Trainer::NotifyModelChanged(const std::string& reason) {
-  if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
+  if (ForwardBackwardRunner* pipeline = layout_.runner) {
     pipeline->ModelChanged(iteration_, reason);
   }
 }
 
 PluginContext Trainer::MakePluginContext(int64_t iteration) {
-  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
-  return PluginContext(iteration, *model_, parallel_, [pipeline, iteration](const std::string& reason) {
-    if (pipeline != nullptr) pipeline->ModelChanged(iteration, reason);
-  });
+  ForwardBackwardRunner* pipeline = layout_.runner;
+  return PluginContext(
+      iteration, *model_, layout_.parallel,
+      [pipeline, iteration](const std::string& reason) {
+        if (pipeline != nullptr) pipeline->ModelChanged(iteration, reason);
+      },
+      layout_.roles);
 }
 
 nlohmann::json Trainer::LayerLoads() {
@@ -331,7 +347,7 @@ nlohmann::json Trainer::LayerLoads() {
   if (first_shard) {
     for (const auto& [index, layer] : model_->layers()) loads[index] = layer->Load();
   }
-  if (parallel_ != nullptr) parallel_->SumOverModelParallel(loads);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(loads);
   nlohmann::json out = nlohmann::json::object();
   for (size_t i = 0; i < loads.size(); ++i) out[absl::StrCat("layers.", i)] = loads[i];
   return out;
@@ -352,8 +368,9 @@ nlohmann::json Trainer::BlockStatistics() {
       }
     }
   }
+  ParallelContext* parallel = layout_.parallel;
   const std::vector<std::string> stages =
-      parallel_ ? parallel_->GatherOverPipeline(mine.dump()) : std::vector<std::string>{mine.dump()};
+      parallel ? parallel->GatherOverPipeline(mine.dump()) : std::vector<std::string>{mine.dump()};
   nlohmann::json merged = nlohmann::json::object();
   for (const std::string& text : stages) {
     const nlohmann::json stage = nlohmann::json::parse(text);
@@ -377,7 +394,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
   const TrainOptions& t = config_.train;
   const int64_t local_micro = t.global_batch_size / (t.micro_batch_size * dp_size());
   std::vector<double> sums{0.0, 0.0};  // loss, tokens
-  ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+  ForwardBackwardRunner* pipeline = layout_.runner;
   for (int64_t batch = 0; batch < t.eval_iters; ++batch) {
     MicroBatchPlan plan;
     plan.count = static_cast<int>(local_micro);
@@ -398,7 +415,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
       sums[1] += static_cast<double>(loss.tokens);
     }
   }
-  if (parallel_ != nullptr) parallel_->SumOverDataParallel(sums);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverDataParallel(sums);
   return sums[0] / sums[1];
 }
 
@@ -414,10 +431,10 @@ nlohmann::json Trainer::ManifestFields(
   m.samples_per_epoch = train_data_->samples_per_epoch();
   m.data = {config_.data_path, corpus_documents_, corpus_tokens_};
   m.config = ConfigToJson(config_);
-  m.tp = parallel_ ? parallel_->tp_size() : 1;
-  m.pp = parallel_ ? parallel_->pp_size() : 1;
+  m.tp = layout_.roles.tp_size;
+  m.pp = layout_.roles.pp_size;
   m.dp = dp_size();
-  m.ep = parallel_ ? parallel_->ep_size() : 1;
+  m.ep = layout_.roles.ep_size;
   m.layer_placement = stage_ranges;
   return TrainingManifestToJson(m);
 }
@@ -427,17 +444,18 @@ absl::Status Trainer::Save() {
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
   const auto start = Clock::now();
   // Where every layer is now (layers may have moved between stages).
+  ParallelContext* parallel = layout_.parallel;
   const std::vector<std::pair<int64_t, int64_t>> stage_ranges =
-      parallel_ ? parallel_->GatherStageRanges(model_->layer_begin(), model_->layer_end())
-                : std::vector<std::pair<int64_t, int64_t>>{{model_->layer_begin(), model_->layer_end()}};
+      parallel ? parallel->GatherStageRanges(model_->layer_begin(), model_->layer_end())
+               : std::vector<std::pair<int64_t, int64_t>>{{model_->layer_begin(), model_->layer_end()}};
   // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
   // every rank of the group takes part in; data-parallel replicas hold the same state.
   // Expert-parallel ranks hold different experts: each saves its own.
-  const bool writer = parallel_ == nullptr || parallel_->writes_checkpoint_shard();
-  const bool committer = parallel_ == nullptr || parallel_->commits_checkpoint();
-  using Part = ParallelContext::CheckpointPart;
-  const Part part = parallel_ ? parallel_->checkpoint_part() : Part::kEverything;
-  TensorParallelGroup* tp = parallel_ ? parallel_->tensor_parallel() : nullptr;
+  const bool writer = layout_.roles.writes_checkpoint_shard;
+  const bool committer = layout_.roles.commits_checkpoint;
+  using Part = CheckpointPart;
+  const Part part = layout_.roles.checkpoint_part;
+  TensorParallelGroup* tp = layout_.parallel ? layout_.parallel->tensor_parallel() : nullptr;
   NamedTensors tensors;
   if (part != Part::kNothing) {
     Unit::ShardGatherer gather;
@@ -465,22 +483,22 @@ absl::Status Trainer::Save() {
     auto begun = ckpt::CheckpointWriter::Begin(fs_, dir, iteration_);
     if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
   }
-  if (parallel_ != nullptr) parallel_->Barrier();
+  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
   if (writer && !committer) {
     auto joined = ckpt::CheckpointWriter::Join(fs_, dir, iteration_);
     if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
   }
   if (writer && status.ok()) {
     status = ckpt_writer->WriteShard(
-        parallel_ ? parallel_->checkpoint_shard_name() : "rank_00000", tensors);
+        layout_.roles.checkpoint_shard_name, tensors);
   }
-  if (parallel_ != nullptr) parallel_->Barrier();
+  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
   // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
   // only if it knows the set: the committer also checks every writer reported success.
   std::vector<double> failures{status.ok() ? 0.0 : 1.0};
-  if (parallel_ != nullptr) {
-    parallel_->SumOverDataParallel(failures);
-    parallel_->SumOverModelParallel(failures);
+  if (layout_.parallel != nullptr) {
+    layout_.parallel->SumOverDataParallel(failures);
+    layout_.parallel->SumOverModelParallel(failures);
   }
   if (committer && status.ok()) {
     if (failures[0] > 0) {
@@ -509,7 +527,7 @@ absl::Status Trainer::Save() {
       FULCRUM_LOG(WARNING) << "could not remove " << ckpt_writer->temp_dir() << ": " << aborted;
     }
   }
-  if (parallel_ != nullptr) parallel_->Barrier();
+  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
   return status;
 }
 
@@ -609,17 +627,19 @@ absl::Status Trainer::LoadWeightsOnly(const ckpt::CheckpointReader& reader,
 }
 
 absl::Status Trainer::ChangeLayout(
-    ParallelContext* parallel,
+    const TrainerLayout& layout,
     const std::function<absl::Status(const GptModel& old_model, GptModel& new_model)>& fill) {
-  if (parallel == nullptr || parallel->dp_size() != dp_size()) {
+  ParallelContext* parallel = layout.parallel;
+  if (parallel == nullptr || layout.roles.dp_size != dp_size()) {
     return absl::InvalidArgumentError(
         "ChangeLayout needs a parallel context with the same data-parallel size");
   }
+  FULCRUM_RETURN_IF_ERROR(ValidateLayout(layout));
   auto model = std::make_unique<GptModel>(config_.model, parallel->Stage(config_.model.num_layers),
                                           parallel->tensor_parallel(), plugins_);
   FULCRUM_RETURN_IF_ERROR(fill(*model_, *model));
   model_ = std::move(model);
-  parallel_ = parallel;
+  layout_ = layout;
   // The metrics file and the load trace follow the logging rank (the last stage's), which
   // may have changed; both are opened for appending, so the new writer goes on after the
   // old one's last line. A new logging rank starts a new TensorBoard file, which sorts
@@ -659,9 +679,9 @@ absl::Status Trainer::Run() {
       }
     }
   }
-  if (parallel_ != nullptr) parallel_->SumOverExpertParallel(expert_count);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverExpertParallel(expert_count);
   count[0] += expert_count[0];
-  if (parallel_ != nullptr) parallel_->SumOverModelParallel(count);
+  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(count);
   if (is_logging_rank()) {
     FULCRUM_LOG(INFO) << "training " << static_cast<int64_t>(count[0])
                       << " parameters from iteration " << iteration_ << " to " << t.train_iters
@@ -689,10 +709,10 @@ absl::Status Trainer::Run() {
                              {"iteration_ms", stats.iteration_ms},
                              {"consumed_samples", consumed_samples_}};
     // The layout the iteration ran on: re-packing (dynamic/repack.h) shrinks it.
-    record["pipeline_size"] = parallel_ ? parallel_->pp_size() : 1;
-    record["active_ranks"] = parallel_ ? parallel_->world_size() : 1;
+    record["pipeline_size"] = layout_.roles.pp_size;
+    record["active_ranks"] = layout_.roles.world_size;
     std::string extra;
-    if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr) {
+    if (ForwardBackwardRunner* pipeline = layout_.runner) {
       pipeline->Metrics(&record, &extra);
     }
     if (!plugins_->empty()) {
@@ -740,7 +760,7 @@ absl::Status Trainer::Run() {
       FULCRUM_RETURN_IF_ERROR(
           tensorboard_->WriteScalars(stats.iteration, TensorBoardScalars(record)));
     }
-    if (ForwardBackwardRunner* pipeline = parallel_ ? parallel_->forward_backward() : nullptr;
+    if (ForwardBackwardRunner* pipeline = layout_.runner;
         load_trace_ && pipeline != nullptr) {
       // The runner's line describes the iteration before this one (its measurement is what
       // this iteration's plan was made from): add that iteration's own measured time.
@@ -767,7 +787,7 @@ absl::Status Trainer::Run() {
       break;
     }
   }
-  if (ForwardBackwardRunner* runner = parallel_ ? parallel_->forward_backward() : nullptr) {
+  if (ForwardBackwardRunner* runner = layout_.runner) {
     FULCRUM_RETURN_IF_ERROR(runner->Finish());
   }
   if (exited_early && is_logging_rank()) {

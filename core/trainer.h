@@ -30,6 +30,7 @@
 #include "core/optimizer.h"
 #include "core/parallel_context.h"
 #include "core/plugin.h"
+#include "core/rank_roles.h"
 #include "core/tensorboard_writer.h"
 
 namespace fulcrum {
@@ -68,20 +69,33 @@ struct IterationStats {
   bool stop_requested = false;
 };
 
+/// Where a trainer sits in the job. The default is the one-process job, which runs its
+/// micro-batches itself.
+struct TrainerLayout {
+  /// The collectives of the layout; null: one process. Must outlive the trainer.
+  ParallelContext* parallel = nullptr;
+  /// This rank's roles under that layout (parallel/rank_roles.h, RankRolesOf); the default
+  /// is the one-process job's, the only one allowed without `parallel`.
+  RankRoles roles;
+  /// Runs each iteration's forward and backward passes over the pipeline's stages; null:
+  /// the trainer's own loop (one stage). Must outlive the trainer.
+  ForwardBackwardRunner* runner = nullptr;
+};
+
 class Trainer {
  public:
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
-  /// first; nothing heavy happens before validation passes. `parallel` (null: one process)
-  /// must outlive the trainer. `plugins` (may be null: none) build parts of the layers and
-  /// act at fixed points of each iteration (core/plugin.h).
+  /// and `layout` first; nothing heavy happens before validation passes. `plugins` (may be
+  /// null: none) build parts of the layers and act at fixed points of each iteration
+  /// (core/plugin.h).
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-      ParallelContext* parallel = nullptr, FileSystem* fs = DefaultFileSystem(),
+      const TrainerLayout& layout = {}, FileSystem* fs = DefaultFileSystem(),
       std::shared_ptr<PluginSet> plugins = nullptr);
   /// The same with only a FeedForwardFactory replacing the MLP of chosen layers.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
-      ParallelContext* parallel, FileSystem* fs, FeedForwardFactory feed_forward);
+      const TrainerLayout& layout, FileSystem* fs, FeedForwardFactory feed_forward);
 
   /// Restores model, optimizer state, iteration and data position from `path` (a save
   /// directory following its `latest`, or one iteration directory). With
@@ -118,13 +132,14 @@ class Trainer {
   bool stopped() const { return stopped_; }
 
   /// Continues on another parallel layout (a live shrink after re-packing, dynamic/repack.h
-  /// and pipeline/shrink.h): builds the model of `parallel`'s stage, lets `fill` load the
-  /// state of its units (from `old_model`, this rank's model so far, and from other ranks),
-  /// then trains on it under `parallel`, which must outlive the trainer. The plugins'
-  /// AfterLoad runs as after a checkpoint load. Call between Runs, on every rank that goes
-  /// on; the data-parallel size must not change.
+  /// and pipeline/shrink.h): builds the model of `layout.parallel`'s stage, lets `fill` load
+  /// the state of its units (from `old_model`, this rank's model so far, and from other
+  /// ranks), then trains on it under `layout` (its context and runner must outlive the
+  /// trainer). The plugins' AfterLoad runs as after a checkpoint load. Call between Runs, on
+  /// every rank that goes on; `layout.parallel` must be set and the data-parallel size must
+  /// not change.
   absl::Status ChangeLayout(
-      ParallelContext* parallel,
+      const TrainerLayout& layout,
       const std::function<absl::Status(const GptModel& old_model, GptModel& new_model)>& fill);
 
   /// A dynamism changed the model after the current iteration (pruned, froze layers...):
@@ -149,10 +164,10 @@ class Trainer {
   const TrainerConfig& config() const { return config_; }
 
  private:
-  Trainer(const TrainerConfig& config, ParallelContext* parallel, FileSystem* fs);
-  int dp_rank() const { return parallel_ ? parallel_->dp_rank() : 0; }
-  int dp_size() const { return parallel_ ? parallel_->dp_size() : 1; }
-  bool is_logging_rank() const { return parallel_ == nullptr || parallel_->is_logging_rank(); }
+  Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileSystem* fs);
+  int dp_rank() const { return layout_.roles.dp_rank; }
+  int dp_size() const { return layout_.roles.dp_size; }
+  bool is_logging_rank() const { return layout_.roles.is_logging_rank; }
   /// Tokens [b, s+1] of the micro-batch at `first_sample`.
   at::Tensor MicroBatch(const data::GptDataset& dataset, int64_t first_sample) const;
   /// Reads the micro-batch at `first_sample` in one pass over the data: its tokens [b, s+1]
@@ -177,7 +192,7 @@ class Trainer {
   PluginContext MakePluginContext(int64_t iteration);
 
   TrainerConfig config_;
-  ParallelContext* parallel_;
+  TrainerLayout layout_;
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
   AdamW optimizer_;

@@ -22,7 +22,10 @@ void SumDoubles(Communicator& comm, std::vector<double>& values) {
 
 ProcessGroupContext::ProcessGroupContext(std::unique_ptr<Communicator> world,
                                          const ParallelConfig& config)
-    : config_(config), coords_(config.Coords(world->rank())), world_(std::move(world)) {}
+    : config_(config),
+      coords_(config.Coords(world->rank())),
+      roles_(RankRolesOf(config, world->rank())),
+      world_(std::move(world)) {}
 
 absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create(
     std::unique_ptr<Communicator> world, const ParallelConfig& config, bool tie_embeddings) {
@@ -45,6 +48,10 @@ absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create
           {config.Rank(c.tp, c.dp, 0), config.Rank(c.tp, c.dp, config.pp - 1)}, "embedding");
     }
   }
+  // RankRoles::model_parallel_rank is computed, not asked of the group: both must agree.
+  TORCH_INTERNAL_ASSERT(ctx->group(GroupKind::kModel).rank() == ctx->roles_.model_parallel_rank,
+                        "model-parallel rank ", ctx->group(GroupKind::kModel).rank(),
+                        " differs from the layout's ", ctx->roles_.model_parallel_rank);
   ctx->tensor_parallel_ = std::make_unique<CommTensorParallelGroup>(&ctx->group(GroupKind::kTensor));
   ctx->gradient_reducer_ = std::make_unique<GradientReducer>(
       &ctx->group(GroupKind::kData), GradientReducer::Select::kDense);
@@ -95,13 +102,6 @@ void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kData), values);
 }
 
-int ProcessGroupContext::model_parallel_rank() const {
-  for (size_t i = 0; i < std::size(kGroupKinds); ++i) {
-    if (kGroupKinds[i] == GroupKind::kModel) return groups_[i]->rank();
-  }
-  TORCH_INTERNAL_ASSERT(false, "no model-parallel group");
-}
-
 void ProcessGroupContext::SumOverModelParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kModel), values);
 }
@@ -137,30 +137,6 @@ std::vector<std::pair<int64_t, int64_t>> ProcessGroupContext::GatherStageRanges(
     ranges.emplace_back(all[s][0].item<int64_t>(), all[s][1].item<int64_t>());
   }
   return ranges;
-}
-
-bool ProcessGroupContext::is_logging_rank() const {
-  // The rank that owns the loss: last pipeline stage, first tensor- and data-parallel rank.
-  return coords_.tp == 0 && coords_.dp == 0 && coords_.pp == config_.pp - 1;
-}
-
-ParallelContext::CheckpointPart ProcessGroupContext::checkpoint_part() const {
-  // Data-parallel replicas hold identical state, except that the ranks of an expert-
-  // parallel group hold different experts: the first replica saves everything, the other
-  // members of its expert-parallel group their experts.
-  if (coords_.dp == 0) return CheckpointPart::kEverything;
-  if (coords_.edp == 0) return CheckpointPart::kExpertParallel;
-  return CheckpointPart::kNothing;
-}
-
-bool ProcessGroupContext::writes_checkpoint_shard() const {
-  // Tensor-parallel shards are gathered to tp rank 0.
-  return coords_.tp == 0 && checkpoint_part() != CheckpointPart::kNothing;
-}
-
-std::string ProcessGroupContext::checkpoint_shard_name() const {
-  if (coords_.ep == 0) return absl::StrFormat("stage_%03d", coords_.pp);
-  return absl::StrFormat("stage_%03d_ep_%03d", coords_.pp, coords_.ep);
 }
 
 }  // namespace fulcrum::parallel

@@ -1,7 +1,7 @@
 // This process's place in a tp × pp × ep × dp job: one communicator per group kind, built
 // from the world communicator and a ParallelConfig, and the ParallelContext the trainer
-// uses (tensor-parallel mappings, data-parallel gradient reduction, reductions of scalars,
-// who logs and who writes checkpoints).
+// uses (tensor-parallel mappings, data-parallel gradient reduction, reductions of scalars),
+// with this rank's roles (who logs and who writes checkpoints: parallel/rank_roles.h).
 //
 // Not thread-safe; Create is collective over the world.
 #pragma once
@@ -15,6 +15,7 @@
 #include "parallel/communicator.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
+#include "parallel/rank_roles.h"
 #include "parallel/tensor_parallel.h"
 
 namespace fulcrum::parallel {
@@ -34,13 +35,8 @@ class ProcessGroupContext final : public ParallelContext {
   Communicator& world() { return *world_; }
   Communicator& group(GroupKind kind);
 
-  int world_rank() const override { return world_->rank(); }
-  int world_size() const override { return world_->size(); }
-  int tp_size() const override { return config_.tp; }
-  int pp_size() const override { return config_.pp; }
-  int ep_size() const override { return config_.ep; }
-  int dp_rank() const override { return coords_.dp; }
-  int dp_size() const override { return config_.dp(); }
+  /// This rank's roles under config() (parallel/rank_roles.h).
+  const RankRoles& roles() const { return roles_; }
   TensorParallelGroup* tensor_parallel() override {
     return config_.tp > 1 ? tensor_parallel_.get() : nullptr;
   }
@@ -51,38 +47,26 @@ class ProcessGroupContext final : public ParallelContext {
   void SetInitialPlacement(std::vector<std::pair<int64_t, int64_t>> ranges) {
     initial_placement_ = std::move(ranges);
   }
-  ForwardBackwardRunner* forward_backward() override { return forward_backward_.get(); }
-  /// Installs the pipeline runner (pipeline/ builds it; parallel/ cannot depend on it).
-  void SetForwardBackward(std::unique_ptr<ForwardBackwardRunner> runner) {
-    forward_backward_ = std::move(runner);
-  }
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
-  int model_parallel_rank() const override;
-  int model_parallel_size() const override { return config_.tp * config_.pp; }
   void SumOverExpertParallel(std::vector<double>& values) override;
   std::vector<std::string> GatherOverPipeline(const std::string& mine) override;
   std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;
   void Barrier() override { world_->Barrier(); }
-  bool is_logging_rank() const override;
-  CheckpointPart checkpoint_part() const override;
-  bool writes_checkpoint_shard() const override;
-  bool commits_checkpoint() const override { return world_->rank() == 0; }
-  std::string checkpoint_shard_name() const override;
 
  private:
   ProcessGroupContext(std::unique_ptr<Communicator> world, const ParallelConfig& config);
 
   ParallelConfig config_;
   RankCoords coords_;
+  RankRoles roles_;
   std::unique_ptr<Communicator> world_;
   std::vector<std::unique_ptr<Communicator>> groups_;  // Indexed by GroupKind.
   std::unique_ptr<CommTensorParallelGroup> tensor_parallel_;
   // First and last pipeline stage of this (tp, dp) position, which sum the gradients of
   // the word embeddings and of their mirror on the last stage; null elsewhere or pp == 1.
   std::unique_ptr<Communicator> embedding_group_;
-  std::unique_ptr<ForwardBackwardRunner> forward_backward_;
   std::vector<std::pair<int64_t, int64_t>> initial_placement_;  // Empty: the even split.
   std::unique_ptr<GradientReducer> gradient_reducer_;         // dense parameters over dp
   std::unique_ptr<GradientReducer> expert_gradient_reducer_;  // experts over edp

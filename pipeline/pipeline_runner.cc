@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/logging.h"
 #include "core/status.h"
@@ -76,26 +75,6 @@ double TrainableParameters(const Unit& unit) {
     if (p.value.requires_grad()) n += static_cast<double>(p.value.numel());
   }
   return n;
-}
-
-// A stage's compute in a run: its actions without waits and migrations (NOTE [imbalance
-// measurement]).
-double ComputeMs(const StageRunResult& run) {
-  double ms = 0;
-  for (const ActionTiming& t : run.timings) ms += t.end_ms - t.start_ms - t.wait_ms - t.migration_ms;
-  return ms;
-}
-
-double Imbalance(const std::vector<double>& loads) {
-  if (loads.empty()) return 0;
-  double lo = loads[0], hi = loads[0], sum = 0;
-  for (double l : loads) {
-    lo = std::min(lo, l);
-    hi = std::max(hi, l);
-    sum += l;
-  }
-  const double mean = sum / static_cast<double>(loads.size());
-  return mean > 0 ? (hi - lo) / mean : 0;
 }
 
 }  // namespace
@@ -324,11 +303,7 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                double loss_scale) {
   FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor(schedule_name_, plan.count));
   // What the previous Run ran on and measured, for its load-trace line.
-  previous_ran_on_ = ran_on_;
-  previous_span_ms_ = span_ms_;
-  previous_bubble_ratio_ = bubble_ratio_;
-  previous_stage_ms_ = stage_ms_;
-  previous_microbatches_ = plan.count;
+  metrics_.StartRun(ran_on_, plan.count);
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
   last_iteration_ = iteration;
   FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale,
@@ -341,40 +316,12 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   last_run_.tail_wait_ms = MsSince(tail_start);
   // The moved layers arrive now, before the optimizer step (NOTE [early migration]).
   FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_, ranges_[pp_->rank()]));
-  layers_moved_ += static_cast<int64_t>(last_moves_.size());
   if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
   RecordMoves(iteration);
-
-  const StageRunResult& run = last_run_;
-  span_ms_ = run.total_ms + run.tail_wait_ms;
-  at::Tensor mine = at::tensor(
-      {span_ms_ > 0 ? (run.wait_ms + run.tail_wait_ms) / span_ms_ : 0.0,
-       run.total_ms > 0 ? run.wait_ms / run.total_ms : 0.0, ComputeMs(run)},
-      at::kDouble);
-  const at::Tensor all = pp_->AllGather(mine.unsqueeze(0));  // [stages, 3]
-  bubble_ratio_ = all.select(1, 0).mean().item<double>();
-  bubble_ratio_max_ = all.select(1, 0).max().item<double>();
-  bubble_ratio_in_run_ = all.select(1, 1).mean().item<double>();
-  const at::Tensor bubbles = all.select(1, 0).contiguous();
-  stage_bubble_ratio_.assign(bubbles.data_ptr<double>(),
-                             bubbles.data_ptr<double>() + bubbles.numel());
-  const at::Tensor compute = all.select(1, 2).contiguous();
-  stage_ms_.assign(compute.data_ptr<double>(), compute.data_ptr<double>() + compute.numel());
-  // NOTE [imbalance measurement]: the iteration after moves says what they achieved.
-  const double bottleneck = *std::max_element(stage_ms_.begin(), stage_ms_.end());
-  if (report_after_moves_ && pp_->rank() == 0) {
-    FULCRUM_LOG(INFO) << absl::StrFormat(
-        "iteration %d, the first on the new placement: bottleneck %.1f ms (was %.1f), "
-        "imbalance %.3f, bubble %.3f (was %.3f)",
-        iteration, bottleneck, bottleneck_before_moves_ms_, Imbalance(stage_ms_), bubble_ratio_,
-        bubble_before_moves_);
-  }
-  report_after_moves_ = !last_moves_.empty();
-  if (report_after_moves_) {
-    // Moves happen in this iteration's tail: it still ran on the old placement.
-    bottleneck_before_moves_ms_ = bottleneck;
-    bubble_before_moves_ = bubble_ratio_;
-  }
+  const at::Tensor rows = pp_->AllGather(PipelineMetrics::StageRow(last_run_).unsqueeze(0));
+  const std::string after_moves = metrics_.EndRun(iteration, last_run_, rows,
+                                                  static_cast<int64_t>(last_moves_.size()));
+  if (!after_moves.empty() && pp_->rank() == 0) FULCRUM_LOG(INFO) << after_moves;
   if (timeline_ != nullptr && flush_every_ > 0 && iteration % flush_every_ == 0) {
     FULCRUM_RETURN_IF_ERROR(timeline_->Flush());
   }
@@ -382,44 +329,30 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
 }
 
 void PipelineRunner::Metrics(nlohmann::json* record, std::string* log_line) const {
+  metrics_.Write(record, log_line);
   nlohmann::json& r = *record;
-  r["bubble_ratio"] = bubble_ratio_;
-  r["bubble_ratio_max"] = bubble_ratio_max_;
-  r["bubble_ratio_in_run"] = bubble_ratio_in_run_;
-  r["stage_bubble_ratio"] = stage_bubble_ratio_;
-  r["pipeline_ms"] = span_ms_;
-  r["activation_peak_mb"] = static_cast<double>(last_run_.peak_activation_bytes) / (1 << 20);
-  r["imbalance"] = Imbalance(stage_ms_);
-  r["stage_ms"] = stage_ms_;
-  r["layers_moved"] = layers_moved_;
   nlohmann::json ranges = nlohmann::json::array();
   for (const auto& [begin, end] : ranges_) ranges.push_back({begin, end});
   r["stage_ranges"] = ranges;
   for (const auto& [name, value] : rebalancer_->Metrics()) r[name] = value;
-  absl::StrAppend(log_line, absl::StrFormat(" | bubble %.3f | imbalance %.3f", bubble_ratio_,
-                                            Imbalance(stage_ms_)));
 }
 
 void PipelineRunner::LoadTrace(nlohmann::json* record) const {
   // NOTE [load trace lines]: last_loads_ are what the previous Run measured.
-  if (previous_ran_on_.empty() || last_loads_.empty()) return;
+  if (!metrics_.has_previous() || last_loads_.empty()) return;
   nlohmann::json loads = nlohmann::json::array();
   for (const StageLoad& load : last_loads_) loads.push_back(StageLoadToJson(load));
   nlohmann::json& r = *record;
   r["iteration"] = last_iteration_ - 1;
   r["plan_iteration"] = last_iteration_;
   r["schedule"] = schedule_name_;
-  r["microbatches"] = previous_microbatches_;
   r["rebalancer"] = rebalancer_->name();
-  r["ran_on"] = RangesToJson(previous_ran_on_);
   r["loads"] = std::move(loads);
   r["decision"] = RangesToJson(ranges_);
   for (const auto& [iteration, reason] : model_changes_) {
     if (iteration == last_iteration_ - 1) r["model_changed"].push_back(reason);
   }
-  r["measured"] = {{"pipeline_ms", previous_span_ms_},
-                   {"bubble_ratio", previous_bubble_ratio_},
-                   {"stage_ms", previous_stage_ms_}};
+  metrics_.WritePrevious(record);  // microbatches, ran_on, measured
 }
 
 absl::Status PipelineRunner::Finish() {

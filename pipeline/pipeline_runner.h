@@ -2,7 +2,8 @@
 // micro-batches), asks the rebalancer for the iteration's placement (NOTE [when the plan is
 // made] in pipeline/rebalancer.h), checks that every replica plans alike, runs this stage's
 // part with a StageExecutor, which carries the moves out in the backward tail, and measures
-// the bubble and the imbalance per iteration, as mean and max over the stages.
+// the bubble and the imbalance per iteration, as mean and max over the stages (the
+// bookkeeping is pipeline/pipeline_metrics.h's).
 //
 // NOTE [imbalance measurement]
 // A stage's load in an iteration is the time its F, B and W actions computed (without
@@ -38,6 +39,7 @@
 
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
+#include "pipeline/pipeline_metrics.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "pipeline/stage_executor.h"
@@ -120,7 +122,6 @@ class PipelineRunner final : public ForwardBackwardRunner {
   std::vector<parallel::Communicator*> replica_groups_;
   TimelineRecorder* timeline_ = nullptr;
   int64_t flush_every_ = 50;
-  int64_t layers_moved_ = 0;
   std::map<std::pair<std::string, int>, Schedule> schedules_;
   StageRunResult last_run_;
   bool has_run_ = false;  // last_run_ holds a training run's measurements.
@@ -129,23 +130,12 @@ class PipelineRunner final : public ForwardBackwardRunner {
   RebalanceDecision last_decision_;
   LayerRanges ranges_;  // After the last Run's moves.
   LayerRanges ran_on_;  // What the last Run ran on (before its moves).
-  // The Run before the last one, for the load trace: its placement and what it measured.
   int64_t last_iteration_ = 0;
-  LayerRanges previous_ran_on_;
-  double previous_span_ms_ = 0, previous_bubble_ratio_ = 0;
-  std::vector<double> previous_stage_ms_;
-  int previous_microbatches_ = 0;
   std::vector<std::pair<int64_t, std::string>> model_changes_;  // For the load trace.
   double plan_ms_ = 0;  // Time the last plan took (gather, decision, checks).
-  // Measured per iteration (NOTE [imbalance measurement]).
-  std::vector<double> stage_ms_;
-  double bubble_ratio_ = 0, bubble_ratio_max_ = 0, bubble_ratio_in_run_ = 0;
-  std::vector<double> stage_bubble_ratio_;
-  double span_ms_ = 0;
-  // The iteration before the last moves: what the next one is compared with in the log.
-  double bottleneck_before_moves_ms_ = 0;
-  double bubble_before_moves_ = 0;
-  bool report_after_moves_ = false;
+  // Bubble, imbalance and the before/after of moves, per iteration; what the Run before
+  // the last one measured, for the load trace.
+  PipelineMetrics metrics_;
   bool logged_move_ = true;  // The last decision logged moved layers (or none was logged yet).
 };
 

@@ -194,14 +194,14 @@ absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
 
 absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
     parallel::ProcessGroupContext& old, Trainer& trainer, const pipeline::LayerRanges& old_ranges,
-    const pipeline::LayerRanges& new_ranges, bool tie_embeddings) {
+    const pipeline::LayerRanges& new_ranges, bool tie_embeddings, const RunnerFactory& make_runner) {
   pipeline::ShrinkPlan plan;
   plan.old_config = old.config();
   plan.old_ranges = old_ranges;
   plan.new_ranges = new_ranges;
   plan.tie_embeddings = tie_embeddings;
   if (absl::Status s = pipeline::ValidateShrinkPlan(plan); !s.ok()) return s;
-  if (pipeline::NewRank(plan, old.world_rank()) < 0) {
+  if (pipeline::NewRank(plan, old.roles().world_rank) < 0) {
     if (absl::Status s = pipeline::ExchangeState(old.world(), plan, trainer.model(), nullptr);
         !s.ok()) {
       return s;
@@ -215,8 +215,10 @@ absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
                                                        pipeline::ShrunkConfig(plan), tie_embeddings);
   if (!context.ok()) return context.status();
   (*context)->SetInitialPlacement(new_ranges);
+  absl::StatusOr<ForwardBackwardRunner*> runner = make_runner(**context);
+  if (!runner.ok()) return runner.status();
   if (absl::Status s = trainer.ChangeLayout(
-          context->get(),
+          TrainerLayout{context->get(), (*context)->roles(), *runner},
           [&](const GptModel& old_model, GptModel& new_model) {
             return pipeline::ExchangeState(old.world(), plan, old_model, &new_model);
           });

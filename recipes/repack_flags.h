@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <memory>
 #include <string>
@@ -53,14 +54,19 @@ absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig&
 absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
                                     const std::vector<std::string>& plugin_names);
 
+/// Builds the pipeline runner of a new layout for the trainer (null: the trainer's own
+/// loop); whoever supplies the factory owns the runner and keeps it alive for the trainer.
+using RunnerFactory =
+    std::function<absl::StatusOr<ForwardBackwardRunner*>(parallel::ProcessGroupContext& context)>;
+
 /// Carries out a live shrink on this rank (NOTE [live shrink] in pipeline/shrink.h) from
 /// `old` (the current layout, whose stages hold `old_ranges`) onto `new_ranges`. A survivor
-/// gets the new context, which `trainer` already trains on (it must outlive the trainer);
-/// a released rank gets null, has sent its state away and should exit 0. Collective over
-/// the old world.
+/// gets the new context, which `trainer` already trains on with the runner `make_runner`
+/// built on it (both must outlive the trainer); a released rank gets null, has sent its
+/// state away and should exit 0. Collective over the old world.
 absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
     parallel::ProcessGroupContext& old, Trainer& trainer, const pipeline::LayerRanges& old_ranges,
-    const pipeline::LayerRanges& new_ranges, bool tie_embeddings);
+    const pipeline::LayerRanges& new_ranges, bool tie_embeddings, const RunnerFactory& make_runner);
 
 /// Tells fulcrum_launch that global rank `rank` was released on purpose (NOTE [relaunch
 /// protocol]); nothing without a launcher that asked.

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 #include "core/checkpoint/checkpoint.h"
 #include "core/file_system.h"
 #include "core/trainer.h"
@@ -136,7 +138,7 @@ TEST(TrainerTest, FailedSaveKeepsPreviousCheckpoint) {
   ASSERT_TRUE((*trainer)->Save().ok());
 
   FailingFileSystem failing(DefaultFileSystem(), /*budget=*/20000);
-  auto doomed = Trainer::Create(config, corpus, /*parallel=*/nullptr, &failing);
+  auto doomed = Trainer::Create(config, corpus, /*layout=*/{}, &failing);
   ASSERT_TRUE(doomed.ok());
   ASSERT_TRUE((*doomed)->Load(config.train.save).ok());
   ASSERT_TRUE((*doomed)->TrainIteration().ok());
@@ -246,6 +248,55 @@ TEST(TrainerTest, CreateRejectsTokensOutsideTheVocabulary) {
   auto trainer = Trainer::Create(config, corpus);
   ASSERT_FALSE(trainer.ok());
   EXPECT_NE(trainer.status().message().find("token id 99"), std::string::npos) << trainer.status();
+}
+
+// A pipeline runner that only counts what it is asked; it leaves the gradients at zero and
+// reports 6 per micro-batch as the loss sum.
+class CountingRunner final : public ForwardBackwardRunner {
+ public:
+  absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& /*stage*/, int64_t /*iteration*/,
+                                                 const MicroBatchPlan& plan,
+                                                 double /*loss_scale*/) override {
+    ++runs;
+    micro_batches += plan.count;
+    return std::make_pair(6.0 * plan.count, int64_t{0});
+  }
+  absl::StatusOr<std::pair<double, int64_t>> Evaluate(GptModel& /*stage*/,
+                                                      const MicroBatchPlan& /*plan*/) override {
+    return std::make_pair(0.0, int64_t{0});
+  }
+  void Metrics(nlohmann::json* /*record*/, std::string* /*log_line*/) const override {}
+  int runs = 0;
+  int64_t micro_batches = 0;
+};
+
+TEST(TrainerTest, RunsItsIterationsThroughTheRunnerItIsHanded) {
+  TrainerConfig config = SmallTrainerConfig();
+  CountingRunner runner;
+  TrainerLayout layout;
+  layout.runner = &runner;
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size), layout);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  auto stats = (*trainer)->TrainIteration();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  const int64_t micro = config.train.global_batch_size / config.train.micro_batch_size;
+  EXPECT_EQ(runner.runs, 1);
+  EXPECT_EQ(runner.micro_batches, micro);
+  EXPECT_DOUBLE_EQ(stats->loss, 6.0 * static_cast<double>(micro) /
+                                    (config.train.global_batch_size * config.data.seq_length));
+}
+
+TEST(TrainerTest, RolesOfABiggerJobNeedAParallelContext) {
+  TrainerLayout layout;
+  layout.roles.world_size = 2;
+  layout.roles.world_rank = 1;
+  TrainerConfig config = SmallTrainerConfig();
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size), layout);
+  ASSERT_FALSE(trainer.ok());
+  EXPECT_EQ(trainer.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(trainer.status().message().find("rank 1 of 2 ranks need a ParallelContext"),
+            std::string::npos)
+      << trainer.status();
 }
 
 }  // namespace

@@ -306,7 +306,7 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
   for (int64_t iteration = 1; iteration <= kIterations; ++iteration) {
     model.ZeroGrad();
     auto loss = runner.Run(model, iteration,
-                           RandomPlan(options, 3, kMicroBatchSize, 100 * ctx.dp_rank() + 10 * iteration),
+                           RandomPlan(options, 3, kMicroBatchSize, 100 * ctx.coords().dp + 10 * iteration),
                            kLossScale);
     ASSERT_TRUE(loss.ok()) << loss.status();
     double f = 0;
@@ -336,7 +336,7 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
       alone.ZeroGrad();
       ASSERT_TRUE(disagreeing
                       .Run(alone, iteration,
-                           RandomPlan(options, 3, kMicroBatchSize, 100 * ctx.dp_rank() + 10 * iteration),
+                           RandomPlan(options, 3, kMicroBatchSize, 100 * ctx.coords().dp + 10 * iteration),
                            kLossScale)
                       .ok());
     }
@@ -346,7 +346,7 @@ TEST(PipelineRunnerWorker, DataParallelReplicasAgreeOnLoads) {
   // The raw measurements did differ: report them.
   const at::Tensor raw = dp.AllGather(at::tensor(own_forward, at::kDouble).unsqueeze(0));
   std::ostringstream text;
-  text << "rank " << ctx.world_rank() << " own per-layer F sums per iteration: " << raw;
+  text << "rank " << ctx.roles().world_rank << " own per-layer F sums per iteration: " << raw;
   std::cout << text.str() << std::endl;
   ctx.Barrier();
 }
@@ -369,7 +369,7 @@ TEST(PipelineRunnerWorker, ReplicasThatPlanDifferentlyAreRefused) {
   const ModelOptions options = EngineModel();
   GptModel model(options, EvenStage(options.num_layers, 2, ctx.coords().pp));
   std::map<int64_t, LayerRanges> script;
-  if (ctx.dp_rank() == 1) script[2] = {{0, 1}, {1, 4}};
+  if (ctx.coords().dp == 1) script[2] = {{0, 1}, {1, 4}};
   PipelineRunner runner(&ctx.group(parallel::GroupKind::kPipeline), "zbh1", kMicroBatchSize,
                         std::make_unique<RecordingRebalancer>(script),
                         {&ctx.group(parallel::GroupKind::kTensor),

@@ -77,6 +77,18 @@ Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, a
   return routing;
 }
 
+Routing SoftmaxTokenChoiceRouting(const at::Tensor& logits, int64_t k, const RouteContext& ctx,
+                                  int64_t num_experts, SoftmaxGates gates) {
+  at::Tensor probs = at::softmax(logits, 1);
+  at::Tensor own;
+  at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
+  at::Tensor chosen = probs.gather(1, experts);
+  at::Tensor gate_values = gates == SoftmaxGates::kRenormalized
+                               ? chosen / chosen.sum(1, /*keepdim=*/true)
+                               : TokenChoiceGates(chosen);
+  return TokenChoiceRouting(experts, gate_values, probs, num_experts, own);
+}
+
 void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing) {
   if (coeff > 0.0) routing->aux_losses.emplace_back("z_loss", ZLoss(logits) * coeff);
 }

@@ -51,13 +51,9 @@ class TopKRouter : public Router {
                 " router routes each token to one expert, got k=", k);
     at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
     at::Tensor logits = at::linear(x, weight_);  // [T, E]
-    at::Tensor probs = at::softmax(logits, 1);
-    at::Tensor own;
-    at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
-    at::Tensor chosen = probs.gather(1, experts);
-    at::Tensor gates = flavor_ == TopKFlavor::kMixtral ? chosen / chosen.sum(1, /*keepdim=*/true)
-                                                       : TokenChoiceGates(chosen);
-    Routing routing = TokenChoiceRouting(experts, gates, probs, num_experts(), own);
+    Routing routing = SoftmaxTokenChoiceRouting(
+        logits, k, ctx, num_experts(),
+        flavor_ == TopKFlavor::kMixtral ? SoftmaxGates::kRenormalized : SoftmaxGates::kTokenChoice);
     if (flavor_ == TopKFlavor::kMixtral) {
       if (options_.aux_loss_coeff > 0.0) {
         routing.aux_losses.emplace_back(

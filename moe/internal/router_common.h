@@ -70,6 +70,19 @@ at::Tensor TokenChoiceGates(const at::Tensor& chosen_scores);
 Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, at::Tensor probs,
                            int64_t num_experts, at::Tensor own);
 
+/// How a softmax token-choice router turns its chosen probabilities into gates.
+enum class SoftmaxGates {
+  kTokenChoice,   // TokenChoiceGates: renormalised when k > 1, the probability when k = 1.
+  kRenormalized,  // Renormalised to sum 1 for every k (Hugging Face's Mixtral).
+};
+
+/// The routing shared by the softmax token-choice routers (`topk`, `switch`, `mixtral`,
+/// `cosine`), which differ only in their logits [T, E] and their losses: probs =
+/// softmax(logits), the experts ChooseExperts picks from them, gated by `gates`. Adds no
+/// auxiliary loss.
+Routing SoftmaxTokenChoiceRouting(const at::Tensor& logits, int64_t k, const RouteContext& ctx,
+                                  int64_t num_experts, SoftmaxGates gates);
+
 /// Appends "z_loss" = coeff · ZLoss(logits) when coeff > 0.
 void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing);
 

@@ -17,6 +17,19 @@ at::Tensor NormalParameter(const RouterOptions& options, const std::string& loca
   return LeafParameter(NormalInit(options.seed, options.init_scope + "." + local_name, shape, std));
 }
 
+LinearRouter::LinearRouter(const RouterOptions& options)
+    : Router(options),
+      weight_(NormalParameter(options, "router.weight", {options.num_experts, options.hidden_size},
+                              options.init_std)) {}
+
+std::vector<RouterParameter> LinearRouter::Parameters() {
+  return {{"router.weight", &weight_, /*weight_decay=*/true}};
+}
+
+at::Tensor LinearRouter::Logits(const at::Tensor& hidden, const RouteContext& ctx) const {
+  return at::linear(RouterInput(hidden, weight_.scalar_type(), options_, ctx), weight_);
+}
+
 at::Tensor RouterInput(const at::Tensor& hidden, at::ScalarType dtype, const RouterOptions& options,
                        const RouteContext& ctx) {
   at::Tensor x = hidden.to(dtype);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/router.h"
@@ -37,6 +38,25 @@ at::Tensor NormalParameter(const RouterOptions& options, const std::string& loca
 
 /// A trainable fp32 leaf holding `init`.
 at::Tensor LeafParameter(const at::Tensor& init);
+
+// ---- The linear router. ------------------------------------------------------------------
+
+/// The shape most routers share: logits = x·Wᵀ from one trainable weight W [E, D]
+/// ("router.weight", drawn like NormalParameter with init_std, weight-decayed). Subclasses
+/// decide what the logits route.
+class LinearRouter : public Router {
+ public:
+  explicit LinearRouter(const RouterOptions& options);
+
+  std::vector<RouterParameter> Parameters() override;
+
+ protected:
+  /// x·Wᵀ [T, E], x = RouterInput(hidden) in W's dtype.
+  at::Tensor Logits(const at::Tensor& hidden, const RouteContext& ctx) const;
+
+ private:
+  at::Tensor weight_;  // [E, D] W
+};
 
 // ---- Forward pieces. ---------------------------------------------------------------------
 

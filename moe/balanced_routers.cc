@@ -20,12 +20,9 @@ namespace {
 // order]); with capacity >= C, AssignSlots drops nothing. probs = S. The same rule applies
 // outside training, so a token's experts depend on the other tokens of its batch (the
 // paper's known limitation for autoregressive inference).
-class ExpertChoiceRouter : public Router {
+class ExpertChoiceRouter : public LinearRouter {
  public:
-  explicit ExpertChoiceRouter(const RouterOptions& options)
-      : Router(options),
-        weight_(NormalParameter(options, "router.weight",
-                                {options.num_experts, options.hidden_size}, options.init_std)) {}
+  explicit ExpertChoiceRouter(const RouterOptions& options) : LinearRouter(options) {}
 
   const char* name() const override { return "expert_choice"; }
   bool token_choice() const override { return false; }
@@ -34,13 +31,12 @@ class ExpertChoiceRouter : public Router {
     CheckRouteArguments(hidden, k);
     TORCH_CHECK(!ctx.fixed_experts.defined(),
                 "expert_choice routing has no per-token choice to fix (cached assignments)");
-    at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
-    const int64_t num_tokens = x.size(0);
+    at::Tensor logits = Logits(hidden, ctx);
+    const int64_t num_tokens = logits.size(0);
     const int64_t num_experts = this->num_experts();
     const int64_t capacity =
         std::min(num_tokens,
                  CeilCapacity(options_.expert_choice_capacity_factor, k, num_tokens, num_experts));
-    at::Tensor logits = at::linear(x, weight_);
     at::Tensor probs = at::softmax(logits, 1);
     auto [gates, tokens] = at::topk(probs.t(), capacity, /*dim=*/1);  // [E, C]
     Routing routing;
@@ -52,13 +48,6 @@ class ExpertChoiceRouter : public Router {
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
   }
-
-  std::vector<RouterParameter> Parameters() override {
-    return {{"router.weight", &weight_, /*weight_decay=*/true}};
-  }
-
- private:
-  at::Tensor weight_;  // [E, D]
 };
 
 // Sinkhorn scaling of exp(logits) towards the transport polytope where every token has mass
@@ -96,19 +85,15 @@ at::Tensor Sinkhorn(const at::Tensor& logits, int max_iterations) {
 // so inference does not depend on which other tokens share the batch.
 // probs = softmax(logits). No balancing loss (balance comes from the assignment); z-loss
 // optional.
-class SinkhornRouter : public Router {
+class SinkhornRouter : public LinearRouter {
  public:
-  explicit SinkhornRouter(const RouterOptions& options)
-      : Router(options),
-        weight_(NormalParameter(options, "router.weight",
-                                {options.num_experts, options.hidden_size}, options.init_std)) {}
+  explicit SinkhornRouter(const RouterOptions& options) : LinearRouter(options) {}
 
   const char* name() const override { return "sinkhorn"; }
 
   Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
     CheckRouteArguments(hidden, k);
-    at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
-    at::Tensor logits = at::linear(x, weight_);
+    at::Tensor logits = Logits(hidden, ctx);
     at::Tensor probs = at::softmax(logits, 1);
     at::Tensor scores = k == 1 ? at::sigmoid(logits) : probs;
     // Training chooses on the Sinkhorn-balanced assignment, evaluation on the scores.
@@ -121,13 +106,6 @@ class SinkhornRouter : public Router {
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
   }
-
-  std::vector<RouterParameter> Parameters() override {
-    return {{"router.weight", &weight_, /*weight_decay=*/true}};
-  }
-
- private:
-  at::Tensor weight_;  // [E, D]
 };
 
 // Auxiliary-loss-free balancing (`aux_free`): DeepSeek-V3 technical report §2.1.2 (eq. 16)
@@ -144,20 +122,17 @@ class SinkhornRouter : public Router {
 // and is checkpointed as state "router.expert_bias". The loads must be the step's global
 // loads (see Router::AfterOptimizerStep). probs = s / Σ s per token, the normalised
 // affinities of DeepSeek-V3's sequence-wise balance loss. No balancing loss; z-loss optional.
-class AuxFreeRouter : public Router {
+class AuxFreeRouter : public LinearRouter {
  public:
   explicit AuxFreeRouter(const RouterOptions& options)
-      : Router(options),
-        weight_(NormalParameter(options, "router.weight",
-                                {options.num_experts, options.hidden_size}, options.init_std)),
+      : LinearRouter(options),
         expert_bias_(at::zeros({options.num_experts}, at::kFloat)) {}
 
   const char* name() const override { return "aux_free"; }
 
   Routing Route(const at::Tensor& hidden, int64_t k, const RouteContext& ctx) override {
     CheckRouteArguments(hidden, k);
-    at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
-    at::Tensor logits = at::linear(x, weight_);
+    at::Tensor logits = Logits(hidden, ctx);
     at::Tensor scores = at::sigmoid(logits);
     at::Tensor biased = scores.detach() + expert_bias_.to(scores.options());
     at::Tensor own;
@@ -167,10 +142,6 @@ class AuxFreeRouter : public Router {
                                          own);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;
-  }
-
-  std::vector<RouterParameter> Parameters() override {
-    return {{"router.weight", &weight_, /*weight_decay=*/true}};
   }
 
   NamedTensors State() override { return {{"router.expert_bias", expert_bias_}}; }
@@ -186,7 +157,6 @@ class AuxFreeRouter : public Router {
   }
 
  private:
-  at::Tensor weight_;       // [E, D]
   at::Tensor expert_bias_;  // [E] b, fp32, no grad
 };
 

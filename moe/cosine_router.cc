@@ -1,6 +1,5 @@
 // The cosine router (`cosine`).
 #include <cmath>
-#include <tuple>
 
 #include "moe/internal/router_common.h"
 
@@ -42,11 +41,8 @@ class CosineRouter : public Router {
     at::Tensor logits =
         at::linear(Normalize(at::linear(x, projection_)), Normalize(expert_embeddings_)) *
         LogitScale();
-    at::Tensor probs = at::softmax(logits, 1);
-    at::Tensor own;
-    at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
-    Routing routing = TokenChoiceRouting(experts, TokenChoiceGates(probs.gather(1, experts)),
-                                         probs, num_experts(), own);
+    Routing routing =
+        SoftmaxTokenChoiceRouting(logits, k, ctx, num_experts(), SoftmaxGates::kTokenChoice);
     AddLoadBalancingLoss(k, options_.aux_loss_coeff, &routing);
     AddZLoss(logits, options_.z_loss_coeff, &routing);
     return routing;

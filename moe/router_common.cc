@@ -17,6 +17,19 @@ at::Tensor NormalParameter(const RouterOptions& options, const std::string& loca
   return LeafParameter(NormalInit(options.seed, options.init_scope + "." + local_name, shape, std));
 }
 
+LinearRouter::LinearRouter(const RouterOptions& options)
+    : Router(options),
+      weight_(NormalParameter(options, "router.weight", {options.num_experts, options.hidden_size},
+                              options.init_std)) {}
+
+std::vector<RouterParameter> LinearRouter::Parameters() {
+  return {{"router.weight", &weight_, /*weight_decay=*/true}};
+}
+
+at::Tensor LinearRouter::Logits(const at::Tensor& hidden, const RouteContext& ctx) const {
+  return at::linear(RouterInput(hidden, weight_.scalar_type(), options_, ctx), weight_);
+}
+
 at::Tensor RouterInput(const at::Tensor& hidden, at::ScalarType dtype, const RouterOptions& options,
                        const RouteContext& ctx) {
   at::Tensor x = hidden.to(dtype);
@@ -75,6 +88,18 @@ Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, a
   routing.expert_load = at::bincount(routing.expert, /*weights=*/{}, num_experts);
   routing.choice = std::move(own);
   return routing;
+}
+
+Routing SoftmaxTokenChoiceRouting(const at::Tensor& logits, int64_t k, const RouteContext& ctx,
+                                  int64_t num_experts, SoftmaxGates gates) {
+  at::Tensor probs = at::softmax(logits, 1);
+  at::Tensor own;
+  at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
+  at::Tensor chosen = probs.gather(1, experts);
+  at::Tensor gate_values = gates == SoftmaxGates::kRenormalized
+                               ? chosen / chosen.sum(1, /*keepdim=*/true)
+                               : TokenChoiceGates(chosen);
+  return TokenChoiceRouting(experts, gate_values, probs, num_experts, own);
 }
 
 void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing) {

@@ -34,14 +34,10 @@ namespace {
 // --moe_input_jitter_eps does not (Mixtral checkpoints set 0).
 enum class TopKFlavor { kMegatron, kSwitch, kMixtral };
 
-class TopKRouter : public Router {
+class TopKRouter : public LinearRouter {
  public:
   TopKRouter(const RouterOptions& options, const char* name, TopKFlavor flavor)
-      : Router(options),
-        name_(name),
-        flavor_(flavor),
-        weight_(NormalParameter(options, "router.weight",
-                                {options.num_experts, options.hidden_size}, options.init_std)) {}
+      : LinearRouter(options), name_(name), flavor_(flavor) {}
 
   const char* name() const override { return name_; }
 
@@ -49,15 +45,10 @@ class TopKRouter : public Router {
     CheckRouteArguments(hidden, k);
     TORCH_CHECK(flavor_ != TopKFlavor::kSwitch || k == 1, name_,
                 " router routes each token to one expert, got k=", k);
-    at::Tensor x = RouterInput(hidden, weight_.scalar_type(), options_, ctx);
-    at::Tensor logits = at::linear(x, weight_);  // [T, E]
-    at::Tensor probs = at::softmax(logits, 1);
-    at::Tensor own;
-    at::Tensor experts = ChooseExperts(probs, k, ctx, &own);
-    at::Tensor chosen = probs.gather(1, experts);
-    at::Tensor gates = flavor_ == TopKFlavor::kMixtral ? chosen / chosen.sum(1, /*keepdim=*/true)
-                                                       : TokenChoiceGates(chosen);
-    Routing routing = TokenChoiceRouting(experts, gates, probs, num_experts(), own);
+    at::Tensor logits = Logits(hidden, ctx);  // [T, E]
+    Routing routing = SoftmaxTokenChoiceRouting(
+        logits, k, ctx, num_experts(),
+        flavor_ == TopKFlavor::kMixtral ? SoftmaxGates::kRenormalized : SoftmaxGates::kTokenChoice);
     if (flavor_ == TopKFlavor::kMixtral) {
       if (options_.aux_loss_coeff > 0.0) {
         routing.aux_losses.emplace_back(
@@ -71,14 +62,10 @@ class TopKRouter : public Router {
     return routing;
   }
 
-  std::vector<RouterParameter> Parameters() override {
-    return {{"router.weight", &weight_, /*weight_decay=*/true}};
-  }
 
  private:
   const char* name_;
   TopKFlavor flavor_;
-  at::Tensor weight_;  // [E, D] W_r
 };
 
 // Noisy top-k gating (`noisy_topk`), Shazeer et al. 2017, "Outrageously Large Neural

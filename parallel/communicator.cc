@@ -79,6 +79,10 @@ void CheckTensor(const at::Tensor& tensor, const char* op, const std::string& gr
   }
 }
 
+void CheckHasRows(const at::Tensor& tensor, const char* op, const std::string& group) {
+  if (tensor.dim() == 0) Fail(op, group, "input is 0-dimensional; rows are along dimension 0");
+}
+
 void CheckDivisible(int64_t dim0, int parts, const char* op, const std::string& group) {
   if (dim0 % parts != 0) {
     Fail(op, group,
@@ -112,6 +116,20 @@ void CheckSplit(const std::vector<int>& ranks, const std::string& name, int my_r
          absl::StrCat("'", name, "': rank ", my_rank, " is not among the ranks ",
                       absl::StrJoin(ranks, ","), " (only members call Split)"));
   }
+}
+
+absl::Status CheckWorldArguments(const char* backend, bool has_store, int rank, int size,
+                                 std::chrono::milliseconds timeout) {
+  if (!has_store) return absl::InvalidArgumentError(absl::StrCat(backend, ": the store is null"));
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(backend, ": rank ", rank, " is outside a world of ", size, " processes"));
+  }
+  if (timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(backend, ": timeout must be positive, got ", timeout.count(), " ms"));
+  }
+  return absl::OkStatus();
 }
 
 AllToAllRows ResolveAllToAllRows(const at::Tensor& input, const std::vector<int64_t>& input_splits,

@@ -167,7 +167,7 @@ class GlooCommunicator final : public Communicator {
     constexpr const char* kOp = "all_gather";
     CheckUsable(kOp);
     internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
-    CheckHasRows(input, kOp);
+    internal::CheckHasRows(input, kOp, group_);
     std::vector<int64_t> sizes = input.sizes().vec();
     const int64_t rows = sizes[0];
     sizes[0] *= size();
@@ -190,7 +190,7 @@ class GlooCommunicator final : public Communicator {
     constexpr const char* kOp = "reduce_scatter";
     CheckUsable(kOp);
     internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
-    CheckHasRows(input, kOp);
+    internal::CheckHasRows(input, kOp, group_);
     internal::CheckDivisible(input.size(0), size(), kOp, group_);
     // An all_reduce of a copy, keeping this rank's chunk. Cost: 2(n-1)/n of the input's
     // bytes on the wire per rank, twice a ring reduce-scatter's (n-1)/n, plus a full-size
@@ -307,13 +307,6 @@ class GlooCommunicator final : public Communicator {
     if (!health_->first_error.empty()) {
       throw CommError(absl::StrCat(op, " on ", group_,
                                    ": unusable after an earlier failure: ", health_->first_error));
-    }
-  }
-
-  void CheckHasRows(const at::Tensor& tensor, const char* op) const {
-    if (tensor.dim() == 0) {
-      throw CommError(
-          absl::StrCat(op, " on ", group_, ": input is 0-dimensional; rows are along dimension 0"));
     }
   }
 
@@ -437,14 +430,10 @@ class GlooCommunicator final : public Communicator {
 absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
     const GlooOptions& options) {
-  if (!store) return absl::InvalidArgumentError("gloo: the store is null");
-  if (size < 1 || rank < 0 || rank >= size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gloo: rank ", rank, " is outside a world of ", size, " processes"));
-  }
-  if (timeout.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gloo: timeout must be positive, got ", timeout.count(), " ms"));
+  if (absl::Status bad = internal::CheckWorldArguments("gloo", static_cast<bool>(store), rank,
+                                                        size, timeout);
+      !bad.ok()) {
+    return bad;
   }
   IgnoreSigpipe();
 

@@ -332,7 +332,7 @@ class NcclCommunicator final : public Communicator {
   at::Tensor AllGather(const at::Tensor& input) override {
     const std::string context = Context("all_gather");
     CheckTensor(input, "all_gather", "input");
-    CheckHasRows(input, "all_gather");
+    internal::CheckHasRows(input, "all_gather", group_);
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes[0] *= size();
     at::Tensor output = at::empty(sizes, input.options());
@@ -347,7 +347,7 @@ class NcclCommunicator final : public Communicator {
   at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op) override {
     const std::string context = Context("reduce_scatter");
     CheckTensor(input, "reduce_scatter", "input");
-    CheckHasRows(input, "reduce_scatter");
+    internal::CheckHasRows(input, "reduce_scatter", group_);
     internal::CheckDivisible(input.size(0), size(), "reduce_scatter", group_);
     std::vector<int64_t> sizes = input.sizes().vec();
     sizes[0] /= size();
@@ -550,13 +550,6 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  void CheckHasRows(const at::Tensor& tensor, const char* op) const {
-    if (tensor.dim() == 0) {
-      throw CommError(
-          absl::StrCat(op, " on ", group_, ": input is 0-dimensional; rows are along dimension 0"));
-    }
-  }
-
   cudaStream_t Stream() const {
     return stream_provider_ ? static_cast<cudaStream_t>(stream_provider_()) : nullptr;
   }
@@ -634,14 +627,10 @@ void NcclWork::Wait() {
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int size, int device,
     std::chrono::milliseconds timeout, NcclStreamProvider stream_provider) {
-  if (!store) return absl::InvalidArgumentError("nccl: the store is null");
-  if (size < 1 || rank < 0 || rank >= size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("nccl: rank ", rank, " is outside a world of ", size, " processes"));
-  }
-  if (timeout.count() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("nccl: timeout must be positive, got ", timeout.count(), " ms"));
+  if (absl::Status bad = internal::CheckWorldArguments("nccl", static_cast<bool>(store), rank,
+                                                        size, timeout);
+      !bad.ok()) {
+    return bad;
   }
   const int devices = NcclVisibleDevices();
   if (device < 0 || device >= devices) {

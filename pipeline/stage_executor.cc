@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "pipeline/internal/activation_meter.h"
+#include "pipeline/internal/stage_moves.h"
 #include "pipeline/internal/stage_transport.h"
 
 namespace fulcrum::pipeline {
@@ -72,7 +74,11 @@ struct StageExecutor::RunContext {
 };
 
 StageExecutor::StageExecutor(parallel::Communicator* pp, int64_t micro_batch_size)
-    : pp_(pp), micro_batch_size_(micro_batch_size), moves_(pp) {}
+    : pp_(pp),
+      micro_batch_size_(micro_batch_size),
+      moves_(std::make_unique<internal::StageMoves>(pp)) {}
+
+StageExecutor::~StageExecutor() = default;
 
 double StageExecutor::SinceRunStart() const { return Ms(Clock::now() - run_start_); }
 
@@ -98,8 +104,8 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
     actions.push_back(a);
   }
   // This stage's part of the moves (NOTE [early migration]): the receives are posted now.
-  FULCRUM_RETURN_IF_ERROR(moves_.Begin(training ? moves : std::vector<PlannedMove>{}, run_start_));
-  if (moves_.sends() && last_backward < 0) {
+  FULCRUM_RETURN_IF_ERROR(moves_->Begin(training ? moves : std::vector<PlannedMove>{}, run_start_));
+  if (moves_->sends() && last_backward < 0) {
     return absl::InternalError(absl::StrCat("stage ", stage, ": moves planned but no backward"));
   }
 
@@ -295,10 +301,10 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, bool last_action, Ac
 absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore* store,
                                                std::map<int64_t, double>* ms_by_tag,
                                                ActionTiming& timing) {
-  for (const PlannedMove& move : moves_.outgoing()) {
+  for (const PlannedMove& move : moves_->outgoing()) {
     if (store != nullptr) store->FlushTag(move.layer, ms_by_tag);
     const double t0 = SinceRunStart();
-    FULCRUM_RETURN_IF_ERROR(moves_.Send(run.model, move, &run.meter, run.result));
+    FULCRUM_RETURN_IF_ERROR(moves_->Send(run.model, move, &run.meter, run.result));
     timing.migration_ms += SinceRunStart() - t0;
   }
   return absl::OkStatus();
@@ -306,7 +312,7 @@ absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore*
 
 absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result,
                                         std::pair<int64_t, int64_t> range) {
-  return moves_.Finish(model, range, result);
+  return moves_->Finish(model, range, result);
 }
 
 }  // namespace fulcrum::pipeline

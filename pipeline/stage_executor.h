@@ -31,13 +31,15 @@
 #include "core/linear.h"
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
-#include "pipeline/internal/activation_meter.h"
-#include "pipeline/internal/stage_moves.h"
 #include "pipeline/migration.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::pipeline {
+
+namespace internal {
+class StageMoves;
+}  // namespace internal
 
 /// One executed action: what, and when (milliseconds from the start of the iteration).
 struct ActionTiming {
@@ -150,6 +152,9 @@ class StageExecutor {
   /// `model` is this stage's part; `pp` the pipeline communicator (rank = stage index).
   /// Activations are [seq_length, micro_batch_size, hidden] between stages.
   StageExecutor(parallel::Communicator* pp, int64_t micro_batch_size);
+  ~StageExecutor();  // Out of line: StageMoves is complete only in the .cc.
+  StageExecutor(const StageExecutor&) = delete;
+  StageExecutor& operator=(const StageExecutor&) = delete;
 
   /// Runs `schedule` (its row for this stage) for `iteration`. Each micro-batch's summed
   /// token loss is multiplied by `loss_scale` before the backward. With `forward_only`,
@@ -185,7 +190,9 @@ class StageExecutor {
 
   parallel::Communicator* pp_;
   int64_t micro_batch_size_;
-  internal::StageMoves moves_;  // This iteration's layer moves, from Run to FinishMoves.
+  // This iteration's layer moves, from Run to FinishMoves. Behind a pointer so that this
+  // public header needs no internal/ one.
+  std::unique_ptr<internal::StageMoves> moves_;
   std::chrono::steady_clock::time_point run_start_;
 };
 

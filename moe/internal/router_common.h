@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "moe/router.h"
@@ -37,6 +38,25 @@ at::Tensor NormalParameter(const RouterOptions& options, const std::string& loca
 
 /// A trainable fp32 leaf holding `init`.
 at::Tensor LeafParameter(const at::Tensor& init);
+
+// ---- The linear router. ------------------------------------------------------------------
+
+/// The shape most routers share: logits = x·Wᵀ from one trainable weight W [E, D]
+/// ("router.weight", drawn like NormalParameter with init_std, weight-decayed). Subclasses
+/// decide what the logits route.
+class LinearRouter : public Router {
+ public:
+  explicit LinearRouter(const RouterOptions& options);
+
+  std::vector<RouterParameter> Parameters() override;
+
+ protected:
+  /// x·Wᵀ [T, E], x = RouterInput(hidden) in W's dtype.
+  at::Tensor Logits(const at::Tensor& hidden, const RouteContext& ctx) const;
+
+ private:
+  at::Tensor weight_;  // [E, D] W
+};
 
 // ---- Forward pieces. ---------------------------------------------------------------------
 
@@ -69,6 +89,19 @@ at::Tensor TokenChoiceGates(const at::Tensor& chosen_scores);
 /// the router's own top-k (Routing::choice; ChooseExperts' output).
 Routing TokenChoiceRouting(const at::Tensor& experts, const at::Tensor& gates, at::Tensor probs,
                            int64_t num_experts, at::Tensor own);
+
+/// How a softmax token-choice router turns its chosen probabilities into gates.
+enum class SoftmaxGates {
+  kTokenChoice,   // TokenChoiceGates: renormalised when k > 1, the probability when k = 1.
+  kRenormalized,  // Renormalised to sum 1 for every k (Hugging Face's Mixtral).
+};
+
+/// The routing shared by the softmax token-choice routers (`topk`, `switch`, `mixtral`,
+/// `cosine`), which differ only in their logits [T, E] and their losses: probs =
+/// softmax(logits), the experts ChooseExperts picks from them, gated by `gates`. Adds no
+/// auxiliary loss.
+Routing SoftmaxTokenChoiceRouting(const at::Tensor& logits, int64_t k, const RouteContext& ctx,
+                                  int64_t num_experts, SoftmaxGates gates);
 
 /// Appends "z_loss" = coeff · ZLoss(logits) when coeff > 0.
 void AddZLoss(const at::Tensor& logits, double coeff, Routing* routing);

@@ -6,11 +6,14 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "absl/status/status.h"
 
 namespace fulcrum::parallel::internal {
 
@@ -33,6 +36,10 @@ enum class TensorPlace { kCpu, kCuda };
 void CheckTensor(const at::Tensor& tensor, const char* op, const std::string& group,
                  const char* what, TensorPlace place);
 
+/// Throws CommError unless `tensor` has a dimension 0 for the rows a collective splits or
+/// gathers along.
+void CheckHasRows(const at::Tensor& tensor, const char* op, const std::string& group);
+
 /// Throws CommError unless `dim0` rows split into `parts` equal chunks.
 void CheckDivisible(int64_t dim0, int parts, const char* op, const std::string& group);
 
@@ -43,6 +50,12 @@ void CheckPeer(int peer, int size, const char* op, const std::string& group);
 /// contains `my_rank` (the contract of Communicator::Split), and `name` is non-empty.
 void CheckSplit(const std::vector<int>& ranks, const std::string& name, int my_rank, int size,
                 const std::string& group);
+
+/// The arguments every backend's world communicator is created from: InvalidArgument,
+/// prefixed with `backend` ("gloo", "nccl"), unless there is a store, `rank` is in
+/// [0, size) and `timeout` is positive.
+absl::Status CheckWorldArguments(const char* backend, bool has_store, int rank, int size,
+                                 std::chrono::milliseconds timeout);
 
 /// Rows exchanged by an all_to_all, one entry per rank, resolved from the caller's split
 /// vectors (empty = equal splits) and checked against `input`.

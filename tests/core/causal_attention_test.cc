@@ -8,7 +8,9 @@
 #include <map>
 
 #include "core/transformer_layer.h"
+#include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum {
 namespace {
@@ -39,27 +41,32 @@ at::Tensor Reference(const TransformerLayer& layer, const ModelOptions& o, const
 TEST(CausalAttentionTest, TheLayerEqualsTheFullMaskedSoftmax) {
   for (int64_t s : {40, 128, 300}) {
     SCOPED_TRACE(s);
-    ModelOptions o;
-    o.num_layers = 1;
-    o.hidden_size = 32;
-    o.num_attention_heads = 4;
-    o.ffn_hidden_size = 64;
-    o.vocab_size = 64;
-    o.seq_length = s;
+    ModelOptions o = testing::SmallModelOf(1, s);
     o.params_dtype = ParamsDtype::kFp64;
     TransformerLayer layer(o, 0);
     torch::manual_seed(11);
-    const at::Tensor x0 = torch::randn({s, 2, o.hidden_size}, at::kDouble);
-    const at::Tensor probe = torch::randn_like(x0);
-    at::Tensor x = x0.clone().requires_grad_();
-    at::Tensor y = x0.clone().requires_grad_();
-    const at::Tensor got = layer.Forward(x, ForwardContext{true, 1, 0, 0.0, {}, 0});
-    const at::Tensor want = Reference(layer, o, y);
-    EXPECT_LE((got - want).abs().max().item<double>(), 1e-12);
-    (got * probe).sum().backward();
-    (want * probe).sum().backward();
-    EXPECT_LE((x.grad() - y.grad()).abs().max().item<double>(), 1e-12);
+    testing::ExpectLayerMatchesReference(
+        layer, [&](const at::Tensor& y) { return Reference(layer, o, y); },
+        {s, 2, o.hidden_size}, 1e-12);
   }
+}
+
+// The comparison itself: a reference that is another function (twice the layer) fails it
+// on the output and on the input gradient.
+TEST(CausalAttentionTest, AnotherReferenceFailsTheComparison) {
+  ModelOptions o = testing::SmallModelOf(1, 40);
+  o.params_dtype = ParamsDtype::kFp64;
+  TransformerLayer layer(o, 0);
+  torch::manual_seed(11);
+  ::testing::TestPartResultArray failures;
+  {
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
+    testing::ExpectLayerMatchesReference(
+        layer, [&](const at::Tensor& y) { return 2 * Reference(layer, o, y); },
+        {40, 2, o.hidden_size}, 1e-12);
+  }
+  EXPECT_EQ(failures.size(), 2);
 }
 
 }  // namespace

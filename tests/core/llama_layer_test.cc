@@ -14,6 +14,7 @@
 #include "core/gpt_model.h"
 #include "core/transformer_layer.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum {
 namespace {
@@ -117,16 +118,9 @@ TEST_P(LlamaLayerGroupsTest, EqualsTheReferenceForwardAndBackward) {
     }
   }
   torch::manual_seed(5);
-  const at::Tensor x0 = torch::randn({o.seq_length, 2, o.hidden_size}, at::kDouble);
-  const at::Tensor probe = torch::randn_like(x0);
-  at::Tensor x = x0.clone().requires_grad_();
-  at::Tensor y = x0.clone().requires_grad_();
-  const at::Tensor got = layer.Forward(x, ForwardContext{true, 1, 0, 0.0, {}, 0});
-  const at::Tensor want = Reference(layer, o, y);
-  EXPECT_LE((got - want).abs().max().item<double>(), 1e-12);
-  (got * probe).sum().backward();
-  (want * probe).sum().backward();
-  EXPECT_LE((x.grad() - y.grad()).abs().max().item<double>(), 1e-12);
+  testing::ExpectLayerMatchesReference(
+      layer, [&](const at::Tensor& y) { return Reference(layer, o, y); },
+      {o.seq_length, 2, o.hidden_size}, 1e-12);
 }
 
 // 1 group: multi-query attention; 3: grouped; 6: one key/value head per query head.

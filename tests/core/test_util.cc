@@ -1,5 +1,7 @@
 #include "tests/core/test_util.h"
 
+#include <ATen/ATen.h>
+
 #include <cstdlib>
 #include <filesystem>
 
@@ -7,14 +9,19 @@
 
 namespace fulcrum::testing {
 
-ModelOptions SmallModel() {
+ModelOptions SmallModelOf(int64_t num_layers, int64_t seq_length) {
   ModelOptions m;
-  m.num_layers = 2;
+  m.num_layers = num_layers;
   m.hidden_size = 32;
   m.num_attention_heads = 4;
   m.ffn_hidden_size = 64;
   m.vocab_size = 64;
-  m.seq_length = 16;
+  m.seq_length = seq_length;
+  return m;
+}
+
+ModelOptions SmallModel() {
+  ModelOptions m = SmallModelOf(2, 16);
   m.seed = 42;
   return m;
 }
@@ -73,6 +80,21 @@ std::string MakeTempDir(const std::string& tag) {
 
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+void ExpectLayerMatchesReference(const TransformerLayer& layer,
+                                 const std::function<at::Tensor(const at::Tensor&)>& reference,
+                                 at::IntArrayRef shape, double tolerance) {
+  const at::Tensor x0 = at::randn(shape, at::kDouble);
+  const at::Tensor probe = at::randn_like(x0);
+  at::Tensor x = x0.clone().requires_grad_();
+  at::Tensor y = x0.clone().requires_grad_();
+  const at::Tensor got = layer.Forward(x, ForwardContext{true, 1, 0, 0.0, {}, 0});
+  const at::Tensor want = reference(y);
+  EXPECT_LE((got - want).abs().max().item<double>(), tolerance);
+  (got * probe).sum().backward();
+  (want * probe).sum().backward();
+  EXPECT_LE((x.grad() - y.grad()).abs().max().item<double>(), tolerance);
 }
 
 }  // namespace fulcrum::testing

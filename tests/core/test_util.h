@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,11 +12,17 @@
 #include "core/config.h"
 #include "core/data/indexed_dataset.h"
 #include "core/trainer.h"
+#include "core/transformer_layer.h"
 #include "tests/run_command.h"  // RunCommand
 
 namespace fulcrum::testing {
 
-/// A 2-layer, 32-wide GPT over a vocabulary of 64.
+/// The small GPT of the model-level tests: 32 wide, 4 heads, an MLP of 64, a vocabulary
+/// of 64, with `num_layers` layers and `seq_length` tokens per sample; every other option
+/// keeps its default (the seed included).
+ModelOptions SmallModelOf(int64_t num_layers, int64_t seq_length);
+
+/// SmallModelOf(2, 16) with seed 42.
 ModelOptions SmallModel();
 
 /// A trainer config for SmallModel with micro-batch 2, global batch 4, 8 iterations.
@@ -31,5 +38,13 @@ std::string MakeTempDir(const std::string& tag);
 
 /// Max |a - b| over all elements (as double).
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b);
+
+/// Holds `layer` to `reference` (the same function written out in the test) at
+/// `tolerance`: both run in training on one fp64 input of `shape` drawn from N(0, 1) by the
+/// global generator (seed it first), then back-propagate Σ output·probe, the probe drawn
+/// next; the outputs and the input gradients are compared.
+void ExpectLayerMatchesReference(const TransformerLayer& layer,
+                                 const std::function<at::Tensor(const at::Tensor&)>& reference,
+                                 at::IntArrayRef shape, double tolerance);
 
 }  // namespace fulcrum::testing

@@ -54,6 +54,21 @@ double Time(const RepackProblem& problem, const Placement& placement) {
   return *time;
 }
 
+// The coarsening of `current` that keeps the boundary after stage s exactly where bit s of
+// `keep` is set (the last stage's end always stays).
+Placement Coarsening(const Placement& current, uint32_t keep) {
+  Placement candidate;
+  int64_t begin = current.front().begin;
+  for (size_t s = 0; s + 1 < current.size(); ++s) {
+    if (keep & (1u << s)) {
+      candidate.push_back({begin, current[s].end});
+      begin = current[s].end;
+    }
+  }
+  candidate.push_back({begin, current.back().end});
+  return candidate;
+}
+
 // The brute force: every coarsening of `current` (a subset of its p-1 stage boundaries
 // kept), the admissible ones ranked by (stages, predicted time, stage ends).
 struct Best {
@@ -69,15 +84,7 @@ Best BruteForce(const RepackProblem& problem, const Placement& current,
   Best best;
   std::tuple<int, double, std::vector<int64_t>> best_key;
   for (uint32_t keep = 0; keep < (1u << (p - 1)); ++keep) {
-    Placement candidate;
-    int64_t begin = current.front().begin;
-    for (int s = 0; s + 1 < p; ++s) {
-      if (keep & (1u << s)) {
-        candidate.push_back({begin, current[s].end});
-        begin = current[s].end;
-      }
-    }
-    candidate.push_back({begin, current.back().end});
+    const Placement candidate = Coarsening(current, keep);
     const int q = static_cast<int>(candidate.size());
     if (q >= p || q < options.min_stages) continue;
     if (Peak(problem, candidate) > problem.memory_budget) continue;
@@ -168,15 +175,7 @@ std::vector<double> FastestByStageCount(const RepackProblem& problem, const Plac
   const int p = static_cast<int>(current.size());
   std::vector<double> fastest(p + 1, std::numeric_limits<double>::infinity());
   for (uint32_t keep = 0; keep < (1u << (p - 1)); ++keep) {
-    Placement candidate;
-    int64_t begin = current.front().begin;
-    for (int s = 0; s + 1 < p; ++s) {
-      if (keep & (1u << s)) {
-        candidate.push_back({begin, current[s].end});
-        begin = current[s].end;
-      }
-    }
-    candidate.push_back({begin, current.back().end});
+    const Placement candidate = Coarsening(current, keep);
     const size_t q = candidate.size();
     fastest[q] = std::min(fastest[q], Time(problem, candidate));
   }

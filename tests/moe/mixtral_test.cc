@@ -30,6 +30,7 @@
 #include "core/unit.h"
 #include "moe/aux_losses.h"
 #include "moe/moe_layer.h"
+#include "tests/moe/moe_layer_test_util.h"
 #include "tests/moe/moe_test_util.h"
 
 namespace fulcrum::moe {
@@ -42,7 +43,9 @@ using testing::ExpectNear;
 using testing::HandHidden;
 using testing::Longs;
 using testing::MakeOrDie;
+using testing::ParamOf;
 using testing::SetParam;
+using testing::TakeGrads;
 using testing::TinyOptions;
 
 constexpr int64_t kExperts = 4;
@@ -50,12 +53,6 @@ constexpr int64_t kHidden = 8;
 constexpr int64_t kFfn = 6;
 constexpr int64_t kTopK = 2;
 constexpr double kAuxCoeff = 0.02;  // Mixtral's router_aux_loss_coef is 0.001/0.02 in configs
-
-// A unit whose parameters are `dtype` (as TransformerLayer sets from --params_dtype).
-class TypedUnit : public Unit {
- public:
-  TypedUnit(const std::string& name, at::ScalarType dtype) : Unit(name) { set_params_dtype(dtype); }
-};
 
 ModelOptions MixtralModel() {
   ModelOptions m;
@@ -81,34 +78,10 @@ MoeOptions MixtralOptions(const std::string& router = "mixtral") {
   return o;
 }
 
-struct Built {
-  std::unique_ptr<Unit> unit;
-  std::unique_ptr<FeedForward> block;
-};
+using Built = testing::BuiltMoe;
 
 Built Build(const MoeOptions& options, const ModelOptions& model, at::ScalarType dtype) {
-  auto factory = MakeMoeFactory(options, model, MoeGroups());
-  EXPECT_TRUE(factory.ok()) << factory.status();
-  Built b;
-  b.unit = std::make_unique<TypedUnit>("layers.0", dtype);
-  b.block = (*factory)(0, *b.unit, /*initialize=*/true);
-  return b;
-}
-
-at::Tensor& ParamOf(Unit& unit, const std::string& local) {
-  Parameter* p = unit.FindParameter(local);
-  EXPECT_NE(p, nullptr) << local;
-  static at::Tensor none;
-  return p ? p->value : none;
-}
-
-std::map<std::string, at::Tensor> TakeGrads(Unit& unit) {
-  std::map<std::string, at::Tensor> grads;
-  for (Parameter& p : unit.parameters()) {
-    if (p.value.grad().defined()) grads[p.name] = p.value.grad().clone();
-  }
-  unit.ZeroGrad();
-  return grads;
+  return testing::BuildMoe(options, model, /*layer=*/0, dtype);
 }
 
 // max |a − b| / max |b|.

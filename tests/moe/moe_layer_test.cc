@@ -14,6 +14,7 @@
 #include "core/unit.h"
 #include "moe/capacity.h"
 #include "moe/moe_layer.h"
+#include "tests/moe/moe_layer_test_util.h"
 #include "tests/moe/moe_test_util.h"
 
 namespace fulcrum::moe {
@@ -45,25 +46,12 @@ MoeOptions Options(const std::string& router = "topk", double capacity_factor = 
   return o;
 }
 
-struct Built {
-  std::unique_ptr<Unit> unit;
-  std::unique_ptr<FeedForward> block;
-};
+using testing::ParamOf;
+using testing::TakeGrads;
+using Built = testing::BuiltMoe;
 
 Built Build(const MoeOptions& options, int64_t layer = 0) {
-  auto factory = MakeMoeFactory(options, Model(), MoeGroups());
-  EXPECT_TRUE(factory.ok()) << factory.status();
-  Built b;
-  b.unit = std::make_unique<Unit>(absl::StrCat("layers.", layer));
-  b.block = (*factory)(layer, *b.unit, /*initialize=*/true);
-  return b;
-}
-
-at::Tensor& ParamOf(Unit& unit, const std::string& local) {
-  Parameter* p = unit.FindParameter(local);
-  EXPECT_NE(p, nullptr) << local;
-  static at::Tensor none;
-  return p ? p->value : none;
+  return testing::BuildMoe(options, Model(), layer);
 }
 
 // A router like the layer's, computing with the layer's own router weight (the same leaf).
@@ -96,15 +84,6 @@ at::Tensor Reference(Unit& unit, const Routing& routing, const at::Tensor& keep,
     out = out.index_add(0, routing.token.narrow(0, a, 1), (routing.gate[a] * y).unsqueeze(0));
   }
   return out;
-}
-
-std::map<std::string, at::Tensor> TakeGrads(Unit& unit) {
-  std::map<std::string, at::Tensor> grads;
-  for (Parameter& p : unit.parameters()) {
-    if (p.value.grad().defined()) grads[p.name] = p.value.grad().clone();
-  }
-  unit.ZeroGrad();
-  return grads;
 }
 
 TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {

@@ -19,10 +19,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "parallel/communicator_wrapper.h"
+#include "parallel/gloo_communicator.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/rendezvous.h"
 #include "parallel/world.h"
@@ -209,6 +211,36 @@ TEST(WorldCommunicatorTest, ParsesBackendNames) {
   EXPECT_THAT(std::string(ParseBackend("mpi").status().message()),
               HasSubstr("unknown communication backend 'mpi'"));
   EXPECT_STREQ(BackendName(Backend::kNccl), "nccl");
+}
+
+// Both backends refuse the same bad world arguments with the same words, each naming
+// itself, before they touch the store or a device.
+TEST(WorldCommunicatorTest, BadWorldArgumentsAreRefusedNamingTheBackend) {
+  const auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::chrono::milliseconds second(1000);
+  struct Case {
+    c10::intrusive_ptr<c10d::Store> store;
+    int rank, size;
+    std::chrono::milliseconds timeout;
+    std::string message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {c10::intrusive_ptr<c10d::Store>(), 0, 1, second, ": the store is null"},
+           {store, 2, 2, second, ": rank 2 is outside a world of 2 processes"},
+           {store, 0, 0, second, ": rank 0 is outside a world of 0 processes"},
+           {store, -1, 2, second, ": rank -1 is outside a world of 2 processes"},
+           {store, 0, 1, std::chrono::milliseconds(0), ": timeout must be positive, got 0 ms"}}) {
+    SCOPED_TRACE(c.message);
+    auto gloo = CreateGlooCommunicator(c.store, c.rank, c.size, c.timeout);
+    ASSERT_FALSE(gloo.ok());
+    EXPECT_EQ(gloo.status().code(), absl::StatusCode::kInvalidArgument) << gloo.status();
+    EXPECT_EQ(gloo.status().message(), "gloo" + c.message);
+    if (!HaveNccl()) continue;  // Without NCCL in the build: Unimplemented, whatever the arguments.
+    auto nccl = CreateNcclCommunicator(c.store, c.rank, c.size, /*device=*/0, c.timeout);
+    ASSERT_FALSE(nccl.ok());
+    EXPECT_EQ(nccl.status().code(), absl::StatusCode::kInvalidArgument) << nccl.status();
+    EXPECT_EQ(nccl.status().message(), "nccl" + c.message);
+  }
 }
 
 TEST(WorldCommunicatorTest, NcclWithoutGpuIsAClearError) {

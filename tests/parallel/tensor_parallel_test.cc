@@ -18,6 +18,7 @@
 #include "core/transformer_layer.h"
 #include "parallel/tensor_parallel.h"
 #include "parallel/world.h"
+#include "tests/core/test_util.h"
 #include "tests/run_command.h"
 #include "tests/worker_runs.h"
 #include "parallel/world_communicator.h"
@@ -44,22 +45,14 @@ Communicator& World() {
 }
 
 ModelOptions Options() {
-  ModelOptions o;
-  o.num_layers = 2;
-  o.hidden_size = 32;
-  o.num_attention_heads = 4;
-  o.ffn_hidden_size = 64;
-  o.vocab_size = 64;
-  o.seq_length = 8;
+  ModelOptions o = fulcrum::testing::SmallModelOf(2, 8);
   o.seed = 11;
   o.hidden_dropout = 0.1;     // masks are keyed by global head / site, so they must agree
   o.attention_dropout = 0.1;
   return o;
 }
 
-double MaxDiff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using fulcrum::testing::MaxAbsDiff;
 
 // Gradients of a sharded unit against the full unit's: slices for sharded parameters,
 // equality for replicated ones.
@@ -70,7 +63,7 @@ void ExpectShardedGradients(const Unit& sharded, const Unit& full, int rank, int
     const Parameter& f = full.parameters()[i];
     ASSERT_TRUE(s.value.grad().defined()) << s.name;
     const at::Tensor expected = ShardOf(f.value.grad(), s.tp_shard_dim, rank, size);
-    EXPECT_LT(MaxDiff(s.value.grad(), expected), kTolerance) << full.GlobalName(f.name);
+    EXPECT_LT(MaxAbsDiff(s.value.grad(), expected), kTolerance) << full.GlobalName(f.name);
     EXPECT_TRUE(at::equal(s.value, ShardOf(f.value, s.tp_shard_dim, rank, size)))
         << "initial value of " << full.GlobalName(f.name) << " is a slice of the full one";
   }
@@ -94,10 +87,10 @@ TEST(TpWorker, TransformerLayerMatchesSingleProcess) {
     at::Tensor x_sharded = x.clone().requires_grad_(true);
     at::Tensor y_full = full.Forward(x_full, ctx);
     at::Tensor y_sharded = sharded.Forward(x_sharded, ctx);
-    EXPECT_LT(MaxDiff(y_full, y_sharded), kTolerance) << PositionEmbeddingName(pe);
+    EXPECT_LT(MaxAbsDiff(y_full, y_sharded), kTolerance) << PositionEmbeddingName(pe);
     (y_full * upstream).sum().backward();
     (y_sharded * upstream).sum().backward();
-    EXPECT_LT(MaxDiff(x_full.grad(), x_sharded.grad()), kTolerance);
+    EXPECT_LT(MaxAbsDiff(x_full.grad(), x_sharded.grad()), kTolerance);
     ExpectShardedGradients(sharded, full, world.rank(), world.size());
   }
 }
@@ -142,12 +135,12 @@ TEST(TpWorker, VocabParallelCrossEntropyMatchesDense) {
   at::Tensor shard = ShardOf(logits, 1, world.rank(), world.size()).requires_grad_(true);
   at::Tensor expected = at::cross_entropy_loss(dense, targets, {}, at::Reduction::None);
   at::Tensor got = VocabParallelCrossEntropy(shard, targets, world.rank() * (vocab / world.size()), &tp);
-  EXPECT_LT(MaxDiff(expected, got), 1e-5);
+  EXPECT_LT(MaxAbsDiff(expected, got), 1e-5);
   at::Tensor weights = at::arange(tokens, at::kFloat);
   (expected * weights).sum().backward();
   (got * weights).sum().backward();
   // Gradients are weighted by up to 9: fp32 rounding of ~1e-7 relative.
-  EXPECT_LT(MaxDiff(ShardOf(dense.grad(), 1, world.rank(), world.size()), shard.grad()), 1e-5);
+  EXPECT_LT(MaxAbsDiff(ShardOf(dense.grad(), 1, world.rank(), world.size()), shard.grad()), 1e-5);
 }
 
 std::string RunWorkers(int n, int* code) {

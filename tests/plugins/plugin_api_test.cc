@@ -13,6 +13,7 @@
 #include "parallel/world_communicator.h"
 #include "pipeline/pipeline_runner.h"
 #include "plugins/plugin_registry.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum::plugins {
 namespace {
@@ -58,16 +59,7 @@ FULCRUM_REGISTER_PLUGIN(test_one_file, "a plugin defined in a test file",
                                        return std::unique_ptr<Plugin>(new TestPlugin());
                                      }}));
 
-ModelOptions SmallModel() {
-  ModelOptions o;
-  o.num_layers = 4;
-  o.hidden_size = 32;
-  o.num_attention_heads = 4;
-  o.ffn_hidden_size = 64;
-  o.vocab_size = 64;
-  o.seq_length = 8;
-  return o;
-}
+ModelOptions SmallModel() { return testing::SmallModelOf(4, 8); }
 
 std::shared_ptr<PluginSet> Build(const std::string& names) {
   auto selected = SelectPlugins(names);

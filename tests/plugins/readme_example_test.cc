@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "parallel/world_communicator.h"
 #include "plugins/plugin_registry.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum::plugins {
 namespace {
@@ -36,12 +37,7 @@ TEST(ReadmeExampleTest, TheExampleKeepsItsStateInTheLayersAndReportsIt) {
   auto names = SelectPlugins("grad_ema");
   ASSERT_TRUE(names.ok()) << names.status();
   PluginSetup setup;
-  setup.model.num_layers = 3;
-  setup.model.hidden_size = 32;
-  setup.model.num_attention_heads = 4;
-  setup.model.ffn_hidden_size = 64;
-  setup.model.vocab_size = 64;
-  setup.model.seq_length = 8;
+  setup.model = testing::SmallModelOf(3, 8);
   auto set = MakePlugins(*names, setup);
   ASSERT_TRUE(set.ok()) << set.status();
   GptModel model(setup.model, StageSpec(), nullptr, *set);

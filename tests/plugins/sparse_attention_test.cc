@@ -18,6 +18,7 @@
 #include "core/unit.h"
 #include "gtest/gtest.h"
 #include "plugins/plugin_registry.h"
+#include "tests/core/test_util.h"
 
 DECLARE_int64(sparse_attention_buckets);
 DECLARE_int64(sparse_attention_window);
@@ -29,16 +30,7 @@ namespace {
 
 constexpr char kRotations[] = "sparse_attention.rotations";
 
-ModelOptions SmallModel() {
-  ModelOptions o;
-  o.num_layers = 2;
-  o.hidden_size = 32;
-  o.num_attention_heads = 4;  // head_dim 8
-  o.ffn_hidden_size = 64;
-  o.vocab_size = 64;
-  o.seq_length = 64;
-  return o;
-}
+ModelOptions SmallModel() { return testing::SmallModelOf(2, 64); }  // head_dim 8
 
 std::shared_ptr<PluginSet> Build(int64_t buckets, int64_t window, int64_t block,
                                  const ModelOptions& model = SmallModel()) {

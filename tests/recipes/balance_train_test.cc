@@ -25,13 +25,7 @@ const std::string kHeavyFirst =
 
 std::vector<nlohmann::json> Train(const std::string& dir, const std::string& name,
                                   const std::string& flags, std::string* output) {
-  const std::string metrics = dir + "/" + name + ".jsonl";
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(2, kHeavyFirst + " " + flags +
-                                                             " --metrics_file=" + metrics),
-                                output),
-            0)
-      << *output;
-  return testing::MetricsRecords(metrics);
+  return testing::TrainRecords(2, kHeavyFirst + " " + flags, dir + "/" + name + ".jsonl", output);
 }
 
 // Deterministic moves: costs by parameters (known before the first iteration), so both

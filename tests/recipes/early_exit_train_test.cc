@@ -23,58 +23,30 @@ const std::string kCommon =
     std::string(testing::kPastWarmup);
 
 TEST(SlowEarlyExitTrainTest, TokensExitAndEveryLayoutTrainsTheOneProcessLosses) {
-  const std::string dir = testing::MakeTempDir("early_exit_train");
-  std::string output;
-  const std::string ckpt = dir + "/ckpt";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
-                                                             " --save_interval=5 --metrics_file=" +
-                                                             dir + "/one.jsonl"),
-                                &output),
-            0)
-      << output;
-  EXPECT_NE(output.find("avg exit layers"), std::string::npos) << output;
-  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
-  ASSERT_EQ(one.size(), 10u);
+  testing::PluginTrainRuns runs("early_exit", kCommon, 10);
+  ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
+  EXPECT_NE(runs.output().find("avg exit layers"), std::string::npos) << runs.output();
+  const std::vector<nlohmann::json>& one = runs.one();
   const nlohmann::json& last = one.back();
   EXPECT_LT(last["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";
   EXPECT_LT(last["layer_loads"]["layers.3"].get<double>(), 1.0) << "the last layer computed fewer";
   EXPECT_EQ(last["layer_loads"]["layers.0"].get<double>(), 1.0) << "no exit before layer 0";
   EXPECT_TRUE(last.contains("valid_early_exit_avg_layers"));
   EXPECT_LT(last["loss"].get<double>(), one.front()["loss"].get<double>()) << "it learns";
-  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
-           // Layer 1 (an exit) moves to stage 1 in iteration 3 and back in 6.
-           {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
-           {"tp2", " --tensor_model_parallel_size=2"},
-           {"dp2", ""}}) {
-    const std::string metrics = dir + "/" + name + ".jsonl";
-    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, kCommon + layout + " --metrics_file=" + metrics),
-                                  &output),
-              0)
-        << output;
-    const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
-    ASSERT_EQ(records.size(), 10u) << name;
-    const double worst = testing::MaxRelativeDifference(testing::LossesOf(records), testing::LossesOf(one));
-    std::cout << "early_exit " << name << ": max relative loss difference vs one process " << worst
-              << std::endl;
-    EXPECT_LE(worst, testing::kLayoutTolerance) << name;
-    EXPECT_EQ(records.back()["early_exit_tokens"], last["early_exit_tokens"]) << name;
-    if (name == "pp2_migrating") {
-      EXPECT_EQ(records.back()["layers_moved"], 2) << "layer 1 moved there and back";
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectLayoutsTrainTheOneProcessLosses(
+      {// Layer 1 (an exit) moves to stage 1 in iteration 3 and back in 6.
+       {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
+       {"tp2", " --tensor_model_parallel_size=2"},
+       {"dp2", ""}},
+      [&](const std::string& name, const std::vector<nlohmann::json>& records) {
+        EXPECT_EQ(records.back()["early_exit_tokens"], last["early_exit_tokens"]) << name;
+        if (name == "pp2_migrating") {
+          EXPECT_EQ(records.back()["layers_moved"], 2) << "layer 1 moved there and back";
+        }
+      }));
   // A resume from iteration 5 continues the straight run bit for bit (the head copies are
   // refreshed from the loaded head).
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt +
-                                                             "/iter_0000005 --metrics_file=" + dir +
-                                                             "/resumed.jsonl"),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> after = testing::MetricsRecords(dir + "/resumed.jsonl");
-  ASSERT_EQ(after.size(), 5u);
-  for (size_t i = 0; i < after.size(); ++i) {
-    EXPECT_EQ(after[i]["loss"], one[5 + i]["loss"]) << "iteration " << 6 + i;
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectResumeContinuesBitForBit(5));
 }
 
 }  // namespace

@@ -32,19 +32,12 @@ at::Tensor Read(const std::string& checkpoint, const std::string& name) {
 }
 
 TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
-  const std::string dir = testing::MakeTempDir("freeze_train");
-  std::string output;
-  const std::string ckpt = dir + "/ckpt";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + kSchedule + " --save=" + ckpt +
-                                                             " --save_interval=4 --metrics_file=" +
-                                                             dir + "/one.jsonl"),
-                                &output),
-            0)
-      << output;
+  testing::PluginTrainRuns runs("freeze", kCommon + kSchedule, 12);
+  ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/4));
+  const std::string& output = runs.output();
   EXPECT_NE(output.find("freeze: iteration 4: froze layers 0,1"), std::string::npos) << output;
   EXPECT_NE(output.find("freeze: iteration 8: froze layers 2"), std::string::npos) << output;
-  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
-  ASSERT_EQ(one.size(), 12u);
+  const std::vector<nlohmann::json>& one = runs.one();
   for (size_t i = 0; i < one.size(); ++i) {
     const int64_t expected = i + 1 < 4 ? 0 : i + 1 < 8 ? 2 : 3;
     EXPECT_EQ(one[i]["frozen_layers"], expected) << "iteration " << i + 1;
@@ -54,8 +47,8 @@ TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
 
   // Frozen weights, their Adam moments and the frozen embedding lookup stay bit-unchanged;
   // the layer still training changes.
-  const std::string at4 = ckpt + "/iter_0000004", at8 = ckpt + "/iter_0000008",
-                    at12 = ckpt + "/iter_0000012";
+  const std::string at4 = runs.checkpoint(4), at8 = runs.checkpoint(8),
+                    at12 = runs.checkpoint(12);
   for (const std::string name :
        {"layers.0.self_attention.linear_qkv.weight", "layers.1.mlp.linear_fc2.weight",
         "optimizer.layers.1.mlp.linear_fc1.weight.exp_avg", "embedding.position_embeddings.weight"}) {
@@ -71,27 +64,15 @@ TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
       << "layer 3 never froze";
 
   // pp=2 (with a timeline) and dp=2 train the same losses.
-  const std::string timeline = dir + "/t.json";
-  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
-           {"pp2", " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --timeline=" + timeline},
-           {"dp2", ""}}) {
-    const std::string metrics = dir + "/" + name + ".jsonl";
-    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, kCommon + kSchedule + layout +
-                                                               " --metrics_file=" + metrics),
-                                  &output),
-              0)
-        << output;
-    const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
-    ASSERT_EQ(records.size(), 12u);
-    const double worst =
-        testing::MaxRelativeDifference(testing::LossesOf(records), testing::LossesOf(one));
-    std::cout << "freeze " << name << ": max relative loss difference vs one process " << worst
-              << std::endl;
-    EXPECT_LE(worst, testing::kLayoutTolerance) << name;
-    for (size_t i = 0; i < records.size(); ++i) {
-      EXPECT_EQ(records[i]["frozen_layers"], one[i]["frozen_layers"]) << name << " " << i + 1;
-    }
-  }
+  const std::string timeline = runs.dir() + "/t.json";
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectLayoutsTrainTheOneProcessLosses(
+      {{"pp2", " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --timeline=" + timeline},
+       {"dp2", ""}},
+      [&](const std::string& name, const std::vector<nlohmann::json>& records) {
+        for (size_t i = 0; i < records.size(); ++i) {
+          EXPECT_EQ(records[i]["frozen_layers"], one[i]["frozen_layers"]) << name << " " << i + 1;
+        }
+      }));
   // The frozen layers' weight-gradient work is gone from the timeline after their freeze.
   std::ifstream in(timeline);
   ASSERT_TRUE(in.good());
@@ -113,18 +94,9 @@ TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
   EXPECT_GT(w_after, 0) << "W actions of the trainable layers remain";
 
   // A resume after the freezes continues the straight run bit for bit, frozen.
-  const std::string resumed = dir + "/resumed.jsonl";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + kSchedule + " --load=" + at8 +
-                                                             " --metrics_file=" + resumed),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> after = testing::MetricsRecords(resumed);
-  ASSERT_EQ(after.size(), 4u);
-  for (size_t i = 0; i < after.size(); ++i) {
-    EXPECT_EQ(after[i]["loss"], one[8 + i]["loss"]) << "iteration " << 9 + i;
-    EXPECT_EQ(after[i]["frozen_layers"], 3);
-  }
+  std::vector<nlohmann::json> after;
+  ASSERT_NO_FATAL_FAILURE(after = runs.ExpectResumeContinuesBitForBit(8));
+  for (const nlohmann::json& record : after) EXPECT_EQ(record["frozen_layers"], 3);
 }
 
 TEST(SlowFreezeTrainTest, TheGradientRuleFreezesFrontToBackWithinItsMaximum) {
@@ -132,27 +104,21 @@ TEST(SlowFreezeTrainTest, TheGradientRuleFreezesFrontToBackWithinItsMaximum) {
   std::string output;
   // A threshold every layer meets: the first comparison (iteration 4, two intervals of 2)
   // freezes from the front until half the layers are frozen, and nothing more after.
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --freeze_interval=2 "
-                                                             "--freeze_threshold=100 "
-                                                             "--freeze_max_fraction=0.5 "
-                                                             "--metrics_file=" + dir + "/m.jsonl"),
-                                &output),
-            0)
-      << output;
+  std::vector<nlohmann::json> records;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
+      1, kCommon + " --freeze_interval=2 --freeze_threshold=100 --freeze_max_fraction=0.5",
+      dir + "/m.jsonl", &records, &output));
   EXPECT_NE(output.find("freeze: iteration 4: froze layers 0,1 (2 of 4 frozen"), std::string::npos)
       << output;
-  const std::vector<nlohmann::json> records = testing::MetricsRecords(dir + "/m.jsonl");
   ASSERT_EQ(records.size(), 12u);
   EXPECT_EQ(records[2]["frozen_layers"], 0);
   EXPECT_EQ(records.back()["frozen_layers"], 2);
   // A threshold no layer meets freezes nothing.
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --freeze_interval=2 "
-                                                             "--freeze_threshold=0 --metrics_file=" +
-                                                             dir + "/none.jsonl"),
-                                &output),
-            0)
-      << output;
-  EXPECT_EQ(testing::MetricsRecords(dir + "/none.jsonl").back()["frozen_layers"], 0);
+  std::vector<nlohmann::json> none;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
+      1, kCommon + " --freeze_interval=2 --freeze_threshold=0", dir + "/none.jsonl", &none,
+      &output));
+  EXPECT_EQ(none.back()["frozen_layers"], 0);
   // Bad flags are refused before any work, naming the flag.
   EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --freeze_schedule=4:9"), &output), 2);
   EXPECT_NE(output.find("--freeze_schedule: '9' is not a layer"), std::string::npos) << output;

@@ -24,11 +24,7 @@ std::string Common() {
 }
 
 std::vector<nlohmann::json> RunLlama(int n, const std::string& flags, const std::string& metrics) {
-  std::string output;
-  const int code =
-      testing::RunCommand(testing::TrainCommand(n, Common() + " " + flags + " --metrics_file=" + metrics), &output);
-  EXPECT_EQ(code, 0) << output;
-  return testing::MetricsRecords(metrics);
+  return testing::TrainRecords(n, Common() + " " + flags, metrics);
 }
 
 TEST(SlowLlamaTrainTest, LayoutsMatchOneProcess) {

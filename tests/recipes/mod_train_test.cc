@@ -19,53 +19,26 @@ const std::string kCommon =
     "--micro_batch_size=4 --plugins=mod --mod_capacity=0.25" + std::string(testing::kPastWarmup);
 
 TEST(SlowModTrainTest, EveryLayoutTrainsTheOneProcessLosses) {
-  const std::string dir = testing::MakeTempDir("mod_train");
-  const std::string ckpt = dir + "/ckpt";
-  std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
-                                                             " --save_interval=5 --metrics_file=" +
-                                                             dir + "/one.jsonl"),
-                                &output),
-            0)
-      << output;
-  EXPECT_NE(output.find("mod tokens 0.250"), std::string::npos) << output;
-  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
-  ASSERT_EQ(one.size(), 10u);
+  testing::PluginTrainRuns runs("mod", kCommon, 10);
+  ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
+  EXPECT_NE(runs.output().find("mod tokens 0.250"), std::string::npos) << runs.output();
+  const std::vector<nlohmann::json>& one = runs.one();
   // Layers 1 and 3 are routed: 32 of 128 tokens of each of the 4 sequences.
   EXPECT_EQ(one.back()["mod_tokens"], nlohmann::json::parse(R"({"layers.1":[128,512],"layers.3":[128,512]})"));
   EXPECT_DOUBLE_EQ(one.back()["layer_loads"]["layers.1"].get<double>(), 0.25);
   EXPECT_LT(one.back()["loss"].get<double>(), one.front()["loss"].get<double>()) << "it learns";
-  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
-           // Layer 1 (routed) moves to stage 1 in iteration 3 and back in 6.
-           {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
-           {"tp2", " --tensor_model_parallel_size=2"},
-           {"dp2", ""}}) {
-    const std::string metrics = dir + "/" + name + ".jsonl";
-    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, kCommon + layout + " --metrics_file=" + metrics),
-                                  &output),
-              0)
-        << output;
-    const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
-    ASSERT_EQ(records.size(), 10u) << name;
-    const double worst = testing::MaxRelativeDifference(testing::LossesOf(records), testing::LossesOf(one));
-    std::cout << "mod " << name << ": max relative loss difference vs one process " << worst << std::endl;
-    EXPECT_LE(worst, testing::kLayoutTolerance) << name;
-    if (name == "pp2_migrating") {
-      EXPECT_EQ(records.back()["layers_moved"], 2) << "layer 1 moved there and back";
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectLayoutsTrainTheOneProcessLosses(
+      {// Layer 1 (routed) moves to stage 1 in iteration 3 and back in 6.
+       {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
+       {"tp2", " --tensor_model_parallel_size=2"},
+       {"dp2", ""}},
+      [](const std::string& name, const std::vector<nlohmann::json>& records) {
+        if (name == "pp2_migrating") {
+          EXPECT_EQ(records.back()["layers_moved"], 2) << "layer 1 moved there and back";
+        }
+      }));
   // A resume from iteration 5 continues the straight run bit for bit.
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt +
-                                                             "/iter_0000005 --metrics_file=" + dir +
-                                                             "/resumed.jsonl"),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> after = testing::MetricsRecords(dir + "/resumed.jsonl");
-  ASSERT_EQ(after.size(), 5u);
-  for (size_t i = 0; i < after.size(); ++i) {
-    EXPECT_EQ(after[i]["loss"], one[5 + i]["loss"]) << "iteration " << 6 + i;
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectResumeContinuesBitForBit(5));
 }
 
 }  // namespace

@@ -44,12 +44,8 @@ class SlowMoeTrainTest : public ::testing::Test {
   // Runs `layout` on n processes; returns its losses after checking them against `reference`.
   std::vector<double> ExpectMatches(int n, const std::string& layout, const std::string& name,
                                     const std::vector<double>& reference, double tolerance) {
-    std::string output;
-    const std::string metrics = *dir_ + "/" + name + ".jsonl";
-    const int code = testing::RunCommand(
-        testing::TrainCommand(n, Common() + " " + layout + " --metrics_file=" + metrics), &output);
-    EXPECT_EQ(code, 0) << output;
-    std::vector<double> losses = testing::LossesOf(testing::MetricsRecords(metrics));
+    std::vector<double> losses = testing::LossesOf(
+        testing::TrainRecords(n, Common() + " " + layout, *dir_ + "/" + name + ".jsonl"));
     EXPECT_EQ(losses.size(), 20u) << "one metrics line per iteration, from one rank";
     const double worst = testing::MaxRelativeDifference(losses, reference);
     std::cout << name << ": max relative loss difference over 20 iterations: " << worst
@@ -66,14 +62,9 @@ class SlowMoeTrainTest : public ::testing::Test {
                                                        const std::vector<std::string>& fields) {
     std::vector<std::vector<nlohmann::json>> runs;
     for (const std::string& moves : {std::string(), " --rebalance_script='" + script + "'"}) {
-      std::string output;
-      const std::string metrics = *dir_ + "/" + name + (moves.empty() ? "" : "_moved") + ".jsonl";
-      EXPECT_EQ(testing::RunCommand(
-                    testing::TrainCommand(2, Common() + " " + layout + moves + " --metrics_file=" + metrics),
-                    &output),
-                0)
-          << output;
-      runs.push_back(testing::MetricsRecords(metrics));
+      runs.push_back(testing::TrainRecords(
+          2, Common() + " " + layout + moves,
+          *dir_ + "/" + name + (moves.empty() ? "" : "_moved") + ".jsonl"));
       EXPECT_EQ(runs.back().size(), 20u);
     }
     // The moves happened (else "nothing changed" would hold vacuously): the moved run

@@ -103,13 +103,11 @@ const std::vector<Combination>& Combinations() {
 
 std::vector<nlohmann::json> Train(const std::string& dir, const std::string& tag, int n,
                                   const std::string& flags) {
-  const std::string metrics = dir + "/" + tag + ".jsonl";
   std::string output;
-  const int code = testing::RunCommand(
-      testing::TrainCommand(n, flags + " --metrics_file=" + metrics), &output);
-  EXPECT_EQ(code, 0) << output;
+  std::vector<nlohmann::json> records =
+      testing::TrainRecords(n, flags, dir + "/" + tag + ".jsonl", &output);
   EXPECT_NE(output.find("freeze: iteration 3: froze layers 0"), std::string::npos) << output;
-  return testing::MetricsRecords(metrics);
+  return records;
 }
 
 class SlowPluginCombinationTest : public ::testing::TestWithParam<Combination> {};

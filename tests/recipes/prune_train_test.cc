@@ -47,26 +47,17 @@ std::vector<at::Tensor> Zeros(const std::string& checkpoint, int64_t* count, int
 }
 
 TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughResume) {
-  const std::string dir = testing::MakeTempDir("prune_train");
-  const std::string ckpt = dir + "/ckpt";
-  std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
-                                                             " --save_interval=2 --metrics_file=" +
-                                                             dir + "/one.jsonl"),
-                                &output),
-            0)
-      << output;
-  EXPECT_NE(output.find("prune: iteration 6: "), std::string::npos) << output;
-  EXPECT_NE(output.find("prune: iteration 8: "), std::string::npos) << output;
-  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
-  ASSERT_EQ(one.size(), 12u);
+  testing::PluginTrainRuns runs("prune", kCommon, 12);
+  ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/2));
+  EXPECT_NE(runs.output().find("prune: iteration 6: "), std::string::npos) << runs.output();
+  EXPECT_NE(runs.output().find("prune: iteration 8: "), std::string::npos) << runs.output();
+  const std::vector<nlohmann::json>& one = runs.one();
   int64_t previous_zeros = 0;
   std::vector<at::Tensor> previous;
   for (int64_t t = 2; t <= 12; t += 2) {
     int64_t zeros = 0, total = 0;
-    char name[32];
-    std::snprintf(name, sizeof(name), "/iter_%07lld", static_cast<long long>(t));
-    const std::vector<at::Tensor> now = Zeros(ckpt + name, &zeros, &total);
+    const std::vector<at::Tensor> now =
+        Zeros(runs.checkpoint(static_cast<int>(t)), &zeros, &total);
     // Exactly round(S_t · N) of the N prunable weights are zero after step t.
     EXPECT_EQ(zeros, std::llround(Target(t) * total)) << "iteration " << t;
     EXPECT_NEAR(one[t - 1]["sparsity"].get<double>(), static_cast<double>(zeros) / total, 1e-12);
@@ -83,26 +74,15 @@ TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughR
   EXPECT_NEAR(one.back()["layer_loads"]["layers.0"].get<double>(), 0.1, 0.1);
 
   // A resume from iteration 6 (pruned once) continues the straight run bit for bit.
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt + "/iter_0000006" +
-                                                             " --metrics_file=" + dir + "/resumed.jsonl"),
-                                &output),
-            0)
-      << output;
-  const std::vector<nlohmann::json> resumed = testing::MetricsRecords(dir + "/resumed.jsonl");
-  ASSERT_EQ(resumed.size(), 6u);
-  for (size_t i = 0; i < resumed.size(); ++i) {
-    EXPECT_EQ(resumed[i]["loss"], one[6 + i]["loss"]) << "iteration " << 7 + i;
-    EXPECT_EQ(resumed[i]["sparsity"], one[6 + i]["sparsity"]) << "iteration " << 7 + i;
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectResumeContinuesBitForBit(6, {"sparsity"}));
 
   // Sparse products train what the dense products of the masked weights train.
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --prune_sparse_compute=false"
-                                                             " --metrics_file=" + dir + "/dense.jsonl"),
-                                &output),
-            0)
-      << output;
-  const double worst = testing::MaxRelativeDifference(
-      testing::LossesOf(testing::MetricsRecords(dir + "/dense.jsonl")), testing::LossesOf(one));
+  std::string output;
+  std::vector<nlohmann::json> dense;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(1, kCommon + " --prune_sparse_compute=false",
+                                                  runs.dir() + "/dense.jsonl", &dense, &output));
+  const double worst =
+      testing::MaxRelativeDifference(testing::LossesOf(dense), testing::LossesOf(one));
   std::cout << "prune: sparse vs dense products, max relative loss difference " << worst << std::endl;
   EXPECT_LE(worst, testing::kLayoutTolerance);
 }
@@ -114,15 +94,10 @@ TEST(SlowPruneTrainTest, APrunedLayerThatMigratesKeepsItsMasksAndTheLosses) {
   const std::string dir = testing::MakeTempDir("prune_migrate");
   const std::string pp2 = kCommon + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
   std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, pp2 + " --metrics_file=" + dir + "/still.jsonl"), &output), 0)
-      << output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, pp2 + " --rebalance_script='7:1->1;9:2,2' --metrics_file=" +
-                                                             dir + "/moved.jsonl"),
-                                &output),
-            0)
-      << output;
-  const auto still = testing::MetricsRecords(dir + "/still.jsonl");
-  const auto moved = testing::MetricsRecords(dir + "/moved.jsonl");
+  std::vector<nlohmann::json> still, moved;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(2, pp2, dir + "/still.jsonl", &still, &output));
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(2, pp2 + " --rebalance_script='7:1->1;9:2,2'",
+                                                  dir + "/moved.jsonl", &moved, &output));
   ASSERT_EQ(still.size(), 12u);
   ASSERT_EQ(moved.size(), 12u);
   // The moves happened (a record shows the placement after its iteration's moves).
@@ -146,16 +121,11 @@ TEST(SlowPruneTrainTest, TheGlobalThresholdUnderTensorAndPipelineParallelismIsEx
       "--micro_batch_size=4 --plugins=prune --prune_start_iter=0 --prune_end_iter=0 "
       "--prune_final_sparsity=0.7";
   std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, flags + " --metrics_file=" + dir + "/one.jsonl"), &output), 0)
-      << output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(4, flags + " --tensor_model_parallel_size=2 "
-                                                             "--pipeline_model_parallel_size=2 "
-                                                             "--metrics_file=" + dir + "/four.jsonl"),
-                                &output),
-            0)
-      << output;
-  const auto one = testing::MetricsRecords(dir + "/one.jsonl");
-  const auto four = testing::MetricsRecords(dir + "/four.jsonl");
+  std::vector<nlohmann::json> one, four;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(1, flags, dir + "/one.jsonl", &one, &output));
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
+      4, flags + " --tensor_model_parallel_size=2 --pipeline_model_parallel_size=2",
+      dir + "/four.jsonl", &four, &output));
   ASSERT_EQ(one.size(), 3u);
   ASSERT_EQ(four.size(), 3u);
   ASSERT_TRUE(one[0].contains("prune_threshold")) << one[0].dump();

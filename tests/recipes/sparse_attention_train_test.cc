@@ -20,18 +20,10 @@ const std::string kCommon =
     "--sparse_attention_block=16";  // inside the warm-up: train_runs.h
 
 TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLosses) {
-  const std::string dir = testing::MakeTempDir("sparse_attention_train");
-  std::string output;
-  const std::string ckpt = dir + "/ckpt";
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --save=" + ckpt +
-                                                             " --save_interval=5 --metrics_file=" +
-                                                             dir + "/one.jsonl"),
-                                &output),
-            0)
-      << output;
-  EXPECT_NE(output.find("attn density"), std::string::npos) << output;
-  const std::vector<nlohmann::json> one = testing::MetricsRecords(dir + "/one.jsonl");
-  ASSERT_EQ(one.size(), 10u);
+  testing::PluginTrainRuns runs("sparse_attention", kCommon, 10);
+  ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
+  EXPECT_NE(runs.output().find("attn density"), std::string::npos) << runs.output();
+  const std::vector<nlohmann::json>& one = runs.one();
   for (const nlohmann::json& r : one) {
     ASSERT_TRUE(r.contains("sparse_attention_blocks")) << r.dump();
     ASSERT_TRUE(r.contains("layer_loads")) << r.dump();
@@ -42,46 +34,22 @@ TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLo
     // 4 buckets compute well under half the dense scores (s = 128, blocks of 16).
     EXPECT_LT(r["sparse_attention_density"].get<double>(), 0.5);
   }
-  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
-           {"pp2", " --pipeline_model_parallel_size=2"},
-           // Layer 1 moves to stage 1 in iteration 3, layer 2 back to stage 0 in iteration 6.
-           {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
-           {"tp2", " --tensor_model_parallel_size=2"}}) {
-    const std::string metrics = dir + "/" + name + ".jsonl";
-    ASSERT_EQ(
-        testing::RunCommand(
-            testing::TrainCommand(2, kCommon + layout + " --metrics_file=" + metrics), &output),
-        0)
-        << output;
-    const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
-    ASSERT_EQ(records.size(), 10u) << name;
-    const double worst =
-        testing::MaxRelativeDifference(testing::LossesOf(records), testing::LossesOf(one));
-    std::cout << "sparse_attention " << name << ": max relative loss difference vs one process "
-              << worst << std::endl;
-    EXPECT_LE(worst, testing::kLayoutTolerance) << name;
-    for (size_t i = 0; i < records.size(); ++i) {
-      EXPECT_EQ(records[i]["sparse_attention_blocks"], one[i]["sparse_attention_blocks"])
-          << name << " iteration " << i + 1;
-    }
-    if (name == "pp2_migrating") {
-      EXPECT_GT(records.back().value("layers_moved", int64_t{0}), 0) << "layers really moved";
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectLayoutsTrainTheOneProcessLosses(
+      {{"pp2", " --pipeline_model_parallel_size=2"},
+       // Layer 1 moves to stage 1 in iteration 3, layer 2 back to stage 0 in iteration 6.
+       {"pp2_migrating", " --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'"},
+       {"tp2", " --tensor_model_parallel_size=2"}},
+      [&](const std::string& name, const std::vector<nlohmann::json>& records) {
+        for (size_t i = 0; i < records.size(); ++i) {
+          EXPECT_EQ(records[i]["sparse_attention_blocks"], one[i]["sparse_attention_blocks"])
+              << name << " iteration " << i + 1;
+        }
+        if (name == "pp2_migrating") {
+          EXPECT_GT(records.back().value("layers_moved", int64_t{0}), 0) << "layers really moved";
+        }
+      }));
   // A resume from iteration 5 continues the straight run bit for bit.
-  const std::string resumed = dir + "/resumed.jsonl";
-  ASSERT_EQ(
-      testing::RunCommand(testing::TrainCommand(1, kCommon + " --load=" + ckpt +
-                                                       "/iter_0000005 --metrics_file=" + resumed),
-                          &output),
-      0)
-      << output;
-  const std::vector<nlohmann::json> after = testing::MetricsRecords(resumed);
-  ASSERT_EQ(after.size(), 5u);
-  for (size_t i = 0; i < after.size(); ++i) {
-    EXPECT_EQ(after[i]["loss"], one[5 + i]["loss"]) << "iteration " << 6 + i;
-    EXPECT_EQ(after[i]["sparse_attention_blocks"], one[5 + i]["sparse_attention_blocks"]);
-  }
+  ASSERT_NO_FATAL_FAILURE(runs.ExpectResumeContinuesBitForBit(5, {"sparse_attention_blocks"}));
 }
 
 }  // namespace

@@ -1,16 +1,26 @@
-// Running fulcrum_train from tests: the command line for n processes, and reading back the
-// metrics file it wrote. Shared by the layout-equivalence tests of tests/recipes.
+// Running fulcrum_train from tests: the command line for n processes, reading back the
+// metrics file it wrote, and the one-process / other-layouts / resume pattern of the
+// plugins' train tests (PluginTrainRuns). Shared by the layout-equivalence tests of
+// tests/recipes.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
+#include <functional>
+#include <iostream>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"  // MakeTempDir
+#include "tests/run_command.h"
 
 namespace fulcrum::testing {
 
@@ -110,5 +120,131 @@ inline std::vector<int64_t> LayersMovedOf(const std::vector<nlohmann::json>& rec
   for (const auto& r : records) out.push_back(r.value("layers_moved", int64_t{-1}));
   return out;
 }
+
+/// Runs `fulcrum_train FLAGS --metrics_file=METRICS` on `n` processes and returns the
+/// metrics records. A non-zero exit fails the test (not fatally; the message holds the
+/// output); `output`, when given, receives what the run printed.
+inline std::vector<nlohmann::json> TrainRecords(int n, const std::string& flags,
+                                                const std::string& metrics,
+                                                std::string* output = nullptr) {
+  std::string printed;
+  EXPECT_EQ(RunCommand(TrainCommand(n, flags + " --metrics_file=" + metrics), &printed), 0)
+      << printed;
+  if (output != nullptr) *output = std::move(printed);
+  return MetricsRecords(metrics);
+}
+
+/// As TrainRecords, but a failed run is a fatal failure (call it under
+/// ASSERT_NO_FATAL_FAILURE); the records go to `records`.
+inline void RunTrainOrFail(int n, const std::string& flags, const std::string& metrics,
+                           std::vector<nlohmann::json>* records, std::string* output) {
+  ASSERT_EQ(RunCommand(TrainCommand(n, flags + " --metrics_file=" + metrics), output), 0)
+      << *output;
+  *records = MetricsRecords(metrics);
+}
+
+/// One layout a plugin's train test holds to the one-process run: its name (of the metrics
+/// file, in messages) and the flags it adds to the test's common flags.
+struct TrainLayout {
+  std::string name;
+  std::string flags;
+};
+
+// NOTE [plugin train runs]
+// Every plugin's train test (tests/recipes/*_train_test.cc) proves its plugin the same way:
+// one process trains, saving checkpoints; other layouts on two processes train the same
+// losses (within kLayoutTolerance); a resume from a checkpoint continues the straight run
+// bit for bit. PluginTrainRuns runs those three steps and asserts what they have in common;
+// the test asserts what its plugin does (that a freeze froze, a prune pruned, ...) through
+// the records and the output it hands back. A run that fails or logs the wrong number of
+// iterations is a fatal failure inside the helper: call the steps under
+// ASSERT_NO_FATAL_FAILURE so that the test stops there too.
+class PluginTrainRuns {
+ public:
+  /// Layout check: the layout's name and its records.
+  using LayoutCheck =
+      std::function<void(const std::string& name, const std::vector<nlohmann::json>& records)>;
+
+  /// `plugin` names the temp dir (PLUGIN_train) and the printed differences; `common` holds
+  /// the flags every run shares, with --train_iters=`iterations`.
+  PluginTrainRuns(std::string plugin, std::string common, size_t iterations)
+      : plugin_(std::move(plugin)),
+        common_(std::move(common)),
+        iterations_(iterations),
+        dir_(MakeTempDir(plugin_ + "_train")) {}
+
+  /// Trains in one process, saving a checkpoint every `save_interval` iterations; fatal
+  /// unless it exits 0 and logs one record per iteration. Then one() and output() hold them.
+  void RunOneProcess(int save_interval) {
+    const std::string save =
+        " --save=" + checkpoints() + " --save_interval=" + std::to_string(save_interval);
+    ASSERT_NO_FATAL_FAILURE(
+        RunTrainOrFail(1, common_ + save, dir_ + "/one.jsonl", &one_, &output_));
+    ASSERT_EQ(one_.size(), iterations_);
+  }
+
+  /// Trains each layout on two processes: fatal unless it exits 0 and logs one record per
+  /// iteration; its losses must be within kLayoutTolerance (relative) of the one-process
+  /// run's. Then `check`, if any, asserts the plugin's own agreement.
+  void ExpectLayoutsTrainTheOneProcessLosses(const std::vector<TrainLayout>& layouts,
+                                             const LayoutCheck& check = nullptr) {
+    for (const TrainLayout& layout : layouts) {
+      std::vector<nlohmann::json> records;
+      ASSERT_NO_FATAL_FAILURE(RunTrainOrFail(2, common_ + layout.flags,
+                                             dir_ + "/" + layout.name + ".jsonl", &records,
+                                             &output_));
+      ASSERT_EQ(records.size(), iterations_) << layout.name;
+      const double worst = MaxRelativeDifference(LossesOf(records), LossesOf(one_));
+      std::cout << plugin_ << " " << layout.name
+                << ": max relative loss difference vs one process " << worst << std::endl;
+      EXPECT_LE(worst, kLayoutTolerance) << layout.name;
+      if (check) check(layout.name, records);
+    }
+  }
+
+  /// Resumes in one process from the checkpoint of iteration `from`: fatal unless it logs
+  /// the remaining iterations; each one's loss and `fields` must equal the straight run's
+  /// bit for bit. Returns the resumed records.
+  std::vector<nlohmann::json> ExpectResumeContinuesBitForBit(
+      int from, const std::vector<std::string>& fields = {}) {
+    std::vector<nlohmann::json> after;
+    RunResume(from, fields, &after);
+    return after;
+  }
+
+  const std::vector<nlohmann::json>& one() const { return one_; }
+  /// What the last run printed.
+  const std::string& output() const { return output_; }
+  const std::string& dir() const { return dir_; }
+  /// Where the one-process run saves, and its checkpoint of `iteration`.
+  std::string checkpoints() const { return dir_ + "/ckpt"; }
+  std::string checkpoint(int iteration) const {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/iter_%07d", iteration);
+    return checkpoints() + name;
+  }
+
+ private:
+  void RunResume(int from, const std::vector<std::string>& fields,
+                 std::vector<nlohmann::json>* after) {
+    ASSERT_NO_FATAL_FAILURE(RunTrainOrFail(1, common_ + " --load=" + checkpoint(from),
+                                           dir_ + "/resumed.jsonl", after, &output_));
+    ASSERT_EQ(after->size(), iterations_ - from);
+    for (size_t i = 0; i < after->size(); ++i) {
+      EXPECT_EQ((*after)[i]["loss"], one_[from + i]["loss"]) << "iteration " << from + i + 1;
+      for (const std::string& field : fields) {
+        EXPECT_EQ((*after)[i][field], one_[from + i][field])
+            << field << ", iteration " << from + i + 1;
+      }
+    }
+  }
+
+  std::string plugin_;
+  std::string common_;
+  size_t iterations_;
+  std::string dir_;
+  std::vector<nlohmann::json> one_;
+  std::string output_;
+};
 
 }  // namespace fulcrum::testing

@@ -462,19 +462,30 @@ TEST(HfExportTest, ShardsAboveMaxShardSizeWithAnIndexThatReimports) {
   ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("back"), tmp.Join("again")).ok());
 }
 
+// Writes the GPT-2 Hugging Face directory into tmp/hf and imports it into tmp/imported;
+// returns the imported checkpoint's tensors and its config.model.
+void ImportGpt2(const ScopedTempDir& tmp, std::vector<std::pair<std::string, at::Tensor>>* state,
+                nlohmann::json* model) {
+  WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
+  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("imported")).ok());
+  auto imported = CheckpointReader::Open(tmp.Join("imported"));
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  for (const std::string& name : imported->names()) {
+    state->emplace_back(name, *imported->Read(name));
+  }
+  *model = imported->manifest()["config"]["model"];
+}
+
 TEST(HfExportTest, TrainedGpt2StyleCheckpointExportsWithPlainGelu) {
   // A checkpoint as fulcrum_train writes it before the model gained RMSNorm/SwiGLU fields:
   // its config.model lacks them, and their defaults are the GPT-2 model.
   ScopedTempDir tmp;
-  WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("imported")).ok());
-  auto imported = CheckpointReader::Open(tmp.Join("imported"));
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const std::string& name : imported->names()) state.emplace_back(name, *imported->Read(name));
+  nlohmann::json model;
+  ASSERT_NO_FATAL_FAILURE(ImportGpt2(tmp, &state, &model));
   state.emplace_back("optimizer.embedding.step", at::tensor(int64_t{5}));
   state.emplace_back("optimizer.embedding.word_embeddings.weight.exp_avg", at::zeros({kV, kH}));
   state.emplace_back("rng.torch_cpu", at::zeros({8}, at::kByte));
-  nlohmann::json model = imported->manifest()["config"]["model"];
   for (const char* field : {"normalization", "swiglu", "num_query_groups", "add_bias_linear",
                             "openai_gelu"}) {
     model.erase(field);
@@ -492,12 +503,9 @@ TEST(HfExportTest, TrainedGpt2StyleCheckpointExportsWithPlainGelu) {
 
 TEST(HfExportTest, ModelWithNoHfArchitectureIsRefusedNamingTheReason) {
   ScopedTempDir tmp;
-  WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("imported")).ok());
-  auto imported = CheckpointReader::Open(tmp.Join("imported"));
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const std::string& name : imported->names()) state.emplace_back(name, *imported->Read(name));
-  nlohmann::json model = imported->manifest()["config"]["model"];
+  nlohmann::json model;
+  ASSERT_NO_FATAL_FAILURE(ImportGpt2(tmp, &state, &model));
   model["position_embedding_type"] = "rope";  // LayerNorm + rope: neither GPT-2 nor Llama.
   auto writer = CheckpointWriter::Begin(fs(), tmp.Join("odd"), 1);
   ASSERT_TRUE(writer->WriteShard("rank_00000", state).ok());

@@ -70,6 +70,11 @@ class ProcessGroupContext final : public ParallelContext {
   bool writes_checkpoint_shard() const override;
   bool commits_checkpoint() const override { return world_->rank() == 0; }
   std::string checkpoint_shard_name() const override;
+  void AllReduceSum(GroupRole role, at::Tensor& tensor) override;
+  Communicator* communicator(GroupRole role) override { return &group(KindOf(role)); }
+
+  /// The group kind that plays `role` (NOTE [plugin doors] in core/parallel_context.h).
+  static GroupKind KindOf(GroupRole role);
 
  private:
   ProcessGroupContext(std::unique_ptr<Communicator> world, const ParallelConfig& config);

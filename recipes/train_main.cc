@@ -160,14 +160,6 @@ int Run(int argc, char** argv) {
   if (absl::Status s = fulcrum::plugins::ValidatePlugins(*plugin_names, plugin_setup); !s.ok()) {
     return Fail(s);
   }
-  if (layout->ep > 1 &&
-      std::find(plugin_names->begin(), plugin_names->end(), "moe") == plugin_names->end()) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--expert_model_parallel_size=", layout->ep, " needs MoE layers (--num_experts)")));
-  }
-  if (absl::Status s = fulcrum::CheckLiveRepackPlugins(*repack, *plugin_names); !s.ok()) {
-    return Fail(s);
-  }
   fulcrum::SetLogRank(world->world_size > 1 ? world->rank : -1, world->world_size);
 
   // An unwritable --save would be found only at the first save, after the work it was
@@ -240,10 +232,7 @@ int Run(int argc, char** argv) {
                       << fulcrum::DescribeComputeThreads(*requested_threads);
   }
 
-  // The plugins' blocks (MoE layers) build communication groups: collective, so every
-  // rank builds them here, before the model.
   plugin_setup.model = config->model;
-  plugin_setup.groups = parallel.get();
   plugin_setup.corpus = data->corpus;
   plugin_setup.data = config->data;
   auto plugins = fulcrum::plugins::MakePlugins(*plugin_names, plugin_setup);
@@ -253,6 +242,8 @@ int Run(int argc, char** argv) {
     FULCRUM_LOG(INFO) << "plugins: " << (*plugins)->Names();
   }
   if (layout->pp > 1 && fulcrum::InitialPartitionByParamsFlag()) {
+    // The layer shells measured below are built for the layout (the experts this rank holds).
+    if (absl::Status s = (*plugins)->OnLayout(parallel.get()); !s.ok()) return Fail(s);
     auto placement = fulcrum::ParameterBalancedPlacement(config->model, plugins->get(),
                                                          parallel->tensor_parallel(), layout->pp);
     if (!placement.ok()) return Fail(placement.status());

@@ -199,7 +199,9 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
         return absl::InternalError(absl::StrCat("shrink: rank ", me, " should hold ", t.unit,
                                                 " but does not"));
       }
-      state = unit->StateTensors();
+      // What a layer migration moves (shards as they are, NOTE [live shrink]); gradients
+      // are undefined between iterations, so none travel.
+      state = unit->MigrationTensors();
     }
     if (t.src == me && t.dst == me) {
       for (auto& [name, tensor] : state) received[name] = tensor.clone();
@@ -210,15 +212,19 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
     }
   }
   if (new_model == nullptr) return absl::OkStatus();
-  auto lookup = [&received](const std::string& name) -> absl::StatusOr<at::Tensor> {
-    auto it = received.find(name);
-    if (it == received.end()) {
-      return absl::NotFoundError(absl::StrCat("shrink: no tensor ", name, " arrived"));
-    }
-    return it->second;
-  };
   for (Unit* unit : new_model->Units()) {
-    if (absl::Status s = unit->LoadStateTensors(lookup, /*with_optimizer=*/true); !s.ok()) {
+    // A mirror (the tied output weight on a last stage of its own) is not state of its
+    // own: it takes its source's value and moments, which came with the embedding.
+    for (const Parameter& p : unit->parameters()) {
+      if (p.mirror_of.empty()) continue;
+      const std::string name = unit->GlobalName(p.name);
+      for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
+        const std::string prefix = *suffix == '\0' ? "" : "optimizer.";
+        auto source = received.find(prefix + p.mirror_of + suffix);
+        if (source != received.end()) received[prefix + name + suffix] = source->second;
+      }
+    }
+    if (absl::Status s = unit->LoadMigrationTensors(received); !s.ok()) {
       return absl::DataLossError(absl::StrCat("shrink: loading ", unit->name(), ": ", s.message()));
     }
   }

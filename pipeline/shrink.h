@@ -13,10 +13,11 @@
 //     ncclCommSplit) and build every group of the smaller layout from it; the released
 //     ranks take no part in that.
 //  3. Every rank then takes part in ExchangeState: a survivor builds the model of its new
-//     stage and fills every unit from its old owner — values, Adam moments, step and
-//     plugin buffers, exactly the state a checkpoint holds (invariant 4), so the units load
-//     it as they would load a checkpoint, bit for bit. Transfers run one by one in a global
-//     order every rank computes alike, so blocking sends and receives cannot deadlock.
+//     stage and fills every unit from its old owner with what a layer migration moves
+//     (Unit::MigrationTensors: values, Adam moments, step, plugin buffers and the MLP
+//     blocks' step state; tensor-parallel shards as they are), bit for bit; a tied output
+//     weight's mirror takes the embedding's. Transfers run one by one in a global order
+//     every rank computes alike, so blocking sends and receives cannot deadlock.
 //     Before building that model the Trainer hands the plugins the new layout
 //     (Plugin::OnLayout), so the rebuilt layers use only the new groups (the MoE layers'
 //     expert exchange, early exit's head copy).

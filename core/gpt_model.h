@@ -125,6 +125,10 @@ class GptModel {
   bool carries_token_state() const {
     return customizer_ != nullptr && customizer_->CarriesTokenState();
   }
+  /// The token state before any layer set it (LayerCustomizer::InitialTokenState).
+  double initial_token_state() const {
+    return customizer_ != nullptr ? customizer_->InitialTokenState() : 0.0;
+  }
 
   /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;

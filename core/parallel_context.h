@@ -19,6 +19,10 @@
 #include "core/tensor_parallel.h"
 #include "core/unit.h"
 
+namespace fulcrum::parallel {
+class Communicator;  // Opaque here: NOTE [plugin doors].
+}  // namespace fulcrum::parallel
+
 namespace fulcrum {
 
 /// One iteration's micro-batches of this data-parallel rank.
@@ -96,6 +100,32 @@ class ParallelContext {
                                                                      int64_t end) = 0;
   /// Waits for every rank of the job.
   virtual void Barrier() = 0;
+
+  // ---- Doors for plugins ---------------------------------------------------------------
+  // NOTE [plugin doors]
+  // Plugins (plugins/) reach the parallel layout only through this interface: they never
+  // include parallel/, and they learn the layout through Plugin::OnLayout (core/plugin.h),
+  // which the Trainer calls again whenever the layout changes (a live shrink), so nothing a
+  // plugin holds outlives the groups it came from.
+  //  - A sum over a group is AllReduceSum with the group's role: enough for every plugin
+  //    that only agrees on values (early exit's head copies).
+  //  - A library below the plugins that speaks to a group itself (moe/: the experts'
+  //    all-to-all, built by the MoE plugin) gets the group's communicator as an opaque
+  //    parallel::Communicator*, forward-declared above. core/ never dereferences it and keeps
+  //    no dependency on parallel/'s headers; only code that already links parallel/ (moe/)
+  //    uses it. The alternative, a core interface mirroring the communicator (all-to-all
+  //    with uneven splits, sub-groups for the hierarchical exchange, non-blocking handles),
+  //    would duplicate parallel/'s whole API for one user.
+  // The pointers are valid until the next OnLayout; a plugin must not keep them longer.
+
+  /// The groups a plugin may address. kExpertData: the ranks holding the same experts.
+  enum class GroupRole { kTensor, kPipeline, kData, kExpert, kExpertData, kModel };
+  /// Sums `tensor` (contiguous, on the model's device) over this rank's group of `role`, in
+  /// place; identity on a group of one. Collective over that group.
+  virtual void AllReduceSum(GroupRole role, at::Tensor& tensor) = 0;
+  /// This rank's communicator of group `role`, for libraries that communicate themselves
+  /// (NOTE [plugin doors]). Never null; valid until the layout changes.
+  virtual parallel::Communicator* communicator(GroupRole role) = 0;
 };
 
 }  // namespace fulcrum

@@ -81,6 +81,10 @@ void PluginSet::EditLayer(TransformerLayer& layer, bool initialize) {
   for (const auto& plugin : plugins_) plugin->EditLayer(layer, initialize);
 }
 
+absl::Status PluginSet::OnLayout(ParallelContext* parallel) {
+  return ForEach(plugins_, "on the parallel layout", [&](Plugin& p) { return p.OnLayout(parallel); });
+}
+
 absl::Status PluginSet::BeforeIteration(PluginContext& ctx) {
   return ForEach(plugins_, "before the iteration", [&](Plugin& p) { return p.BeforeIteration(ctx); });
 }
@@ -120,6 +124,13 @@ bool PluginSet::CarriesTokenState() const {
     if (plugin->CarriesTokenState()) return true;
   }
   return false;
+}
+
+double PluginSet::InitialTokenState() const {
+  for (const auto& plugin : plugins_) {
+    if (plugin->CarriesTokenState()) return plugin->InitialTokenState();
+  }
+  return 0.0;
 }
 
 std::vector<std::pair<std::string, std::string>> PluginSet::CheckpointShape() const {

@@ -16,7 +16,10 @@
 //    complete and reduced over data parallelism, before clipping — and AfterOptimizerStep),
 //    deciding over the whole distributed model through the PluginContext, and tell the
 //    balancer that the model changed (PluginContext::ModelChanged);
-//  - add fields to the metrics file and the log line.
+//  - add fields to the metrics file and the log line;
+//  - take part in the parallel layout through the ParallelContext it is given in OnLayout
+//    (sums over a group, the communicators a library below it needs: NOTE [plugin doors] in
+//    core/parallel_context.h) — never through parallel/ itself.
 //
 // NOTE [plugin order]
 // Plugins run in the order --plugins names them, every hook in that order on every rank, so
@@ -86,6 +89,10 @@ class LayerCustomizer {
   /// Whether the layers set ForwardContext::token_state (NOTE [carried token state]): then
   /// the pipeline sends it beside each activation.
   virtual bool CarriesTokenState() const { return false; }
+  /// What every token's state is before any layer set it (early exit: −1, "still active"):
+  /// a stage whose layers left ForwardContext::token_state undefined sends this value.
+  /// Asked only when CarriesTokenState().
+  virtual double InitialTokenState() const { return 0.0; }
 };
 
 /// A LayerCustomizer that only replaces MLPs, from a FeedForwardFactory (core/feed_forward.h).
@@ -153,6 +160,13 @@ class Plugin : public LayerCustomizer {
  public:
   /// Its registered name (--plugins).
   virtual const char* name() const = 0;
+  /// The parallel layout the next model is built under (null: one process). The Trainer
+  /// calls it before it builds any model — in Trainer::Create and again in ChangeLayout, after
+  /// a live shrink replaced every process group — so a plugin builds whatever depends on the
+  /// groups (the MoE layers' expert exchange) here, and drops what it built for the old
+  /// layout: the layers built afterwards must use only the new groups. Collective: every rank
+  /// calls it, in plugin order. Until it is called a plugin assumes one process.
+  virtual absl::Status OnLayout(ParallelContext* parallel) { return absl::OkStatus(); }
   /// Before the iteration's forward passes.
   virtual absl::Status BeforeIteration(PluginContext& ctx) { return absl::OkStatus(); }
   /// After the backward passes and the data-parallel reduction: the gradients are complete
@@ -203,6 +217,7 @@ class PluginSet final : public LayerCustomizer {
 
   /// Each hook of every plugin, in order; the first error stops and is returned, naming
   /// the plugin.
+  absl::Status OnLayout(ParallelContext* parallel);
   absl::Status BeforeIteration(PluginContext& ctx);
   absl::Status AfterBackward(PluginContext& ctx);
   absl::Status AfterOptimizerStep(PluginContext& ctx);
@@ -211,6 +226,8 @@ class PluginSet final : public LayerCustomizer {
   /// Whether any plugin's layers read labels / set the token state.
   bool NeedsLabels() const override;
   bool CarriesTokenState() const override;
+  /// The initial token state of the first plugin that carries one (0 when none does).
+  double InitialTokenState() const override;
   /// Every plugin's AfterEvaluation, in order.
   absl::Status AfterEvaluation(PluginContext& ctx, nlohmann::json* record, std::string* log_line);
   /// Every plugin's CheckpointShape, concatenated.

@@ -188,6 +188,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
     FULCRUM_ASSIGN_OR_RETURN(trainer->tensorboard_,
                              TensorBoardWriter::Open(fs, config.train.tensorboard_dir));
   }
+  // The plugins learn the layout before any layer is built (NOTE [plugin doors]).
+  FULCRUM_RETURN_IF_ERROR(trainer->plugins_->OnLayout(parallel));
   trainer->model_ = std::make_unique<GptModel>(
       config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
       parallel ? parallel->tensor_parallel() : nullptr, trainer->plugins_);
@@ -635,6 +637,9 @@ absl::Status Trainer::ChangeLayout(
         "ChangeLayout needs a parallel context with the same data-parallel size");
   }
   FULCRUM_RETURN_IF_ERROR(ValidateLayout(layout));
+  // The new layers must use the new groups only: the plugins rebuild what they built on the
+  // old ones (the old model keeps its own until it goes, after `fill`).
+  FULCRUM_RETURN_IF_ERROR(plugins_->OnLayout(parallel));
   auto model = std::make_unique<GptModel>(config_.model, parallel->Stage(config_.model.num_layers),
                                           parallel->tensor_parallel(), plugins_);
   FULCRUM_RETURN_IF_ERROR(fill(*model_, *model));

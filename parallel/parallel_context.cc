@@ -98,6 +98,23 @@ void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   }
 }
 
+GroupKind ProcessGroupContext::KindOf(GroupRole role) {
+  switch (role) {
+    case GroupRole::kTensor: return GroupKind::kTensor;
+    case GroupRole::kPipeline: return GroupKind::kPipeline;
+    case GroupRole::kData: return GroupKind::kData;
+    case GroupRole::kExpert: return GroupKind::kExpert;
+    case GroupRole::kExpertData: return GroupKind::kExpertData;
+    case GroupRole::kModel: return GroupKind::kModel;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown group role ", static_cast<int>(role));
+}
+
+void ProcessGroupContext::AllReduceSum(GroupRole role, at::Tensor& tensor) {
+  Communicator& comm = group(KindOf(role));
+  if (comm.size() > 1) comm.AllReduce(tensor, ReduceOp::kSum);
+}
+
 void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {
   SumDoubles(group(GroupKind::kData), values);
 }

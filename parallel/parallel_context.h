@@ -54,6 +54,11 @@ class ProcessGroupContext final : public ParallelContext {
   std::vector<std::string> GatherOverPipeline(const std::string& mine) override;
   std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;
   void Barrier() override { world_->Barrier(); }
+  void AllReduceSum(GroupRole role, at::Tensor& tensor) override;
+  Communicator* communicator(GroupRole role) override { return &group(KindOf(role)); }
+
+  /// The group kind that plays `role` (NOTE [plugin doors] in core/parallel_context.h).
+  static GroupKind KindOf(GroupRole role);
 
  private:
   ProcessGroupContext(std::unique_ptr<Communicator> world, const ParallelConfig& config);

@@ -15,13 +15,6 @@
 namespace fulcrum::pipeline {
 namespace {
 
-// One unit's state going from old world rank `src` to old world rank `dst`.
-struct Transfer {
-  int src = 0;
-  int dst = 0;
-  std::string unit;  // "embedding", "layers.<i>", "head".
-};
-
 // Tags of the three messages of one transfer; transfers run one at a time, so one set.
 constexpr int kHeaderTag = 7 << 20;
 constexpr int kNamesTag = kHeaderTag + 1;
@@ -32,32 +25,6 @@ int OwnerStage(const LayerRanges& ranges, int64_t layer) {
     if (layer >= ranges[s].first && layer < ranges[s].second) return static_cast<int>(s);
   }
   return -1;
-}
-
-// Every transfer of the shrink, in the order every rank runs them: replica by replica, new
-// stage by new stage, units in global order (NOTE [live shrink] step 3).
-std::vector<Transfer> Transfers(const ShrinkPlan& plan) {
-  const parallel::ParallelConfig& c = plan.old_config;
-  const std::vector<int> survivors = SurvivingStages(plan);
-  const int q = plan.new_stages();
-  const int p = plan.old_stages();
-  std::vector<Transfer> out;
-  for (int d = 0; d < c.dp(); ++d) {
-    for (int j = 0; j < q; ++j) {
-      const int dst = c.Rank(0, d, survivors[j]);
-      auto add = [&](int src_stage, std::string unit) {
-        out.push_back({c.Rank(0, d, src_stage), dst, std::move(unit)});
-      };
-      // The embedding: on the first stage, and on the last as the source of the tied output
-      // weight's mirror (a head on a stage of its own mirrors the word embeddings).
-      if (j == 0 || (j == q - 1 && q > 1 && plan.tie_embeddings)) add(0, "embedding");
-      for (int64_t l = plan.new_ranges[j].first; l < plan.new_ranges[j].second; ++l) {
-        add(OwnerStage(plan.old_ranges, l), absl::StrCat("layers.", l));
-      }
-      if (j == q - 1) add(p - 1, "head");
-    }
-  }
-  return out;
 }
 
 const Unit* FindUnit(const GptModel& model, const std::string& name) {
@@ -138,12 +105,6 @@ absl::Status Receive(parallel::Communicator& world, int src,
 absl::Status ValidateShrinkPlan(const ShrinkPlan& plan) {
   const parallel::ParallelConfig& c = plan.old_config;
   FULCRUM_RETURN_IF_ERROR(c.Validate());
-  if (c.tp != 1 || c.ep != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a live shrink moves whole units between the ranks of one replica; it needs "
-        "--tensor_model_parallel_size=1 and --expert_model_parallel_size=1, not tp=",
-        c.tp, " ep=", c.ep, " (re-pack through a checkpoint instead)"));
-  }
   if (plan.old_stages() != c.pp) {
     return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(),
                                                    " old ranges for pp=", c.pp));
@@ -197,12 +158,39 @@ int NewRank(const ShrinkPlan& plan, int rank) {
   return it != survivors.end() && *it == rank ? static_cast<int>(it - survivors.begin()) : -1;
 }
 
+std::vector<ShrinkTransfer> ShrinkTransfers(const ShrinkPlan& plan) {
+  const parallel::ParallelConfig& c = plan.old_config;
+  const std::vector<int> survivors = SurvivingStages(plan);
+  const int q = plan.new_stages();
+  const int p = plan.old_stages();
+  std::vector<ShrinkTransfer> out;
+  for (int d = 0; d < c.dp(); ++d) {
+    for (int t = 0; t < c.tp; ++t) {
+      // Shards move between ranks of the same (t, d) only: NOTE [live shrink].
+      for (int j = 0; j < q; ++j) {
+        const int dst = c.Rank(t, d, survivors[j]);
+        auto add = [&](int src_stage, std::string unit) {
+          out.push_back({c.Rank(t, d, src_stage), dst, std::move(unit)});
+        };
+        // The embedding: on the first stage, and on the last as the source of the tied
+        // output weight's mirror (a head on a stage of its own mirrors the word embeddings).
+        if (j == 0 || (j == q - 1 && q > 1 && plan.tie_embeddings)) add(0, "embedding");
+        for (int64_t l = plan.new_ranges[j].first; l < plan.new_ranges[j].second; ++l) {
+          add(OwnerStage(plan.old_ranges, l), absl::StrCat("layers.", l));
+        }
+        if (j == q - 1) add(p - 1, "head");
+      }
+    }
+  }
+  return out;
+}
+
 absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan,
                            const GptModel& old_model, GptModel* new_model) {
   FULCRUM_RETURN_IF_ERROR(ValidateShrinkPlan(plan));
   const int me = world.rank();
   std::map<std::string, at::Tensor> received;
-  for (const Transfer& t : Transfers(plan)) {
+  for (const ShrinkTransfer& t : ShrinkTransfers(plan)) {
     if (t.src != me && t.dst != me) continue;
     NamedTensors state;
     if (t.src == me) {
@@ -211,7 +199,9 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
         return absl::InternalError(absl::StrCat("shrink: rank ", me, " should hold ", t.unit,
                                                 " but does not"));
       }
-      state = unit->StateTensors();
+      // What a layer migration moves (shards as they are, NOTE [live shrink]); gradients
+      // are undefined between iterations, so none travel.
+      state = unit->MigrationTensors();
     }
     if (t.src == me && t.dst == me) {
       for (auto& [name, tensor] : state) received[name] = tensor.clone();
@@ -222,15 +212,19 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
     }
   }
   if (new_model == nullptr) return absl::OkStatus();
-  auto lookup = [&received](const std::string& name) -> absl::StatusOr<at::Tensor> {
-    auto it = received.find(name);
-    if (it == received.end()) {
-      return absl::NotFoundError(absl::StrCat("shrink: no tensor ", name, " arrived"));
-    }
-    return it->second;
-  };
   for (Unit* unit : new_model->Units()) {
-    if (absl::Status s = unit->LoadStateTensors(lookup, /*with_optimizer=*/true); !s.ok()) {
+    // A mirror (the tied output weight on a last stage of its own) is not state of its
+    // own: it takes its source's value and moments, which came with the embedding.
+    for (const Parameter& p : unit->parameters()) {
+      if (p.mirror_of.empty()) continue;
+      const std::string name = unit->GlobalName(p.name);
+      for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
+        const std::string prefix = *suffix == '\0' ? "" : "optimizer.";
+        auto source = received.find(prefix + p.mirror_of + suffix);
+        if (source != received.end()) received[prefix + name + suffix] = source->second;
+      }
+    }
+    if (absl::Status s = unit->LoadMigrationTensors(received); !s.ok()) {
       return absl::DataLossError(absl::StrCat("shrink: loading ", unit->name(), ": ", s.message()));
     }
   }

@@ -13,17 +13,26 @@
 //     ncclCommSplit) and build every group of the smaller layout from it; the released
 //     ranks take no part in that.
 //  3. Every rank then takes part in ExchangeState: a survivor builds the model of its new
-//     stage and fills every unit from its old owner — values, Adam moments, step and
-//     plugin buffers, exactly the state a checkpoint holds (invariant 4), so the units load
-//     it as they would load a checkpoint, bit for bit. Transfers run one by one in a global
-//     order every rank computes alike, so blocking sends and receives cannot deadlock.
+//     stage and fills every unit from its old owner with what a layer migration moves
+//     (Unit::MigrationTensors: values, Adam moments, step, plugin buffers and the MLP
+//     blocks' step state; tensor-parallel shards as they are), bit for bit; a tied output
+//     weight's mirror takes the embedding's. Transfers run one by one in a global order
+//     every rank computes alike, so blocking sends and receives cannot deadlock.
+//     Before building that model the Trainer hands the plugins the new layout
+//     (Plugin::OnLayout), so the rebuilt layers use only the new groups (the MoE layers'
+//     expert exchange, early exit's head copy).
 //  4. Released ranks leave: their old groups are destroyed and they exit 0.
-// Only tensor-parallel size 1 and no expert parallelism: a unit moves whole between two
-// ranks of the same replica.
+// Any tensor- and expert-parallel size: only pp changes, so a rank's tensor-parallel rank
+// t and data-parallel rank d (which holds its expert-parallel rank: dp = edp * ep + ep,
+// parallel/parallel_config.h) mean the same shard before and after. A unit's shard moves
+// from the old owner stage's rank with coordinates (t, d) to the survivor stage's rank with
+// the same (t, d), so every shard — each tensor-parallel slice, each expert-parallel rank's
+// experts — keeps its shape and its state.
 //
 // Not thread-safe; ExchangeState is collective over the old world.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,7 +55,7 @@ struct ShrinkPlan {
   int new_stages() const { return static_cast<int>(new_ranges.size()); }
 };
 
-/// OK when `plan` can be carried out live: tp = 1 and ep = 1, old_ranges a placement over
+/// OK when `plan` can be carried out live: old_config valid, old_ranges a placement over
 /// old_config.pp stages, new_ranges a coarsening of it with fewer stages. InvalidArgument
 /// naming what is wrong otherwise.
 absl::Status ValidateShrinkPlan(const ShrinkPlan& plan);
@@ -65,6 +74,19 @@ std::vector<int> SurvivingRanks(const ShrinkPlan& plan);
 
 /// Old world rank `rank`'s rank after the shrink, or -1 when it is released.
 int NewRank(const ShrinkPlan& plan, int rank);
+
+/// One unit's state going from old world rank `src` to old world rank `dst` (the same
+/// tensor- and data-parallel coordinates; NOTE [live shrink]).
+struct ShrinkTransfer {
+  int src = 0;
+  int dst = 0;
+  std::string unit;  ///< "embedding", "layers.<i>", "head".
+};
+
+/// Every transfer of the shrink, in the order every rank runs them: replica by replica,
+/// tensor-parallel rank by tensor-parallel rank, new stage by new stage, units in global
+/// order (NOTE [live shrink] step 3).
+std::vector<ShrinkTransfer> ShrinkTransfers(const ShrinkPlan& plan);
 
 /// Moves every unit's state to its owner after the shrink (NOTE [live shrink] step 3):
 /// `old_model` is what this rank held before (the old stage), `new_model` the model of its

@@ -213,7 +213,8 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
   } else if (carry) {
     const at::Tensor carried = ctx.token_state.defined()
                                    ? ctx.token_state
-                                   : at::full({hidden.size(0), hidden.size(1)}, -1.0, at::kFloat);
+                                   : at::full({hidden.size(0), hidden.size(1)},
+                                             model.initial_token_state(), at::kFloat);
     run.transport.SendActivation(
         at::cat({hidden.detach(), carried.to(hidden.scalar_type()).unsqueeze(-1)}, 2), mb);
     if (run.training) state->output = hidden;

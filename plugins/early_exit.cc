@@ -54,10 +54,10 @@
 #include "absl/strings/str_split.h"
 #include "core/aux_loss.h"
 #include "core/gpt_model.h"
+#include "core/parallel_context.h"
 #include "core/status.h"
 #include "core/tensor_parallel.h"
 #include "core/transformer_layer.h"
-#include "parallel/parallel_context.h"
 #include "plugins/plugin_registry.h"
 
 DEFINE_string(early_exit_layers, "",
@@ -78,6 +78,8 @@ namespace fulcrum::plugins {
 namespace {
 
 constexpr char kAttachment[] = "early_exit";
+// A token's carried state while it has not exited (NOTE [early exit state]).
+constexpr double kActive = -1.0;
 
 struct EarlyExitOptions {
   std::vector<int64_t> layers;   // ascending
@@ -159,11 +161,22 @@ struct ExitLayer {
 struct Shared {
   EarlyExitOptions options;
   ModelOptions model;
+  // The layout of the last OnLayout (null: one process) and its tensor-parallel group.
+  ParallelContext* parallel = nullptr;
   TensorParallelGroup* tp = nullptr;
-  parallel::ProcessGroupContext* groups = nullptr;  // null: one process
-  std::unique_ptr<Head> head;                        // the copy
+  std::unique_ptr<Head> head;  // the copy, sharded over `tp`; built on first use (HeadCopy)
   bool synced = false;
 };
+
+// The rank's copy of the head for the current layout, built when first needed: its own
+// output weight whether or not the model ties it (NOTE [early exit heads]).
+Head& HeadCopy(Shared& shared) {
+  if (shared.head == nullptr) {
+    shared.head = std::make_unique<Head>(shared.model, shared.tp,
+                                         /*mirror_word_embeddings=*/shared.model.tie_embeddings);
+  }
+  return *shared.head;
+}
 
 // Each sequence's active positions in ascending order, padded with inactive positions to
 // the longest: index [k, b] and which entries are real, valid [k, b].
@@ -232,7 +245,7 @@ at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer&
   const bool with_loss = ctx.labels.defined();
   const bool need_logits = with_loss || shared.options.softmax;
   at::Tensor logits;
-  if (need_logits) logits = shared.head->Logits(x, at::Tensor());  // [k, b, V/tp]
+  if (need_logits) logits = HeadCopy(shared).Logits(x, at::Tensor());  // [k, b, V/tp]
   if (with_loss) {
     const int64_t vocab_start =
         (shared.tp ? shared.tp->rank() : 0) * (shared.model.vocab_size / (shared.tp ? shared.tp->size() : 1));
@@ -256,7 +269,7 @@ at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer&
     }
     const at::Tensor exits = valid & confidence.ge(shared.options.threshold);  // [k, b]
     at::Tensor next = exit_state.defined() ? exit_state.clone()
-                                           : at::full({s, b}, -1.0, at::kFloat);
+                                           : at::full({s, b}, kActive, at::kFloat);
     // Scatter the exits back to their positions (pads are never exits).
     const at::Tensor here = at::zeros({s, b}, at::kBool).scatter(0, index, exits);
     next.masked_fill_(here, static_cast<double>(state.index));
@@ -272,6 +285,18 @@ class EarlyExitPlugin final : public Plugin {
   const char* name() const override { return "early_exit"; }
   bool NeedsLabels() const override { return true; }
   bool CarriesTokenState() const override { return true; }
+  double InitialTokenState() const override { return kActive; }
+
+  // The head copy is sharded over the tensor-parallel group and summed over the pipeline
+  // and data groups of the layout: a new layout (a live shrink) gets a new copy, filled from
+  // the real head by the AfterLoad that follows (NOTE [early exit heads]).
+  absl::Status OnLayout(ParallelContext* parallel) override {
+    shared_->parallel = parallel;
+    shared_->tp = parallel != nullptr ? parallel->tensor_parallel() : nullptr;
+    shared_->head.reset();
+    shared_->synced = false;
+    return absl::OkStatus();
+  }
 
   void EditLayer(TransformerLayer& layer, bool initialize) override {
     auto state = std::make_shared<ExitLayer>();
@@ -399,7 +424,7 @@ class EarlyExitPlugin final : public Plugin {
   }
 
   Parameter& CopyOf(const std::string& name) {
-    Parameter* p = shared_->head->FindParameter(name);
+    Parameter* p = HeadCopy(*shared_).FindParameter(name);
     TORCH_INTERNAL_ASSERT(p != nullptr, "early_exit: the head copy lacks ", name);
     return *p;
   }
@@ -409,7 +434,7 @@ class EarlyExitPlugin final : public Plugin {
     at::NoGradGuard no_grad;
     const auto owners = Owners(ctx.model());
     const bool last = ctx.model().head() != nullptr;
-    for (Parameter& p : shared_->head->parameters()) {
+    for (Parameter& p : HeadCopy(*shared_).parameters()) {
       at::Tensor value = at::zeros_like(p.value);
       for (const auto& [name, tensor] : owners) {
         // On the last stage; with pp == 1 and a tied weight the embedding is the owner.
@@ -418,8 +443,8 @@ class EarlyExitPlugin final : public Plugin {
           break;
         }
       }
-      if (shared_->groups != nullptr) {
-        shared_->groups->group(parallel::GroupKind::kPipeline).AllReduce(value);
+      if (shared_->parallel != nullptr) {
+        shared_->parallel->AllReduceSum(ParallelContext::GroupRole::kPipeline, value);
       }
       p.value.copy_(value);
     }
@@ -430,11 +455,11 @@ class EarlyExitPlugin final : public Plugin {
   void ReturnHeadGradients(PluginContext& ctx) {
     at::NoGradGuard no_grad;
     const auto owners = Owners(ctx.model());
-    for (Parameter& p : shared_->head->parameters()) {
+    for (Parameter& p : HeadCopy(*shared_).parameters()) {
       at::Tensor grad = p.value.grad().defined() ? p.value.grad() : at::zeros_like(p.value);
-      if (shared_->groups != nullptr) {
-        shared_->groups->group(parallel::GroupKind::kPipeline).AllReduce(grad);
-        shared_->groups->group(parallel::GroupKind::kData).AllReduce(grad);
+      if (shared_->parallel != nullptr) {
+        shared_->parallel->AllReduceSum(ParallelContext::GroupRole::kPipeline, grad);
+        shared_->parallel->AllReduceSum(ParallelContext::GroupRole::kData, grad);
       }
       for (const auto& [name, tensor] : owners) {
         if (name != p.name) continue;
@@ -458,11 +483,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
   auto shared = std::make_shared<Shared>();
   FULCRUM_ASSIGN_OR_RETURN(shared->options, OptionsFromFlags(setup.model));
   shared->model = setup.model;
-  shared->groups = setup.groups;
-  shared->tp = setup.groups != nullptr ? setup.groups->tensor_parallel() : nullptr;
-  // Its own output weight whether or not the model ties it (NOTE [early exit heads]).
-  shared->head = std::make_unique<Head>(setup.model, shared->tp,
-                                        /*mirror_word_embeddings=*/setup.model.tie_embeddings);
+  // One process until OnLayout says otherwise.
   return std::unique_ptr<Plugin>(new EarlyExitPlugin(std::move(shared)));
 }
 

@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
+#include "core/parallel_context.h"
 #include "moe/moe_layer.h"
-#include "parallel/parallel_context.h"
 #include "plugins/plugin_registry.h"
 
 DEFINE_int64(num_experts, 0, "Experts per MoE layer; 0 = a dense model.");
@@ -102,19 +102,44 @@ absl::StatusOr<moe::MoeOptions> MoeOptionsFromFlags(const ModelOptions& model) {
   return o;
 }
 
+// The MoE layers' factory is built for the current layout in OnLayout: its expert exchange
+// lives on the expert-parallel group, which a live shrink replaces (NOTE [plugin doors] in
+// core/parallel_context.h). Layers built earlier keep the exchange they were built with.
 class MoePlugin final : public Plugin {
  public:
-  MoePlugin(FeedForwardFactory factory, std::vector<std::pair<std::string, std::string>> shape)
-      : factory_(std::move(factory)), shape_(std::move(shape)) {}
+  MoePlugin(moe::MoeOptions options, ModelOptions model,
+            std::vector<std::pair<std::string, std::string>> shape)
+      : options_(std::move(options)), model_(std::move(model)), shape_(std::move(shape)) {}
   const char* name() const override { return "moe"; }
+
+  absl::Status OnLayout(ParallelContext* parallel) override {
+    // Building the exchange is collective over the expert group: every rank is here.
+    moe::MoeGroups groups;
+    if (parallel != nullptr) {
+      groups.expert = parallel->communicator(ParallelContext::GroupRole::kExpert);
+      groups.data = parallel->communicator(ParallelContext::GroupRole::kData);
+      groups.tensor = parallel->tensor_parallel();
+    }
+    FULCRUM_ASSIGN_OR_RETURN(factory_, moe::MakeMoeFactory(options_, model_, groups));
+    return absl::OkStatus();
+  }
+
   std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) override {
+    if (!factory_) {
+      // No OnLayout yet: one process (Plugin::OnLayout's contract), e.g. a model built
+      // without a Trainer.
+      absl::Status s = OnLayout(nullptr);
+      TORCH_CHECK(s.ok(), "moe: ", s.ToString());
+    }
     return factory_(layer, unit, initialize);
   }
   std::vector<std::pair<std::string, std::string>> CheckpointShape() const override { return shape_; }
 
  private:
-  FeedForwardFactory factory_;
+  moe::MoeOptions options_;
+  ModelOptions model_;
   std::vector<std::pair<std::string, std::string>> shape_;
+  FeedForwardFactory factory_;  // For the layout of the last OnLayout.
 };
 
 absl::Status Validate(const PluginSetup& setup) {
@@ -141,17 +166,8 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
                              data::GptDataset::Create(setup.corpus, data::Split::kTrain, setup.data));
     options.assignment_cache_positions = train_split->num_tokens();
   }
-  // The experts' all-to-all groups; building them is collective, so every rank is here.
-  moe::MoeGroups groups;
-  if (setup.groups != nullptr) {
-    groups.expert = &setup.groups->group(parallel::GroupKind::kExpert);
-    groups.data = &setup.groups->group(parallel::GroupKind::kData);
-    groups.tensor = setup.groups->tensor_parallel();
-  }
-  FULCRUM_ASSIGN_OR_RETURN(FeedForwardFactory factory,
-                           moe::MakeMoeFactory(options, setup.model, groups));
   return std::unique_ptr<Plugin>(
-      new MoePlugin(std::move(factory), moe::MoeShape(options, setup.model)));
+      new MoePlugin(options, setup.model, moe::MoeShape(options, setup.model)));
 }
 
 }  // namespace
@@ -159,6 +175,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
 FULCRUM_REGISTER_PLUGIN(
     moe, "Mixture-of-Experts layers replace the MLP of every --moe_layer_freq-th layer (also "
          "selected by --num_experts > 0); load: the rows their experts computed",
-    (PluginEntry{[] { return FLAGS_num_experts > 0; }, Validate, Create}));
+    (PluginEntry{[] { return FLAGS_num_experts > 0; }, Validate, Create,
+                 /*uses_expert_parallel_group=*/true}));
 
 }  // namespace fulcrum::plugins

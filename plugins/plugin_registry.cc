@@ -60,10 +60,19 @@ absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selec
 }
 
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup) {
+  bool expert_parallel_used = false;
   for (const std::string& name : names) {
     const auto* entry = PluginRegistry::Global().Find(name);
     if (entry == nullptr) return absl::InvalidArgumentError(absl::StrCat("no plugin '", name, "'"));
     if (entry->value.validate) FULCRUM_RETURN_IF_ERROR(entry->value.validate(setup));
+    expert_parallel_used = expert_parallel_used || entry->value.uses_expert_parallel_group;
+  }
+  if (setup.layout.ep > 1 && !expert_parallel_used) {
+    // The layers that share out experts come from a plugin; --num_experts selects the
+    // registered one by itself.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--expert_model_parallel_size=", setup.layout.ep,
+        " needs MoE layers (--num_experts): no selected plugin uses the expert-parallel group"));
   }
   return absl::OkStatus();
 }

@@ -28,18 +28,14 @@
 #include "core/registry.h"
 #include "parallel/parallel_config.h"
 
-namespace fulcrum::parallel {
-class ProcessGroupContext;
-}  // namespace fulcrum::parallel
-
 namespace fulcrum::plugins {
 
-/// What a plugin is checked against and built from.
+/// What a plugin is checked against and built from. It carries no process groups: a plugin
+/// learns them, and learns them again after every change of layout, in Plugin::OnLayout
+/// (NOTE [plugin doors] in core/parallel_context.h).
 struct PluginSetup {
   ModelOptions model;               // The model (the padded vocabulary known).
-  parallel::ParallelConfig layout;  // tp, pp, ep and the world size.
-  /// The job's groups; null for one process, and while checking (before any work).
-  parallel::ProcessGroupContext* groups = nullptr;
+  parallel::ParallelConfig layout;  // tp, pp, ep and the world size (the starting layout).
   /// The training corpus and how samples are cut from it; null while checking.
   std::shared_ptr<const data::IndexedDataset> corpus;
   data::GptDatasetOptions data;
@@ -53,9 +49,12 @@ struct PluginEntry {
   /// Checks the plugin's flags against the model and the layout, before any work (no
   /// groups, no corpus yet). May be empty.
   std::function<absl::Status(const PluginSetup&)> validate;
-  /// Builds the plugin from its flags. Collective when it builds groups: every rank calls
-  /// it, in the same order.
+  /// Builds the plugin from its flags. Not collective: what depends on the groups is built
+  /// in Plugin::OnLayout.
   std::function<absl::StatusOr<std::unique_ptr<Plugin>>(const PluginSetup&)> create;
+  /// Whether the plugin's layers use the expert-parallel group (MoE layers share out their
+  /// experts over it): --expert_model_parallel_size > 1 needs a selected plugin that does.
+  bool uses_expert_parallel_group = false;
 };
 
 using PluginRegistry = Registry<PluginEntry>;
@@ -71,7 +70,9 @@ absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list);
 /// the fix.
 absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selected);
 
-/// Runs every selected plugin's check (PluginEntry::validate), in order.
+/// Runs every selected plugin's check (PluginEntry::validate), in order, then refuses an
+/// expert-parallel layout (setup.layout.ep > 1) that no selected plugin uses
+/// (PluginEntry::uses_expert_parallel_group).
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup);
 
 /// Builds the selected plugins, in order (NOTE [plugin order] in core/plugin.h).

@@ -34,7 +34,7 @@ DEFINE_string(repack_script, "",
 DEFINE_bool(repack_via_checkpoint, false,
             "Re-pack through a checkpoint instead of live: save, exit with code 75, and "
             "fulcrum_launch relaunches fewer ranks with the smaller "
-            "--pipeline_model_parallel_size, resuming from --save (any tp/ep; new process groups "
+            "--pipeline_model_parallel_size, resuming from --save (new process groups "
             "and a fresh allocation for free).");
 DEFINE_string(on_release_command, "",
               "Shell command (sh -c) a rank released by a live shrink runs before it exits 0, "
@@ -102,12 +102,6 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
       }
     }
     t.script = std::move(*script);
-  }
-  if (!FLAGS_repack_via_checkpoint && (layout.tp != 1 || layout.ep != 1)) {
-    return Invalid(absl::StrCat(
-        "a live shrink moves whole layers between the ranks of one replica; it needs "
-        "--tensor_model_parallel_size=1 and --expert_model_parallel_size=1, not ",
-        layout.tp, " and ", layout.ep, "; add --repack_via_checkpoint"));
   }
   if (FLAGS_repack_via_checkpoint && !FLAGS_on_release_command.empty()) {
     return Invalid("--on_release_command runs on ranks released by a live shrink; with "
@@ -177,19 +171,6 @@ absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig&
     return absl::InternalError(absl::StrCat("cannot write the relaunch request ", path));
   }
   return flags;
-}
-
-absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
-                                    const std::vector<std::string>& plugin_names) {
-  if (!settings.enabled || settings.via_checkpoint) return absl::OkStatus();
-  for (const std::string& name : plugin_names) {
-    if (name == "moe" || name == "early_exit") {
-      return Invalid(absl::StrCat("the ", name, " plugin keeps the process groups it was built "
-                                  "with, which a live shrink replaces; re-pack with "
-                                  "--repack_via_checkpoint"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(

@@ -32,8 +32,9 @@ struct RepackSettings {
 /// The re-packing flags, validated against the layout and the training settings before any
 /// work: --repack off|auto; a script's steps within the run; a pipeline (pp > 1) with
 /// stages to spare; --save for --repack_via_checkpoint; no --rebalance_script (its
-/// placements are for the first stage count); live (the default) needs tp = 1 and ep = 1.
-/// `resumed_iteration` is the iteration of the --load checkpoint (nullopt: a fresh run).
+/// placements are for the first stage count). Live (the default) works for any tp and ep
+/// and every plugin (NOTE [live shrink] in pipeline/shrink.h). `resumed_iteration` is the
+/// iteration of the --load checkpoint (nullopt: a fresh run).
 /// A script step onto at least the current stage count, or any re-packing at pp = 1, is an
 /// error unless the checkpoint is past it: then it is a step the run that saved it already
 /// took (a relaunch with the same flags, NOTE [relaunch protocol]).
@@ -48,11 +49,6 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
 absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig& layout,
                                                  int num_stages, const std::string& save_dir,
                                                  const std::string& reason);
-
-/// InvalidArgument when a live shrink meets a plugin that keeps the process groups it was
-/// built with (moe, early_exit): those need --repack_via_checkpoint.
-absl::Status CheckLiveRepackPlugins(const RepackSettings& settings,
-                                    const std::vector<std::string>& plugin_names);
 
 /// Builds the pipeline runner of a new layout for the trainer (null: the trainer's own
 /// loop); whoever supplies the factory owns the runner and keeps it alive for the trainer.

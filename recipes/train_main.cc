@@ -155,12 +155,6 @@ absl::Status CheckBeforeWork(Checked& c) {
   c.plugin_setup.model = c.early.model;
   c.plugin_setup.layout = c.layout;
   FULCRUM_RETURN_IF_ERROR(fulcrum::plugins::ValidatePlugins(c.plugin_names, c.plugin_setup));
-  if (c.layout.ep > 1 &&
-      std::find(c.plugin_names.begin(), c.plugin_names.end(), "moe") == c.plugin_names.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--expert_model_parallel_size=", c.layout.ep, " needs MoE layers (--num_experts)"));
-  }
-  FULCRUM_RETURN_IF_ERROR(fulcrum::CheckLiveRepackPlugins(c.repack, c.plugin_names));
   fulcrum::SetLogRank(c.world.world_size > 1 ? c.world.rank : -1, c.world.world_size);
 
   // An unwritable --save would be found only at the first save, after the work it was
@@ -200,15 +194,13 @@ fulcrum::ElasticOptions ElasticOptionsOf(const Checked& c, const fulcrum::Traine
   return options;
 }
 
-// Builds the plugins (their blocks, MoE layers, build communication groups: collective, so
-// every rank builds them here, before the model) and, with --pipeline_initial_partition=
-// params, the placement training starts with.
+// Builds the plugins (they learn the layout from the trainer, NOTE [plugin doors]) and, with
+// --pipeline_initial_partition=params, the placement training starts with.
 absl::StatusOr<std::shared_ptr<fulcrum::PluginSet>> BuildPlugins(
     Checked& c, const fulcrum::TrainData& data, fulcrum::TrainerConfig& config,
     fulcrum::ElasticController& controller) {
   fulcrum::parallel::ProcessGroupContext* parallel = controller.context();
   c.plugin_setup.model = config.model;
-  c.plugin_setup.groups = parallel;
   c.plugin_setup.corpus = data.corpus;
   c.plugin_setup.data = config.data;
   FULCRUM_ASSIGN_OR_RETURN(std::shared_ptr<fulcrum::PluginSet> plugins,
@@ -217,6 +209,8 @@ absl::StatusOr<std::shared_ptr<fulcrum::PluginSet>> BuildPlugins(
   const bool logging = controller.roles().is_logging_rank;
   if (logging && !plugins->empty()) FULCRUM_LOG(INFO) << "plugins: " << plugins->Names();
   if (c.layout.pp > 1 && fulcrum::InitialPartitionByParamsFlag()) {
+    // The layer shells measured below are built for the layout (the experts this rank holds).
+    FULCRUM_RETURN_IF_ERROR(plugins->OnLayout(parallel));
     FULCRUM_ASSIGN_OR_RETURN(auto placement, fulcrum::ParameterBalancedPlacement(
                                                  config.model, plugins.get(),
                                                  parallel->tensor_parallel(), c.layout.pp));

@@ -5,8 +5,12 @@
 // hooks' order are checked too.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+
+#include "core/file_system.h"
 #include "core/gpt_model.h"
 #include "core/plugin.h"
+#include "core/trainer.h"
 #include "core/transformer_layer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -149,6 +153,63 @@ TEST(PluginApiTest, SelectionRefusesUnknownAndRepeatedNames) {
   auto names = SelectPlugins(" test_one_file ");
   ASSERT_TRUE(names.ok());
   EXPECT_EQ(*names, std::vector<std::string>{"test_one_file"});
+}
+
+// A plugin whose layers would use the expert-parallel group (PluginEntry::
+// uses_expert_parallel_group), as the MoE layers do.
+FULCRUM_REGISTER_PLUGIN(test_expert_user, "a test plugin that uses the expert-parallel group",
+                        (PluginEntry{nullptr, nullptr,
+                                     [](const PluginSetup&) -> absl::StatusOr<std::unique_ptr<Plugin>> {
+                                       return std::unique_ptr<Plugin>(new TestPlugin());
+                                     },
+                                     /*uses_expert_parallel_group=*/true}));
+
+// --expert_model_parallel_size > 1 needs a selected plugin that uses the expert group; the
+// check names no plugin, only the capability (and the flags a user reaches for).
+TEST(PluginApiTest, AnExpertParallelLayoutNeedsAPluginThatUsesTheExpertGroup) {
+  PluginSetup setup;
+  setup.model = SmallModel();
+  setup.layout.world_size = 2;
+  setup.layout.ep = 2;
+  const absl::Status refused = ValidatePlugins({"test_one_file"}, setup);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr("--expert_model_parallel_size=2 needs MoE layers (--num_experts)"));
+  EXPECT_TRUE(ValidatePlugins({"test_one_file", "test_expert_user"}, setup).ok());
+  setup.layout.ep = 1;
+  EXPECT_TRUE(ValidatePlugins({"test_one_file"}, setup).ok());
+}
+
+// The Trainer hands the plugins the layout (Plugin::OnLayout) before it builds any layer,
+// so what a plugin builds on the process groups is ready for the first layer.
+TEST(PluginApiTest, TheTrainerGivesThePluginsTheLayoutBeforeBuildingLayers) {
+  class LayoutFirst final : public Plugin {
+   public:
+    explicit LayoutFirst(std::vector<std::string>* log) : log_(log) {}
+    const char* name() const override { return "layout_first"; }
+    absl::Status OnLayout(ParallelContext* parallel) override {
+      log_->push_back(parallel == nullptr ? "layout: one process" : "layout: parallel");
+      return absl::OkStatus();
+    }
+    std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit&, bool) override {
+      log_->push_back(absl::StrCat("layer ", layer));
+      return nullptr;
+    }
+
+   private:
+    std::vector<std::string>* log_;
+  };
+  std::vector<std::string> log;
+  auto set = std::make_shared<PluginSet>();
+  set->Add(std::make_unique<LayoutFirst>(&log));
+  const TrainerConfig config = testing::SmallTrainerConfig();
+  auto trainer = Trainer::Create(config, testing::SyntheticCorpus(20, 100, config.model.vocab_size),
+                                 nullptr, DefaultFileSystem(), set);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  ASSERT_GE(log.size(), 2u);
+  EXPECT_EQ(log[0], "layout: one process");
+  EXPECT_EQ(log[1], "layer 0");
+  EXPECT_EQ(std::count(log.begin(), log.end(), "layout: one process"), 1);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // Re-packing through the real binaries (dynamic/repack.h, pipeline/shrink.h,
 // recipes/relaunch_protocol.h): a forced shrink pp=4 → pp=2 after iteration 6, live and
-// through a checkpoint, and pp=2×dp=2 → pp=1×dp=2 live, each trains the losses of the run
-// that never shrinks; the released ranks exit 0, the launcher exits 0 and says who was
-// released; a checkpoint written after a shrink resumes under another layout.
+// through a checkpoint, pp=2×dp=2 → pp=1×dp=2 live, and live with the moe and early_exit
+// plugins, tp=2 and ep=2, each trains the losses of the run that never shrinks; the
+// released ranks exit 0, the launcher exits 0 and says who was released; a checkpoint
+// written after a shrink resumes under another layout.
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,7 +36,8 @@ class SlowRepackTrainTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { dir_ = new std::string(testing::MakeTempDir("repack_train")); }
 
-  // Trains under `n` processes with `flags`; the metrics records.
+  // Trains under `n` processes with `flags` (after Common(), whose flags they may override:
+  // the last value of a flag counts); the metrics records.
   std::vector<nlohmann::json> Train(int n, const std::string& name, const std::string& flags,
                                     std::string* output) {
     const std::string metrics = *dir_ + "/" + name + ".jsonl";
@@ -156,6 +158,86 @@ TEST_F(SlowRepackTrainTest, Pp2TimesDp2ToPp1TimesDp2ShrinksEveryReplicaAlike) {
   // Both replicas' second stages (ranks 2 and 3) are released.
   EXPECT_EQ(CountOf(output, "released after iteration 6: the pipeline shrank from 2 to 1 stages"),
             2)
+      << output;
+  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+  ExpectSameLosses(live, still);
+}
+
+// Live shrinks of the plugins that talk to the process groups and of tp/ep layouts (NOTE
+// [live shrink], NOTE [plugin doors]): the run that shrinks after iteration 6 trains the
+// losses of the run that never shrinks, bit for bit.
+
+// The MoE layers are rebuilt on the survivors' groups (OnLayout): tiny_moe, whose layers 0
+// and 2 are MoE, pp=4 → 2.
+TEST_F(SlowRepackTrainTest, MoePp4ToPp2LiveKeepsTheLosses) {
+  std::string output;
+  const std::string layout = "--recipe=tiny_moe --pipeline_model_parallel_size=4";
+  const std::vector<nlohmann::json> still = Train(4, "moe_pp4", layout, &output);
+  const std::vector<nlohmann::json> live =
+      Train(4, "moe_pp4_live", layout + " --repack_script=6:2", &output);
+  ExpectShrunk(live, 4, 2, 4, 2);
+  EXPECT_NE(output.find("re-packed live after iteration 6: 4 → 2 pipeline stages"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+  ExpectSameLosses(live, still);
+}
+
+// Early exit's head copy is summed over the survivors' pipeline: exit heads after layers 0
+// and 2, one in each half, pp=4 → 2 (stages 0+1 and 2+3 merge). Tokens exit at layer 2
+// from iteration 5 on, so the later iterations compute layer 3 on fewer tokens.
+TEST_F(SlowRepackTrainTest, EarlyExitPp4ToPp2LiveKeepsTheLosses) {
+  std::string output;
+  const std::string layout =
+      "--pipeline_model_parallel_size=4 --micro_batch_size=4 --plugins=early_exit "
+      "--early_exit_layers=0,2 --early_exit_confidence=state --early_exit_threshold=0.99 "
+      "--lr_warmup_iters=2";
+  const std::vector<nlohmann::json> still = Train(4, "exit_pp4", layout, &output);
+  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+  EXPECT_LT(still.back()["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";
+  const std::vector<nlohmann::json> live =
+      Train(4, "exit_pp4_live", layout + " --repack_script=6:2", &output);
+  ExpectShrunk(live, 4, 2, 4, 2);
+  EXPECT_NE(output.find("re-packed live after iteration 6: 4 → 2 pipeline stages"),
+            std::string::npos)
+      << output;
+  ExpectSameLosses(live, still);
+  for (int i = kShrinkAfter; i < kIterations; ++i) {
+    EXPECT_EQ(live[i]["early_exit_tokens"], still[i]["early_exit_tokens"]) << "iteration " << i + 1;
+  }
+}
+
+// Tensor parallelism: tp=2 × pp=2 → tp=2 × pp=1; each tensor-parallel shard goes to the
+// survivor of its tp rank. Untied embeddings, as in the dp test above.
+TEST_F(SlowRepackTrainTest, Tp2Pp2ToTp2Pp1LiveKeepsTheLosses) {
+  std::string output;
+  const std::string layout = "--tensor_model_parallel_size=2 --pipeline_model_parallel_size=2 "
+                             "--untie_embeddings_and_output_weights";
+  const std::vector<nlohmann::json> still = Train(4, "tp2pp2", layout, &output);
+  const std::vector<nlohmann::json> live =
+      Train(4, "tp2pp2_live", layout + " --repack_script=6:1", &output);
+  ExpectShrunk(live, 2, 1, 4, 2);
+  EXPECT_NE(output.find("re-packed live after iteration 6: 2 → 1 pipeline stages"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+  ExpectSameLosses(live, still);
+}
+
+// Expert parallelism: tiny_moe ep=2 (inside dp=2) × pp=2 → ep=2 × pp=1; each expert-
+// parallel rank's experts go to the survivor of its dp rank, and the expert exchange is
+// rebuilt on the new expert group.
+TEST_F(SlowRepackTrainTest, Ep2Pp2ToEp2Pp1LiveKeepsTheLosses) {
+  std::string output;
+  const std::string layout = "--recipe=tiny_moe --expert_model_parallel_size=2 "
+                             "--pipeline_model_parallel_size=2 --micro_batch_size=4 "
+                             "--untie_embeddings_and_output_weights";
+  const std::vector<nlohmann::json> still = Train(4, "ep2pp2", layout, &output);
+  const std::vector<nlohmann::json> live =
+      Train(4, "ep2pp2_live", layout + " --repack_script=6:1", &output);
+  ExpectShrunk(live, 2, 1, 4, 2);
+  EXPECT_NE(output.find("re-packed live after iteration 6: 2 → 1 pipeline stages"),
+            std::string::npos)
       << output;
   EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
   ExpectSameLosses(live, still);

@@ -1,10 +1,15 @@
 // Tests of the live shrink's arithmetic (pipeline/shrink.h): who survives, the layout after
-// the shrink and each rank's new rank; the state exchange itself runs in the multi-process
-// SlowRepackTrainTest (tests/recipes/repack_train_test.cc).
+// the shrink, each rank's new rank and which rank sends each unit to which; the state
+// exchange itself runs in the multi-process SlowRepackTrainTest
+// (tests/recipes/repack_train_test.cc).
 #include "pipeline/shrink.h"
 
+#include <algorithm>
+#include <map>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -74,9 +79,70 @@ TEST(ShrinkTest, RefusesWhatCannotShrinkLive) {
   plan = Plan(4, 2, {{0, 2}, {2, 4}}, {{0, 2}, {2, 4}});
   EXPECT_THAT(std::string(ValidateShrinkPlan(plan).message()), HasSubstr("is no shrink"));
   plan = Plan(4, 2, {{0, 2}, {2, 4}}, {{0, 4}});
+  plan.old_config.tp = 3;
+  EXPECT_THAT(std::string(ValidateShrinkPlan(plan).message()), HasSubstr("not divisible"))
+      << "the old layout itself is checked";
+}
+
+// Tensor and expert parallelism shrink live too (NOTE [live shrink]): only the pipeline
+// size changes.
+TEST(ShrinkTest, TensorAndExpertParallelLayoutsShrinkLive) {
+  ShrinkPlan plan = Plan(4, 2, {{0, 2}, {2, 4}}, {{0, 4}});
   plan.old_config.tp = 2;
-  EXPECT_THAT(std::string(ValidateShrinkPlan(plan).message()),
-              HasSubstr("--tensor_model_parallel_size=1"));
+  ASSERT_TRUE(ValidateShrinkPlan(plan).ok()) << ValidateShrinkPlan(plan);
+  EXPECT_EQ(SurvivingRanks(plan), (std::vector<int>{0, 1}));
+  EXPECT_EQ(ShrunkConfig(plan).tp, 2);
+  plan.old_config.tp = 1;
+  plan.old_config.ep = 2;
+  ASSERT_TRUE(ValidateShrinkPlan(plan).ok()) << ValidateShrinkPlan(plan);
+  EXPECT_EQ(SurvivingRanks(plan), (std::vector<int>{0, 1}));
+  EXPECT_EQ(ShrunkConfig(plan).ep, 2);
+}
+
+// tp = 2, pp 2 → 1: each tensor-parallel shard moves to the survivor with the same tp rank
+// (stage 1's ranks 2 and 3 send to ranks 0 and 1), so every slice keeps its shape.
+TEST(ShrinkTest, TransfersPairTheSameTensorParallelRank) {
+  ShrinkPlan plan = Plan(4, 2, {{0, 2}, {2, 4}}, {{0, 4}});
+  plan.old_config.tp = 2;
+  std::vector<std::string> got;
+  for (const ShrinkTransfer& t : ShrinkTransfers(plan)) {
+    got.push_back(absl::StrCat(t.unit, " ", t.src, "->", t.dst));
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{
+                     "embedding 0->0", "layers.0 0->0", "layers.1 0->0", "layers.2 2->0",
+                     "layers.3 2->0", "head 2->0",  //
+                     "embedding 1->1", "layers.0 1->1", "layers.1 1->1", "layers.2 3->1",
+                     "layers.3 3->1", "head 3->1"}));
+}
+
+// tp = 2, ep = 2 (inside dp = 2), pp 2 → 1, tied embeddings onto two stages of four: every
+// transfer keeps the tensor-, data- and expert-parallel coordinates and lands on a
+// survivor; each (tp, dp) position receives every unit of its new stage once.
+TEST(ShrinkTest, TransfersKeepEveryTensorDataAndExpertCoordinate) {
+  ShrinkPlan plan = Plan(16, 4, {{0, 1}, {1, 2}, {2, 3}, {3, 4}}, {{0, 2}, {2, 4}});
+  plan.old_config.tp = 2;
+  plan.old_config.ep = 2;
+  ASSERT_TRUE(ValidateShrinkPlan(plan).ok()) << ValidateShrinkPlan(plan);
+  const parallel::ParallelConfig& c = plan.old_config;
+  const std::vector<int> survivors = SurvivingRanks(plan);
+  std::map<int, std::vector<std::string>> received;
+  for (const ShrinkTransfer& t : ShrinkTransfers(plan)) {
+    SCOPED_TRACE(absl::StrCat(t.unit, " ", t.src, "->", t.dst));
+    const parallel::RankCoords from = c.Coords(t.src), to = c.Coords(t.dst);
+    EXPECT_EQ(from.tp, to.tp);
+    EXPECT_EQ(from.dp, to.dp);
+    EXPECT_EQ(from.ep, to.ep);
+    EXPECT_TRUE(std::binary_search(survivors.begin(), survivors.end(), t.dst));
+    received[t.dst].push_back(t.unit);
+  }
+  ASSERT_EQ(received.size(), 8u) << "2 stages × tp 2 × dp 2 survivors";
+  for (const auto& [rank, units] : received) {
+    const bool first = c.Coords(rank).pp == 0;
+    EXPECT_EQ(units, first ? (std::vector<std::string>{"embedding", "layers.0", "layers.1"})
+                           : (std::vector<std::string>{"embedding", "layers.2", "layers.3",
+                                                       "head"}))
+        << "rank " << rank;
+  }
 }
 
 }  // namespace

@@ -204,7 +204,7 @@ TEST(PluginApiTest, TheTrainerGivesThePluginsTheLayoutBeforeBuildingLayers) {
   set->Add(std::make_unique<LayoutFirst>(&log));
   const TrainerConfig config = testing::SmallTrainerConfig();
   auto trainer = Trainer::Create(config, testing::SyntheticCorpus(20, 100, config.model.vocab_size),
-                                 nullptr, DefaultFileSystem(), set);
+                                 TrainerLayout(), DefaultFileSystem(), set);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   ASSERT_GE(log.size(), 2u);
   EXPECT_EQ(log[0], "layout: one process");

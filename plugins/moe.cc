@@ -151,7 +151,7 @@ absl::Status Validate(const PluginSetup& setup) {
     return absl::InvalidArgumentError(
         "--params_dtype=fp64 is for dense models; the MoE layers (--num_experts) keep fp32 state");
   }
-  return moe::ValidateMoeOptions(options, setup.model, setup.layout.ep, setup.layout.tp);
+  return moe::ValidateMoeOptions(options, setup.model, setup.layout.ep_size, setup.layout.tp_size);
 }
 
 absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {

@@ -67,11 +67,11 @@ absl::Status ValidatePlugins(const std::vector<std::string>& names, const Plugin
     if (entry->value.validate) FULCRUM_RETURN_IF_ERROR(entry->value.validate(setup));
     expert_parallel_used = expert_parallel_used || entry->value.uses_expert_parallel_group;
   }
-  if (setup.layout.ep > 1 && !expert_parallel_used) {
+  if (setup.layout.ep_size > 1 && !expert_parallel_used) {
     // The layers that share out experts come from a plugin; --num_experts selects the
     // registered one by itself.
     return absl::InvalidArgumentError(absl::StrCat(
-        "--expert_model_parallel_size=", setup.layout.ep,
+        "--expert_model_parallel_size=", setup.layout.ep_size,
         " needs MoE layers (--num_experts): no selected plugin uses the expert-parallel group"));
   }
   return absl::OkStatus();

@@ -25,8 +25,8 @@
 #include "core/data/gpt_dataset.h"
 #include "core/data/indexed_dataset.h"
 #include "core/plugin.h"
+#include "core/rank_roles.h"
 #include "core/registry.h"
-#include "parallel/parallel_config.h"
 
 namespace fulcrum::plugins {
 
@@ -35,7 +35,9 @@ namespace fulcrum::plugins {
 /// (NOTE [plugin doors] in core/parallel_context.h).
 struct PluginSetup {
   ModelOptions model;               // The model (the padded vocabulary known).
-  parallel::ParallelConfig layout;  // tp, pp, ep and the world size (the starting layout).
+  /// The starting layout's sizes (tp_size, pp_size, ep_size, world_size) as this rank sees
+  /// them: a plain core value, so plugins need nothing from parallel/.
+  RankRoles layout;
   /// The training corpus and how samples are cut from it; null while checking.
   std::shared_ptr<const data::IndexedDataset> corpus;
   data::GptDatasetOptions data;
@@ -71,7 +73,7 @@ absl::StatusOr<std::vector<std::string>> SelectPlugins(const std::string& list);
 absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selected);
 
 /// Runs every selected plugin's check (PluginEntry::validate), in order, then refuses an
-/// expert-parallel layout (setup.layout.ep > 1) that no selected plugin uses
+/// expert-parallel layout (setup.layout.ep_size > 1) that no selected plugin uses
 /// (PluginEntry::uses_expert_parallel_group).
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup);
 

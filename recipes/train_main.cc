@@ -29,6 +29,7 @@
 #include "core/threads.h"
 #include "core/trainer.h"
 #include "parallel/parallel_context.h"
+#include "parallel/rank_roles.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"
 #include "pipeline/rebalancer.h"
@@ -153,7 +154,7 @@ absl::Status CheckBeforeWork(Checked& c) {
                            fulcrum::plugins::SelectPlugins(fulcrum::PluginsFlag()));
   FULCRUM_RETURN_IF_ERROR(fulcrum::plugins::CheckFlagsOfUnselectedPlugins(c.plugin_names));
   c.plugin_setup.model = c.early.model;
-  c.plugin_setup.layout = c.layout;
+  c.plugin_setup.layout = fulcrum::parallel::RankRolesOf(c.layout, c.world.rank);
   FULCRUM_RETURN_IF_ERROR(fulcrum::plugins::ValidatePlugins(c.plugin_names, c.plugin_setup));
   fulcrum::SetLogRank(c.world.world_size > 1 ? c.world.rank : -1, c.world.world_size);
 

@@ -170,13 +170,13 @@ TEST(PluginApiTest, AnExpertParallelLayoutNeedsAPluginThatUsesTheExpertGroup) {
   PluginSetup setup;
   setup.model = SmallModel();
   setup.layout.world_size = 2;
-  setup.layout.ep = 2;
+  setup.layout.ep_size = 2;
   const absl::Status refused = ValidatePlugins({"test_one_file"}, setup);
   EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
   EXPECT_THAT(std::string(refused.message()),
               ::testing::HasSubstr("--expert_model_parallel_size=2 needs MoE layers (--num_experts)"));
   EXPECT_TRUE(ValidatePlugins({"test_one_file", "test_expert_user"}, setup).ok());
-  setup.layout.ep = 1;
+  setup.layout.ep_size = 1;
   EXPECT_TRUE(ValidatePlugins({"test_one_file"}, setup).ok());
 }
 

@@ -1,5 +1,5 @@
 // What the training loop needs from the parallel layout. core/ knows no communicators: the
-// implementation over process groups lives in parallel/ (parallel/parallel_context.h) and is
+// implementation over process groups lives in parallel/ (parallel/process_groups.h) and is
 // injected into the Trainer. A null ParallelContext* means one process. This rank's roles
 // (sizes, who logs, who saves what) are a value of their own: core/rank_roles.h.
 //

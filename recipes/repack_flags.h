@@ -16,7 +16,7 @@
 #include "core/trainer.h"
 #include "dynamic/repack_trigger.h"
 #include "parallel/parallel_config.h"
-#include "parallel/parallel_context.h"
+#include "parallel/process_groups.h"
 #include "pipeline/rebalancer.h"
 
 namespace fulcrum {

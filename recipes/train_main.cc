@@ -28,7 +28,7 @@
 #include "core/tensorboard_writer.h"
 #include "core/threads.h"
 #include "core/trainer.h"
-#include "parallel/parallel_context.h"
+#include "parallel/process_groups.h"
 #include "parallel/rank_roles.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"

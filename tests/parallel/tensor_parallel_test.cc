@@ -16,7 +16,7 @@
 #include "core/random.h"
 #include "core/tensor_parallel.h"
 #include "core/transformer_layer.h"
-#include "parallel/tensor_parallel.h"
+#include "parallel/comm_tensor_parallel_group.h"
 #include "parallel/world.h"
 #include "tests/core/test_util.h"
 #include "tests/run_command.h"

@@ -10,7 +10,7 @@
 
 #include "core/optimizer.h"
 #include "gtest/gtest.h"
-#include "parallel/parallel_context.h"
+#include "parallel/process_groups.h"
 #include "parallel/world_communicator.h"
 #include "tests/pipeline/engine/engine_test_util.h"
 

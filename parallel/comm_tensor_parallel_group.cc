@@ -1,4 +1,4 @@
-#include "parallel/tensor_parallel.h"
+#include "parallel/comm_tensor_parallel_group.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 

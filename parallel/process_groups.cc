@@ -1,4 +1,4 @@
-#include "parallel/parallel_context.h"
+#include "parallel/process_groups.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"

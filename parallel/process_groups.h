@@ -16,7 +16,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
 #include "parallel/rank_roles.h"
-#include "parallel/tensor_parallel.h"
+#include "parallel/comm_tensor_parallel_group.h"
 
 namespace fulcrum::parallel {
 

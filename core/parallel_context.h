@@ -128,4 +128,27 @@ class ParallelContext {
   virtual parallel::Communicator* communicator(GroupRole role) = 0;
 };
 
+/// The one-process layout: every group is this process alone, so every collective is the
+/// identity (a sum over one rank is the value itself). The trainer runs its collectives
+/// through it when it is given no context, so it has one code path for every layout.
+/// Plugins are still told "one process" by a null context (Plugin::OnLayout), and this one
+/// has no communicators to hand out.
+class SingleProcessContext final : public ParallelContext {
+ public:
+  TensorParallelGroup* tensor_parallel() override { return nullptr; }
+  StageSpec Stage(int64_t num_layers) const override { return StageSpec(); }
+  void AllReduceGradients(const std::vector<Unit*>& units) override {}
+  void SumOverDataParallel(std::vector<double>& values) override {}
+  void SumOverModelParallel(std::vector<double>& values) override {}
+  void SumOverExpertParallel(std::vector<double>& values) override {}
+  std::vector<std::string> GatherOverPipeline(const std::string& mine) override { return {mine}; }
+  std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override {
+    return {{begin, end}};
+  }
+  void Barrier() override {}
+  void AllReduceSum(GroupRole role, at::Tensor& tensor) override {}
+  /// Null: one process has no communicators (plugins get a null context instead).
+  parallel::Communicator* communicator(GroupRole role) override { return nullptr; }
+};
+
 }  // namespace fulcrum

@@ -191,8 +191,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   // The plugins learn the layout before any layer is built (NOTE [plugin doors]).
   FULCRUM_RETURN_IF_ERROR(trainer->plugins_->OnLayout(parallel));
   trainer->model_ = std::make_unique<GptModel>(
-      config.model, parallel ? parallel->Stage(config.model.num_layers) : StageSpec(),
-      parallel ? parallel->tensor_parallel() : nullptr, trainer->plugins_);
+      config.model, trainer->collectives().Stage(config.model.num_layers),
+      trainer->collectives().tensor_parallel(), trainer->plugins_);
   return trainer;
 }
 
@@ -274,10 +274,8 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   // loss, then over the model-parallel ranks with the gradient norm — over the whole job.
   const double stop_here = stop_request_ && stop_request_() ? 1.0 : 0.0;
   std::vector<double> sums{loss_sum, stop_here};
-  if (layout_.parallel != nullptr) {
-    layout_.parallel->AllReduceGradients(units);
-    layout_.parallel->SumOverDataParallel(sums);
-  }
+  collectives().AllReduceGradients(units);
+  collectives().SumOverDataParallel(sums);
   {
     // The gradients are complete and agree over the replicas (e.g. masked by pruning).
     PluginContext ctx = MakePluginContext(iteration);
@@ -285,11 +283,11 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   }
   const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
   std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverExpertParallel(expert_sq);
+  collectives().SumOverExpertParallel(expert_sq);
   std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
                                   expert_sq[0],
                               sums[1]};
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(grad_sq);
+  collectives().SumOverModelParallel(grad_sq);
   const double grad_norm = std::sqrt(grad_sq[0]);
   const bool stop_requested = grad_sq[1] > 0;
   loss_sum = sums[0];
@@ -349,7 +347,7 @@ nlohmann::json Trainer::LayerLoads() {
   if (first_shard) {
     for (const auto& [index, layer] : model_->layers()) loads[index] = layer->Load();
   }
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(loads);
+  collectives().SumOverModelParallel(loads);
   nlohmann::json out = nlohmann::json::object();
   for (size_t i = 0; i < loads.size(); ++i) out[absl::StrCat("layers.", i)] = loads[i];
   return out;
@@ -370,9 +368,7 @@ nlohmann::json Trainer::BlockStatistics() {
       }
     }
   }
-  ParallelContext* parallel = layout_.parallel;
-  const std::vector<std::string> stages =
-      parallel ? parallel->GatherOverPipeline(mine.dump()) : std::vector<std::string>{mine.dump()};
+  const std::vector<std::string> stages = collectives().GatherOverPipeline(mine.dump());
   nlohmann::json merged = nlohmann::json::object();
   for (const std::string& text : stages) {
     const nlohmann::json stage = nlohmann::json::parse(text);
@@ -417,7 +413,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
       sums[1] += static_cast<double>(loss.tokens);
     }
   }
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverDataParallel(sums);
+  collectives().SumOverDataParallel(sums);
   return sums[0] / sums[1];
 }
 
@@ -446,10 +442,8 @@ absl::Status Trainer::Save() {
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
   const auto start = Clock::now();
   // Where every layer is now (layers may have moved between stages).
-  ParallelContext* parallel = layout_.parallel;
   const std::vector<std::pair<int64_t, int64_t>> stage_ranges =
-      parallel ? parallel->GatherStageRanges(model_->layer_begin(), model_->layer_end())
-               : std::vector<std::pair<int64_t, int64_t>>{{model_->layer_begin(), model_->layer_end()}};
+      collectives().GatherStageRanges(model_->layer_begin(), model_->layer_end());
   // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
   // every rank of the group takes part in; data-parallel replicas hold the same state.
   // Expert-parallel ranks hold different experts: each saves its own.
@@ -457,7 +451,7 @@ absl::Status Trainer::Save() {
   const bool committer = layout_.roles.commits_checkpoint;
   using Part = CheckpointPart;
   const Part part = layout_.roles.checkpoint_part;
-  TensorParallelGroup* tp = layout_.parallel ? layout_.parallel->tensor_parallel() : nullptr;
+  TensorParallelGroup* tp = collectives().tensor_parallel();
   NamedTensors tensors;
   if (part != Part::kNothing) {
     Unit::ShardGatherer gather;
@@ -485,7 +479,7 @@ absl::Status Trainer::Save() {
     auto begun = ckpt::CheckpointWriter::Begin(fs_, dir, iteration_);
     if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
   }
-  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
+  collectives().Barrier();
   if (writer && !committer) {
     auto joined = ckpt::CheckpointWriter::Join(fs_, dir, iteration_);
     if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
@@ -494,14 +488,12 @@ absl::Status Trainer::Save() {
     status = ckpt_writer->WriteShard(
         layout_.roles.checkpoint_shard_name, tensors);
   }
-  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
+  collectives().Barrier();
   // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
   // only if it knows the set: the committer also checks every writer reported success.
   std::vector<double> failures{status.ok() ? 0.0 : 1.0};
-  if (layout_.parallel != nullptr) {
-    layout_.parallel->SumOverDataParallel(failures);
-    layout_.parallel->SumOverModelParallel(failures);
-  }
+  collectives().SumOverDataParallel(failures);
+  collectives().SumOverModelParallel(failures);
   if (committer && status.ok()) {
     if (failures[0] > 0) {
       status = absl::InternalError(absl::StrCat("checkpoint of iteration ", iteration_, ": ",
@@ -529,7 +521,7 @@ absl::Status Trainer::Save() {
       FULCRUM_LOG(WARNING) << "could not remove " << ckpt_writer->temp_dir() << ": " << aborted;
     }
   }
-  if (layout_.parallel != nullptr) layout_.parallel->Barrier();
+  collectives().Barrier();
   return status;
 }
 
@@ -684,9 +676,9 @@ absl::Status Trainer::Run() {
       }
     }
   }
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverExpertParallel(expert_count);
+  collectives().SumOverExpertParallel(expert_count);
   count[0] += expert_count[0];
-  if (layout_.parallel != nullptr) layout_.parallel->SumOverModelParallel(count);
+  collectives().SumOverModelParallel(count);
   if (is_logging_rank()) {
     FULCRUM_LOG(INFO) << "training " << static_cast<int64_t>(count[0])
                       << " parameters from iteration " << iteration_ << " to " << t.train_iters

@@ -193,6 +193,11 @@ class Trainer {
 
   TrainerConfig config_;
   TrainerLayout layout_;
+  // The collectives the trainer runs: layout_.parallel's, or the identities of one process.
+  SingleProcessContext single_process_;
+  ParallelContext& collectives() {
+    return layout_.parallel != nullptr ? *layout_.parallel : single_process_;
+  }
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
   AdamW optimizer_;

@@ -11,6 +11,7 @@
 #include "core/transformer_layer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum {
 namespace {
@@ -53,22 +54,11 @@ class LoadPlugin final : public Plugin {
   double value_;
 };
 
-ModelOptions SmallModel() {
-  ModelOptions o;
-  o.num_layers = 2;
-  o.hidden_size = 16;
-  o.num_attention_heads = 2;
-  o.ffn_hidden_size = 32;
-  o.vocab_size = 32;
-  o.seq_length = 8;
-  return o;
-}
-
 // Layer 0's load with the plugins `does` (in order).
 double LoadWith(std::initializer_list<std::pair<LoadPlugin::Does, double>> does) {
   auto set = std::make_shared<PluginSet>();
   for (const auto& [d, v] : does) set->Add(std::make_unique<LoadPlugin>(d, v));
-  GptModel model(SmallModel(), StageSpec(), nullptr, set);
+  GptModel model(testing::SmallModelOf(2, 8), StageSpec(), nullptr, set);
   return model.layers().at(0)->Load();
 }
 

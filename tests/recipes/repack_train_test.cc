@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 #include "tests/recipes/train_runs.h"
@@ -68,6 +69,27 @@ class SlowRepackTrainTest : public ::testing::Test {
       // fewer stages, so grad_norm may differ in its last bits.)
       EXPECT_EQ(a[i]["loss"], b[i]["loss"]) << "iteration " << i + 1;
     }
+  }
+
+  // A run on `layout` that never shrinks and the same run shrunk live from `pp_before` to
+  // `pp_after` stages after iteration kShrinkAfter, on four ranks (two released): the shrink
+  // happened (metrics, log lines) and the losses are bit-identical. Returns {still, live}
+  // for the caller's own checks.
+  std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> ExpectLiveShrinkKeepsTheLosses(
+      const std::string& name, const std::string& layout, int pp_before, int pp_after) {
+    std::string output;
+    std::vector<nlohmann::json> still = Train(4, name, layout, &output);
+    std::vector<nlohmann::json> live =
+        Train(4, name + "_live",
+              absl::StrCat(layout, " --repack_script=", kShrinkAfter, ":", pp_after), &output);
+    ExpectShrunk(live, pp_before, pp_after, 4, 2);
+    EXPECT_NE(output.find(absl::StrCat("re-packed live after iteration ", kShrinkAfter, ": ",
+                                       pp_before, " → ", pp_after, " pipeline stages")),
+              std::string::npos)
+        << output;
+    EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
+    ExpectSameLosses(live, still);
+    return {std::move(still), std::move(live)};
   }
 
   static std::string* dir_;
@@ -170,38 +192,22 @@ TEST_F(SlowRepackTrainTest, Pp2TimesDp2ToPp1TimesDp2ShrinksEveryReplicaAlike) {
 // The MoE layers are rebuilt on the survivors' groups (OnLayout): tiny_moe, whose layers 0
 // and 2 are MoE, pp=4 → 2.
 TEST_F(SlowRepackTrainTest, MoePp4ToPp2LiveKeepsTheLosses) {
-  std::string output;
-  const std::string layout = "--recipe=tiny_moe --pipeline_model_parallel_size=4";
-  const std::vector<nlohmann::json> still = Train(4, "moe_pp4", layout, &output);
-  const std::vector<nlohmann::json> live =
-      Train(4, "moe_pp4_live", layout + " --repack_script=6:2", &output);
-  ExpectShrunk(live, 4, 2, 4, 2);
-  EXPECT_NE(output.find("re-packed live after iteration 6: 4 → 2 pipeline stages"),
-            std::string::npos)
-      << output;
-  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
-  ExpectSameLosses(live, still);
+  ExpectLiveShrinkKeepsTheLosses("moe_pp4", "--recipe=tiny_moe --pipeline_model_parallel_size=4",
+                                 4, 2);
 }
 
 // Early exit's head copy is summed over the survivors' pipeline: exit heads after layers 0
 // and 2, one in each half, pp=4 → 2 (stages 0+1 and 2+3 merge). Tokens exit at layer 2
 // from iteration 5 on, so the later iterations compute layer 3 on fewer tokens.
 TEST_F(SlowRepackTrainTest, EarlyExitPp4ToPp2LiveKeepsTheLosses) {
-  std::string output;
-  const std::string layout =
+  const auto [still, live] = ExpectLiveShrinkKeepsTheLosses(
+      "exit_pp4",
       "--pipeline_model_parallel_size=4 --micro_batch_size=4 --plugins=early_exit "
       "--early_exit_layers=0,2 --early_exit_confidence=state --early_exit_threshold=0.99 "
-      "--lr_warmup_iters=2";
-  const std::vector<nlohmann::json> still = Train(4, "exit_pp4", layout, &output);
+      "--lr_warmup_iters=2",
+      4, 2);
   ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
   EXPECT_LT(still.back()["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";
-  const std::vector<nlohmann::json> live =
-      Train(4, "exit_pp4_live", layout + " --repack_script=6:2", &output);
-  ExpectShrunk(live, 4, 2, 4, 2);
-  EXPECT_NE(output.find("re-packed live after iteration 6: 4 → 2 pipeline stages"),
-            std::string::npos)
-      << output;
-  ExpectSameLosses(live, still);
   for (int i = kShrinkAfter; i < kIterations; ++i) {
     EXPECT_EQ(live[i]["early_exit_tokens"], still[i]["early_exit_tokens"]) << "iteration " << i + 1;
   }
@@ -210,37 +216,21 @@ TEST_F(SlowRepackTrainTest, EarlyExitPp4ToPp2LiveKeepsTheLosses) {
 // Tensor parallelism: tp=2 × pp=2 → tp=2 × pp=1; each tensor-parallel shard goes to the
 // survivor of its tp rank. Untied embeddings, as in the dp test above.
 TEST_F(SlowRepackTrainTest, Tp2Pp2ToTp2Pp1LiveKeepsTheLosses) {
-  std::string output;
-  const std::string layout = "--tensor_model_parallel_size=2 --pipeline_model_parallel_size=2 "
-                             "--untie_embeddings_and_output_weights";
-  const std::vector<nlohmann::json> still = Train(4, "tp2pp2", layout, &output);
-  const std::vector<nlohmann::json> live =
-      Train(4, "tp2pp2_live", layout + " --repack_script=6:1", &output);
-  ExpectShrunk(live, 2, 1, 4, 2);
-  EXPECT_NE(output.find("re-packed live after iteration 6: 2 → 1 pipeline stages"),
-            std::string::npos)
-      << output;
-  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
-  ExpectSameLosses(live, still);
+  ExpectLiveShrinkKeepsTheLosses("tp2pp2",
+                                 "--tensor_model_parallel_size=2 --pipeline_model_parallel_size=2 "
+                                 "--untie_embeddings_and_output_weights",
+                                 2, 1);
 }
 
 // Expert parallelism: tiny_moe ep=2 (inside dp=2) × pp=2 → ep=2 × pp=1; each expert-
 // parallel rank's experts go to the survivor of its dp rank, and the expert exchange is
 // rebuilt on the new expert group.
 TEST_F(SlowRepackTrainTest, Ep2Pp2ToEp2Pp1LiveKeepsTheLosses) {
-  std::string output;
-  const std::string layout = "--recipe=tiny_moe --expert_model_parallel_size=2 "
-                             "--pipeline_model_parallel_size=2 --micro_batch_size=4 "
-                             "--untie_embeddings_and_output_weights";
-  const std::vector<nlohmann::json> still = Train(4, "ep2pp2", layout, &output);
-  const std::vector<nlohmann::json> live =
-      Train(4, "ep2pp2_live", layout + " --repack_script=6:1", &output);
-  ExpectShrunk(live, 2, 1, 4, 2);
-  EXPECT_NE(output.find("re-packed live after iteration 6: 2 → 1 pipeline stages"),
-            std::string::npos)
-      << output;
-  EXPECT_EQ(CountOf(output, "was released by re-packing and exited 0"), 2) << output;
-  ExpectSameLosses(live, still);
+  ExpectLiveShrinkKeepsTheLosses("ep2pp2",
+                                 "--recipe=tiny_moe --expert_model_parallel_size=2 "
+                                 "--pipeline_model_parallel_size=2 --micro_batch_size=4 "
+                                 "--untie_embeddings_and_output_weights",
+                                 2, 1);
 }
 
 // NOTE [overdue script step]: a pp=4 run saved after iteration 4 on four stages (as a

@@ -32,9 +32,11 @@ constexpr const char* kHelpFlags[] = {"help", "h", "helpshort"};
 // gflags' flags that make ParseCommandLineFlags print something and exit on its own. On the
 // command line kHelpFlags and "helpfull" are ours; anywhere else (a flag file, --fromenv)
 // these are refused, so gflags never exits behind our back.
-constexpr const char* kGflagsExitFlags[] = {"help",        "h",       "helpshort", "helpfull",
-                                            "helpxml",     "helpon",  "helpmatch",
-                                            "helppackage", "version"};
+// --tab_completion_word makes it print completions and exit.
+constexpr const char* kGflagsExitFlags[] = {"help",      "h",           "helpshort",
+                                            "helpfull",  "helpxml",     "helpon",
+                                            "helpmatch", "helppackage", "version",
+                                            "tab_completion_word"};
 constexpr int kMaxFlagfileDepth = 8;
 constexpr size_t kMaxFlagfileBytes = size_t{16} << 20;
 constexpr size_t kHelpWidth = 100;
@@ -170,24 +172,18 @@ class Checker {
     }
     if (std::find(std::begin(kFileFlags), std::end(kFileFlags), s.name) != std::end(kFileFlags)) {
       if (!s.value.has_value() || s.value->empty()) return Fail(s, "needs a value");
-      // gflags' ParseFlagList exits on an empty entry or one that starts with '-'.
-      const std::vector<std::string> items = absl::StrSplit(*s.value, ',');
-      for (size_t i = 0; i < items.size(); ++i) {
-        if (items[i].empty() && i + 1 == items.size()) break;  // "a,": gflags ignores the end.
-        if (items[i].empty() || items[i][0] == '-') {
-          return Fail(s, absl::StrCat("='", *s.value, "' has an entry '", items[i],
-                                      "'; expected a comma-separated list of ",
-                                      s.name == "flagfile" ? "files" : "flag names"));
-        }
-      }
-      for (size_t i = 0; i < items.size(); ++i) {
-        if (items[i].empty()) continue;
-        const bool ok = s.name == "flagfile" ? CheckFlagfile(items[i], s)
-                                             : CheckFromEnv(items[i], s.name == "fromenv", s);
+      std::vector<std::string> items;
+      if (!SplitFlagList(s, &items)) return false;
+      for (const std::string& item : items) {
+        const bool ok = s.name == "flagfile" ? CheckFlagfile(item, s)
+                                             : CheckFromEnv(item, s.name == "fromenv", s);
         if (!ok) return false;
       }
       return true;
     }
+    // gflags reads --undefok's value as a list after parsing, and exits on a bad entry.
+    std::vector<std::string> undefok;
+    if (s.name == "undefok" && s.value.has_value() && !SplitFlagList(s, &undefok)) return false;
     gflags::CommandLineFlagInfo info;
     if (!gflags::GetCommandLineFlagInfo(s.name.c_str(), &info)) {
       // --nofoo is gflags' spelling of --foo=false.
@@ -221,6 +217,21 @@ class Checker {
     if (type == "int64") return "64-bit integer";
     if (type == "uint64") return "non-negative 64-bit integer";
     return type;
+  }
+
+  // s's value as gflags' ParseFlagList reads a comma-separated list, which exits the process
+  // on an empty entry or one that starts with '-'; those fail here instead.
+  bool SplitFlagList(const Setting& s, std::vector<std::string>* items) {
+    *items = absl::StrSplit(*s.value, ',');
+    if (!items->empty() && items->back().empty()) items->pop_back();  // "a,": gflags ignores it.
+    for (const std::string& item : *items) {
+      if (item.empty() || item[0] == '-') {
+        return Fail(s, absl::StrCat("='", *s.value, "' has an entry '", item,
+                                    "'; expected a comma-separated list of ",
+                                    s.name == "flagfile" ? "files" : "flag names"));
+      }
+    }
+    return true;
   }
 
   bool Fail(const Setting& s, const std::string& what) {

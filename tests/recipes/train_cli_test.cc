@@ -225,6 +225,11 @@ TEST(TrainCliTest, FlagfileLinesGflagsWouldRejectAreRefusedFirst) {
       {"--tryfromenv=no_such_flag\n", "--tryfromenv names an unknown flag --no_such_flag"},
       // gflags' list parser exits on an empty entry.
       {"--flagfile=" + dir + "/flags,,x\n", "has an entry ''"},
+      // ... and so does the list in --undefok, read after parsing (tests/fuzz, 2026-11-26).
+      {"-undefok=-=4\n", "--undefok='-=4' has an entry '-=4'; expected a comma-separated list"},
+      {"--undefok=lr,,x\n", "--undefok='lr,,x' has an entry ''"},
+      // gflags prints shell completions and exits 0.
+      {"--tab_completion_word=lr\n", "--tab_completion_word is gflags' own help"},
       // Lines end at '\r' when there is one, as in gflags; line numbers still count '\n'.
       {"--num_layers=1\r\n\n--lr=x\r\n", "--lr='x' is not a valid number (in " + dir + "/flags:3)"},
   };

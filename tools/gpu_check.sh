@@ -4,8 +4,8 @@
 # Proves Fulcrum's GPU path on a machine with a GPU, a CUDA toolkit and a python3 with a
 # CUDA torch 2.x, without a network: unpacks the bundle of tools/gpu_bundle.sh (dpkg -x)
 # into a prefix, builds Fulcrum against python3's torch with FULCRUM_CUDA=ON, runs the GPU
-# tests (ctest label gpu), the training benchmark, and one short real training run per
-# feature on --device=cuda, and writes ONE report: OUTDIR/report.md and OUTDIR/report.json,
+# tests (named *Gpu* or Cuda*, tests/CMakeLists.txt), the training benchmark, and one short
+# real training run per feature on --device=cuda, and writes ONE report: OUTDIR/report.md and OUTDIR/report.json,
 # each check "pass", "fail" or "not run (why)" with its figures, seconds and command; the
 # logs are in OUTDIR/logs/. Exit status: 0 when no check failed.
 #
@@ -117,9 +117,10 @@ fi
 # --- GPU tests -------------------------------------------------------------------------
 count_tests() { sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/failed \1 of \2/p' "$1" | tail -1; }
 if (( gpus == 0 )); then
-  record gpu_tests "$no_gpu" 0 "ctest -L gpu" ""
+  record gpu_tests "$no_gpu" 0 "ctest -R 'Gpu|^Cuda|/Cuda'" ""
 else
-  run_check gpu_tests count_tests "cd '$build_dir' && ctest -L gpu --output-on-failure --timeout 300"
+  # The naming convention (tests/CMakeLists.txt): label gpu, and the Slow* GPU tests.
+  run_check gpu_tests count_tests "cd '$build_dir' && ctest -R 'Gpu|^Cuda|/Cuda' --output-on-failure --timeout 300"
 fi
 
 # --- the benchmark ---------------------------------------------------------------------

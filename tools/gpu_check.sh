@@ -183,7 +183,7 @@ for line in open(results):
                    "figures": figures.strip(), "command": command})
 summary = {s: sum(1 for c in checks if c["status"].startswith(s)) for s in ("pass", "fail", "not run")}
 report = {"tool": "tools/gpu_check.sh", "quick": quick,
-          "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
           "summary": summary, "checks": checks}
 json.dump(report, open(out + "/report.json", "w"), indent=2)
 with open(out + "/report.md", "w") as md:

@@ -265,6 +265,7 @@ struct P2POp {
   int peer = 0;
   std::string what;  // "send on 'pp' (ranks 0,1) to rank 1 (world rank 1), tag 3"
   bool launched = false;
+  std::shared_ptr<Event> ready;  // On the compute stream when queued (NOTE [nccl stream]).
   std::shared_ptr<Event> done;
   Clock::time_point deadline;
 };
@@ -299,6 +300,10 @@ class NcclCommunicator final : public Communicator {
         stream_provider_(std::move(stream_provider)) {
     DeviceGuard guard(comm_->device(), rank_, group_);
     done_ = std::make_unique<Event>(rank_, group_);
+    inputs_ready_ = std::make_unique<Event>(rank_, group_);
+    // NOTE [nccl stream]: non-blocking, so it neither waits for nor holds up the legacy
+    // default stream that LibTorch computes on.
+    FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), rank_, group_);
     FULCRUM_CUDA_CHECK(cudaMalloc(&barrier_word_, sizeof(float)), rank_, group_);
     FULCRUM_CUDA_CHECK(cudaMemset(barrier_word_, 0, sizeof(float)), rank_, group_);
   }
@@ -309,6 +314,7 @@ class NcclCommunicator final : public Communicator {
                            << " point-to-point operations never waited on; dropping them";
     }
     cudaFree(barrier_word_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return rank_; }
@@ -510,7 +516,11 @@ class NcclCommunicator final : public Communicator {
         batch.size() > 1 ? absl::StrCat(" (and ", batch.size() - 1, " more)") : std::string());
     comm_->CheckUsable(context);
     DeviceGuard guard(comm_->device(), rank_, context);
-    const cudaStream_t stream = Stream();
+    // Each operation waits for the compute work queued before its ISend/IRecv only.
+    const cudaStream_t stream = stream_;
+    for (const auto& op : batch) {
+      FULCRUM_CUDA_CHECK(cudaStreamWaitEvent(stream, op->ready->get(), 0), rank_, context);
+    }
     const auto deadline = Clock::now() + comm_->timeout();
     ncclResult_t result = ncclGroupStart();
     for (const auto& op : batch) {
@@ -550,8 +560,22 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  cudaStream_t Stream() const {
-    return stream_provider_ ? static_cast<cudaStream_t>(stream_provider_()) : nullptr;
+  // NOTE [nccl stream]
+  // Each communicator launches on a stream of its own, ordered through events after the
+  // work queued on the compute stream (the provider's, else the legacy default stream) up
+  // to the call, so the tensors it reads are written. Collectives are then awaited by the
+  // host, so nothing overlaps them. What overlaps compute is point-to-point traffic (the
+  // pipeline's activations and gradients, the layer moves of migration): an ISend/IRecv
+  // records its event when it is queued, so kernels queued between it and Wait() run on
+  // the compute stream while the transfer runs on this one. Results are read only after
+  // Wait() has seen the operation finish, so the compute stream needs no event back.
+  cudaStream_t ComputeStream() const {
+    return stream_provider_ ? static_cast<cudaStream_t>(stream_provider_()) : cudaStreamLegacy;
+  }
+  cudaStream_t Stream(const std::string& context) {
+    FULCRUM_CUDA_CHECK(cudaEventRecord(inputs_ready_->get(), ComputeStream()), rank_, context);
+    FULCRUM_CUDA_CHECK(cudaStreamWaitEvent(stream_, inputs_ready_->get(), 0), rank_, context);
+    return stream_;
   }
 
   // Launches a collective after any queued point-to-point operations, then waits for it,
@@ -560,7 +584,7 @@ class NcclCommunicator final : public Communicator {
   void Collective(const std::string& context, Launch&& launch) {
     FlushP2P();
     DeviceGuard guard(comm_->device(), rank_, context);
-    const cudaStream_t stream = Stream();
+    const cudaStream_t stream = Stream(context);
     const auto deadline = Clock::now() + comm_->timeout();
     const auto [result, expr] = launch(stream);
     comm_->Settle(result, expr, context, deadline);
@@ -579,6 +603,11 @@ class NcclCommunicator final : public Communicator {
     p2p->peer = peer;
     p2p->what = absl::StrCat(context, send ? " to " : " from ",
                              internal::DescribePeer(peer, global_ranks_), ", tag ", tag);
+    {
+      DeviceGuard guard(comm_->device(), rank_, p2p->what);
+      p2p->ready = std::make_shared<Event>(rank_, p2p->what);
+      FULCRUM_CUDA_CHECK(cudaEventRecord(p2p->ready->get(), ComputeStream()), rank_, p2p->what);
+    }
     pending_.push_back(p2p);
     return std::make_unique<NcclWork>(this, std::move(p2p));
   }
@@ -592,6 +621,8 @@ class NcclCommunicator final : public Communicator {
   std::string group_;
   NcclStreamProvider stream_provider_;
   std::unique_ptr<Event> done_;  // Recorded after each collective.
+  std::unique_ptr<Event> inputs_ready_;  // Compute stream → stream_ (NOTE [nccl stream]).
+  cudaStream_t stream_ = nullptr;        // This communicator's own (NOTE [nccl stream]).
   float* barrier_word_ = nullptr;
   std::vector<std::shared_ptr<P2POp>> pending_;
   std::map<std::string, int> split_generations_;

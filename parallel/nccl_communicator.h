@@ -4,8 +4,10 @@
 // CreateNcclCommunicator returns Unimplemented (HaveNccl() in world_communicator.h tells).
 //
 // Behaviour worth knowing (see communicator.h for the common contract):
-//  - Operations are enqueued on the stream the provider returns (a CUDA LibTorch build
-//    passes the current torch stream; default: the legacy default stream), then the host
+//  - Operations are enqueued on the communicator's own stream, after the work already
+//    queued on the compute stream — the one the provider returns (a CUDA LibTorch build
+//    passes the current torch stream; default: the legacy default stream) — so
+//    point-to-point traffic overlaps later compute (NOTE [nccl stream]); then the host
 //    polls for completion, bounded by timeout(). On timeout or an asynchronous NCCL error
 //    the communicator is aborted (ncclCommAbort) and CommError is thrown; later calls fail
 //    at once.

@@ -10,6 +10,7 @@
 #include "parallel/gloo_communicator.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/rendezvous.h"
+#include "parallel/split_plane_communicator.h"
 
 namespace fulcrum::parallel {
 namespace {
@@ -37,6 +38,46 @@ absl::StatusOr<Backend> ParseBackend(std::string_view name) {
                                                  std::string(name), "'; expected gloo or nccl"));
 }
 
+absl::StatusOr<Backend> ResolveBackend(std::string_view name, const c10::Device& device,
+                                       bool have_nccl) {
+  const std::string on = absl::StrCat("the device is ", device.str(), " (--device)");
+  if (name != "auto" && name != "gloo" && name != "nccl") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown --distributed_backend '",
+                                                   std::string(name),
+                                                   "'; expected auto, gloo or nccl"));
+  }
+  const bool cuda = device.is_cuda();
+  if (name == "auto") {
+    if (!cuda) return Backend::kGloo;
+    if (!have_nccl) {
+      return absl::UnimplementedError(absl::StrCat(
+          "--distributed_backend=auto picks nccl because ", on,
+          ", but this build has no NCCL (CMake found no CUDA toolkit with NCCL); rebuild "
+          "where both are installed, or train on --device=cpu"));
+    }
+    return Backend::kNccl;
+  }
+  if (name == "nccl") {
+    if (!cuda) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--distributed_backend=nccl needs a CUDA device, but ", on,
+          ": NCCL moves CUDA memory only; use --distributed_backend=gloo (or auto) on the CPU"));
+    }
+    if (!have_nccl) {
+      return absl::UnimplementedError(
+          "--distributed_backend=nccl: the nccl backend is not in this build (CMake found no "
+          "CUDA toolkit with NCCL); use gloo on the CPU or rebuild where both are installed");
+    }
+    return Backend::kNccl;
+  }
+  if (cuda) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--distributed_backend=gloo carries CPU tensors only, but ", on,
+        "; use --distributed_backend=nccl (or auto) on a GPU"));
+  }
+  return Backend::kGloo;
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> CreateWorldCommunicator(
     const WorldInfo& world, Backend backend, std::chrono::milliseconds timeout) {
   if (backend == Backend::kNccl && !HaveNccl()) {
@@ -45,18 +86,26 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateWorldCommunicator(
         "gloo or rebuild where both are installed");
   }
   FULCRUM_ASSIGN_OR_RETURN(c10::intrusive_ptr<c10d::Store> store, ConnectStore(world, timeout));
+  GlooOptions options;
+  if (IsLoopback(world.master_addr)) {
+    options.hostname = world.master_addr == "::1" ? "::1" : "127.0.0.1";
+  }
   switch (backend) {
-    case Backend::kGloo: {
-      GlooOptions options;
-      if (IsLoopback(world.master_addr)) {
-        options.hostname = world.master_addr == "::1" ? "::1" : "127.0.0.1";
-      }
+    case Backend::kGloo:
       return CreateGlooCommunicator(std::move(store), world.rank, world.world_size, timeout,
                                     options);
+    case Backend::kNccl: {
+      // NOTE [control plane]: the tensors go through NCCL, the CPU control values through a
+      // Gloo world over the same store (the two backends key their store entries apart).
+      FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> tensor,
+                               CreateNcclCommunicator(store, world.rank, world.world_size,
+                                                      world.local_rank, timeout));
+      FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> control,
+                               CreateGlooCommunicator(std::move(store), world.rank,
+                                                      world.world_size, timeout, options));
+      return std::unique_ptr<Communicator>(
+          std::make_unique<SplitPlaneCommunicator>(std::move(tensor), std::move(control)));
     }
-    case Backend::kNccl:
-      return CreateNcclCommunicator(std::move(store), world.rank, world.world_size,
-                                    world.local_rank, timeout);
   }
   return absl::InternalError("unreachable backend");
 }

@@ -13,6 +13,8 @@
 #include <memory>
 #include <string_view>
 
+#include <c10/core/Device.h>
+
 #include "absl/status/statusor.h"
 #include "parallel/communicator.h"
 #include "parallel/world.h"
@@ -30,10 +32,24 @@ absl::StatusOr<Backend> ParseBackend(std::string_view name);
 /// Whether this build has the NCCL backend (CUDA toolkit and NCCL found at configure time).
 bool HaveNccl();
 
+/// Resolves --distributed_backend against the device the job computes on, before any
+/// work: "auto" is nccl on a CUDA device and gloo on the CPU; "gloo" and "nccl" are taken
+/// as they are but must fit the device. `have_nccl` is HaveNccl() (a parameter so tests can
+/// ask about either build).
+///
+/// Errors, each naming the flag, the value and the device: InvalidArgument for an unknown
+/// name; FailedPrecondition for nccl on the CPU (NCCL moves CUDA memory only) and for gloo
+/// on a CUDA device (the Gloo communicator carries CPU tensors only); Unimplemented for
+/// nccl, or auto on a CUDA device, in a build without NCCL.
+absl::StatusOr<Backend> ResolveBackend(std::string_view name, const c10::Device& device,
+                                       bool have_nccl);
+
 /// Connects to the job's store (ConnectStore) and creates the world communicator of
 /// `backend`, bounded by `timeout`, which then bounds every operation of the communicator.
 /// Gloo binds to loopback when the master is on loopback, else as GlooOptions defaults
-/// (GLOO_SOCKET_IFNAME, else the hostname). NCCL uses GPU `world.local_rank`.
+/// (GLOO_SOCKET_IFNAME, else the hostname). NCCL uses GPU `world.local_rank`, and comes
+/// paired with a Gloo communicator over the same ranks for CPU control values
+/// (SplitPlaneCommunicator, NOTE [control plane]); its backend() is "nccl+gloo".
 ///
 /// Errors: those of ConnectStore and the backend's factory; Unimplemented for kNccl in a
 /// build without NCCL.

@@ -9,10 +9,12 @@
 #include "absl/strings/str_split.h"
 #include "core/data/default_corpus.h"
 #include "core/data/tokenizer.h"
+#include "core/device.h"
 #include "core/status.h"
 #include "dynamic/balancers.h"
 #include "plugins/plugin_registry.h"
 #include "moe/router.h"
+#include "parallel/world_communicator.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "recipes/recipes.h"
@@ -125,7 +127,9 @@ DEFINE_int32(expert_model_parallel_size, 1,
 DEFINE_string(plugins, "",
               "Dynamism plugins, in order (see the list above), e.g. moe,freeze,prune. The moe "
               "plugin is also selected by --num_experts > 0.");
-DEFINE_string(distributed_backend, "gloo", "gloo (CPU tensors) or nccl (CUDA builds).");
+DEFINE_string(distributed_backend, "auto",
+              "auto (nccl on a CUDA --device, else gloo), gloo (CPU tensors) or nccl (CUDA "
+              "tensors; the CPU control values still ride a Gloo communicator).");
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
 DEFINE_int32(num_threads, 0,
@@ -382,6 +386,15 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 }
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
+
+absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(int local_rank) {
+  // --device belongs to the device seam (core/device.h); it is read by name so that this
+  // holds in a build where the flag is not defined yet, which trains on the CPU.
+  std::string device_text = "cpu";
+  gflags::GetCommandLineOption("device", &device_text);
+  FULCRUM_ASSIGN_OR_RETURN(c10::Device device, ResolveDevice(device_text, local_rank));
+  return parallel::ResolveBackend(FLAGS_distributed_backend, device, parallel::HaveNccl());
+}
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
 std::string TimelineFlag() { return FLAGS_timeline; }
 

@@ -11,6 +11,7 @@
 #include "core/trainer.h"
 #include "dynamic/balancing_rebalancer.h"
 #include "parallel/parallel_config.h"
+#include "parallel/world_communicator.h"
 #include "pipeline/rebalancer.h"
 #include "recipes/cli.h"
 
@@ -47,6 +48,10 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
+/// --distributed_backend resolved against --device for the GPU of `local_rank`
+/// (parallel::ResolveBackend): nccl on the CPU, or in a build without NCCL, is refused with
+/// a message naming both flags. Without a --device flag in the program: the CPU.
+absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(int local_rank);
 std::string PipelineScheduleFlag();
 std::string TimelineFlag();
 /// The balancing flags (--balance_by, --rebalance_*, --diffusion_max_rounds), validated.

@@ -131,8 +131,7 @@ absl::Status CheckBeforeWork(Checked& c) {
   fulcrum::SetComputeThreads(c.threads.threads);
   FULCRUM_ASSIGN_OR_RETURN(c.world, fulcrum::parallel::WorldInfoFromEnvironment());
   FULCRUM_ASSIGN_OR_RETURN(c.layout, fulcrum::ParallelConfigFromFlags(c.world.world_size));
-  FULCRUM_ASSIGN_OR_RETURN(c.backend,
-                           fulcrum::parallel::ParseBackend(fulcrum::DistributedBackendFlag()));
+  FULCRUM_ASSIGN_OR_RETURN(c.backend, fulcrum::DistributedBackendFromFlags(c.world.local_rank));
   FULCRUM_ASSIGN_OR_RETURN(c.early, fulcrum::ConfigFromFlags(/*vocab_size=*/0, c.layout.tp));
   // --load is opened now: a missing or damaged checkpoint is reported before any work, and
   // the re-packing flags are checked against the iteration it resumes from.

@@ -19,11 +19,25 @@
 // fulcrum_launch and Gloo, on this machine's cores) and prints the median tokens/s of each
 // next to one process's.
 //
+// With --device=cuda (issue 23) it measures on one GPU, by default the ~1.3B `gpt_1p3b` shape
+// (24 layers, hidden 2048, 16 heads, seq 2048; --bf16 for bf16 compute over fp32 weights),
+// and every run ends with one table per model: ms/step, tokens/s and MFU of each side.
+// NOTE [model FLOPs]: MFU counts the model's FLOPs, not the kernels': per token
+// 6·N + 12·L·h·s, N the parameters of the matrix products (L·(4h² + 2h·ffn) + h·vocab: the
+// output layer, tied or not; embeddings lookups and norms excluded), L layers, hidden h,
+// sequence s — forward and backward, the attention scores and context counted whole
+// (causal masking not subtracted, as PaLM's appendix B counts them) — over the GPU's dense
+// bf16 peak, found by name (H100 SXM and H200: 989 TFLOP/s; H100 PCIe 756; A100 312). On
+// the CPU the column reads "n/a on CPU".
+//
 //   build/bin/fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]
 //                                 [--layouts=1,tp2,dp2,tp2dp2] [--layout_iters=30]
 //                                 [--compare_reference] [--threads=0] [--cross_entropy]
+//                                 [--device=cpu|cuda|cuda:N|auto] [--bf16] [--quick]
+#include <ATen/autocast_mode.h>
 #include <gflags/gflags.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -39,7 +53,9 @@
 #include <unistd.h>
 
 #include "absl/strings/str_split.h"
+#include "absl/strings/match.h"
 #include "core/data/default_corpus.h"
+#include "core/device.h"
 #include "core/data/tokenizer.h"
 #include "core/logging.h"
 #include "core/malloc_tuning.h"
@@ -84,6 +100,14 @@ DEFINE_string(reference_wait_policy, "same",
               "'default' (unset: libgomp's default, spinning before it sleeps, as a PyTorch user "
               "runs it).");
 
+DEFINE_string(device, "cpu",
+              "Where both sides train: cpu, cuda (GPU 0), cuda:N, or auto (cuda when visible). "
+              "On a GPU the default model is gpt_1p3b and the layouts are skipped.");
+DEFINE_bool(bf16, false, "bf16 compute with fp32 weights and optimizer state, on every side.");
+DEFINE_bool(quick, false,
+            "2 rounds of 2 iterations after 1 warm-up (flags given explicitly win): what "
+            "tools/gpu_check.sh --quick runs.");
+
 namespace fulcrum {
 namespace {
 
@@ -98,7 +122,53 @@ struct Shape {
 
 const Shape kShapes[] = {{"tiny", 4, 128, 4, 512, 128, 8, 16},
                          {"gpt_20m", 6, 512, 8, 2048, 256, 4, 16},
-                         {"gpt_8k", 4, 256, 4, 1024, 128, 8, 8, 8000, true}};
+                         {"gpt_8k", 4, 256, 4, 1024, 128, 8, 8, 8000, true},
+                         // Issue 23's GPU benchmark: ~1.3B parameters (GPT-3 XL's shape).
+                         {"gpt_1p3b", 24, 2048, 16, 8192, 2048, 2, 8, 50304}};
+
+c10::Device g_device(c10::kCPU);
+
+// NOTE [model FLOPs] in the header comment.
+double ModelFlopsPerToken(const Shape& s) {
+  const double h = double(s.hidden);
+  const double matmul_params = double(s.layers) * (4.0 * h * h + 2.0 * h * double(s.ffn)) +
+                               h * double(s.vocab);
+  return 6.0 * matmul_params + 12.0 * double(s.layers) * h * double(s.seq);
+}
+
+// The dense bf16 peak of GPU `index` by its name (nvidia-smi), in FLOP/s; 0 when unknown.
+double GpuPeakFlops(int index, std::string* name) {
+  const std::string command =
+      "nvidia-smi --query-gpu=name --format=csv,noheader -i " + std::to_string(index) + " 2>/dev/null";
+  name->clear();
+  if (std::FILE* pipe = popen(command.c_str(), "r")) {
+    char line[256];
+    if (std::fgets(line, sizeof(line), pipe) != nullptr) *name = line;
+    pclose(pipe);
+  }
+  while (!name->empty() && (name->back() == '\n' || name->back() == ' ')) name->pop_back();
+  if (absl::StrContains(*name, "H100") && absl::StrContains(*name, "PCIe")) return 756e12;
+  if (absl::StrContains(*name, "H100") || absl::StrContains(*name, "H200")) return 989e12;
+  if (absl::StrContains(*name, "A100")) return 312e12;
+  return 0;
+}
+
+// MERGE(seam): the one place the Fulcrum side learns --device and --bf16. Once
+// ModelOptions::device_spec (core/device.h) is in TrainerConfig, set
+//   config.model.device_spec = DeviceSpec{g_device, at::kFloat, bf16 ? at::kBFloat16 : at::kFloat};
+// and return OkStatus. Until then the Fulcrum side runs on the CPU in fp32 only, and the
+// other sides are measured alone elsewhere.
+absl::Status ConnectFulcrumDevice(TrainerConfig& config) {
+  if (g_device.is_cpu() && !FLAGS_bf16) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "the Fulcrum side needs the device seam (ModelOptions::device_spec) for --device=" +
+      g_device.str() + (FLAGS_bf16 ? " --bf16" : ""));
+}
+
+// Waits for the GPU's queued work, so wall time counts work rather than launches.
+void Synchronize() {
+  if (g_device.is_cuda()) torch::cuda::synchronize(g_device.index());
+}
 
 std::string g_reference_script;
 
@@ -126,7 +196,9 @@ class Reference {
                                      "--global_batch=" + std::to_string(s.global_batch),
                                      "--vocab=" + std::to_string(s.vocab),
                                      "--threads=" + std::to_string(threads),
-                                     "--warmup=" + std::to_string(FLAGS_warmup_iters)};
+                                     "--warmup=" + std::to_string(FLAGS_warmup_iters),
+                                     "--device=" + g_device.str()};
+    if (FLAGS_bf16) args.push_back("--bf16");
     if (s.untied) args.push_back("--untied");
     if (compiled) args.push_back("--compile");
     const pid_t pid = fork();
@@ -236,6 +308,43 @@ TORCH_MODULE(PlainGpt);
 
 using bench::Median;
 
+// One row per side: ms/step, tokens/s, MFU (NOTE [model FLOPs]); a side not measured says
+// why. Printed for every model on every device.
+void PrintThroughputTable(const Shape& shape, double tokens, const std::vector<double>& fulcrum,
+                          const std::vector<double>& plain, const std::vector<double>& eager,
+                          const std::vector<double>& compiled, const std::string& fulcrum_missing) {
+  std::string gpu;
+  const double peak = g_device.is_cuda() ? GpuPeakFlops(std::max<int>(g_device.index(), 0), &gpu) : 0;
+  const double flops_per_token = ModelFlopsPerToken(shape);
+  std::printf("%s on %s%s%s, %s; %.3g model FLOPs per token (6N + 12*L*h*s):\n", shape.name.c_str(),
+              g_device.str().c_str(), gpu.empty() ? "" : (" (" + gpu + ")").c_str(),
+              peak > 0 ? (", bf16 peak " + std::to_string(int(peak / 1e12)) + " TFLOP/s").c_str() : "",
+              FLAGS_bf16 ? "bf16 compute, fp32 weights" : "fp32", flops_per_token);
+  std::printf("  %-16s %10s %12s %12s\n", "side", "ms/step", "tokens/s", "MFU");
+  auto row = [&](const char* side, const std::vector<double>& ms, const std::string& missing) {
+    if (ms.empty()) {
+      std::printf("  %-16s %s\n", side, missing.c_str());
+      return;
+    }
+    const double rate = tokens / Median(ms) * 1e3;
+    char mfu[64];
+    if (g_device.is_cpu()) {
+      std::snprintf(mfu, sizeof(mfu), "n/a on CPU");
+    } else if (peak <= 0) {
+      std::snprintf(mfu, sizeof(mfu), "n/a (unknown GPU peak)");
+    } else {
+      std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100.0 * rate * flops_per_token / peak);
+    }
+    std::printf("  %-16s %10.1f %12.0f %12s\n", side, Median(ms), rate, mfu);
+  };
+  row("fulcrum", fulcrum, "not measured: " + fulcrum_missing);
+  row("plain libtorch", plain, "not measured");
+  row("pytorch eager", eager, "not measured (--compare_reference)");
+  row("torch.compile", compiled, "not measured (--compare_reference)");
+  // Per-layer CUDA-event timing (issue 23 item 5) is not in this build: no on/off row yet.
+  std::fflush(stdout);
+}
+
 void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> corpus) {
   const int64_t vocab = shape.vocab;
   TrainerConfig config;
@@ -251,24 +360,38 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   config.train.train_iters = 1 << 30;
   config.data.seq_length = shape.seq;
   config.data.split = "100,0,0";
-  auto trainer = Trainer::Create(config, corpus);
-  if (!trainer.ok()) {
+  const absl::Status connected = ConnectFulcrumDevice(config);
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+      connected.ok() ? Trainer::Create(config, corpus) : absl::StatusOr<std::unique_ptr<Trainer>>(connected);
+  if (!trainer.ok() && connected.ok()) {
     std::fprintf(stderr, "bench_train: %s\n", std::string(trainer.status().message()).c_str());
     std::exit(1);
   }
 
   PlainGpt plain(shape, vocab);
+  plain->to(g_device);
+  plain->future = plain->future.to(g_device);
   torch::optim::AdamW adamw(plain->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   const int64_t micro = shape.global_batch / shape.micro_batch;
   const double tokens = double(shape.global_batch) * double(shape.seq);
-  torch::Tensor batches = torch::randint(vocab, {micro, shape.micro_batch, shape.seq + 1}, torch::kLong);
+  torch::Tensor batches = torch::randint(vocab, {micro, shape.micro_batch, shape.seq + 1},
+                                         torch::TensorOptions(torch::kLong).device(g_device));
   auto plain_step = [&]() {
     adamw.zero_grad();
-    for (int64_t m = 0; m < micro; ++m) (plain->forward(batches[m]) / tokens).backward();
+    // --bf16 as PyTorch users write it: autocast over fp32 weights (only around the forward).
+    for (int64_t m = 0; m < micro; ++m) {
+      at::autocast::set_autocast_enabled(g_device.type(), FLAGS_bf16);
+      if (FLAGS_bf16) at::autocast::set_autocast_dtype(g_device.type(), at::kBFloat16);
+      torch::Tensor loss = plain->forward(batches[m]);
+      at::autocast::set_autocast_enabled(g_device.type(), false);
+      at::autocast::clear_cache();
+      (loss.to(torch::kFloat) / tokens).backward();
+    }
     torch::nn::utils::clip_grad_norm_(plain->parameters(), 1.0);
     adamw.step();
   };
   auto fulcrum_step = [&]() {
+    if (!trainer.ok()) return;
     auto stats = (*trainer)->TrainIteration();
     if (!stats.ok()) std::exit(1);
   };
@@ -276,6 +399,7 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   auto ms_per_step = [&](const std::function<void()>& step) {
     const auto start = Clock::now();
     for (int i = 0; i < FLAGS_iters_per_round; ++i) step();
+    Synchronize();
     return std::chrono::duration<double, std::milli>(Clock::now() - start).count() /
            FLAGS_iters_per_round;
   };
@@ -283,6 +407,7 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
     plain_step();
     fulcrum_step();
   }
+  Synchronize();
   std::unique_ptr<Reference> eager_reference, compiled_reference;
   if (FLAGS_compare_reference) {
     eager_reference = Reference::Start(shape, at::get_num_threads(), /*compiled=*/false);
@@ -298,16 +423,20 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   for (int r = 0; r < FLAGS_rounds; ++r) {
     // Rotate which goes first so drift in machine load hits all alike.
     std::vector<std::function<void()>> order = {
-        [&] { ours.push_back(ms_per_step(fulcrum_step)); },
+        [&] { if (trainer.ok()) ours.push_back(ms_per_step(fulcrum_step)); },
         [&] { theirs.push_back(ms_per_step(plain_step)); },
         [&] { time_reference(eager_reference.get(), &eager); },
         [&] { time_reference(compiled_reference.get(), &compiled); }};
     std::rotate(order.begin(), order.begin() + r % order.size(), order.end());
     for (auto& run : order) run();
+    if (ours.empty()) continue;
     ratios.push_back(theirs.back() / ours.back());
     if (eager.size() == ours.size()) eager_ratios.push_back(ours.back() / eager.back());
     if (compiled.size() == ours.size()) compiled_ratios.push_back(ours.back() / compiled.back());
   }
+  PrintThroughputTable(shape, tokens, ours, theirs, eager, compiled,
+                       trainer.ok() ? "" : std::string(trainer.status().message()));
+  if (!trainer.ok()) return;
   std::printf("%-8s %10lld params | fulcrum %9.0f tok/s | plain libtorch %9.0f tok/s | "
               "ratio %.3f (median of %d rounds; overhead %+.1f%%)\n",
               shape.name.c_str(), static_cast<long long>((*trainer)->model().NumParameterElements()),
@@ -424,6 +553,23 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   fulcrum::InitLogging(argv[0]);
+  if (auto device = fulcrum::ResolveDevice(FLAGS_device, /*local_rank=*/0); !device.ok()) {
+    std::fprintf(stderr, "bench_train: %s\n", std::string(device.status().message()).c_str());
+    return 2;
+  } else {
+    fulcrum::g_device = *device;
+  }
+  auto is_default = [](const char* flag) { return gflags::GetCommandLineFlagInfoOrDie(flag).is_default; };
+  if (FLAGS_quick) {
+    if (is_default("rounds")) FLAGS_rounds = 2;
+    if (is_default("iters_per_round")) FLAGS_iters_per_round = 2;
+    if (is_default("warmup_iters")) FLAGS_warmup_iters = 1;
+  }
+  if (fulcrum::g_device.is_cuda()) {
+    if (is_default("models")) FLAGS_models = "gpt_1p3b";
+    // The layouts run fulcrum_train over Gloo on this machine's cores.
+    if (is_default("layouts")) FLAGS_layouts = "";
+  }
   if (FLAGS_reference_wait_policy != "same" && FLAGS_reference_wait_policy != "default") {
     std::fprintf(stderr, "bench_train: --reference_wait_policy must be 'same' or 'default', got '%s'\n",
                  FLAGS_reference_wait_policy.c_str());
@@ -457,7 +603,7 @@ int main(int argc, char** argv) {
       }
     }
     if (!found) {
-      std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m, gpt_8k)\n", std::string(name).c_str());
+      std::fprintf(stderr, "bench_train: unknown model '%s' (tiny, gpt_20m, gpt_8k, gpt_1p3b)\n", std::string(name).c_str());
       return 2;
     }
   }

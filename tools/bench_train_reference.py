@@ -33,6 +33,9 @@ def main():
     p.add_argument("--threads", type=int, default=0, help="0 keeps PyTorch's default")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision: fp32 weights and optimizer, bf16 compute (autocast)")
     p.add_argument("--trace", default="",
                    help="after warmup, write a chrome trace of 3 steps here and exit "
                         "(tools/op_profile_summary.py sums it by op)")
@@ -89,14 +92,24 @@ def main():
             logits = self.head(x) if self.head is not None else x @ self.wte.weight.t()
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-    model = Gpt()
-    run = torch.compile(model) if args.compile else model
+    device = torch.device(args.device)
+    model = Gpt().to(device)
+    compiled = torch.compile(model) if args.compile else model
+
+    def run(tokens):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            return compiled(tokens)
+
+    def synchronize():  # Wall time on a GPU counts work, not launches.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                              {"params": no_decay, "weight_decay": 0.0}], lr=1e-4)
     micro = args.global_batch // args.micro_batch
-    batches = torch.randint(args.vocab, (micro, args.micro_batch, args.seq + 1))
+    batches = torch.randint(args.vocab, (micro, args.micro_batch, args.seq + 1), device=device)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -107,6 +120,7 @@ def main():
 
     for _ in range(args.warmup):
         step()
+    synchronize()
     if args.trace:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(3):
@@ -122,6 +136,7 @@ def main():
         start = time.perf_counter()
         for _ in range(n):
             step()
+        synchronize()
         print("%.6f" % (time.perf_counter() - start), flush=True)
 
 

@@ -243,7 +243,7 @@ TEST(WorldCommunicatorTest, BadWorldArgumentsAreRefusedNamingTheBackend) {
   }
 }
 
-TEST(WorldCommunicatorTest, NcclWithoutGpuIsAClearError) {
+TEST(WorldCommunicatorTest, NcclWithoutADeviceIsAClearError) {
   if (HaveNccl() && NcclVisibleDevices() > 0) GTEST_SKIP() << "this machine has a GPU";
   auto comm = CreateWorldCommunicator(WorldInfo{}, Backend::kNccl, std::chrono::seconds(5));
   ASSERT_FALSE(comm.ok());
@@ -252,7 +252,7 @@ TEST(WorldCommunicatorTest, NcclWithoutGpuIsAClearError) {
       << comm.status();
 }
 
-TEST(NcclTest, OneProcessCollectives) {
+TEST(NcclGpuTest, OneProcessCollectives) {
   if (!HaveNccl()) GTEST_SKIP() << "built without NCCL (no CUDA toolkit with NCCL found)";
   if (NcclVisibleDevices() == 0) GTEST_SKIP() << "no CUDA device visible: NCCL needs a GPU";
   if (!at::hasCUDA()) GTEST_SKIP() << "this LibTorch has no CUDA: cannot make CUDA tensors";

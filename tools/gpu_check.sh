@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh [--quick] [--build-dir DIR] [--no-build] [--bundle DIR] [--prefix DIR] OUTDIR
+#
+# Proves Fulcrum's GPU path on a machine with a GPU, a CUDA toolkit and a python3 with a
+# CUDA torch 2.x, without a network: unpacks the bundle of tools/gpu_bundle.sh (dpkg -x)
+# into a prefix, builds Fulcrum against python3's torch with FULCRUM_CUDA=ON, runs the GPU
+# tests (named *Gpu* or Cuda*, tests/CMakeLists.txt), the training benchmark, and one short
+# real training run per feature on --device=cuda, and writes ONE report: OUTDIR/report.md and OUTDIR/report.json,
+# each check "pass", "fail" or "not run (why)" with its figures, seconds and command; the
+# logs are in OUTDIR/logs/. Exit status: 0 when no check failed.
+#
+# On a machine without a GPU it still runs end to end: the GPU checks read
+# "not run (no GPU visible)". Checks that need more GPUs than are visible (pp, tp,
+# migration: one rank per GPU, and NCCL refuses two ranks on one GPU) say how many.
+#
+#   --quick       the fewest build targets, 3 iterations per run, a short benchmark: fits
+#                 the device machine's 10-minute command with a build on 16 cores.
+#   --build-dir   where to build (default build-gpu); an existing one is reused
+#                 (incremental), so a second call does not pay the build again.
+#   --no-build    use the binaries already in --build-dir (the CPU ctest does this).
+#   --bundle DIR  the .deb folder of tools/gpu_bundle.sh, unpacked into --prefix.
+#   --prefix DIR  where the bundle goes (default /tmp/fulcrum-prefix).
+# $PYTHON names the python3 whose torch is built against (default python3).
+set -uo pipefail
+
+quick=0
+build_dir=build-gpu
+do_build=1
+bundle=""
+prefix=/tmp/fulcrum-prefix
+out=""
+while (( $# )); do
+  case "$1" in
+    --quick) quick=1 ;;
+    --no-build) do_build=0 ;;
+    --build-dir) build_dir=$2; shift ;;
+    --bundle) bundle=$2; shift ;;
+    --prefix) prefix=$2; shift ;;
+    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option '$1'" >&2; exit 2 ;;
+    *) [[ -z "$out" ]] || { echo "gpu_check.sh: one OUTDIR only (got '$out' and '$1')" >&2; exit 2; }
+       out=$1 ;;
+  esac
+  shift
+done
+[[ -n "$out" ]] || { echo "usage: tools/gpu_check.sh [--quick] [--build-dir DIR] [--no-build] [--bundle DIR] OUTDIR" >&2; exit 2; }
+source_dir=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out/logs" || exit 2
+out=$(cd "$out" && pwd)
+build_dir=$(mkdir -p "$build_dir" && cd "$build_dir" && pwd)
+results="$out/logs/results.tsv"
+: >"$results"
+bin="$build_dir/bin"
+iters=$(( quick ? 3 : 10 ))
+
+# record NAME STATUS SECONDS COMMAND FIGURES
+record() {
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >>"$results"
+  printf 'gpu_check: %-24s %s %s\n' "$1" "$2" "${5:+($5)}"
+}
+
+# run_check NAME FIGURE_FN COMMAND: runs COMMAND (bash -c) with its output in logs/NAME.log;
+# FIGURE_FN (or "") is given the log path and prints the figures to report.
+run_check() {
+  local name=$1 figures_of=$2 command=$3 log="$out/logs/$1.log" start=$SECONDS status figures=""
+  (cd "$out" && bash -c "$command") >"$log" 2>&1
+  status=$?
+  [[ -n "$figures_of" ]] && figures=$($figures_of "$log" 2>/dev/null | tr '\t\n' '  ')
+  if (( status == 0 )); then
+    record "$name" pass $((SECONDS - start)) "$command" "$figures"
+  else
+    record "$name" fail $((SECONDS - start)) "$command" "exit $status; $(tail -n 3 "$log" | tr '\t\n' '  ' | cut -c1-300) ${figures}"
+  fi
+}
+
+# --- the machine -----------------------------------------------------------------------
+gpus=0
+gpu_name="none"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  (( gpus > 0 )) && gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+fi
+torch_prefix=$(${PYTHON:-python3} -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+torch_version=$(${PYTHON:-python3} -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)
+nvcc_version=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p' || true)
+record environment pass 0 "nvidia-smi -L; python3 -c 'import torch'" \
+  "GPUs: $gpus ($gpu_name); python3 torch: $torch_version; nvcc: ${nvcc_version:-none}; cores: $(nproc)"
+no_gpu="not run (no GPU visible)"
+
+# --- the bundle ------------------------------------------------------------------------
+if [[ -n "$bundle" ]]; then
+  run_check bundle "" "mkdir -p '$prefix' && for f in '$bundle'/*.deb; do dpkg -x \"\$f\" '$prefix' || exit 1; done"
+else
+  record bundle "not run (no --bundle given: the build uses the system's packages)" 0 "" ""
+fi
+prefix_lib="$prefix/usr/lib/x86_64-linux-gnu"
+export LD_LIBRARY_PATH="$prefix_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# --- the build -------------------------------------------------------------------------
+if (( quick )); then
+  targets="fulcrum_train fulcrum_launch fulcrum_bench_train parallel_test core_test"
+else
+  targets="all"
+fi
+if (( ! do_build )); then
+  record build "not run (--no-build: the binaries in $build_dir)" 0 "" ""
+else
+  configure=""
+  if [[ ! -f "$build_dir/build.ninja" && ! -f "$build_dir/Makefile" ]]; then
+    cuda=OFF
+    [[ -n "$nvcc_version" ]] && cuda=ON
+    configure="cmake -S '$source_dir' -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DFULCRUM_CUDA=$cuda -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH='$torch_prefix;$prefix/usr' -DCMAKE_LIBRARY_PATH='$prefix_lib' -DCMAKE_INCLUDE_PATH='$prefix/usr/include' && "
+  fi
+  run_check build "" "${configure}cmake --build '$build_dir' -j$(nproc) --target $targets"
+fi
+
+# --- GPU tests -------------------------------------------------------------------------
+count_tests() { sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/failed \1 of \2/p' "$1" | tail -1; }
+if (( gpus == 0 )); then
+  record gpu_tests "$no_gpu" 0 "ctest -R 'Gpu|^Cuda|/Cuda'" ""
+else
+  # The naming convention (tests/CMakeLists.txt): label gpu, and the Slow* GPU tests.
+  run_check gpu_tests count_tests "cd '$build_dir' && ctest -R 'Gpu|^Cuda|/Cuda' --output-on-failure --timeout 300"
+fi
+
+# --- the benchmark ---------------------------------------------------------------------
+bench_figures() { grep -E '^  (fulcrum|plain libtorch|pytorch eager|torch.compile) ' "$1" | tr -s ' ' | tail -8 | paste -sd';'; }
+bench_args="--device=cuda --bf16 --compare_reference --reference_python=${PYTHON:-python3}"
+(( quick )) && bench_args+=" --quick"
+if (( gpus == 0 )); then
+  record bench_train "$no_gpu" 0 "$bin/fulcrum_bench_train $bench_args" ""
+else
+  run_check bench_train bench_figures "'$bin/fulcrum_bench_train' $bench_args"
+fi
+
+# --- one short training run per feature ------------------------------------------------
+loss_of() {
+  python3 - "$1" <<'PY'
+import json, sys
+rows = []
+for line in open(sys.argv[1].replace(".log", ".jsonl")):
+    try: rows.append(json.loads(line))
+    except ValueError: pass
+if rows:
+    last = rows[-1]
+    print("iterations %s, last loss %s" % (len(rows), last.get("loss", last.get("lm_loss", "?"))))
+PY
+}
+train_of() { echo "'$bin/fulcrum_train' --recipe=$1 --device=cuda --train_iters=$iters --log_interval=1"; }
+train=$(train_of tiny)
+launch() { echo "'$bin/fulcrum_launch' --nproc_per_node=$1 --master_port=0 -- $train"; }
+# name, GPUs needed, command (metrics go to logs/NAME.jsonl, read by loss_of)
+train_check() {
+  local name=$1 need=$2 command="$3 --metrics_file='$out/logs/$1.jsonl'"
+  if (( gpus == 0 )); then
+    record "$name" "$no_gpu" 0 "$command" ""
+  elif (( gpus < need )); then
+    record "$name" "not run (needs $need GPUs, $gpus visible)" 0 "$command" ""
+  else
+    run_check "$name" loss_of "$command"
+  fi
+}
+train_check train_dense 1 "$train"
+train_check train_bf16 1 "$train --bf16"
+train_check train_moe 1 "$(train_of tiny_moe)"
+for plugin in early_exit freeze "mod --mod_capacity=0.25" "prune --prune_start_iter=0 --prune_end_iter=1" \
+              "sparse_attention --sparse_attention_buckets=4"; do
+  train_check "train_plugin_${plugin%% *}" 1 "$train --plugins=$plugin"
+done
+train_check train_resume 1 "$train --save='$out/ckpt' && $(train_of tiny | sed "s/--train_iters=$iters/--train_iters=$((iters + 2))/") --load='$out/ckpt'"
+train_check train_pp 2 "$(launch 2) --pipeline_model_parallel_size=2"
+train_check train_tp 2 "$(launch 2) --tensor_model_parallel_size=2"
+train_check train_migration 2 "$(launch 2) --pipeline_model_parallel_size=2 --rebalancer=partition --rebalance_min_gain=0"
+
+# --- the report ------------------------------------------------------------------------
+python3 - "$results" "$out" "$quick" <<'PY'
+import json, sys, datetime
+results, out, quick = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+checks = []
+for line in open(results):
+    name, status, seconds, command, figures = (line.rstrip("\n").split("\t") + [""] * 5)[:5]
+    checks.append({"name": name, "status": status, "seconds": int(seconds or 0),
+                   "figures": figures.strip(), "command": command})
+summary = {s: sum(1 for c in checks if c["status"].startswith(s)) for s in ("pass", "fail", "not run")}
+report = {"tool": "tools/gpu_check.sh", "quick": quick,
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+          "summary": summary, "checks": checks}
+json.dump(report, open(out + "/report.json", "w"), indent=2)
+with open(out + "/report.md", "w") as md:
+    md.write("# Fulcrum GPU check%s, %s\n\n" % (" (--quick)" if quick else "", report["date"]))
+    md.write("%(pass)d pass, %(fail)d fail, %(not run)d not run.\n\n" % summary)
+    md.write("| check | result | seconds | figures | command |\n|---|---|---|---|---|\n")
+    for c in checks:
+        cell = lambda s: s.replace("|", "\\|")
+        md.write("| %s | %s | %d | %s | `%s` |\n" % (c["name"], cell(c["status"]), c["seconds"],
+                                                   cell(c["figures"]), cell(c["command"])))
+print("gpu_check: %(pass)d pass, %(fail)d fail, %(not run)d not run" % summary)
+PY
+echo "gpu_check: report in $out/report.md and $out/report.json"
+! grep -q $'\tfail\t' "$results"

@@ -42,7 +42,9 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 /// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
 /// --make_vocab_size_divisible_by whatever the layout (the padded size changes the softmax),
 /// which tp must divide. `vocab_size` 0 means not known yet: every other flag is checked.
-absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
+/// --device resolves for `local_rank` (LOCAL_RANK: cuda means that rank's GPU); a GPU that
+/// is not visible, or --bf16 over fp64 masters, is refused naming the flag.
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1, int local_rank = 0);
 
 
 /// --distributed_backend and --distributed_timeout_minutes.
@@ -66,5 +68,7 @@ std::string LoadPathFlag();
 bool AllowUnchecksummedManifestFlag();
 /// --plugins as given (plugins::SelectPlugins adds those their own flags ask for).
 std::string PluginsFlag();
+/// --device as given (cpu, cuda, cuda:N, auto), for the startup log.
+std::string DeviceFlag();
 
 }  // namespace fulcrum

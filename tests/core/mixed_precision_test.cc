@@ -230,10 +230,11 @@ double MaxAbsDifference(const std::vector<double>& a, const std::vector<double>&
 }
 
 // (a) the bf16 run tracks the fp32 loss curve over 20 iterations; bf16 masters do not.
-// kTrackTolerance is set from the measurement printed below (see the report in the
-// commit): bf16 rounds activations to 8 bits of mantissa, so the losses differ by about
-// 1e-2 of a loss near 4, and the fp32-master property is what keeps them from parting.
-constexpr double kTrackTolerance = 0.05;
+// Measured here (losses near 4): bf16 over fp32 masters 2.8e-4 at most; the same run with
+// the masters rounded to bf16 after every step 1.9e-3 (updates below half a bf16 step of a
+// weight are lost, the norms' weights near 1 stop moving). The tolerance sits between, 3.6×
+// above the first and 1.9× below the second; the runs are deterministic on the CPU.
+constexpr double kTrackTolerance = 1e-3;
 
 TEST(MixedPrecisionTest, Bf16TracksTheFp32LossCurve) {
   TrainerConfig config = SmallTrainerConfig();

@@ -88,9 +88,10 @@ TEST_F(SlowParallelTrainTest, PipelineTwoStagesEverySchedule) {
 // dtype would not match the message's size and the receive fails), and the run follows
 // the one-process bf16 run. Not bit-exact: as in fp32, the gradient norm is summed over
 // the stages in another order, so the clip factor can differ in its last bit — and bf16
-// activations turn such a difference into a larger one. kBf16LayoutTolerance is set from
-// the measurement printed here.
-constexpr double kBf16LayoutTolerance = 1e-3;
+// activations turn such a difference into a larger one. Measured: the first four
+// iterations bit-identical, then 6.4e-4 at most over 20 (fp32's pp=2 run: 5.8e-7); the
+// first iteration, before any optimizer step, must be exact.
+constexpr double kBf16LayoutTolerance = 2e-3;
 
 TEST_F(SlowParallelTrainTest, Bf16PipelineTwoStagesFollowsOneProcessBf16) {
   std::string output;
@@ -112,6 +113,7 @@ TEST_F(SlowParallelTrainTest, Bf16PipelineTwoStagesFollowsOneProcessBf16) {
         << output;
     const std::vector<double> losses = Losses(metrics);
     ASSERT_EQ(losses.size(), 20u);
+    EXPECT_EQ(losses[0], reference[0]) << "the first forward crosses the stages exactly";
     const double worst = testing::MaxRelativeDifference(losses, reference);
     std::cout << "bf16 pp2 " << schedule << ": max relative loss difference vs one bf16 process "
               << "over 20 iterations: " << worst << "; vs fp32 one process: "

@@ -25,18 +25,19 @@ const char* PositionEmbeddingName(PositionEmbedding p) {
   return p == PositionEmbedding::kLearned ? "learned_absolute" : "rope";
 }
 
-absl::Status ParseParamsDtype(const std::string& text, ParamsDtype* out) {
+absl::Status ParseParamsDtype(const std::string& text, DeviceSpec* spec) {
   if (text == "fp32" || text == "float32") {
-    *out = ParamsDtype::kFp32;
+    spec->master_dtype = spec->compute_dtype = at::kFloat;
   } else if (text == "fp64" || text == "float64") {
-    *out = ParamsDtype::kFp64;
+    spec->master_dtype = spec->compute_dtype = at::kDouble;
   } else {
-    return Invalid(absl::StrCat("--params_dtype='", text, "' is unknown; expected fp32 or fp64"));
+    return Invalid(absl::StrCat("--params_dtype='", text, "' is unknown; expected fp32 or fp64",
+                                text == "bf16" || text == "bfloat16"
+                                    ? " (bf16 compute over fp32 masters is --bf16)"
+                                    : ""));
   }
   return absl::OkStatus();
 }
-
-const char* ParamsDtypeName(ParamsDtype d) { return d == ParamsDtype::kFp32 ? "fp32" : "fp64"; }
 
 absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out) {
   if (text == "constant") {
@@ -112,7 +113,7 @@ absl::Status ModelOptions::Validate() const {
   if (!(attention_dropout >= 0 && attention_dropout < 1)) {
     return Invalid(absl::StrCat("--attention_dropout=", attention_dropout, " must be in [0, 1)"));
   }
-  return absl::OkStatus();
+  return device_spec.Validate();
 }
 
 absl::Status OptimizerOptions::Validate() const {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "core/device.h"
 
 namespace fulcrum {
 
@@ -15,9 +16,6 @@ enum class PositionEmbedding { kLearned, kRotary };
 /// x / sqrt(mean(x²) + eps), computed in fp32 as Hugging Face's LlamaRMSNorm does).
 enum class Normalization { kLayerNorm, kRMSNorm };
 enum class LrDecayStyle { kConstant, kLinear, kCosine };
-/// The dtype of parameters, gradients, optimizer state and activations. fp64 is for
-/// numerical checks (telling rounding from bugs, e.g. layout drift): slower, CPU only.
-enum class ParamsDtype { kFp32, kFp64 };
 
 /// "learned" / "rope" (also "rotary") → enum; error names the flag otherwise.
 absl::Status ParsePositionEmbedding(const std::string& text, PositionEmbedding* out);
@@ -26,9 +24,9 @@ const char* PositionEmbeddingName(PositionEmbedding p);
 absl::Status ParseNormalization(const std::string& text, Normalization* out);
 const char* NormalizationName(Normalization n);
 absl::Status ParseLrDecayStyle(const std::string& text, LrDecayStyle* out);
-/// "fp32" / "fp64" → enum; error names --params_dtype otherwise.
-absl::Status ParseParamsDtype(const std::string& text, ParamsDtype* out);
-const char* ParamsDtypeName(ParamsDtype d);
+/// --params_dtype: "fp32" / "fp64" (also float32, float64) becomes spec's master and compute
+/// dtype (bf16 compute is --bf16's, over fp32 masters); error names the flag otherwise.
+absl::Status ParseParamsDtype(const std::string& text, DeviceSpec* spec);
 const char* LrDecayStyleName(LrDecayStyle s);
 
 struct ModelOptions {
@@ -57,8 +55,13 @@ struct ModelOptions {
   double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
   double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
   uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.
-  ParamsDtype params_dtype = ParamsDtype::kFp32;  // Default: fp32. Initial values are drawn in
-                                      //   fp32 whatever the dtype, so fp64 starts from them.
+  /// Default: cpu, fp32 masters and compute. Where every tensor of the model lives and in
+  /// which precision it computes (NOTE [device seam] in core/device.h) — the one source of
+  /// truth for the dtype: --params_dtype sets the master dtype (fp64 is for numerical
+  /// checks, telling rounding from bugs: slower, CPU only), --bf16 the compute dtype over
+  /// fp32 masters, --device the device. Initial values are drawn in fp32 whatever the
+  /// dtype, so fp64 starts from them.
+  DeviceSpec device_spec;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   /// Key/value heads: num_query_groups, or num_attention_heads when it is 0.

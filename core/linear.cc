@@ -33,7 +33,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->save_for_backward({input, weight});
     // NOTE [weight-gradient tags]: the tag of the layer whose forward this is.
     ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
-    return at::matmul(input, weight.t());
+    // NOTE [mixed precision]: the GEMM runs in the input's dtype; the master weight is
+    // saved, not its cast (the backward casts again rather than hold a second copy).
+    return at::matmul(input, weight.to(input.scalar_type()).t());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -44,14 +46,21 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor grad_out = grads[0].contiguous();
     const int64_t out_features = weight.size(0);
     const int64_t in_features = weight.size(1);
+    const at::ScalarType master = weight.scalar_type();
 
     // A first trainable layer after a frozen prefix needs no input gradient (NOTE [frozen
     // prefix] in core/gpt_model.h).
-    at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, weight) : at::Tensor();
-    // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM.
-    auto weight_grad = [grad_out, input, out_features, in_features]() {
+    at::Tensor grad_input = ctx->needs_input_grad(0)
+                                ? at::matmul(grad_out, weight.to(grad_out.scalar_type()))
+                                : at::Tensor();
+    // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM in the compute
+    // dtype, then widened to the master dtype: what accumulates over micro-batches is fp32
+    // (NOTE [mixed precision]). Fused or deferred, the same two operations run on the same
+    // saved tensors, so the B/W split stays exact.
+    auto weight_grad = [grad_out, input, out_features, in_features, master]() {
       return at::matmul(grad_out.reshape({-1, out_features}).t(),
-                        input.reshape({-1, in_features}));
+                        input.reshape({-1, in_features}))
+          .to(master);
     };
     at::Tensor grad_weight;
     if (!weight.requires_grad()) {
@@ -73,7 +82,8 @@ class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> 
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& rows) {
-    const at::Tensor selected = weight.index_select(0, rows);
+    // The selected rows in the input's dtype (NOTE [mixed precision]).
+    const at::Tensor selected = weight.index_select(0, rows).to(input.scalar_type());
     ctx->save_for_backward({input, weight, selected});
     ctx->saved_data["rows"] = rows;
     ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
@@ -91,8 +101,10 @@ class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> 
     const int64_t out_features = selected.size(0);
     const int64_t in_features = selected.size(1);
     at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, selected) : at::Tensor();
-    auto rows_grad = [grad_out, input, out_features, in_features]() {
-      return at::matmul(grad_out.reshape({-1, out_features}).t(), input.reshape({-1, in_features}));
+    const at::ScalarType master = weight.scalar_type();
+    auto rows_grad = [grad_out, input, out_features, in_features, master]() {
+      return at::matmul(grad_out.reshape({-1, out_features}).t(), input.reshape({-1, in_features}))
+          .to(master);
     };
     auto into_rows = [weight, rows](const at::Tensor& g) {
       at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
@@ -174,14 +186,15 @@ void WeightGradStore::FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& bias) {
   at::Tensor out = LinearFunction::apply(input, weight);
-  // The bias is an ordinary autograd op: its gradient is a cheap reduction done in B.
-  return bias.defined() ? out + bias : out;
+  // The bias is an ordinary autograd op: its gradient is a cheap reduction done in B. Cast
+  // to the output's dtype (autograd's cast widens its gradient back to the master's).
+  return bias.defined() ? out + bias.to(out.scalar_type()) : out;
 }
 
 at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& bias, const at::Tensor& rows) {
   at::Tensor out = LinearRowsFunction::apply(input, weight, rows);
-  return bias.defined() ? out + bias.index_select(0, rows) : out;
+  return bias.defined() ? out + bias.index_select(0, rows).to(out.scalar_type()) : out;
 }
 
 }  // namespace fulcrum

@@ -18,6 +18,18 @@
 // stage as soon as its own weight gradients are final. A weight belongs to one layer, so
 // running one tag's closures before another's keeps every weight's accumulation order, and
 // the gradients stay bit-identical.
+//
+// NOTE [mixed precision]
+// Megatron's bf16 (--bf16, core/device.h): parameters stay fp32 leaves (the masters); each
+// is cast to the activation's dtype where it is used, autocast style, and the gradient
+// comes back fp32. Linear casts its weight inside the function — the GEMMs run in the
+// input's dtype — and widens the weight gradient to the weight's dtype before it is
+// returned or accumulated (fused or deferred alike, so the B/W split stays exact); biases
+// and the other parameters go through autograd's own cast, whose backward widens. So
+// .grad is fp32 and accumulates in fp32 over micro-batches (Megatron's main_grad), and the
+// optimizer, the gradient reductions and the norm see only fp32. The norms compute in
+// fp32 and return the compute dtype, the loss computes in fp32 from bf16 logits. With
+// equal dtypes every cast is a no-op: fp32 and fp64 runs are bit-identical to before.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -100,7 +112,8 @@ class WeightGradStore {
   int64_t held_bytes_ = 0;
 };
 
-/// y = x·Wᵀ + b for x [..., in], W [out, in], b [out] (may be undefined).
+/// y = x·Wᵀ + b for x [..., in], W [out, in], b [out] (may be undefined). The result has x's
+/// dtype; W and b may be wider masters (NOTE [mixed precision]).
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& bias);
 

@@ -109,7 +109,10 @@ at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size) {
 at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
                                      int64_t vocab_start, TensorParallelGroup* group) {
   if (group == nullptr || group->size() == 1) {
-    return CrossEntropyFunction::apply(logits, targets);
+    // The loss computes in at least fp32 (bf16 logits are widened, as the vocab-parallel
+    // path does): the softmax over the vocabulary is where bf16 would lose the most.
+    return CrossEntropyFunction::apply(
+        logits.to(at::promote_types(logits.scalar_type(), at::kFloat)), targets);
   }
   return VocabParallelCrossEntropyFunction::apply(logits, targets, vocab_start, group);
 }

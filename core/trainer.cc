@@ -68,7 +68,13 @@ nlohmann::json ConfigToJson(const TrainerConfig& c) {
                 {"hidden_dropout", c.model.hidden_dropout},
                 {"attention_dropout", c.model.attention_dropout},
                 {"seed", c.model.seed},
-                {"params_dtype", ParamsDtypeName(c.model.params_dtype)}};
+                {"params_dtype", DtypeName(c.model.device_spec.master_dtype)}};
+  // Where and in which precision the run computed (NOTE [device seam]): for the reader, not
+  // a resume check — a checkpoint holds master-dtype values whatever the compute dtype or
+  // device, so a bf16 run may resume an fp32 one's checkpoint and the other way round.
+  j["device"] = {{"device", c.model.device_spec.device.str()},
+                 {"compute_dtype", DtypeName(c.model.device_spec.compute_dtype)},
+                 {"master_dtype", DtypeName(c.model.device_spec.master_dtype)}};
   j["optimizer"] = {{"lr", c.optimizer.lr},
                     {"min_lr", c.optimizer.min_lr},
                     {"weight_decay", c.optimizer.weight_decay},

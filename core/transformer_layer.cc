@@ -47,9 +47,11 @@ class CausalSoftmaxFunction : public torch::autograd::Function<CausalSoftmaxFunc
   }
 };
 
-// x + b, or x when the bias is absent (--disable_bias_linear).
+// x + b, or x when the bias is absent (--disable_bias_linear). The (master) bias is cast
+// to x's dtype where it is used (NOTE [mixed precision] in core/linear.h); a no-op when the
+// dtypes agree.
 at::Tensor AddBias(const at::Tensor& x, const at::Tensor& bias) {
-  return bias.defined() ? x + bias : x;
+  return bias.defined() ? x + bias.to(x.scalar_type()) : x;
 }
 
 }  // namespace
@@ -57,10 +59,15 @@ at::Tensor AddBias(const at::Tensor& x, const at::Tensor& bias) {
 at::Tensor Norm(const ModelOptions& options, const at::Tensor& x, const at::Tensor& weight,
                 const at::Tensor& bias) {
   const int64_t h = x.size(-1);
+  // NOTE [mixed precision] in core/linear.h: the norms compute in the master dtype of their
+  // weights (fp32 under --bf16, as Megatron's fused norms do) and hand back x's dtype.
+  // Both casts are no-ops when x is already in the master dtype.
+  const at::ScalarType out_dtype = x.scalar_type();
+  const at::Tensor wide = x.to(weight.scalar_type());
   if (options.normalization == Normalization::kLayerNorm) {
-    return at::layer_norm(x, {h}, weight, bias, options.layernorm_epsilon);
+    return at::layer_norm(wide, {h}, weight, bias, options.layernorm_epsilon).to(out_dtype);
   }
-  return at::rms_norm(x, {h}, weight, options.layernorm_epsilon);
+  return at::rms_norm(wide, {h}, weight, options.layernorm_epsilon).to(out_dtype);
 }
 
 at::Tensor MlpActivation(const ModelOptions& options, const at::Tensor& fc1_out) {
@@ -94,22 +101,24 @@ at::Tensor Rotate(const at::Tensor& x, at::Tensor angles) {
   return x * cos + rotated * sin;
 }
 
-at::Tensor InverseFrequencies(int64_t d, double base) {
-  return at::pow(base, -at::arange(0, d, 2, at::kDouble) / static_cast<double>(d));  // [d/2]
+at::Tensor InverseFrequencies(int64_t d, double base, c10::Device device) {
+  return at::pow(base, -at::arange(0, d, 2, at::TensorOptions().dtype(at::kDouble).device(device)) /
+                           static_cast<double>(d));  // [d/2]
 }
 
 }  // namespace
 
 at::Tensor ApplyRotary(const at::Tensor& x, double base) {
   const int64_t s = x.size(2);
-  return Rotate(x, at::outer(at::arange(s, at::kDouble), InverseFrequencies(x.size(3), base)));
+  return Rotate(x, at::outer(at::arange(s, at::TensorOptions().dtype(at::kDouble).device(x.device())),
+                             InverseFrequencies(x.size(3), base, x.device())));
 }
 
 at::Tensor ApplyRotaryAt(const at::Tensor& x, const at::Tensor& positions, double base) {
   TORCH_CHECK(positions.dim() == 2 && positions.size(0) == x.size(0) && positions.size(1) == x.size(2),
               "rotary positions must be [", x.size(0), ", ", x.size(2), "], got ", positions.sizes());
   const at::Tensor angles = positions.to(at::kDouble).unsqueeze(-1) *
-                            InverseFrequencies(x.size(3), base);  // [b, n, d/2]
+                            InverseFrequencies(x.size(3), base, x.device());  // [b, n, d/2]
   return Rotate(x, angles.unsqueeze(1));
 }
 
@@ -118,7 +127,7 @@ at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group) {
 }
 
 at::ScalarType ParamsScalarType(const ModelOptions& options) {
-  return options.params_dtype == ParamsDtype::kFp64 ? at::kDouble : at::kFloat;
+  return options.device_spec.master_dtype;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -127,7 +136,7 @@ Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
       options_(options),
       tp_(tp),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
-  set_params_dtype(ParamsScalarType(options));
+  set_params_dtype(ParamsScalarType(options), options.device_spec.device);
   const int64_t h = options.hidden_size;
   // Vocab-parallel: each rank keeps a contiguous block of rows.
   word_embeddings_ = AddParameter(
@@ -150,7 +159,9 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
   const int64_t s = tokens.size(1);
   TORCH_CHECK(s <= options_.seq_length, "sequence of ", s, " tokens exceeds seq_length ",
               options_.seq_length);
-  at::Tensor ids = tokens.t();  // [s, b]
+  // Batches arrive from the CPU data loader; they move to the spec's device here, at the
+  // model's entry (a no-op on cpu).
+  at::Tensor ids = tokens.t().to(word_embeddings_.device());  // [s, b]
   at::Tensor hidden;
   if (tp_size() == 1) {
     hidden = at::embedding(word_embeddings_, ids);  // [s, b, h]
@@ -166,6 +177,9 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
   if (position_embeddings_.defined()) {
     hidden = hidden + position_embeddings_.narrow(0, 0, s).unsqueeze(1);
   }
+  // The residual stream carries the compute dtype (bf16 under --bf16); the lookup itself
+  // reads the master rows, so its backward scatters fp32 gradients.
+  hidden = hidden.to(options_.device_spec.compute_dtype);
   return Dropout(hidden, options_.hidden_dropout, options_.seed, "embedding_dropout", -1, ctx);
 }
 
@@ -179,7 +193,7 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
       layer_index_(layer_index),
       local_heads_(options.num_attention_heads / TpSize(tp)),
       local_groups_(options.query_groups() / TpSize(tp)) {
-  set_params_dtype(ParamsScalarType(options));
+  set_params_dtype(ParamsScalarType(options), options.device_spec.device);
   const int64_t h = options.hidden_size;
   const int64_t f = options.ffn_hidden_size;
   const double std = options.init_method_std;
@@ -192,7 +206,7 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
   auto shell = [&](at::IntArrayRef shape, int64_t shard_dim) {
     std::vector<int64_t> local = shape.vec();
     if (shard_dim >= 0) local[shard_dim] /= n;
-    return at::empty(local, at::kFloat);
+    return at::empty(local, at::kFloat);  // AddParameter moves it to the spec's dtype/device
   };
   auto weight = [&](const char* name, at::IntArrayRef shape, double s, int64_t shard_dim) {
     at::Tensor init = initialize ? ShardOf(NormalInit(options.seed, GlobalName(name), shape, s),
@@ -384,7 +398,7 @@ at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Ten
   // mask inside the softmax's node.
   const at::Tensor scaled_q = q * (1.0 / std::sqrt(double(d)));
   at::Tensor scores = at::matmul(scaled_q, k.transpose(-2, -1));
-  at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool)).triu(1);
+  at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(q.device())).triu(1);
   at::Tensor probs = CausalSoftmaxFunction::apply(scores, future);
   // One mask per global head, so a head draws the same mask on whichever rank holds it.
   const int64_t first_head = tp_rank() * heads;
@@ -437,14 +451,15 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   const int64_t d = options_.head_dim();
   // The local QKV weight's rows are [groups, per_group + 2, d]: each group's query heads,
   // then its key and its value (NOTE [QKV rows]).
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(hidden.device());
   const at::Tensor base =
-      at::arange(groups, at::kLong).mul_((per_group + 2) * d).view({groups, 1, 1});
-  const at::Tensor within = at::arange(d, at::kLong).view({1, 1, d});
+      at::arange(groups, longs).mul_((per_group + 2) * d).view({groups, 1, 1});
+  const at::Tensor within = at::arange(d, longs).view({1, 1, d});
   const at::Tensor q_rows =
-      (base + at::arange(per_group, at::kLong).mul_(d).view({1, per_group, 1}) + within)
+      (base + at::arange(per_group, longs).mul_(d).view({1, per_group, 1}) + within)
           .reshape({-1});
   const at::Tensor kv_rows =
-      (base + at::arange(per_group, per_group + 2, at::kLong).mul_(d).view({1, 2, 1}) + within)
+      (base + at::arange(per_group, per_group + 2, longs).mul_(d).view({1, 2, 1}) + within)
           .reshape({-1});
   const at::Tensor x = CopyToRegion(tp_, Norm(options_, hidden, ln1_weight_, ln1_bias_));
   at::Tensor q = LinearRowsForward(x.gather(0, index3), qkv_weight_, qkv_bias_, q_rows)
@@ -456,7 +471,7 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   if (options_.position_embedding == PositionEmbedding::kRotary) {
     // The queries at their own positions, the keys at every position.
     const at::Tensor all = ctx.rotary_positions.defined() ? ctx.rotary_positions
-                                                          : at::arange(s, at::kLong).unsqueeze(1).expand({s, b});
+                                                          : at::arange(s, longs).unsqueeze(1).expand({s, b});
     q = ApplyRotaryAt(q, all.gather(0, index).t(), options_.rotary_base);
     key_heads = ApplyRotaryAt(key_heads, all.t(), options_.rotary_base);
   }
@@ -479,7 +494,7 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
     const at::Tensor scores =
         at::matmul(scaled_q.narrow(2, begin, rows), keys.narrow(2, 0, end).transpose(-2, -1));
     // Query at position p sees keys 0..p.
-    const at::Tensor future = at::arange(end, at::kLong).view({1, 1, 1, end}) > pos;
+    const at::Tensor future = at::arange(end, longs).view({1, 1, 1, end}) > pos;
     parts.push_back(
         at::matmul(CausalSoftmaxFunction::apply(scores, future), values.narrow(2, 0, end)));
   }
@@ -517,7 +532,7 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
       options_(options),
       tp_(tp),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
-  set_params_dtype(ParamsScalarType(options));
+  set_params_dtype(ParamsScalarType(options), options.device_spec.device);
   const int64_t h = options.hidden_size;
   ln_weight_ = AddParameter("final_layernorm.weight", Ones({h}), false);
   if (options.normalization == Normalization::kLayerNorm) {
@@ -552,7 +567,8 @@ at::Tensor Head::Logits(const at::Tensor& hidden, const at::Tensor& word_embeddi
 at::Tensor Head::TokenLosses(const at::Tensor& hidden, const at::Tensor& word_embeddings,
                              const at::Tensor& labels) const {
   // The full logits are never gathered (NOTE [tensor-parallel sharding]).
-  return VocabParallelCrossEntropy(Logits(hidden, word_embeddings), labels, vocab_start_, tp_);
+  return VocabParallelCrossEntropy(Logits(hidden, word_embeddings), labels.to(hidden.device()),
+                                   vocab_start_, tp_);
 }
 
 }  // namespace fulcrum

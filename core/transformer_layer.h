@@ -114,7 +114,7 @@ at::Tensor MlpActivation(const ModelOptions& options, const at::Tensor& fc1_out)
 /// heads of its group (NOTE [QKV rows]); the tensor itself when per_group is 1.
 at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group);
 
-/// The scalar type of options.params_dtype.
+/// The master dtype of the parameters: options.device_spec.master_dtype.
 at::ScalarType ParamsScalarType(const ModelOptions& options);
 
 /// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).

@@ -32,7 +32,7 @@ at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
                                const std::string& mirror_of, bool expert_parallel) {
   TORCH_INTERNAL_ASSERT(FindParameter(local_name) == nullptr, "duplicate parameter ",
                         GlobalName(local_name));
-  at::Tensor value = init.to(params_dtype_).contiguous().detach();
+  at::Tensor value = init.to(params_device_, params_dtype_).contiguous().detach();
   value.set_requires_grad(true);
   parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {},
                                  {}, mirror_of, expert_parallel});

@@ -135,8 +135,11 @@ class Unit {
                            int64_t tp_shard_dim = -1, const std::string& mirror_of = "",
                            bool expert_parallel = false);
 
-  /// The dtype AddParameter stores values in (ModelOptions::params_dtype): fp32 by default.
+  /// The dtype AddParameter stores values in (the master dtype of ModelOptions::device_spec):
+  /// fp32 by default.
   at::ScalarType params_dtype() const { return params_dtype_; }
+  /// The device AddParameter puts values on (ModelOptions::device_spec.device): cpu by default.
+  c10::Device params_device() const { return params_device_; }
 
   /// Registers persistent state that is not trained (e.g. the expert bias of an
   /// auxiliary-loss-free router, a pruning mask, a frozen flag): checkpointed and migrated
@@ -195,12 +198,17 @@ class Unit {
 
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;
+  c10::Device params_device_ = c10::Device(c10::kCPU);
   std::vector<std::function<void(Unit&)>> state_loaded_;
   std::map<std::string, std::shared_ptr<void>> attachments_;
 
  protected:
-  /// Sets params_dtype() — in a subclass's constructor, before its first AddParameter.
-  void set_params_dtype(at::ScalarType dtype) { params_dtype_ = dtype; }
+  /// Sets params_dtype() and params_device() — in a subclass's constructor, before its
+  /// first AddParameter.
+  void set_params_dtype(at::ScalarType dtype, c10::Device device = c10::Device(c10::kCPU)) {
+    params_dtype_ = dtype;
+    params_device_ = device;
+  }
 };
 
 }  // namespace fulcrum

@@ -55,7 +55,12 @@ struct StageExecutor::RunContext {
         // Activations are [seq_length, micro_batch_size, hidden] between stages.
         transport(pp, actions,
                   {model.options().seq_length, micro_batch_size, model.options().hidden_size},
-                  ParamsScalarType(model.options()), depth,
+                  // NOTE [device seam]: activations travel in the compute dtype (bf16
+                  // under --bf16) and are received onto the spec's device.
+                  at::TensorOptions()
+                      .dtype(model.options().device_spec.compute_dtype)
+                      .device(model.options().device_spec.device),
+                  depth,
                   /*receive_gradients=*/training && model.output_needs_grad(),
                   /*carried_channels=*/model.carries_token_state() ? 1 : 0) {}
 
@@ -214,7 +219,8 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
     const at::Tensor carried = ctx.token_state.defined()
                                    ? ctx.token_state
                                    : at::full({hidden.size(0), hidden.size(1)},
-                                             model.initial_token_state(), at::kFloat);
+                                             model.initial_token_state(),
+                                             hidden.options().dtype(at::kFloat));
     run.transport.SendActivation(
         at::cat({hidden.detach(), carried.to(hidden.scalar_type()).unsqueeze(-1)}, 2), mb);
     if (run.training) state->output = hidden;

@@ -147,7 +147,7 @@ absl::Status Validate(const PluginSetup& setup) {
   if (options.num_experts == 0) {
     return absl::InvalidArgumentError("--plugins=moe needs --num_experts > 0");
   }
-  if (setup.model.params_dtype == ParamsDtype::kFp64) {
+  if (setup.model.device_spec.master_dtype == at::kDouble) {
     return absl::InvalidArgumentError(
         "--params_dtype=fp64 is for dense models; the MoE layers (--num_experts) keep fp32 state");
   }

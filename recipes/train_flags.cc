@@ -52,6 +52,13 @@ DEFINE_string(params_dtype, "fp32",
               "fp32, or fp64 for numerical checks (parameters, gradients, optimizer state and "
               "activations in float64; initial values still drawn in fp32): tells rounding "
               "from bugs when layouts disagree. Dense models on CPU only.");
+DEFINE_string(device, "auto",
+              "cpu, cuda (the GPU of LOCAL_RANK), cuda:N, or auto: cuda when this process sees "
+              "a GPU, else cpu. Every tensor of the model follows it; logged at start.");
+DEFINE_bool(bf16, false,
+            "bf16 mixed precision as Megatron does it: activations and GEMMs in bf16 over fp32 "
+            "master weights, fp32 gradient accumulation and optimizer state; checkpoints hold "
+            "the fp32 masters. Needs --params_dtype=fp32; dense models without plugins.");
 // Optimizer and schedule.
 DEFINE_double(lr, 1e-3, "Peak learning rate.");
 DEFINE_double(min_lr, 0.0, "Minimum learning rate at the end of decay.");
@@ -204,6 +211,7 @@ cli::HelpSpec TrainHelpSpec() {
         "swiglu", "openai_gelu", "disable_bias_linear", "group_query_attention", "num_query_groups",
         "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "seed",
         "params_dtype"}},
+      {"Device and precision", {"device", "bf16"}},
       {"Training",
        {"train_iters", "micro_batch_size", "global_batch_size", "lr", "min_lr",
         "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1",
@@ -387,12 +395,7 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 
 std::string DistributedBackendFlag() { return FLAGS_distributed_backend; }
 
-absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(int local_rank) {
-  // --device belongs to the device seam (core/device.h); it is read by name so that this
-  // holds in a build where the flag is not defined yet, which trains on the CPU.
-  std::string device_text = "cpu";
-  gflags::GetCommandLineOption("device", &device_text);
-  FULCRUM_ASSIGN_OR_RETURN(c10::Device device, ResolveDevice(device_text, local_rank));
+absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(const c10::Device& device) {
   return parallel::ResolveBackend(FLAGS_distributed_backend, device, parallel::HaveNccl());
 }
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
@@ -440,7 +443,7 @@ absl::StatusOr<ThreadChoice> NumThreadsFlag() {
   return DefaultComputeThreads();
 }
 
-absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int local_rank) {
   TrainerConfig c;
   ModelOptions& m = c.model;
   m.num_layers = FLAGS_num_layers;
@@ -470,7 +473,17 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
   m.hidden_dropout = FLAGS_hidden_dropout;
   m.attention_dropout = FLAGS_attention_dropout;
   m.seed = FLAGS_seed;
-  FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &m.params_dtype));
+  // NOTE [device seam]: one DeviceSpec from --device, --params_dtype and --bf16.
+  FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &m.device_spec));
+  FULCRUM_ASSIGN_OR_RETURN(m.device_spec.device, ResolveDevice(FLAGS_device, local_rank));
+  if (FLAGS_bf16) {
+    if (m.device_spec.master_dtype != at::kFloat) {
+      return Invalid(absl::StrCat("--bf16 computes over fp32 master weights; it excludes --params_dtype=",
+                                  FLAGS_params_dtype));
+    }
+    m.device_spec.compute_dtype = at::kBFloat16;
+  }
+  FULCRUM_RETURN_IF_ERROR(m.device_spec.Validate());
   if (FLAGS_make_vocab_size_divisible_by < 1) {
     return Invalid(absl::StrCat("--make_vocab_size_divisible_by=",
                                 FLAGS_make_vocab_size_divisible_by, " must be ≥ 1"));
@@ -533,5 +546,6 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp) {
 std::string LoadPathFlag() { return FLAGS_load; }
 bool AllowUnchecksummedManifestFlag() { return FLAGS_allow_unchecksummed_manifest; }
 std::string PluginsFlag() { return FLAGS_plugins; }
+std::string DeviceFlag() { return FLAGS_device; }
 
 }  // namespace fulcrum

@@ -43,15 +43,18 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
 /// Flags → TrainerConfig, validated. The vocabulary is padded to a multiple of
 /// --make_vocab_size_divisible_by whatever the layout (the padded size changes the softmax),
 /// which tp must divide. `vocab_size` 0 means not known yet: every other flag is checked.
-absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1);
+/// --device resolves for `local_rank` (LOCAL_RANK: cuda means that rank's GPU); a GPU that
+/// is not visible, or --bf16 over fp64 masters, is refused naming the flag.
+absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp = 1, int local_rank = 0);
 
 
 /// --distributed_backend and --distributed_timeout_minutes.
 std::string DistributedBackendFlag();
-/// --distributed_backend resolved against --device for the GPU of `local_rank`
-/// (parallel::ResolveBackend): nccl on the CPU, or in a build without NCCL, is refused with
-/// a message naming both flags. Without a --device flag in the program: the CPU.
-absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(int local_rank);
+/// --distributed_backend resolved against the run's device (the resolved --device, i.e.
+/// ModelOptions::device_spec.device; parallel::ResolveBackend): auto picks nccl on a GPU and
+/// gloo on the CPU; nccl on the CPU, or in a build without NCCL, is refused with a message
+/// naming both flags.
+absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(const c10::Device& device);
 std::string PipelineScheduleFlag();
 std::string TimelineFlag();
 /// The balancing flags (--balance_by, --rebalance_*, --diffusion_max_rounds), validated.
@@ -71,5 +74,7 @@ std::string LoadPathFlag();
 bool AllowUnchecksummedManifestFlag();
 /// --plugins as given (plugins::SelectPlugins adds those their own flags ask for).
 std::string PluginsFlag();
+/// --device as given (cpu, cuda, cuda:N, auto), for the startup log.
+std::string DeviceFlag();
 
 }  // namespace fulcrum

@@ -153,16 +153,12 @@ double GpuPeakFlops(int index, std::string* name) {
   return 0;
 }
 
-// MERGE(seam): the one place the Fulcrum side learns --device and --bf16. Once
-// ModelOptions::device_spec (core/device.h) is in TrainerConfig, set
-//   config.model.device_spec = DeviceSpec{g_device, at::kFloat, bf16 ? at::kBFloat16 : at::kFloat};
-// and return OkStatus. Until then the Fulcrum side runs on the CPU in fp32 only, and the
-// other sides are measured alone elsewhere.
+// The one place the Fulcrum side learns --device and --bf16: the device seam
+// (ModelOptions::device_spec, core/device.h) — fp32 masters, bf16 compute under --bf16.
 absl::Status ConnectFulcrumDevice(TrainerConfig& config) {
-  if (g_device.is_cpu() && !FLAGS_bf16) return absl::OkStatus();
-  return absl::UnimplementedError(
-      "the Fulcrum side needs the device seam (ModelOptions::device_spec) for --device=" +
-      g_device.str() + (FLAGS_bf16 ? " --bf16" : ""));
+  config.model.device_spec =
+      DeviceSpec{g_device, /*master_dtype=*/at::kFloat, FLAGS_bf16 ? at::kBFloat16 : at::kFloat};
+  return config.model.device_spec.Validate();
 }
 
 // Waits for the GPU's queued work, so wall time counts work rather than launches.

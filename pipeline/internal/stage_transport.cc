@@ -39,12 +39,12 @@ std::vector<int> GradientTags(const std::vector<Action>& actions) {
 }  // namespace
 
 ReceiveQueue::ReceiveQueue(parallel::Communicator* pp, int peer, std::vector<int> tags,
-                           std::vector<int64_t> shape, at::ScalarType dtype, size_t depth)
+                           std::vector<int64_t> shape, at::TensorOptions options, size_t depth)
     : pp_(pp),
       peer_(peer),
       tags_(std::move(tags)),
       shape_(std::move(shape)),
-      dtype_(dtype),
+      options_(options),
       depth_(depth) {
   Refill();
 }
@@ -65,23 +65,23 @@ absl::StatusOr<at::Tensor> ReceiveQueue::Take(int tag, double* wait_ms) {
 
 void ReceiveQueue::Refill() {
   while (posted_.size() < depth_ && next_ < tags_.size()) {
-    Posted p{tags_[next_++], at::empty(shape_, dtype_), nullptr};
+    Posted p{tags_[next_++], at::empty(shape_, options_), nullptr};
     p.work = pp_->IRecv(p.buffer, peer_, p.tag);
     posted_.push_back(std::move(p));
   }
 }
 
 StageTransport::StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
-                               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
-                               bool receive_gradients, int64_t carried_channels)
+                               std::vector<int64_t> shape, at::TensorOptions options,
+                               size_t depth, bool receive_gradients, int64_t carried_channels)
     : pp_(pp),
       stage_(pp->rank()),
       activations_(pp, stage_ - 1, stage_ > 0 ? ActivationTags(actions) : std::vector<int>{},
-                   WithCarried(shape, carried_channels), dtype, depth),
+                   WithCarried(shape, carried_channels), options, depth),
       gradients_(pp, stage_ + 1,
                  stage_ < pp->size() - 1 && receive_gradients ? GradientTags(actions)
                                                                 : std::vector<int>{},
-                 shape, dtype, depth) {}
+                 shape, options, depth) {}
 
 absl::StatusOr<at::Tensor> StageTransport::TakeActivation(int mb, double* wait_ms) {
   return activations_.Take(ActivationTag(mb), wait_ms);

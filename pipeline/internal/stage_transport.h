@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
 
 #include <deque>
 #include <memory>
@@ -28,7 +29,7 @@ inline int GradientTag(int microbatch) { return 2 * microbatch + 1; }
 class ReceiveQueue {
  public:
   ReceiveQueue(parallel::Communicator* pp, int peer, std::vector<int> tags,
-               std::vector<int64_t> shape, at::ScalarType dtype, size_t depth);
+               std::vector<int64_t> shape, at::TensorOptions options, size_t depth);
 
   /// Waits for the message under `tag`, which must be the next one of the list, and posts
   /// the next receive. Adds the time blocked to *wait_ms.
@@ -46,7 +47,7 @@ class ReceiveQueue {
   int peer_;
   std::vector<int> tags_;
   std::vector<int64_t> shape_;
-  at::ScalarType dtype_;
+  at::TensorOptions options_;  // dtype and device of the receive buffers
   size_t depth_;
   size_t next_ = 0;
   std::deque<Posted> posted_;
@@ -55,13 +56,14 @@ class ReceiveQueue {
 /// Both directions of one stage's run over `actions` (its list for the run).
 class StageTransport {
  public:
-  /// Posts the first receives. `shape` and `dtype` are those of an activation's gradient;
+  /// Posts the first receives. `shape` and `options` (the compute dtype and the device of
+  /// the model's DeviceSpec) are those of an activation's gradient;
   /// the activation message has `carried_channels` more in its last dimension (the carried
   /// token state, NOTE [carried token state] in core/transformer_layer.h). Without
   /// `receive_gradients` the next stage sends none (NOTE [frozen prefix] in
   /// core/gpt_model.h: this stage's output needs no gradient).
   StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
-                 std::vector<int64_t> shape, at::ScalarType dtype, size_t depth,
+                 std::vector<int64_t> shape, at::TensorOptions options, size_t depth,
                  bool receive_gradients = true, int64_t carried_channels = 0);
 
   /// The activation of micro-batch `mb` from the previous stage; time blocked added to

@@ -42,7 +42,7 @@ TEST(CausalAttentionTest, TheLayerEqualsTheFullMaskedSoftmax) {
   for (int64_t s : {40, 128, 300}) {
     SCOPED_TRACE(s);
     ModelOptions o = testing::SmallModelOf(1, s);
-    o.params_dtype = ParamsDtype::kFp64;
+    o.device_spec.master_dtype = o.device_spec.compute_dtype = at::kDouble;
     TransformerLayer layer(o, 0);
     torch::manual_seed(11);
     testing::ExpectLayerMatchesReference(
@@ -55,7 +55,7 @@ TEST(CausalAttentionTest, TheLayerEqualsTheFullMaskedSoftmax) {
 // on the output and on the input gradient.
 TEST(CausalAttentionTest, AnotherReferenceFailsTheComparison) {
   ModelOptions o = testing::SmallModelOf(1, 40);
-  o.params_dtype = ParamsDtype::kFp64;
+  o.device_spec.master_dtype = o.device_spec.compute_dtype = at::kDouble;
   TransformerLayer layer(o, 0);
   torch::manual_seed(11);
   ::testing::TestPartResultArray failures;

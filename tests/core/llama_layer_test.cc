@@ -34,7 +34,7 @@ ModelOptions LlamaShape(int64_t groups) {
   o.position_embedding = PositionEmbedding::kRotary;
   o.rotary_base = 500.0;
   o.layernorm_epsilon = 1e-6;
-  o.params_dtype = ParamsDtype::kFp64;
+  o.device_spec.master_dtype = o.device_spec.compute_dtype = at::kDouble;
   return o;
 }
 

@@ -20,7 +20,7 @@ namespace {
 ModelOptions Fp64Model() {
   ModelOptions m = testing::SmallModel();  // hidden 32, 4 heads
   m.seq_length = 64;  // ResidualAt's query chunks are ≥ 16 rows: several chunks
-  m.params_dtype = ParamsDtype::kFp64;
+  m.device_spec.master_dtype = m.device_spec.compute_dtype = at::kDouble;
   m.hidden_dropout = 0;
   m.attention_dropout = 0;
   return m;

@@ -236,7 +236,7 @@ absl::Status Run() {
         absl::StrCat(reader.dir(), ": the manifest has no config.model"));
   }
   FULCRUM_ASSIGN_OR_RETURN(ModelOptions options, ModelOptionsFromJson(manifest["config"]["model"]));
-  FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &options.params_dtype));
+  FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &options.device_spec));
   FULCRUM_RETURN_IF_ERROR(options.Validate());
   FULCRUM_ASSIGN_OR_RETURN(const at::Tensor tokens, ReadTokens(FLAGS_tokens));
   if (tokens.size(1) - 1 > options.seq_length) {

@@ -17,7 +17,7 @@
 
 namespace fulcrum::moe::testing {
 
-/// A unit whose parameters are `dtype` (as TransformerLayer sets from --params_dtype).
+/// A unit whose parameters are `dtype` (as TransformerLayer sets from the master dtype of ModelOptions::device_spec).
 class TypedUnit : public Unit {
  public:
   TypedUnit(const std::string& name, at::ScalarType dtype) : Unit(name) { set_params_dtype(dtype); }

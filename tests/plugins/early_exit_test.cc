@@ -29,7 +29,7 @@ namespace {
 ModelOptions Model() {
   ModelOptions m = testing::SmallModel();  // hidden 32, 4 heads, seq 16, vocab 64
   m.num_layers = 3;
-  m.params_dtype = ParamsDtype::kFp64;
+  m.device_spec.master_dtype = m.device_spec.compute_dtype = at::kDouble;
   return m;
 }
 

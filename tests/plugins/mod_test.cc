@@ -27,7 +27,7 @@ namespace {
 // testing::SmallModel: 2 layers, hidden 32, 4 heads, seq 16.
 ModelOptions Small(bool fp64 = false) {
   ModelOptions m = testing::SmallModel();
-  if (fp64) m.params_dtype = ParamsDtype::kFp64;
+  if (fp64) m.device_spec.master_dtype = m.device_spec.compute_dtype = at::kDouble;
   return m;
 }
 

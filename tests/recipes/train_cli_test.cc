@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/data/indexed_dataset.h"
+#include "core/device.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 #include "tests/recipes/train_runs.h"
@@ -98,6 +99,18 @@ INSTANTIATE_TEST_SUITE_P(
                      "cannot save checkpoints to /proc/fulcrum_no_such_dir (--save)"},
         BadInputCase{"KeepLastWithoutSave", "--save_keep_last=2", "--save_keep_last=2 needs --save"},
         BadInputCase{"UnknownParamsDtype", "--params_dtype=fp16", "--params_dtype='fp16' is unknown"},
+        // The device seam (core/device.h): refused before any work, naming the flag. This
+        // machine's tests run where no GPU is visible, so cuda is refused with the count.
+        BadInputCase{"CudaWithoutAGpu", "--device=cuda",
+                     "--device=cuda needs GPU 0 (LOCAL_RANK 0) but this process sees 0 GPUs "
+                     "(use --device=cpu or auto)"},
+        BadInputCase{"UnknownDevice", "--device=tpu",
+                     "--device='tpu' is unknown; expected cpu, cuda, cuda:N or auto"},
+        BadInputCase{"Bf16OverFp64", "--bf16 --params_dtype=fp64",
+                     "--bf16 computes over fp32 master weights; it excludes --params_dtype=fp64"},
+        BadInputCase{"Bf16ParamsDtype", "--params_dtype=bf16", "bf16 compute over fp32 masters is --bf16"},
+        BadInputCase{"Bf16WithPlugins", "--recipe=tiny_moe --bf16",
+                     "--bf16 is for dense models for now; it does not combine with the plugins (moe"},
         // Outputs are checked before any work, each error naming its own flag.
         BadInputCase{"UnwritableMetricsFile",
                      "--recipe=tiny --train_iters=2 --metrics_file=/proc/fulcrum_no_such_dir/m.jsonl",
@@ -118,6 +131,38 @@ std::vector<nlohmann::json> ReadMetrics(const std::string& path) {
   std::string line;
   while (std::getline(in, line)) records.push_back(nlohmann::json::parse(line));
   return records;
+}
+
+// --device=auto resolves to cpu on a machine without a GPU and says so once at the start;
+// --bf16 runs and says so too, and the manifest records both.
+TEST(TrainCliTest, DeviceAutoIsCpuHereAndLoggedOnce) {
+  if (VisibleCudaDevices() > 0) GTEST_SKIP() << "a GPU is visible: auto would pick it";
+  const std::string dir = testing::MakeTempDir("cli_device");
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kTrain + " --recipe=tiny --num_layers=2 --train_iters=2 "
+                                         "--eval_interval=0 --log_interval=1",
+                                &output),
+            0)
+      << output;
+  const size_t at = output.find("device: cpu fp32 (--device=auto)");
+  EXPECT_NE(at, std::string::npos) << output;
+  EXPECT_EQ(output.find("device: ", at + 1), std::string::npos) << "logged once\n" << output;
+  ASSERT_EQ(testing::RunCommand(kTrain + " --recipe=tiny --num_layers=2 --train_iters=2 "
+                                         "--eval_interval=0 --log_interval=1 --device=cpu --bf16"
+                                         " --save=" + dir + "/ckpt",
+                                &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("device: cpu bf16/fp32 (--device=cpu, --bf16)"), std::string::npos)
+      << output;
+  std::ifstream in(dir + "/ckpt/iter_0000002/manifest.json");
+  ASSERT_TRUE(in.good());
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json manifest = nlohmann::json::parse(text.str());
+  EXPECT_EQ(manifest["config"]["device"]["compute_dtype"], "bf16") << manifest["config"];
+  EXPECT_EQ(manifest["config"]["device"]["master_dtype"], "fp32");
+  EXPECT_EQ(manifest["config"]["model"]["params_dtype"], "fp32");
 }
 
 // Short runs of the tiny recipe: 8 straight vs 4 + exit + resume 4.

@@ -4,6 +4,8 @@
 
 #include <chrono>
 
+#include "core/kernels/linear_epilogue.h"
+
 namespace fulcrum {
 namespace {
 
@@ -44,8 +46,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     const at::Tensor grad_out = grads[0].contiguous();
-    const int64_t out_features = weight.size(0);
-    const int64_t in_features = weight.size(1);
     const at::ScalarType master = weight.scalar_type();
 
     // A first trainable layer after a frozen prefix needs no input gradient (NOTE [frozen
@@ -53,14 +53,16 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     at::Tensor grad_input = ctx->needs_input_grad(0)
                                 ? at::matmul(grad_out, weight.to(grad_out.scalar_type()))
                                 : at::Tensor();
-    // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM in the compute
-    // dtype, then widened to the master dtype: what accumulates over micro-batches is fp32
-    // (NOTE [mixed precision]). Fused or deferred, the same two operations run on the same
-    // saved tensors, so the B/W split stays exact.
-    auto weight_grad = [grad_out, input, out_features, in_features, master]() {
-      return at::matmul(grad_out.reshape({-1, out_features}).t(),
-                        input.reshape({-1, in_features}))
-          .to(master);
+    // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM whose result has
+    // the master dtype: what accumulates over micro-batches is fp32 (NOTE [mixed precision]).
+    // bf16 operands accumulate into an fp32 result — cuBLASLt's on CUDA (Megatron's fused
+    // main_grad accumulation), the same product in fp32 on the CPU; fp32/fp64 operands take
+    // exactly the plain GEMM (core/kernels/linear_epilogue.h). Fused or deferred, the same
+    // closure runs on the same saved tensors, so the B/W split stays exact.
+    const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
+    auto weight_grad = [grad_out, input, master, widen]() {
+      return kernels::LinearWeightGrad(grad_out, input, /*want_bias_grad=*/false, widen)
+          .grad_weight.to(master);
     };
     at::Tensor grad_weight;
     if (!weight.requires_grad()) {
@@ -98,13 +100,12 @@ class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> 
     const at::Tensor& selected = saved[2];
     const at::Tensor rows = ctx->saved_data["rows"].toTensor();
     const at::Tensor grad_out = grads[0].contiguous();
-    const int64_t out_features = selected.size(0);
-    const int64_t in_features = selected.size(1);
     at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, selected) : at::Tensor();
     const at::ScalarType master = weight.scalar_type();
-    auto rows_grad = [grad_out, input, out_features, in_features, master]() {
-      return at::matmul(grad_out.reshape({-1, out_features}).t(), input.reshape({-1, in_features}))
-          .to(master);
+    const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
+    auto rows_grad = [grad_out, input, master, widen]() {  // as LinearFunction's weight_grad
+      return kernels::LinearWeightGrad(grad_out, input, /*want_bias_grad=*/false, widen)
+          .grad_weight.to(master);
     };
     auto into_rows = [weight, rows](const at::Tensor& g) {
       at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();

@@ -23,8 +23,9 @@
 // Megatron's bf16 (--bf16, core/device.h): parameters stay fp32 leaves (the masters); each
 // is cast to the activation's dtype where it is used, autocast style, and the gradient
 // comes back fp32. Linear casts its weight inside the function — the GEMMs run in the
-// input's dtype — and widens the weight gradient to the weight's dtype before it is
-// returned or accumulated (fused or deferred alike, so the B/W split stays exact); biases
+// input's dtype — and computes the weight gradient into the weight's dtype (bf16 operands
+// accumulating in fp32: kernels::LinearWeightGrad) before it is returned or accumulated
+// (fused or deferred alike, so the B/W split stays exact); biases
 // and the other parameters go through autograd's own cast, whose backward widens. So
 // .grad is fp32 and accumulates in fp32 over micro-batches (Megatron's main_grad), and the
 // optimizer, the gradient reductions and the norm see only fp32. The norms compute in

@@ -24,6 +24,23 @@
 #include "moe/dispatch.h"
 #include "moe/expert_parallel.h"
 
+// NOTE [MoE mixed precision]
+// Under --bf16 the MoE layer follows the dense model's rule (NOTE [mixed precision] in
+// core/linear.h): every parameter is an fp32 master; the experts' GEMMs run in the tokens'
+// bf16 through LinearForward, which casts the weight where it is used and returns an fp32
+// weight gradient. The router runs in fp32: the bf16 tokens are widened on entry
+// (RouterInput), so the logits, the softmax and top-k, the gates, the balancing losses and
+// the z-loss are all fp32 (NOTE [router precision] in moe/router.h) — Megatron-core keeps
+// its router's probabilities and aux losses in fp32 over bf16 activations, and its
+// --moe_router_dtype=fp32 widens the logits' GEMM too, which is what is done here always.
+// The router's weights are used as the fp32 masters they are, not cast down like the
+// experts'. Dispatch, the expert-parallel all-to-all and Combine keep the tokens' dtype, so
+// bf16 rows travel (half the bytes); Combine casts the fp32 gates to it and autograd widens
+// their gradient back. The aux losses join the backward in fp32 (AuxLossScaler). Tensors
+// the layer makes take their dtype and device from the tensors at hand or from the unit
+// (its master dtype and device), never from a literal, so fp32 runs are unchanged bit for
+// bit. Counters and the assignment cache's table are bookkeeping on the CPU, not compute.
+
 namespace fulcrum::moe {
 namespace {
 
@@ -73,10 +90,12 @@ class MoeLayer final : public FeedForward {
       if (!initialize) {
         std::vector<int64_t> local = shape.vec();
         if (shard_dim >= 0) local[shard_dim] /= tp_size;
-        full = at::empty(local, at::kFloat);
+        full = at::empty(local, at::TensorOptions(unit.params_dtype()));
       } else {
+        // Masters in the unit's dtype (the spec's master dtype); AddParameter puts them on
+        // the spec's device. bf16 compute casts them where used (RunExperts).
         full = s > 0 ? NormalInit(model.seed, unit.GlobalName(name), shape, s)
-                     : at::zeros(shape, at::kFloat);
+                     : at::zeros(shape, at::TensorOptions(unit.params_dtype()));
         full = ShardOf(full, shard_dim, tp_rank, tp_size);
       }
       return unit.AddParameter(name, full, weight_decay, shard_dim, /*mirror_of=*/"",
@@ -293,7 +312,10 @@ class MoeLayer final : public FeedForward {
       biases.push_back(experts_[e].fc2_bias);
       row_expert.insert(row_expert.end(), sizes[e], static_cast<int64_t>(e));
     }
-    return y + at::stack(biases).index_select(0, at::tensor(row_expert, at::kLong));
+    // The fp32 master biases are cast to the rows' dtype, as LinearForward casts its own
+    // (NOTE [mixed precision]); the index lives where the rows do.
+    const at::Tensor index = at::tensor(row_expert, at::kLong).to(y.device());
+    return y + at::stack(biases).index_select(0, index).to(y.scalar_type());
   }
 
   void AfterOptimizerStep() override {

@@ -15,8 +15,9 @@
 // Where it stands: the dense model (embedding, layers, head, loss), the optimizer and the
 // pipeline's receive buffers follow the spec; batches move to the device at the model's
 // entry; checkpoints and layer migrations go through the CPU as before. --bf16 covers the
-// dense model (NOTE [mixed precision] in core/linear.h) and is refused with the plugins
-// (MoE included), whose tensors are not yet written against the spec.
+// dense model (NOTE [mixed precision] in core/linear.h) and MoE (NOTE [MoE mixed precision]
+// in moe/moe_layer.cc: the router in fp32); it is refused with the other plugins, whose
+// tensors are not yet written against the spec (recipes/train_main.cc names them).
 #pragma once
 
 #include <c10/core/Device.h>

@@ -115,6 +115,14 @@ struct StageRunResult {
 // the layer as their tag (NOTE [weight-gradient tags] in core/linear.h) and are timed one by
 // one. The embedding, the head and the loss are no layer's: the per-layer sums are the
 // stage's F, B and W minus those, the receives and the sends. A fused BW (1F1B) counts as B.
+// Every interval is one of a kernels::DeviceTimer made per run (NOTE [device timer] in
+// core/kernels/device_timer.h): on the CPU the host clock (the wall time of the same
+// intervals as ever), on a GPU events on the current stream, so the times are the work and
+// not its launch. In B the hooks chain the intervals: a layer's hook stops its interval and
+// starts the previous layer's (the autograd engine may call them from its device thread
+// while the compute thread waits in backward()). The timer is collected once, at the end of
+// the run (one synchronisation per iteration); only then are the actions' and the layers'
+// times filled in. An action's start and end (the timeline's slices) stay host times.
 //
 // NOTE [activation memory]
 // During a training run a thread-local c10 memory reporter (the interface the PyTorch

@@ -341,8 +341,9 @@ class NullTimer : public kernels::DeviceTimer {
 };
 
 // The CPU timer (two clock reads and a map entry per layer interval) costs nothing visible:
-// iterations with it and without it, interleaved, take the same time. The median ratio is
-// printed; the bound only catches a timer gone badly wrong (the machine is shared).
+// iterations with it and without it, interleaved, take the same time. The fastest of each
+// is compared (a preemption on the shared machine only makes one run slower); the ratio is
+// printed, and the bound only catches a timer gone badly wrong.
 TEST_F(PipelineExecutorTest, TheCpuTimerCostsNothingVisible) {
   GptModel model(EngineModel());
   StageExecutor timed(world_.get(), kMicroBatchSize);
@@ -351,21 +352,19 @@ TEST_F(PipelineExecutorTest, TheCpuTimerCostsNothingVisible) {
   const Schedule schedule = MustMake("zbh1", 2);
   const MicroBatchPlan plan = RandomPlan(model.options(), 2, kMicroBatchSize);
   ASSERT_TRUE(timed.Run(model, schedule, 1, plan, 1e-3).ok());  // warm-up
-  std::vector<double> ratios;
-  for (int i = 0; i < 7; ++i) {
+  double on_ms = 1e30, off_ms = 1e30;
+  for (int i = 0; i < 10; ++i) {
     absl::StatusOr<StageRunResult> on = timed.Run(model, schedule, 1, plan, 1e-3);
     absl::StatusOr<StageRunResult> off = untimed.Run(model, schedule, 1, plan, 1e-3);
     ASSERT_TRUE(on.ok() && off.ok());
     EXPECT_EQ(Sum(off->layer_forward_ms), 0.0);  // really untimed
-    ratios.push_back(on->total_ms / off->total_ms);
+    on_ms = std::min(on_ms, on->total_ms);
+    off_ms = std::min(off_ms, off->total_ms);
     model.ZeroGrad();
   }
-  std::sort(ratios.begin(), ratios.end());
-  const double median = ratios[ratios.size() / 2];
-  std::cout << "iteration time with/without the CPU timer, median of 7 interleaved pairs: "
-            << median << " (min " << ratios.front() << ", max " << ratios.back() << ")"
-            << std::endl;
-  EXPECT_LT(median, 1.5);
+  std::cout << "iteration time with/without the CPU timer, fastest of 10 interleaved pairs: "
+            << on_ms << " / " << off_ms << " ms = " << on_ms / off_ms << std::endl;
+  EXPECT_LT(on_ms / off_ms, 1.5);
 }
 
 // On a GPU the timer's events time the work: every layer's forward takes some time and

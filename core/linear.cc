@@ -4,6 +4,7 @@
 
 #include <chrono>
 
+#include "core/kernels/device_timer.h"
 #include "core/kernels/linear_epilogue.h"
 
 namespace fulcrum {
@@ -146,9 +147,17 @@ void WeightGradStore::Push(std::function<void()> task, int64_t tag, int64_t byte
   held_bytes_ += bytes;
 }
 
-void WeightGradStore::RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag) {
+void WeightGradStore::RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag,
+                             kernels::DeviceTimer* timer, const std::string& key_prefix) {
   using Clock = std::chrono::steady_clock;
   for (Task& task : tasks) {
+    if (timer != nullptr) {
+      const std::string key = key_prefix + std::to_string(task.tag);
+      timer->Start(key);
+      task.run();
+      timer->Stop(key);
+      continue;
+    }
     if (ms_by_tag == nullptr) {
       task.run();
       continue;
@@ -160,16 +169,18 @@ void WeightGradStore::RunAll(std::vector<Task>& tasks, std::map<int64_t, double>
   }
 }
 
-void WeightGradStore::Flush(std::map<int64_t, double>* ms_by_tag) {
+void WeightGradStore::Flush(std::map<int64_t, double>* ms_by_tag, kernels::DeviceTimer* timer,
+                            const std::string& key_prefix) {
   // Swap first: a task never re-enters the store, but Flush must leave it empty even if
   // a task throws.
   std::vector<Task> tasks;
   tasks.swap(tasks_);
   held_bytes_ = 0;
-  RunAll(tasks, ms_by_tag);
+  RunAll(tasks, ms_by_tag, timer, key_prefix);
 }
 
-void WeightGradStore::FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag) {
+void WeightGradStore::FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag,
+                               kernels::DeviceTimer* timer, const std::string& key_prefix) {
   std::vector<Task> selected;
   std::vector<Task> rest;
   for (Task& task : tasks_) {
@@ -181,7 +192,7 @@ void WeightGradStore::FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag
     }
   }
   tasks_.swap(rest);
-  RunAll(selected, ms_by_tag);
+  RunAll(selected, ms_by_tag, timer, key_prefix);
 }
 
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,

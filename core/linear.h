@@ -39,9 +39,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 namespace fulcrum {
+
+namespace kernels {
+class DeviceTimer;  // core/kernels/device_timer.h
+}  // namespace kernels
 
 /// Holds deferred weight-gradient computations (one store per micro-batch's backward).
 /// Not thread-safe; activation and tags are per thread.
@@ -90,11 +95,16 @@ class WeightGradStore {
   /// operands), for memory accounting.
   void Push(std::function<void()> task, int64_t tag = kNoTag, int64_t bytes = 0);
   /// Runs and clears every queued computation, in queue order. With `ms_by_tag`, adds each
-  /// computation's wall time to (*ms_by_tag)[its tag].
-  void Flush(std::map<int64_t, double>* ms_by_tag = nullptr);
+  /// computation's wall time to (*ms_by_tag)[its tag]. With `timer`, times each one as the
+  /// interval `key_prefix` + its tag ("W/3/" + "5") instead: on a GPU the wall time would
+  /// be the launch, the timer's events measure the work (NOTE [device timer] in
+  /// core/kernels/device_timer.h); the caller Collects.
+  void Flush(std::map<int64_t, double>* ms_by_tag = nullptr,
+             kernels::DeviceTimer* timer = nullptr, const std::string& key_prefix = "");
   /// Runs and removes only the computations labelled `tag`, in queue order; the others stay
-  /// queued in their order.
-  void FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag = nullptr);
+  /// queued in their order. Timed as Flush.
+  void FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag = nullptr,
+                kernels::DeviceTimer* timer = nullptr, const std::string& key_prefix = "");
   size_t size() const { return tasks_.size(); }
   bool empty() const { return tasks_.empty(); }
   /// Bytes the queued computations keep alive (sum of their Push `bytes`).
@@ -106,8 +116,9 @@ class WeightGradStore {
     int64_t tag;
     int64_t bytes;
   };
-  // Runs `tasks` in order, timing them into `ms_by_tag` when given.
-  static void RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag);
+  // Runs `tasks` in order, timing them into `ms_by_tag` or `timer` when given.
+  static void RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag,
+                     kernels::DeviceTimer* timer, const std::string& key_prefix);
 
   std::vector<Task> tasks_;
   int64_t held_bytes_ = 0;

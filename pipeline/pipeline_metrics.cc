@@ -50,6 +50,7 @@ std::string PipelineMetrics::EndRun(int64_t iteration, const StageRunResult& run
   layers_moved_ += moves;
   span_ms_ = run.total_ms + run.tail_wait_ms;
   activation_peak_mb_ = static_cast<double>(run.peak_activation_bytes) / (1 << 20);
+  device_memory_ = run.device_memory;
   bubble_ratio_ = rows.select(1, 0).mean().item<double>();
   bubble_ratio_max_ = rows.select(1, 0).max().item<double>();
   bubble_ratio_in_run_ = rows.select(1, 1).mean().item<double>();
@@ -88,6 +89,16 @@ void PipelineMetrics::Write(nlohmann::json* record, std::string* log_line) const
   r["imbalance"] = Imbalance(stage_ms_);
   r["stage_ms"] = stage_ms_;
   r["layers_moved"] = layers_moved_;
+  // The allocator's figures exist only on a device with a caching allocator; on the CPU
+  // the record keeps only the activation meter's estimate (activation_peak_mb), and
+  // nothing that could read as a measured zero.
+  if (device_memory_.tracked) {
+    constexpr double kMb = 1 << 20;
+    r["device_allocated_mb"] = static_cast<double>(device_memory_.allocated_bytes) / kMb;
+    r["device_reserved_mb"] = static_cast<double>(device_memory_.reserved_bytes) / kMb;
+    r["device_peak_allocated_mb"] =
+        static_cast<double>(device_memory_.peak_allocated_bytes) / kMb;
+  }
   absl::StrAppend(log_line, absl::StrFormat(" | bubble %.3f | imbalance %.3f", bubble_ratio_,
                                             Imbalance(stage_ms_)));
 }

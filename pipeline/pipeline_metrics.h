@@ -48,7 +48,9 @@ class PipelineMetrics {
 
   /// bubble_ratio (mean over stages), bubble_ratio_max, bubble_ratio_in_run (mean),
   /// stage_bubble_ratio, pipeline_ms and activation_peak_mb (this stage), imbalance,
-  /// stage_ms and layers_moved; appends " | bubble B | imbalance I" to `log_line`.
+  /// stage_ms and layers_moved; on a GPU device_allocated_mb, device_reserved_mb and
+  /// device_peak_allocated_mb (the caching allocator's, this stage; absent on the CPU,
+  /// where the allocator is not tracked); appends " | bubble B | imbalance I" to `log_line`.
   void Write(nlohmann::json* record, std::string* log_line) const;
   /// The previous Run's part of a load-trace line: microbatches, ran_on and measured
   /// (pipeline_ms, bubble_ratio, stage_ms). Nothing before a second Run.
@@ -61,6 +63,7 @@ class PipelineMetrics {
   // The last Run (NOTE [imbalance measurement]).
   double span_ms_ = 0;  // This stage: run + tail wait.
   double activation_peak_mb_ = 0;
+  kernels::DeviceMemory device_memory_;  // untracked on the CPU
   std::vector<double> stage_ms_;
   double bubble_ratio_ = 0, bubble_ratio_max_ = 0, bubble_ratio_in_run_ = 0;
   std::vector<double> stage_bubble_ratio_;

@@ -5,7 +5,10 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/kernels/device_timer.h"
 #include "core/status.h"
 #include "pipeline/internal/activation_meter.h"
 #include "pipeline/internal/stage_moves.h"
@@ -17,6 +20,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// NOTE [per-layer timing]: the timer's keys name the action (its index in the run's list)
+// and the layer, so that one Collect at the end of the run gives each action its own
+// per-layer times. W keys end in the weight-gradient tag (WeightGradStore appends it).
+std::string LayerKey(char kind, int action, int64_t layer) {
+  return absl::StrCat(std::string(1, kind), "/", action, "/", layer);
+}
+std::string WeightKeyPrefix(int action) { return absl::StrCat("W/", action, "/"); }
 
 int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -30,11 +41,23 @@ struct StageExecutor::InFlight {
   at::Tensor output;    // This stage's output, the root of its backward (non-last stages).
   at::Tensor loss;      // Scaled loss, the root of the backward (last stage).
   WeightGradStore weight_grads;  // Deferred weight gradients between B and W.
-  // NOTE [per-layer timing]: the layers the F ran, in order, and when the backward passed
-  // each one's input; on the last stage, when it reached the head's input.
+  // NOTE [per-layer timing]: the layers the F ran, in order; the first slot whose input
+  // carries a gradient hook (the hooked slots are a suffix: after the frozen prefix, every
+  // input requires grad). During a B the hooks chain the timer's intervals: `open_slot` is
+  // the slot whose backward is being timed, -1 when none.
   std::vector<int64_t> layers;
-  std::vector<std::optional<Clock::time_point>> input_grad_at;
-  std::optional<Clock::time_point> head_input_grad_at;
+  size_t first_hooked = SIZE_MAX;
+  int64_t open_slot = -1;
+  std::string open_key;
+  int backward_action = -1;  // Index of the B (or BW) running now.
+};
+
+// A per-layer interval of the run, resolved after the one Collect (F and B; W intervals
+// are found by their keys' prefix).
+struct StageExecutor::LayerInterval {
+  int action;
+  int64_t layer;
+  std::string key;
 };
 
 // Everything one Run works with. The meter is constructed first: every tensor of the run
@@ -76,6 +99,10 @@ struct StageExecutor::RunContext {
   internal::StageTransport transport;
   std::map<int, std::unique_ptr<InFlight>> in_flight;
   StageRunResult result;
+  // NOTE [per-layer timing]: one timer per run, collected once at its end.
+  std::unique_ptr<kernels::DeviceTimer> timer;
+  std::vector<LayerInterval> intervals;  // F and B, in the order they were timed
+  int action = -1;                       // Index of the action running now.
 };
 
 StageExecutor::StageExecutor(parallel::Communicator* pp, int64_t micro_batch_size)
@@ -119,11 +146,14 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   RunContext run(model, plan, iteration, loss_scale, forward_only, pp_, actions,
                  micro_batch_size_, depth);
   run.result.start = run_start_;
+  const c10::Device device = model.options().device_spec.device;
+  run.timer = timer_factory_ ? timer_factory_(device) : std::make_unique<kernels::DeviceTimer>(device);
   for (int index = 0; index < static_cast<int>(actions.size()); ++index) {
     const Action& action = actions[index];
     ActionTiming timing;
     timing.action = action;
     timing.start_ms = SinceRunStart();
+    run.action = index;
     const bool last_action = index == last_backward;
     switch (action.kind) {
       case ActionKind::kForward:
@@ -150,7 +180,51 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   }
   run.result.total_ms = SinceRunStart();
   run.result.peak_activation_bytes = run.meter.peak();
+  CollectLayerTimes(run);
+  run.result.device_memory = kernels::DeviceMemoryStats(device);
   return std::move(run.result);
+}
+
+// NOTE [per-layer timing]: the one synchronisation of the run (on a GPU, waiting for its
+// events); then every action's per-layer times and the per-layer sums, added in action
+// order as they were when each was timed inline.
+void StageExecutor::CollectLayerTimes(RunContext& run) {
+  const std::map<std::string, double> ms = run.timer->Collect();
+  std::vector<ActionTiming>& timings = run.result.timings;
+  auto by_kind = [&](int action) -> PerLayer& {
+    switch (timings[action].action.kind) {
+      case ActionKind::kForward:
+        return run.result.layer_forward_ms;
+      case ActionKind::kBackwardWeight:
+        return run.result.layer_weight_ms;
+      default:
+        return run.result.layer_backward_ms;
+    }
+  };
+  for (const LayerInterval& interval : run.intervals) {
+    auto it = ms.find(interval.key);
+    const double value = it == ms.end() ? 0.0 : it->second;
+    by_kind(interval.action)[interval.layer] += value;
+    timings[interval.action].layer_ms.emplace_back(interval.layer, value);
+  }
+  // W: "W/<action>/<tag>", by action, then tag (the order of the ms_by_tag map before).
+  std::map<std::pair<int, int64_t>, double> weight;
+  for (const auto& [key, value] : ms) {
+    if (key.rfind("W/", 0) != 0) continue;
+    const std::vector<std::string> parts = absl::StrSplit(key, '/');
+    int action = 0;
+    int64_t tag = 0;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &action) ||
+        !absl::SimpleAtoi(parts[2], &tag)) {
+      continue;
+    }
+    weight[{action, tag}] += value;
+  }
+  for (const auto& [at, value] : weight) {
+    if (at.second == WeightGradStore::kNoTag) continue;  // head, embedding: no layer's
+    by_kind(at.first)[at.second] += value;
+    timings[at.first].layer_ms.emplace_back(at.second, value);
+  }
 }
 
 absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timing) {
@@ -183,33 +257,47 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
   at::Tensor hidden =
       run.first ? model.Embed(tokens.narrow(1, 0, s), ctx) : state->input;
   state->layers.reserve(model.layers().size());
-  state->input_grad_at.resize(model.layers().size());
   for (const auto& [layer_index, layer] : model.layers()) {  // timed per layer: the load model
     const size_t slot = state->layers.size();
     state->layers.push_back(layer_index);
     if (run.training && hidden.requires_grad()) {
       InFlight* st = state.get();
-      hidden.register_hook(
-          [st, slot](const at::Tensor&) { st->input_grad_at[slot] = Clock::now(); });
+      RunContext* r = &run;
+      state->first_hooked = std::min(state->first_hooked, slot);
+      // NOTE [per-layer timing]: the gradient reached this layer's input, so its backward
+      // is done: its interval ends and the previous layer's begins.
+      hidden.register_hook([st, r, slot](const at::Tensor&) {
+        if (st->open_slot != static_cast<int64_t>(slot)) return;  // not timed (never opened)
+        r->timer->Stop(st->open_key);
+        r->intervals.push_back({st->backward_action, st->layers[slot], st->open_key});
+        st->open_slot = -1;
+        if (slot > st->first_hooked) OpenBackwardInterval(*r, *st, slot - 1);
+      });
     }
     const int64_t layer_live_before = run.meter.live();
-    const auto t0 = Clock::now();
+    const std::string key = LayerKey('F', run.action, layer_index);
+    run.timer->Start(key);
     {
       WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
       hidden = layer->Forward(hidden, ctx);
     }
-    const double ms = Ms(Clock::now() - t0);
-    run.result.layer_forward_ms[layer_index] += ms;
-    timing.layer_ms.emplace_back(layer_index, ms);
+    run.timer->Stop(key);
+    run.intervals.push_back({run.action, layer_index, key});
     if (run.training) {
       double& bytes = run.result.layer_activation_bytes[layer_index];
       bytes = std::max(bytes, static_cast<double>(run.meter.live() - layer_live_before));
     }
   }
   if (run.last) {
-    if (run.training && hidden.requires_grad()) {
+    if (run.training && hidden.requires_grad() && state->first_hooked != SIZE_MAX) {
       InFlight* st = state.get();
-      hidden.register_hook([st](const at::Tensor&) { st->head_input_grad_at = Clock::now(); });
+      RunContext* r = &run;
+      // The head and the loss are no layer's: the last layer's B begins here.
+      hidden.register_hook([st, r](const at::Tensor&) {
+        if (st->open_slot < 0 && st->backward_action >= 0) {
+          OpenBackwardInterval(*r, *st, st->layers.size() - 1);
+        }
+      });
     }
     LossSum loss = model.HeadLoss(hidden, tokens.narrow(1, 1, s));
     run.result.loss_sum += loss.sum.item<double>();
@@ -243,32 +331,33 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool l
                                             " before its forward"));
   }
   InFlight& state = *it->second;
-  Clock::time_point backward_start = Clock::now();
+  state.backward_action = run.action;
   // NOTE [frozen prefix]: a stage whose layers all lie in the frozen prefix has nothing to
   // differentiate; the next stage sends it no gradient.
   const bool differentiate = run.last || state.output.requires_grad();
   if (differentiate) {
     std::optional<WeightGradStore::Scope> defer;
     if (split) defer.emplace(&state.weight_grads);
+    // NOTE [per-layer timing]: the layers' backwards run last to first; the hooks close
+    // each interval and open the next (on the last stage the head's input hook opens the
+    // first).
     if (run.last) {
-      backward_start = Clock::now();
       state.loss.backward();
     } else {
       FULCRUM_ASSIGN_OR_RETURN(at::Tensor grad, run.transport.TakeGradient(mb, &timing.wait_ms));
-      backward_start = Clock::now();
+      if (state.first_hooked != SIZE_MAX) {
+        OpenBackwardInterval(run, state, state.layers.size() - 1);
+      }
       state.output.backward(grad);
     }
   }
-  // NOTE [per-layer timing]: the layers' backwards ran last to first.
-  Clock::time_point boundary =
-      run.last && state.head_input_grad_at ? *state.head_input_grad_at : backward_start;
-  for (size_t i = state.layers.size(); i-- > 0;) {
-    if (!state.input_grad_at[i]) continue;  // No gradient reached it (frozen).
-    const double ms = Ms(*state.input_grad_at[i] - boundary);
-    boundary = *state.input_grad_at[i];
-    run.result.layer_backward_ms[state.layers[i]] += ms;
-    timing.layer_ms.emplace_back(state.layers[i], ms);
+  if (state.open_slot >= 0) {
+    // No gradient reached that layer's input: it is not timed (as before), but the
+    // interval must be closed for the one Collect.
+    run.timer->Stop(state.open_key);
+    state.open_slot = -1;
   }
+  state.backward_action = -1;
   if (!run.first && run.model.input_needs_grad()) run.transport.SendGradient(state.input.grad(), mb);
   // The graph is freed; only the deferred weight gradients (split) remain.
   state.output = at::Tensor();
@@ -281,7 +370,7 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool l
   run.meter.Release(mb);
   run.in_flight.erase(it);
   // After a last fused BW every weight gradient is final: the outgoing layers leave.
-  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, nullptr, timing));
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, timing));
   return absl::OkStatus();
 }
 
@@ -291,30 +380,32 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, bool last_action, Ac
     return absl::InternalError(absl::StrCat("stage ", run.stage, ": W", mb, " without its B"));
   }
   WeightGradStore& store = it->second->weight_grads;
-  std::map<int64_t, double> ms_by_tag;
   // NOTE [early migration]: each moving layer's last weight gradients first, then off.
-  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, &ms_by_tag, timing));
-  store.Flush(&ms_by_tag);
-  for (const auto& [tag, ms] : ms_by_tag) {
-    if (tag == WeightGradStore::kNoTag) continue;  // head, embedding: no layer's
-    run.result.layer_weight_ms[tag] += ms;
-    timing.layer_ms.emplace_back(tag, ms);
-  }
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, timing));
+  // NOTE [per-layer timing]: per tag into the timer; CollectLayerTimes reads them back.
+  store.Flush(nullptr, run.timer.get(), WeightKeyPrefix(run.action));
   run.meter.Release(mb);
   run.in_flight.erase(it);
   return absl::OkStatus();
 }
 
 absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore* store,
-                                               std::map<int64_t, double>* ms_by_tag,
                                                ActionTiming& timing) {
   for (const PlannedMove& move : moves_->outgoing()) {
-    if (store != nullptr) store->FlushTag(move.layer, ms_by_tag);
+    if (store != nullptr) {
+      store->FlushTag(move.layer, nullptr, run.timer.get(), WeightKeyPrefix(run.action));
+    }
     const double t0 = SinceRunStart();
     FULCRUM_RETURN_IF_ERROR(moves_->Send(run.model, move, &run.meter, run.result));
     timing.migration_ms += SinceRunStart() - t0;
   }
   return absl::OkStatus();
+}
+
+void StageExecutor::OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot) {
+  state.open_slot = static_cast<int64_t>(slot);
+  state.open_key = LayerKey('B', state.backward_action, state.layers[slot]);
+  run.timer->Start(state.open_key);
 }
 
 absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result,

@@ -22,12 +22,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/gpt_model.h"
+#include "core/kernels/device_timer.h"
 #include "core/linear.h"
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
@@ -98,6 +100,9 @@ struct StageRunResult {
   int64_t peak_activation_bytes = 0;
   /// Layer moves, in plan order; receives and late sends are added by FinishMoves.
   std::vector<MigrationTiming> migrations;
+  /// The device allocator's figures at the end of the run (allocated, reserved, peak) on a
+  /// GPU; untracked on the CPU, where peak_activation_bytes is the stage's memory figure.
+  kernels::DeviceMemory device_memory;
 };
 
 // NOTE [per-layer timing]
@@ -110,6 +115,14 @@ struct StageRunResult {
 // the layer as their tag (NOTE [weight-gradient tags] in core/linear.h) and are timed one by
 // one. The embedding, the head and the loss are no layer's: the per-layer sums are the
 // stage's F, B and W minus those, the receives and the sends. A fused BW (1F1B) counts as B.
+// Every interval is one of a kernels::DeviceTimer made per run (NOTE [device timer] in
+// core/kernels/device_timer.h): on the CPU the host clock (the wall time of the same
+// intervals as ever), on a GPU events on the current stream, so the times are the work and
+// not its launch. In B the hooks chain the intervals: a layer's hook stops its interval and
+// starts the previous layer's (the autograd engine may call them from its device thread
+// while the compute thread waits in backward()). The timer is collected once, at the end of
+// the run (one synchronisation per iteration); only then are the actions' and the layers'
+// times filled in. An action's start and end (the timeline's slices) stay host times.
 //
 // NOTE [activation memory]
 // During a training run a thread-local c10 memory reporter (the interface the PyTorch
@@ -174,9 +187,16 @@ class StageExecutor {
   absl::Status FinishMoves(GptModel& model, StageRunResult& result,
                            std::pair<int64_t, int64_t> range = {1, 0});
 
+  /// Makes the timer of each Run (NOTE [per-layer timing]); by default a
+  /// kernels::DeviceTimer for the model's device. A test seam: a timer with known
+  /// durations shows where the executor's per-layer times come from.
+  using TimerFactory = std::function<std::unique_ptr<kernels::DeviceTimer>(c10::Device)>;
+  void set_timer_factory(TimerFactory factory) { timer_factory_ = std::move(factory); }
+
  private:
   struct InFlight;
   struct RunContext;
+  struct LayerInterval;
 
   absl::Status Forward(RunContext& run, int mb, ActionTiming& timing);
   absl::Status Backward(RunContext& run, int mb, bool split, bool last_action,
@@ -184,8 +204,11 @@ class StageExecutor {
   absl::Status Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing);
   // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
   // last micro-batch's deferred weight gradients, of which each layer's run first.
-  absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store,
-                                  std::map<int64_t, double>* ms_by_tag, ActionTiming& timing);
+  absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, ActionTiming& timing);
+  // Times slot `slot`'s backward from now (the backward reached its output).
+  static void OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot);
+  // The run's one Collect: fills every action's and the result's per-layer times.
+  static void CollectLayerTimes(RunContext& run);
   double SinceRunStart() const;
 
   parallel::Communicator* pp_;
@@ -194,6 +217,7 @@ class StageExecutor {
   // public header needs no internal/ one.
   std::unique_ptr<internal::StageMoves> moves_;
   std::chrono::steady_clock::time_point run_start_;
+  TimerFactory timer_factory_;
 };
 
 }  // namespace fulcrum::pipeline

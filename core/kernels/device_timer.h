@@ -8,7 +8,13 @@
 // On the CPU the work is done when the call returns, so steady_clock is exact and the same
 // interface holds. The executor keys intervals by action and layer ("F/3", "W/3", ...).
 //
-// Not thread-safe: one timer per thread (the executor's compute thread).
+// Not thread-safe: one timer per thread (the executor's compute thread). The autograd
+// engine may call it from its device thread while the compute thread is blocked in
+// backward(): one user at a time, which is all it needs.
+//
+// Start, Stop and Collect are virtual so that a test can stand in a timer with known
+// durations (the pipeline executor's per-layer times are checked that way); the cost is one
+// indirect call per interval, nothing beside a kernel.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -31,19 +37,19 @@ class DeviceTimer {
   /// Times work on `device` (events on its current stream for an accelerator, the host
   /// clock for the CPU).
   explicit DeviceTimer(c10::Device device);
-  ~DeviceTimer();
+  virtual ~DeviceTimer();
   DeviceTimer(const DeviceTimer&) = delete;
   DeviceTimer& operator=(const DeviceTimer&) = delete;
 
   /// Opens an interval of `key`; a key may be opened again after it is stopped (its
   /// intervals add up). Throws if `key` is already open.
-  void Start(const std::string& key);
+  virtual void Start(const std::string& key);
   /// Closes `key`'s open interval. Throws if `key` is not open.
-  void Stop(const std::string& key);
+  virtual void Stop(const std::string& key);
   /// Waits for the recorded work once, returns the milliseconds per key since the last
   /// Collect (summed over its intervals) and forgets them. Throws, naming the key, if an
   /// interval is still open.
-  std::map<std::string, double> Collect();
+  virtual std::map<std::string, double> Collect();
 
   /// True where the intervals are device events (work), false for the host clock.
   bool uses_device_events() const { return events_; }

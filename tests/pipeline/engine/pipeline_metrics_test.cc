@@ -70,6 +70,34 @@ TEST(PipelineMetricsTest, WritesTheMeansOverTheStages) {
   EXPECT_FALSE(metrics.has_previous());
 }
 
+// The caching allocator's figures go into the record where they are tracked (a GPU); on
+// the CPU nothing reads as a measured zero: only the activation estimate is written.
+TEST(PipelineMetricsTest, WritesTheDeviceMemoryOnlyWhereTracked) {
+  PipelineMetrics metrics;
+  StageRunResult run = MakeRun(80, 20, 40, 20);
+  metrics.StartRun({}, 4);
+  metrics.EndRun(1, run, Rows({run}), 0);
+  nlohmann::json record;
+  std::string line;
+  metrics.Write(&record, &line);
+  EXPECT_FALSE(record.contains("device_allocated_mb"));
+  EXPECT_FALSE(record.contains("device_reserved_mb"));
+  EXPECT_FALSE(record.contains("device_peak_allocated_mb"));
+  EXPECT_DOUBLE_EQ(record["activation_peak_mb"].get<double>(), 3);
+
+  run.device_memory.tracked = true;
+  run.device_memory.allocated_bytes = 5 << 20;
+  run.device_memory.reserved_bytes = 8 << 20;
+  run.device_memory.peak_allocated_bytes = 6 << 20;
+  run.device_memory.peak_reserved_bytes = 8 << 20;
+  metrics.EndRun(2, run, Rows({run}), 0);
+  record = nlohmann::json::object();
+  metrics.Write(&record, &line);
+  EXPECT_DOUBLE_EQ(record["device_allocated_mb"].get<double>(), 5);
+  EXPECT_DOUBLE_EQ(record["device_reserved_mb"].get<double>(), 8);
+  EXPECT_DOUBLE_EQ(record["device_peak_allocated_mb"].get<double>(), 6);
+}
+
 // The iteration after one whose tail moved layers is compared with it, once.
 TEST(PipelineMetricsTest, TheFirstIterationOnANewPlacementIsComparedWithTheOneBefore) {
   PipelineMetrics metrics;

@@ -7,12 +7,17 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <numeric>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
+#include <set>
+
+#include "core/kernels/device_timer.h"
 #include "gtest/gtest.h"
 #include "parallel/world_communicator.h"
 #include "pipeline/timeline.h"
@@ -246,6 +251,142 @@ TEST_F(PipelineExecutorTest, ForwardOnlyRunHasOnlyForwardTimes) {
   EXPECT_TRUE(run->layer_backward_ms.empty());
   EXPECT_EQ(run->peak_activation_bytes, 0);
   EXPECT_GT(run->tokens, 0);
+}
+
+// A timer that measures nothing: each interval of a key lasts the key's number (1, 2, 3,
+// ... in the order the keys were first started). Per-layer times that are not exactly
+// these whole numbers did not come from the timer.
+class FakeTimer : public kernels::DeviceTimer {
+ public:
+  struct Log {
+    int collects = 0;
+    int starts = 0;
+    std::map<std::string, double> returned;  // what the last Collect returned
+  };
+  explicit FakeTimer(Log* log) : DeviceTimer(c10::Device(c10::kCPU)), log_(log) {}
+  void Start(const std::string& key) override {
+    EXPECT_TRUE(open_.insert(key).second) << key << " started twice";
+    id_.emplace(key, static_cast<double>(id_.size() + 1));
+    ++log_->starts;
+  }
+  void Stop(const std::string& key) override {
+    EXPECT_EQ(open_.erase(key), 1u) << key << " stopped without a start";
+    ms_[key] += id_.at(key);
+  }
+  std::map<std::string, double> Collect() override {
+    EXPECT_TRUE(open_.empty()) << *open_.begin() << " still open at Collect";
+    ++log_->collects;
+    log_->returned = ms_;
+    return std::exchange(ms_, {});
+  }
+
+ private:
+  Log* log_;
+  std::set<std::string> open_;
+  std::map<std::string, double> id_;
+  std::map<std::string, double> ms_;
+};
+
+// NOTE [per-layer timing]: the per-layer F, B and W times of every action, and the
+// per-layer sums the load model reads, are the timer's figures, collected once per run.
+TEST_F(PipelineExecutorTest, PerLayerTimesComeFromTheDeviceTimer) {
+  GptModel model(EngineModel());
+  FakeTimer::Log log;
+  StageExecutor executor(world_.get(), kMicroBatchSize);
+  executor.set_timer_factory([&log](c10::Device device) -> std::unique_ptr<kernels::DeviceTimer> {
+    EXPECT_TRUE(device.is_cpu());
+    return std::make_unique<FakeTimer>(&log);
+  });
+  constexpr int kMicroBatches = 3;
+  absl::StatusOr<StageRunResult> run =
+      executor.Run(model, MustMake("zbh1", kMicroBatches), 1,
+                   RandomPlan(model.options(), kMicroBatches, kMicroBatchSize), 1e-3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(log.collects, 1);  // one synchronisation per iteration
+  // Every figure the timer returned is some action's time of some layer, once; the W
+  // computations of no layer (head, embedding: tag -1) are timed and left out.
+  std::multiset<double> expected, shown;
+  for (const auto& [key, ms] : log.returned) {
+    if (key.size() < 3 || key.compare(key.size() - 3, 3, "/-1") != 0) expected.insert(ms);
+  }
+  std::map<ActionKind, PerLayer> from_actions;
+  for (const ActionTiming& t : run->timings) {
+    EXPECT_EQ(t.layer_ms.size(), 4u) << t.action.ToString();
+    for (const auto& [layer, ms] : t.layer_ms) {
+      EXPECT_EQ(ms, std::round(ms)) << t.action.ToString() << " layer " << layer << ": " << ms
+                                    << " ms is no figure of the timer";
+      EXPECT_GE(ms, 1.0);
+      shown.insert(ms);
+      from_actions[t.action.kind][layer] += ms;
+    }
+  }
+  EXPECT_EQ(shown, expected);
+  EXPECT_EQ(shown.size(), 3u * kMicroBatches * 4);  // F, B, W × micro-batches × layers
+  EXPECT_EQ(from_actions[ActionKind::kForward], run->layer_forward_ms);
+  EXPECT_EQ(from_actions[ActionKind::kBackwardInput], run->layer_backward_ms);
+  EXPECT_EQ(from_actions[ActionKind::kBackwardWeight], run->layer_weight_ms);
+  // On the CPU the allocator's figures are not tracked (the activation meter's are used).
+  EXPECT_FALSE(run->device_memory.tracked);
+  EXPECT_EQ(run->device_memory.ToString(), "not tracked (cpu)");
+  EXPECT_GT(run->peak_activation_bytes, 0);
+}
+
+// A timer that times nothing: the executor's cost without timing.
+class NullTimer : public kernels::DeviceTimer {
+ public:
+  NullTimer() : DeviceTimer(c10::Device(c10::kCPU)) {}
+  void Start(const std::string&) override {}
+  void Stop(const std::string&) override {}
+  std::map<std::string, double> Collect() override { return {}; }
+};
+
+// The CPU timer (two clock reads and a map entry per layer interval) costs nothing visible:
+// iterations with it and without it, interleaved, take the same time. The fastest of each
+// is compared (a preemption on the shared machine only makes one run slower); the ratio is
+// printed, and the bound only catches a timer gone badly wrong.
+TEST_F(PipelineExecutorTest, TheCpuTimerCostsNothingVisible) {
+  GptModel model(EngineModel());
+  StageExecutor timed(world_.get(), kMicroBatchSize);
+  StageExecutor untimed(world_.get(), kMicroBatchSize);
+  untimed.set_timer_factory([](c10::Device) { return std::make_unique<NullTimer>(); });
+  const Schedule schedule = MustMake("zbh1", 2);
+  const MicroBatchPlan plan = RandomPlan(model.options(), 2, kMicroBatchSize);
+  ASSERT_TRUE(timed.Run(model, schedule, 1, plan, 1e-3).ok());  // warm-up
+  double on_ms = 1e30, off_ms = 1e30;
+  for (int i = 0; i < 10; ++i) {
+    absl::StatusOr<StageRunResult> on = timed.Run(model, schedule, 1, plan, 1e-3);
+    absl::StatusOr<StageRunResult> off = untimed.Run(model, schedule, 1, plan, 1e-3);
+    ASSERT_TRUE(on.ok() && off.ok());
+    EXPECT_EQ(Sum(off->layer_forward_ms), 0.0);  // really untimed
+    on_ms = std::min(on_ms, on->total_ms);
+    off_ms = std::min(off_ms, off->total_ms);
+    model.ZeroGrad();
+  }
+  std::cout << "iteration time with/without the CPU timer, fastest of 10 interleaved pairs: "
+            << on_ms << " / " << off_ms << " ms = " << on_ms / off_ms << std::endl;
+  EXPECT_LT(on_ms / off_ms, 1.5);
+}
+
+// On a GPU the timer's events time the work: every layer's forward takes some time and
+// together they take no more than the run (wall clocks around launches could exceed
+// neither, but would be near zero per layer once the queue is ahead).
+TEST_F(PipelineExecutorTest, CudaPerLayerForwardTimesArePositiveAndWithinTheRun) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";
+  ModelOptions options = EngineModel();
+  options.device_spec.device = c10::Device(c10::kCUDA, 0);
+  GptModel model(options);
+  ASSERT_TRUE(RunSchedule(model, MustMake("zbh1", 4)).ok());  // warm-up
+  absl::StatusOr<StageRunResult> run = RunSchedule(model, MustMake("zbh1", 4));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->layer_forward_ms.size(), 4u);
+  for (const auto& [layer, ms] : run->layer_forward_ms) EXPECT_GT(ms, 0.0) << "layer " << layer;
+  std::cout << "cuda: per-layer F sum " << Sum(run->layer_forward_ms) << " ms, B sum "
+            << Sum(run->layer_backward_ms) << " ms, W sum " << Sum(run->layer_weight_ms)
+            << " ms, run " << run->total_ms << " ms; " << run->device_memory.ToString()
+            << std::endl;
+  EXPECT_LE(Sum(run->layer_forward_ms), run->total_ms);
+  EXPECT_TRUE(run->device_memory.tracked);
+  EXPECT_GT(run->device_memory.peak_allocated_bytes, 0);
 }
 
 }  // namespace

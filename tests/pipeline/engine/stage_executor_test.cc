@@ -332,41 +332,6 @@ TEST_F(PipelineExecutorTest, PerLayerTimesComeFromTheDeviceTimer) {
 }
 
 // A timer that times nothing: the executor's cost without timing.
-class NullTimer : public kernels::DeviceTimer {
- public:
-  NullTimer() : DeviceTimer(c10::Device(c10::kCPU)) {}
-  void Start(const std::string&) override {}
-  void Stop(const std::string&) override {}
-  std::map<std::string, double> Collect() override { return {}; }
-};
-
-// The CPU timer (two clock reads and a map entry per layer interval) costs nothing visible:
-// iterations with it and without it, interleaved, take the same time. The fastest of each
-// is compared (a preemption on the shared machine only makes one run slower); the ratio is
-// printed, and the bound only catches a timer gone badly wrong.
-TEST_F(PipelineExecutorTest, TheCpuTimerCostsNothingVisible) {
-  GptModel model(EngineModel());
-  StageExecutor timed(world_.get(), kMicroBatchSize);
-  StageExecutor untimed(world_.get(), kMicroBatchSize);
-  untimed.set_timer_factory([](c10::Device) { return std::make_unique<NullTimer>(); });
-  const Schedule schedule = MustMake("zbh1", 2);
-  const MicroBatchPlan plan = RandomPlan(model.options(), 2, kMicroBatchSize);
-  ASSERT_TRUE(timed.Run(model, schedule, 1, plan, 1e-3).ok());  // warm-up
-  double on_ms = 1e30, off_ms = 1e30;
-  for (int i = 0; i < 10; ++i) {
-    absl::StatusOr<StageRunResult> on = timed.Run(model, schedule, 1, plan, 1e-3);
-    absl::StatusOr<StageRunResult> off = untimed.Run(model, schedule, 1, plan, 1e-3);
-    ASSERT_TRUE(on.ok() && off.ok());
-    EXPECT_EQ(Sum(off->layer_forward_ms), 0.0);  // really untimed
-    on_ms = std::min(on_ms, on->total_ms);
-    off_ms = std::min(off_ms, off->total_ms);
-    model.ZeroGrad();
-  }
-  std::cout << "iteration time with/without the CPU timer, fastest of 10 interleaved pairs: "
-            << on_ms << " / " << off_ms << " ms = " << on_ms / off_ms << std::endl;
-  EXPECT_LT(on_ms / off_ms, 1.5);
-}
-
 // On a GPU the timer's events time the work: every layer's forward takes some time and
 // together they take no more than the run (wall clocks around launches could exceed
 // neither, but would be near zero per layer once the queue is ahead).

@@ -176,6 +176,6 @@ FULCRUM_REGISTER_PLUGIN(
     moe, "Mixture-of-Experts layers replace the MLP of every --moe_layer_freq-th layer (also "
          "selected by --num_experts > 0); load: the rows their experts computed",
     (PluginEntry{[] { return FLAGS_num_experts > 0; }, Validate, Create,
-                 /*uses_expert_parallel_group=*/true}));
+                 /*uses_expert_parallel_group=*/true, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

@@ -61,11 +61,23 @@ absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selec
 
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup) {
   bool expert_parallel_used = false;
+  std::vector<std::string> without_bf16;
   for (const std::string& name : names) {
     const auto* entry = PluginRegistry::Global().Find(name);
     if (entry == nullptr) return absl::InvalidArgumentError(absl::StrCat("no plugin '", name, "'"));
     if (entry->value.validate) FULCRUM_RETURN_IF_ERROR(entry->value.validate(setup));
     expert_parallel_used = expert_parallel_used || entry->value.uses_expert_parallel_group;
+    if (!entry->value.supports_bf16) without_bf16.push_back(name);
+  }
+  if (setup.model.device_spec.mixed_precision() && !without_bf16.empty()) {
+    std::vector<std::string> with_bf16;
+    for (const auto* entry : PluginRegistry::Global().List()) {
+      if (entry->value.supports_bf16) with_bf16.push_back(entry->name);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--bf16 does not combine with --plugins=", absl::StrJoin(without_bf16, ","),
+        ": their tensors are not yet written for bf16 activations (plugins that run under "
+        "--bf16: ", with_bf16.empty() ? "none" : absl::StrJoin(with_bf16, ", "), ")"));
   }
   if (setup.layout.ep_size > 1 && !expert_parallel_used) {
     // The layers that share out experts come from a plugin; --num_experts selects the

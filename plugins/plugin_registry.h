@@ -57,6 +57,10 @@ struct PluginEntry {
   /// Whether the plugin's layers use the expert-parallel group (MoE layers share out their
   /// experts over it): --expert_model_parallel_size > 1 needs a selected plugin that does.
   bool uses_expert_parallel_group = false;
+  /// Whether the plugin's tensors follow the activations' dtype under --bf16 (NOTE [mixed
+  /// precision] in core/linear.h): a selected plugin that does not is refused under --bf16
+  /// before any work, rather than compute half-converted.
+  bool supports_bf16 = false;
 };
 
 using PluginRegistry = Registry<PluginEntry>;
@@ -74,7 +78,9 @@ absl::Status CheckFlagsOfUnselectedPlugins(const std::vector<std::string>& selec
 
 /// Runs every selected plugin's check (PluginEntry::validate), in order, then refuses an
 /// expert-parallel layout (setup.layout.ep_size > 1) that no selected plugin uses
-/// (PluginEntry::uses_expert_parallel_group).
+/// (PluginEntry::uses_expert_parallel_group), and bf16 mixed precision
+/// (setup.model.device_spec) with a selected plugin that does not support it
+/// (PluginEntry::supports_bf16), naming those plugins and the ones that do.
 absl::Status ValidatePlugins(const std::vector<std::string>& names, const PluginSetup& setup);
 
 /// Builds the selected plugins, in order (NOTE [plugin order] in core/plugin.h).

@@ -155,27 +155,6 @@ absl::Status CheckBeforeWork(Checked& c) {
   FULCRUM_ASSIGN_OR_RETURN(c.plugin_names,
                            fulcrum::plugins::SelectPlugins(fulcrum::PluginsFlag()));
   FULCRUM_RETURN_IF_ERROR(fulcrum::plugins::CheckFlagsOfUnselectedPlugins(c.plugin_names));
-  // NOTE [mixed precision] in core/linear.h covers the dense model and the MoE layers (NOTE
-  // [MoE mixed precision] in moe/moe_layer.cc). The other plugins' tensors (sparse linears,
-  // carried token state, masks) are not yet written for bf16 activations, so --bf16 refuses
-  // them by name rather than compute them half-converted.
-  if (c.early.model.device_spec.mixed_precision()) {
-    // prune and sparse_attention multiply through core/sparse_linear.cc, which computes in
-    // fp32/fp64 only; the others are simply not yet converted.
-    static const std::vector<std::string> kBf16Refused = {"early_exit", "freeze", "mod",
-                                                          "prune", "sparse_attention"};
-    std::vector<std::string> refused;
-    for (const std::string& name : c.plugin_names) {
-      if (name != "moe") refused.push_back(name);
-    }
-    if (!refused.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--bf16 covers dense models and --plugins=moe only; it does not combine with --plugins=",
-          absl::StrJoin(refused, ","), " (refused under --bf16: ", absl::StrJoin(kBf16Refused, ", "),
-          "; prune and sparse_attention multiply through sparse linears, which compute in "
-          "fp32/fp64 only)"));
-    }
-  }
   c.plugin_setup.model = c.early.model;
   c.plugin_setup.layout = fulcrum::parallel::RankRolesOf(c.layout, c.world.rank);
   FULCRUM_RETURN_IF_ERROR(fulcrum::plugins::ValidatePlugins(c.plugin_names, c.plugin_setup));

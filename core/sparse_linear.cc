@@ -823,8 +823,20 @@ at::Tensor SparseLinearWeightGrad(const at::Tensor& grad_y, const at::Tensor& x,
 
 at::Tensor SparseLinearForward(const at::Tensor& x, std::shared_ptr<const SparseWeight> w,
                                const at::Tensor& weight, const at::Tensor& bias) {
-  if (bias.defined()) return SparseLinearFunction::apply(x, weight, bias, std::move(w));
-  return SparseLinearFunction::apply(x, weight, std::move(w));
+  TORCH_CHECK(w != nullptr, "SparseLinearForward: no sparse weight");
+  // NOTE [sparse mixed precision]: the kernels have no bf16 path (they are CPU kernels over
+  // 256-byte token tiles of fp32 or fp64), so bf16 or fp16 activations over an fp32 sparse
+  // weight are widened on the way in and the output narrowed on the way out, through
+  // autograd's own casts: the products run in fp32 — more precise than a bf16 GEMM, the
+  // same result a bf16 GEMM accumulating in fp32 would round to — the input gradient comes
+  // back in the activations' dtype and the masked weight gradient is fp32 (NOTE [mixed
+  // precision] in core/linear.h).
+  const at::ScalarType narrow = x.scalar_type();
+  const bool widen = w->dtype() == at::kFloat && (narrow == at::kBFloat16 || narrow == at::kHalf);
+  const at::Tensor input = widen ? x.to(at::kFloat) : x;
+  at::Tensor y = bias.defined() ? SparseLinearFunction::apply(input, weight, bias, std::move(w))
+                                : SparseLinearFunction::apply(input, weight, std::move(w));
+  return widen ? y.to(narrow) : y;
 }
 
 bool SparseIsFaster(int64_t out, int64_t in, double density) {

@@ -2,7 +2,8 @@
 // exactly zero) that computes only the nonzeros: the forward and the input gradient as
 // sparse × dense products (SpMM, CSR and CSC), the weight gradient as a sampled dense ×
 // dense product at the nonzeros (SDDMM) — DynMo's sparse path (Sputnik SpMM + SDDMM, Gale et
-// al., SC 2020) on the CPU, in fp32 or fp64.
+// al., SC 2020) on the CPU, in fp32 or fp64 (bf16 activations computed in fp32: NOTE
+// [sparse mixed precision] at SparseLinearForward).
 //
 // NOTE [token tiles]
 // Every kernel works on activations in a tiled, transposed layout: x [T, in] becomes

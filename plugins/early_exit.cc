@@ -183,7 +183,7 @@ Head& HeadCopy(Shared& shared) {
 std::pair<at::Tensor, at::Tensor> ActiveIndex(const at::Tensor& active) {
   const int64_t s = active.size(0);
   const int64_t k = active.sum(0).max().item<int64_t>();
-  const at::Tensor pos = at::arange(s, at::kLong).unsqueeze(1).expand_as(active);
+  const at::Tensor pos = at::arange(s, active.options().dtype(at::kLong)).unsqueeze(1).expand_as(active);
   // Active positions sort first, in order; then the others.
   const at::Tensor key = at::where(active, pos, pos + s);
   const at::Tensor index = std::get<0>(key.sort(0)).narrow(0, 0, k).remainder(s);
@@ -235,8 +235,8 @@ at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer&
 
   // The exit head on the tokens active here.
   if (!index.defined()) {
-    index = at::arange(s, at::kLong).unsqueeze(1).expand({s, b});
-    valid = at::ones({s, b}, at::kBool);
+    index = at::arange(s, out.options().dtype(at::kLong)).unsqueeze(1).expand({s, b});
+    valid = at::ones({s, b}, out.options().dtype(at::kBool));
   }
   if (index.size(0) == 0) return out;
   const int64_t k = index.size(0);
@@ -262,16 +262,23 @@ at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer&
   at::Tensor confidence;
   {
     at::NoGradGuard no_grad;
+    // NOTE [early exit mixed precision]: under --bf16 the confidence is computed from the
+    // bf16 logits or states widened to the masters' fp32 — an exit is a threshold test, and
+    // a bf16 softmax maximum or cosine (8 bits of mantissa: steps of 0.004 near 1) would
+    // move tokens across a threshold such as 0.995. The exit head's loss is already fp32
+    // (VocabParallelCrossEntropy widens). With fp32 or fp64 activations the casts are no-ops.
+    const at::ScalarType wide = shared.model.device_spec.master_dtype;
     if (shared.options.softmax) {
-      confidence = MaxProbability(logits.detach(), shared.tp);
+      confidence = MaxProbability(logits.detach().to(wide), shared.tp);
     } else {
-      confidence = at::cosine_similarity(x.detach(), hidden.gather(0, index3).detach(), -1);
+      confidence = at::cosine_similarity(x.detach().to(wide),
+                                         hidden.gather(0, index3).detach().to(wide), -1);
     }
     const at::Tensor exits = valid & confidence.ge(shared.options.threshold);  // [k, b]
     at::Tensor next = exit_state.defined() ? exit_state.clone()
-                                           : at::full({s, b}, kActive, at::kFloat);
+                                           : at::full({s, b}, kActive, out.options().dtype(at::kFloat));
     // Scatter the exits back to their positions (pads are never exits).
-    const at::Tensor here = at::zeros({s, b}, at::kBool).scatter(0, index, exits);
+    const at::Tensor here = at::zeros({s, b}, out.options().dtype(at::kBool)).scatter(0, index, exits);
     next.masked_fill_(here, static_cast<double>(state.index));
     ctx.token_state = next;
     counts.exited += exits.sum().item<double>();
@@ -492,6 +499,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
 FULCRUM_REGISTER_PLUGIN(early_exit,
                         "early exit (CALM, Schuster et al. 2022): exit heads after chosen layers; "
                         "confident tokens skip the later layers",
-                        (PluginEntry{nullptr, Validate, Create}));
+                        (PluginEntry{nullptr, Validate, Create,
+                                    /*uses_expert_parallel_group=*/false, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

@@ -280,6 +280,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
 FULCRUM_REGISTER_PLUGIN(freeze,
                         "layer freezing (AutoFreeze/Egeria, DynMo §4.2.3): layers whose gradient "
                         "norm stopped changing stop training, front to back, and cost less",
-                        (PluginEntry{nullptr, Validate, Create}));
+                        (PluginEntry{nullptr, Validate, Create,
+                                    /*uses_expert_parallel_group=*/false, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

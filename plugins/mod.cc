@@ -138,9 +138,10 @@ class ModPlugin final : public Plugin {
     const ModelOptions& model = model_;
     const int64_t h = model.hidden_size;
     auto add = [&](const std::string& name, at::IntArrayRef shape, double std, bool decay) {
-      at::Tensor init = !initialize    ? at::empty(shape, at::kFloat)
+      const at::ScalarType master = model.device_spec.master_dtype;
+      at::Tensor init = !initialize    ? at::empty(shape, master)
                         : std > 0      ? NormalInit(model.seed, layer.GlobalName(name), shape, std)
-                                       : at::zeros(shape, at::kFloat);
+                                       : at::zeros(shape, master);
       return at::Tensor(layer.AddParameter(name, init, decay));  // a handle (plugins/README.md)
     };
     auto state = std::make_shared<RoutedLayer>();
@@ -203,9 +204,21 @@ class ModPlugin final : public Plugin {
   }
 
  private:
+  // NOTE [MoD mixed precision]
+  // Under --bf16 the router and the predictor compute in their fp32 weights' dtype from
+  // widened tokens, as the MoE router does (NOTE [MoE mixed precision] in moe/moe_layer.cc):
+  // which tokens a layer computes is a top-k over logits, and bf16 logits (8 bits of
+  // mantissa) tie and swap neighbours that fp32 keeps apart. The gate multiplies the layer's
+  // bf16 update in the tokens' dtype, so the residual stream stays bf16. With fp32 or fp64
+  // activations every cast is a no-op.
+  static at::Tensor RouterLogits(const RoutedLayer& state, const at::Tensor& hidden) {
+    return at::matmul(hidden.to(state.router.scalar_type()), state.router);  // [s, b]
+  }
+
   // The predictor's logit per token (NOTE [MoD causal sampling]); input detached.
   static at::Tensor PredictorLogits(const RoutedLayer& state, const at::Tensor& hidden) {
-    at::Tensor hid = at::gelu(at::linear(hidden.detach(), state.fc1_w, state.fc1_b));
+    at::Tensor hid =
+        at::gelu(at::linear(hidden.detach().to(state.fc1_w.scalar_type()), state.fc1_w, state.fc1_b));
     return at::linear(hid, state.fc2_w, state.fc2_b).squeeze(-1);
   }
 
@@ -213,7 +226,7 @@ class ModPlugin final : public Plugin {
   static at::Tensor RouteTopK(const ModOptions& o, RoutedLayer& state, const TransformerLayer& layer,
                               const at::Tensor& hidden, const ForwardContext& ctx) {
     const int64_t s = hidden.size(0), b = hidden.size(1), h = hidden.size(2);
-    const at::Tensor logits = at::matmul(hidden, state.router);  // [s, b]
+    const at::Tensor logits = RouterLogits(state, hidden);  // [s, b], fp32 under --bf16
     const int64_t k = std::clamp<int64_t>(std::llround(o.capacity * static_cast<double>(s)), 1, s);
     // The chosen positions of each sequence, in sequence order (causal among themselves).
     const at::Tensor index = std::get<0>(std::get<1>(logits.detach().topk(k, /*dim=*/0)).sort(0));
@@ -222,7 +235,8 @@ class ModPlugin final : public Plugin {
     if (ctx.token_positions.defined()) sub.token_positions = ctx.token_positions.gather(0, index);
     // Rotary positions: the routed tokens keep their places in the sequence.
     sub.rotary_positions = ctx.rotary_positions.defined() ? ctx.rotary_positions.gather(0, index) : index;
-    const at::Tensor gate = at::sigmoid(logits.gather(0, index)).unsqueeze(-1);  // [k, b, 1]
+    const at::Tensor gate =  // [k, b, 1], in the tokens' dtype
+        at::sigmoid(logits.gather(0, index)).unsqueeze(-1).to(hidden.scalar_type());
     const at::Tensor update = layer.Residual(hidden.gather(0, index3), sub) * gate;
     at::Tensor out = hidden.scatter_add(0, index3, update);
     state.computed = k * b;
@@ -241,7 +255,7 @@ class ModPlugin final : public Plugin {
   static at::Tensor RouteCausal(const ModOptions& o, RoutedLayer& state, const TransformerLayer& layer,
                                 const at::Tensor& hidden, const ForwardContext& ctx) {
     const int64_t s = hidden.size(0), b = hidden.size(1);
-    const at::Tensor logits = at::matmul(hidden, state.router);  // [s, b]
+    const at::Tensor logits = RouterLogits(state, hidden);  // [s, b]
     const at::Tensor decision = o.predictor ? PredictorLogits(state, hidden) : logits;
     std::vector<at::Tensor> columns;
     state.computed = 0;
@@ -258,7 +272,9 @@ class ModPlugin final : public Plugin {
       sub.token_positions = at::Tensor();
       sub.rotary_positions = (ctx.rotary_positions.defined() ? ctx.rotary_positions.select(1, j).index_select(0, index)
                                                              : index).unsqueeze(1);
-      const at::Tensor gate = at::sigmoid(logits.select(1, j).index_select(0, index)).unsqueeze(-1);
+      const at::Tensor gate = at::sigmoid(logits.select(1, j).index_select(0, index))
+                                  .unsqueeze(-1)
+                                  .to(hidden.scalar_type());
       const at::Tensor update =
           layer.Residual(x.index_select(0, index).unsqueeze(1), sub).squeeze(1) * gate;
       columns.push_back(x.index_add(0, index, update));
@@ -284,6 +300,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
 FULCRUM_REGISTER_PLUGIN(mod,
                         "Mixture-of-Depths (Raposo et al. 2024): routed layers compute only the "
                         "top --mod_capacity of each sequence's tokens, the rest skip them",
-                        (PluginEntry{nullptr, Validate, Create}));
+                        (PluginEntry{nullptr, Validate, Create,
+                                    /*uses_expert_parallel_group=*/false, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

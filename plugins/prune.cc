@@ -428,6 +428,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup&) {
 FULCRUM_REGISTER_PLUGIN(prune,
                         "gradual global magnitude pruning (Zhu & Gupta; DynMo §5.1) of the "
                         "attention and MLP weights, with sparse compute: pruned layers get cheaper",
-                        (PluginEntry{nullptr, Validate, Create}));
+                        (PluginEntry{nullptr, Validate, Create,
+                                    /*uses_expert_parallel_group=*/false, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

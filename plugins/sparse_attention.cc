@@ -191,6 +191,17 @@ at::Tensor SparseAttentionCore::Buckets(const at::Tensor& x) const {
 
 at::Tensor SparseAttentionCore::Forward(const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const ForwardContext& ctx) {
+  // NOTE [sparse attention mixed precision]
+  // Under --bf16 the queries, keys and values arrive in bf16 and the core computes on them
+  // widened to fp32, handing back bf16: the hash is an
+  // argmax over projections, where bf16 products (8 bits of mantissa) tie and flip buckets
+  // that the same bf16 values hashed in fp32 keep apart, and the softmax's running maximum,
+  // exponentials and the scattered sums of numerator and denominator are accumulators,
+  // which a flash-attention kernel also keeps in fp32. With fp32 or fp64 activations
+  // nothing is cast.
+  if (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) {
+    return Forward(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), ctx).to(q.scalar_type());
+  }
   const int64_t b = q.size(0), heads = q.size(1), s = q.size(2), d = q.size(3);
   const int64_t n = b * heads;  // independent sequences
   const int64_t block = std::min(options_.block, s);
@@ -199,7 +210,7 @@ at::Tensor SparseAttentionCore::Forward(const at::Tensor& q, const at::Tensor& k
   const int64_t nb = options_.buckets;
   const bool band = nb > 1;  // with one bucket the window and diagonal are in the blocks
   const int64_t width = std::max<int64_t>(options_.window, 1);
-  const auto long_options = at::TensorOptions().dtype(at::kLong);
+  const auto long_options = q.options().dtype(at::kLong);
   const double inf = std::numeric_limits<double>::infinity();
 
   // Hashing, sorting and the block schedule: integer work, no gradient.
@@ -407,6 +418,7 @@ absl::StatusOr<std::unique_ptr<Plugin>> Create(const PluginSetup& setup) {
 FULCRUM_REGISTER_PLUGIN(sparse_attention,
                         "hash-based sparse causal attention (Pagliardini et al. 2023, DynMo): LSH "
                         "buckets per head, only block pairs sharing a bucket are computed",
-                        (PluginEntry{nullptr, Validate, Create}));
+                        (PluginEntry{nullptr, Validate, Create,
+                                    /*uses_expert_parallel_group=*/false, /*supports_bf16=*/true}));
 
 }  // namespace fulcrum::plugins

@@ -58,8 +58,8 @@ DEFINE_string(device, "auto",
 DEFINE_bool(bf16, false,
             "bf16 mixed precision as Megatron does it: activations and GEMMs in bf16 over fp32 "
             "master weights, fp32 gradient accumulation and optimizer state; checkpoints hold "
-            "the fp32 masters. Needs --params_dtype=fp32; dense models and MoE (the other "
-            "plugins are refused).");
+            "the fp32 masters; routing, exit and hashing decisions and the losses in fp32. Needs "
+            "--params_dtype=fp32; every built-in plugin runs under it.");
 // Optimizer and schedule.
 DEFINE_double(lr, 1e-3, "Peak learning rate.");
 DEFINE_double(min_lr, 0.0, "Minimum learning rate at the end of decay.");

@@ -245,6 +245,35 @@ TEST(SparseLinearTest, DeferredWeightGradientEqualsFusedBitForBit) {
   EXPECT_TRUE(at::equal(ws.grad(), first + fused.weight));
 }
 
+// NOTE [sparse mixed precision]: bf16 activations over an fp32 sparse weight are computed
+// in fp32 — exactly the fp32 products of the widened values, narrowed to bf16 at the
+// output — with a bf16 input gradient and fp32 masked weight and bias gradients, deferred
+// bit-exactly under the B/W split. (Without the widening the kernels refuse bf16 input.)
+TEST(SparseLinearTest, Bf16ActivationsComputeInFp32OverTheFp32Weight) {
+  at::Generator gen = at::detail::createCPUGenerator(31);
+  const at::Tensor x = at::randn({40, 3, 48}, gen).to(at::kBFloat16);
+  const at::Tensor weight = at::randn({72, 48}, gen);
+  const at::Tensor bias = at::randn({72}, gen);
+  const at::Tensor grad_y = at::randn({40, 3, 72}, gen).to(at::kBFloat16);
+  const at::Tensor mask = MakeMask(72, 48, 0.2, false, 32);
+  auto w = std::make_shared<const SparseWeight>(weight, mask);
+  const Grads got = Sparse(x, w, weight, bias, grad_y);
+  const Grads wide = Sparse(x.to(at::kFloat), w, weight, bias, grad_y.to(at::kFloat));
+  EXPECT_EQ(got.y.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(got.x.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(got.weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(got.bias.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(got.y, wide.y.to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(got.x, wide.x.to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(got.weight, wide.weight)) << "fp32 SDDMM of the widened values";
+  EXPECT_TRUE(at::equal(got.bias, wide.bias));
+  EXPECT_EQ(got.weight.masked_select(mask.logical_not()).abs().sum().item<double>(), 0.0);
+  WeightGradStore store;
+  const Grads deferred = Sparse(x, w, weight, bias, grad_y, &store);
+  EXPECT_TRUE(at::equal(deferred.weight, got.weight));
+  EXPECT_TRUE(at::equal(deferred.x, got.x));
+}
+
 TEST(SparseLinearTest, FrozenWeightAndInputWithoutGradient) {
   const at::Tensor weight = at::randn({16, 24});
   const at::Tensor mask = MakeMask(16, 24, 0.3, false, 8);

@@ -141,6 +141,44 @@ TEST(ModPluginTest, TrainingComputesTheRouterTopKOfEachSequenceAndSkipsTheRest) 
   }
 }
 
+// NOTE [MoD mixed precision]: under --bf16 the router scores bf16 tokens in fp32 (the
+// tokens widened to its fp32 weight), so a layer routes the same tokens as its fp32 twin
+// would for the same values; the update and the residual stream stay bf16 and the router's
+// gradient is fp32. The check is sensitive: on these tokens the top-k of bf16 logits (the
+// tokens times the router rounded to bf16, what a router computing in the activations'
+// dtype gives) picks other tokens than the top-k of fp32 logits.
+TEST(ModPluginTest, Bf16TokensAreRoutedByFp32Logits) {
+  Flags flags(0.25);
+  ModelOptions o = Small();
+  o.device_spec.compute_dtype = at::kBFloat16;
+  auto mod = WithMod(o);
+  torch::manual_seed(5);
+  const int64_t b = 256;  // sequences: many top-4 choices, some close to a tie
+  const at::Tensor x = torch::randn({o.seq_length, b, o.hidden_size}).to(at::kBFloat16);
+  const at::Tensor router = Router(*mod);
+  ASSERT_EQ(router.scalar_type(), at::kFloat) << "the router's master is fp32";
+  auto chosen_by = [&](const at::Tensor& logits) {
+    const at::Tensor top = std::get<1>(logits.topk(4, 0));
+    return at::zeros({o.seq_length, b}, at::kBool).scatter(0, top, true);
+  };
+  const at::Tensor fp32_rule = chosen_by(at::matmul(x.to(at::kFloat), router));
+  const at::Tensor bf16_rule = chosen_by(at::matmul(x, router.to(at::kBFloat16)));
+  ASSERT_FALSE(at::equal(fp32_rule, bf16_rule)) << "the data must tell the two rules apart";
+
+  const at::Tensor input = x.clone().requires_grad_(true);
+  const at::Tensor out = mod->layers().at(1)->Forward(input, Training());
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  // The computed tokens are those the layer changed; the others pass through bit for bit.
+  const at::Tensor changed = out.detach().ne(x).any(-1);
+  EXPECT_TRUE(at::equal(changed, fp32_rule));
+  EXPECT_DOUBLE_EQ(mod->layers().at(1)->Load(), 0.25);
+  out.to(at::kFloat).square().sum().backward();
+  EXPECT_EQ(input.grad().scalar_type(), at::kBFloat16);
+  ASSERT_TRUE(router.grad().defined());
+  EXPECT_EQ(router.grad().scalar_type(), at::kFloat);
+  EXPECT_GT(router.grad().abs().sum().item<double>(), 0) << "the gate trains the router";
+}
+
 TEST(ModPluginTest, EvaluationComputesTheTokensTheCausalDecisionPicks) {
   for (const bool rope : {false, true})
   for (const std::string causal : {"aux_loss", "predictor"}) {

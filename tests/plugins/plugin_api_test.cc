@@ -180,6 +180,28 @@ TEST(PluginApiTest, AnExpertParallelLayoutNeedsAPluginThatUsesTheExpertGroup) {
   EXPECT_TRUE(ValidatePlugins({"test_one_file"}, setup).ok());
 }
 
+// bf16 is a capability a plugin declares (PluginEntry::supports_bf16, false by default):
+// under --bf16 a selected plugin without it is refused before any work, by name, with the
+// plugins that do run under --bf16 (every built-in one: tests/recipes/
+// bf16_plugins_train_test.cc and bf16_moe_train_test.cc run them).
+TEST(PluginApiTest, Bf16RefusesAPluginThatDoesNotDeclareIt) {
+  PluginSetup setup;
+  setup.model = SmallModel();
+  setup.model.device_spec.compute_dtype = at::kBFloat16;
+  const absl::Status refused = ValidatePlugins({"freeze", "test_one_file"}, setup);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::AllOf(
+                  ::testing::HasSubstr("--bf16 does not combine with --plugins=test_one_file: "
+                                       "their tensors are not yet written for bf16 activations"),
+                  ::testing::HasSubstr("early_exit, freeze, mod, moe, prune, sparse_attention")));
+  const absl::Status accepted =
+      ValidatePlugins({"freeze", "prune", "mod", "early_exit", "sparse_attention"}, setup);
+  EXPECT_TRUE(accepted.ok()) << accepted;
+  setup.model.device_spec.compute_dtype = at::kFloat;
+  EXPECT_TRUE(ValidatePlugins({"test_one_file"}, setup).ok()) << "fp32 takes every plugin";
+}
+
 // The Trainer hands the plugins the layout (Plugin::OnLayout) before it builds any layer,
 // so what a plugin builds on the process groups is ready for the first layer.
 TEST(PluginApiTest, TheTrainerGivesThePluginsTheLayoutBeforeBuildingLayers) {

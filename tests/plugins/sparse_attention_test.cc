@@ -145,6 +145,42 @@ TEST(SparseAttentionTest, ManyBucketsAreTheDenseAttentionUnderTheBucketMask) {
   }
 }
 
+// NOTE [sparse attention mixed precision]: bf16 queries, keys and values are hashed and
+// attended in fp32 — the output is the fp32 reference on the widened values (the dense
+// attention under the fp32 hash's mask) rounded to bf16 — and the gradients come back bf16.
+// The check is sensitive to the hash's precision: hashing the bf16 values with a bf16
+// product (rotations rounded to bf16) puts some tokens in other buckets, which changes
+// their attention far beyond bf16 rounding.
+TEST(SparseAttentionTest, Bf16TokensAreHashedAndAttendedInFp32) {
+  auto plugins = Build(/*buckets=*/8, /*window=*/0, /*block=*/8);
+  Unit unit("layers.0");
+  std::unique_ptr<AttentionCore> core = plugins->MakeAttentionCore(0, unit, true);
+  const at::Tensor rotations = unit.FindBuffer(kRotations);
+  ASSERT_EQ(rotations.scalar_type(), at::kFloat);
+  Inputs in = RandomInputs(2, 4, 64, 8, at::kBFloat16, 13);
+  const at::Tensor q = in.q.detach().to(at::kFloat), k = in.k.detach().to(at::kFloat),
+                   v = in.v.detach().to(at::kFloat);
+  const at::Tensor bq = BucketsOf(q, rotations, 0, 8), bk = BucketsOf(k, rotations, 0, 8);
+  const at::Tensor bq_bf16 = BucketsOf(in.q.detach(), rotations, 0, 8);
+  ASSERT_FALSE(at::equal(bq, bq_bf16)) << "the data must tell the two hashes apart";
+  const at::Tensor out = core->Forward(in.q, in.k, in.v, ForwardContext());
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  const at::Tensor expected = Reference(q, k, v, bq, bk, /*window=*/0);
+  // bf16 rounding of the output: half a step of 2^-8 relative, plus the fp32 difference
+  // between the block computation and the dense reference (1e-6 at these magnitudes).
+  const at::Tensor error = (out.to(at::kFloat) - expected).abs();
+  const at::Tensor bound = expected.abs() * std::ldexp(1.0, -8) + 1e-5;
+  EXPECT_TRUE(error.le(bound).all().item<bool>()) << (error - bound).max().item<double>();
+  const at::Tensor misplaced = Reference(q, k, v, bq_bf16, BucketsOf(in.k.detach(), rotations, 0, 8), 0);
+  EXPECT_FALSE((out.to(at::kFloat) - misplaced).abs().le(bound).all().item<bool>())
+      << "the bf16 hash's mask gives a different attention";
+  out.to(at::kFloat).square().sum().backward();
+  for (const at::Tensor& t : {in.q, in.k, in.v}) {
+    ASSERT_TRUE(t.grad().defined());
+    EXPECT_EQ(t.grad().scalar_type(), at::kBFloat16);
+  }
+}
+
 TEST(SparseAttentionTest, GradientsMatchFiniteDifferencesInDouble) {
   auto plugins = Build(/*buckets=*/4, /*window=*/2, /*block=*/4);
   Unit unit("layers.0");

@@ -109,11 +109,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInputCase{"Bf16OverFp64", "--bf16 --params_dtype=fp64",
                      "--bf16 computes over fp32 master weights; it excludes --params_dtype=fp64"},
         BadInputCase{"Bf16ParamsDtype", "--params_dtype=bf16", "bf16 compute over fp32 masters is --bf16"},
-        // moe runs under --bf16 (tests/recipes/bf16_moe_train_test.cc); the rest are refused
-        // by name, moe not among them.
-        BadInputCase{"Bf16WithPlugins", "--recipe=tiny_moe --bf16 --plugins=moe,freeze",
-                     "--bf16 does not combine with --plugins=freeze: their tensors are not yet "
-                     "written for bf16 activations (plugins that run under --bf16: moe)"},
+        // Every built-in plugin runs under --bf16 (tests/recipes/bf16_plugins_train_test.cc);
+        // one without the capability is refused by name (PluginApiTest.
+        // Bf16RefusesAPluginThatDoesNotDeclareIt).
         // Outputs are checked before any work, each error naming its own flag.
         BadInputCase{"UnwritableMetricsFile",
                      "--recipe=tiny --train_iters=2 --metrics_file=/proc/fulcrum_no_such_dir/m.jsonl",

@@ -223,12 +223,6 @@ std::vector<double> Losses(const TrainerConfig& config,
   return losses;
 }
 
-double MaxAbsDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
-  return worst;
-}
-
 // (a) the bf16 run tracks the fp32 loss curve over 20 iterations; bf16 masters do not.
 // Measured here (losses near 4): bf16 over fp32 masters 2.8e-4 at most; the same run with
 // the masters rounded to bf16 after every step 1.9e-3 (updates below half a bf16 step of a
@@ -247,8 +241,8 @@ TEST(MixedPrecisionTest, Bf16TracksTheFp32LossCurve) {
   config.model = Bf16(config.model);
   const std::vector<double> bf16 = Losses(config, corpus, 20);
   const std::vector<double> broken = Losses(config, corpus, 20, /*round_masters_to_bf16=*/true);
-  const double tracked = MaxAbsDifference(bf16, fp32);
-  const double parted = MaxAbsDifference(broken, fp32);
+  const double tracked = testing::MaxAbsDiff(bf16, fp32);
+  const double parted = testing::MaxAbsDiff(broken, fp32);
   std::cout << "bf16 vs fp32: max |Δloss| over 20 iterations " << tracked
             << "; with bf16 masters " << parted << " (first loss " << fp32.front() << ", last "
             << fp32.back() << " / " << bf16.back() << " / " << broken.back() << ")" << std::endl;

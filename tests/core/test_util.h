@@ -39,6 +39,9 @@ std::string MakeTempDir(const std::string& tag);
 /// Max |a - b| over all elements (as double).
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b);
 
+/// Max |a[i] - b[i]| of two loss curves (over the first min(a.size(), b.size()) entries).
+double MaxAbsDiff(const std::vector<double>& a, const std::vector<double>& b);
+
 /// Holds `layer` to `reference` (the same function written out in the test) at
 /// `tolerance`: both run in training on one fp64 input of `shape` drawn from N(0, 1) by the
 /// global generator (seed it first), then back-propagate Σ output·probe, the probe drawn

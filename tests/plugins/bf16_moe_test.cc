@@ -144,12 +144,6 @@ std::vector<double> MoeLosses(const TrainerConfig& config,
   return losses;
 }
 
-double MaxAbsDifference(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
-  return worst;
-}
-
 // A 2-layer MoE GPT (4 experts, top-2, aux and z losses) trained 20 iterations in bf16
 // tracks its fp32 loss curve; the same run with bf16 masters does not. Measured here (losses
 // near 4): bf16 over fp32 masters 1.12e-3 at most; with the masters (experts' and router's
@@ -171,8 +165,8 @@ TEST(Bf16MoeTest, Bf16MoeGptTracksTheFp32LossCurve) {
   config.model = Bf16(config.model);
   const std::vector<double> bf16 = MoeLosses(config, corpus, 20);
   const std::vector<double> broken = MoeLosses(config, corpus, 20, /*round_masters_to_bf16=*/true);
-  const double tracked = MaxAbsDifference(bf16, fp32);
-  const double parted = MaxAbsDifference(broken, fp32);
+  const double tracked = testing::MaxAbsDiff(bf16, fp32);
+  const double parted = testing::MaxAbsDiff(broken, fp32);
   std::cout << "MoE bf16 vs fp32: max |Δloss| over 20 iterations " << tracked
             << "; with bf16 masters " << parted << " (first loss " << fp32.front() << ", last "
             << fp32.back() << " / " << bf16.back() << " / " << broken.back() << ")" << std::endl;

@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <stdexcept>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/kernels/attention.h"
 #include "core/linear.h"
 #include "core/random.h"
 
@@ -26,26 +26,6 @@ at::Tensor CopyToRegion(TensorParallelGroup* tp, const at::Tensor& x) {
 at::Tensor ReduceFromRegion(TensorParallelGroup* tp, const at::Tensor& x) {
   return tp ? tp->ReduceFromRegion(x) : x;
 }
-
-// Softmax over the last dimension with the causal mask applied first (`future`: true
-// above the diagonal). One autograd node instead of masked_fill + softmax: the masked
-// probabilities are exactly 0, so softmax's own backward, p ⊙ (g − Σ g·p), is already 0
-// there and the masked_fill's backward (a full pass over the scores) is not needed.
-class CausalSoftmaxFunction : public torch::autograd::Function<CausalSoftmaxFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
-                            const at::Tensor& future) {
-    at::Tensor probs = at::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
-    ctx->save_for_backward({probs});
-    return probs;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const at::Tensor probs = ctx->get_saved_variables()[0];
-    return {at::_softmax_backward_data(grads[0], probs, -1, probs.scalar_type()), at::Tensor()};
-  }
-};
 
 // x + b, or x when the bias is absent (--disable_bias_linear). The (master) bias is cast
 // to x's dtype where it is used (NOTE [mixed precision] in core/linear.h); a no-op when the
@@ -362,11 +342,16 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
       k = ApplyRotary(k, options_.rotary_base);
     }
   }
-  // Each key/value head serves its group's query heads (after rotary: fewer heads to rotate).
-  k = ExpandGroups(k, per_group);
-  v = ExpandGroups(v, per_group);
-  at::Tensor context = attention_core_ != nullptr ? attention_core_->Forward(q, k, v, ctx)
-                                                  : SoftmaxAttention(q, k, v, ctx);  // [b, heads, s, d]
+  // Each key/value head serves its group's query heads. The dense core takes k, v grouped
+  // (NOTE [attention core contract]: on CUDA no expanded copy is made); a plugin's core is
+  // handed them expanded, one key/value head per query head. Rotary ran before either: on
+  // the grouped heads there are fewer to rotate.
+  at::Tensor context;  // [b, heads, s, d]
+  if (attention_core_ != nullptr) {
+    context = attention_core_->Forward(q, ExpandGroups(k, per_group), ExpandGroups(v, per_group), ctx);
+  } else {
+    context = SoftmaxAttention(q, k, v, ctx);
+  }
   context = context.permute({2, 0, 1, 3})                   // [s, b, heads, d]
                 .reshape({s, b, heads * d});
   // Row-parallel: partial products summed over the group, then the bias once.
@@ -374,44 +359,18 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
                  proj_bias_);
 }
 
-// NOTE [dense causal attention]
-// Without attention dropout the layer calls at::scaled_dot_product_attention with
-// is_causal: on the CPU (and on CUDA) LibTorch 2.11 runs it as a flash-attention kernel that
-// walks the keys in blocks with an online softmax, skipping the blocks above the diagonal,
-// and never forms the s×s score matrix (its backward recomputes the scores block by block).
-// tests/core/causal_attention_test.cc holds it to the plain masked softmax at 1e-12 in fp64.
-// With attention dropout the whole matrix is computed here: its masks are drawn per head
-// over [s, s] from Fulcrum's own generators, so a head drops the same entries on whichever
-// rank holds it, which SDPA's dropout cannot promise. MoD's ResidualAt keeps its own chunked
-// loop (NOTE [causal query chunks]): its queries are a subset of the positions.
+// The dense causal attention: kernels::AttentionCore (NOTE [attention core contract] in
+// core/kernels/attention.h), each head's dropout mask keyed by its global head.
 at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const ForwardContext& ctx) const {
-  const bool dropout = ctx.training && options_.attention_dropout > 0;
-  if (!dropout) {
-    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                            /*is_causal=*/true);
-  }
-  const int64_t s = q.size(2);
-  const int64_t heads = q.size(1);
-  const int64_t d = q.size(3);
-  // The 1/√d scale on q (b·heads·s·d elements), not on the scores (b·heads·s²), and the
-  // mask inside the softmax's node.
-  const at::Tensor scaled_q = q * (1.0 / std::sqrt(double(d)));
-  at::Tensor scores = at::matmul(scaled_q, k.transpose(-2, -1));
-  at::Tensor future = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(q.device())).triu(1);
-  at::Tensor probs = CausalSoftmaxFunction::apply(scores, future);
-  // One mask per global head, so a head draws the same mask on whichever rank holds it.
-  const int64_t first_head = tp_rank() * heads;
-  std::vector<at::Tensor> per_head;
-  per_head.reserve(heads);
-  for (int64_t i = 0; i < heads; ++i) {
-    per_head.push_back(Dropout(probs.select(1, i), options_.attention_dropout, options_.seed,
-                               "attention_dropout",
-                               layer_index_ * options_.num_attention_heads + first_head + i,
-                               ctx));
-  }
-  probs = at::stack(per_head, 1);
-  return at::matmul(probs, v);
+  kernels::AttentionOptions core;
+  core.dropout_p = ctx.training ? options_.attention_dropout : 0.0;
+  const int64_t first_head = tp_rank() * q.size(1);
+  core.drop_head = [&](const at::Tensor& probs, int64_t i) {
+    return Dropout(probs, options_.attention_dropout, options_.seed, "attention_dropout",
+                   layer_index_ * options_.num_attention_heads + first_head + i, ctx);
+  };
+  return kernels::AttentionCore(q, k, v, core);
 }
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
@@ -496,7 +455,7 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
     // Query at position p sees keys 0..p.
     const at::Tensor future = at::arange(end, longs).view({1, 1, 1, end}) > pos;
     parts.push_back(
-        at::matmul(CausalSoftmaxFunction::apply(scores, future), values.narrow(2, 0, end)));
+        at::matmul(kernels::MaskedSoftmax(scores, future), values.narrow(2, 0, end)));
   }
   at::Tensor context = (parts.size() == 1 ? parts[0] : at::cat(parts, 2))
                            .permute({2, 0, 1, 3})

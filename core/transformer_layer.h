@@ -233,7 +233,8 @@ class TransformerLayer : public Unit {
 
  private:
   at::Tensor Attention(const at::Tensor& x, const ForwardContext& ctx) const;
-  // Causal softmax attention of q, k, v [b, heads, s, d] → [b, heads, s, d].
+  // Causal softmax attention of q [b, heads, s, d] and k, v [b, groups, s, d] (grouped:
+  // kernels::AttentionCore) → [b, heads, s, d].
   at::Tensor SoftmaxAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const ForwardContext& ctx) const;
   at::Tensor Mlp(const at::Tensor& x, const ForwardContext& ctx) const;

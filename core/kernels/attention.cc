@@ -9,16 +9,13 @@
 namespace fulcrum::kernels {
 namespace {
 
-// Softmax over the last dimension with the mask (`future`: true where masked) applied
-// inside one autograd node: the masked probabilities are exactly 0, so softmax's own
-// backward is already 0 there and masked_fill's backward pass over the scores is not
-// needed. The same node as core/transformer_layer.cc's.
+// MaskedSoftmax's node (its comment in the header says why one node).
 class MaskedSoftmaxFunction : public torch::autograd::Function<MaskedSoftmaxFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores,
-                            const at::Tensor& future) {
+                            const at::Tensor& mask) {
     at::Tensor probs =
-        at::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+        at::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
     ctx->save_for_backward({probs});
     return probs;
   }
@@ -35,6 +32,12 @@ at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group) {
 }
 
 }  // namespace
+
+at::Tensor MaskedSoftmax(const at::Tensor& scores, const at::Tensor& mask) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "MaskedSoftmax: the mask must be bool, got ",
+              mask.scalar_type());
+  return MaskedSoftmaxFunction::apply(scores, mask);
+}
 
 at::Tensor AttentionCore(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const AttentionOptions& options) {
@@ -70,7 +73,7 @@ at::Tensor AttentionCore(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 
   // The whole probability matrix: the scale on q (b·heads·s·d elements) rather than on the
-  // scores (b·heads·s²), as the layer does.
+  // scores (b·heads·s²), and the mask inside the softmax's node.
   const double scale = options.scale == 0.0 ? 1.0 / std::sqrt(double(d)) : options.scale;
   const int64_t s = q.size(2);
   at::Tensor scores = at::matmul(q * scale, ExpandGroups(k, per_group).transpose(-2, -1));
@@ -78,7 +81,7 @@ at::Tensor AttentionCore(const at::Tensor& q, const at::Tensor& k, const at::Ten
   if (options.causal) {
     const at::Tensor future =
         at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(q.device())).triu(1);
-    probs = MaskedSoftmaxFunction::apply(scores, future);
+    probs = MaskedSoftmax(scores, future);
   } else {
     probs = at::softmax(scores, -1);
   }

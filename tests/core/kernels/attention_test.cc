@@ -1,5 +1,5 @@
-// AttentionCore against the computation core/transformer_layer.cc does today (NOTE
-// [attention core contract]): bit for bit on the CPU, so the layer can call it instead.
+// AttentionCore against the computation the layer did before it called it (NOTE [attention
+// core contract]): bit for bit on the CPU. MaskedSoftmax against masked_fill + softmax.
 #include "core/kernels/attention.h"
 
 #include <gtest/gtest.h>
@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace fulcrum::kernels {
@@ -66,7 +67,7 @@ TEST(AttentionCoreTest, WithDropoutIsTheLayersWholeMatrixPathBitForBit) {
   options.dropout_p = p;
   options.drop_head = [p](const at::Tensor& probs, int64_t head) { return DropHead(probs, head, p); };
   const at::Tensor ours = AttentionCore(q, k, v, options);
-  // TransformerLayer::SoftmaxAttention's dropout branch, op for op.
+  // The layer's former dropout branch (TransformerLayer::SoftmaxAttention), op for op.
   const at::Tensor scores = at::matmul(q * (1.0 / std::sqrt(4.0)), k.transpose(-2, -1));
   const at::Tensor future = at::ones({7, 7}, at::kBool).triu(1);
   const at::Tensor probs = at::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
@@ -92,6 +93,39 @@ TEST(AttentionCoreTest, RefusesBadShapesAndDropoutWithoutMaskSource) {
     FAIL() << "dropout without drop_head accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("drop_head"), std::string::npos) << e.what();
+  }
+}
+
+// MaskedSoftmax is masked_fill(−∞) + softmax, values and score gradients bit for bit, with
+// a mask broadcast over batch and heads as ResidualAt's is ([b, 1, rows, keys]: each query
+// row masks the keys after its own position); the masked probabilities are exactly 0.
+TEST(MaskedSoftmaxTest, IsMaskedFillThenSoftmaxBitForBitWithABroadcastMask) {
+  const at::Tensor scores0 = Random({2, 3, 5, 11}, 20);
+  const at::Tensor positions = at::tensor({1, 4, 4, 7, 10, 0, 2, 3, 9, 10}, at::kLong).view({2, 1, 5, 1});
+  const at::Tensor mask = at::arange(11, at::kLong).view({1, 1, 1, 11}) > positions;
+  const at::Tensor dy = Random({2, 3, 5, 11}, 21);
+  at::Tensor a = scores0.clone().requires_grad_(true);
+  at::Tensor b = scores0.clone().requires_grad_(true);
+  const at::Tensor ours = MaskedSoftmax(a, mask);
+  const at::Tensor plain = at::softmax(b.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  ours.backward(dy);
+  plain.backward(dy);
+  EXPECT_TRUE(at::equal(ours, plain));
+  EXPECT_TRUE(at::equal(a.grad(), b.grad()));
+  const at::Tensor masked = ours.masked_select(mask.expand_as(ours));
+  EXPECT_EQ(masked.numel(), 3 * (9 + 6 + 6 + 3 + 0 + 10 + 8 + 7 + 1 + 0));  // 3 heads × Σ (10 − p)
+  EXPECT_EQ(masked.abs().max().item<double>(), 0.0);
+  // The mask matters: without it the same scores give other probabilities.
+  EXPECT_FALSE(at::equal(ours, at::softmax(scores0, -1)));
+}
+
+TEST(MaskedSoftmaxTest, RefusesANonBoolMask) {
+  const at::Tensor scores = Random({2, 4}, 22);
+  try {
+    MaskedSoftmax(scores, at::ones({2, 4}, at::kLong).triu(1));
+    FAIL() << "a long mask accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MaskedSoftmax: the mask must be bool"), std::string::npos) << e.what();
   }
 }
 

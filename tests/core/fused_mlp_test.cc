@@ -281,14 +281,21 @@ TEST(FusedMlpTest, Bf16FollowsTheUnfusedLayer) {
     EXPECT_TRUE(fused.fused_node);
     EXPECT_EQ(fused.output.scalar_type(), at::kBFloat16);
     ExpectIdentical(fused_split, fused, v.Describe() + ", B/W split vs fused backward");
-    // The same ops in the same dtypes as the unfused layer: measured bit-identical here; the
-    // bound is bf16's (8 bits of mantissa) relative to the largest value.
+    // The same ops in the same dtypes as the unfused layer: measured bit-identical on the
+    // CPU (printed below; MixedPrecisionTest's 20-iteration bf16 loss curve is too), but
+    // bf16 is held to bf16's bound (8 bits of mantissa) relative to the largest value: a
+    // device's fused epilogue need not round as the separate ops do.
     auto close = [](const at::Tensor& a, const at::Tensor& b) {
       const double scale = std::max(1.0, b.abs().max().item<double>());
       return MaxAbsDiff(a, b) <= 1e-2 * scale;
     };
     EXPECT_TRUE(close(fused.output, unfused.output)) << v.Describe();
     EXPECT_TRUE(close(fused.input_grad, unfused.input_grad)) << v.Describe();
+    std::cout << v.Describe() << ": output "
+              << (at::equal(fused.output, unfused.output) ? "equal" : "differs")
+              << ", input gradient "
+              << (at::equal(fused.input_grad, unfused.input_grad) ? "equal" : "differs")
+              << " to the unfused layer's" << std::endl;
     for (size_t i = 0; i < fused.grads.size(); ++i) {
       EXPECT_EQ(fused.grads[i].scalar_type(), at::kFloat) << fused.names[i];
       EXPECT_TRUE(close(fused.grads[i], unfused.grads[i]))

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <chrono>
+#include <optional>
 
 #include "core/kernels/device_timer.h"
 #include "core/kernels/linear_epilogue.h"
@@ -29,6 +30,39 @@ void AccumulateInto(const at::Tensor& weight, const at::Tensor& grad) {
   }
 }
 
+// The weight gradient of y = x·Wᵀ for `grad_out`: grad_outᵀ·x over all leading dimensions,
+// in one GEMM whose result has the master dtype, so what accumulates over micro-batches is
+// fp32 (NOTE [mixed precision]). bf16 operands accumulate into an fp32 result — cuBLASLt's
+// on CUDA (Megatron's fused main_grad accumulation), the same product in fp32 on the CPU;
+// fp32/fp64 operands take exactly the plain GEMM (core/kernels/linear_epilogue.h). Fused or
+// deferred, the same closure runs on the same saved tensors, so the B/W split stays exact.
+std::function<at::Tensor()> WeightGradOf(const at::Tensor& grad_out, const at::Tensor& input,
+                                         at::ScalarType master) {
+  const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
+  return [grad_out, input, master, widen]() {
+    return kernels::LinearWeightGrad(grad_out, input, /*want_bias_grad=*/false, widen)
+        .grad_weight.to(master);
+  };
+}
+
+// The gradient of `weight` in y = x·Wᵀ for `grad_out` (contiguous): returned for autograd
+// to accumulate, or — while a store is active — queued with `tag` and the bytes it holds
+// (NOTE [B/W split]), undefined then and for a frozen weight (no W work for it). Every
+// autograd function here with a full weight takes its weight gradients through this one
+// place, so the fused and the deferred gradient are the same closure.
+at::Tensor WeightGradOrDefer(const at::Tensor& weight, const at::Tensor& grad_out,
+                             const at::Tensor& input, int64_t tag) {
+  if (!weight.requires_grad()) return at::Tensor();
+  std::function<at::Tensor()> weight_grad = WeightGradOf(grad_out, input, weight.scalar_type());
+  if (WeightGradStore* store = WeightGradStore::Active()) {
+    // Deferred; autograd receives no gradient for the weight.
+    store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); }, tag,
+                Bytes(grad_out) + Bytes(input));
+    return at::Tensor();
+  }
+  return weight_grad();
+}
+
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
@@ -47,34 +81,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     const at::Tensor grad_out = grads[0].contiguous();
-    const at::ScalarType master = weight.scalar_type();
 
     // A first trainable layer after a frozen prefix needs no input gradient (NOTE [frozen
     // prefix] in core/gpt_model.h).
     at::Tensor grad_input = ctx->needs_input_grad(0)
                                 ? at::matmul(grad_out, weight.to(grad_out.scalar_type()))
                                 : at::Tensor();
-    // Weight gradient: grad_outᵀ·x over all leading dimensions, in one GEMM whose result has
-    // the master dtype: what accumulates over micro-batches is fp32 (NOTE [mixed precision]).
-    // bf16 operands accumulate into an fp32 result — cuBLASLt's on CUDA (Megatron's fused
-    // main_grad accumulation), the same product in fp32 on the CPU; fp32/fp64 operands take
-    // exactly the plain GEMM (core/kernels/linear_epilogue.h). Fused or deferred, the same
-    // closure runs on the same saved tensors, so the B/W split stays exact.
-    const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
-    auto weight_grad = [grad_out, input, master, widen]() {
-      return kernels::LinearWeightGrad(grad_out, input, /*want_bias_grad=*/false, widen)
-          .grad_weight.to(master);
-    };
-    at::Tensor grad_weight;
-    if (!weight.requires_grad()) {
-      // Frozen: no weight-gradient GEMM now or deferred (no W work for it).
-    } else if (WeightGradStore* store = WeightGradStore::Active()) {
-      // Deferred (see NOTE [B/W split]); autograd receives no gradient for the weight.
-      store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); },
-                  ctx->saved_data[kTagKey].toInt(), Bytes(grad_out) + Bytes(input));
-    } else {
-      grad_weight = weight_grad();
-    }
+    at::Tensor grad_weight =
+        WeightGradOrDefer(weight, grad_out, input, ctx->saved_data[kTagKey].toInt());
     return {grad_input, grad_weight};
   }
 };
@@ -102,12 +116,8 @@ class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> 
     const at::Tensor rows = ctx->saved_data["rows"].toTensor();
     const at::Tensor grad_out = grads[0].contiguous();
     at::Tensor grad_input = ctx->needs_input_grad(0) ? at::matmul(grad_out, selected) : at::Tensor();
-    const at::ScalarType master = weight.scalar_type();
-    const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
-    auto rows_grad = [grad_out, input, master, widen]() {  // as LinearFunction's weight_grad
-      return kernels::LinearWeightGrad(grad_out, input, /*want_bias_grad=*/false, widen)
-          .grad_weight.to(master);
-    };
+    // LinearFunction's weight gradient, landing in `rows` only.
+    const std::function<at::Tensor()> rows_grad = WeightGradOf(grad_out, input, weight.scalar_type());
     auto into_rows = [weight, rows](const at::Tensor& g) {
       at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
       if (!slot.defined()) slot = at::zeros_like(weight);
@@ -123,6 +133,55 @@ class LinearRowsFunction : public torch::autograd::Function<LinearRowsFunction> 
       grad_weight = at::zeros_like(weight).index_add_(0, rows, rows_grad());
     }
     return {grad_input, grad_weight, at::Tensor()};
+  }
+};
+
+// NOTE [fused GeLU MLP]: h = gelu(x·W1ᵀ + b1), y = h·W2ᵀ through the fused epilogues, the
+// weight gradients through WeightGradOrDefer like LinearFunction's. `bias` arrives in the
+// input's dtype (cast by autograd outside, as LinearForward's bias); the weights are the
+// masters, cast here as LinearFunction casts its weight.
+class LinearGeluMlpFunction : public torch::autograd::Function<LinearGeluMlpFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& fc1_weight,
+                            const std::optional<at::Tensor>& fc1_bias,
+                            const at::Tensor& fc2_weight, bool tanh_approx) {
+    const at::ScalarType dtype = input.scalar_type();
+    kernels::LinearGeluOutput fc1 = kernels::LinearBiasGeluForward(
+        input, fc1_weight.to(dtype), fc1_bias.value_or(at::Tensor()), tanh_approx);
+    // What the unfused MLP keeps: fc1's input, the GeLU's input and fc2's input (the
+    // weights are leaves, saved without a copy).
+    ctx->save_for_backward({input, fc1_weight, fc2_weight, fc1.pre_activation, fc1.output});
+    ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
+    ctx->saved_data["tanh_approx"] = tanh_approx;
+    ctx->saved_data["has_bias"] = fc1_bias.has_value();
+    return at::matmul(fc1.output, fc2_weight.to(dtype).t());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& fc1_weight = saved[1];
+    const at::Tensor& fc2_weight = saved[2];
+    const at::Tensor& pre = saved[3];
+    const at::Tensor& h = saved[4];
+    const int64_t tag = ctx->saved_data[kTagKey].toInt();
+    const at::Tensor grad_out = grads[0].contiguous();
+    const at::ScalarType dtype = grad_out.scalar_type();
+    // needs_input_grad counts the tensor inputs only: 2 is the bias when there is one.
+    const bool want_bias_grad = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
+    kernels::GeluInputGrad fc2_back =
+        kernels::LinearGeluInputGrad(grad_out, fc2_weight.to(dtype), pre,
+                                     ctx->saved_data["tanh_approx"].toBool(), want_bias_grad);
+    const at::Tensor grad_pre = fc2_back.grad_pre_activation.contiguous();
+    // fc2's weight gradient before fc1's: the order autograd runs the unfused Linears in,
+    // so a deferred queue holds the same closures in the same order.
+    at::Tensor grad_fc2_weight = WeightGradOrDefer(fc2_weight, grad_out, h, tag);
+    at::Tensor grad_input =
+        ctx->needs_input_grad(0) ? at::matmul(grad_pre, fc1_weight.to(dtype)) : at::Tensor();
+    at::Tensor grad_fc1_weight = WeightGradOrDefer(fc1_weight, grad_pre, input, tag);
+    return {grad_input, grad_fc1_weight, fc2_back.grad_bias, grad_fc2_weight, at::Tensor()};
   }
 };
 
@@ -207,6 +266,20 @@ at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& bias, const at::Tensor& rows) {
   at::Tensor out = LinearRowsFunction::apply(input, weight, rows);
   return bias.defined() ? out + bias.index_select(0, rows).to(out.scalar_type()) : out;
+}
+
+at::Tensor LinearGeluMlpForward(const at::Tensor& input, const at::Tensor& fc1_weight,
+                                const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
+                                bool tanh_approx) {
+  TORCH_CHECK(fc1_weight.dim() == 2 && fc2_weight.dim() == 2 &&
+                  fc2_weight.size(1) == fc1_weight.size(0),
+              "LinearGeluMlpForward: fc2's weight must be [out, ", fc1_weight.size(0),
+              "] for fc1's weight ", fc1_weight.sizes(), ", got ", fc2_weight.sizes());
+  // The bias through autograd's cast, as LinearForward's (NOTE [mixed precision]); an
+  // autograd function takes a missing tensor as an empty optional, not an undefined tensor.
+  std::optional<at::Tensor> bias;
+  if (fc1_bias.defined()) bias = fc1_bias.to(input.scalar_type());
+  return LinearGeluMlpFunction::apply(input, fc1_weight, bias, fc2_weight, tanh_approx);
 }
 
 }  // namespace fulcrum

@@ -31,6 +31,29 @@
 // optimizer, the gradient reductions and the norm see only fp32. The norms compute in
 // fp32 and return the compute dtype, the loss computes in fp32 from bf16 logits. With
 // equal dtypes every cast is a no-op: fp32 and fp64 runs are bit-identical to before.
+//
+// NOTE [fused GeLU MLP]
+// LinearGeluMlpForward is the local part of the GeLU MLP, gelu(x·W1ᵀ + b1)·W2ᵀ, as one
+// autograd function whose GEMMs are core/kernels/linear_epilogue.h's: the forward fuses
+// fc1's bias and GeLU into its GEMM (keeping the pre-activation), the backward fuses the
+// GeLU's backward into fc2's input-gradient GEMM (and b1's gradient with it). Its two weight
+// gradients go through LinearFunction's own code — the same closure on the same operands,
+// fused or deferred into the active store with the tag of the forward, fc2's queued before
+// fc1's (the order autograd runs the two Linears in) — so on the CPU, where every kernel is
+// the plain LibTorch op the unfused layer runs, outputs and all gradients equal the
+// unfused MLP's bit for bit, with or without the B/W split. What autograd keeps is the same
+// as the unfused MLP's: x (fc1's input), pre (the GeLU's input) and h (fc2's input), the
+// weights being leaves (measured with the c10 memory reporter the pipeline's activation
+// meter uses: 50176 bytes for the test layer's forward, fused or not; on CUDA the fused
+// forward's aux output is that same pre-activation). Saving pre only and recomputing h in
+// the backward would save one [s, b, f/tp] tensor per layer, but under the B/W split h must
+// live until the W pass anyway, so it is kept. b1 goes through autograd's cast like
+// LinearForward's bias (NOTE [mixed precision]); its gradient, a sum over the folded rows,
+// equals autograd's sum over (s, b) of the unfused bias add (the test compares them bit for
+// bit: the reduction folds the two contiguous dimensions alike). TransformerLayer::Mlp
+// uses it for GeLU (not SwiGLU) while no plugin replaces fc1 or fc2 (SetLinear); setting
+// either slot — even to plain LinearForward, which is how the tests select the unfused
+// path — gives the unfused MLP.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -134,5 +157,13 @@ at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,
 /// accumulates into those rows of W.grad (deferred under the B/W split like LinearForward's).
 at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& bias, const at::Tensor& rows);
+
+/// The local part of a GeLU MLP: gelu(x·W1ᵀ + b1)·W2ᵀ for x [..., h], W1 [f, h], b1 [f]
+/// (may be undefined), W2 [h', f] → [..., h'], GeLU the tanh approximation when
+/// `tanh_approx` (--openai_gelu). Equal, output and gradients bit for bit on the CPU, to
+/// LinearForward(at::gelu(LinearForward(x, W1, b1)), W2, {}) (NOTE [fused GeLU MLP]).
+at::Tensor LinearGeluMlpForward(const at::Tensor& input, const at::Tensor& fc1_weight,
+                                const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
+                                bool tanh_approx);
 
 }  // namespace fulcrum

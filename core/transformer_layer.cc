@@ -375,10 +375,20 @@ at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Ten
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
   if (feed_forward_ != nullptr) return feed_forward_->Forward(x, ctx);
-  at::Tensor h = MlpActivation(
-      options_, Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
-  return AddBias(ReduceFromRegion(tp_, Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor())),
-                 fc2_bias_);
+  at::Tensor local;  // This rank's share of fc2's output, before the reduction and the bias.
+  if (!options_.swiglu && !linears_[static_cast<size_t>(LinearSlot::kFc1)] &&
+      !linears_[static_cast<size_t>(LinearSlot::kFc2)]) {
+    // fc1, GeLU and fc2 as one function through the fused GEMM epilogues; a plugin's
+    // product for either weight keeps the unfused path (NOTE [fused GeLU MLP] in
+    // core/linear.h).
+    local = LinearGeluMlpForward(CopyToRegion(tp_, x), fc1_weight_, fc1_bias_, fc2_weight_,
+                                 options_.openai_gelu);
+  } else {
+    at::Tensor h = MlpActivation(
+        options_, Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
+    local = Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor());
+  }
+  return AddBias(ReduceFromRegion(tp_, local), fc2_bias_);
 }
 
 at::Tensor TransformerLayer::Residual(const at::Tensor& hidden, const ForwardContext& ctx) const {

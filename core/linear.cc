@@ -209,4 +209,16 @@ at::Tensor LinearRowsForward(const at::Tensor& input, const at::Tensor& weight,
   return bias.defined() ? out + bias.index_select(0, rows).to(out.scalar_type()) : out;
 }
 
+at::Tensor LinearWeightGradient(const at::Tensor& grad_output, const at::Tensor& input,
+                                at::ScalarType master) {
+  // LinearFunction's weight_grad, for callers outside this file.
+  const bool widen = master == at::kFloat && input.scalar_type() != at::kFloat;
+  return kernels::LinearWeightGrad(grad_output, input, /*want_bias_grad=*/false, widen)
+      .grad_weight.to(master);
+}
+
+void AccumulateWeightGradInto(const at::Tensor& weight, const at::Tensor& grad) {
+  AccumulateInto(weight, grad);
+}
+
 }  // namespace fulcrum

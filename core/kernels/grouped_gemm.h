@@ -23,6 +23,23 @@ namespace fulcrum::kernels {
 at::Tensor GroupedExpertGemm(const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& bias);
 
+/// Expert e's rows of `rows` [Σ rows_per_expert, D] (expert by expert, as RaggedExpertGemm
+/// takes them) in slot e of [E, C, D], C = the largest count, zero rows after them. Without
+/// copying when every expert has C rows (a view: moe/'s padded capacity has no padding to
+/// add). Differentiable.
+at::Tensor PadByExpert(const at::Tensor& rows, const std::vector<int64_t>& rows_per_expert);
+
+/// PadByExpert's inverse: `padded` [E, C, F] → each expert's first rows_per_expert[e] rows,
+/// [Σ rows_per_expert, F]. Differentiable.
+at::Tensor UnpadByExpert(const at::Tensor& padded, const std::vector<int64_t>& rows_per_expert);
+
+/// Every expert's weight gradient grad_output[e]ᵀ·input[e] (grad_output [E, C, F], input
+/// [E, C, D]) → [E, F, D] in one batched GEMM: the deferred W pass of a grouped expert
+/// GEMM. Zero padding rows add nothing. With `fp32_accumulate` the result is fp32 whatever
+/// the operands' dtype (bf16 operands accumulating in fp32, as LinearWeightGrad's).
+at::Tensor GroupedExpertWeightGrad(const at::Tensor& grad_output, const at::Tensor& input,
+                                   bool fp32_accumulate);
+
 /// Rows grouped by expert (`rows` [Σ rows_per_expert, D], expert e's rows contiguous and in
 /// expert order, as moe/'s split_with_sizes takes them) times each expert's own weight
 /// [F, D] and bias [F] (`biases` empty for none) → [Σ rows, F], row for row what the loop

@@ -4,11 +4,17 @@
 // With every expert's rows padded to one capacity C, the E products x_e·W_eᵀ (+ b_e) are
 // one at::baddbmm over [E, C, D] × [E, D, F]: one kernel launch (cuBLAS strided-batched
 // GEMM on CUDA) instead of E, which is what keeps small experts from being launch-bound.
-// On the CPU LibTorch runs the batch as one GEMM per expert with the same operands, so the
-// result is bit-identical to the per-expert loop (tests/core/kernels/grouped_gemm_test.cc).
+// On the CPU with one compute thread LibTorch runs the batch as one GEMM per expert with
+// the same operands, so the result is bit-identical to the per-expert loop
+// (tests/core/kernels/grouped_gemm_test.cc, run with OMP_NUM_THREADS=1 as the suite is);
+// with more threads it splits the batch's work differently and the bits can differ (seen
+// with 2 threads on LibTorch 2.11), one reason moe/expert_linear.h keeps the per-expert
+// GEMMs on the CPU.
 // RaggedExpertGemm is the drop-in for moe/'s loop over experts with different row counts:
 // it pads, runs the batched GEMM and unpads, all differentiable, so gradients reach each
-// expert's own weight and bias tensors.
+// expert's own weight and bias tensors. moe/expert_linear.h runs these GEMMs inside one
+// autograd function that keeps Linear's deferred weight gradients (NOTE [grouped expert
+// linear]); that is what the MoE layer calls.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -164,8 +164,13 @@ TEST(ExpertLinearTest, DeferredWeightGradientsEqualTheFusedOnesBitForBit) {
         rows.push_back(at::randn({12, kIn}).to(dtype).set_requires_grad(true));
         upstream.push_back(at::randn({12, kOut}).to(dtype));
       }
+      // The tag is the forward's (NOTE [weight-gradient tags]): the backward runs outside it.
       auto backward = [&](int mb) {
-        at::Tensor out = ExpertLinear(rows[mb], kCounts, ex.weights, ex.biases, path);
+        at::Tensor out;
+        {
+          WeightGradStore::TagScope tag(5);
+          out = ExpertLinear(rows[mb], kCounts, ex.weights, ex.biases, path);
+        }
         (out * upstream[mb]).sum().backward();
       };
       for (int mb = 0; mb < 2; ++mb) backward(mb);
@@ -178,7 +183,6 @@ TEST(ExpertLinearTest, DeferredWeightGradientsEqualTheFusedOnesBitForBit) {
       {
         WeightGradStore::Scope scope(&store);
         for (int mb = 0; mb < 2; ++mb) {
-          WeightGradStore::TagScope tag(5);
           backward(mb);
           store.Push([&other_ran] { other_ran = true; }, /*tag=*/6);
         }

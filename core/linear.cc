@@ -282,4 +282,13 @@ at::Tensor LinearGeluMlpForward(const at::Tensor& input, const at::Tensor& fc1_w
   return LinearGeluMlpFunction::apply(input, fc1_weight, bias, fc2_weight, tanh_approx);
 }
 
+at::Tensor LinearWeightGradient(const at::Tensor& grad_output, const at::Tensor& input,
+                                at::ScalarType master) {
+  return WeightGradOf(grad_output, input, master)();  // LinearFunction's, for other files
+}
+
+void AccumulateWeightGradInto(const at::Tensor& weight, const at::Tensor& grad) {
+  AccumulateInto(weight, grad);
+}
+
 }  // namespace fulcrum

@@ -166,4 +166,16 @@ at::Tensor LinearGeluMlpForward(const at::Tensor& input, const at::Tensor& fc1_w
                                 const at::Tensor& fc1_bias, const at::Tensor& fc2_weight,
                                 bool tanh_approx);
 
+/// The weight gradient LinearForward's backward computes for (grad_output, input), in
+/// `master`'s dtype: bf16 operands accumulate into fp32 for an fp32 master (NOTE [mixed
+/// precision]). For layers that run their own GEMMs but keep Linear's gradients exactly,
+/// e.g. moe/expert_linear.h's grouped experts.
+at::Tensor LinearWeightGradient(const at::Tensor& grad_output, const at::Tensor& input,
+                                at::ScalarType master);
+
+/// Adds `grad` into `weight`'s .grad the way autograd's AccumulateGrad would (the first
+/// gradient becomes .grad): what a deferred weight-gradient closure does when it runs
+/// (NOTE [B/W split]).
+void AccumulateWeightGradInto(const at::Tensor& weight, const at::Tensor& grad);
+
 }  // namespace fulcrum

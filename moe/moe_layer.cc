@@ -22,6 +22,7 @@
 #include "moe/assignment_cache.h"
 #include "moe/capacity.h"
 #include "moe/dispatch.h"
+#include "moe/expert_linear.h"
 #include "moe/expert_parallel.h"
 
 // NOTE [MoE mixed precision]
@@ -288,21 +289,35 @@ class MoeLayer final : public FeedForward {
   at::Tensor RunExperts(at::Tensor rows, const std::vector<int64_t>& sizes) {
     if (groups_.tensor != nullptr) rows = groups_.tensor->CopyToRegion(rows);
     const bool sharded = groups_.tensor != nullptr && groups_.tensor->size() > 1;
-    std::vector<at::Tensor> outputs;
-    // split_with_sizes, not one narrow per expert: its backward is a single cat of the
-    // experts' input gradients, where each narrow's would zero-fill a whole [Σ sizes, D]
-    // gradient and autograd would add E of them (≈ 100 ms of a 425 ms layer at T = 4096,
-    // E = 8; docs/PERF.md).
-    const std::vector<at::Tensor> inputs = rows.split_with_sizes(sizes);
-    for (size_t e = 0; e < experts_.size(); ++e) {
-      const Expert& expert = experts_[e];
-      const at::Tensor& x = inputs[e];
-      at::Tensor h = LinearForward(x, expert.fc1_weight, expert.fc1_bias);
-      h = MlpActivation(model_, h);  // the dense MLP's: GeLU (tanh with openai_gelu) or SwiGLU
+    // Each projection is one grouped linear over all the local experts, with Linear's B/W
+    // split (NOTE [grouped expert linear] in moe/expert_linear.h): one batched GEMM on CUDA,
+    // the former per-expert GEMMs on the CPU.
+    std::vector<at::Tensor> fc1_weights, fc1_biases, fc2_weights, fc2_biases;
+    for (const Expert& expert : experts_) {
+      fc1_weights.push_back(expert.fc1_weight);
+      fc2_weights.push_back(expert.fc2_weight);
+      if (expert.fc1_bias.defined()) fc1_biases.push_back(expert.fc1_bias);
       // Row-parallel fc2: its bias is added once, after the reduction.
-      outputs.push_back(LinearForward(h, expert.fc2_weight, sharded ? at::Tensor() : expert.fc2_bias));
+      if (expert.fc2_bias.defined() && !sharded) fc2_biases.push_back(expert.fc2_bias);
     }
-    at::Tensor y = at::cat(outputs);
+    at::Tensor h = ExpertLinear(rows, sizes, fc1_weights, fc1_biases);
+    // The dense MLP's activation: GeLU (tanh with openai_gelu) or SwiGLU. On the CPU expert
+    // by expert, as before: its vectorised loop computes a tensor's last few elements with
+    // the scalar formula, so where an expert's rows end changes bits (on CUDA every element
+    // takes the same formula, and one launch covers all the experts).
+    if (BatchesExperts(rows)) {
+      h = MlpActivation(model_, h);
+    } else {
+      // split_with_sizes, not one narrow per expert: its backward is a single cat of the
+      // experts' gradients, where each narrow's would zero-fill a whole [Σ sizes, F]
+      // gradient and autograd would add E of them (docs/PERF.md).
+      std::vector<at::Tensor> activated;
+      for (const at::Tensor& part : h.split_with_sizes(sizes)) {
+        activated.push_back(MlpActivation(model_, part));
+      }
+      h = at::cat(activated);
+    }
+    at::Tensor y = ExpertLinear(h, sizes, fc2_weights, fc2_biases);
     if (groups_.tensor == nullptr) return y;
     y = groups_.tensor->ReduceFromRegion(y);
     if (!sharded || experts_.empty() || !experts_[0].fc2_bias.defined()) return y;

@@ -100,7 +100,7 @@ export LD_LIBRARY_PATH="$prefix_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if (( quick )); then
   # Every test binary that holds a GPU test (names *Gpu*/Cuda*): an unbuilt one lists no tests.
   targets="fulcrum_train fulcrum_launch fulcrum_bench_train parallel_test core_test"
-  targets+=" core_kernels_test pipeline_engine_test"
+  targets+=" core_kernels_test pipeline_engine_test moe_test"
 else
   targets="all"
 fi

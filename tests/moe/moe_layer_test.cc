@@ -8,8 +8,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/linear.h"
 #include "core/transformer_layer.h"
 #include "core/unit.h"
 #include "moe/capacity.h"
@@ -44,6 +46,18 @@ MoeOptions Options(const std::string& router = "topk", double capacity_factor = 
   o.router_options.aux_loss_coeff = 1e-2;
   o.router_options.z_loss_coeff = 1e-3;
   return o;
+}
+
+// A forward context with the given fields and the rest at their defaults (no aggregate
+// initialisation with missing fields: -Wmissing-field-initializers).
+ForwardContext Ctx(bool training, int64_t iteration, int64_t first_sample,
+                   double loss_scale = 0.0) {
+  ForwardContext ctx;
+  ctx.training = training;
+  ctx.iteration = iteration;
+  ctx.first_sample = first_sample;
+  ctx.loss_scale = loss_scale;
+  return ctx;
 }
 
 using testing::ParamOf;
@@ -94,7 +108,7 @@ TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
     ASSERT_NE(b.block, nullptr);
     at::Tensor x = at::randn({5, 3, kHidden}).set_requires_grad(true);  // [s, b, h]
     at::Tensor weight = at::randn({5, 3, kHidden});
-    ForwardContext ctx{/*training=*/false, 1, 0};
+    ForwardContext ctx = Ctx(/*training=*/false, 1, 0);
     at::Tensor out = b.block->Forward(x, ctx);
     ASSERT_EQ(out.sizes(), x.sizes());
     (out * weight).sum().backward();
@@ -104,7 +118,8 @@ TEST(MoeLayerTest, MatchesTheGateWeightedSumOfExpertsWithItsGradients) {
 
     std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
     at::Tensor tokens = x.view({-1, kHidden});
-    Routing routing = router->Route(tokens, options.topk, RouteContext{false, 1, 0, 0});
+    Routing routing =
+        router->Route(tokens, options.topk, RouteContext{false, 1, 0, 0, at::Tensor()});
     const int64_t capacity =
         ExpertCapacity(capacity_factor, options.topk, tokens.size(0), routing.expert_load);
     SlotAssignment slots = AssignSlots(routing, kExperts, capacity);
@@ -141,7 +156,7 @@ TEST(MoeLayerTest, ExpertsFollowOpenAiGelu) {
     }
   }
   const at::Tensor x = at::randn({5, 3, kHidden});
-  const at::Tensor out = block->Forward(x, ForwardContext{false, 1, 0}).view({-1, kHidden}).detach();
+  const at::Tensor out = block->Forward(x, Ctx(false, 1, 0)).view({-1, kHidden}).detach();
   std::unique_ptr<Router> router = MirrorRouter(options, unit);
   const at::Tensor tokens = x.view({-1, kHidden});
   Routing routing = router->Route(tokens, options.topk, testing::Eval());
@@ -165,7 +180,7 @@ TEST(MoeLayerTest, PerExpertCapacityGivesThePaddedLayersOutputsAndGradients) {
     Built b = Build(ragged);
     at::Tensor x = at::randn({6, 2, kHidden});
     at::Tensor weight = at::randn({6, 2, kHidden});
-    ForwardContext ctx{/*training=*/false, 1, 0};
+    ForwardContext ctx = Ctx(/*training=*/false, 1, 0);
     at::Tensor out_a = a.block->Forward(x, ctx);
     at::Tensor out_b = b.block->Forward(x, ctx);
     EXPECT_TRUE(at::allclose(out_a, out_b, 1e-6, 1e-7));
@@ -185,14 +200,15 @@ TEST(MoeLayerTest, AuxiliaryLossGradientIsScaledByTheMicroBatchShare) {
   Built b = Build(options);
   at::Tensor x = at::randn({4, 2, kHidden});
   const double loss_scale = 1.0 / 64;  // 1 / tokens of the global batch
-  ForwardContext ctx{/*training=*/true, 1, 0, loss_scale};
+  ForwardContext ctx = Ctx(/*training=*/true, 1, 0, loss_scale);
   // The output is multiplied by 0: all the router's gradient comes from its aux losses.
   (b.block->Forward(x, ctx) * 0.0).sum().backward();
   at::Tensor got = ParamOf(*b.unit, "mlp.router.weight").grad().clone();
   b.unit->ZeroGrad();
 
   std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
-  Routing routing = router->Route(x.view({-1, kHidden}), options.topk, RouteContext{true, 1, 0, 0});
+  Routing routing = router->Route(x.view({-1, kHidden}), options.topk,
+                                  RouteContext{true, 1, 0, 0, at::Tensor()});
   ASSERT_EQ(routing.aux_losses.size(), 2u);  // load balancing and z-loss
   at::Tensor total = routing.aux_losses[0].second + routing.aux_losses[1].second;
   (total * (loss_scale * 8)).backward();  // T = 8 tokens
@@ -203,10 +219,10 @@ TEST(MoeLayerTest, StatisticsSumTheStepsMicroBatches) {
   Built b = Build(Options("topk", 0.5));
   EXPECT_TRUE(b.block->Statistics().empty()) << "nothing before the first step";
   for (int m = 0; m < 3; ++m) {
-    ForwardContext ctx{/*training=*/true, 1, m * 2, 1.0 / 48};
+    ForwardContext ctx = Ctx(/*training=*/true, 1, m * 2, 1.0 / 48);
     b.block->Forward(at::randn({4, 2, kHidden}), ctx).sum().backward();
   }
-  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{false, 1, 0});  // eval: not counted
+  b.block->Forward(at::randn({4, 2, kHidden}), Ctx(false, 1, 0));  // eval: not counted
   b.block->AfterOptimizerStep();
   std::map<std::string, std::vector<double>> stats;
   for (const BlockStatistic& s : b.block->Statistics()) stats[s.name] = s.values;
@@ -228,7 +244,7 @@ TEST(MoeLayerTest, TopKFollowsItsSchedule) {
   options.topk_schedule = {{3, 1}, {5, 3}};  // k = 2 for steps 1-2, 1 for 3-4, 3 from 5
   Built b = Build(options);
   for (int64_t step = 1; step <= 6; ++step) {
-    b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, step, 0, 1.0 / 8});
+    b.block->Forward(at::randn({4, 2, kHidden}), Ctx(true, step, 0, 1.0 / 8));
     b.block->AfterOptimizerStep();
     double routed = 0;
     for (const BlockStatistic& s : b.block->Statistics()) {
@@ -270,7 +286,7 @@ TEST(MoeLayerTest, RouterStateIsAUnitBufferThatTravelsWithTheLayer) {
   // A fixed input: an unseeded one gave every expert exactly the mean load now and then
   // (about 2 runs in 300), and equal loads leave the bias at zero.
   at::manual_seed(3);
-  b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, 1, 0, 1.0 / 8});
+  b.block->Forward(at::randn({4, 2, kHidden}), Ctx(true, 1, 0, 1.0 / 8));
   b.block->AfterOptimizerStep();  // unequal loads move the bias
   const at::Tensor bias = b.unit->buffers()[0].second;
   EXPECT_GT(bias.abs().sum().item<double>(), 0);
@@ -304,7 +320,7 @@ TEST(MoeLayerTest, OnlyEveryFreqthLayerIsMoe) {
   EXPECT_EQ(moe_layer.FindParameter("mlp.linear_fc1.weight"), nullptr);
   EXPECT_EQ(dense_layer.feed_forward(), nullptr);
   EXPECT_NE(dense_layer.FindParameter("mlp.linear_fc1.weight"), nullptr);
-  at::Tensor out = moe_layer.Forward(at::randn({3, 2, kHidden}), ForwardContext{false, 0, 0});
+  at::Tensor out = moe_layer.Forward(at::randn({3, 2, kHidden}), Ctx(false, 0, 0));
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{3, 2, kHidden}));
 }
 
@@ -383,7 +399,7 @@ MoeOptions CachedOptions(double threshold) {
 // A training step of one micro-batch on `x` [4, 2, D] whose tokens sit at corpus positions
 // 10..17, in data epoch `epoch`; no parameter update. Returns the output.
 at::Tensor CachedStep(Built& b, const at::Tensor& x, int64_t epoch, const at::Tensor& weight) {
-  ForwardContext ctx{/*training=*/true, /*iteration=*/1, /*first_sample=*/0, 1.0 / 8};
+  ForwardContext ctx = Ctx(/*training=*/true, /*iteration=*/1, /*first_sample=*/0, 1.0 / 8);
   ctx.epoch = epoch;
   ctx.token_positions = at::arange(10, 18, at::kLong).view({4, 2});
   at::Tensor out = b.block->Forward(x, ctx);
@@ -433,7 +449,7 @@ TEST(MoeLayerTest, CachedRoutingOverridesTheRouterWithItsGates) {
   CachedStep(b, x, 1, weight);
   std::unique_ptr<Router> router = MirrorRouter(options, *b.unit);
   const at::Tensor tokens = x.detach().view({-1, kHidden});
-  RouteContext route_ctx{true, 1, 0, 0};
+  RouteContext route_ctx{true, 1, 0, 0, at::Tensor()};
   const at::Tensor remembered = router->Route(tokens, 2, route_ctx).choice;
   {
     at::NoGradGuard no_grad;
@@ -485,7 +501,7 @@ TEST(MoeLayerTest, EvaluationLeavesTheCacheAlone) {
   Built b = Build(CachedOptions(0.5));
   std::vector<at::Tensor> before;
   for (const auto& [name, tensor] : b.unit->buffers()) before.push_back(tensor.clone());
-  ForwardContext eval{/*training=*/false, 1, 0};
+  ForwardContext eval = Ctx(/*training=*/false, 1, 0);
   eval.epoch = 5;
   b.block->Forward(at::randn({4, 2, kHidden}), eval);
   b.block->AfterOptimizerStep();
@@ -494,7 +510,7 @@ TEST(MoeLayerTest, EvaluationLeavesTheCacheAlone) {
   }
   EXPECT_EQ(CacheStatistic(b), (std::vector<double>{0, 0, 0, 0}));
   // Training without positions is refused, naming what is missing.
-  EXPECT_THROW(b.block->Forward(at::randn({4, 2, kHidden}), ForwardContext{true, 1, 0, 1.0 / 8}),
+  EXPECT_THROW(b.block->Forward(at::randn({4, 2, kHidden}), Ctx(true, 1, 0, 1.0 / 8)),
                c10::Error);
 }
 
@@ -512,7 +528,7 @@ TEST(MoeLayerTest, ForwardWithoutGradientsGivesTheSameOutput) {
     SCOPED_TRACE(absl::StrCat("capacity factor ", capacity_factor));
     Built b = Build(Options("topk", capacity_factor));
     const at::Tensor x = at::randn({5, 3, kHidden});
-    const ForwardContext ctx{/*training=*/false, 1, 0};
+    const ForwardContext ctx = Ctx(/*training=*/false, 1, 0);
     const at::Tensor with_grad = b.block->Forward(x, ctx);
     ASSERT_TRUE(with_grad.requires_grad()) << "the reference must have built a graph";
     {
@@ -525,6 +541,56 @@ TEST(MoeLayerTest, ForwardWithoutGradientsGivesTheSameOutput) {
     const at::Tensor frozen = b.block->Forward(x, ctx);
     EXPECT_FALSE(frozen.requires_grad());
     EXPECT_TRUE(frozen.equal(with_grad.detach()));
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::moe
+
+namespace fulcrum::moe {
+namespace {
+
+// The zero-bubble W pass (NOTE [B/W split]): with a WeightGradStore active during the
+// backward, the experts' weight gradients wait in the store under the layer's tag (one
+// closure per projection: NOTE [grouped expert linear]) and, once flushed, equal the
+// gradients of the same backward without a store bit for bit — GeLU and SwiGLU experts,
+// padded and per-expert capacity, two micro-batches accumulating.
+TEST(MoeLayerTest, DeferredExpertWeightGradientsEqualTheFusedOnes) {
+  for (bool swiglu : {false, true}) {
+    for (bool ragged : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(swiglu ? "swiglu" : "gelu", ragged ? ", per-expert capacity" : ""));
+      ModelOptions model = Model();
+      model.swiglu = swiglu;
+      MoeOptions options = Options("topk", 1.0);
+      options.per_expert_capacity = ragged;
+      testing::BuiltMoe b = testing::BuildMoe(options, model);
+      at::manual_seed(3);
+      const std::vector<at::Tensor> xs = {at::randn({5, 3, kHidden}), at::randn({5, 3, kHidden})};
+      const std::vector<at::Tensor> ws = {at::randn({5, 3, kHidden}), at::randn({5, 3, kHidden})};
+      ForwardContext ctx;
+      ctx.training = false;
+      ctx.iteration = 1;
+      auto backward = [&](size_t mb) { (b.block->Forward(xs[mb], ctx) * ws[mb]).sum().backward(); };
+      for (size_t mb = 0; mb < xs.size(); ++mb) backward(mb);
+      const auto fused = TakeGrads(*b.unit);
+
+      WeightGradStore store;
+      {
+        WeightGradStore::Scope scope(&store);
+        WeightGradStore::TagScope tag(0);
+        for (size_t mb = 0; mb < xs.size(); ++mb) backward(mb);
+      }
+      EXPECT_EQ(store.size(), 2 * xs.size()) << "fc1 and fc2, per micro-batch";
+      EXPECT_FALSE(ParamOf(*b.unit, "mlp.experts.0.linear_fc1.weight").grad().defined());
+      store.FlushTag(0);
+      EXPECT_TRUE(store.empty());
+      const auto deferred = TakeGrads(*b.unit);
+      ASSERT_EQ(fused.size(), deferred.size());
+      for (const auto& [name, g] : fused) {
+        ASSERT_TRUE(deferred.count(name)) << name;
+        EXPECT_TRUE(g.equal(deferred.at(name))) << name;
+      }
+    }
   }
 }
 

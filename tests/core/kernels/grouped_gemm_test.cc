@@ -79,6 +79,51 @@ TEST(GroupedExpertGemmTest, RefusesMismatchedShapes) {
                c10::Error);
 }
 
+// Padding by expert: zero rows after each expert's own, a view when no expert needs any,
+// and UnpadByExpert takes the rows back exactly.
+TEST(GroupedExpertGemmTest, PadByExpertRoundTrips) {
+  const at::Tensor rows = Random({9, 5}, 4);
+  const at::Tensor padded = PadByExpert(rows, {2, 0, 4, 3});
+  ASSERT_EQ(padded.sizes(), (std::vector<int64_t>{4, 4, 5}));
+  EXPECT_TRUE(at::equal(padded[0].narrow(0, 0, 2), rows.narrow(0, 0, 2)));
+  EXPECT_EQ(padded[1].count_nonzero().item<int64_t>(), 0);
+  EXPECT_TRUE(at::equal(padded[2], rows.narrow(0, 2, 4)));
+  EXPECT_TRUE(at::equal(padded[3].narrow(0, 0, 3), rows.narrow(0, 6, 3)));
+  EXPECT_EQ(padded[3][3].count_nonzero().item<int64_t>(), 0);
+  EXPECT_TRUE(at::equal(UnpadByExpert(padded, {2, 0, 4, 3}), rows));
+  const at::Tensor even = PadByExpert(rows, {3, 3, 3});
+  EXPECT_EQ(even.data_ptr(), rows.data_ptr()) << "equal counts: a view, no copy";
+  EXPECT_TRUE(at::equal(UnpadByExpert(even, {3, 3, 3}), rows));
+  EXPECT_THROW(PadByExpert(rows, {2, 2}), c10::Error);
+  EXPECT_THROW(PadByExpert(rows, {10, -1}), c10::Error);
+}
+
+// The batched weight gradient is each expert's dyᵀ·x (zero padding rows add nothing); with
+// fp32 accumulation bf16 operands give the fp32 product of the widened operands.
+TEST(GroupedExpertGemmTest, WeightGradIsEachExpertsProduct) {
+  const std::vector<int64_t> counts = {3, 0, 6, 2};
+  const at::Tensor dy = Random({11, 7}, 5);
+  const at::Tensor x = Random({11, 5}, 6);
+  const at::Tensor all = GroupedExpertWeightGrad(PadByExpert(dy, counts), PadByExpert(x, counts),
+                                                 /*fp32_accumulate=*/false);
+  ASSERT_EQ(all.sizes(), (std::vector<int64_t>{4, 7, 5}));
+  int64_t start = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const at::Tensor expected =
+        at::matmul(dy.narrow(0, start, counts[e]).t(), x.narrow(0, start, counts[e]));
+    EXPECT_TRUE(at::allclose(all[e], expected, 1e-6, 1e-6)) << "expert " << e;
+    start += counts[e];
+  }
+  EXPECT_EQ(all[1].count_nonzero().item<int64_t>(), 0);
+  const at::Tensor dy16 = PadByExpert(dy.to(at::kBFloat16), counts);
+  const at::Tensor x16 = PadByExpert(x.to(at::kBFloat16), counts);
+  const at::Tensor wide = GroupedExpertWeightGrad(dy16, x16, /*fp32_accumulate=*/true);
+  EXPECT_EQ(wide.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(wide, at::bmm(dy16.to(at::kFloat).transpose(1, 2), x16.to(at::kFloat))));
+  EXPECT_EQ(GroupedExpertWeightGrad(dy16, x16, false).scalar_type(), at::kBFloat16);
+  EXPECT_THROW(GroupedExpertWeightGrad(dy16, PadByExpert(x, counts), true), c10::Error);
+}
+
 TEST(GroupedExpertGemmCudaTest, MatchesCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";
   at::globalContext().setAllowTF32CuBLAS(false);

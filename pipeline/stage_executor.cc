@@ -28,6 +28,8 @@ std::string LayerKey(char kind, int action, int64_t layer) {
   return absl::StrCat(std::string(1, kind), "/", action, "/", layer);
 }
 std::string WeightKeyPrefix(int action) { return absl::StrCat("W/", action, "/"); }
+// NOTE [action times on the device]: the whole action, for its start and end.
+std::string ActionKey(int action) { return absl::StrCat("A/", action); }
 
 int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -128,6 +130,11 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   }
   const bool training = !forward_only;
   run_start_ = Clock::now();
+  // NOTE [action times on the device]: time zero of the device axis, marked with the host's.
+  const c10::Device device = model.options().device_spec.device;
+  std::unique_ptr<kernels::DeviceTimer> timer =
+      timer_factory_ ? timer_factory_(device) : std::make_unique<kernels::DeviceTimer>(device);
+  timer->MarkOrigin();
   std::vector<Action> actions;
   int last_backward = -1;  // Index of the last B, W or BW: where outgoing layers leave.
   for (const Action& a : schedule.stages[stage]) {
@@ -146,13 +153,13 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   RunContext run(model, plan, iteration, loss_scale, forward_only, pp_, actions,
                  micro_batch_size_, depth);
   run.result.start = run_start_;
-  const c10::Device device = model.options().device_spec.device;
-  run.timer = timer_factory_ ? timer_factory_(device) : std::make_unique<kernels::DeviceTimer>(device);
+  run.timer = std::move(timer);
   for (int index = 0; index < static_cast<int>(actions.size()); ++index) {
     const Action& action = actions[index];
     ActionTiming timing;
     timing.action = action;
     timing.start_ms = SinceRunStart();
+    run.timer->Start(ActionKey(index));
     run.action = index;
     const bool last_action = index == last_backward;
     switch (action.kind) {
@@ -169,6 +176,7 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
         FULCRUM_RETURN_IF_ERROR(Weight(run, action.microbatch, last_action, timing));
         break;
     }
+    run.timer->Stop(ActionKey(index));
     timing.end_ms = SinceRunStart();
     run.result.wait_ms += timing.wait_ms;
     run.result.timings.push_back(std::move(timing));
@@ -180,17 +188,43 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   }
   run.result.total_ms = SinceRunStart();
   run.result.peak_activation_bytes = run.meter.peak();
-  CollectLayerTimes(run);
+  FULCRUM_RETURN_IF_ERROR(CollectTimes(run));
   run.result.device_memory = kernels::DeviceMemoryStats(device);
   return std::move(run.result);
 }
 
 // NOTE [per-layer timing]: the one synchronisation of the run (on a GPU, waiting for its
 // events); then every action's per-layer times and the per-layer sums, added in action
-// order as they were when each was timed inline.
-void StageExecutor::CollectLayerTimes(RunContext& run) {
-  const std::map<std::string, double> ms = run.timer->Collect();
+// order as they were when each was timed inline; and, where the timer uses device events,
+// every action's start and end (NOTE [action times on the device]).
+absl::Status StageExecutor::CollectTimes(RunContext& run) {
+  const bool on_device = run.timer->uses_device_events();
+  std::vector<kernels::DeviceTimer::Span> spans;
+  const std::map<std::string, double> ms = run.timer->Collect(on_device ? &spans : nullptr);
   std::vector<ActionTiming>& timings = run.result.timings;
+  if (on_device) {
+    std::vector<bool> placed(timings.size(), false);
+    for (const kernels::DeviceTimer::Span& span : spans) {
+      int action = 0;
+      if (span.key.rfind("A/", 0) != 0 || !absl::SimpleAtoi(span.key.substr(2), &action)) continue;
+      if (action < 0 || action >= static_cast<int>(timings.size()) || placed[action]) {
+        return absl::InternalError(absl::StrCat("stage ", run.stage, ": the device timer returned ",
+                                                "an unexpected interval '", span.key, "'"));
+      }
+      timings[action].start_ms = span.start_ms;
+      timings[action].end_ms = span.end_ms;
+      placed[action] = true;
+      // The stream may finish after the host's last look at the clock.
+      run.result.total_ms = std::max(run.result.total_ms, span.end_ms);
+    }
+    for (size_t action = 0; action < timings.size(); ++action) {
+      if (!placed[action]) {
+        return absl::InternalError(absl::StrCat("stage ", run.stage, ": the device timer returned ",
+                                                "no interval for action ", action, " (",
+                                                timings[action].action.ToString(), ")"));
+      }
+    }
+  }
   auto by_kind = [&](int action) -> PerLayer& {
     switch (timings[action].action.kind) {
       case ActionKind::kForward:
@@ -225,6 +259,7 @@ void StageExecutor::CollectLayerTimes(RunContext& run) {
     by_kind(at.first)[at.second] += value;
     timings[at.first].layer_ms.emplace_back(at.second, value);
   }
+  return absl::OkStatus();
 }
 
 absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timing) {

@@ -43,7 +43,8 @@ namespace internal {
 class StageMoves;
 }  // namespace internal
 
-/// One executed action: what, and when (milliseconds from the start of the iteration).
+/// One executed action: what, and when (milliseconds from the start of the iteration; on a
+/// GPU when the stream began and finished its work, NOTE [action times on the device]).
 struct ActionTiming {
   ActionTiming() = default;
   ActionTiming(Action action, double start_ms, double end_ms, double wait_ms)
@@ -52,9 +53,9 @@ struct ActionTiming {
   Action action;
   double start_ms = 0;
   double end_ms = 0;
-  double wait_ms = 0;  // Part of [start, end) spent waiting for a receive.
+  double wait_ms = 0;  // Part of [start, end) spent waiting for a receive (host clock).
   /// Part of [start, end) spent packing and posting layer migrations (NOTE [early
-  /// migration]); neither compute nor wait.
+  /// migration]; host clock); neither compute nor wait.
   double migration_ms = 0;
   /// This action's time per global layer of the stage (F, B/BW or W by `action.kind`).
   std::vector<std::pair<int64_t, double>> layer_ms;
@@ -122,7 +123,23 @@ struct StageRunResult {
 // starts the previous layer's (the autograd engine may call them from its device thread
 // while the compute thread waits in backward()). The timer is collected once, at the end of
 // the run (one synchronisation per iteration); only then are the actions' and the layers'
-// times filled in. An action's start and end (the timeline's slices) stay host times.
+// times filled in. An action's start and end: NOTE [action times on the device].
+//
+// NOTE [action times on the device]
+// Each action is also one interval of the run's timer (key "A/<index>"), and the timer's
+// origin is marked when the run starts. With device events (a GPU), the one Collect gives
+// each action's start_ms and end_ms as milliseconds since the origin on the stream: start
+// is when the stream reached the action (the work queued before it done and the host at
+// the action), end is when the stream finished the last work the action queued on it. So
+// the timeline's slices are the work, not its launch; zero is the stream reaching the run's
+// start (the host's run start when the stream was idle then, as after the previous
+// iteration's Collect). Waits stay host times: wait_ms is the host blocked in a receive,
+// during which the stream idles inside [start, end) (the slice still covers it, as on the
+// CPU); migration_ms, the migrations' own times and the sends' final wait are host times
+// too, and total_ms is the later of the host's end and the last action's device end. Sends
+// and receives are no actions of their own: their transfers run off the compute stream.
+// With the host clock (the CPU) start_ms and end_ms are the host times taken around each
+// action, as ever; the timer's action intervals are then not read.
 //
 // NOTE [activation memory]
 // During a training run a thread-local c10 memory reporter (the interface the PyTorch
@@ -207,8 +224,9 @@ class StageExecutor {
   absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, ActionTiming& timing);
   // Times slot `slot`'s backward from now (the backward reached its output).
   static void OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot);
-  // The run's one Collect: fills every action's and the result's per-layer times.
-  static void CollectLayerTimes(RunContext& run);
+  // The run's one Collect: fills every action's and the result's per-layer times, and on
+  // the device axis each action's start and end (NOTE [action times on the device]).
+  static absl::Status CollectTimes(RunContext& run);
   double SinceRunStart() const;
 
   parallel::Communicator* pp_;

@@ -62,24 +62,50 @@ void DeviceTimer::Stop(const std::string& key) {
   done_.push_back(std::move(interval));
 }
 
-std::map<std::string, double> DeviceTimer::Collect() {
+void DeviceTimer::MarkOrigin() {
+  TORCH_CHECK(open_.empty(), "DeviceTimer: MarkOrigin with '", open_.begin()->first,
+              "' still open (Stop it first)");
+  if (events_) {
+    if (!origin_event_) origin_event_ = TakeEvent();
+    const c10::impl::VirtualGuardImpl guard(device_.type());
+    origin_event_->record(guard.getStream(device_));
+  } else {
+    origin_time_ = std::chrono::steady_clock::now();
+  }
+  has_origin_ = true;
+}
+
+std::map<std::string, double> DeviceTimer::Collect(std::vector<Span>* spans) {
   TORCH_CHECK(open_.empty(), "DeviceTimer: Collect with '", open_.begin()->first,
               "' still open (Stop it first)");
+  TORCH_CHECK(spans == nullptr || has_origin_,
+              "DeviceTimer: Collect asked for spans but MarkOrigin was never called");
+  if (spans != nullptr) spans->clear();
   std::map<std::string, double> ms;
   std::vector<Interval> intervals;
   intervals.swap(done_);
+  auto host_ms = [](std::chrono::steady_clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  };
   for (Interval& interval : intervals) {
     if (events_) {
       // The first wait covers the iteration when every interval was on one stream; the
       // rest return at once. (Intervals on other streams are waited for too, not misread.)
+      // The origin was recorded before any of them, so it is done too.
       interval.stop_event->synchronize();
       ms[interval.key] += interval.start_event->elapsedTime(*interval.stop_event);
+      if (spans != nullptr) {
+        spans->push_back({interval.key, origin_event_->elapsedTime(*interval.start_event),
+                          origin_event_->elapsedTime(*interval.stop_event)});
+      }
       spare_events_.push_back(std::move(interval.start_event));
       spare_events_.push_back(std::move(interval.stop_event));
     } else {
-      ms[interval.key] +=
-          std::chrono::duration<double, std::milli>(interval.stop_time - interval.start_time)
-              .count();
+      ms[interval.key] += host_ms(interval.stop_time - interval.start_time);
+      if (spans != nullptr) {
+        spans->push_back({interval.key, host_ms(interval.start_time - origin_time_),
+                          host_ms(interval.stop_time - origin_time_)});
+      }
     }
   }
   return ms;

@@ -15,6 +15,16 @@
 // Start, Stop and Collect are virtual so that a test can stand in a timer with known
 // durations (the pipeline executor's per-layer times are checked that way); the cost is one
 // indirect call per interval, nothing beside a kernel.
+//
+// Placing intervals on a time axis: MarkOrigin records time zero (an event on the current
+// stream, or the host clock on the CPU), and Collect can also return each interval's start
+// and end in milliseconds since that mark (Span), read in the same one wait: an event's
+// elapsed time from the origin event. On a GPU a span is when the stream reached the
+// interval's start mark and when it finished the work queued before its stop mark, so
+// while the host blocks (a receive) the stream idles inside the interval; the host clock
+// alone cannot see when queued work ran. Zero is when the stream reached the origin mark:
+// the host's time of the mark when the stream was idle then, later when work queued before
+// it was still running. On the CPU the spans are steady_clock times since the mark.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -46,13 +56,26 @@ class DeviceTimer {
   virtual void Start(const std::string& key);
   /// Closes `key`'s open interval. Throws if `key` is not open.
   virtual void Stop(const std::string& key);
+  /// One interval on the time axis: milliseconds since the last MarkOrigin.
+  struct Span {
+    std::string key;
+    double start_ms = 0;
+    double end_ms = 0;
+  };
+
+  /// Time zero of the spans (see above); may be marked again (later spans count from the
+  /// new mark). Call it with no interval open.
+  virtual void MarkOrigin();
   /// Waits for the recorded work once, returns the milliseconds per key since the last
   /// Collect (summed over its intervals) and forgets them. Throws, naming the key, if an
-  /// interval is still open.
-  virtual std::map<std::string, double> Collect();
+  /// interval is still open. With `spans`, also replaces its contents with every interval
+  /// collected, in the order they were stopped, as start and end since the origin (throws
+  /// if MarkOrigin was never called).
+  virtual std::map<std::string, double> Collect(std::vector<Span>* spans);
+  std::map<std::string, double> Collect() { return Collect(nullptr); }
 
   /// True where the intervals are device events (work), false for the host clock.
-  bool uses_device_events() const { return events_; }
+  virtual bool uses_device_events() const { return events_; }
 
  private:
   struct Interval;
@@ -60,6 +83,9 @@ class DeviceTimer {
 
   c10::Device device_;
   bool events_;
+  bool has_origin_ = false;
+  std::unique_ptr<c10::Event> origin_event_;              // device events
+  std::chrono::steady_clock::time_point origin_time_;     // host clock
   std::vector<Interval> done_;
   std::map<std::string, Interval> open_;
   std::vector<std::unique_ptr<c10::Event>> spare_events_;  // reused across iterations

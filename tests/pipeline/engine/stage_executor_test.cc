@@ -17,6 +17,7 @@
 
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "core/kernels/device_timer.h"
 #include "gtest/gtest.h"
 #include "parallel/world_communicator.h"
@@ -255,15 +256,27 @@ TEST_F(PipelineExecutorTest, ForwardOnlyRunHasOnlyForwardTimes) {
 
 // A timer that measures nothing: each interval of a key lasts the key's number (1, 2, 3,
 // ... in the order the keys were first started). Per-layer times that are not exactly
-// these whole numbers did not come from the timer.
+// these whole numbers did not come from the timer. As a "device-event" timer it also
+// places the n-th interval stopped at [10⁶ + 100 n + 0.25, that + its key's number) on its
+// time axis: far from any host time of a test run (10⁶ ms is over 16 minutes), with a
+// quarter no clock difference would give exactly, and in stop order without overlap.
 class FakeTimer : public kernels::DeviceTimer {
  public:
   struct Log {
     int collects = 0;
     int starts = 0;
+    int origins = 0;
     std::map<std::string, double> returned;  // what the last Collect returned
+    std::vector<Span> spans;                 // the spans it returned (device events only)
   };
-  explicit FakeTimer(Log* log) : DeviceTimer(c10::Device(c10::kCPU)), log_(log) {}
+  explicit FakeTimer(Log* log, bool device_events = false)
+      : DeviceTimer(c10::Device(c10::kCPU)), log_(log), device_events_(device_events) {}
+  bool uses_device_events() const override { return device_events_; }
+  void MarkOrigin() override {
+    EXPECT_TRUE(open_.empty()) << "origin marked with " << *open_.begin() << " open";
+    EXPECT_EQ(log_->starts, 0) << "origin marked after an interval";
+    ++log_->origins;
+  }
   void Start(const std::string& key) override {
     EXPECT_TRUE(open_.insert(key).second) << key << " started twice";
     id_.emplace(key, static_cast<double>(id_.size() + 1));
@@ -272,20 +285,34 @@ class FakeTimer : public kernels::DeviceTimer {
   void Stop(const std::string& key) override {
     EXPECT_EQ(open_.erase(key), 1u) << key << " stopped without a start";
     ms_[key] += id_.at(key);
+    const double start = 1e6 + 100.0 * static_cast<double>(spans_.size()) + 0.25;
+    spans_.push_back({key, start, start + id_.at(key)});
   }
-  std::map<std::string, double> Collect() override {
+  std::map<std::string, double> Collect(std::vector<Span>* spans) override {
     EXPECT_TRUE(open_.empty()) << *open_.begin() << " still open at Collect";
+    EXPECT_EQ(spans != nullptr, device_events_) << "spans asked of a host-clock timer or not "
+                                                   "asked of a device-event one";
     ++log_->collects;
     log_->returned = ms_;
+    if (spans != nullptr) {
+      *spans = spans_;
+      log_->spans = spans_;
+    }
+    spans_.clear();
     return std::exchange(ms_, {});
   }
 
  private:
   Log* log_;
+  bool device_events_;
   std::set<std::string> open_;
   std::map<std::string, double> id_;
   std::map<std::string, double> ms_;
+  std::vector<Span> spans_;
 };
+
+// NOTE [action times on the device]: the timer's figures for the action keys ("A/<index>").
+bool IsActionKey(const std::string& key) { return key.rfind("A/", 0) == 0; }
 
 // NOTE [per-layer timing]: the per-layer F, B and W times of every action, and the
 // per-layer sums the load model reads, are the timer's figures, collected once per run.
@@ -307,6 +334,7 @@ TEST_F(PipelineExecutorTest, PerLayerTimesComeFromTheDeviceTimer) {
   // computations of no layer (head, embedding: tag -1) are timed and left out.
   std::multiset<double> expected, shown;
   for (const auto& [key, ms] : log.returned) {
+    if (IsActionKey(key)) continue;  // the actions' own intervals (below)
     if (key.size() < 3 || key.compare(key.size() - 3, 3, "/-1") != 0) expected.insert(ms);
   }
   std::map<ActionKind, PerLayer> from_actions;
@@ -329,6 +357,85 @@ TEST_F(PipelineExecutorTest, PerLayerTimesComeFromTheDeviceTimer) {
   EXPECT_FALSE(run->device_memory.tracked);
   EXPECT_EQ(run->device_memory.ToString(), "not tracked (cpu)");
   EXPECT_GT(run->peak_activation_bytes, 0);
+  // A host-clock timer: the actions' start and end are host times, none of the timer's.
+  EXPECT_EQ(log.origins, 1);
+  EXPECT_TRUE(log.spans.empty());
+  for (const ActionTiming& t : run->timings) {
+    EXPECT_LT(t.end_ms, 1e6) << t.action.ToString();
+  }
+}
+
+// The run's actions on one stage as a timeline: in list order, none overlapping the next,
+// each ending no earlier than it starts, waits inside their action, all within the run.
+void ExpectOrderedActions(const StageRunResult& run, const Schedule& schedule) {
+  ASSERT_EQ(run.timings.size(), schedule.stages[0].size());
+  for (size_t i = 0; i < run.timings.size(); ++i) {
+    const ActionTiming& t = run.timings[i];
+    EXPECT_EQ(t.action.ToString(), schedule.stages[0][i].ToString());
+    EXPECT_GE(t.start_ms, 0.0) << t.action.ToString();
+    EXPECT_GE(t.end_ms, t.start_ms) << t.action.ToString();
+    EXPECT_LE(t.wait_ms + t.migration_ms, t.end_ms - t.start_ms) << t.action.ToString();
+    if (i > 0) {
+      EXPECT_GE(t.start_ms, run.timings[i - 1].end_ms) << t.action.ToString();
+    }
+  }
+  EXPECT_GE(run.total_ms, run.timings.back().end_ms);
+}
+
+// NOTE [action times on the device]: with device events every action's start and end are
+// the timer's span of its interval, exactly (not the host clock's, and the end not the
+// start's); the per-layer times still come from the same one Collect.
+TEST_F(PipelineExecutorTest, ActionStartAndEndComeFromTheDeviceTimerSpans) {
+  GptModel model(EngineModel());
+  FakeTimer::Log log;
+  StageExecutor executor(world_.get(), kMicroBatchSize);
+  executor.set_timer_factory([&log](c10::Device) -> std::unique_ptr<kernels::DeviceTimer> {
+    return std::make_unique<FakeTimer>(&log, /*device_events=*/true);
+  });
+  constexpr int kMicroBatches = 3;
+  const Schedule schedule = MustMake("zbh1", kMicroBatches);
+  absl::StatusOr<StageRunResult> run = executor.Run(
+      model, schedule, 1, RandomPlan(model.options(), kMicroBatches, kMicroBatchSize), 1e-3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(log.collects, 1);  // still one synchronisation per iteration
+  EXPECT_EQ(log.origins, 1);
+  std::map<std::string, kernels::DeviceTimer::Span> by_key;
+  for (const kernels::DeviceTimer::Span& span : log.spans) {
+    if (IsActionKey(span.key)) {
+      EXPECT_TRUE(by_key.emplace(span.key, span).second) << span.key;
+    }
+  }
+  ASSERT_EQ(by_key.size(), run->timings.size());
+  double last_end = 0;
+  for (size_t i = 0; i < run->timings.size(); ++i) {
+    const ActionTiming& t = run->timings[i];
+    const auto it = by_key.find(absl::StrCat("A/", i));
+    ASSERT_NE(it, by_key.end()) << t.action.ToString() << " has no interval";
+    EXPECT_EQ(t.start_ms, it->second.start_ms) << t.action.ToString();
+    EXPECT_EQ(t.end_ms, it->second.end_ms) << t.action.ToString();
+    EXPECT_GT(t.end_ms, t.start_ms) << t.action.ToString();
+    last_end = std::max(last_end, t.end_ms);
+    EXPECT_EQ(t.layer_ms.size(), 4u) << t.action.ToString();  // per-layer times as before
+  }
+  // The run lasts until the stream's last action ended.
+  EXPECT_GE(run->total_ms, last_end);
+  EXPECT_GT(Sum(run->layer_forward_ms), 0.0);
+  // The fake's spans are in stop order, so the actions stay ordered on the stage.
+  ExpectOrderedActions(*run, schedule);
+}
+
+// With the host clock (the CPU timer the executor makes itself) the actions' start and end
+// are the host's times around them, as before the device axis: an ordered, non-overlapping
+// stage timeline.
+TEST_F(PipelineExecutorTest, CpuTimelineKeepsHostActionTimes) {
+  GptModel model(EngineModel());
+  for (const char* name : {"zbh1", "1f1b"}) {
+    const Schedule schedule = MustMake(name, 3);
+    absl::StatusOr<StageRunResult> run = RunSchedule(model, schedule);
+    ASSERT_TRUE(run.ok()) << run.status();
+    SCOPED_TRACE(name);
+    ExpectOrderedActions(*run, schedule);
+  }
 }
 
 // A timer that times nothing: the executor's cost without timing.

@@ -268,6 +268,7 @@ class FakeTimer : public kernels::DeviceTimer {
     int origins = 0;
     std::map<std::string, double> returned;  // what the last Collect returned
     std::vector<Span> spans;                 // the spans it returned (device events only)
+    bool lose_action_spans = false;          // a broken timer: no span for the actions
   };
   explicit FakeTimer(Log* log, bool device_events = false)
       : DeviceTimer(c10::Device(c10::kCPU)), log_(log), device_events_(device_events) {}
@@ -295,8 +296,10 @@ class FakeTimer : public kernels::DeviceTimer {
     ++log_->collects;
     log_->returned = ms_;
     if (spans != nullptr) {
-      *spans = spans_;
-      log_->spans = spans_;
+      for (const Span& span : spans_) {
+        if (!log_->lose_action_spans || span.key.rfind("A/", 0) != 0) spans->push_back(span);
+      }
+      log_->spans = *spans;
     }
     spans_.clear();
     return std::exchange(ms_, {});
@@ -422,6 +425,23 @@ TEST_F(PipelineExecutorTest, ActionStartAndEndComeFromTheDeviceTimerSpans) {
   EXPECT_GT(Sum(run->layer_forward_ms), 0.0);
   // The fake's spans are in stop order, so the actions stay ordered on the stage.
   ExpectOrderedActions(*run, schedule);
+}
+
+// A device timer that returns no span for an action is refused, naming the action, rather
+// than leaving that action at its host times among device ones.
+TEST_F(PipelineExecutorTest, ActionWithoutADeviceSpanIsRefused) {
+  GptModel model(EngineModel());
+  FakeTimer::Log log;
+  log.lose_action_spans = true;
+  StageExecutor executor(world_.get(), kMicroBatchSize);
+  executor.set_timer_factory([&log](c10::Device) -> std::unique_ptr<kernels::DeviceTimer> {
+    return std::make_unique<FakeTimer>(&log, /*device_events=*/true);
+  });
+  absl::StatusOr<StageRunResult> run = executor.Run(
+      model, MustMake("zbh1", 2), 1, RandomPlan(model.options(), 2, kMicroBatchSize), 1e-3);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find("no interval for action 0 (F0)"), std::string::npos)
+      << run.status();
 }
 
 // With the host clock (the CPU timer the executor makes itself) the actions' start and end

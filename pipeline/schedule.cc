@@ -42,29 +42,106 @@ const char* ActionKindName(ActionKind kind) {
   return "?";
 }
 
-std::string Action::ToString() const { return absl::StrCat(ActionKindName(kind), microbatch); }
+std::string Action::ToString(bool with_chunk) const {
+  if (with_chunk || chunk != 0) return absl::StrCat(ActionKindName(kind), microbatch, ".", chunk);
+  return absl::StrCat(ActionKindName(kind), microbatch);
+}
 
 std::ostream& operator<<(std::ostream& out, const Action& action) {
   return out << action.ToString();
 }
 
-std::vector<StageAction> Dependencies(int num_stages, int stage, const Action& action) {
+std::vector<ChunkId> VirtualStages(const Schedule& schedule) {
+  if (!schedule.virtual_stages.empty()) return schedule.virtual_stages;
+  std::vector<ChunkId> identity(std::max(schedule.num_stages, 0));
+  for (int k = 0; k < static_cast<int>(identity.size()); ++k) identity[k] = {k, 0};
+  return identity;
+}
+
+int VirtualStageOf(const Schedule& schedule, int stage, int chunk) {
+  if (schedule.virtual_stages.empty()) {
+    return chunk == 0 && stage >= 0 && stage < schedule.num_stages ? stage : -1;
+  }
+  const auto it = std::find(schedule.virtual_stages.begin(), schedule.virtual_stages.end(),
+                            ChunkId{stage, chunk});
+  return it == schedule.virtual_stages.end()
+             ? -1
+             : static_cast<int>(it - schedule.virtual_stages.begin());
+}
+
+std::vector<ChunkId> InterleavedChunks(int num_stages, int num_chunks) {
+  if (num_stages < 1 || num_chunks < 1) {
+    throw std::invalid_argument(absl::StrCat("InterleavedChunks: needs at least 1 stage and 1 "
+                                             "chunk, got ",
+                                             num_stages, " and ", num_chunks));
+  }
+  std::vector<ChunkId> chunks(num_stages * num_chunks);
+  for (int k = 0; k < static_cast<int>(chunks.size()); ++k) {
+    chunks[k] = {k % num_stages, k / num_stages};
+  }
+  return chunks;
+}
+
+std::vector<ChunkId> VShapeChunks(int num_stages) {
+  if (num_stages < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("VShapeChunks: needs at least 1 stage, got ", num_stages));
+  }
+  const int p = num_stages;
+  std::vector<ChunkId> chunks(2 * p);
+  for (int k = 0; k < 2 * p; ++k) chunks[k] = k < p ? ChunkId{k, 0} : ChunkId{2 * p - 1 - k, 1};
+  return chunks;
+}
+
+namespace {
+
+// Dependencies() of the action at model-order index `virtual_stage` on `stage`, for a
+// layout given as chunk_at(k) -> ChunkId over `num_virtual` virtual stages. A template so
+// that v = 1 (the identity) needs no table and the checker can pass its own lookup.
+template <typename ChunkAt>
+std::vector<StageAction> DependenciesOn(const ChunkAt& chunk_at, int num_virtual,
+                                        int virtual_stage, int stage, const Action& action) {
   const int mb = action.microbatch;
+  const int k = virtual_stage;
   std::vector<StageAction> deps;
   switch (action.kind) {
     case ActionKind::kForward:
-      if (stage > 0) deps.push_back({stage - 1, {ActionKind::kForward, mb}});
+      if (k > 0) {
+        const ChunkId before = chunk_at(k - 1);
+        deps.push_back({before.stage, {ActionKind::kForward, mb, before.chunk}});
+      }
       break;
     case ActionKind::kBackward:
     case ActionKind::kBackwardInput:
-      deps.push_back({stage, {ActionKind::kForward, mb}});
-      if (stage + 1 < num_stages) deps.push_back({stage + 1, {action.kind, mb}});
+      deps.push_back({stage, {ActionKind::kForward, mb, action.chunk}});
+      if (k + 1 < num_virtual) {
+        const ChunkId after = chunk_at(k + 1);
+        deps.push_back({after.stage, {action.kind, mb, after.chunk}});
+      }
       break;
     case ActionKind::kBackwardWeight:
-      deps.push_back({stage, {ActionKind::kBackwardInput, mb}});
+      deps.push_back({stage, {ActionKind::kBackwardInput, mb, action.chunk}});
       break;
   }
   return deps;
+}
+
+ChunkId IdentityChunk(int k) { return {k, 0}; }
+
+}  // namespace
+
+std::vector<StageAction> Dependencies(const Schedule& schedule, int stage, const Action& action) {
+  const int k = VirtualStageOf(schedule, stage, action.chunk);
+  if (k < 0) {
+    throw std::out_of_range(absl::StrCat("Dependencies: schedule '", schedule.name,
+                                         "' has no chunk ", action.chunk, " on stage ", stage));
+  }
+  if (schedule.virtual_stages.empty()) {
+    return DependenciesOn(IdentityChunk, schedule.num_stages, k, stage, action);
+  }
+  const std::vector<ChunkId>& layout = schedule.virtual_stages;
+  return DependenciesOn([&layout](int i) { return layout[i]; }, static_cast<int>(layout.size()),
+                        k, stage, action);
 }
 
 bool UsesSplitBackward(const Schedule& schedule) {
@@ -153,6 +230,15 @@ bool UsesSplitBackward(const Schedule& schedule) {
 
 namespace {
 
+// The one-chunk generators refuse v > 1 rather than silently ignoring it.
+void RequireOneChunk(const std::string& name, int num_chunks) {
+  if (num_chunks != 1) {
+    throw std::invalid_argument(absl::StrCat(
+        name, " schedule: runs one model chunk per stage, got ", num_chunks,
+        " chunks per stage (--virtual_pipeline_model_parallel_size); it has no interleaved form"));
+  }
+}
+
 // The shape of NOTE [one shape for three schedules]; `split` selects B+W over fused BW.
 Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, int max_in_flight,
                        bool split, const std::function<int(int)>& warmup,
@@ -196,21 +282,28 @@ Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, i
 
 }  // namespace
 
-Schedule OneFOneB(int num_stages, int num_microbatches) {
+Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  if (num_chunks != 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "1f1b schedule: interleaved 1F1B (", num_chunks,
+        " chunks per stage, --virtual_pipeline_model_parallel_size) is not implemented yet"));
+  }
   const int p = num_stages;
   return BuildSchedule(
       "1f1b", p, num_microbatches, /*max_in_flight=*/p, /*split=*/false,
       [p](int s) { return p - s; }, [](int) { return 0; });
 }
 
-Schedule ZeroBubbleH1(int num_stages, int num_microbatches) {
+Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks) {
+  RequireOneChunk("zbh1", num_chunks);
   const int p = num_stages;
   return BuildSchedule(
       "zbh1", p, num_microbatches, /*max_in_flight=*/p, /*split=*/true,
       [p](int s) { return p - s; }, [](int s) { return s; });
 }
 
-Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
+Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
+  RequireOneChunk("zbh2", num_chunks);
   const int p = num_stages;
   const int m = num_microbatches;
   // NOTE [ZB-H2 with few micro-batches]: defer W only as far as the F-rounds reach.
@@ -224,7 +317,7 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
 // Registry
 
 absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
-                                      int num_microbatches) {
+                                      int num_microbatches, int num_chunks) {
   const ScheduleRegistry::Entry* entry = ScheduleRegistry::Global().Find(name);
   if (entry == nullptr) {
     return absl::NotFoundError(absl::StrCat("--pipeline_schedule=", name,
@@ -240,7 +333,17 @@ absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
         "; it must be ≥ 1 (it is --global_batch_size / (--micro_batch_size × data-parallel "
         "size))"));
   }
-  return entry->value(num_stages, num_microbatches);
+  if (num_chunks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--virtual_pipeline_model_parallel_size=", num_chunks,
+                     " must be ≥ 1 (model chunks per pipeline stage; 1 = no virtual stages)"));
+  }
+  try {
+    return entry->value(num_stages, num_microbatches, num_chunks);
+  } catch (const std::invalid_argument& e) {
+    // A generator that cannot build this (p, m, v) says why.
+    return absl::InvalidArgumentError(e.what());
+  }
 }
 
 std::string ScheduleNames() { return ScheduleRegistry::Global().Names(); }
@@ -258,12 +361,12 @@ std::string ScheduleHelp() {
 
 namespace {
 
-// Tables indexed by [KindIndex(kind)][micro-batch].
+// Tables indexed by [KindIndex(kind)][chunk · m + micro-batch].
 constexpr int kNumActionKinds = 4;
 int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
 
-// +1 for a micro-batch that starts being held, -1 for one that is released, 0 otherwise
-// (PeakInFlight's definition).
+// +1 for a (micro-batch, chunk) pair that starts being held, -1 for one that is released,
+// 0 otherwise (PeakInFlight's definition).
 int InFlightDelta(ActionKind kind) {
   switch (kind) {
     case ActionKind::kForward:
@@ -283,6 +386,71 @@ std::string Prefix(const Schedule& schedule) {
 
 absl::Status StageError(const Schedule& schedule, int stage, const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat(Prefix(schedule), "stage ", stage, ": ", message));
+}
+
+// The checker's view of a schedule whose shape (counts, layout) passed: the layout and its
+// inverse, looked up once; actions named with their chunk when there are several.
+class Checked {
+ public:
+  explicit Checked(const Schedule& schedule)
+      : schedule_(schedule),
+        layout_(VirtualStages(schedule)),
+        virtual_of_(schedule.num_stages, std::vector<int>(schedule.num_chunks, -1)) {
+    for (int k = 0; k < static_cast<int>(layout_.size()); ++k) {
+      virtual_of_[layout_[k].stage][layout_[k].chunk] = k;
+    }
+  }
+
+  const Schedule& schedule() const { return schedule_; }
+  int num_pairs() const { return schedule_.num_chunks * schedule_.num_microbatches; }
+  // Index of (chunk, micro-batch) in the tables.
+  int Pair(const Action& action) const {
+    return action.chunk * schedule_.num_microbatches + action.microbatch;
+  }
+  std::string Name(const Action& action) const {
+    return action.ToString(schedule_.num_chunks > 1);
+  }
+  std::vector<StageAction> Deps(int stage, const Action& action) const {
+    return DependenciesOn([this](int k) { return layout_[k]; }, static_cast<int>(layout_.size()),
+                          virtual_of_[stage][action.chunk], stage, action);
+  }
+
+ private:
+  const Schedule& schedule_;
+  std::vector<ChunkId> layout_;
+  std::vector<std::vector<int>> virtual_of_;  // [stage][chunk] -> k
+};
+
+// virtual_stages: empty (v = 1 only) or every (stage, chunk) pair exactly once.
+absl::Status ValidateLayout(const Schedule& schedule) {
+  const int p = schedule.num_stages;
+  const int v = schedule.num_chunks;
+  if (schedule.virtual_stages.empty()) {
+    if (v == 1) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        Prefix(schedule), "has ", v, " chunks per stage but no virtual_stages (model order)"));
+  }
+  if (static_cast<int>(schedule.virtual_stages.size()) != p * v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Prefix(schedule), "has ", schedule.virtual_stages.size(),
+                     " virtual stages for ", p, " stages × ", v, " chunks"));
+  }
+  std::vector<std::vector<int>> seen(p, std::vector<int>(v, -1));
+  for (int k = 0; k < p * v; ++k) {
+    const ChunkId& id = schedule.virtual_stages[k];
+    if (id.stage < 0 || id.stage >= p || id.chunk < 0 || id.chunk >= v) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%svirtual stage %d is stage %d chunk %d, outside stages 0..%d, chunks 0..%d",
+          Prefix(schedule), k, id.stage, id.chunk, p - 1, v - 1));
+    }
+    if (seen[id.stage][id.chunk] >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%svirtual stages %d and %d are both stage %d chunk %d", Prefix(schedule),
+                          seen[id.stage][id.chunk], k, id.stage, id.chunk));
+    }
+    seen[id.stage][id.chunk] = k;
+  }
+  return absl::OkStatus();
 }
 
 // Which backward form the schedule uses, fixed by its first backward action in stage
@@ -306,31 +474,38 @@ BackwardForm FindBackwardForm(const Schedule& schedule) {
 
 // Everything that can be checked on one stage's list alone: range, form, completeness,
 // order within the stage and the in-flight limit.
-absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardForm& form) {
+absl::Status ValidateStage(const Checked& checked, int stage, const BackwardForm& form) {
+  const Schedule& schedule = checked.schedule();
   const int m = schedule.num_microbatches;
+  const int v = schedule.num_chunks;
   const std::vector<Action>& actions = schedule.stages[stage];
-  // seen[kind][mb]: how often the action occurs; filled first so that a missing action is
+  // seen[kind][pair]: how often the action occurs; filled first so that a missing action is
   // reported as missing rather than as "out of order".
-  std::vector<std::vector<int>> seen(kNumActionKinds, std::vector<int>(m, 0));
+  std::vector<std::vector<int>> seen(kNumActionKinds, std::vector<int>(checked.num_pairs(), 0));
   for (const Action& action : actions) {
     if (action.microbatch < 0 || action.microbatch >= m) {
       return StageError(schedule, stage,
-                        absl::StrCat(action.ToString(), " names micro-batch ", action.microbatch,
-                                     ", outside 0..", m - 1));
+                        absl::StrCat(checked.Name(action), " names micro-batch ",
+                                     action.microbatch, ", outside 0..", m - 1));
+    }
+    if (action.chunk < 0 || action.chunk >= v) {
+      return StageError(schedule, stage,
+                        absl::StrCat(checked.Name(action), " names chunk ", action.chunk,
+                                     ", outside 0..", v - 1, " (", v, " chunks per stage)"));
     }
     if (action.kind != ActionKind::kForward) {
       const bool split = action.kind != ActionKind::kBackward;
       if (split != form.split) {
         return StageError(
             schedule, stage,
-            absl::StrCat(action.ToString(), " mixes ", split ? "split B/W" : "fused BW",
+            absl::StrCat(checked.Name(action), " mixes ", split ? "split B/W" : "fused BW",
                          " backward into a schedule whose backward is ",
                          form.split ? "split into B and W" : "fused BW", " (stage ", form.stage,
-                         ": ", form.first.ToString(), ")"));
+                         ": ", checked.Name(form.first), ")"));
       }
     }
-    if (++seen[KindIndex(action.kind)][action.microbatch] == 2) {
-      return StageError(schedule, stage, absl::StrCat(action.ToString(), " appears twice"));
+    if (++seen[KindIndex(action.kind)][checked.Pair(action)] == 2) {
+      return StageError(schedule, stage, absl::StrCat(checked.Name(action), " appears twice"));
     }
   }
   std::vector<ActionKind> required = {ActionKind::kForward};
@@ -341,31 +516,37 @@ absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardFo
     required.push_back(ActionKind::kBackward);
   }
   for (ActionKind kind : required) {
-    for (int mb = 0; mb < m; ++mb) {
-      if (seen[KindIndex(kind)][mb] == 0) {
-        return StageError(schedule, stage,
-                          absl::StrCat(Action{kind, mb}.ToString(), " is missing"));
+    for (int chunk = 0; chunk < v; ++chunk) {
+      for (int mb = 0; mb < m; ++mb) {
+        const Action action{kind, mb, chunk};
+        if (seen[KindIndex(kind)][checked.Pair(action)] == 0) {
+          return StageError(schedule, stage, absl::StrCat(checked.Name(action), " is missing"));
+        }
       }
     }
   }
 
-  // Order within the stage, and the micro-batches held.
-  std::vector<std::vector<bool>> done(kNumActionKinds, std::vector<bool>(m, false));
+  // Order within the stage, and the pairs held.
+  std::vector<std::vector<bool>> done(kNumActionKinds,
+                                      std::vector<bool>(checked.num_pairs(), false));
   int held = 0;
   for (const Action& action : actions) {
-    for (const StageAction& dep : Dependencies(schedule.num_stages, stage, action)) {
-      if (dep.stage == stage && !done[KindIndex(dep.action.kind)][dep.action.microbatch]) {
+    for (const StageAction& dep : checked.Deps(stage, action)) {
+      if (dep.stage == stage && !done[KindIndex(dep.action.kind)][checked.Pair(dep.action)]) {
         return StageError(schedule, stage,
-                          absl::StrCat(action.ToString(), " before its ", dep.action.ToString()));
+                          absl::StrCat(checked.Name(action), " before its ",
+                                       checked.Name(dep.action)));
       }
     }
-    done[KindIndex(action.kind)][action.microbatch] = true;
+    done[KindIndex(action.kind)][checked.Pair(action)] = true;
     held += InFlightDelta(action.kind);
     if (held > schedule.max_in_flight) {
       return StageError(schedule, stage,
-                        absl::StrFormat("%s holds %d micro-batches in flight, above the "
+                        absl::StrFormat("%s holds %d %s in flight, above the "
                                         "schedule's limit of %d",
-                                        action.ToString(), held, schedule.max_in_flight));
+                                        checked.Name(action), held,
+                                        v > 1 ? "chunk micro-batches" : "micro-batches",
+                                        schedule.max_in_flight));
     }
   }
   return absl::OkStatus();
@@ -374,14 +555,15 @@ absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardFo
 // Runs every stage's list strictly in order, an action only once its dependencies on other
 // stages finished, until nothing can move; durations do not matter for whether this
 // terminates. Reports every stage that is stuck, with what it waits for.
-absl::Status CheckRunsToCompletion(const Schedule& schedule) {
+absl::Status CheckRunsToCompletion(const Checked& checked) {
+  const Schedule& schedule = checked.schedule();
   const int p = schedule.num_stages;
-  const int m = schedule.num_microbatches;
-  // finished[stage][kind][mb]
+  // finished[stage][kind][pair]
   std::vector<std::vector<std::vector<bool>>> finished(
-      p, std::vector<std::vector<bool>>(kNumActionKinds, std::vector<bool>(m, false)));
+      p, std::vector<std::vector<bool>>(kNumActionKinds,
+                                        std::vector<bool>(checked.num_pairs(), false)));
   auto is_finished = [&](const StageAction& node) {
-    return finished[node.stage][KindIndex(node.action.kind)][node.action.microbatch];
+    return finished[node.stage][KindIndex(node.action.kind)][checked.Pair(node.action)];
   };
   std::vector<size_t> next(p, 0);
   for (bool moved = true; moved;) {
@@ -390,9 +572,9 @@ absl::Status CheckRunsToCompletion(const Schedule& schedule) {
       const std::vector<Action>& actions = schedule.stages[s];
       while (next[s] < actions.size()) {
         const Action& action = actions[next[s]];
-        const std::vector<StageAction> deps = Dependencies(p, s, action);
+        const std::vector<StageAction> deps = checked.Deps(s, action);
         if (!std::all_of(deps.begin(), deps.end(), is_finished)) break;
-        finished[s][KindIndex(action.kind)][action.microbatch] = true;
+        finished[s][KindIndex(action.kind)][checked.Pair(action)] = true;
         ++next[s];
         moved = true;
       }
@@ -402,10 +584,11 @@ absl::Status CheckRunsToCompletion(const Schedule& schedule) {
   for (int s = 0; s < p; ++s) {
     if (next[s] == schedule.stages[s].size()) continue;
     const Action& action = schedule.stages[s][next[s]];
-    for (const StageAction& dep : Dependencies(p, s, action)) {
+    for (const StageAction& dep : checked.Deps(s, action)) {
       if (is_finished(dep)) continue;
-      stuck.push_back(absl::StrCat("stage ", s, " is stuck at ", action.ToString(), " waiting for ",
-                                   dep.action.ToString(), " on stage ", dep.stage));
+      stuck.push_back(absl::StrCat("stage ", s, " is stuck at ", checked.Name(action),
+                                   " waiting for ", checked.Name(dep.action), " on stage ",
+                                   dep.stage));
       break;
     }
   }
@@ -423,16 +606,22 @@ absl::Status ValidateSchedule(const Schedule& schedule) {
                      ", num_microbatches=", schedule.num_microbatches,
                      ", max_in_flight=", schedule.max_in_flight, "; each must be ≥ 1"));
   }
+  if (schedule.num_chunks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Prefix(schedule), "num_chunks=", schedule.num_chunks, "; it must be ≥ 1"));
+  }
   if (static_cast<int>(schedule.stages.size()) != schedule.num_stages) {
     return absl::InvalidArgumentError(
         absl::StrCat(Prefix(schedule), "has ", schedule.stages.size(),
                      " stage lists for num_stages=", schedule.num_stages));
   }
+  if (absl::Status status = ValidateLayout(schedule); !status.ok()) return status;
+  const Checked checked(schedule);
   const BackwardForm form = FindBackwardForm(schedule);
   for (int s = 0; s < schedule.num_stages; ++s) {
-    if (absl::Status status = ValidateStage(schedule, s, form); !status.ok()) return status;
+    if (absl::Status status = ValidateStage(checked, s, form); !status.ok()) return status;
   }
-  return CheckRunsToCompletion(schedule);
+  return CheckRunsToCompletion(checked);
 }
 
 int PeakInFlight(const Schedule& schedule, int stage) {
@@ -446,15 +635,30 @@ int PeakInFlight(const Schedule& schedule, int stage) {
 }
 
 std::string FormatSchedule(const Schedule& schedule) {
-  std::string out =
-      absl::StrFormat("%s: %d stages, %d micro-batches, at most %d in flight", schedule.name,
-                      schedule.num_stages, schedule.num_microbatches, schedule.max_in_flight);
+  const bool chunks = schedule.num_chunks > 1;
+  std::string out;
+  if (!chunks) {
+    out = absl::StrFormat("%s: %d stages, %d micro-batches, at most %d in flight", schedule.name,
+                          schedule.num_stages, schedule.num_microbatches,
+                          schedule.max_in_flight);
+  } else {
+    out = absl::StrFormat("%s: %d stages, %d micro-batches, %d chunks per stage, at most %d in "
+                          "flight",
+                          schedule.name, schedule.num_stages, schedule.num_microbatches,
+                          schedule.num_chunks, schedule.max_in_flight);
+    absl::StrAppend(&out, "\nvirtual stages:");
+    for (const ChunkId& id : schedule.virtual_stages) {
+      absl::StrAppend(&out, " ", id.stage, ".", id.chunk);
+    }
+  }
   // Pad the stage numbers so that the lists of a deep pipeline line up.
   const size_t last_stage = schedule.stages.empty() ? 0 : schedule.stages.size() - 1;
   const int width = static_cast<int>(std::to_string(last_stage).size());
   for (size_t s = 0; s < schedule.stages.size(); ++s) {
     absl::StrAppendFormat(&out, "\nstage %*d:", width, s);
-    for (const Action& action : schedule.stages[s]) absl::StrAppend(&out, " ", action.ToString());
+    for (const Action& action : schedule.stages[s]) {
+      absl::StrAppend(&out, " ", action.ToString(chunks));
+    }
   }
   return out;
 }

@@ -54,11 +54,13 @@ SimulationResult Simulate(const Schedule& schedule, const std::vector<ActionCost
   }
   for (int s = 0; s < p; ++s) CheckCosts(stage_costs[s], s);
 
-  // end_time[stage][kind][mb]; negative until the action ran.
+  const int v = schedule.num_chunks;
+  // end_time[stage][kind][chunk · m + mb]; negative until the action ran.
   std::vector<std::vector<std::vector<double>>> end_time(
-      p, std::vector<std::vector<double>>(kNumActionKinds, std::vector<double>(m, -1.0)));
+      p, std::vector<std::vector<double>>(kNumActionKinds, std::vector<double>(v * m, -1.0)));
   auto end_of = [&](const StageAction& node) -> double& {
-    return end_time[node.stage][KindIndex(node.action.kind)][node.action.microbatch];
+    return end_time[node.stage][KindIndex(node.action.kind)]
+                   [node.action.chunk * m + node.action.microbatch];
   };
 
   SimulationResult result;
@@ -76,7 +78,7 @@ SimulationResult Simulate(const Schedule& schedule, const std::vector<ActionCost
         const Action& action = actions[next[s]];
         double start = free_at[s];
         bool ready = true;
-        for (const StageAction& dep : Dependencies(p, s, action)) {
+        for (const StageAction& dep : Dependencies(schedule, s, action)) {
           const double dep_end = end_of(dep);
           if (dep_end < 0) {
             ready = false;

@@ -22,6 +22,10 @@ FULCRUM_REGISTER(ScheduleGenerator, zbh1,
                  "zero-bubble ZB-H1 (Qi et al. 2024 §2.1): B/W split, W deferred to fill the "
                  "tail; 1F1B's memory, bubble (p-1)(F+B-W)",
                  ZeroBubbleH1);
+FULCRUM_REGISTER(ScheduleGenerator, zbv,
+                 "ZB-V (Qi et al. 2024, controllable memory): 2 chunks per stage in a V, B/W "
+                 "split, 1F1B's memory (2p half-stage micro-batches), near-zero bubble",
+                 ZeroBubbleV);
 FULCRUM_REGISTER(ScheduleGenerator, zbh2,
                  "zero-bubble ZB-H2 (Qi et al. 2024 §2.2): extra warm-up forwards, ≤ 2p-1 "
                  "micro-batches in flight, no idle time inside a stage when F=B=W and m ≥ 2p-1; "
@@ -280,13 +284,85 @@ Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, i
   return schedule;
 }
 
+// NOTE [interleaved 1F1B]
+// Narayanan et al., SC'21 §2.2, as Megatron-LM's forward_backward_pipelining_with_interleaving
+// runs it (facts taken from its source, not its code). Stage s holds chunks c = 0..v-1,
+// chunk c being virtual stage c·p + s (InterleavedChunks). Every stage walks the same
+// sequence of T = m·v "virtual micro-batches" i = 0..T-1, taken in groups of p·v: within
+// a group, p consecutive micro-batches of chunk 0, then the same p of chunk 1, ...:
+//     forward i:   chunk (i mod pv) div p,          micro-batch (i div pv)·p + i mod p
+//     backward i:  chunk v-1 - (i mod pv) div p,    the same micro-batch
+// (backwards visit the chunks from the last, as the gradient comes back through the model
+// in reverse). The list is Megatron's 1F1B over that sequence:
+//     forwards 0 .. warmup-1, then for j = 0..T-warmup-1: forward warmup+j, BW j,
+//     then the remaining BW's,
+// with warmup(s) = min(2(p-s-1) + (v-1)p, T), or all T when m = p (Megatron runs all
+// forwards first then: its steady phase would have nothing to interleave). The (v-1)p term
+// lets every stage run the whole first group of chunks 0..v-2 before the first gradient
+// can come back; 2(p-s-1) covers the round trip from stage s to the last stage and back
+// through the last chunk. Megatron requires m % p == 0 (its groups of p micro-batches per
+// chunk must be whole), and so do we. Stage s holds warmup(s) + 1 chunk micro-batches at
+// the first BW (the steady phase runs its forward first), at most (v+1)p - 1 on stage 0
+// (or all T = pv when m = p): max_in_flight = min(m·v, (v+1)p - 1) chunk micro-batches,
+// p + (p-1)/v full ones against 1F1B's p — interleaving buys its smaller bubble with a
+// little memory.
+// Bubble (§2.2): each chunk costs 1/v of a stage, the warm-up and cool-down ramps are
+// p-1 chunk-steps long, so each stage idles (p-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's
+// (schedule_simulator_test.cc pins it at m % p == 0).
+Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  const int v = num_chunks;
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "1f1b schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  if (m % p != 0) {
+    throw std::invalid_argument(absl::StrCat(
+        "1f1b schedule: interleaved 1F1B (", v,
+        " chunks per stage, --virtual_pipeline_model_parallel_size) needs the micro-batch "
+        "count (",
+        m, ") to be a multiple of the pipeline stages (--pipeline_model_parallel_size=", p,
+        "), as in Megatron-LM: it runs the micro-batches in groups of p per chunk"));
+  }
+  const int total = m * v;
+  const int group = p * v;
+  auto microbatch_of = [&](int i) { return (i / group) * p + i % p; };
+  auto forward_at = [&](int i) {
+    return Action{ActionKind::kForward, microbatch_of(i), (i % group) / p};
+  };
+  auto backward_at = [&](int i) {
+    return Action{ActionKind::kBackward, microbatch_of(i), v - 1 - (i % group) / p};
+  };
+  Schedule schedule;
+  schedule.name = "1f1b";
+  schedule.num_stages = p;
+  schedule.num_microbatches = m;
+  schedule.num_chunks = v;
+  schedule.max_in_flight = std::min(total, (v + 1) * p - 1);
+  schedule.virtual_stages = InterleavedChunks(p, v);
+  schedule.stages.resize(p);
+  for (int s = 0; s < p; ++s) {
+    const int warmup = m == p ? total : std::min(2 * (p - s - 1) + (v - 1) * p, total);
+    std::vector<Action>& actions = schedule.stages[s];
+    actions.reserve(2 * total);
+    for (int i = 0; i < warmup; ++i) actions.push_back(forward_at(i));
+    for (int j = 0; j + warmup < total; ++j) {
+      actions.push_back(forward_at(warmup + j));
+      actions.push_back(backward_at(j));
+    }
+    for (int j = std::max(total - warmup, 0); j < total; ++j) actions.push_back(backward_at(j));
+  }
+  return schedule;
+}
+
 }  // namespace
 
 Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks) {
-  if (num_chunks != 1) {
-    throw std::invalid_argument(absl::StrCat(
-        "1f1b schedule: interleaved 1F1B (", num_chunks,
-        " chunks per stage, --virtual_pipeline_model_parallel_size) is not implemented yet"));
+  if (num_chunks > 1) return InterleavedOneFOneB(num_stages, num_microbatches, num_chunks);
+  if (num_chunks < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("1f1b schedule: needs at least 1 chunk per stage, got ", num_chunks));
   }
   const int p = num_stages;
   return BuildSchedule(
@@ -311,6 +387,181 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
       "zbh2", p, m, /*max_in_flight=*/2 * p - 1, /*split=*/true,
       [p](int s) { return 2 * (p - s) - 1; },
       [p, m](int s) { return std::clamp(m - (2 * (p - s) - 1), s, 2 * s); });
+}
+
+
+// NOTE [ZB-V]
+// Qi et al., "Pipeline Parallelism with Controllable Memory" (2024), and the V schedule of
+// the zero-bubble authors' repository (sail-sg/zero-bubble-pipeline-parallelism). Two
+// chunks per stage in a V (VShapeChunks): chunk 0 runs down the stages 0 -> p-1, chunk 1
+// back up p-1 -> 0, so stage 0 holds both the embedding and the head and the turn on
+// stage p-1 is local. Backward is split (B, W) as in ZB-H1. Each of the 2p chunks holds
+// 1/2 of a one-chunk stage's layers, so the limit of 2p chunk micro-batches per stage is
+// 1F1B's p full ones.
+//
+// The authors build the order with a greedy list scheduler over simulated time. We do the
+// same, with our own rules, at unit cost per chunk action (F = B = W = 1, no transfer time):
+// at every step t each stage starts at most one action, seeing only what finished by t
+// (so the stages' choices at one step do not depend on each other), chosen in this order:
+//   1. a B whose gradient and own F are done — the older micro-batch first, B1 before B0
+//      of the same one. B's gate the stages upstream in the model and hold no extra
+//      memory, so they never wait.
+//   2. an F1 (up the V) whose input is done, if the stage holds fewer than 2p pairs: it
+//      moves the oldest micro-batch towards its first B.
+//   3. an F0 (down the V) whose input is done, if the stage has room for it.
+//      Without more, a stage could fill its 2p pairs with F0's and have no room for the F1
+//      that the oldest of them waits for: a deadlock. It happens for none of p ≤ 24,
+//      m ≤ 4p, but nothing proves it never does, so a run that deadlocks (a step at which
+//      no stage can start anything) is redone with a reserve: an F0 only while one pair of
+//      room stays free for an F1 the stage owes. With the reserve the oldest micro-batch
+//      whose F1 is missing can always take it on every stage, then runs its B's (which
+//      need no memory), then its W's free room again — it cannot deadlock. The reserve is
+//      not the default because it is slower: it meets the bound below at fewer (p, m)
+//      (at p = 8, m = 16 it takes 105 steps against 103).
+//   4. the oldest W owed (W's fill the gaps; deferred W's keep their activations, which the
+//      2p limit counts).
+// The lists are the order in which the stages ran their actions. ValidateSchedule checks
+// the result for every size the tests try; the simulator gives its makespan.
+// Chunk micro-batches held: at most 2p (max_in_flight = 2p; when m is small, 2m).
+
+namespace {
+
+// One stage's progress while the ZB-V order is built.
+struct VStage {
+  int forwards[2] = {0, 0};   // F's started, per chunk (each chunk's F's go in micro-batch order)
+  int backwards[2] = {0, 0};  // B's started, per chunk
+  std::vector<Action> owed_weights;  // B's whose W has not run, oldest first
+  size_t next_weight = 0;
+  int held = 0;
+};
+
+// NOTE [ZB-V]'s greedy; `reserve` keeps rule 3's room for an owed F1. False when the
+// rules deadlock (a step at which no stage can start anything: nothing will change after).
+bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
+  const int limit = 2 * p;
+  schedule = Schedule{};
+  schedule.name = "zbv";
+  schedule.num_stages = p;
+  schedule.num_microbatches = m;
+  schedule.num_chunks = 2;
+  schedule.max_in_flight = std::min(limit, 2 * m);
+  schedule.virtual_stages = VShapeChunks(p);
+  schedule.stages.resize(p);
+
+  // start[stage][kind][chunk·m + mb]: the step an action started, -1 before. At unit cost
+  // an action that started before step t has finished by t.
+  std::vector<std::vector<std::vector<int>>> start(
+      p, std::vector<std::vector<int>>(4 /* action kinds */, std::vector<int>(2 * m, -1)));
+  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, int t) {
+    const int at = start[stage][static_cast<int>(kind)][chunk * m + mb];
+    return at >= 0 && at < t;
+  };
+  std::vector<VStage> stages(p);
+  int remaining = p * 6 * m;
+  for (int t = 0; remaining > 0; ++t) {
+    std::vector<Action> chosen(p);
+    std::vector<bool> runs(p, false);
+    for (int s = 0; s < p; ++s) {
+      VStage& st = stages[s];
+      auto b_ready = [&](int chunk) {
+        const int j = st.backwards[chunk];
+        if (j >= st.forwards[chunk] || !done_by(s, ActionKind::kForward, chunk, j, t)) return false;
+        if (chunk == 1) {
+          return s == 0 || done_by(s - 1, ActionKind::kBackwardInput, 1, j, t);
+        }
+        return s == p - 1 ? done_by(s, ActionKind::kBackwardInput, 1, j, t)
+                          : done_by(s + 1, ActionKind::kBackwardInput, 0, j, t);
+      };
+      // 1. A B: the older micro-batch first; B1(j) comes before B0(j) anyway.
+      auto try_b = [&]() {
+        const bool b0 = b_ready(0);
+        const bool b1 = b_ready(1);
+        if (!b0 && !b1) return false;
+        const int chunk = b0 && (!b1 || st.backwards[0] < st.backwards[1]) ? 0 : 1;
+        chosen[s] = {ActionKind::kBackwardInput, st.backwards[chunk], chunk};
+        return true;
+      };
+      // 2. F1, up the V.
+      auto try_f1 = [&]() {
+        const int j1 = st.forwards[1];
+        if (j1 < st.forwards[0] && st.held < limit &&
+            (s == p - 1 ? done_by(s, ActionKind::kForward, 0, j1, t)
+                        : done_by(s + 1, ActionKind::kForward, 1, j1, t))) {
+          chosen[s] = {ActionKind::kForward, j1, 1};
+          return true;
+        }
+        return false;
+      };
+      // 3. F0, down the V, keeping room for an F1 owed.
+      auto try_f0 = [&]() {
+        const int j0 = st.forwards[0];
+        const bool owes_f1 = st.forwards[1] < st.forwards[0];
+        if (j0 < m && st.held + 1 + (reserve && owes_f1 ? 1 : 0) <= limit &&
+            (s == 0 || done_by(s - 1, ActionKind::kForward, 0, j0, t))) {
+          chosen[s] = {ActionKind::kForward, j0, 0};
+          return true;
+        }
+        return false;
+      };
+      // 4. The oldest W owed.
+      auto try_w = [&]() {
+        if (st.next_weight < st.owed_weights.size()) {
+          const Action& b = st.owed_weights[st.next_weight];
+          chosen[s] = {ActionKind::kBackwardWeight, b.microbatch, b.chunk};
+          return true;
+        }
+        return false;
+      };
+      runs[s] = try_b() || try_f1() || try_f0() || try_w();
+    }
+    if (std::none_of(runs.begin(), runs.end(), [](bool r) { return r; })) return false;
+    for (int s = 0; s < p; ++s) {
+      if (!runs[s]) continue;
+      VStage& st = stages[s];
+      const Action& action = chosen[s];
+      start[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = t;
+      schedule.stages[s].push_back(action);
+      --remaining;
+      switch (action.kind) {
+        case ActionKind::kForward:
+          ++st.forwards[action.chunk];
+          ++st.held;
+          break;
+        case ActionKind::kBackwardInput:
+          ++st.backwards[action.chunk];
+          st.owed_weights.push_back(action);
+          break;
+        case ActionKind::kBackwardWeight:
+          ++st.next_weight;
+          --st.held;
+          break;
+        case ActionKind::kBackward:
+          break;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  if (num_chunks != 1 && num_chunks != 2) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: ZB-V runs exactly 2 chunks per stage (a V), got ", num_chunks,
+        " (--virtual_pipeline_model_parallel_size must be 1 or 2 with zbv)"));
+  }
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  Schedule schedule;
+  if (BuildZeroBubbleV(p, m, /*reserve=*/false, schedule)) return schedule;
+  if (BuildZeroBubbleV(p, m, /*reserve=*/true, schedule)) return schedule;
+  throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
+                                      ", m=", m, " even with the reserve"));
 }
 
 // ---------------------------------------------------------------------------------------

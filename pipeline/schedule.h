@@ -1,14 +1,18 @@
 // Pipeline schedules as data. A schedule says, for every pipeline stage, the ordered list
 // of compute actions that stage runs in one iteration: F (forward of one micro-batch),
-// B (its input gradient), W (its weight gradient), or BW (B and W fused, as in 1F1B).
-// Generators build 1F1B and the zero-bubble schedules ZB-H1 and ZB-H2 (Qi et al., "Zero
-// Bubble Pipeline Parallelism", ICLR 2024, §2); MakeSchedule finds them by their
-// --pipeline_schedule name; ValidateSchedule checks any schedule — hand-written ones
-// included — before an executor runs it.
+// B (its input gradient), W (its weight gradient), or BW (B and W fused, as in 1F1B),
+// each for one of the stage's model chunks. With v chunks per stage the model is cut into
+// p·v contiguous virtual stages, each held by one (stage, chunk) (Schedule::virtual_stages).
+// Generators build 1F1B, interleaved 1F1B (v > 1), the zero-bubble schedules ZB-H1 and
+// ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2) and ZB-V (two
+// chunks in a V); MakeSchedule finds them by their --pipeline_schedule name;
+// ValidateSchedule checks any schedule — hand-written ones included — before an executor
+// runs it.
 //
 // Point-to-point transfers are not listed: they follow from the dependencies (NOTE
-// [pipeline dependencies]). A stage sends its F output to the next stage and its B/BW
-// input gradient to the previous one, and receives what its own F and B/BW wait for.
+// [pipeline dependencies]). A chunk sends its F output to the next virtual stage and its
+// B/BW input gradient to the previous one, and receives what its own F and B/BW wait for;
+// between two chunks of one stage nothing is sent.
 //
 // Everything here is a pure function of its arguments and safe to call from any thread.
 #pragma once
@@ -137,7 +141,8 @@ bool UsesSplitBackward(const Schedule& schedule);
 // bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and
 // v = num_chunks, the model chunks per stage, and throws std::invalid_argument otherwise,
 // naming the schedule and what it cannot do — MakeSchedule checks p and m first and
-// returns a Status. The one-chunk schedules (v = 1) 1F1B, ZB-H1 and ZB-H2 share one shape
+// returns a Status. ZB-H1 and ZB-H2 run one chunk (v = 1) only. The one-chunk schedules
+// 1F1B, ZB-H1 and ZB-H2 share one shape
 // (schedule.cc says why): stage s runs warmup(s) forwards, then for j = 0..m-1 the
 // backward of micro-batch j, the W that lags it by lag(s) micro-batches, and the next
 // forward; the W's still owed close the list. Stage s therefore holds at most
@@ -146,6 +151,10 @@ bool UsesSplitBackward(const Schedule& schedule);
 /// 1F1B (PipeDream-Flush; Narayanan et al., SC'21 §2.2.1): stage s runs min(p-s-1, m)
 /// warm-up forwards, then alternates F and fused BW. Holds ≤ p-s micro-batches
 /// (max_in_flight = p). Bubble per stage (p-1)(T_F + T_B + T_W).
+/// With num_chunks = v > 1: interleaved 1F1B (§2.2) in Megatron-LM's order (NOTE
+/// [interleaved 1F1B] in schedule.cc) on InterleavedChunks(p, v); m must be a multiple of
+/// p (Megatron's rule). Holds ≤ min(m·v, (v+1)p - 1) chunk micro-batches; bubble per
+/// stage (p-1)(T_F + T_B + T_W)/v with T the whole stage's costs.
 Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks = 1);
 
 /// ZB-H1 (Qi et al. 2024, §2.1): 1F1B's order of F and B, with W split off and run on
@@ -176,6 +185,15 @@ Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks = 1);
 /// as fast when F=B=W without transfer time, faster for some other costs (p=4, m=5, F=1,
 /// B=2, W=1: 25 against 26). Stages still hold min(2p-1, m) micro-batches.
 Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks = 1);
+
+/// ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; the zero-bubble
+/// authors' V schedule): two chunks per stage laid out as a V (VShapeChunks), B/W split,
+/// at most 2p chunk micro-batches per stage — 1F1B's p full ones. The order comes from a
+/// greedy list scheduler at unit costs (NOTE [ZB-V] in schedule.cc): B's first, then the
+/// forward up the V, then the one down it while the stage has room, W's in the gaps. At
+/// unit chunk costs its makespan is the lower bound 6m + p - 1 for p ∈ {2, 4, 8},
+/// m ∈ {p, 2p, 4p} (tests). num_chunks must be 2, or 1 for "not set" (the V sets its own).
+Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
 
 /// Builds a schedule from (num_stages, num_microbatches, num_chunks); registered by name.
 using ScheduleGenerator =

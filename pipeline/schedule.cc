@@ -16,11 +16,12 @@ namespace fulcrum::pipeline {
 
 FULCRUM_REGISTER(ScheduleGenerator, 1f1b,
                  "one-forward-one-backward (PipeDream-Flush, Megatron-LM): fused backward, "
-                 "≤ p micro-batches in flight, bubble (p-1)(F+B+W)",
+                 "≤ p micro-batches in flight, bubble (p-1)(F+B+W); interleaved with v > 1 "
+                 "(bubble (p-1)(F+B+W)/v)",
                  OneFOneB);
 FULCRUM_REGISTER(ScheduleGenerator, zbh1,
                  "zero-bubble ZB-H1 (Qi et al. 2024 §2.1): B/W split, W deferred to fill the "
-                 "tail; 1F1B's memory, bubble (p-1)(F+B-W)",
+                 "tail; 1F1B's memory, bubble (p-1)(F+B-W); interleaved with v > 1",
                  ZeroBubbleH1);
 FULCRUM_REGISTER(ScheduleGenerator, zbv,
                  "ZB-V (Qi et al. 2024, controllable memory): 2 chunks per stage in a V, B/W "
@@ -309,17 +310,28 @@ Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, i
 // Bubble (§2.2): each chunk costs 1/v of a stage, the warm-up and cool-down ramps are
 // p-1 chunk-steps long, so each stage idles (p-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's
 // (schedule_simulator_test.cc pins it at m % p == 0).
-Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+//
+// NOTE [interleaved ZB-H1]
+// The same order with each BW split into B and W, and stage s's W's deferred by 2s
+// backwards: after B(j) comes the W of backward j - 2s (the W's still owed end the list).
+// As ZB-H1 does for one chunk (its lag s), the W's fill the tail where stage s waits for
+// the last gradients, which come back later on the stages nearer the end of the model. The
+// lag is the most that keeps stage s within stage 0's peak: it holds warmup(s) + 1 + lag,
+// and warmup(s) + 2s = warmup(0) (warmup falls by 2 per stage), so every stage holds at
+// most interleaved 1F1B's (v+1)p - 1 (max_in_flight unchanged). The simulator shows what
+// it gains (chunked_schedule_test.cc compares it with interleaved 1F1B and ZB-H1).
+Schedule BuildInterleaved(const std::string& name, int num_stages, int num_microbatches,
+                          int num_chunks, bool split) {
   const int p = num_stages;
   const int m = num_microbatches;
   const int v = num_chunks;
   if (p < 1 || m < 1) {
     throw std::invalid_argument(absl::StrCat(
-        "1f1b schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+        name, " schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
   }
   if (m % p != 0) {
     throw std::invalid_argument(absl::StrCat(
-        "1f1b schedule: interleaved 1F1B (", v,
+        name, " schedule: interleaved ", split ? "ZB-H1" : "1F1B", " (", v,
         " chunks per stage, --virtual_pipeline_model_parallel_size) needs the micro-batch "
         "count (",
         m, ") to be a multiple of the pipeline stages (--pipeline_model_parallel_size=", p,
@@ -332,10 +344,11 @@ Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunk
     return Action{ActionKind::kForward, microbatch_of(i), (i % group) / p};
   };
   auto backward_at = [&](int i) {
-    return Action{ActionKind::kBackward, microbatch_of(i), v - 1 - (i % group) / p};
+    return Action{split ? ActionKind::kBackwardInput : ActionKind::kBackward, microbatch_of(i),
+                  v - 1 - (i % group) / p};
   };
   Schedule schedule;
-  schedule.name = "1f1b";
+  schedule.name = name;
   schedule.num_stages = p;
   schedule.num_microbatches = m;
   schedule.num_chunks = v;
@@ -345,15 +358,34 @@ Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunk
   for (int s = 0; s < p; ++s) {
     const int warmup = m == p ? total : std::min(2 * (p - s - 1) + (v - 1) * p, total);
     std::vector<Action>& actions = schedule.stages[s];
-    actions.reserve(2 * total);
+    actions.reserve(3 * total);
+    const int lag = 2 * s;  // NOTE [interleaved ZB-H1]
+    int next_weight = 0;
+    auto backward = [&](int j) {
+      actions.push_back(backward_at(j));
+      if (split && j >= lag) {
+        Action weight = backward_at(next_weight++);
+        weight.kind = ActionKind::kBackwardWeight;
+        actions.push_back(weight);
+      }
+    };
     for (int i = 0; i < warmup; ++i) actions.push_back(forward_at(i));
     for (int j = 0; j + warmup < total; ++j) {
       actions.push_back(forward_at(warmup + j));
-      actions.push_back(backward_at(j));
+      backward(j);
     }
-    for (int j = std::max(total - warmup, 0); j < total; ++j) actions.push_back(backward_at(j));
+    for (int j = std::max(total - warmup, 0); j < total; ++j) backward(j);
+    while (split && next_weight < total) {
+      Action weight = backward_at(next_weight++);
+      weight.kind = ActionKind::kBackwardWeight;
+      actions.push_back(weight);
+    }
   }
   return schedule;
+}
+
+Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  return BuildInterleaved("1f1b", num_stages, num_microbatches, num_chunks, /*split=*/false);
 }
 
 }  // namespace
@@ -371,7 +403,13 @@ Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks) {
 }
 
 Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks) {
-  RequireOneChunk("zbh1", num_chunks);
+  if (num_chunks > 1) {
+    return BuildInterleaved("zbh1", num_stages, num_microbatches, num_chunks, /*split=*/true);
+  }
+  if (num_chunks < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("zbh1 schedule: needs at least 1 chunk per stage, got ", num_chunks));
+  }
   const int p = num_stages;
   return BuildSchedule(
       "zbh1", p, num_microbatches, /*max_in_flight=*/p, /*split=*/true,

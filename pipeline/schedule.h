@@ -141,7 +141,7 @@ bool UsesSplitBackward(const Schedule& schedule);
 // bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and
 // v = num_chunks, the model chunks per stage, and throws std::invalid_argument otherwise,
 // naming the schedule and what it cannot do — MakeSchedule checks p and m first and
-// returns a Status. ZB-H1 and ZB-H2 run one chunk (v = 1) only. The one-chunk schedules
+// returns a Status. ZB-H2 runs one chunk (v = 1) only. The one-chunk schedules
 // 1F1B, ZB-H1 and ZB-H2 share one shape
 // (schedule.cc says why): stage s runs warmup(s) forwards, then for j = 0..m-1 the
 // backward of micro-batch j, the W that lags it by lag(s) micro-batches, and the next
@@ -164,6 +164,10 @@ Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks = 1);
 /// whenever T_W ≤ min(T_F, T_B). The other two terms bind every schedule that holds ≤ p:
 /// the last stage waits (p-1)T_F for its first input, and stage 0, full after p forwards,
 /// waits (p-1)T_B for the first gradient.
+/// With num_chunks = v > 1: interleaved ZB-H1 (NOTE [interleaved ZB-H1] in schedule.cc),
+/// interleaved 1F1B's order with B/W split and stage s's W's 2s backwards late; m must be
+/// a multiple of p; interleaved 1F1B's memory. Never slower than interleaved 1F1B in the
+/// tests, and at the bound (p-1)T_F/v for p ≤ 4, m ≥ 2p without transfer time.
 Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks = 1);
 
 /// ZB-H2 (Qi et al. 2024, §2.2): stage s runs 2(p-s)-1 warm-up forwards so the first

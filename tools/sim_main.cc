@@ -61,8 +61,8 @@ DEFINE_int32(stages, 0, "Pipeline stages (0: the case's, or the trace's).");
 DEFINE_int32(microbatches, 0, "Micro-batches per iteration (0: 4 per stage, or the trace's).");
 DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2, zbv (empty: zbh1 for cases, the trace's).");
 DEFINE_bool(schedules, false,
-            "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B (2 chunks per stage) "
-            "and ZB-V at unit costs and at the dense GPT's costs, with the layers spread uniformly "
+            "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B and ZB-H1 (2 chunks "
+            "per stage) and ZB-V at unit costs and at the dense GPT's costs, with the layers spread uniformly "
             "over the virtual stages (not balanced), at 16 and 24 stages (or --stages), "
             "--microbatches (0: 4 per stage).");
 DEFINE_int32(rebalance_interval, 1, "Balancers decide every this many iterations (and after a change).");
@@ -555,6 +555,7 @@ int RunSchedules() {
   const std::vector<ScheduleRow> rows = {{"1F1B", "1f1b", 1},
                                          {"ZB-H1", "zbh1", 1},
                                          {"interleaved 1F1B", "1f1b", 2},
+                                         {"interleaved ZB-H1", "zbh1", 2},
                                          {"ZB-V", "zbv", 2}};
   std::vector<int> stage_counts = {16, 24};
   if (FLAGS_stages > 0) stage_counts = {FLAGS_stages};

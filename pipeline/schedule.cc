@@ -4,6 +4,9 @@
 #include "pipeline/schedule.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
 #include <ostream>
 #include <stdexcept>
 #include <utility>
@@ -438,9 +441,11 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
 // 1F1B's p full ones.
 //
 // The authors build the order with a greedy list scheduler over simulated time. We do the
-// same, with our own rules, at unit cost per chunk action (F = B = W = 1, no transfer time):
-// at every step t each stage starts at most one action, seeing only what finished by t
-// (so the stages' choices at one step do not depend on each other), chosen in this order:
+// same, with our own rules, by default at unit cost per chunk action (F = B = W = 1, no
+// transfer time; ZeroBubbleVAt takes other costs): at every step t each stage that is free
+// starts at most one action, seeing only what finished (and, from another stage, arrived)
+// by t — so the stages' choices at one step do not depend on each other; a stage with
+// nothing to run waits for the next end or arrival — chosen in this order:
 //   1. a B whose gradient and own F are done — the older micro-batch first, B1 before B0
 //      of the same one. B's gate the stages upstream in the model and hold no extra
 //      memory, so they never wait.
@@ -464,6 +469,14 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
 
 namespace {
 
+// What one chunk action costs while the ZB-V order is built (NOTE [ZB-V]).
+struct VCosts {
+  double forward = 1;
+  double backward_input = 1;
+  double backward_weight = 1;
+  double p2p = 0;
+};
+
 // One stage's progress while the ZB-V order is built.
 struct VStage {
   int forwards[2] = {0, 0};   // F's started, per chunk (each chunk's F's go in micro-batch order)
@@ -475,7 +488,7 @@ struct VStage {
 
 // NOTE [ZB-V]'s greedy; `reserve` keeps rule 3's room for an owed F1. False when the
 // rules deadlock (a step at which no stage can start anything: nothing will change after).
-bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
+bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, Schedule& schedule) {
   const int limit = 2 * p;
   schedule = Schedule{};
   schedule.name = "zbv";
@@ -486,20 +499,39 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
   schedule.virtual_stages = VShapeChunks(p);
   schedule.stages.resize(p);
 
-  // start[stage][kind][chunk·m + mb]: the step an action started, -1 before. At unit cost
-  // an action that started before step t has finished by t.
-  std::vector<std::vector<std::vector<int>>> start(
-      p, std::vector<std::vector<int>>(4 /* action kinds */, std::vector<int>(2 * m, -1)));
-  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, int t) {
-    const int at = start[stage][static_cast<int>(kind)][chunk * m + mb];
-    return at >= 0 && at < t;
+  // finish[stage][kind][chunk·m + mb]: when an action ends, -1 before it was placed.
+  std::vector<std::vector<std::vector<double>>> finish(
+      p, std::vector<std::vector<double>>(4 /* action kinds */, std::vector<double>(2 * m, -1)));
+  // Time t sees what ended by t, plus a transfer from another stage.
+  double t = 0;
+  int s = 0;  // the stage deciding
+  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, double now) {
+    const double end = finish[stage][static_cast<int>(kind)][chunk * m + mb];
+    return end >= 0 && end + (stage == s ? 0 : cost.p2p) <= now;
+  };
+  auto duration = [&](ActionKind kind) {
+    return kind == ActionKind::kForward         ? cost.forward
+           : kind == ActionKind::kBackwardInput ? cost.backward_input
+                                                : cost.backward_weight;
   };
   std::vector<VStage> stages(p);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<int> left(p, 6 * m);
+  std::set<double> events;  // when an action ends or its output arrives elsewhere
   int remaining = p * 6 * m;
-  for (int t = 0; remaining > 0; ++t) {
+  while (remaining > 0) {
+    // A round: every stage free at the earliest time t decides at once, seeing only what
+    // ended (and arrived) by t — at unit costs, one step of the description above.
+    t = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < p; ++i) {
+      if (left[i] > 0) t = std::min(t, free_at[i]);
+    }
     std::vector<Action> chosen(p);
     std::vector<bool> runs(p, false);
-    for (int s = 0; s < p; ++s) {
+    std::vector<bool> deciding(p, false);
+    for (s = 0; s < p; ++s) {
+      if (left[s] == 0 || free_at[s] != t) continue;
+      deciding[s] = true;
       VStage& st = stages[s];
       auto b_ready = [&](int chunk) {
         const int j = st.backwards[chunk];
@@ -552,13 +584,17 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
       };
       runs[s] = try_b() || try_f1() || try_f0() || try_w();
     }
-    if (std::none_of(runs.begin(), runs.end(), [](bool r) { return r; })) return false;
-    for (int s = 0; s < p; ++s) {
+    for (s = 0; s < p; ++s) {
       if (!runs[s]) continue;
       VStage& st = stages[s];
       const Action& action = chosen[s];
-      start[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = t;
+      const double end = t + duration(action.kind);
+      finish[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = end;
+      events.insert(end);
+      events.insert(end + cost.p2p);
+      free_at[s] = end;
       schedule.stages[s].push_back(action);
+      --left[s];
       --remaining;
       switch (action.kind) {
         case ActionKind::kForward:
@@ -576,6 +612,14 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
         case ActionKind::kBackward:
           break;
       }
+    }
+    // A stage that found nothing to run waits for the next end or arrival; with none to
+    // come, nothing will ever change: the rules deadlocked.
+    const auto next = events.upper_bound(t);
+    for (s = 0; s < p; ++s) {
+      if (!deciding[s] || runs[s]) continue;
+      if (next == events.end()) return false;
+      free_at[s] = *next;
     }
   }
   return true;
@@ -595,9 +639,32 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks) {
     throw std::invalid_argument(absl::StrCat(
         "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
   }
+  return ZeroBubbleVAt(p, m, 1, 1, 1, 0);
+}
+
+Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
+                       double backward_input, double backward_weight, double p2p) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  for (double c : {forward, backward_input, backward_weight}) {
+    if (!std::isfinite(c) || c <= 0) {
+      throw std::invalid_argument(absl::StrCat(
+          "zbv schedule: action costs must be finite and > 0, got F=", forward,
+          " B=", backward_input, " W=", backward_weight));
+    }
+  }
+  if (!std::isfinite(p2p) || p2p < 0) {
+    throw std::invalid_argument(
+        absl::StrCat("zbv schedule: the transfer time must be finite and ≥ 0, got ", p2p));
+  }
+  const VCosts cost{forward, backward_input, backward_weight, p2p};
   Schedule schedule;
-  if (BuildZeroBubbleV(p, m, /*reserve=*/false, schedule)) return schedule;
-  if (BuildZeroBubbleV(p, m, /*reserve=*/true, schedule)) return schedule;
+  if (BuildZeroBubbleV(p, m, cost, /*reserve=*/false, schedule)) return schedule;
+  if (BuildZeroBubbleV(p, m, cost, /*reserve=*/true, schedule)) return schedule;
   throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
                                       ", m=", m, " even with the reserve"));
 }

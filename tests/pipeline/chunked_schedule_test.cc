@@ -245,6 +245,34 @@ TEST(ZeroBubbleVTest, UnitCostMakespanAgainstTheBoundAndZeroBubbleH1) {
   }
 }
 
+// The unit-cost order loses its lead once B costs more than F; the greedy run at those costs
+// (ZeroBubbleVAt) keeps ZB-V ahead of ZB-H1 (whole-stage costs twice a chunk's) at
+// F = 1.33, B = 1.67, W = 1 — about the dense GPT layer's F : B : W (NOTE [sim FLOP model]).
+// At unit costs scaled by any factor it gives the unit order: its rounds are the steps.
+TEST(ZeroBubbleVTest, OrderBuiltAtTheCosts) {
+  const ActionCosts c{1.33, 1.67, 1};
+  for (int p : {4, 8, 24}) {
+    const int m = 4 * p;
+    SCOPED_TRACE(Case("zbv", p, m));
+    const Schedule at_costs = ZeroBubbleVAt(p, m, c.forward, c.backward_input, c.backward_weight, 0);
+    ASSERT_TRUE(ValidateSchedule(at_costs).ok()) << ValidateSchedule(at_costs);
+    for (int s = 0; s < p; ++s) EXPECT_LE(PeakInFlight(at_costs, s), 2 * p);
+    const double built = Simulate(at_costs, c).makespan;
+    const double unit_order = Simulate(ZeroBubbleV(p, m), c).makespan;
+    const double h1 = Simulate(ZeroBubbleH1(p, m), ActionCosts{2 * c.forward, 2 * c.backward_input,
+                                                               2 * c.backward_weight})
+                          .makespan;
+    EXPECT_LT(built, h1);
+    EXPECT_LT(built, 0.9 * unit_order);
+    EXPECT_EQ(FormatSchedule(ZeroBubbleVAt(p, m, 2.5, 2.5, 2.5, 0)), FormatSchedule(ZeroBubbleV(p, m)));
+  }
+  // With transfer time the order still passes the checker.
+  EXPECT_TRUE(ValidateSchedule(ZeroBubbleVAt(8, 16, 1, 1.5, 0.75, 0.5)).ok());
+  EXPECT_THROW(ZeroBubbleVAt(4, 8, 0, 1, 1, 0), std::invalid_argument);
+  EXPECT_THROW(ZeroBubbleVAt(4, 8, 1, 1, 1, -1), std::invalid_argument);
+  EXPECT_THROW(ZeroBubbleVAt(0, 8, 1, 1, 1, 0), std::invalid_argument);
+}
+
 // ---------------------------------------------------------------------------------------
 // Simulator with chunks
 

@@ -477,6 +477,13 @@ struct VCosts {
   double p2p = 0;
 };
 
+// The order in which a free stage tries the four rules of NOTE [ZB-V].
+enum class VOrder {
+  kBackwardFirst,            // 1 2 3 4: the default, and the only one at unit costs
+  kForwardUpFirst,           // 2 1 3 4
+  kWeightBeforeForwardDown,  // 1 2 4 3
+};
+
 // One stage's progress while the ZB-V order is built.
 struct VStage {
   int forwards[2] = {0, 0};   // F's started, per chunk (each chunk's F's go in micro-batch order)
@@ -488,7 +495,8 @@ struct VStage {
 
 // NOTE [ZB-V]'s greedy; `reserve` keeps rule 3's room for an owed F1. False when the
 // rules deadlock (a step at which no stage can start anything: nothing will change after).
-bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, Schedule& schedule) {
+bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, VOrder order,
+                      Schedule& schedule, double& makespan) {
   const int limit = 2 * p;
   schedule = Schedule{};
   schedule.name = "zbv";
@@ -582,7 +590,17 @@ bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, Schedule& 
         }
         return false;
       };
-      runs[s] = try_b() || try_f1() || try_f0() || try_w();
+      switch (order) {
+        case VOrder::kBackwardFirst:
+          runs[s] = try_b() || try_f1() || try_f0() || try_w();
+          break;
+        case VOrder::kForwardUpFirst:
+          runs[s] = try_f1() || try_b() || try_f0() || try_w();
+          break;
+        case VOrder::kWeightBeforeForwardDown:
+          runs[s] = try_b() || try_f1() || try_w() || try_f0();
+          break;
+      }
     }
     for (s = 0; s < p; ++s) {
       if (!runs[s]) continue;
@@ -622,6 +640,7 @@ bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, Schedule& 
       free_at[s] = *next;
     }
   }
+  makespan = *std::max_element(free_at.begin(), free_at.end());
   return true;
 }
 
@@ -662,9 +681,29 @@ Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
         absl::StrCat("zbv schedule: the transfer time must be finite and ≥ 0, got ", p2p));
   }
   const VCosts cost{forward, backward_input, backward_weight, p2p};
-  Schedule schedule;
-  if (BuildZeroBubbleV(p, m, cost, /*reserve=*/false, schedule)) return schedule;
-  if (BuildZeroBubbleV(p, m, cost, /*reserve=*/true, schedule)) return schedule;
+  const bool unit = forward == backward_input && backward_input == backward_weight && p2p == 0;
+  // NOTE [ZB-V]: at other than unit costs the rules are also tried in two other orders, and
+  // the order whose own timeline ends first wins (ties: the earlier order), as the authors
+  // try a few variants of their greedy and keep the best.
+  std::vector<VOrder> orders = {VOrder::kBackwardFirst};
+  if (!unit) {
+    orders.push_back(VOrder::kForwardUpFirst);
+    orders.push_back(VOrder::kWeightBeforeForwardDown);
+  }
+  Schedule best;
+  double best_makespan = std::numeric_limits<double>::infinity();
+  for (bool reserve : {false, true}) {
+    for (VOrder order : orders) {
+      Schedule schedule;
+      double makespan = 0;
+      if (BuildZeroBubbleV(p, m, cost, reserve, order, schedule, makespan) &&
+          makespan < best_makespan) {
+        best = std::move(schedule);
+        best_makespan = makespan;
+      }
+    }
+    if (best_makespan < std::numeric_limits<double>::infinity()) return best;
+  }
   throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
                                       ", m=", m, " even with the reserve"));
 }

@@ -263,6 +263,9 @@ TEST(ZeroBubbleVTest, OrderBuiltAtTheCosts) {
                                                                2 * c.backward_weight})
                           .makespan;
     EXPECT_LT(built, h1);
+    // At p = 24 the first order alone came within 0.01% of ZB-H1 (859.89 against 860); the
+    // other two orders take it to 845.16.
+    if (p == 24) EXPECT_LT(built, 0.99 * h1);
     EXPECT_LT(built, 0.9 * unit_order);
     EXPECT_EQ(FormatSchedule(ZeroBubbleVAt(p, m, 2.5, 2.5, 2.5, 0)), FormatSchedule(ZeroBubbleV(p, m)));
   }

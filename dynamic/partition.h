@@ -14,6 +14,25 @@
 // one with the lexicographically smallest stage ends (end of stage 0 first). "Optimal"
 // compares StageCost values with exact equality (NOTE [bit-equal stage costs]).
 //
+// NOTE [partition under chunks]
+// With chunks (NOTE [chunks] in balance_problem.h) Partition minimises the bottleneck RANK
+// (the sum of its chunks), every rank's memory (all its chunks) within the budget, at least
+// one layer per virtual stage:
+// - ZB-V's V shape (rank r holds virtual r and 2p−1−r): exact, by a DP that places ranks
+//   from both ends of the model inwards, state (rank, first free layer from the front,
+//   first taken layer from the back); O(p·L⁴) time at worst, O(p·L²) memory.
+// - Any other map (interleaved: virtual k on rank k % p): exact by branch and bound (a
+//   depth-first search over the chunks in model order, cutting a partial placement as soon
+//   as a rank's cost reaches the best found or its memory exceeds the budget), started
+//   from the per-chunk optimum. The search is capped at 2·10⁷ steps; when the cap cuts it,
+//   the best placement found is returned, never worse than that start, whose bottleneck is
+//   at most v times the optimum (its largest chunk costs at most the optimum, as every
+//   placement's largest rank holds at least its largest chunk) — when it fits the budget.
+// Ties (NOTE [partition tie-break]): fewest layers moving between RANKS first, then fewest
+// moving between chunks of a rank (local moves, no transfer); then the V shape takes, rank
+// by rank from the outside in, the smallest end of the front chunk and then the smallest
+// begin of the back chunk, the other maps the smallest ends in model order.
+//
 // Pure function; thread-safe.
 #pragma once
 
@@ -24,6 +43,7 @@ namespace fulcrum::dynamic {
 
 /// The contiguous placement with ≥ 1 layer per stage and every stage within the memory
 /// budget that minimises Bottleneck(); ties broken as NOTE [partition tie-break] says.
+/// With chunks: NOTE [partition under chunks].
 /// `current`, when given, must be a valid placement for `problem`.
 /// Errors: InvalidArgument for an invalid problem or current placement, or fewer layers
 /// than stages; ResourceExhausted when no placement fits the memory budget (the message

@@ -278,23 +278,29 @@ class VShapeDp {
 // longer range of that chunk. Exact when it finishes; a search cut at kMaxNodes keeps the
 // best placement found (see PartitionBalance: starting from the per-chunk optimum, which
 // is within a factor v of the optimum when it fits the memory budget).
-constexpr int64_t kMaxNodes = 20'000'000;
+constexpr int64_t kMaxNodes = 2'000'000;  // Per phase; ~0.1 s each.
 
 class ChunkSearch {
  public:
-  explicit ChunkSearch(const StageEvaluator& evaluator)
+  ChunkSearch(const StageEvaluator& evaluator, const Placement& reference)
       : evaluator_(evaluator),
+        reference_(reference),
         num_virtual_(evaluator.num_virtual_stages()),
-        num_layers_(evaluator.num_layers()) {}
+        num_layers_(evaluator.num_layers()),
+        last_chunk_(evaluator.num_stages(), -1) {
+    for (int k = 0; k < num_virtual_; ++k) last_chunk_[evaluator.RankOf(k)] = k;
+  }
 
   // Minimises the largest rank total of cost(k, range) (a rank's total starting at
   // cost_init[r]) over the placements whose every rank's total of mem(k, range), starting at
   // mem_init[r], stays ≤ budget; both ≥ 0. Only values below `incumbent` count. Returns the
   // optimum found (`incumbent` when none is below it) and `*placement` (empty then).
+  // `cost_bound`: `cost` is StageCost, so CannotFit's bound applies.
   template <typename Cost, typename Mem>
   double MinMax(const Cost& cost, const std::vector<double>& cost_init, const Mem& mem,
                 const std::vector<double>& mem_init, double budget, double incumbent,
-                Placement* placement) {
+                Placement* placement, bool cost_bound) {
+    cost_bound_ = cost_bound;
     best_ = incumbent;
     placement->clear();
     best_placement_ = placement;
@@ -306,7 +312,7 @@ class ChunkSearch {
   }
 
   // Among placements with every rank's cost ≤ bound and memory ≤ budget, the fewest moves
-  // (MoveCounter), then the lexicographically smallest ends in model order.
+  // (MoveCounter), then the first in the search's order (Ends).
   Placement FewestMoves(double bound, const MoveCounter& moves, const Placement& incumbent) {
     best_moves_ = 0;
     for (size_t k = 0; k < incumbent.size(); ++k) {
@@ -324,6 +330,7 @@ class ChunkSearch {
   }
 
   bool cut() const { return nodes_ >= kMaxNodes; }
+  int64_t steps() const { return nodes_; }
 
  private:
   template <typename Cost, typename Mem>
@@ -331,6 +338,7 @@ class ChunkSearch {
                   std::vector<double>* totals, const Mem& mem, std::vector<double>* memory,
                   double budget) {
     if (++nodes_ >= kMaxNodes) return;
+    if (cost_bound_ && k < num_virtual_ && CannotFit(k, begin, *totals, best_)) return;
     if (k == num_virtual_) {
       if (worst < best_) {
         best_ = worst;
@@ -339,15 +347,15 @@ class ChunkSearch {
       return;
     }
     const int rank = evaluator_.RankOf(k);
-    const int64_t last_end = num_layers_ - (num_virtual_ - 1 - k);
-    // The last chunk ends at L.
-    const int64_t first_end = k + 1 == num_virtual_ ? num_layers_ : begin + 1;
-    for (int64_t end = first_end; end <= last_end; ++end) {
+    for (const int64_t end : Ends(k, begin, [&](StageRange range) {
+           return (*totals)[rank] + cost(k, range) < best_ &&
+                  (*memory)[rank] + mem(k, range) <= budget;
+         })) {
       const StageRange range{begin, end};
       // From 0: 0 + c is c exactly, so a rank's total is RankCosts' bit for bit.
       const double total = (*totals)[rank] + cost(k, range);
       const double used = (*memory)[rank] + mem(k, range);
-      if (!(total < best_) || !(used <= budget)) break;  // Longer ranges only add.
+      if (!(total < best_)) continue;  // best_ fell since Ends.
       const double saved_total = (*totals)[rank], saved_memory = (*memory)[rank];
       (*totals)[rank] = total;
       (*memory)[rank] = used;
@@ -363,21 +371,20 @@ class ChunkSearch {
                  std::vector<double>* totals, std::vector<double>* memory) {
     if (++nodes_ >= kMaxNodes) return;
     if (moved >= best_moves_) return;
+    if (k < num_virtual_ && CannotFit(k, begin, *totals, bound_)) return;
     if (k == num_virtual_) {
       best_moves_ = moved;
       fewest_ = current_;
       return;
     }
     const int rank = evaluator_.RankOf(k);
-    const int64_t last_end = num_layers_ - (num_virtual_ - 1 - k);
-    // The last chunk ends at L.
-    const int64_t first_end = k + 1 == num_virtual_ ? num_layers_ : begin + 1;
-    for (int64_t end = first_end; end <= last_end; ++end) {
+    for (const int64_t end : Ends(k, begin, [&](StageRange range) {
+           return (*totals)[rank] + evaluator_.StageCost(k, range) <= bound_ &&
+                  (*memory)[rank] + evaluator_.ChunkMemory(k, range) <= evaluator_.memory_budget();
+         })) {
       const StageRange range{begin, end};
-      const double c = evaluator_.StageCost(k, range);
-      const double total = (*totals)[rank] + c;
+      const double total = (*totals)[rank] + evaluator_.StageCost(k, range);
       const double used = (*memory)[rank] + evaluator_.ChunkMemory(k, range);
-      if (!(total <= bound_) || !(used <= evaluator_.memory_budget())) break;
       const double saved_total = (*totals)[rank], saved_memory = (*memory)[rank];
       (*totals)[rank] = total;
       (*memory)[rank] = used;
@@ -389,9 +396,48 @@ class ChunkSearch {
     }
   }
 
+  // The ends chunk k (beginning at `begin`) may take, in the order the search tries them:
+  // nearest to the reference's end of chunk k first (ties: the smaller), so that good
+  // placements — and, in FewestMoves, placements that move little — come early and cut the
+  // rest. `ok(range)` must fail for every end after the first it fails for (rank totals
+  // only grow with the range), so the scan stops there.
+  template <typename Ok>
+  std::vector<int64_t> Ends(int k, int64_t begin, const Ok& ok) const {
+    const int64_t last_end = num_layers_ - (num_virtual_ - 1 - k);
+    const int64_t first_end = k + 1 == num_virtual_ ? num_layers_ : begin + 1;  // Last: L.
+    std::vector<int64_t> ends;
+    for (int64_t end = first_end; end <= last_end && ok(StageRange{begin, end}); ++end) {
+      ends.push_back(end);
+    }
+    const int64_t target = reference_[k].end;
+    std::stable_sort(ends.begin(), ends.end(), [&](int64_t a, int64_t b) {
+      return std::abs(a - target) < std::abs(b - target);
+    });
+    return ends;
+  }
+
+  // Whether the layers [begin, L) (with the pinned costs still to come) cannot go to
+  // chunks k.. without some rank's cost reaching `limit`: the ranks that still get a chunk
+  // can take at most Σ (limit − their cost so far) between them. The slack keeps rounding
+  // from cutting a placement that fits (cutting less never loses exactness).
+  bool CannotFit(int k, int64_t begin, const std::vector<double>& totals, double limit) const {
+    if (limit == kInf) return false;
+    double remaining = evaluator_.StageCost(num_virtual_ - 1, {begin, num_layers_});
+    if (k == 0) remaining += evaluator_.StageCost(0, {0, 0});  // The embedding's cost.
+    double room = 0;
+    for (size_t r = 0; r < totals.size(); ++r) {
+      if (last_chunk_[r] >= k) room += std::max(0.0, limit - totals[r]);
+    }
+    const double slack = 1e-9 * (remaining + static_cast<double>(totals.size()) * limit);
+    return room < remaining - slack;
+  }
+
   const StageEvaluator& evaluator_;
+  const Placement& reference_;
   int num_virtual_ = 0;
   int64_t num_layers_ = 0;
+  std::vector<int> last_chunk_;  // Per rank: its last virtual stage.
+  bool cost_bound_ = false;
   int64_t nodes_ = 0;
   double best_ = kInf;
   Placement* best_placement_ = nullptr;
@@ -412,7 +458,7 @@ bool IsVShape(const StageEvaluator& evaluator) {
 
 absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
                                           const StageEvaluator& evaluator,
-                                          const Placement* current) {
+                                          const Placement* current, PartitionReport* report) {
   const int p = problem.num_stages;
   const int64_t num_layers = problem.num_layers();
   const Placement reference = current != nullptr
@@ -465,6 +511,11 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
         num_virtual, num_layers,
         [&](int k, StageRange range) { return evaluator.StageCost(k, range); },
         [](int, StageRange) { return true; });
+    // Two lower bounds on the optimum: its largest rank holds at least its largest chunk,
+    // and at least the average rank cost.
+    const double total = evaluator.StageCost(0, {0, num_layers}) +
+                         evaluator.StageCost(num_virtual - 1, {0, 0});
+    report->lower_bound = std::max(chunk_optimum, total / p);
     // A placement reaching the per-chunk optimum, as the one-chunk Partition would pick it.
     Placement candidate = FewestMovesWithin(
         StageEvaluator([&] {
@@ -483,13 +534,15 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
       incumbent_value = std::nextafter(evaluator.Bottleneck(candidate), kInf);
     }
   }
-  ChunkSearch search(evaluator);
+  ChunkSearch search(evaluator, reference);
   Placement found;
   std::vector<double> zeros(p, 0.0);
   double bottleneck = search.MinMax(
       [&](int k, StageRange range) { return evaluator.StageCost(k, range); }, zeros,
       [&](int k, StageRange range) { return evaluator.ChunkMemory(k, range); }, pinned,
-      problem.memory_budget, incumbent_value, &found);
+      problem.memory_budget, incumbent_value, &found, /*cost_bound=*/true);
+  report->search_steps = search.steps();
+  report->exact = !search.cut();
   if (found.empty()) {
     if (!incumbent.empty()) {
       found = incumbent;
@@ -500,20 +553,27 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
           "budget of %.10g bytes per stage after a search of %d steps",
           num_layers, num_virtual, problem.memory_budget, kMaxNodes));
     } else {
-      ChunkSearch memory_search(evaluator);
+      ChunkSearch memory_search(evaluator, reference);
       Placement unused;
       return no_fit(memory_search.MinMax(
           [&](int k, StageRange range) { return evaluator.ChunkMemory(k, range); }, pinned,
-          [](int, StageRange) { return 0.0; }, zeros, kInf, kInf, &unused));
+          [](int, StageRange) { return 0.0; }, zeros, kInf, kInf, &unused,
+          /*cost_bound=*/false));
     }
   }
-  return search.FewestMoves(bottleneck, moves, found);
+  Placement placement = search.FewestMoves(bottleneck, moves, found);
+  report->search_steps += search.steps();
+  report->exact = report->exact && !search.cut();
+  return placement;
 }
 
 }  // namespace
 
 absl::StatusOr<Placement> PartitionBalance(const BalanceProblem& problem,
-                                           const Placement* current) {
+                                           const Placement* current, PartitionReport* report) {
+  PartitionReport unused;
+  if (report == nullptr) report = &unused;
+  *report = PartitionReport{};
   if (absl::Status s = ValidateProblem(problem); !s.ok()) return s;
   if (absl::Status s = CheckEnoughLayers(problem); !s.ok()) return s;
   if (current != nullptr) {
@@ -525,7 +585,7 @@ absl::StatusOr<Placement> PartitionBalance(const BalanceProblem& problem,
   const int num_stages = problem.num_stages;
   const int64_t num_layers = problem.num_layers();
   const StageEvaluator evaluator(problem);
-  if (evaluator.has_chunks()) return PartitionChunks(problem, evaluator, current);
+  if (evaluator.has_chunks()) return PartitionChunks(problem, evaluator, current, report);
 
   const double bottleneck = MinMaxOverPlacements(
       num_stages, num_layers,

@@ -24,14 +24,16 @@
 // - Any other map (interleaved: virtual k on rank k % p): exact by branch and bound (a
 //   depth-first search over the chunks in model order, cutting a partial placement as soon
 //   as a rank's cost reaches the best found or its memory exceeds the budget), started
-//   from the per-chunk optimum. The search is capped at 2·10⁷ steps; when the cap cuts it,
+//   from the per-chunk optimum. The search is capped at 2·10⁶ steps a phase; when the cap cuts it,
 //   the best placement found is returned, never worse than that start, whose bottleneck is
 //   at most v times the optimum (its largest chunk costs at most the optimum, as every
 //   placement's largest rank holds at least its largest chunk) — when it fits the budget.
 // Ties (NOTE [partition tie-break]): fewest layers moving between RANKS first, then fewest
 // moving between chunks of a rank (local moves, no transfer); then the V shape takes, rank
 // by rank from the outside in, the smallest end of the front chunk and then the smallest
-// begin of the back chunk, the other maps the smallest ends in model order.
+// begin of the back chunk; the other maps go by the ends in model order, each nearest to
+// the reference's (`current`'s, or the even split's) end of that chunk first, then the
+// smaller.
 //
 // Pure function; thread-safe.
 #pragma once
@@ -48,7 +50,20 @@ namespace fulcrum::dynamic {
 /// Errors: InvalidArgument for an invalid problem or current placement, or fewer layers
 /// than stages; ResourceExhausted when no placement fits the memory budget (the message
 /// gives the smallest achievable largest stage memory).
+/// How PartitionBalance found its answer (for tests and benchmarks).
+struct PartitionReport {
+  /// False only when the branch and bound of NOTE [partition under chunks] was cut at its
+  /// step limit: the answer is then the best found, within a factor v of the optimum.
+  bool exact = true;
+  /// Steps of that branch and bound (both phases); 0 without it.
+  int64_t search_steps = 0;
+  /// With that branch and bound: a lower bound on the optimal bottleneck (the per-chunk
+  /// optimum, the mean rank cost), to say how far a cut search may be from it; else 0.
+  double lower_bound = 0;
+};
+
 absl::StatusOr<Placement> PartitionBalance(const BalanceProblem& problem,
-                                           const Placement* current = nullptr);
+                                           const Placement* current = nullptr,
+                                           PartitionReport* report = nullptr);
 
 }  // namespace fulcrum::dynamic

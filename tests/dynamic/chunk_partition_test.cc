@@ -299,6 +299,23 @@ TEST(ChunkPartitionTest, FewerTransfersBeatFewerLocalMoves) {
   EXPECT_EQ(*placement, (Placement{{0, 1}, {1, 2}, {2, 4}, {4, 6}}));
 }
 
+TEST(ChunkPartitionTest, InterleavedPrefersLocalMovesToTransfers) {
+  // Interleaved on 2 ranks (virtual 0..3 on ranks 0, 1, 0, 1); both placements below are
+  // optimal (ranks 8 and 8). From `current`, [0,2) [2,6) [6,7) [7,8) changes the chunk of
+  // only 3 layers but sends all 3 to another rank; [0,2) [2,3) [3,5) [5,8) changes 5 but
+  // sends only 2 (layers 2 and 6) — layers 3, 4 and 5 stay on their rank (local moves).
+  // Fewer transfers win (found by a search over random problems; a weight of 1 per
+  // transfer instead of L+1 picks the other).
+  const BalanceProblem problem =
+      Chunked({3, 2, 1, 2, 1, 1, 3, 3}, 2, InterleavedChunkRanks(2, 2));
+  const Placement current = {{0, 5}, {5, 6}, {6, 7}, {7, 8}};
+  const absl::StatusOr<Placement> placement = PartitionBalance(problem, &current);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  EXPECT_EQ(Bottleneck(problem, *placement), 8);
+  EXPECT_EQ(*placement, (Placement{{0, 2}, {2, 3}, {3, 5}, {5, 8}}));
+  EXPECT_EQ(MoveKey(problem, current, *placement), 2 * 9 + 5);
+}
+
 double TimePartitionMs(const BalanceProblem& problem, Placement* out, PartitionReport* report) {
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<Placement> placement = PartitionBalance(problem, nullptr, report);

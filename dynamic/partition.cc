@@ -493,9 +493,17 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
         return true;
       }));
     }
+    auto optimal = [&](int r, int front, StageRange a, int back, StageRange b) {
+      return rank_cost(r, front, a, back, b) <= bottleneck && fits(r, front, a, back, b);
+    };
+    // NOTE [partition under chunks]: then the smallest largest chunk among those.
+    auto larger_chunk = [&](int, int front, StageRange a, int back, StageRange b) {
+      return std::max(evaluator.StageCost(front, a), evaluator.StageCost(back, b));
+    };
+    const double chunk_limit = dp.MinMax(larger_chunk, optimal);
     return dp.FewestMoves(
         [&](int r, int front, StageRange a, int back, StageRange b) {
-          return rank_cost(r, front, a, back, b) <= bottleneck && fits(r, front, a, back, b);
+          return optimal(r, front, a, back, b) && larger_chunk(r, front, a, back, b) <= chunk_limit;
         },
         moves);
   }

@@ -28,7 +28,10 @@
 //   the best placement found is returned, never worse than that start, whose bottleneck is
 //   at most v times the optimum (its largest chunk costs at most the optimum, as every
 //   placement's largest rank holds at least its largest chunk) — when it fits the budget.
-// Ties (NOTE [partition tie-break]): fewest layers moving between RANKS first, then fewest
+// Ties (NOTE [partition tie-break]): for the V shape first the smallest largest chunk (a
+// second min-max DP over the placements at the optimal bottleneck: a chunk is a stage of
+// the virtual pipeline, and its cost lies on the fill/drain chain); then, for every map,
+// fewest layers moving between RANKS, then fewest
 // moving between chunks of a rank (local moves, no transfer); then the V shape takes, rank
 // by rank from the outside in, the smallest end of the front chunk and then the smallest
 // begin of the back chunk; the other maps go by the ends in model order, each nearest to

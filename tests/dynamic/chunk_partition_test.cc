@@ -151,6 +151,10 @@ std::vector<int64_t> TieKey(const BalanceProblem& problem, const Placement& plac
   return key;
 }
 
+bool IsV(const BalanceProblem& problem) {
+  return problem.chunk_rank == VShapeChunkRanks(problem.num_stages);
+}
+
 struct Expected {
   double bottleneck = kInf;
   Placement placement;
@@ -160,6 +164,7 @@ struct Expected {
 Expected BruteForce(const BalanceProblem& problem, const Placement& reference) {
   Expected best;
   int64_t best_moves = 0;
+  double best_largest = kInf;
   for (const Placement& placement :
        AllPlacements(problem.num_layers(), problem.num_virtual_stages())) {
     const std::vector<double> memory = RankMemories(problem, placement);
@@ -167,14 +172,20 @@ Expected BruteForce(const BalanceProblem& problem, const Placement& reference) {
     if (!FitsMemory(problem, placement)) continue;
     const double bottleneck = Bottleneck(problem, placement);
     const int64_t moves = MoveKey(problem, reference, placement);
+    // The V shape's second criterion: the largest chunk (NOTE [partition under chunks]).
+    const std::vector<double> chunks = StageCosts(problem, placement);
+    const double largest =
+        IsV(problem) ? *std::max_element(chunks.begin(), chunks.end()) : 0.0;
     if (bottleneck < best.bottleneck ||
-        (bottleneck == best.bottleneck &&
+        (bottleneck == best.bottleneck && largest < best_largest) ||
+        (bottleneck == best.bottleneck && largest == best_largest &&
          (moves < best_moves ||
           (moves == best_moves && TieKey(problem, placement, reference) <
                                       TieKey(problem, best.placement, reference))))) {
       best.bottleneck = bottleneck;
       best.placement = placement;
       best_moves = moves;
+      best_largest = largest;
     }
   }
   return best;

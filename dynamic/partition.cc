@@ -487,23 +487,24 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
     auto fits = [&](int r, int front, StageRange a, int back, StageRange b) {
       return rank_memory(r, front, a, back, b) <= problem.memory_budget;
     };
-    const double bottleneck = dp.MinMax(rank_cost, fits);
-    if (bottleneck == kInf) {
+    auto larger_chunk = [&](int, int front, StageRange a, int back, StageRange b) {
+      return std::max(evaluator.StageCost(front, a), evaluator.StageCost(back, b));
+    };
+    // NOTE [partition under chunks]: the smallest largest chunk first...
+    const double chunk_limit = dp.MinMax(larger_chunk, fits);
+    if (chunk_limit == kInf) {
       return no_fit(dp.MinMax(rank_memory, [](int, int, StageRange, int, StageRange) {
         return true;
       }));
     }
-    auto optimal = [&](int r, int front, StageRange a, int back, StageRange b) {
-      return rank_cost(r, front, a, back, b) <= bottleneck && fits(r, front, a, back, b);
+    auto chunk_optimal = [&](int r, int front, StageRange a, int back, StageRange b) {
+      return fits(r, front, a, back, b) && larger_chunk(r, front, a, back, b) <= chunk_limit;
     };
-    // NOTE [partition under chunks]: then the smallest largest chunk among those.
-    auto larger_chunk = [&](int, int front, StageRange a, int back, StageRange b) {
-      return std::max(evaluator.StageCost(front, a), evaluator.StageCost(back, b));
-    };
-    const double chunk_limit = dp.MinMax(larger_chunk, optimal);
+    // ...then the smallest bottleneck rank among those, then the fewest moves.
+    const double bottleneck = dp.MinMax(rank_cost, chunk_optimal);
     return dp.FewestMoves(
         [&](int r, int front, StageRange a, int back, StageRange b) {
-          return optimal(r, front, a, back, b) && larger_chunk(r, front, a, back, b) <= chunk_limit;
+          return chunk_optimal(r, front, a, back, b) && rank_cost(r, front, a, back, b) <= bottleneck;
         },
         moves);
   }

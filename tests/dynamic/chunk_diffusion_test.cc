@@ -1,7 +1,8 @@
 // Tests of Diffusion under chunks (NOTE [diffusion under chunks] in dynamic/diffusion.h):
 // the invariants of the one-chunk tests (φ over ranks falls every round, memory per rank,
-// contiguous chunks), closed cases, and the distance from Partition's optimum (which
-// chunk_partition_test.cc proves exact against a brute force) on random problems.
+// contiguous chunks), closed cases, and the distance from Partition's placement (which
+// chunk_partition_test.cc proves exact against a brute force; for the V its first
+// criterion is the largest chunk, NOTE [partition under chunks]) on random problems.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

@@ -172,13 +172,17 @@ Expected BruteForce(const BalanceProblem& problem, const Placement& reference) {
     if (!FitsMemory(problem, placement)) continue;
     const double bottleneck = Bottleneck(problem, placement);
     const int64_t moves = MoveKey(problem, reference, placement);
-    // The V shape's second criterion: the largest chunk (NOTE [partition under chunks]).
+    // The V shape's first criterion: the largest chunk (NOTE [partition under chunks]).
     const std::vector<double> chunks = StageCosts(problem, placement);
     const double largest =
         IsV(problem) ? *std::max_element(chunks.begin(), chunks.end()) : 0.0;
-    if (bottleneck < best.bottleneck ||
-        (bottleneck == best.bottleneck && largest < best_largest) ||
-        (bottleneck == best.bottleneck && largest == best_largest &&
+    // V: the largest chunk first, then the bottleneck; other maps: the bottleneck.
+    const bool better_first = IsV(problem) ? largest < best_largest : bottleneck < best.bottleneck;
+    const bool tied_first = IsV(problem) ? largest == best_largest : bottleneck == best.bottleneck;
+    const bool better_second = IsV(problem) ? bottleneck < best.bottleneck : false;
+    const bool tied_second = IsV(problem) ? bottleneck == best.bottleneck : true;
+    if (better_first || (tied_first && better_second) ||
+        (tied_first && tied_second &&
          (moves < best_moves ||
           (moves == best_moves && TieKey(problem, placement, reference) <
                                       TieKey(problem, best.placement, reference))))) {

@@ -51,13 +51,6 @@
 
 namespace fulcrum::dynamic {
 
-/// The contiguous placement with ≥ 1 layer per stage and every stage within the memory
-/// budget that minimises Bottleneck(); ties broken as NOTE [partition tie-break] says.
-/// With chunks: NOTE [partition under chunks].
-/// `current`, when given, must be a valid placement for `problem`.
-/// Errors: InvalidArgument for an invalid problem or current placement, or fewer layers
-/// than stages; ResourceExhausted when no placement fits the memory budget (the message
-/// gives the smallest achievable largest stage memory).
 /// How PartitionBalance found its answer (for tests and benchmarks).
 struct PartitionReport {
   /// False only when the branch and bound of NOTE [partition under chunks] was cut at its
@@ -70,6 +63,13 @@ struct PartitionReport {
   double lower_bound = 0;
 };
 
+/// The contiguous placement with ≥ 1 layer per stage and every stage within the memory
+/// budget that minimises Bottleneck(); ties broken as NOTE [partition tie-break] says.
+/// With chunks: NOTE [partition under chunks].
+/// `current`, when given, must be a valid placement for `problem`.
+/// Errors: InvalidArgument for an invalid problem or current placement, or fewer layers
+/// than stages; ResourceExhausted when no placement fits the memory budget (the message
+/// gives the smallest achievable largest stage memory).
 absl::StatusOr<Placement> PartitionBalance(const BalanceProblem& problem,
                                            const Placement* current = nullptr,
                                            PartitionReport* report = nullptr);

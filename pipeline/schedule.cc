@@ -22,6 +22,10 @@ FULCRUM_REGISTER(ScheduleGenerator, zbh1,
                  "zero-bubble ZB-H1 (Qi et al. 2024 §2.1): B/W split, W deferred to fill the "
                  "tail; 1F1B's memory, bubble (p-1)(F+B-W)",
                  ZeroBubbleH1);
+FULCRUM_REGISTER(ScheduleGenerator, zbv,
+                 "ZB-V (Qi et al. 2024, controllable memory): 2 chunks per stage in a V, B/W "
+                 "split, 1F1B's memory (2p half-stage micro-batches), near-zero bubble",
+                 ZeroBubbleV);
 FULCRUM_REGISTER(ScheduleGenerator, zbh2,
                  "zero-bubble ZB-H2 (Qi et al. 2024 §2.2): extra warm-up forwards, ≤ 2p-1 "
                  "micro-batches in flight, no idle time inside a stage when F=B=W and m ≥ 2p-1; "
@@ -42,29 +46,106 @@ const char* ActionKindName(ActionKind kind) {
   return "?";
 }
 
-std::string Action::ToString() const { return absl::StrCat(ActionKindName(kind), microbatch); }
+std::string Action::ToString(bool with_chunk) const {
+  if (with_chunk || chunk != 0) return absl::StrCat(ActionKindName(kind), microbatch, ".", chunk);
+  return absl::StrCat(ActionKindName(kind), microbatch);
+}
 
 std::ostream& operator<<(std::ostream& out, const Action& action) {
   return out << action.ToString();
 }
 
-std::vector<StageAction> Dependencies(int num_stages, int stage, const Action& action) {
+std::vector<ChunkId> VirtualStages(const Schedule& schedule) {
+  if (!schedule.virtual_stages.empty()) return schedule.virtual_stages;
+  std::vector<ChunkId> identity(std::max(schedule.num_stages, 0));
+  for (int k = 0; k < static_cast<int>(identity.size()); ++k) identity[k] = {k, 0};
+  return identity;
+}
+
+int VirtualStageOf(const Schedule& schedule, int stage, int chunk) {
+  if (schedule.virtual_stages.empty()) {
+    return chunk == 0 && stage >= 0 && stage < schedule.num_stages ? stage : -1;
+  }
+  const auto it = std::find(schedule.virtual_stages.begin(), schedule.virtual_stages.end(),
+                            ChunkId{stage, chunk});
+  return it == schedule.virtual_stages.end()
+             ? -1
+             : static_cast<int>(it - schedule.virtual_stages.begin());
+}
+
+std::vector<ChunkId> InterleavedChunks(int num_stages, int num_chunks) {
+  if (num_stages < 1 || num_chunks < 1) {
+    throw std::invalid_argument(absl::StrCat("InterleavedChunks: needs at least 1 stage and 1 "
+                                             "chunk, got ",
+                                             num_stages, " and ", num_chunks));
+  }
+  std::vector<ChunkId> chunks(num_stages * num_chunks);
+  for (int k = 0; k < static_cast<int>(chunks.size()); ++k) {
+    chunks[k] = {k % num_stages, k / num_stages};
+  }
+  return chunks;
+}
+
+std::vector<ChunkId> VShapeChunks(int num_stages) {
+  if (num_stages < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("VShapeChunks: needs at least 1 stage, got ", num_stages));
+  }
+  const int p = num_stages;
+  std::vector<ChunkId> chunks(2 * p);
+  for (int k = 0; k < 2 * p; ++k) chunks[k] = k < p ? ChunkId{k, 0} : ChunkId{2 * p - 1 - k, 1};
+  return chunks;
+}
+
+namespace {
+
+// Dependencies() of the action at model-order index `virtual_stage` on `stage`, for a
+// layout given as chunk_at(k) -> ChunkId over `num_virtual` virtual stages. A template so
+// that v = 1 (the identity) needs no table and the checker can pass its own lookup.
+template <typename ChunkAt>
+std::vector<StageAction> DependenciesOn(const ChunkAt& chunk_at, int num_virtual,
+                                        int virtual_stage, int stage, const Action& action) {
   const int mb = action.microbatch;
+  const int k = virtual_stage;
   std::vector<StageAction> deps;
   switch (action.kind) {
     case ActionKind::kForward:
-      if (stage > 0) deps.push_back({stage - 1, {ActionKind::kForward, mb}});
+      if (k > 0) {
+        const ChunkId before = chunk_at(k - 1);
+        deps.push_back({before.stage, {ActionKind::kForward, mb, before.chunk}});
+      }
       break;
     case ActionKind::kBackward:
     case ActionKind::kBackwardInput:
-      deps.push_back({stage, {ActionKind::kForward, mb}});
-      if (stage + 1 < num_stages) deps.push_back({stage + 1, {action.kind, mb}});
+      deps.push_back({stage, {ActionKind::kForward, mb, action.chunk}});
+      if (k + 1 < num_virtual) {
+        const ChunkId after = chunk_at(k + 1);
+        deps.push_back({after.stage, {action.kind, mb, after.chunk}});
+      }
       break;
     case ActionKind::kBackwardWeight:
-      deps.push_back({stage, {ActionKind::kBackwardInput, mb}});
+      deps.push_back({stage, {ActionKind::kBackwardInput, mb, action.chunk}});
       break;
   }
   return deps;
+}
+
+ChunkId IdentityChunk(int k) { return {k, 0}; }
+
+}  // namespace
+
+std::vector<StageAction> Dependencies(const Schedule& schedule, int stage, const Action& action) {
+  const int k = VirtualStageOf(schedule, stage, action.chunk);
+  if (k < 0) {
+    throw std::out_of_range(absl::StrCat("Dependencies: schedule '", schedule.name,
+                                         "' has no chunk ", action.chunk, " on stage ", stage));
+  }
+  if (schedule.virtual_stages.empty()) {
+    return DependenciesOn(IdentityChunk, schedule.num_stages, k, stage, action);
+  }
+  const std::vector<ChunkId>& layout = schedule.virtual_stages;
+  return DependenciesOn([&layout](int i) { return layout[i]; }, static_cast<int>(layout.size()),
+                        k, stage, action);
 }
 
 bool UsesSplitBackward(const Schedule& schedule) {
@@ -153,6 +234,15 @@ bool UsesSplitBackward(const Schedule& schedule) {
 
 namespace {
 
+// The one-chunk generators refuse v > 1 rather than silently ignoring it.
+void RequireOneChunk(const std::string& name, int num_chunks) {
+  if (num_chunks != 1) {
+    throw std::invalid_argument(absl::StrCat(
+        name, " schedule: runs one model chunk per stage, got ", num_chunks,
+        " chunks per stage (--virtual_pipeline_model_parallel_size); it has no interleaved form"));
+  }
+}
+
 // The shape of NOTE [one shape for three schedules]; `split` selects B+W over fused BW.
 Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, int max_in_flight,
                        bool split, const std::function<int(int)>& warmup,
@@ -194,23 +284,102 @@ Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, i
   return schedule;
 }
 
+// NOTE [interleaved 1F1B]
+// Narayanan et al., SC'21 §2.2, as Megatron-LM's forward_backward_pipelining_with_interleaving
+// runs it (facts taken from its source, not its code). Stage s holds chunks c = 0..v-1,
+// chunk c being virtual stage c·p + s (InterleavedChunks). Every stage walks the same
+// sequence of T = m·v "virtual micro-batches" i = 0..T-1, taken in groups of p·v: within
+// a group, p consecutive micro-batches of chunk 0, then the same p of chunk 1, ...:
+//     forward i:   chunk (i mod pv) div p,          micro-batch (i div pv)·p + i mod p
+//     backward i:  chunk v-1 - (i mod pv) div p,    the same micro-batch
+// (backwards visit the chunks from the last, as the gradient comes back through the model
+// in reverse). The list is Megatron's 1F1B over that sequence:
+//     forwards 0 .. warmup-1, then for j = 0..T-warmup-1: forward warmup+j, BW j,
+//     then the remaining BW's,
+// with warmup(s) = min(2(p-s-1) + (v-1)p, T), or all T when m = p (Megatron runs all
+// forwards first then: its steady phase would have nothing to interleave). The (v-1)p term
+// lets every stage run the whole first group of chunks 0..v-2 before the first gradient
+// can come back; 2(p-s-1) covers the round trip from stage s to the last stage and back
+// through the last chunk. Megatron requires m % p == 0 (its groups of p micro-batches per
+// chunk must be whole), and so do we. Stage s holds warmup(s) + 1 chunk micro-batches at
+// the first BW (the steady phase runs its forward first), at most (v+1)p - 1 on stage 0
+// (or all T = pv when m = p): max_in_flight = min(m·v, (v+1)p - 1) chunk micro-batches,
+// p + (p-1)/v full ones against 1F1B's p — interleaving buys its smaller bubble with a
+// little memory.
+// Bubble (§2.2): each chunk costs 1/v of a stage, the warm-up and cool-down ramps are
+// p-1 chunk-steps long, so each stage idles (p-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's
+// (schedule_simulator_test.cc pins it at m % p == 0).
+Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  const int v = num_chunks;
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "1f1b schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  if (m % p != 0) {
+    throw std::invalid_argument(absl::StrCat(
+        "1f1b schedule: interleaved 1F1B (", v,
+        " chunks per stage, --virtual_pipeline_model_parallel_size) needs the micro-batch "
+        "count (",
+        m, ") to be a multiple of the pipeline stages (--pipeline_model_parallel_size=", p,
+        "), as in Megatron-LM: it runs the micro-batches in groups of p per chunk"));
+  }
+  const int total = m * v;
+  const int group = p * v;
+  auto microbatch_of = [&](int i) { return (i / group) * p + i % p; };
+  auto forward_at = [&](int i) {
+    return Action{ActionKind::kForward, microbatch_of(i), (i % group) / p};
+  };
+  auto backward_at = [&](int i) {
+    return Action{ActionKind::kBackward, microbatch_of(i), v - 1 - (i % group) / p};
+  };
+  Schedule schedule;
+  schedule.name = "1f1b";
+  schedule.num_stages = p;
+  schedule.num_microbatches = m;
+  schedule.num_chunks = v;
+  schedule.max_in_flight = std::min(total, (v + 1) * p - 1);
+  schedule.virtual_stages = InterleavedChunks(p, v);
+  schedule.stages.resize(p);
+  for (int s = 0; s < p; ++s) {
+    const int warmup = m == p ? total : std::min(2 * (p - s - 1) + (v - 1) * p, total);
+    std::vector<Action>& actions = schedule.stages[s];
+    actions.reserve(2 * total);
+    for (int i = 0; i < warmup; ++i) actions.push_back(forward_at(i));
+    for (int j = 0; j + warmup < total; ++j) {
+      actions.push_back(forward_at(warmup + j));
+      actions.push_back(backward_at(j));
+    }
+    for (int j = std::max(total - warmup, 0); j < total; ++j) actions.push_back(backward_at(j));
+  }
+  return schedule;
+}
+
 }  // namespace
 
-Schedule OneFOneB(int num_stages, int num_microbatches) {
+Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  if (num_chunks > 1) return InterleavedOneFOneB(num_stages, num_microbatches, num_chunks);
+  if (num_chunks < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("1f1b schedule: needs at least 1 chunk per stage, got ", num_chunks));
+  }
   const int p = num_stages;
   return BuildSchedule(
       "1f1b", p, num_microbatches, /*max_in_flight=*/p, /*split=*/false,
       [p](int s) { return p - s; }, [](int) { return 0; });
 }
 
-Schedule ZeroBubbleH1(int num_stages, int num_microbatches) {
+Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks) {
+  RequireOneChunk("zbh1", num_chunks);
   const int p = num_stages;
   return BuildSchedule(
       "zbh1", p, num_microbatches, /*max_in_flight=*/p, /*split=*/true,
       [p](int s) { return p - s; }, [](int s) { return s; });
 }
 
-Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
+Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
+  RequireOneChunk("zbh2", num_chunks);
   const int p = num_stages;
   const int m = num_microbatches;
   // NOTE [ZB-H2 with few micro-batches]: defer W only as far as the F-rounds reach.
@@ -220,11 +389,186 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches) {
       [p, m](int s) { return std::clamp(m - (2 * (p - s) - 1), s, 2 * s); });
 }
 
+
+// NOTE [ZB-V]
+// Qi et al., "Pipeline Parallelism with Controllable Memory" (2024), and the V schedule of
+// the zero-bubble authors' repository (sail-sg/zero-bubble-pipeline-parallelism). Two
+// chunks per stage in a V (VShapeChunks): chunk 0 runs down the stages 0 -> p-1, chunk 1
+// back up p-1 -> 0, so stage 0 holds both the embedding and the head and the turn on
+// stage p-1 is local. Backward is split (B, W) as in ZB-H1. Each of the 2p chunks holds
+// 1/2 of a one-chunk stage's layers, so the limit of 2p chunk micro-batches per stage is
+// 1F1B's p full ones.
+//
+// The authors build the order with a greedy list scheduler over simulated time. We do the
+// same, with our own rules, at unit cost per chunk action (F = B = W = 1, no transfer time):
+// at every step t each stage starts at most one action, seeing only what finished by t
+// (so the stages' choices at one step do not depend on each other), chosen in this order:
+//   1. a B whose gradient and own F are done — the older micro-batch first, B1 before B0
+//      of the same one. B's gate the stages upstream in the model and hold no extra
+//      memory, so they never wait.
+//   2. an F1 (up the V) whose input is done, if the stage holds fewer than 2p pairs: it
+//      moves the oldest micro-batch towards its first B.
+//   3. an F0 (down the V) whose input is done, if the stage has room for it.
+//      Without more, a stage could fill its 2p pairs with F0's and have no room for the F1
+//      that the oldest of them waits for: a deadlock. It happens for none of p ≤ 24,
+//      m ≤ 4p, but nothing proves it never does, so a run that deadlocks (a step at which
+//      no stage can start anything) is redone with a reserve: an F0 only while one pair of
+//      room stays free for an F1 the stage owes. With the reserve the oldest micro-batch
+//      whose F1 is missing can always take it on every stage, then runs its B's (which
+//      need no memory), then its W's free room again — it cannot deadlock. The reserve is
+//      not the default because it is slower: it meets the bound below at fewer (p, m)
+//      (at p = 8, m = 16 it takes 105 steps against 103).
+//   4. the oldest W owed (W's fill the gaps; deferred W's keep their activations, which the
+//      2p limit counts).
+// The lists are the order in which the stages ran their actions. ValidateSchedule checks
+// the result for every size the tests try; the simulator gives its makespan.
+// Chunk micro-batches held: at most 2p (max_in_flight = 2p; when m is small, 2m).
+
+namespace {
+
+// One stage's progress while the ZB-V order is built.
+struct VStage {
+  int forwards[2] = {0, 0};   // F's started, per chunk (each chunk's F's go in micro-batch order)
+  int backwards[2] = {0, 0};  // B's started, per chunk
+  std::vector<Action> owed_weights;  // B's whose W has not run, oldest first
+  size_t next_weight = 0;
+  int held = 0;
+};
+
+// NOTE [ZB-V]'s greedy; `reserve` keeps rule 3's room for an owed F1. False when the
+// rules deadlock (a step at which no stage can start anything: nothing will change after).
+bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
+  const int limit = 2 * p;
+  schedule = Schedule{};
+  schedule.name = "zbv";
+  schedule.num_stages = p;
+  schedule.num_microbatches = m;
+  schedule.num_chunks = 2;
+  schedule.max_in_flight = std::min(limit, 2 * m);
+  schedule.virtual_stages = VShapeChunks(p);
+  schedule.stages.resize(p);
+
+  // start[stage][kind][chunk·m + mb]: the step an action started, -1 before. At unit cost
+  // an action that started before step t has finished by t.
+  std::vector<std::vector<std::vector<int>>> start(
+      p, std::vector<std::vector<int>>(4 /* action kinds */, std::vector<int>(2 * m, -1)));
+  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, int t) {
+    const int at = start[stage][static_cast<int>(kind)][chunk * m + mb];
+    return at >= 0 && at < t;
+  };
+  std::vector<VStage> stages(p);
+  int remaining = p * 6 * m;
+  for (int t = 0; remaining > 0; ++t) {
+    std::vector<Action> chosen(p);
+    std::vector<bool> runs(p, false);
+    for (int s = 0; s < p; ++s) {
+      VStage& st = stages[s];
+      auto b_ready = [&](int chunk) {
+        const int j = st.backwards[chunk];
+        if (j >= st.forwards[chunk] || !done_by(s, ActionKind::kForward, chunk, j, t)) return false;
+        if (chunk == 1) {
+          return s == 0 || done_by(s - 1, ActionKind::kBackwardInput, 1, j, t);
+        }
+        return s == p - 1 ? done_by(s, ActionKind::kBackwardInput, 1, j, t)
+                          : done_by(s + 1, ActionKind::kBackwardInput, 0, j, t);
+      };
+      // 1. A B: the older micro-batch first; B1(j) comes before B0(j) anyway.
+      auto try_b = [&]() {
+        const bool b0 = b_ready(0);
+        const bool b1 = b_ready(1);
+        if (!b0 && !b1) return false;
+        const int chunk = b0 && (!b1 || st.backwards[0] < st.backwards[1]) ? 0 : 1;
+        chosen[s] = {ActionKind::kBackwardInput, st.backwards[chunk], chunk};
+        return true;
+      };
+      // 2. F1, up the V.
+      auto try_f1 = [&]() {
+        const int j1 = st.forwards[1];
+        if (j1 < st.forwards[0] && st.held < limit &&
+            (s == p - 1 ? done_by(s, ActionKind::kForward, 0, j1, t)
+                        : done_by(s + 1, ActionKind::kForward, 1, j1, t))) {
+          chosen[s] = {ActionKind::kForward, j1, 1};
+          return true;
+        }
+        return false;
+      };
+      // 3. F0, down the V, keeping room for an F1 owed.
+      auto try_f0 = [&]() {
+        const int j0 = st.forwards[0];
+        const bool owes_f1 = st.forwards[1] < st.forwards[0];
+        if (j0 < m && st.held + 1 + (reserve && owes_f1 ? 1 : 0) <= limit &&
+            (s == 0 || done_by(s - 1, ActionKind::kForward, 0, j0, t))) {
+          chosen[s] = {ActionKind::kForward, j0, 0};
+          return true;
+        }
+        return false;
+      };
+      // 4. The oldest W owed.
+      auto try_w = [&]() {
+        if (st.next_weight < st.owed_weights.size()) {
+          const Action& b = st.owed_weights[st.next_weight];
+          chosen[s] = {ActionKind::kBackwardWeight, b.microbatch, b.chunk};
+          return true;
+        }
+        return false;
+      };
+      runs[s] = try_b() || try_f1() || try_f0() || try_w();
+    }
+    if (std::none_of(runs.begin(), runs.end(), [](bool r) { return r; })) return false;
+    for (int s = 0; s < p; ++s) {
+      if (!runs[s]) continue;
+      VStage& st = stages[s];
+      const Action& action = chosen[s];
+      start[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = t;
+      schedule.stages[s].push_back(action);
+      --remaining;
+      switch (action.kind) {
+        case ActionKind::kForward:
+          ++st.forwards[action.chunk];
+          ++st.held;
+          break;
+        case ActionKind::kBackwardInput:
+          ++st.backwards[action.chunk];
+          st.owed_weights.push_back(action);
+          break;
+        case ActionKind::kBackwardWeight:
+          ++st.next_weight;
+          --st.held;
+          break;
+        case ActionKind::kBackward:
+          break;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  if (num_chunks != 1 && num_chunks != 2) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: ZB-V runs exactly 2 chunks per stage (a V), got ", num_chunks,
+        " (--virtual_pipeline_model_parallel_size must be 1 or 2 with zbv)"));
+  }
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  Schedule schedule;
+  if (BuildZeroBubbleV(p, m, /*reserve=*/false, schedule)) return schedule;
+  if (BuildZeroBubbleV(p, m, /*reserve=*/true, schedule)) return schedule;
+  throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
+                                      ", m=", m, " even with the reserve"));
+}
+
 // ---------------------------------------------------------------------------------------
 // Registry
 
 absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
-                                      int num_microbatches) {
+                                      int num_microbatches, int num_chunks) {
   const ScheduleRegistry::Entry* entry = ScheduleRegistry::Global().Find(name);
   if (entry == nullptr) {
     return absl::NotFoundError(absl::StrCat("--pipeline_schedule=", name,
@@ -240,7 +584,17 @@ absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
         "; it must be ≥ 1 (it is --global_batch_size / (--micro_batch_size × data-parallel "
         "size))"));
   }
-  return entry->value(num_stages, num_microbatches);
+  if (num_chunks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--virtual_pipeline_model_parallel_size=", num_chunks,
+                     " must be ≥ 1 (model chunks per pipeline stage; 1 = no virtual stages)"));
+  }
+  try {
+    return entry->value(num_stages, num_microbatches, num_chunks);
+  } catch (const std::invalid_argument& e) {
+    // A generator that cannot build this (p, m, v) says why.
+    return absl::InvalidArgumentError(e.what());
+  }
 }
 
 std::string ScheduleNames() { return ScheduleRegistry::Global().Names(); }
@@ -258,12 +612,12 @@ std::string ScheduleHelp() {
 
 namespace {
 
-// Tables indexed by [KindIndex(kind)][micro-batch].
+// Tables indexed by [KindIndex(kind)][chunk · m + micro-batch].
 constexpr int kNumActionKinds = 4;
 int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
 
-// +1 for a micro-batch that starts being held, -1 for one that is released, 0 otherwise
-// (PeakInFlight's definition).
+// +1 for a (micro-batch, chunk) pair that starts being held, -1 for one that is released,
+// 0 otherwise (PeakInFlight's definition).
 int InFlightDelta(ActionKind kind) {
   switch (kind) {
     case ActionKind::kForward:
@@ -283,6 +637,71 @@ std::string Prefix(const Schedule& schedule) {
 
 absl::Status StageError(const Schedule& schedule, int stage, const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat(Prefix(schedule), "stage ", stage, ": ", message));
+}
+
+// The checker's view of a schedule whose shape (counts, layout) passed: the layout and its
+// inverse, looked up once; actions named with their chunk when there are several.
+class Checked {
+ public:
+  explicit Checked(const Schedule& schedule)
+      : schedule_(schedule),
+        layout_(VirtualStages(schedule)),
+        virtual_of_(schedule.num_stages, std::vector<int>(schedule.num_chunks, -1)) {
+    for (int k = 0; k < static_cast<int>(layout_.size()); ++k) {
+      virtual_of_[layout_[k].stage][layout_[k].chunk] = k;
+    }
+  }
+
+  const Schedule& schedule() const { return schedule_; }
+  int num_pairs() const { return schedule_.num_chunks * schedule_.num_microbatches; }
+  // Index of (chunk, micro-batch) in the tables.
+  int Pair(const Action& action) const {
+    return action.chunk * schedule_.num_microbatches + action.microbatch;
+  }
+  std::string Name(const Action& action) const {
+    return action.ToString(schedule_.num_chunks > 1);
+  }
+  std::vector<StageAction> Deps(int stage, const Action& action) const {
+    return DependenciesOn([this](int k) { return layout_[k]; }, static_cast<int>(layout_.size()),
+                          virtual_of_[stage][action.chunk], stage, action);
+  }
+
+ private:
+  const Schedule& schedule_;
+  std::vector<ChunkId> layout_;
+  std::vector<std::vector<int>> virtual_of_;  // [stage][chunk] -> k
+};
+
+// virtual_stages: empty (v = 1 only) or every (stage, chunk) pair exactly once.
+absl::Status ValidateLayout(const Schedule& schedule) {
+  const int p = schedule.num_stages;
+  const int v = schedule.num_chunks;
+  if (schedule.virtual_stages.empty()) {
+    if (v == 1) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        Prefix(schedule), "has ", v, " chunks per stage but no virtual_stages (model order)"));
+  }
+  if (static_cast<int>(schedule.virtual_stages.size()) != p * v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Prefix(schedule), "has ", schedule.virtual_stages.size(),
+                     " virtual stages for ", p, " stages × ", v, " chunks"));
+  }
+  std::vector<std::vector<int>> seen(p, std::vector<int>(v, -1));
+  for (int k = 0; k < p * v; ++k) {
+    const ChunkId& id = schedule.virtual_stages[k];
+    if (id.stage < 0 || id.stage >= p || id.chunk < 0 || id.chunk >= v) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%svirtual stage %d is stage %d chunk %d, outside stages 0..%d, chunks 0..%d",
+          Prefix(schedule), k, id.stage, id.chunk, p - 1, v - 1));
+    }
+    if (seen[id.stage][id.chunk] >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%svirtual stages %d and %d are both stage %d chunk %d", Prefix(schedule),
+                          seen[id.stage][id.chunk], k, id.stage, id.chunk));
+    }
+    seen[id.stage][id.chunk] = k;
+  }
+  return absl::OkStatus();
 }
 
 // Which backward form the schedule uses, fixed by its first backward action in stage
@@ -306,31 +725,38 @@ BackwardForm FindBackwardForm(const Schedule& schedule) {
 
 // Everything that can be checked on one stage's list alone: range, form, completeness,
 // order within the stage and the in-flight limit.
-absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardForm& form) {
+absl::Status ValidateStage(const Checked& checked, int stage, const BackwardForm& form) {
+  const Schedule& schedule = checked.schedule();
   const int m = schedule.num_microbatches;
+  const int v = schedule.num_chunks;
   const std::vector<Action>& actions = schedule.stages[stage];
-  // seen[kind][mb]: how often the action occurs; filled first so that a missing action is
+  // seen[kind][pair]: how often the action occurs; filled first so that a missing action is
   // reported as missing rather than as "out of order".
-  std::vector<std::vector<int>> seen(kNumActionKinds, std::vector<int>(m, 0));
+  std::vector<std::vector<int>> seen(kNumActionKinds, std::vector<int>(checked.num_pairs(), 0));
   for (const Action& action : actions) {
     if (action.microbatch < 0 || action.microbatch >= m) {
       return StageError(schedule, stage,
-                        absl::StrCat(action.ToString(), " names micro-batch ", action.microbatch,
-                                     ", outside 0..", m - 1));
+                        absl::StrCat(checked.Name(action), " names micro-batch ",
+                                     action.microbatch, ", outside 0..", m - 1));
+    }
+    if (action.chunk < 0 || action.chunk >= v) {
+      return StageError(schedule, stage,
+                        absl::StrCat(checked.Name(action), " names chunk ", action.chunk,
+                                     ", outside 0..", v - 1, " (", v, " chunks per stage)"));
     }
     if (action.kind != ActionKind::kForward) {
       const bool split = action.kind != ActionKind::kBackward;
       if (split != form.split) {
         return StageError(
             schedule, stage,
-            absl::StrCat(action.ToString(), " mixes ", split ? "split B/W" : "fused BW",
+            absl::StrCat(checked.Name(action), " mixes ", split ? "split B/W" : "fused BW",
                          " backward into a schedule whose backward is ",
                          form.split ? "split into B and W" : "fused BW", " (stage ", form.stage,
-                         ": ", form.first.ToString(), ")"));
+                         ": ", checked.Name(form.first), ")"));
       }
     }
-    if (++seen[KindIndex(action.kind)][action.microbatch] == 2) {
-      return StageError(schedule, stage, absl::StrCat(action.ToString(), " appears twice"));
+    if (++seen[KindIndex(action.kind)][checked.Pair(action)] == 2) {
+      return StageError(schedule, stage, absl::StrCat(checked.Name(action), " appears twice"));
     }
   }
   std::vector<ActionKind> required = {ActionKind::kForward};
@@ -341,31 +767,37 @@ absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardFo
     required.push_back(ActionKind::kBackward);
   }
   for (ActionKind kind : required) {
-    for (int mb = 0; mb < m; ++mb) {
-      if (seen[KindIndex(kind)][mb] == 0) {
-        return StageError(schedule, stage,
-                          absl::StrCat(Action{kind, mb}.ToString(), " is missing"));
+    for (int chunk = 0; chunk < v; ++chunk) {
+      for (int mb = 0; mb < m; ++mb) {
+        const Action action{kind, mb, chunk};
+        if (seen[KindIndex(kind)][checked.Pair(action)] == 0) {
+          return StageError(schedule, stage, absl::StrCat(checked.Name(action), " is missing"));
+        }
       }
     }
   }
 
-  // Order within the stage, and the micro-batches held.
-  std::vector<std::vector<bool>> done(kNumActionKinds, std::vector<bool>(m, false));
+  // Order within the stage, and the pairs held.
+  std::vector<std::vector<bool>> done(kNumActionKinds,
+                                      std::vector<bool>(checked.num_pairs(), false));
   int held = 0;
   for (const Action& action : actions) {
-    for (const StageAction& dep : Dependencies(schedule.num_stages, stage, action)) {
-      if (dep.stage == stage && !done[KindIndex(dep.action.kind)][dep.action.microbatch]) {
+    for (const StageAction& dep : checked.Deps(stage, action)) {
+      if (dep.stage == stage && !done[KindIndex(dep.action.kind)][checked.Pair(dep.action)]) {
         return StageError(schedule, stage,
-                          absl::StrCat(action.ToString(), " before its ", dep.action.ToString()));
+                          absl::StrCat(checked.Name(action), " before its ",
+                                       checked.Name(dep.action)));
       }
     }
-    done[KindIndex(action.kind)][action.microbatch] = true;
+    done[KindIndex(action.kind)][checked.Pair(action)] = true;
     held += InFlightDelta(action.kind);
     if (held > schedule.max_in_flight) {
       return StageError(schedule, stage,
-                        absl::StrFormat("%s holds %d micro-batches in flight, above the "
+                        absl::StrFormat("%s holds %d %s in flight, above the "
                                         "schedule's limit of %d",
-                                        action.ToString(), held, schedule.max_in_flight));
+                                        checked.Name(action), held,
+                                        v > 1 ? "chunk micro-batches" : "micro-batches",
+                                        schedule.max_in_flight));
     }
   }
   return absl::OkStatus();
@@ -374,14 +806,15 @@ absl::Status ValidateStage(const Schedule& schedule, int stage, const BackwardFo
 // Runs every stage's list strictly in order, an action only once its dependencies on other
 // stages finished, until nothing can move; durations do not matter for whether this
 // terminates. Reports every stage that is stuck, with what it waits for.
-absl::Status CheckRunsToCompletion(const Schedule& schedule) {
+absl::Status CheckRunsToCompletion(const Checked& checked) {
+  const Schedule& schedule = checked.schedule();
   const int p = schedule.num_stages;
-  const int m = schedule.num_microbatches;
-  // finished[stage][kind][mb]
+  // finished[stage][kind][pair]
   std::vector<std::vector<std::vector<bool>>> finished(
-      p, std::vector<std::vector<bool>>(kNumActionKinds, std::vector<bool>(m, false)));
+      p, std::vector<std::vector<bool>>(kNumActionKinds,
+                                        std::vector<bool>(checked.num_pairs(), false)));
   auto is_finished = [&](const StageAction& node) {
-    return finished[node.stage][KindIndex(node.action.kind)][node.action.microbatch];
+    return finished[node.stage][KindIndex(node.action.kind)][checked.Pair(node.action)];
   };
   std::vector<size_t> next(p, 0);
   for (bool moved = true; moved;) {
@@ -390,9 +823,9 @@ absl::Status CheckRunsToCompletion(const Schedule& schedule) {
       const std::vector<Action>& actions = schedule.stages[s];
       while (next[s] < actions.size()) {
         const Action& action = actions[next[s]];
-        const std::vector<StageAction> deps = Dependencies(p, s, action);
+        const std::vector<StageAction> deps = checked.Deps(s, action);
         if (!std::all_of(deps.begin(), deps.end(), is_finished)) break;
-        finished[s][KindIndex(action.kind)][action.microbatch] = true;
+        finished[s][KindIndex(action.kind)][checked.Pair(action)] = true;
         ++next[s];
         moved = true;
       }
@@ -402,10 +835,11 @@ absl::Status CheckRunsToCompletion(const Schedule& schedule) {
   for (int s = 0; s < p; ++s) {
     if (next[s] == schedule.stages[s].size()) continue;
     const Action& action = schedule.stages[s][next[s]];
-    for (const StageAction& dep : Dependencies(p, s, action)) {
+    for (const StageAction& dep : checked.Deps(s, action)) {
       if (is_finished(dep)) continue;
-      stuck.push_back(absl::StrCat("stage ", s, " is stuck at ", action.ToString(), " waiting for ",
-                                   dep.action.ToString(), " on stage ", dep.stage));
+      stuck.push_back(absl::StrCat("stage ", s, " is stuck at ", checked.Name(action),
+                                   " waiting for ", checked.Name(dep.action), " on stage ",
+                                   dep.stage));
       break;
     }
   }
@@ -423,16 +857,22 @@ absl::Status ValidateSchedule(const Schedule& schedule) {
                      ", num_microbatches=", schedule.num_microbatches,
                      ", max_in_flight=", schedule.max_in_flight, "; each must be ≥ 1"));
   }
+  if (schedule.num_chunks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Prefix(schedule), "num_chunks=", schedule.num_chunks, "; it must be ≥ 1"));
+  }
   if (static_cast<int>(schedule.stages.size()) != schedule.num_stages) {
     return absl::InvalidArgumentError(
         absl::StrCat(Prefix(schedule), "has ", schedule.stages.size(),
                      " stage lists for num_stages=", schedule.num_stages));
   }
+  if (absl::Status status = ValidateLayout(schedule); !status.ok()) return status;
+  const Checked checked(schedule);
   const BackwardForm form = FindBackwardForm(schedule);
   for (int s = 0; s < schedule.num_stages; ++s) {
-    if (absl::Status status = ValidateStage(schedule, s, form); !status.ok()) return status;
+    if (absl::Status status = ValidateStage(checked, s, form); !status.ok()) return status;
   }
-  return CheckRunsToCompletion(schedule);
+  return CheckRunsToCompletion(checked);
 }
 
 int PeakInFlight(const Schedule& schedule, int stage) {
@@ -446,15 +886,30 @@ int PeakInFlight(const Schedule& schedule, int stage) {
 }
 
 std::string FormatSchedule(const Schedule& schedule) {
-  std::string out =
-      absl::StrFormat("%s: %d stages, %d micro-batches, at most %d in flight", schedule.name,
-                      schedule.num_stages, schedule.num_microbatches, schedule.max_in_flight);
+  const bool chunks = schedule.num_chunks > 1;
+  std::string out;
+  if (!chunks) {
+    out = absl::StrFormat("%s: %d stages, %d micro-batches, at most %d in flight", schedule.name,
+                          schedule.num_stages, schedule.num_microbatches,
+                          schedule.max_in_flight);
+  } else {
+    out = absl::StrFormat("%s: %d stages, %d micro-batches, %d chunks per stage, at most %d in "
+                          "flight",
+                          schedule.name, schedule.num_stages, schedule.num_microbatches,
+                          schedule.num_chunks, schedule.max_in_flight);
+    absl::StrAppend(&out, "\nvirtual stages:");
+    for (const ChunkId& id : schedule.virtual_stages) {
+      absl::StrAppend(&out, " ", id.stage, ".", id.chunk);
+    }
+  }
   // Pad the stage numbers so that the lists of a deep pipeline line up.
   const size_t last_stage = schedule.stages.empty() ? 0 : schedule.stages.size() - 1;
   const int width = static_cast<int>(std::to_string(last_stage).size());
   for (size_t s = 0; s < schedule.stages.size(); ++s) {
     absl::StrAppendFormat(&out, "\nstage %*d:", width, s);
-    for (const Action& action : schedule.stages[s]) absl::StrAppend(&out, " ", action.ToString());
+    for (const Action& action : schedule.stages[s]) {
+      absl::StrAppend(&out, " ", action.ToString(chunks));
+    }
   }
   return out;
 }

@@ -1,14 +1,18 @@
 // Pipeline schedules as data. A schedule says, for every pipeline stage, the ordered list
 // of compute actions that stage runs in one iteration: F (forward of one micro-batch),
-// B (its input gradient), W (its weight gradient), or BW (B and W fused, as in 1F1B).
-// Generators build 1F1B and the zero-bubble schedules ZB-H1 and ZB-H2 (Qi et al., "Zero
-// Bubble Pipeline Parallelism", ICLR 2024, §2); MakeSchedule finds them by their
-// --pipeline_schedule name; ValidateSchedule checks any schedule — hand-written ones
-// included — before an executor runs it.
+// B (its input gradient), W (its weight gradient), or BW (B and W fused, as in 1F1B),
+// each for one of the stage's model chunks. With v chunks per stage the model is cut into
+// p·v contiguous virtual stages, each held by one (stage, chunk) (Schedule::virtual_stages).
+// Generators build 1F1B, interleaved 1F1B (v > 1), the zero-bubble schedules ZB-H1 and
+// ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2) and ZB-V (two
+// chunks in a V); MakeSchedule finds them by their --pipeline_schedule name;
+// ValidateSchedule checks any schedule — hand-written ones included — before an executor
+// runs it.
 //
 // Point-to-point transfers are not listed: they follow from the dependencies (NOTE
-// [pipeline dependencies]). A stage sends its F output to the next stage and its B/BW
-// input gradient to the previous one, and receives what its own F and B/BW wait for.
+// [pipeline dependencies]). A chunk sends its F output to the next virtual stage and its
+// B/BW input gradient to the previous one, and receives what its own F and B/BW wait for;
+// between two chunks of one stage nothing is sent.
 //
 // Everything here is a pure function of its arguments and safe to call from any thread.
 #pragma once
@@ -40,12 +44,15 @@ const char* ActionKindName(ActionKind kind);
 struct Action {
   ActionKind kind = ActionKind::kForward;
   int microbatch = 0;
+  int chunk = 0;  ///< Which of this stage's model chunks the action runs (0 when v = 1).
 
-  /// "F3", "BW3", "B3", "W3".
-  std::string ToString() const;
+  /// "F3", "BW3", "B3", "W3" for chunk 0; "F3.1" for micro-batch 3 of chunk 1. A chunk
+  /// other than 0 is always shown; `with_chunk` shows chunk 0 too ("F3.0"), which schedules
+  /// with several chunks use so that every action names its chunk.
+  std::string ToString(bool with_chunk = false) const;
 
   friend bool operator==(const Action& a, const Action& b) {
-    return a.kind == b.kind && a.microbatch == b.microbatch;
+    return a.kind == b.kind && a.microbatch == b.microbatch && a.chunk == b.chunk;
   }
   friend bool operator!=(const Action& a, const Action& b) { return !(a == b); }
 };
@@ -53,16 +60,50 @@ struct Action {
 /// Prints Action::ToString() (for test failure messages).
 std::ostream& operator<<(std::ostream& out, const Action& action);
 
+/// One model chunk: chunk `chunk` (0..v-1) of pipeline stage (= pp rank) `stage`.
+struct ChunkId {
+  int stage = 0;
+  int chunk = 0;
+
+  friend bool operator==(const ChunkId& a, const ChunkId& b) {
+    return a.stage == b.stage && a.chunk == b.chunk;
+  }
+  friend bool operator!=(const ChunkId& a, const ChunkId& b) { return !(a == b); }
+};
+
 /// The per-stage action lists of one training iteration.
 struct Schedule {
-  std::string name;          ///< Registry name: "1f1b", "zbh1", "zbh2"; free-form otherwise.
-  int num_stages = 0;        ///< Pipeline stages p; stages.size() must equal it.
+  std::string name;          ///< Registry name: "1f1b", "zbh1", "zbh2", "zbv"; free-form otherwise.
+  int num_stages = 0;        ///< Pipeline stages p (ranks); stages.size() must equal it.
   int num_microbatches = 0;  ///< Micro-batches m per iteration, numbered 0..m-1.
-  /// The schedule's activation-memory limit: the most micro-batches a stage may hold
-  /// (see PeakInFlight). ValidateSchedule enforces it.
+  /// The schedule's activation-memory limit, in chunk micro-batches: a (micro-batch, chunk)
+  /// pair is held from its F to its BW or W, and a stage holds at most this many pairs
+  /// (see PeakInFlight; with v chunks each pair is ~1/v of a one-chunk stage's
+  /// activations). ValidateSchedule enforces it.
   int max_in_flight = 0;
+  int num_chunks = 1;  ///< Model chunks v per stage, numbered 0..v-1.
+  /// The p·v virtual stages in model order: virtual_stages[k] is the chunk that holds the
+  /// k-th contiguous piece of the model (k = 0 has the embedding, k = p·v-1 the head).
+  /// Empty means v = 1 and virtual stage k is stage k, chunk 0.
+  std::vector<ChunkId> virtual_stages;
   std::vector<std::vector<Action>> stages;  ///< stages[s]: what stage s runs, in order.
 };
+
+/// virtual_stages, or the identity (k -> stage k, chunk 0) when it is empty: always
+/// num_stages·num_chunks entries for a valid schedule.
+std::vector<ChunkId> VirtualStages(const Schedule& schedule);
+
+/// The model-order index of (stage, chunk); -1 when the schedule has no such chunk.
+int VirtualStageOf(const Schedule& schedule, int stage, int chunk);
+
+/// Megatron's interleaved layout (Narayanan et al. 2021 §2.2): the model is cut into p·v
+/// pieces dealt round-robin, virtual stage k on stage k % p as its chunk k / p.
+std::vector<ChunkId> InterleavedChunks(int num_stages, int num_chunks);
+
+/// ZB-V's layout (v = 2; Qi et al., "Pipeline Parallelism with Controllable Memory"):
+/// virtual k < p is (k, 0), k ≥ p is (2p-1-k, 1). Stage 0 holds the first and the last
+/// piece (embedding and head); the turn p-1 -> p stays on stage p-1, so it costs no transfer.
+std::vector<ChunkId> VShapeChunks(int num_stages);
 
 /// An action on a given stage: a node of the schedule's dependency graph.
 struct StageAction {
@@ -71,36 +112,50 @@ struct StageAction {
 };
 
 // NOTE [pipeline dependencies]
-// Stage s holds layers after those of stage s-1. An action may start once these finished:
-//   F(mb) on s > 0:    F(mb) on s-1            (its input activation)
-//   B(mb)/BW(mb):      F(mb) on s              (its stored activations), and
-//                      the same kind on s+1    (its output gradient), if s < p-1
-//   W(mb):             B(mb) on s              (B queued W's GEMMs; their inputs are
+// The model is cut into p·v contiguous pieces, the virtual stages k = 0..p·v-1 in model
+// order; virtual stage k runs on the chunk VirtualStages(schedule)[k] (with v = 1 virtual
+// stage k is stage k). An action of chunk c on stage s belongs to k = VirtualStageOf(s, c)
+// and may start once these finished:
+//   F(mb) of k > 0:    F(mb) of k-1            (its input activation)
+//   B(mb)/BW(mb) of k: F(mb) of k              (its stored activations), and
+//                      the same kind of k+1    (its output gradient), if k < p·v-1
+//   W(mb) of k:        B(mb) of k              (B queued W's GEMMs; their inputs are
 //                                               the stored activations of F(mb))
+// k-1 and k+1 may live on the same stage (ZB-V's turn at the bottom of the V): the
+// dependency then orders two actions of one list and costs no transfer.
 // B and BW never meet in one schedule (ValidateSchedule rejects the mix), so "the same
-// kind on s+1" is always the action that produced the gradient. Dependencies() is the one
+// kind of k+1" is always the action that produced the gradient. Dependencies() is the one
 // implementation; the checker, the simulator and the executor all follow it.
 
-/// The actions that must finish before `action` may start on `stage` of a
-/// `num_stages`-stage pipeline (NOTE [pipeline dependencies]); at most two.
-std::vector<StageAction> Dependencies(int num_stages, int stage, const Action& action);
+/// The actions that must finish before `action` (whose .chunk names the chunk) may start on
+/// `stage` of `schedule` (NOTE [pipeline dependencies]); at most two. Each names the stage
+/// that runs it and, in its action's .chunk, the chunk. Throws std::out_of_range when the
+/// schedule has no chunk `action.chunk` on `stage`.
+std::vector<StageAction> Dependencies(const Schedule& schedule, int stage, const Action& action);
 
 /// True when the schedule splits backward into B and W (it has a B or W action); false
 /// for fused BW schedules. The executor keeps a weight-gradient store only when true.
 bool UsesSplitBackward(const Schedule& schedule);
 
-// Generators. Each takes p = num_stages ≥ 1 and m = num_microbatches ≥ 1 (any m; the
-// bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and throws
-// std::invalid_argument otherwise — MakeSchedule checks both first and returns a Status.
-// All three share one shape (schedule.cc says why): stage s runs warmup(s) forwards, then
-// for j = 0..m-1 the backward of micro-batch j, the W that lags it by lag(s) micro-batches,
-// and the next forward; the W's still owed close the list. Stage s therefore holds at
-// most warmup(s) + lag(s) micro-batches.
+// Generators. Each takes p = num_stages ≥ 1, m = num_microbatches ≥ 1 (any m; the
+// bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and
+// v = num_chunks, the model chunks per stage, and throws std::invalid_argument otherwise,
+// naming the schedule and what it cannot do — MakeSchedule checks p and m first and
+// returns a Status. ZB-H1 and ZB-H2 run one chunk (v = 1) only. The one-chunk schedules
+// 1F1B, ZB-H1 and ZB-H2 share one shape
+// (schedule.cc says why): stage s runs warmup(s) forwards, then for j = 0..m-1 the
+// backward of micro-batch j, the W that lags it by lag(s) micro-batches, and the next
+// forward; the W's still owed close the list. Stage s therefore holds at most
+// warmup(s) + lag(s) micro-batches.
 
 /// 1F1B (PipeDream-Flush; Narayanan et al., SC'21 §2.2.1): stage s runs min(p-s-1, m)
 /// warm-up forwards, then alternates F and fused BW. Holds ≤ p-s micro-batches
 /// (max_in_flight = p). Bubble per stage (p-1)(T_F + T_B + T_W).
-Schedule OneFOneB(int num_stages, int num_microbatches);
+/// With num_chunks = v > 1: interleaved 1F1B (§2.2) in Megatron-LM's order (NOTE
+/// [interleaved 1F1B] in schedule.cc) on InterleavedChunks(p, v); m must be a multiple of
+/// p (Megatron's rule). Holds ≤ min(m·v, (v+1)p - 1) chunk micro-batches; bubble per
+/// stage (p-1)(T_F + T_B + T_W)/v with T the whole stage's costs.
+Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks = 1);
 
 /// ZB-H1 (Qi et al. 2024, §2.1): 1F1B's order of F and B, with W split off and run on
 /// stage s right after the B that is s micro-batches later; the s W's still owed end the
@@ -109,7 +164,7 @@ Schedule OneFOneB(int num_stages, int num_microbatches);
 /// whenever T_W ≤ min(T_F, T_B). The other two terms bind every schedule that holds ≤ p:
 /// the last stage waits (p-1)T_F for its first input, and stage 0, full after p forwards,
 /// waits (p-1)T_B for the first gradient.
-Schedule ZeroBubbleH1(int num_stages, int num_microbatches);
+Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks = 1);
 
 /// ZB-H2 (Qi et al. 2024, §2.2): stage s runs 2(p-s)-1 warm-up forwards so the first
 /// backward finds it busy, then B, the W that lags it by 2s micro-batches, and F; the 2s
@@ -129,18 +184,31 @@ Schedule ZeroBubbleH1(int num_stages, int num_microbatches);
 /// never slower than ZB-H1 in the simulator for p ≤ 8, m ≤ 24 and the tested cost mixes:
 /// as fast when F=B=W without transfer time, faster for some other costs (p=4, m=5, F=1,
 /// B=2, W=1: 25 against 26). Stages still hold min(2p-1, m) micro-batches.
-Schedule ZeroBubbleH2(int num_stages, int num_microbatches);
+Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks = 1);
 
-/// Builds a schedule from (num_stages, num_microbatches); registered by name.
-using ScheduleGenerator = std::function<Schedule(int num_stages, int num_microbatches)>;
+/// ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; the zero-bubble
+/// authors' V schedule): two chunks per stage laid out as a V (VShapeChunks), B/W split,
+/// at most 2p chunk micro-batches per stage — 1F1B's p full ones. The order comes from a
+/// greedy list scheduler at unit costs (NOTE [ZB-V] in schedule.cc): B's first, then the
+/// forward up the V, then the one down it while the stage has room, W's in the gaps. At
+/// unit chunk costs its makespan is the lower bound 6m + p - 1 for p ∈ {2, 4, 8},
+/// m ∈ {p, 2p, 4p} (tests). num_chunks must be 2, or 1 for "not set" (the V sets its own).
+Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
+
+/// Builds a schedule from (num_stages, num_microbatches, num_chunks); registered by name.
+using ScheduleGenerator =
+    std::function<Schedule(int num_stages, int num_microbatches, int num_chunks)>;
 using ScheduleRegistry = Registry<ScheduleGenerator>;
 
 /// The schedule registered as `name` (--pipeline_schedule) for `num_stages`
 /// (--pipeline_model_parallel_size) and `num_microbatches` (the micro-batch count
-/// --global_batch_size / (--micro_batch_size × data-parallel size)). InvalidArgument
-/// naming the flag for a count below 1, NotFound listing the schedules for an unknown name.
+/// --global_batch_size / (--micro_batch_size × data-parallel size)) with `num_chunks`
+/// model chunks per stage (--virtual_pipeline_model_parallel_size; 1 = no virtual
+/// stages). InvalidArgument naming the flag for a count below 1 or a chunk count the
+/// schedule cannot run (the generator's reason), NotFound listing the schedules for an
+/// unknown name.
 absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
-                                      int num_microbatches);
+                                      int num_microbatches, int num_chunks = 1);
 
 /// "1f1b, zbh1, zbh2" (for error messages).
 std::string ScheduleNames();
@@ -148,17 +216,21 @@ std::string ScheduleNames();
 /// One line per schedule, "  name  help", for --help.
 std::string ScheduleHelp();
 
-/// Checks everything an executor relies on: the shape (num_stages lists, counts ≥ 1);
-/// then stage by stage: micro-batch numbers in range, fused BW and split B/W not mixed,
-/// every micro-batch exactly once per action kind, B/BW after its own F and W after its
-/// own B, at most max_in_flight micro-batches held; and last, that running every stage's
-/// list strictly in order, each action waiting for its dependencies on other stages,
-/// finishes (no deadlock). InvalidArgument naming the stage and the action otherwise,
-/// e.g. "schedule 'zbh1': stage 2: B5 before its F5".
+/// Checks everything an executor relies on: the shape (num_stages lists, counts ≥ 1,
+/// virtual_stages empty with v = 1 or a permutation of all p·v (stage, chunk) pairs);
+/// then stage by stage: micro-batch and chunk numbers in range, fused BW and split B/W not
+/// mixed, every (micro-batch, chunk) pair exactly once per action kind, each action after
+/// its dependencies on the same stage (B/BW after its own F, W after its own B, and with a
+/// V the F/B that turns on this stage after its partner), at most max_in_flight pairs
+/// held; and last, that running every stage's list strictly in order, each action waiting
+/// for its dependencies on other stages, finishes (no deadlock). InvalidArgument naming
+/// the stage and the action otherwise, e.g. "schedule 'zbh1': stage 2: B5 before its F5"
+/// (with v > 1 actions name their chunk: "B5.1").
 absl::Status ValidateSchedule(const Schedule& schedule);
 
-/// The most micro-batches `stage` holds at once: a micro-batch is held from its F until
-/// its BW, or until its W in split schedules (W still reads the stored activations).
+/// The most (micro-batch, chunk) pairs `stage` holds at once: a pair is held from its F
+/// until its BW, or until its W in split schedules (W still reads the stored activations).
+/// With v = 1 this is the micro-batches held.
 /// Precondition: 0 ≤ stage < schedule.stages.size() (std::out_of_range otherwise).
 int PeakInFlight(const Schedule& schedule, int stage);
 
@@ -166,6 +238,11 @@ int PeakInFlight(const Schedule& schedule, int stage);
 ///   1f1b: 2 stages, 3 micro-batches, at most 2 in flight
 ///   stage 0: F0 F1 BW0 F2 BW1 BW2
 ///   stage 1: F0 BW0 F1 BW1 F2 BW2
+/// With v > 1 the header names the chunks, a line gives the virtual stages in model order
+/// as stage.chunk, and every action names its chunk:
+///   1f1b: 2 stages, 2 micro-batches, 2 chunks per stage, at most 4 in flight
+///   virtual stages: 0.0 1.0 0.1 1.1
+///   stage 0: F0.0 F1.0 F0.1 ...
 std::string FormatSchedule(const Schedule& schedule);
 
 }  // namespace fulcrum::pipeline

@@ -67,13 +67,24 @@ struct SimulationResult {
   }
 };
 
-/// Simulates `schedule` with the same costs on every stage. Throws std::invalid_argument
+/// `stage` split into `num_chunks` equal chunks: F, B and W divided by num_chunks, p2p
+/// unchanged (a chunk sends the same activation). Throws std::invalid_argument for
+/// num_chunks < 1.
+ActionCosts ChunkCosts(const ActionCosts& stage, int num_chunks);
+
+/// Simulates `schedule` with the same costs on every stage (with v > 1: for one action of
+/// every chunk — a chunk of a v-chunk schedule of the same model costs 1/v of a stage's
+/// action; see ChunkCosts). Throws std::invalid_argument
 /// when ValidateSchedule rejects the schedule or a cost is negative or not finite.
 SimulationResult Simulate(const Schedule& schedule, const ActionCosts& costs);
 
-/// Simulates `schedule` with costs per stage (stage_costs[s] for stage s; a transfer costs
-/// the sending stage's p2p), e.g. measured ones of unequal stages. Throws
-/// std::invalid_argument as above, or when stage_costs.size() != num_stages.
+/// Simulates `schedule` with costs per stage or per virtual stage, e.g. measured ones of
+/// unequal stages. With p = num_stages entries, stage_costs[s] is what one action of any
+/// chunk of stage s costs (with v = 1: of stage s). With v > 1 and p·v entries,
+/// stage_costs[k] is virtual stage k's (model order, VirtualStages): a chunk's F/B/W
+/// cost follows its own layer range. A transfer costs the sending chunk's p2p; a
+/// dependency between two chunks of one stage (ZB-V's turn) costs none. Throws
+/// std::invalid_argument as above, or for any other number of entries.
 SimulationResult Simulate(const Schedule& schedule, const std::vector<ActionCosts>& stage_costs);
 
 }  // namespace fulcrum::pipeline

@@ -107,7 +107,7 @@ TEST(SimulateTest, TimelinesRespectOrderAndDependencies) {
         if (i > 0) {
           EXPECT_GE(timed.start, timeline.actions[i - 1].end - kTolerance);
         }
-        for (const StageAction& dep : Dependencies(schedule.num_stages, s, timed.action)) {
+        for (const StageAction& dep : Dependencies(schedule, s, timed.action)) {
           const auto& other = result.stages[dep.stage].actions;
           auto it = std::find_if(other.begin(), other.end(),
                                  [&](const TimedAction& t) { return t.action == dep.action; });

@@ -240,18 +240,18 @@ TEST(ScheduleTest, FormatScheduleGolden) {
 }
 
 TEST(RegistryTest, NamesAndHelp) {
-  EXPECT_EQ(ScheduleNames(), "1f1b, zbh1, zbh2");
+  EXPECT_EQ(ScheduleNames(), "1f1b, zbh1, zbh2, zbv");
   const std::string help = ScheduleHelp();
   for (const char* name : {"1f1b", "zbh1", "zbh2"}) EXPECT_THAT(help, HasSubstr(name));
   EXPECT_THAT(help, HasSubstr("Qi et al. 2024"));
-  EXPECT_EQ(std::count(help.begin(), help.end(), '\n'), 3);
+  EXPECT_EQ(std::count(help.begin(), help.end(), '\n'), 4);
 }
 
 TEST(RegistryTest, MakeScheduleErrorsNameTheFlag) {
   absl::StatusOr<Schedule> unknown = MakeSchedule("gpipe", 4, 8);
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(unknown.status().message(), HasSubstr("--pipeline_schedule=gpipe"));
-  EXPECT_THAT(unknown.status().message(), HasSubstr("1f1b, zbh1, zbh2"));
+  EXPECT_THAT(unknown.status().message(), HasSubstr("1f1b, zbh1, zbh2, zbv"));
 
   absl::StatusOr<Schedule> no_stages = MakeSchedule("zbh1", 0, 8);
   EXPECT_EQ(no_stages.status().code(), absl::StatusCode::kInvalidArgument);

@@ -215,10 +215,10 @@ class StageExecutor {
   struct RunContext;
   struct LayerInterval;
 
-  absl::Status Forward(RunContext& run, int mb, ActionTiming& timing);
-  absl::Status Backward(RunContext& run, int mb, bool split, bool last_action,
+  absl::Status Forward(RunContext& run, int mb, int chunk, ActionTiming& timing);
+  absl::Status Backward(RunContext& run, int mb, int chunk, bool split, bool last_action,
                         ActionTiming& timing);
-  absl::Status Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing);
+  absl::Status Weight(RunContext& run, int mb, int chunk, bool last_action, ActionTiming& timing);
   // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
   // last micro-batch's deferred weight gradients, of which each layer's run first.
   absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, ActionTiming& timing);

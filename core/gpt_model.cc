@@ -17,6 +17,34 @@ StageSpec EvenStage(int64_t num_layers, int stages, int stage) {
   return spec;
 }
 
+StageSpec StageOfChunks(const std::vector<std::pair<int64_t, int64_t>>& virtual_ranges,
+                        const std::vector<std::pair<int, int>>& owners, int stage) {
+  TORCH_CHECK(!virtual_ranges.empty() && virtual_ranges.size() == owners.size(),
+              virtual_ranges.size(), " layer ranges for ", owners.size(), " virtual stages");
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (size_t k = 0; k < owners.size(); ++k) {
+    if (owners[k].first != stage) continue;
+    const int chunk = owners[k].second;
+    TORCH_CHECK(chunk >= 0 && chunk < static_cast<int>(owners.size()), "virtual stage ", k,
+                " is chunk ", chunk);
+    if (static_cast<int>(chunks.size()) <= chunk) chunks.resize(chunk + 1, {-1, -1});
+    chunks[chunk] = virtual_ranges[k];
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    TORCH_CHECK(chunks[c].first >= 0, "stage ", stage, " holds no chunk ", c);
+  }
+  StageSpec spec;
+  spec.has_embedding = owners.front().first == stage;
+  spec.has_head = owners.back().first == stage;
+  if (chunks.size() == 1) {
+    spec.layer_begin = chunks[0].first;
+    spec.layer_end = chunks[0].second;
+  } else {
+    spec.chunk_ranges = std::move(chunks);
+  }
+  return spec;
+}
+
 GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
                    FeedForwardFactory feed_forward)
     : GptModel(options, stage, tp,

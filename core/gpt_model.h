@@ -61,6 +61,14 @@ struct StageSpec {
 /// the head on the last.
 StageSpec EvenStage(int64_t num_layers, int stages, int stage);
 
+/// NOTE [model chunks]: what `stage` holds when the model is cut into the virtual stages
+/// `virtual_ranges` (one layer range per virtual stage, in model order) and virtual stage k
+/// is chunk owners[k].second of stage owners[k].first: its chunks' ranges in chunk order,
+/// the embedding with virtual stage 0, the head with the last. One chunk gives the plain
+/// single-range spec.
+StageSpec StageOfChunks(const std::vector<std::pair<int64_t, int64_t>>& virtual_ranges,
+                        const std::vector<std::pair<int, int>>& owners, int stage);
+
 /// Loss of one micro-batch: the sum of token cross-entropies (an autograd scalar) and the
 /// number of tokens it covers. The trainer divides by the global batch's token count.
 struct LossSum {

@@ -79,6 +79,25 @@ double TrainableParameters(const Unit& unit) {
 
 }  // namespace
 
+std::vector<std::pair<int, int>> VirtualOwners(const Schedule& schedule) {
+  std::vector<std::pair<int, int>> owners;
+  for (const ChunkId& id : VirtualStages(schedule)) owners.emplace_back(id.stage, id.chunk);
+  return owners;
+}
+
+LayerRanges EvenVirtualRanges(int64_t num_layers, int virtual_stages) {
+  LayerRanges ranges;
+  for (int k = 0; k < virtual_stages; ++k) {
+    const StageSpec spec = EvenStage(num_layers, virtual_stages, k);
+    ranges.emplace_back(spec.layer_begin, spec.layer_end);
+  }
+  return ranges;
+}
+
+StageSpec ChunkedStage(const Schedule& schedule, const LayerRanges& ranges, int stage) {
+  return StageOfChunks(ranges, VirtualOwners(schedule), stage);
+}
+
 PipelineRunner::PipelineRunner(parallel::Communicator* pp, std::string schedule_name,
                                int64_t micro_batch_size, std::unique_ptr<Rebalancer> rebalancer,
                                std::vector<parallel::Communicator*> replica_groups)

@@ -47,6 +47,15 @@
 
 namespace fulcrum::pipeline {
 
+/// NOTE [model chunks] (core/gpt_model.h) under a schedule: (stage, chunk) of each virtual
+/// stage in model order (VirtualStages as plain pairs, for core and parallel/).
+std::vector<std::pair<int, int>> VirtualOwners(const Schedule& schedule);
+/// The even split of `num_layers` over `virtual_stages` pieces (EvenStage's rule), in model
+/// order: the initial placement with chunks.
+LayerRanges EvenVirtualRanges(int64_t num_layers, int virtual_stages);
+/// What `stage` holds when `ranges` (one per virtual stage) run under `schedule`.
+StageSpec ChunkedStage(const Schedule& schedule, const LayerRanges& ranges, int stage);
+
 class PipelineRunner final : public ForwardBackwardRunner {
  public:
   /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a

@@ -59,7 +59,7 @@ StageSpec ChunkedStage(const Schedule& schedule, const LayerRanges& ranges, int 
 class PipelineRunner final : public ForwardBackwardRunner {
  public:
   /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a
-  /// registered schedule ("1f1b", "zbh1", "zbh2"). `rebalancer` (null: never move) is
+  /// registered schedule ("1f1b", "zbh1", "zbh2", "zbv"). `rebalancer` (null: never move) is
   /// asked at the start of each iteration for the layer moves carried out in its backward
   /// tail, before the optimizer step. `replica_groups` are communicators over the ranks
   /// that hold this same stage in other replicas (the data-parallel group, and the

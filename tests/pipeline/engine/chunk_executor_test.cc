@@ -129,6 +129,44 @@ TEST(ChunkExecutorWorker, MatchesOneProcess) {
   }
 }
 
+std::unique_ptr<parallel::Communicator> OneProcessWorld() {
+  auto comm = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
+                                                std::chrono::seconds(30));
+  EXPECT_TRUE(comm.ok()) << comm.status();
+  return comm.ok() ? std::move(comm).value() : nullptr;
+}
+
+// ZB-V on one stage: both chunks on rank 0, so every activation and gradient between them
+// is an in-memory hand-over (NOTE [chunk transport]), both ways; still one process's
+// gradients bit for bit.
+TEST(ChunkExecutorTest, OneStageVHandsOverBetweenItsChunks) {
+  std::unique_ptr<parallel::Communicator> world = OneProcessWorld();
+  ASSERT_NE(world, nullptr);
+  RunCase(world.get(), Case{"zbv", 2, false}, 3);
+}
+
+// A model cut otherwise than the schedule, and layer moves under chunks, are refused by name.
+TEST(ChunkExecutorTest, MismatchedChunksAndMovesAreRefused) {
+  std::unique_ptr<parallel::Communicator> world = OneProcessWorld();
+  ASSERT_NE(world, nullptr);
+  ModelOptions options = EngineModel();
+  absl::StatusOr<Schedule> zbv = MakeSchedule("zbv", 1, 2);
+  ASSERT_TRUE(zbv.ok()) << zbv.status();
+  const MicroBatchPlan plan = RandomPlan(options, 2, kMicroBatchSize);
+  StageExecutor executor(world.get(), kMicroBatchSize);
+  GptModel one_chunk(options);
+  absl::StatusOr<StageRunResult> run = executor.Run(one_chunk, *zbv, 1, plan, kLossScale);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find("runs 2 chunks per stage"), std::string::npos)
+      << run.status();
+  GptModel two_chunks(options, ChunkedStage(*zbv, EvenVirtualRanges(options.num_layers, 2), 0));
+  PlannedMove move;  // layer 1 from chunk 0 to chunk 1 of the one stage
+  move.layer = 1;
+  run = executor.Run(two_chunks, *zbv, 1, plan, kLossScale, false, {move});
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find("not supported yet"), std::string::npos) << run.status();
+}
+
 TEST(SlowChunkExecutorTest, TwoStagesMatchOneProcess) {
   std::string output;
   const int code = LaunchWorkers(2, "ChunkExecutorWorker.MatchesOneProcess", &output);

@@ -4,6 +4,9 @@
 #include "pipeline/schedule.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
 #include <ostream>
 #include <stdexcept>
 #include <utility>
@@ -16,11 +19,12 @@ namespace fulcrum::pipeline {
 
 FULCRUM_REGISTER(ScheduleGenerator, 1f1b,
                  "one-forward-one-backward (PipeDream-Flush, Megatron-LM): fused backward, "
-                 "≤ p micro-batches in flight, bubble (p-1)(F+B+W)",
+                 "≤ p micro-batches in flight, bubble (p-1)(F+B+W); interleaved with v > 1 "
+                 "(bubble (p-1)(F+B+W)/v)",
                  OneFOneB);
 FULCRUM_REGISTER(ScheduleGenerator, zbh1,
                  "zero-bubble ZB-H1 (Qi et al. 2024 §2.1): B/W split, W deferred to fill the "
-                 "tail; 1F1B's memory, bubble (p-1)(F+B-W)",
+                 "tail; 1F1B's memory, bubble (p-1)(F+B-W); interleaved with v > 1",
                  ZeroBubbleH1);
 FULCRUM_REGISTER(ScheduleGenerator, zbv,
                  "ZB-V (Qi et al. 2024, controllable memory): 2 chunks per stage in a V, B/W "
@@ -309,17 +313,28 @@ Schedule BuildSchedule(std::string name, int num_stages, int num_microbatches, i
 // Bubble (§2.2): each chunk costs 1/v of a stage, the warm-up and cool-down ramps are
 // p-1 chunk-steps long, so each stage idles (p-1)(T_F + T_B + T_W)/v, 1/v of 1F1B's
 // (schedule_simulator_test.cc pins it at m % p == 0).
-Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+//
+// NOTE [interleaved ZB-H1]
+// The same order with each BW split into B and W, and stage s's W's deferred by 2s
+// backwards: after B(j) comes the W of backward j - 2s (the W's still owed end the list).
+// As ZB-H1 does for one chunk (its lag s), the W's fill the tail where stage s waits for
+// the last gradients, which come back later on the stages nearer the end of the model. The
+// lag is the most that keeps stage s within stage 0's peak: it holds warmup(s) + 1 + lag,
+// and warmup(s) + 2s = warmup(0) (warmup falls by 2 per stage), so every stage holds at
+// most interleaved 1F1B's (v+1)p - 1 (max_in_flight unchanged). The simulator shows what
+// it gains (chunked_schedule_test.cc compares it with interleaved 1F1B and ZB-H1).
+Schedule BuildInterleaved(const std::string& name, int num_stages, int num_microbatches,
+                          int num_chunks, bool split) {
   const int p = num_stages;
   const int m = num_microbatches;
   const int v = num_chunks;
   if (p < 1 || m < 1) {
     throw std::invalid_argument(absl::StrCat(
-        "1f1b schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+        name, " schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
   }
   if (m % p != 0) {
     throw std::invalid_argument(absl::StrCat(
-        "1f1b schedule: interleaved 1F1B (", v,
+        name, " schedule: interleaved ", split ? "ZB-H1" : "1F1B", " (", v,
         " chunks per stage, --virtual_pipeline_model_parallel_size) needs the micro-batch "
         "count (",
         m, ") to be a multiple of the pipeline stages (--pipeline_model_parallel_size=", p,
@@ -332,10 +347,11 @@ Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunk
     return Action{ActionKind::kForward, microbatch_of(i), (i % group) / p};
   };
   auto backward_at = [&](int i) {
-    return Action{ActionKind::kBackward, microbatch_of(i), v - 1 - (i % group) / p};
+    return Action{split ? ActionKind::kBackwardInput : ActionKind::kBackward, microbatch_of(i),
+                  v - 1 - (i % group) / p};
   };
   Schedule schedule;
-  schedule.name = "1f1b";
+  schedule.name = name;
   schedule.num_stages = p;
   schedule.num_microbatches = m;
   schedule.num_chunks = v;
@@ -345,15 +361,34 @@ Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunk
   for (int s = 0; s < p; ++s) {
     const int warmup = m == p ? total : std::min(2 * (p - s - 1) + (v - 1) * p, total);
     std::vector<Action>& actions = schedule.stages[s];
-    actions.reserve(2 * total);
+    actions.reserve(3 * total);
+    const int lag = 2 * s;  // NOTE [interleaved ZB-H1]
+    int next_weight = 0;
+    auto backward = [&](int j) {
+      actions.push_back(backward_at(j));
+      if (split && j >= lag) {
+        Action weight = backward_at(next_weight++);
+        weight.kind = ActionKind::kBackwardWeight;
+        actions.push_back(weight);
+      }
+    };
     for (int i = 0; i < warmup; ++i) actions.push_back(forward_at(i));
     for (int j = 0; j + warmup < total; ++j) {
       actions.push_back(forward_at(warmup + j));
-      actions.push_back(backward_at(j));
+      backward(j);
     }
-    for (int j = std::max(total - warmup, 0); j < total; ++j) actions.push_back(backward_at(j));
+    for (int j = std::max(total - warmup, 0); j < total; ++j) backward(j);
+    while (split && next_weight < total) {
+      Action weight = backward_at(next_weight++);
+      weight.kind = ActionKind::kBackwardWeight;
+      actions.push_back(weight);
+    }
   }
   return schedule;
+}
+
+Schedule InterleavedOneFOneB(int num_stages, int num_microbatches, int num_chunks) {
+  return BuildInterleaved("1f1b", num_stages, num_microbatches, num_chunks, /*split=*/false);
 }
 
 }  // namespace
@@ -371,7 +406,13 @@ Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks) {
 }
 
 Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks) {
-  RequireOneChunk("zbh1", num_chunks);
+  if (num_chunks > 1) {
+    return BuildInterleaved("zbh1", num_stages, num_microbatches, num_chunks, /*split=*/true);
+  }
+  if (num_chunks < 1) {
+    throw std::invalid_argument(
+        absl::StrCat("zbh1 schedule: needs at least 1 chunk per stage, got ", num_chunks));
+  }
   const int p = num_stages;
   return BuildSchedule(
       "zbh1", p, num_microbatches, /*max_in_flight=*/p, /*split=*/true,
@@ -400,9 +441,11 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
 // 1F1B's p full ones.
 //
 // The authors build the order with a greedy list scheduler over simulated time. We do the
-// same, with our own rules, at unit cost per chunk action (F = B = W = 1, no transfer time):
-// at every step t each stage starts at most one action, seeing only what finished by t
-// (so the stages' choices at one step do not depend on each other), chosen in this order:
+// same, with our own rules, by default at unit cost per chunk action (F = B = W = 1, no
+// transfer time; ZeroBubbleVAt takes other costs): at every step t each stage that is free
+// starts at most one action, seeing only what finished (and, from another stage, arrived)
+// by t — so the stages' choices at one step do not depend on each other; a stage with
+// nothing to run waits for the next end or arrival — chosen in this order:
 //   1. a B whose gradient and own F are done — the older micro-batch first, B1 before B0
 //      of the same one. B's gate the stages upstream in the model and hold no extra
 //      memory, so they never wait.
@@ -426,6 +469,21 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
 
 namespace {
 
+// What one chunk action costs while the ZB-V order is built (NOTE [ZB-V]).
+struct VCosts {
+  double forward = 1;
+  double backward_input = 1;
+  double backward_weight = 1;
+  double p2p = 0;
+};
+
+// The order in which a free stage tries the four rules of NOTE [ZB-V].
+enum class VOrder {
+  kBackwardFirst,            // 1 2 3 4: the default, and the only one at unit costs
+  kForwardUpFirst,           // 2 1 3 4
+  kWeightBeforeForwardDown,  // 1 2 4 3
+};
+
 // One stage's progress while the ZB-V order is built.
 struct VStage {
   int forwards[2] = {0, 0};   // F's started, per chunk (each chunk's F's go in micro-batch order)
@@ -437,7 +495,8 @@ struct VStage {
 
 // NOTE [ZB-V]'s greedy; `reserve` keeps rule 3's room for an owed F1. False when the
 // rules deadlock (a step at which no stage can start anything: nothing will change after).
-bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
+bool BuildZeroBubbleV(int p, int m, const VCosts& cost, bool reserve, VOrder order,
+                      Schedule& schedule, double& makespan) {
   const int limit = 2 * p;
   schedule = Schedule{};
   schedule.name = "zbv";
@@ -448,20 +507,39 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
   schedule.virtual_stages = VShapeChunks(p);
   schedule.stages.resize(p);
 
-  // start[stage][kind][chunk·m + mb]: the step an action started, -1 before. At unit cost
-  // an action that started before step t has finished by t.
-  std::vector<std::vector<std::vector<int>>> start(
-      p, std::vector<std::vector<int>>(4 /* action kinds */, std::vector<int>(2 * m, -1)));
-  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, int t) {
-    const int at = start[stage][static_cast<int>(kind)][chunk * m + mb];
-    return at >= 0 && at < t;
+  // finish[stage][kind][chunk·m + mb]: when an action ends, -1 before it was placed.
+  std::vector<std::vector<std::vector<double>>> finish(
+      p, std::vector<std::vector<double>>(4 /* action kinds */, std::vector<double>(2 * m, -1)));
+  // Time t sees what ended by t, plus a transfer from another stage.
+  double t = 0;
+  int s = 0;  // the stage deciding
+  auto done_by = [&](int stage, ActionKind kind, int chunk, int mb, double now) {
+    const double end = finish[stage][static_cast<int>(kind)][chunk * m + mb];
+    return end >= 0 && end + (stage == s ? 0 : cost.p2p) <= now;
+  };
+  auto duration = [&](ActionKind kind) {
+    return kind == ActionKind::kForward         ? cost.forward
+           : kind == ActionKind::kBackwardInput ? cost.backward_input
+                                                : cost.backward_weight;
   };
   std::vector<VStage> stages(p);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<int> left(p, 6 * m);
+  std::set<double> events;  // when an action ends or its output arrives elsewhere
   int remaining = p * 6 * m;
-  for (int t = 0; remaining > 0; ++t) {
+  while (remaining > 0) {
+    // A round: every stage free at the earliest time t decides at once, seeing only what
+    // ended (and arrived) by t — at unit costs, one step of the description above.
+    t = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < p; ++i) {
+      if (left[i] > 0) t = std::min(t, free_at[i]);
+    }
     std::vector<Action> chosen(p);
     std::vector<bool> runs(p, false);
-    for (int s = 0; s < p; ++s) {
+    std::vector<bool> deciding(p, false);
+    for (s = 0; s < p; ++s) {
+      if (left[s] == 0 || free_at[s] != t) continue;
+      deciding[s] = true;
       VStage& st = stages[s];
       auto b_ready = [&](int chunk) {
         const int j = st.backwards[chunk];
@@ -512,15 +590,29 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
         }
         return false;
       };
-      runs[s] = try_b() || try_f1() || try_f0() || try_w();
+      switch (order) {
+        case VOrder::kBackwardFirst:
+          runs[s] = try_b() || try_f1() || try_f0() || try_w();
+          break;
+        case VOrder::kForwardUpFirst:
+          runs[s] = try_f1() || try_b() || try_f0() || try_w();
+          break;
+        case VOrder::kWeightBeforeForwardDown:
+          runs[s] = try_b() || try_f1() || try_w() || try_f0();
+          break;
+      }
     }
-    if (std::none_of(runs.begin(), runs.end(), [](bool r) { return r; })) return false;
-    for (int s = 0; s < p; ++s) {
+    for (s = 0; s < p; ++s) {
       if (!runs[s]) continue;
       VStage& st = stages[s];
       const Action& action = chosen[s];
-      start[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = t;
+      const double end = t + duration(action.kind);
+      finish[s][static_cast<int>(action.kind)][action.chunk * m + action.microbatch] = end;
+      events.insert(end);
+      events.insert(end + cost.p2p);
+      free_at[s] = end;
       schedule.stages[s].push_back(action);
+      --left[s];
       --remaining;
       switch (action.kind) {
         case ActionKind::kForward:
@@ -539,7 +631,16 @@ bool BuildZeroBubbleV(int p, int m, bool reserve, Schedule& schedule) {
           break;
       }
     }
+    // A stage that found nothing to run waits for the next end or arrival; with none to
+    // come, nothing will ever change: the rules deadlocked.
+    const auto next = events.upper_bound(t);
+    for (s = 0; s < p; ++s) {
+      if (!deciding[s] || runs[s]) continue;
+      if (next == events.end()) return false;
+      free_at[s] = *next;
+    }
   }
+  makespan = *std::max_element(free_at.begin(), free_at.end());
   return true;
 }
 
@@ -557,9 +658,52 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks) {
     throw std::invalid_argument(absl::StrCat(
         "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
   }
-  Schedule schedule;
-  if (BuildZeroBubbleV(p, m, /*reserve=*/false, schedule)) return schedule;
-  if (BuildZeroBubbleV(p, m, /*reserve=*/true, schedule)) return schedule;
+  return ZeroBubbleVAt(p, m, 1, 1, 1, 0);
+}
+
+Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
+                       double backward_input, double backward_weight, double p2p) {
+  const int p = num_stages;
+  const int m = num_microbatches;
+  if (p < 1 || m < 1) {
+    throw std::invalid_argument(absl::StrCat(
+        "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
+  }
+  for (double c : {forward, backward_input, backward_weight}) {
+    if (!std::isfinite(c) || c <= 0) {
+      throw std::invalid_argument(absl::StrCat(
+          "zbv schedule: action costs must be finite and > 0, got F=", forward,
+          " B=", backward_input, " W=", backward_weight));
+    }
+  }
+  if (!std::isfinite(p2p) || p2p < 0) {
+    throw std::invalid_argument(
+        absl::StrCat("zbv schedule: the transfer time must be finite and ≥ 0, got ", p2p));
+  }
+  const VCosts cost{forward, backward_input, backward_weight, p2p};
+  const bool unit = forward == backward_input && backward_input == backward_weight && p2p == 0;
+  // NOTE [ZB-V]: at other than unit costs the rules are also tried in two other orders, and
+  // the order whose own timeline ends first wins (ties: the earlier order), as the authors
+  // try a few variants of their greedy and keep the best.
+  std::vector<VOrder> orders = {VOrder::kBackwardFirst};
+  if (!unit) {
+    orders.push_back(VOrder::kForwardUpFirst);
+    orders.push_back(VOrder::kWeightBeforeForwardDown);
+  }
+  Schedule best;
+  double best_makespan = std::numeric_limits<double>::infinity();
+  for (bool reserve : {false, true}) {
+    for (VOrder order : orders) {
+      Schedule schedule;
+      double makespan = 0;
+      if (BuildZeroBubbleV(p, m, cost, reserve, order, schedule, makespan) &&
+          makespan < best_makespan) {
+        best = std::move(schedule);
+        best_makespan = makespan;
+      }
+    }
+    if (best_makespan < std::numeric_limits<double>::infinity()) return best;
+  }
   throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
                                       ", m=", m, " even with the reserve"));
 }

@@ -141,7 +141,7 @@ bool UsesSplitBackward(const Schedule& schedule);
 // bubble figures in the comments hold for m ≥ p, and for ZB-H2 m ≥ 2p-1) and
 // v = num_chunks, the model chunks per stage, and throws std::invalid_argument otherwise,
 // naming the schedule and what it cannot do — MakeSchedule checks p and m first and
-// returns a Status. ZB-H1 and ZB-H2 run one chunk (v = 1) only. The one-chunk schedules
+// returns a Status. ZB-H2 runs one chunk (v = 1) only. The one-chunk schedules
 // 1F1B, ZB-H1 and ZB-H2 share one shape
 // (schedule.cc says why): stage s runs warmup(s) forwards, then for j = 0..m-1 the
 // backward of micro-batch j, the W that lags it by lag(s) micro-batches, and the next
@@ -164,6 +164,10 @@ Schedule OneFOneB(int num_stages, int num_microbatches, int num_chunks = 1);
 /// whenever T_W ≤ min(T_F, T_B). The other two terms bind every schedule that holds ≤ p:
 /// the last stage waits (p-1)T_F for its first input, and stage 0, full after p forwards,
 /// waits (p-1)T_B for the first gradient.
+/// With num_chunks = v > 1: interleaved ZB-H1 (NOTE [interleaved ZB-H1] in schedule.cc),
+/// interleaved 1F1B's order with B/W split and stage s's W's 2s backwards late; m must be
+/// a multiple of p; interleaved 1F1B's memory. Never slower than interleaved 1F1B in the
+/// tests, and at the bound (p-1)T_F/v for p ≤ 4, m ≥ 2p without transfer time.
 Schedule ZeroBubbleH1(int num_stages, int num_microbatches, int num_chunks = 1);
 
 /// ZB-H2 (Qi et al. 2024, §2.2): stage s runs 2(p-s)-1 warm-up forwards so the first
@@ -194,6 +198,18 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks = 1);
 /// unit chunk costs its makespan is the lower bound 6m + p - 1 for p ∈ {2, 4, 8},
 /// m ∈ {p, 2p, 4p} (tests). num_chunks must be 2, or 1 for "not set" (the V sets its own).
 Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
+
+/// ZB-V's greedy run at the given costs of one chunk action (F, B, W, all > 0) and transfer
+/// time between stages, as the zero-bubble authors build theirs from profiled costs: the
+/// rules are ZeroBubbleV's, a stage deciding whenever it is free from what has ended and
+/// arrived by then; at other than unit costs the rules are also tried in two other orders
+/// and the order whose timeline ends first is kept. ZeroBubbleV is
+/// ZeroBubbleVAt(p, m, 1, 1, 1, 0). The unit-cost order
+/// loses much of its lead once B costs more than F (p = 8, m = 32, F = 1.33, B = 1.67,
+/// W = 1: bubble 21% against ZB-H1's 10%); the order built at those costs keeps it (tests).
+/// Throws std::invalid_argument for bad sizes or costs.
+Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
+                       double backward_input, double backward_weight, double p2p);
 
 /// Builds a schedule from (num_stages, num_microbatches, num_chunks); registered by name.
 using ScheduleGenerator =

@@ -199,12 +199,10 @@ TEST(VirtualStageTest, MakeScheduleChecksTheChunkCount) {
   EXPECT_THAT(std::string(made.status().message()),
               HasSubstr("--virtual_pipeline_model_parallel_size=0 must be ≥ 1"));
 
-  for (const std::string name : {"zbh1", "zbh2"}) {
-    made = MakeSchedule(name, 4, 8, 2);
-    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << name;
-    EXPECT_THAT(std::string(made.status().message()),
-                HasSubstr(name + " schedule: runs one model chunk per stage, got 2 chunks"));
-  }
+  made = MakeSchedule("zbh2", 4, 8, 2);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(made.status().message()),
+              HasSubstr("zbh2 schedule: runs one model chunk per stage, got 2 chunks"));
   made = MakeSchedule("zbh1", 4, 8, 1);
   ASSERT_TRUE(made.ok()) << made.status();
   EXPECT_EQ(made->num_chunks, 1);

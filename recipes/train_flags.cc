@@ -97,8 +97,8 @@ DEFINE_int64(vocab_size, 0,
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
 DEFINE_string(pipeline_schedule, "1f1b",
-              "Pipeline schedule: 1f1b (interleaved 1F1B with virtual stages), zbh1, zbh2 or zbv "
-              "(ZB-V: two chunks per stage in a V).");
+              "Pipeline schedule: 1f1b (interleaved 1F1B with virtual stages), zbh1 (interleaved "
+              "ZB-H1 with virtual stages), zbh2 or zbv (ZB-V: two chunks per stage in a V).");
 DEFINE_int32(virtual_pipeline_model_parallel_size, 0,
              "Model chunks per pipeline stage (Megatron's virtual pipeline stages): the model is "
              "cut into pp × this many pieces, dealt round-robin (1f1b: interleaved 1F1B) or in a "
@@ -476,11 +476,8 @@ absl::StatusOr<int> VirtualPipelineChunksFromFlags(int pp) {
       return Invalid(absl::StrCat("--virtual_pipeline_model_parallel_size=", v,
                                   " needs --pipeline_model_parallel_size > 1"));
     }
-    if (FLAGS_pipeline_schedule != "1f1b" && !zbv) {
-      return Invalid(absl::StrCat("--pipeline_schedule=", FLAGS_pipeline_schedule, " runs one chunk "
-                                  "per stage; virtual pipeline stages need 1f1b (interleaved) or "
-                                  "zbv"));
-    }
+    // Whether --pipeline_schedule has a form with chunks is MakeSchedule's answer (checked
+    // with the layout: zbh2, for one, has none).
     if (FLAGS_num_layers < static_cast<int64_t>(pp) * v) {
       return Invalid(absl::StrCat("--num_layers=", FLAGS_num_layers, " is below the ", pp * v,
                                   " virtual pipeline stages (--pipeline_model_parallel_size × "

@@ -59,8 +59,9 @@ std::string PipelineScheduleFlag();
 /// The model chunks per stage v (virtual pipeline stages) for `pp` stages, from
 /// --virtual_pipeline_model_parallel_size or --num_layers_per_virtual_pipeline_stage (one
 /// of them; Megatron's names) and --pipeline_schedule (zbv implies 2 and refuses another v;
-/// v > 1 needs 1f1b or zbv and --num_layers ≥ pp·v). 1 without virtual stages. Interleaved
-/// 1F1B's micro-batch rule (m % pp == 0) is MakeSchedule's, checked with the layout.
+/// v > 1 needs pp > 1 and --num_layers ≥ pp·v). 1 without virtual stages. Whether the
+/// schedule has a form with chunks, and interleaving's micro-batch rule (m % pp == 0), are
+/// MakeSchedule's, checked with the layout.
 absl::StatusOr<int> VirtualPipelineChunksFromFlags(int pp);
 std::string TimelineFlag();
 /// The balancing flags (--balance_by, --rebalance_*, --diffusion_max_rounds), validated.

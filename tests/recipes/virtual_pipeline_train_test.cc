@@ -1,6 +1,6 @@
 // Virtual pipeline stages through fulcrum_train (fulcrum_launch, Gloo): the tiny recipe at
 // 8 layers under interleaved 1F1B (--virtual_pipeline_model_parallel_size=2, and the same
-// through --num_layers_per_virtual_pipeline_stage) and ZB-V (--pipeline_schedule=zbv) at
+// through --num_layers_per_virtual_pipeline_stage), interleaved ZB-H1 and ZB-V (--pipeline_schedule=zbv) at
 // pp = 2, and interleaved 1F1B at pp = 4, follows the one-process loss curve: the first
 // loss (no optimizer step yet) bit for bit, the rest within the layout tolerance (the
 // gradient norm is summed over the ranks in another order). The metrics name the p·v
@@ -87,6 +87,11 @@ TEST_F(SlowVirtualPipelineTrainTest, InterleavedTwoStages) {
   ExpectFollowsOneProcess(
       2, "--pipeline_model_parallel_size=2 --num_layers_per_virtual_pipeline_stage=2",
       "pp2_interleaved_per_stage");
+  // Interleaved ZB-H1: the same layout with B and W split.
+  ExpectFollowsOneProcess(
+      2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2 "
+         "--pipeline_schedule=zbh1",
+      "pp2_interleaved_zbh1");
 }
 
 TEST_F(SlowVirtualPipelineTrainTest, ZeroBubbleVTwoStages) {
@@ -118,8 +123,8 @@ TEST(VirtualPipelineFlagsTest, MistakesAreRefusedNamingTheFlag) {
        "--pipeline_schedule=zbv runs two chunks per stage"},
       {1, "--virtual_pipeline_model_parallel_size=-1", "must be ≥ 0"},
       {2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2 "
-          "--pipeline_schedule=zbh1",
-       "virtual pipeline stages need 1f1b (interleaved) or zbv"},
+          "--pipeline_schedule=zbh2",
+       "it has no interleaved form"},
       {2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=3",
        "is below the 6 virtual pipeline stages"},
       {2, "--pipeline_model_parallel_size=2 --num_layers_per_virtual_pipeline_stage=3",

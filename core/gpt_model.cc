@@ -17,6 +17,34 @@ StageSpec EvenStage(int64_t num_layers, int stages, int stage) {
   return spec;
 }
 
+StageSpec StageOfChunks(const std::vector<std::pair<int64_t, int64_t>>& virtual_ranges,
+                        const std::vector<std::pair<int, int>>& owners, int stage) {
+  TORCH_CHECK(!virtual_ranges.empty() && virtual_ranges.size() == owners.size(),
+              virtual_ranges.size(), " layer ranges for ", owners.size(), " virtual stages");
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (size_t k = 0; k < owners.size(); ++k) {
+    if (owners[k].first != stage) continue;
+    const int chunk = owners[k].second;
+    TORCH_CHECK(chunk >= 0 && chunk < static_cast<int>(owners.size()), "virtual stage ", k,
+                " is chunk ", chunk);
+    if (static_cast<int>(chunks.size()) <= chunk) chunks.resize(chunk + 1, {-1, -1});
+    chunks[chunk] = virtual_ranges[k];
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    TORCH_CHECK(chunks[c].first >= 0, "stage ", stage, " holds no chunk ", c);
+  }
+  StageSpec spec;
+  spec.has_embedding = owners.front().first == stage;
+  spec.has_head = owners.back().first == stage;
+  if (chunks.size() == 1) {
+    spec.layer_begin = chunks[0].first;
+    spec.layer_end = chunks[0].second;
+  } else {
+    spec.chunk_ranges = std::move(chunks);
+  }
+  return spec;
+}
+
 GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorParallelGroup* tp,
                    FeedForwardFactory feed_forward)
     : GptModel(options, stage, tp,
@@ -32,16 +60,32 @@ GptModel::GptModel(const ModelOptions& options, const StageSpec& stage, TensorPa
               "heads (", options.num_attention_heads, "), query groups (", options.query_groups(),
               "), ffn size (", options.ffn_hidden_size, ") and vocabulary (", options.vocab_size,
               ") must be divisible by tp=", tp_size);
-  const int64_t end = stage.layer_end < 0 ? options.num_layers : stage.layer_end;
-  TORCH_CHECK(0 <= stage.layer_begin && stage.layer_begin <= end && end <= options.num_layers,
-              "stage layer range [", stage.layer_begin, ", ", end, ") is outside [0, ",
-              options.num_layers, ")");
-  layer_begin_ = stage.layer_begin;
-  layer_end_ = end;
   if (stage.has_embedding) embedding_ = std::make_unique<Embedding>(options, tp);
-  for (int64_t i = stage.layer_begin; i < end; ++i) {
-    layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp, /*initialize=*/true,
-                                                          customizer_.get()));
+  if (stage.chunk_ranges.empty()) {
+    const int64_t end = stage.layer_end < 0 ? options.num_layers : stage.layer_end;
+    TORCH_CHECK(0 <= stage.layer_begin && stage.layer_begin <= end && end <= options.num_layers,
+                "stage layer range [", stage.layer_begin, ", ", end, ") is outside [0, ",
+                options.num_layers, ")");
+    layer_begin_ = stage.layer_begin;
+    layer_end_ = end;
+    for (int64_t i = stage.layer_begin; i < end; ++i) {
+      layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp, /*initialize=*/true,
+                                                            customizer_.get()));
+    }
+  } else {
+    // NOTE [model chunks]: every chunk's layers; each layer's initial values depend on its
+    // global index only (NOTE [layer migration]), so the chunks match one process's model.
+    const absl::Status valid = set_chunk_ranges(stage.chunk_ranges);
+    TORCH_CHECK(valid.ok(), valid.message());
+    for (const auto& [begin, end] : chunk_ranges_) {
+      for (int64_t i = begin; i < end; ++i) {
+        layers_.emplace(i, std::make_unique<TransformerLayer>(options, i, tp, /*initialize=*/true,
+                                                              customizer_.get()));
+      }
+    }
+    layer_begin_ = chunk_ranges_.front().first;
+    layer_end_ = chunk_ranges_.front().second;
+    UpdateRange();
   }
   if (stage.has_head) {
     head_ = std::make_unique<Head>(options, tp,
@@ -102,6 +146,52 @@ absl::Status GptModel::CheckRange(int64_t begin, int64_t end) const {
                                                     end, ") but holds {", held, "}"));
 }
 
+std::pair<int64_t, int64_t> GptModel::chunk_range(int chunk) const {
+  TORCH_CHECK(0 <= chunk && chunk < num_chunks(), "chunk ", chunk, " of a stage holding ",
+              num_chunks());
+  if (chunk_ranges_.empty()) return {layer_begin_, layer_end_};
+  return chunk_ranges_[chunk];
+}
+
+absl::Status GptModel::set_chunk_ranges(std::vector<std::pair<int64_t, int64_t>> ranges) {
+  if (ranges.empty()) return absl::InvalidArgumentError("a stage holds at least one chunk");
+  for (size_t c = 0; c < ranges.size(); ++c) {
+    const auto [begin, end] = ranges[c];
+    if (begin < 0 || begin > end || end > options_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", c, "'s layer range [", begin, ", ",
+                                                     end, ") is outside [0, ",
+                                                     options_.num_layers, ")"));
+    }
+    for (size_t d = 0; d < c; ++d) {
+      if (begin < ranges[d].second && ranges[d].first < end) {
+        return absl::InvalidArgumentError(absl::StrCat("chunks ", d, " and ", c, " overlap: [",
+                                                       ranges[d].first, ", ", ranges[d].second,
+                                                       ") and [", begin, ", ", end, ")"));
+      }
+    }
+  }
+  chunk_ranges_ = std::move(ranges);
+  return absl::OkStatus();
+}
+
+absl::Status GptModel::CheckChunkRanges() const {
+  if (chunk_ranges_.empty()) return CheckRange(layer_begin_, layer_end_);
+  int64_t expected = 0;
+  for (const auto& [begin, end] : chunk_ranges_) expected += end - begin;
+  bool ok = static_cast<int64_t>(layers_.size()) == expected;
+  for (const auto& [begin, end] : chunk_ranges_) {
+    for (int64_t i = begin; ok && i < end; ++i) ok = layers_.count(i) == 1;
+  }
+  if (ok) return absl::OkStatus();
+  std::string held, want;
+  for (const auto& [index, layer] : layers_) absl::StrAppend(&held, held.empty() ? "" : ",", index);
+  for (const auto& [begin, end] : chunk_ranges_) {
+    absl::StrAppend(&want, want.empty() ? "" : " ", "[", begin, ", ", end, ")");
+  }
+  return absl::FailedPreconditionError(absl::StrCat("the stage's chunks should hold layers ", want,
+                                                    " but it holds {", held, "}"));
+}
+
 void GptModel::UpdateRange() {
   if (layers_.empty()) {
     layer_end_ = layer_begin_;
@@ -127,6 +217,17 @@ at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx)
   TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layer_end_ - layer_begin_,
               "the stage's layers [", layer_begin_, ", ", layer_end_, ") have gaps");
   for (const auto& [index, layer] : layers_) hidden = layer->Forward(hidden, ctx);
+  return hidden;
+}
+
+at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,
+                                   int64_t end) const {
+  for (int64_t i = begin; i < end; ++i) {
+    auto it = layers_.find(i);
+    TORCH_CHECK(it != layers_.end(), "the stage does not hold layer ", i, " of the range [",
+                begin, ", ", end, ")");
+    hidden = it->second->Forward(hidden, ctx);
+  }
   return hidden;
 }
 

@@ -14,6 +14,16 @@
 // update depend only on its global identity and state, so moving layers leaves every loss
 // bit-identical (invariant 3).
 //
+// NOTE [model chunks]
+// With virtual pipeline stages (interleaved 1F1B, ZB-V; pipeline/schedule.h) a rank holds v
+// model chunks, each a contiguous range of layers, not adjacent to each other (chunk c of
+// rank r is one virtual stage of the p·v in model order). One GptModel holds them all: its
+// layers map is the union, with gaps between the chunks; ForwardLayers(hidden, ctx, begin,
+// end) runs one chunk's layers. Units(), checkpoints, the optimizer and the gradient
+// reduction see the held layers and never ask where a chunk starts, so they need nothing
+// new. The chunk ranges are the placement's (set at construction, and by set_chunk_ranges
+// when layers move); layer_begin()/layer_end() stay the span of all held layers.
+//
 // Not thread-safe.
 #pragma once
 
@@ -22,6 +32,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,12 +50,24 @@ struct StageSpec {
   int64_t layer_end = -1;    // One past the last; -1 = num_layers.
   bool has_embedding = true;
   bool has_head = true;
+  /// With virtual pipeline stages (NOTE [model chunks]): the layer range of each chunk this
+  /// rank holds, in chunk order; the single range above is then ignored. Empty: one chunk,
+  /// [layer_begin, layer_end).
+  std::vector<std::pair<int64_t, int64_t>> chunk_ranges = {};
 };
 
 /// Stage `stage` of `stages` in the even split of `num_layers` layers: contiguous ranges,
 /// the first num_layers % stages stages one layer longer; the embedding on the first stage,
 /// the head on the last.
 StageSpec EvenStage(int64_t num_layers, int stages, int stage);
+
+/// NOTE [model chunks]: what `stage` holds when the model is cut into the virtual stages
+/// `virtual_ranges` (one layer range per virtual stage, in model order) and virtual stage k
+/// is chunk owners[k].second of stage owners[k].first: its chunks' ranges in chunk order,
+/// the embedding with virtual stage 0, the head with the last. One chunk gives the plain
+/// single-range spec.
+StageSpec StageOfChunks(const std::vector<std::pair<int64_t, int64_t>>& virtual_ranges,
+                        const std::vector<std::pair<int, int>>& owners, int stage);
 
 /// Loss of one micro-batch: the sum of token cross-entropies (an autograd scalar) and the
 /// number of tokens it covers. The trainer divides by the global batch's token count.
@@ -88,6 +111,19 @@ class GptModel {
   /// OK when the stage holds exactly the layers [begin, end); FailedPrecondition saying
   /// what it holds otherwise.
   absl::Status CheckRange(int64_t begin, int64_t end) const;
+  /// NOTE [model chunks]: the number of chunks this rank holds (1 without virtual stages),
+  /// and chunk `chunk`'s layer range [begin, end) in the placement.
+  int num_chunks() const {
+    return chunk_ranges_.empty() ? 1 : static_cast<int>(chunk_ranges_.size());
+  }
+  std::pair<int64_t, int64_t> chunk_range(int chunk) const;
+  /// Sets every chunk's range (layer moves between chunks); the ranges must be ascending
+  /// within each chunk and not overlap. InvalidArgument otherwise. Does not move layers:
+  /// CheckChunkRanges says whether the held layers match.
+  absl::Status set_chunk_ranges(std::vector<std::pair<int64_t, int64_t>> ranges);
+  /// OK when the stage holds exactly the layers of its chunk ranges; FailedPrecondition
+  /// saying what it holds otherwise. With one chunk, CheckRange of its range.
+  absl::Status CheckChunkRanges() const;
   /// An uninitialised layer `index` to receive migrated state.
   std::unique_ptr<TransformerLayer> NewLayerShell(int64_t index) const;
 
@@ -109,6 +145,14 @@ class GptModel {
   /// Whether this stage's output needs a gradient: it or a stage before it trains a layer,
   /// or it holds the head.
   bool output_needs_grad() const { return layer_end_ > frozen_prefix_ || head_ != nullptr; }
+  /// The same for chunk `chunk` (NOTE [model chunks]): its input needs a gradient when a
+  /// trainable layer comes before it; its output when it or a chunk before it (in model
+  /// order) trains a layer, or it ends the model on the rank with the head.
+  bool input_needs_grad(int chunk) const { return chunk_range(chunk).first > frozen_prefix_; }
+  bool output_needs_grad(int chunk) const {
+    const int64_t end = chunk_range(chunk).second;
+    return end > frozen_prefix_ || (head_ != nullptr && end == options_.num_layers);
+  }
   /// The embedding of input tokens [b, s] (the first stage; NOTE [frozen prefix]).
   at::Tensor Embed(const at::Tensor& tokens, const ForwardContext& ctx) const;
 
@@ -132,6 +176,10 @@ class GptModel {
 
   /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;
+  /// Runs the held layers of [begin, end) in order (one chunk: NOTE [model chunks]); they
+  /// must be all of [begin, end).
+  at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,
+                           int64_t end) const;
 
   /// Sum of cross-entropy of head logits against labels [b, s].
   LossSum HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) const;
@@ -148,6 +196,9 @@ class GptModel {
   int64_t frozen_prefix_ = 0;
   int64_t layer_begin_ = 0;
   int64_t layer_end_ = 0;
+  // NOTE [model chunks]: one range per chunk; empty for one chunk, whose range is then
+  // [layer_begin_, layer_end_) (it follows the held layers, as before chunks).
+  std::vector<std::pair<int64_t, int64_t>> chunk_ranges_;
   std::unique_ptr<Embedding> embedding_;
   std::map<int64_t, std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Head> head_;

@@ -61,6 +61,18 @@ absl::StatusOr<std::unique_ptr<ProcessGroupContext>> ProcessGroupContext::Create
 }
 
 StageSpec ProcessGroupContext::Stage(int64_t num_layers) const {
+  if (!virtual_stages_.empty()) {
+    const int pieces = static_cast<int>(virtual_stages_.size());
+    std::vector<std::pair<int64_t, int64_t>> ranges = initial_placement_;
+    TORCH_INTERNAL_ASSERT(ranges.empty() || static_cast<int>(ranges.size()) == pieces,
+                          "initial placement of ", ranges.size(), " ranges for ", pieces,
+                          " virtual stages");
+    for (int k = 0; initial_placement_.empty() && k < pieces; ++k) {
+      const StageSpec even = EvenStage(num_layers, pieces, k);
+      ranges.emplace_back(even.layer_begin, even.layer_end);
+    }
+    return StageOfChunks(ranges, virtual_stages_, coords_.pp);
+  }
   if (initial_placement_.empty()) return EvenStage(num_layers, config_.pp, coords_.pp);
   TORCH_INTERNAL_ASSERT(static_cast<int>(initial_placement_.size()) == config_.pp,
                         "initial placement of ", initial_placement_.size(), " stages for pp=",
@@ -84,6 +96,10 @@ void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   gradient_reducer_->AllReduce(units);
   expert_gradient_reducer_->AllReduce(units);
   if (embedding_group_ == nullptr) return;
+  // ZB-V: the embedding and the head are on one rank; its gradient is whole there.
+  if (!virtual_stages_.empty() && virtual_stages_.front().first == virtual_stages_.back().first) {
+    return;
+  }
   // Tied output weight across stages: the embedding (first stage) and its mirror (last
   // stage) each hold part of the gradient; both take the sum, so both take the same step.
   for (Unit* unit : units) {

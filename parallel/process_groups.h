@@ -47,6 +47,14 @@ class ProcessGroupContext final : public ParallelContext {
   void SetInitialPlacement(std::vector<std::pair<int64_t, int64_t>> ranges) {
     initial_placement_ = std::move(ranges);
   }
+  /// Virtual pipeline stages (NOTE [model chunks] in core/gpt_model.h): (stage, chunk) of
+  /// each of the p·v pieces in model order. Stage() then gives this rank's chunks of the
+  /// initial placement (one range per virtual stage; by default the even split over p·v),
+  /// and when one rank holds both the embedding and the head (ZB-V) the tied word
+  /// embeddings need no sum over the pipeline. Empty (the default): one chunk per stage.
+  void SetVirtualStages(std::vector<std::pair<int, int>> owners) {
+    virtual_stages_ = std::move(owners);
+  }
   void AllReduceGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
@@ -73,6 +81,7 @@ class ProcessGroupContext final : public ParallelContext {
   // the word embeddings and of their mirror on the last stage; null elsewhere or pp == 1.
   std::unique_ptr<Communicator> embedding_group_;
   std::vector<std::pair<int64_t, int64_t>> initial_placement_;  // Empty: the even split.
+  std::vector<std::pair<int, int>> virtual_stages_;  // Empty: one chunk per stage.
   std::unique_ptr<GradientReducer> gradient_reducer_;         // dense parameters over dp
   std::unique_ptr<GradientReducer> expert_gradient_reducer_;  // experts over edp
 };

@@ -79,11 +79,32 @@ double TrainableParameters(const Unit& unit) {
 
 }  // namespace
 
+std::vector<std::pair<int, int>> VirtualOwners(const Schedule& schedule) {
+  std::vector<std::pair<int, int>> owners;
+  for (const ChunkId& id : VirtualStages(schedule)) owners.emplace_back(id.stage, id.chunk);
+  return owners;
+}
+
+LayerRanges EvenVirtualRanges(int64_t num_layers, int virtual_stages) {
+  LayerRanges ranges;
+  for (int k = 0; k < virtual_stages; ++k) {
+    const StageSpec spec = EvenStage(num_layers, virtual_stages, k);
+    ranges.emplace_back(spec.layer_begin, spec.layer_end);
+  }
+  return ranges;
+}
+
+StageSpec ChunkedStage(const Schedule& schedule, const LayerRanges& ranges, int stage) {
+  return StageOfChunks(ranges, VirtualOwners(schedule), stage);
+}
+
 PipelineRunner::PipelineRunner(parallel::Communicator* pp, std::string schedule_name,
                                int64_t micro_batch_size, std::unique_ptr<Rebalancer> rebalancer,
-                               std::vector<parallel::Communicator*> replica_groups)
+                               std::vector<parallel::Communicator*> replica_groups,
+                               int num_chunks)
     : pp_(pp),
       schedule_name_(std::move(schedule_name)),
+      num_chunks_(num_chunks),
       executor_(pp, micro_batch_size),
       rebalancer_(rebalancer ? std::move(rebalancer) : std::make_unique<NoOpRebalancer>()),
       replica_groups_(std::move(replica_groups)) {}
@@ -209,9 +230,21 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
   const auto start = Clock::now();
   last_loads_ = GatherLoads(stage, schedule);
   LayerRanges current;
-  for (const StageLoad& load : last_loads_) current.emplace_back(load.layer_begin, load.layer_end);
+  if (schedule.num_chunks > 1) {
+    current = GatherVirtualRanges(stage, schedule);
+  } else {
+    for (const StageLoad& load : last_loads_) current.emplace_back(load.layer_begin, load.layer_end);
+  }
   last_decision_ = rebalancer_->Plan(iteration, last_loads_);
   if (!last_decision_.error.ok()) return last_decision_.error;
+  if (schedule.num_chunks > 1 && !last_decision_.target.empty() &&
+      last_decision_.target != current) {
+    return absl::UnimplementedError(absl::StrCat(
+        "iteration ", iteration, ": rebalancer '", rebalancer_->name(), "' planned layer moves, ",
+        "which are not carried out under virtual pipeline stages yet (",
+        schedule.num_chunks, " chunks per stage); run with --rebalancer=none"));
+  }
+  if (schedule.num_chunks > 1) last_decision_.target.clear();
   const LayerRanges& target = last_decision_.target;
   // Validated on the gathered ranges: every rank refuses a bad plan alike.
   if (!target.empty()) {
@@ -232,6 +265,22 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
   ran_on_ = current;
   ranges_ = target.empty() ? current : target;
   return target.empty() ? std::vector<PlannedMove>{} : MovesBetween(current, target);
+}
+
+LayerRanges PipelineRunner::GatherVirtualRanges(const GptModel& stage, const Schedule& schedule) {
+  const int v = schedule.num_chunks;
+  at::Tensor mine = at::zeros({2 * v}, at::kLong);
+  for (int c = 0; c < v && c < stage.num_chunks(); ++c) {
+    mine[2 * c] = stage.chunk_range(c).first;
+    mine[2 * c + 1] = stage.chunk_range(c).second;
+  }
+  const at::Tensor all = pp_->AllGather(mine.unsqueeze(0)).contiguous();  // [stages, 2v]
+  LayerRanges ranges;
+  for (const ChunkId& id : VirtualStages(schedule)) {
+    ranges.emplace_back(all[id.stage][2 * id.chunk].item<int64_t>(),
+                        all[id.stage][2 * id.chunk + 1].item<int64_t>());
+  }
+  return ranges;
 }
 
 void PipelineRunner::RecordMoves(int64_t iteration) {
@@ -285,7 +334,8 @@ absl::StatusOr<const Schedule*> PipelineRunner::ScheduleFor(const std::string& n
   auto key = std::make_pair(name, microbatches);
   auto it = schedules_.find(key);
   if (it == schedules_.end()) {
-    FULCRUM_ASSIGN_OR_RETURN(Schedule schedule, MakeSchedule(name, pp_->size(), microbatches));
+    FULCRUM_ASSIGN_OR_RETURN(Schedule schedule,
+                             MakeSchedule(name, pp_->size(), microbatches, num_chunks_));
     FULCRUM_RETURN_IF_ERROR(ValidateSchedule(schedule));
     it = schedules_.emplace(key, std::move(schedule)).first;
   }
@@ -315,7 +365,10 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   auto loss = ShareLoss(last_run_);
   last_run_.tail_wait_ms = MsSince(tail_start);
   // The moved layers arrive now, before the optimizer step (NOTE [early migration]).
-  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_, ranges_[pp_->rank()]));
+  // (With chunks ranges_ is per virtual stage and nothing moves: no range to check.)
+  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(
+      stage, last_run_,
+      num_chunks_ > 1 ? std::pair<int64_t, int64_t>{1, 0} : ranges_[pp_->rank()]));
   if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
   RecordMoves(iteration);
   const at::Tensor rows = pp_->AllGather(PipelineMetrics::StageRow(last_run_).unsqueeze(0));
@@ -361,8 +414,10 @@ absl::Status PipelineRunner::Finish() {
 
 absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Evaluate(GptModel& stage,
                                                                     const MicroBatchPlan& plan) {
-  // Any schedule's F actions form a valid forward-only order; 1F1B's is the simplest.
-  FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor("1f1b", plan.count));
+  // Any schedule's F actions form a valid forward-only order; 1F1B's is the simplest. With
+  // chunks the training schedule's: its layout is the one the model is cut by.
+  FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule,
+                           ScheduleFor(num_chunks_ > 1 ? schedule_name_ : "1f1b", plan.count));
   FULCRUM_ASSIGN_OR_RETURN(StageRunResult run,
                            executor_.Run(stage, *schedule, /*iteration=*/0, plan, 1.0,
                                          /*forward_only=*/true));

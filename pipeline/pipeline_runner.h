@@ -47,19 +47,32 @@
 
 namespace fulcrum::pipeline {
 
+/// NOTE [model chunks] (core/gpt_model.h) under a schedule: (stage, chunk) of each virtual
+/// stage in model order (VirtualStages as plain pairs, for core and parallel/).
+std::vector<std::pair<int, int>> VirtualOwners(const Schedule& schedule);
+/// The even split of `num_layers` over `virtual_stages` pieces (EvenStage's rule), in model
+/// order: the initial placement with chunks.
+LayerRanges EvenVirtualRanges(int64_t num_layers, int virtual_stages);
+/// What `stage` holds when `ranges` (one per virtual stage) run under `schedule`.
+StageSpec ChunkedStage(const Schedule& schedule, const LayerRanges& ranges, int stage);
+
 class PipelineRunner final : public ForwardBackwardRunner {
  public:
   /// `pp` (the pipeline communicator) must outlive the runner. `schedule_name` is a
-  /// registered schedule ("1f1b", "zbh1", "zbh2"). `rebalancer` (null: never move) is
+  /// registered schedule ("1f1b", "zbh1", "zbh2", "zbv"). `rebalancer` (null: never move) is
   /// asked at the start of each iteration for the layer moves carried out in its backward
   /// tail, before the optimizer step. `replica_groups` are communicators over the ranks
   /// that hold this same stage in other replicas (the data-parallel group, and the
   /// tensor-parallel one): the loads are averaged over each in turn, so every replica's
   /// rebalancer gets identical inputs and all apply the same plan. They must outlive the
   /// runner; groups of size 1 are skipped.
+  /// `num_chunks` is v, the model chunks per stage (virtual pipeline stages: interleaved
+  /// 1F1B, ZB-V; NOTE [model chunks] in core/gpt_model.h); the placement is then one range
+  /// per virtual stage, p·v in model order. Layer moves under chunks are not carried out yet:
+  /// a rebalancer that plans one with v > 1 is refused.
   PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size,
                  std::unique_ptr<Rebalancer> rebalancer = nullptr,
-                 std::vector<parallel::Communicator*> replica_groups = {});
+                 std::vector<parallel::Communicator*> replica_groups = {}, int num_chunks = 1);
 
   /// Records every iteration's actions, waits and migrations into `timeline` (flushed by
   /// Finish and every `flush_every` iterations); it must outlive the runner.
@@ -94,7 +107,8 @@ class PipelineRunner final : public ForwardBackwardRunner {
   const std::vector<StageLoad>& last_loads() const { return last_loads_; }
   /// The moves the last Run carried out.
   const std::vector<PlannedMove>& last_moves() const { return last_moves_; }
-  /// Every stage's range after the last Run.
+  /// Every stage's range after the last Run (with chunks, every virtual stage's, in model
+  /// order).
   const LayerRanges& ranges() const { return ranges_; }
 
  private:
@@ -115,8 +129,13 @@ class PipelineRunner final : public ForwardBackwardRunner {
   /// Logs the last run's decision and moves and puts them on the timeline.
   void RecordMoves(int64_t iteration);
 
+  // The ranges of every virtual stage, in model order (collective over the pipeline): what
+  // the placement is with chunks.
+  LayerRanges GatherVirtualRanges(const GptModel& stage, const Schedule& schedule);
+
   parallel::Communicator* pp_;
   std::string schedule_name_;
+  int num_chunks_ = 1;
   StageExecutor executor_;
   std::unique_ptr<Rebalancer> rebalancer_;
   std::vector<parallel::Communicator*> replica_groups_;

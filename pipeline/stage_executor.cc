@@ -39,6 +39,9 @@ int64_t Bytes(const at::Tensor& t) {
 
 // The live state of one micro-batch on this stage, from its F to its last backward action.
 struct StageExecutor::InFlight {
+  int chunk = 0;        // Which of the stage's chunks (NOTE [model chunks] in core/gpt_model.h).
+  int meter_key = 0;    // The pair's key in the activation meter.
+  bool local_input = false;  // Handed over from this stage's chunk before (not received).
   at::Tensor input;     // Received activation (requires grad), or undefined on stage 0.
   at::Tensor output;    // This stage's output, the root of its backward (non-last stages).
   at::Tensor loss;      // Scaled loss, the root of the backward (last stage).
@@ -65,41 +68,61 @@ struct StageExecutor::LayerInterval {
 // Everything one Run works with. The meter is constructed first: every tensor of the run
 // (the transport's receive buffers included) is allocated while it counts.
 struct StageExecutor::RunContext {
-  RunContext(GptModel& model, const MicroBatchPlan& plan, int64_t iteration, double loss_scale,
-             bool forward_only, parallel::Communicator* pp, const std::vector<Action>& actions,
-             int64_t micro_batch_size, size_t depth)
+  RunContext(GptModel& model, const Schedule& schedule, const MicroBatchPlan& plan,
+             int64_t iteration, double loss_scale, bool forward_only, parallel::Communicator* pp,
+             const std::vector<Action>& actions, int64_t micro_batch_size, size_t depth)
       : model(model),
         plan(plan),
         iteration(iteration),
         loss_scale(loss_scale),
         training(!forward_only),
-        first(pp->rank() == 0),
-        last(pp->rank() == pp->size() - 1),
         stage(pp->rank()),
+        num_chunks(schedule.num_chunks),
+        virtual_of(ChunkVirtualStages(schedule, pp->rank())),
+        last_virtual(schedule.num_stages * schedule.num_chunks - 1),
         meter(/*enabled=*/training),
         // Activations are [seq_length, micro_batch_size, hidden] between stages.
-        transport(pp, actions,
+        transport(pp, VirtualStages(schedule), actions,
                   {model.options().seq_length, micro_batch_size, model.options().hidden_size},
                   // NOTE [device seam]: activations travel in the compute dtype (bf16
                   // under --bf16) and are received onto the spec's device.
                   at::TensorOptions()
                       .dtype(model.options().device_spec.compute_dtype)
                       .device(model.options().device_spec.device),
-                  depth,
-                  /*receive_gradients=*/training && model.output_needs_grad(),
+                  depth, ReceiveGradients(model, schedule.num_chunks, training),
                   /*carried_channels=*/model.carries_token_state() ? 1 : 0) {}
+
+  // NOTE [model chunks]: chunk c holds the first piece of the model (the embedding) or the
+  // last (the head and the loss); with one chunk, the first and the last stage.
+  bool first(int chunk) const { return virtual_of[chunk] == 0; }
+  bool last(int chunk) const { return virtual_of[chunk] == last_virtual; }
+  // A (micro-batch, chunk) pair's key in the activation meter (the micro-batch with v = 1).
+  int MeterKey(int mb, int chunk) const { return mb * num_chunks + chunk; }
+
+  static std::vector<int> ChunkVirtualStages(const Schedule& schedule, int stage) {
+    std::vector<int> out(schedule.num_chunks);
+    for (int c = 0; c < schedule.num_chunks; ++c) out[c] = VirtualStageOf(schedule, stage, c);
+    return out;
+  }
+  static std::vector<bool> ReceiveGradients(const GptModel& model, int chunks, bool training) {
+    std::vector<bool> out(chunks);
+    for (int c = 0; c < chunks; ++c) out[c] = training && model.output_needs_grad(c);
+    return out;
+  }
 
   GptModel& model;
   const MicroBatchPlan& plan;
   const int64_t iteration;
   const double loss_scale;
   const bool training;
-  const bool first;
-  const bool last;
   const int stage;
+  const int num_chunks;
+  const std::vector<int> virtual_of;  // Per chunk, its virtual stage.
+  const int last_virtual;
   internal::RunMeter meter;
   internal::StageTransport transport;
-  std::map<int, std::unique_ptr<InFlight>> in_flight;
+  // By (micro-batch, chunk).
+  std::map<std::pair<int, int>, std::unique_ptr<InFlight>> in_flight;
   StageRunResult result;
   // NOTE [per-layer timing]: one timer per run, collected once at its end.
   std::unique_ptr<kernels::DeviceTimer> timer;
@@ -128,6 +151,23 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
                                             schedule.num_microbatches, " micro-batches, the run has ",
                                             stages, " × ", plan.count));
   }
+  // NOTE [model chunks]: the model holds one chunk per virtual stage of this rank.
+  if (model.num_chunks() != schedule.num_chunks) {
+    return absl::InternalError(absl::StrCat("schedule ", schedule.name, " runs ",
+                                            schedule.num_chunks, " chunks per stage; stage ",
+                                            stage, "'s model holds ", model.num_chunks()));
+  }
+  for (int c = 0; c < schedule.num_chunks; ++c) {
+    if (VirtualStageOf(schedule, stage, c) < 0) {
+      return absl::InternalError(absl::StrCat("schedule ", schedule.name, " has no chunk ", c,
+                                              " on stage ", stage));
+    }
+  }
+  if (!forward_only && !moves.empty() && schedule.num_chunks > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "layer moves under virtual pipeline stages (", schedule.num_chunks, " chunks per stage, "
+        "schedule ", schedule.name, ") are not supported yet; run without a rebalancer"));
+  }
   const bool training = !forward_only;
   run_start_ = Clock::now();
   // NOTE [action times on the device]: time zero of the device axis, marked with the host's.
@@ -150,7 +190,7 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
 
   // NOTE [pre-posted receives]: in the order the list consumes them.
   const size_t depth = static_cast<size_t>(std::max(1, schedule.max_in_flight));
-  RunContext run(model, plan, iteration, loss_scale, forward_only, pp_, actions,
+  RunContext run(model, schedule, plan, iteration, loss_scale, forward_only, pp_, actions,
                  micro_batch_size_, depth);
   run.result.start = run_start_;
   run.timer = std::move(timer);
@@ -164,16 +204,16 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
     const bool last_action = index == last_backward;
     switch (action.kind) {
       case ActionKind::kForward:
-        FULCRUM_RETURN_IF_ERROR(Forward(run, action.microbatch, timing));
+        FULCRUM_RETURN_IF_ERROR(Forward(run, action.microbatch, action.chunk, timing));
         break;
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
-        FULCRUM_RETURN_IF_ERROR(Backward(run, action.microbatch,
+        FULCRUM_RETURN_IF_ERROR(Backward(run, action.microbatch, action.chunk,
                                          action.kind == ActionKind::kBackwardInput, last_action,
                                          timing));
         break;
       case ActionKind::kBackwardWeight:
-        FULCRUM_RETURN_IF_ERROR(Weight(run, action.microbatch, last_action, timing));
+        FULCRUM_RETURN_IF_ERROR(Weight(run, action.microbatch, action.chunk, last_action, timing));
         break;
     }
     run.timer->Stop(ActionKey(index));
@@ -262,9 +302,13 @@ absl::Status StageExecutor::CollectTimes(RunContext& run) {
   return absl::OkStatus();
 }
 
-absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timing) {
+absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTiming& timing) {
   GptModel& model = run.model;
+  const bool first = run.first(chunk);
+  const bool last = run.last(chunk);
   auto state = std::make_unique<InFlight>();
+  state->chunk = chunk;
+  state->meter_key = run.MeterKey(mb, chunk);
   std::optional<at::NoGradGuard> no_grad;
   if (!run.training) no_grad.emplace();
   ForwardContext ctx{run.training, run.iteration, run.plan.first_sample(mb),
@@ -276,23 +320,31 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
   const int64_t s = model.options().seq_length;
   const bool carry = model.carries_token_state();
   at::Tensor tokens =
-      (run.first || run.last || model.needs_labels()) ? run.plan.tokens(mb) : at::Tensor();
+      (first || last || model.needs_labels()) ? run.plan.tokens(mb) : at::Tensor();
   if (model.needs_labels()) ctx.labels = tokens.narrow(1, 1, s).t();
-  if (!run.first) {
-    FULCRUM_ASSIGN_OR_RETURN(state->input, run.transport.TakeActivation(mb, &timing.wait_ms));
+  if (!first) {
+    state->local_input = run.transport.HandsOverInput(chunk);
+    FULCRUM_ASSIGN_OR_RETURN(state->input,
+                             run.transport.TakeActivation(mb, chunk, &timing.wait_ms));
     if (carry) {  // NOTE [carried token state]: the last channel
       const int64_t h = model.options().hidden_size;
       ctx.token_state = state->input.select(2, h).to(at::kFloat);
       state->input = state->input.narrow(2, 0, h).contiguous();
     }
     // NOTE [frozen prefix] in core/gpt_model.h: no gradient into the frozen layers before.
-    if (run.training && model.input_needs_grad()) state->input.requires_grad_(true);
+    if (run.training && model.input_needs_grad(chunk)) state->input.requires_grad_(true);
   }
   const int64_t live_before = run.meter.live();
   at::Tensor hidden =
-      run.first ? model.Embed(tokens.narrow(1, 0, s), ctx) : state->input;
-  state->layers.reserve(model.layers().size());
-  for (const auto& [layer_index, layer] : model.layers()) {  // timed per layer: the load model
+      first ? model.Embed(tokens.narrow(1, 0, s), ctx) : state->input;
+  // NOTE [model chunks]: this chunk's layers (with one chunk, every held layer).
+  const auto [chunk_begin, chunk_end] = model.chunk_range(chunk);
+  const auto layers_begin = model.layers().lower_bound(chunk_begin);
+  const auto layers_end = model.layers().lower_bound(chunk_end);
+  state->layers.reserve(std::distance(layers_begin, layers_end));
+  for (auto it = layers_begin; it != layers_end; ++it) {  // timed per layer: the load model
+    const int64_t layer_index = it->first;
+    const std::unique_ptr<TransformerLayer>& layer = it->second;
     const size_t slot = state->layers.size();
     state->layers.push_back(layer_index);
     if (run.training && hidden.requires_grad()) {
@@ -323,7 +375,7 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
       bytes = std::max(bytes, static_cast<double>(run.meter.live() - layer_live_before));
     }
   }
-  if (run.last) {
+  if (last) {
     if (run.training && hidden.requires_grad() && state->first_hooked != SIZE_MAX) {
       InFlight* st = state.get();
       RunContext* r = &run;
@@ -345,41 +397,48 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, ActionTiming& timin
                                              model.initial_token_state(),
                                              hidden.options().dtype(at::kFloat));
     run.transport.SendActivation(
-        at::cat({hidden.detach(), carried.to(hidden.scalar_type()).unsqueeze(-1)}, 2), mb);
+        at::cat({hidden.detach(), carried.to(hidden.scalar_type()).unsqueeze(-1)}, 2), mb, chunk);
     if (run.training) state->output = hidden;
   } else {
-    run.transport.SendActivation(hidden, mb);
+    run.transport.SendActivation(hidden, mb, chunk);
     if (run.training) state->output = hidden;
   }
   if (run.training) {
-    run.meter.Hold(mb, run.meter.live() - live_before + Bytes(state->input));
-    run.in_flight[mb] = std::move(state);
+    // A hand-over from this stage's chunk before shares that chunk's output: counted there.
+    const int64_t input_bytes = state->local_input ? 0 : Bytes(state->input);
+    run.meter.Hold(state->meter_key, run.meter.live() - live_before + input_bytes);
+    run.in_flight[{mb, chunk}] = std::move(state);
   }
   return absl::OkStatus();
 }
 
-absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool last_action,
-                                     ActionTiming& timing) {
-  auto it = run.in_flight.find(mb);
+absl::Status StageExecutor::Backward(RunContext& run, int mb, int chunk, bool split,
+                                     bool last_action, ActionTiming& timing) {
+  auto it = run.in_flight.find({mb, chunk});
   if (it == run.in_flight.end()) {
-    return absl::InternalError(absl::StrCat("stage ", run.stage, ": ", split ? "B" : "BW", mb,
-                                            " before its forward"));
+    return absl::InternalError(absl::StrCat(
+        "stage ", run.stage, ": ",
+        Action{split ? ActionKind::kBackwardInput : ActionKind::kBackward, mb, chunk}.ToString(),
+        " before its forward"));
   }
+  const bool first = run.first(chunk);
+  const bool last = run.last(chunk);
   InFlight& state = *it->second;
   state.backward_action = run.action;
   // NOTE [frozen prefix]: a stage whose layers all lie in the frozen prefix has nothing to
   // differentiate; the next stage sends it no gradient.
-  const bool differentiate = run.last || state.output.requires_grad();
+  const bool differentiate = last || state.output.requires_grad();
   if (differentiate) {
     std::optional<WeightGradStore::Scope> defer;
     if (split) defer.emplace(&state.weight_grads);
     // NOTE [per-layer timing]: the layers' backwards run last to first; the hooks close
     // each interval and open the next (on the last stage the head's input hook opens the
     // first).
-    if (run.last) {
+    if (last) {
       state.loss.backward();
     } else {
-      FULCRUM_ASSIGN_OR_RETURN(at::Tensor grad, run.transport.TakeGradient(mb, &timing.wait_ms));
+      FULCRUM_ASSIGN_OR_RETURN(at::Tensor grad,
+                               run.transport.TakeGradient(mb, chunk, &timing.wait_ms));
       if (state.first_hooked != SIZE_MAX) {
         OpenBackwardInterval(run, state, state.layers.size() - 1);
       }
@@ -393,33 +452,38 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, bool split, bool l
     state.open_slot = -1;
   }
   state.backward_action = -1;
-  if (!run.first && run.model.input_needs_grad()) run.transport.SendGradient(state.input.grad(), mb);
+  if (!first && run.model.input_needs_grad(chunk)) {
+    run.transport.SendGradient(state.input.grad(), mb, chunk);
+  }
   // The graph is freed; only the deferred weight gradients (split) remain.
   state.output = at::Tensor();
   state.loss = at::Tensor();
   state.input = at::Tensor();
   if (split) {
-    run.meter.Hold(mb, state.weight_grads.held_bytes());
+    run.meter.Hold(state.meter_key, state.weight_grads.held_bytes());
     return absl::OkStatus();
   }
-  run.meter.Release(mb);
+  run.meter.Release(state.meter_key);
   run.in_flight.erase(it);
   // After a last fused BW every weight gradient is final: the outgoing layers leave.
   if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, timing));
   return absl::OkStatus();
 }
 
-absl::Status StageExecutor::Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing) {
-  auto it = run.in_flight.find(mb);
+absl::Status StageExecutor::Weight(RunContext& run, int mb, int chunk, bool last_action,
+                                   ActionTiming& timing) {
+  auto it = run.in_flight.find({mb, chunk});
   if (it == run.in_flight.end()) {
-    return absl::InternalError(absl::StrCat("stage ", run.stage, ": W", mb, " without its B"));
+    return absl::InternalError(absl::StrCat(
+        "stage ", run.stage, ": ", Action{ActionKind::kBackwardWeight, mb, chunk}.ToString(),
+        " without its B"));
   }
   WeightGradStore& store = it->second->weight_grads;
   // NOTE [early migration]: each moving layer's last weight gradients first, then off.
   if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, timing));
   // NOTE [per-layer timing]: per tag into the timer; CollectLayerTimes reads them back.
   store.Flush(nullptr, run.timer.get(), WeightKeyPrefix(run.action));
-  run.meter.Release(mb);
+  run.meter.Release(it->second->meter_key);
   run.in_flight.erase(it);
   return absl::OkStatus();
 }

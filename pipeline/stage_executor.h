@@ -12,6 +12,16 @@
 // measured (NOTE [activation memory]). Layer moves planned for the iteration are carried out
 // in its backward tail (NOTE [early migration]).
 //
+// With virtual pipeline stages (v model chunks per stage, NOTE [model chunks] in
+// core/gpt_model.h) every action names its chunk: F of (mb, chunk c) takes its input from
+// the virtual stage before c in model order (the embedding for virtual stage 0; an
+// in-memory hand-over when that virtual stage is on this rank, as at ZB-V's turn) and sends
+// its output to the one after (or computes the loss on the last); B/BW/W likewise in
+// reverse. State, the activation meter's accounting and the per-layer times are per
+// (micro-batch, chunk); messages get a queue and tags per (direction, chunk) (NOTE [chunk
+// transport] in pipeline/internal/stage_transport.h). Layer moves are not carried out
+// with chunks yet (Run refuses a plan with moves when v > 1).
+//
 // Where the parts live: this file interprets the action list (F, B, W, BW); the transport
 // (pipeline/internal/stage_transport.h), the activation meter
 // (pipeline/internal/activation_meter.h) and the stage's part of the layer moves
@@ -152,7 +162,9 @@ struct StageRunResult {
 // in flight, taken at action boundaries; temporaries inside one action are not included.
 // Each layer's share is the bytes still allocated after its forward that were not before
 // (per micro-batch; the load model's per-layer activation memory). While it counts, the
-// reporter replaces a running PyTorch profiler's memory events.
+// reporter replaces a running PyTorch profiler's memory events. With chunks each (micro-batch,
+// chunk) pair is held on its own; an input handed over from the rank's own chunk (NOTE
+// [chunk transport]) shares that chunk's output and is counted there only.
 //
 // NOTE [pre-posted receives]
 // Gloo (like NCCL) moves a point-to-point message only once both ends have posted it; a
@@ -160,7 +172,8 @@ struct StageRunResult {
 // processes' transport threads after the data is ready, on the pipeline's critical path.
 // The executor therefore posts the receives of each direction in the order its list
 // consumes them, up to max_in_flight ahead (buffers the size of one activation each), and
-// an action only waits for its own.
+// an action only waits for its own. With chunks each (direction, chunk) is its own queue,
+// in the order the list consumes that queue (NOTE [chunk transport]).
 //
 // NOTE [early migration]
 // The moves of an iteration are known before it starts: the rebalancer plans a placement
@@ -215,10 +228,10 @@ class StageExecutor {
   struct RunContext;
   struct LayerInterval;
 
-  absl::Status Forward(RunContext& run, int mb, ActionTiming& timing);
-  absl::Status Backward(RunContext& run, int mb, bool split, bool last_action,
+  absl::Status Forward(RunContext& run, int mb, int chunk, ActionTiming& timing);
+  absl::Status Backward(RunContext& run, int mb, int chunk, bool split, bool last_action,
                         ActionTiming& timing);
-  absl::Status Weight(RunContext& run, int mb, bool last_action, ActionTiming& timing);
+  absl::Status Weight(RunContext& run, int mb, int chunk, bool last_action, ActionTiming& timing);
   // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
   // last micro-batch's deferred weight gradients, of which each layer's run first.
   absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, ActionTiming& timing);

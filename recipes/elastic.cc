@@ -16,6 +16,15 @@ absl::StatusOr<std::unique_ptr<ElasticController>> ElasticController::Create(
     ElasticOptions options, std::unique_ptr<parallel::ProcessGroupContext> context) {
   std::unique_ptr<ElasticController> controller(new ElasticController(std::move(options)));
   controller->context_ = std::move(context);
+  const ElasticOptions& o = controller->options_;
+  const int pp = controller->context_ != nullptr ? controller->context_->roles().pp_size : 1;
+  if (pp > 1 && o.num_chunks > 1) {
+    // NOTE [model chunks]: the schedule's layout (round-robin or V) cuts the model; it does
+    // not depend on the micro-batch count (2p satisfies interleaved 1F1B's m % p rule).
+    FULCRUM_ASSIGN_OR_RETURN(pipeline::Schedule layout,
+                             pipeline::MakeSchedule(o.schedule, pp, 2 * pp, o.num_chunks));
+    controller->context_->SetVirtualStages(pipeline::VirtualOwners(layout));
+  }
   if (controller->context_ != nullptr) {
     FULCRUM_RETURN_IF_ERROR(controller
                                 ->InstallRunner(*controller->context_, controller->options_.timeline,
@@ -43,7 +52,8 @@ absl::StatusOr<ForwardBackwardRunner*> ElasticController::InstallRunner(
       &context.group(parallel::GroupKind::kPipeline), options_.schedule,
       options_.micro_batch_size, std::move(rebalancer),
       std::vector<parallel::Communicator*>{&context.group(parallel::GroupKind::kTensor),
-                                           &context.group(parallel::GroupKind::kData)});
+                                           &context.group(parallel::GroupKind::kData)},
+      one_stage ? 1 : options_.num_chunks);
   if (!timeline_path.empty()) {
     timeline_ = std::make_unique<pipeline::TimelineRecorder>(&context.world(), timeline_path,
                                                              context.coords().pp);

@@ -37,6 +37,8 @@ struct ElasticOptions {
   parallel::ParallelConfig layout;
   /// --pipeline_schedule.
   std::string schedule;
+  /// Model chunks per stage (VirtualPipelineChunksFromFlags); > 1: virtual pipeline stages.
+  int num_chunks = 1;
   int64_t micro_batch_size = 1;
   /// A fresh rebalancer for each runner (the flags' --rebalancer...).
   std::function<absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>>()> make_rebalancer;

@@ -19,6 +19,10 @@
 #include "pipeline/schedule.h"
 #include "recipes/recipes.h"
 
+// recipes/repack_flags.cc's: re-packing is refused under virtual pipeline stages.
+DECLARE_string(repack);
+DECLARE_string(repack_script);
+
 // Model.
 DEFINE_string(recipe, "tiny", "Preset of flags (see the list above); explicit flags override it.");
 DEFINE_int64(num_layers, 4, "Number of transformer layers.");
@@ -92,7 +96,16 @@ DEFINE_int64(vocab_size, 0,
 // Parallelism.
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
-DEFINE_string(pipeline_schedule, "1f1b", "Pipeline schedule: 1f1b, zbh1 or zbh2.");
+DEFINE_string(pipeline_schedule, "1f1b",
+              "Pipeline schedule: 1f1b (interleaved 1F1B with virtual stages), zbh1 (interleaved "
+              "ZB-H1 with virtual stages), zbh2 or zbv (ZB-V: two chunks per stage in a V).");
+DEFINE_int32(virtual_pipeline_model_parallel_size, 0,
+             "Model chunks per pipeline stage (Megatron's virtual pipeline stages): the model is "
+             "cut into pp × this many pieces, dealt round-robin (1f1b: interleaved 1F1B) or in a "
+             "V (zbv, which needs 2). 0: one chunk (two for zbv).");
+DEFINE_int32(num_layers_per_virtual_pipeline_stage, 0,
+             "Layers per virtual pipeline stage; the chunks per stage are then --num_layers / "
+             "(pp × this). Give this or --virtual_pipeline_model_parallel_size, not both.");
 DEFINE_string(timeline, "",
               "Write a Chrome trace / Perfetto JSON of every rank's F/B/W actions, waits and "
               "layer moves to this file (pipeline runs, --pipeline_model_parallel_size > 1).");
@@ -223,7 +236,9 @@ cli::HelpSpec TrainHelpSpec() {
         "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes",
         "num_threads"}},
       {"Pipeline and balancing",
-       {"pipeline_schedule", "pipeline_initial_partition", "rebalancer", "balance_by",
+       {"pipeline_schedule", "virtual_pipeline_model_parallel_size",
+        "num_layers_per_virtual_pipeline_stage", "pipeline_initial_partition", "rebalancer",
+        "balance_by",
         "rebalance_window", "rebalance_interval", "rebalance_min_gain", "rebalance_max_moves",
         "rebalance_memory_budget_mb", "diffusion_max_rounds", "rebalance_script"}},
       {"Re-packing (fewer pipeline stages when the work shrinks)",
@@ -377,9 +392,29 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
       return Invalid(std::string(played.status().message()));
     }
   }
+  FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
+  if (chunks > 1) {
+    // Layer moves, the parameter-balanced start and re-packing place one range per stage;
+    // under chunks they are not carried out yet.
+    if (FLAGS_rebalancer != "none" || !FLAGS_rebalance_script.empty()) {
+      return Invalid(absl::StrCat("--rebalancer and --rebalance_script move layers, which is not "
+                                  "supported with ", chunks, " virtual pipeline stages per stage "
+                                  "(--virtual_pipeline_model_parallel_size / --pipeline_schedule=",
+                                  FLAGS_pipeline_schedule, ") yet"));
+    }
+    if (FLAGS_pipeline_initial_partition != "uniform") {
+      return Invalid("--pipeline_initial_partition=params places one range per stage; with "
+                     "virtual pipeline stages it needs --pipeline_initial_partition=uniform");
+    }
+    if (FLAGS_repack != "off" || !FLAGS_repack_script.empty()) {
+      return Invalid("--repack re-places one range per stage; it does not support virtual "
+                     "pipeline stages (--virtual_pipeline_model_parallel_size > 1, zbv) yet");
+    }
+  }
   if (config.pp > 1) {
     const int64_t micro = FLAGS_global_batch_size / std::max<int64_t>(1, FLAGS_micro_batch_size * config.dp());
-    auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp, static_cast<int>(micro));
+    auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp,
+                                           static_cast<int>(micro), chunks);
     if (!schedule.ok()) return schedule.status();
   } else if (pipeline::ScheduleRegistry::Global().Find(FLAGS_pipeline_schedule) == nullptr) {
     // One stage runs no schedule, but a misspelt name is still a mistake worth naming (a
@@ -400,6 +435,57 @@ absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(const c10::Device&
   return parallel::ResolveBackend(FLAGS_distributed_backend, device, parallel::HaveNccl());
 }
 std::string PipelineScheduleFlag() { return FLAGS_pipeline_schedule; }
+
+absl::StatusOr<int> VirtualPipelineChunksFromFlags(int pp) {
+  const int v_flag = FLAGS_virtual_pipeline_model_parallel_size;
+  const int per_stage = FLAGS_num_layers_per_virtual_pipeline_stage;
+  if (v_flag < 0) {
+    return Invalid(absl::StrCat("--virtual_pipeline_model_parallel_size=", v_flag, " must be ≥ 0"));
+  }
+  if (per_stage < 0) {
+    return Invalid(absl::StrCat("--num_layers_per_virtual_pipeline_stage=", per_stage,
+                                " must be ≥ 0"));
+  }
+  if (v_flag > 0 && per_stage > 0) {
+    return Invalid("give --virtual_pipeline_model_parallel_size or "
+                   "--num_layers_per_virtual_pipeline_stage, not both");
+  }
+  int v = v_flag;
+  if (per_stage > 0) {
+    // Megatron's rule: the layers divide evenly into pp × per_stage-layer pieces.
+    if (FLAGS_num_layers % (static_cast<int64_t>(pp) * per_stage) != 0) {
+      return Invalid(absl::StrCat("--num_layers=", FLAGS_num_layers, " is not divisible by "
+                                  "--pipeline_model_parallel_size × "
+                                  "--num_layers_per_virtual_pipeline_stage = ", pp, " × ",
+                                  per_stage));
+    }
+    v = static_cast<int>(FLAGS_num_layers / (static_cast<int64_t>(pp) * per_stage));
+  }
+  const bool zbv = FLAGS_pipeline_schedule == "zbv";
+  if (zbv) {
+    if (v != 0 && v != 2) {
+      return Invalid(absl::StrCat("--pipeline_schedule=zbv runs two chunks per stage (a V); "
+                                  "--virtual_pipeline_model_parallel_size (or the layers per "
+                                  "virtual stage) gives ", v));
+    }
+    v = 2;
+  }
+  if (v == 0) v = 1;
+  if (v > 1) {
+    if (pp < 2 && !zbv) {
+      return Invalid(absl::StrCat("--virtual_pipeline_model_parallel_size=", v,
+                                  " needs --pipeline_model_parallel_size > 1"));
+    }
+    // Whether --pipeline_schedule has a form with chunks is MakeSchedule's answer (checked
+    // with the layout: zbh2, for one, has none).
+    if (FLAGS_num_layers < static_cast<int64_t>(pp) * v) {
+      return Invalid(absl::StrCat("--num_layers=", FLAGS_num_layers, " is below the ", pp * v,
+                                  " virtual pipeline stages (--pipeline_model_parallel_size × "
+                                  "chunks = ", pp, " × ", v, "); each needs a layer"));
+    }
+  }
+  return v;
+}
 std::string TimelineFlag() { return FLAGS_timeline; }
 
 absl::StatusOr<dynamic::BalancerOptions> BalancerOptionsFromFlags() {

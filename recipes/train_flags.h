@@ -56,6 +56,13 @@ std::string DistributedBackendFlag();
 /// naming both flags.
 absl::StatusOr<parallel::Backend> DistributedBackendFromFlags(const c10::Device& device);
 std::string PipelineScheduleFlag();
+/// The model chunks per stage v (virtual pipeline stages) for `pp` stages, from
+/// --virtual_pipeline_model_parallel_size or --num_layers_per_virtual_pipeline_stage (one
+/// of them; Megatron's names) and --pipeline_schedule (zbv implies 2 and refuses another v;
+/// v > 1 needs pp > 1 and --num_layers ≥ pp·v). 1 without virtual stages. Whether the
+/// schedule has a form with chunks, and interleaving's micro-batch rule (m % pp == 0), are
+/// MakeSchedule's, checked with the layout.
+absl::StatusOr<int> VirtualPipelineChunksFromFlags(int pp);
 std::string TimelineFlag();
 /// The balancing flags (--balance_by, --rebalance_*, --diffusion_max_rounds), validated.
 absl::StatusOr<dynamic::BalancerOptions> BalancerOptionsFromFlags();

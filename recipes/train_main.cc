@@ -120,6 +120,7 @@ struct Checked {
   fulcrum::TrainerConfig early;  // The flags' configuration, before the vocabulary is known.
   std::optional<fulcrum::ckpt::CheckpointReader> checkpoint;  // --load, opened.
   fulcrum::RepackSettings repack;
+  int num_chunks = 1;  // Model chunks per pipeline stage (virtual pipeline stages).
   std::vector<std::string> plugin_names;
   fulcrum::plugins::PluginSetup plugin_setup;
 };
@@ -132,6 +133,7 @@ absl::Status CheckBeforeWork(Checked& c) {
   fulcrum::SetComputeThreads(c.threads.threads);
   FULCRUM_ASSIGN_OR_RETURN(c.world, fulcrum::parallel::WorldInfoFromEnvironment());
   FULCRUM_ASSIGN_OR_RETURN(c.layout, fulcrum::ParallelConfigFromFlags(c.world.world_size));
+  FULCRUM_ASSIGN_OR_RETURN(c.num_chunks, fulcrum::VirtualPipelineChunksFromFlags(c.layout.pp));
   FULCRUM_ASSIGN_OR_RETURN(c.early, fulcrum::ConfigFromFlags(/*vocab_size=*/0, c.layout.tp,
                                                                 c.world.local_rank));
   FULCRUM_ASSIGN_OR_RETURN(c.backend,
@@ -187,6 +189,7 @@ fulcrum::ElasticOptions ElasticOptionsOf(const Checked& c, const fulcrum::Traine
   fulcrum::ElasticOptions options;
   options.layout = c.layout;
   options.schedule = fulcrum::PipelineScheduleFlag();
+  options.num_chunks = c.num_chunks;
   options.micro_batch_size = config.train.micro_batch_size;
   options.make_rebalancer = fulcrum::RebalancerFromFlags;
   options.timeline = fulcrum::TimelineFlag();

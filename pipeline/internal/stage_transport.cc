@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include <c10/util/Exception.h>
+
 #include "absl/strings/str_cat.h"
 
 namespace fulcrum::pipeline::internal {
@@ -17,20 +19,23 @@ using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-// The tags of one direction in the order `actions` consume them.
-std::vector<int> ActivationTags(const std::vector<Action>& actions) {
+// The tags of one direction of one chunk in the order `actions` consume them.
+std::vector<int> ActivationTags(const std::vector<Action>& actions, int chunk, int num_chunks) {
   std::vector<int> tags;
   for (const Action& a : actions) {
-    if (a.kind == ActionKind::kForward) tags.push_back(ActivationTag(a.microbatch));
+    if (a.kind == ActionKind::kForward && a.chunk == chunk) {
+      tags.push_back(ActivationTag(a.microbatch, chunk, num_chunks));
+    }
   }
   return tags;
 }
 
-std::vector<int> GradientTags(const std::vector<Action>& actions) {
+std::vector<int> GradientTags(const std::vector<Action>& actions, int chunk, int num_chunks) {
   std::vector<int> tags;
   for (const Action& a : actions) {
-    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
-      tags.push_back(GradientTag(a.microbatch));
+    if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) &&
+        a.chunk == chunk) {
+      tags.push_back(GradientTag(a.microbatch, chunk, num_chunks));
     }
   }
   return tags;
@@ -71,32 +76,92 @@ void ReceiveQueue::Refill() {
   }
 }
 
-StageTransport::StageTransport(parallel::Communicator* pp, const std::vector<Action>& actions,
-                               std::vector<int64_t> shape, at::TensorOptions options,
-                               size_t depth, bool receive_gradients, int64_t carried_channels)
-    : pp_(pp),
-      stage_(pp->rank()),
-      activations_(pp, stage_ - 1, stage_ > 0 ? ActivationTags(actions) : std::vector<int>{},
-                   WithCarried(shape, carried_channels), options, depth),
-      gradients_(pp, stage_ + 1,
-                 stage_ < pp->size() - 1 && receive_gradients ? GradientTags(actions)
-                                                                : std::vector<int>{},
-                 shape, options, depth) {}
-
-absl::StatusOr<at::Tensor> StageTransport::TakeActivation(int mb, double* wait_ms) {
-  return activations_.Take(ActivationTag(mb), wait_ms);
+StageTransport::StageTransport(parallel::Communicator* pp,
+                               const std::vector<ChunkId>& virtual_stages,
+                               const std::vector<Action>& actions, std::vector<int64_t> shape,
+                               at::TensorOptions options, size_t depth,
+                               std::vector<bool> receive_gradients, int64_t carried_channels)
+    : pp_(pp), stage_(pp->rank()), num_chunks_(static_cast<int>(receive_gradients.size())) {
+  neighbours_.resize(num_chunks_);
+  const int last = static_cast<int>(virtual_stages.size()) - 1;
+  for (int k = 0; k <= last; ++k) {
+    if (virtual_stages[k].stage != stage_) continue;
+    const int c = virtual_stages[k].chunk;
+    TORCH_CHECK(c >= 0 && c < num_chunks_, "virtual stage ", k, " is chunk ", c,
+                " of a stage with ", num_chunks_);
+    Neighbours& n = neighbours_[c];
+    if (k > 0) {
+      n.prev_rank = virtual_stages[k - 1].stage;
+      n.prev_chunk = virtual_stages[k - 1].chunk;
+    }
+    if (k < last) {
+      n.next_rank = virtual_stages[k + 1].stage;
+      n.next_chunk = virtual_stages[k + 1].chunk;
+    }
+  }
+  local_activations_.resize(num_chunks_);
+  local_gradients_.resize(num_chunks_);
+  // NOTE [pre-posted receives]: activations, then gradients (the order of before with one
+  // chunk); a queue only for a neighbour on another rank.
+  for (int c = 0; c < num_chunks_; ++c) {
+    const Neighbours& n = neighbours_[c];
+    const bool remote = n.prev_rank >= 0 && n.prev_rank != stage_;
+    activations_.push_back(std::make_unique<ReceiveQueue>(
+        pp, n.prev_rank, remote ? ActivationTags(actions, c, num_chunks_) : std::vector<int>{},
+        WithCarried(shape, carried_channels), options, depth));
+  }
+  for (int c = 0; c < num_chunks_; ++c) {
+    const Neighbours& n = neighbours_[c];
+    const bool remote = n.next_rank >= 0 && n.next_rank != stage_ && receive_gradients[c];
+    gradients_.push_back(std::make_unique<ReceiveQueue>(
+        pp, n.next_rank, remote ? GradientTags(actions, c, num_chunks_) : std::vector<int>{},
+        shape, options, depth));
+  }
 }
 
-absl::StatusOr<at::Tensor> StageTransport::TakeGradient(int mb, double* wait_ms) {
-  return gradients_.Take(GradientTag(mb), wait_ms);
+absl::StatusOr<at::Tensor> StageTransport::TakeLocal(std::map<int, at::Tensor>& local, int mb,
+                                                     int chunk, const char* what) {
+  auto it = local.find(mb);
+  if (it == local.end()) {
+    return absl::InternalError(absl::StrCat("stage ", stage_, ": chunk ", chunk, " needs the ",
+                                            what, " of micro-batch ", mb, " from its own stage, ",
+                                            "which has not produced it yet"));
+  }
+  at::Tensor t = std::move(it->second);
+  local.erase(it);
+  return t;
 }
 
-void StageTransport::SendActivation(const at::Tensor& t, int mb) {
-  Send(t, stage_ + 1, ActivationTag(mb));
+absl::StatusOr<at::Tensor> StageTransport::TakeActivation(int mb, int chunk, double* wait_ms) {
+  if (neighbours_[chunk].prev_rank == stage_) {
+    return TakeLocal(local_activations_[chunk], mb, chunk, "activation");
+  }
+  return activations_[chunk]->Take(ActivationTag(mb, chunk, num_chunks_), wait_ms);
 }
 
-void StageTransport::SendGradient(const at::Tensor& t, int mb) {
-  Send(t, stage_ - 1, GradientTag(mb));
+absl::StatusOr<at::Tensor> StageTransport::TakeGradient(int mb, int chunk, double* wait_ms) {
+  if (neighbours_[chunk].next_rank == stage_) {
+    return TakeLocal(local_gradients_[chunk], mb, chunk, "output gradient");
+  }
+  return gradients_[chunk]->Take(GradientTag(mb, chunk, num_chunks_), wait_ms);
+}
+
+void StageTransport::SendActivation(const at::Tensor& t, int mb, int chunk) {
+  const Neighbours& n = neighbours_[chunk];
+  if (n.next_rank == stage_) {  // NOTE [chunk transport]: handed over, as received
+    local_activations_[n.next_chunk][mb] = t.detach();
+    return;
+  }
+  Send(t, n.next_rank, ActivationTag(mb, n.next_chunk, num_chunks_));
+}
+
+void StageTransport::SendGradient(const at::Tensor& t, int mb, int chunk) {
+  const Neighbours& n = neighbours_[chunk];
+  if (n.prev_rank == stage_) {
+    local_gradients_[n.prev_chunk][mb] = t.detach();
+    return;
+  }
+  Send(t, n.prev_rank, GradientTag(mb, n.prev_chunk, num_chunks_));
 }
 
 void StageTransport::Send(const at::Tensor& t, int peer, int tag) {

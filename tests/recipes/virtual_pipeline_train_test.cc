@@ -1,0 +1,152 @@
+// Virtual pipeline stages through fulcrum_train (fulcrum_launch, Gloo): the tiny recipe at
+// 8 layers under interleaved 1F1B (--virtual_pipeline_model_parallel_size=2, and the same
+// through --num_layers_per_virtual_pipeline_stage), interleaved ZB-H1 and ZB-V (--pipeline_schedule=zbv) at
+// pp = 2, and interleaved 1F1B at pp = 4, follows the one-process loss curve: the first
+// loss (no optimizer step yet) bit for bit, the rest within the layout tolerance (the
+// gradient norm is summed over the ranks in another order). The metrics name the p·v
+// ranges. The flags' mistakes are refused naming the flag.
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
+
+namespace fulcrum {
+namespace {
+
+constexpr int kIterations = 12;
+
+std::string Common() {
+  return "--recipe=tiny --num_layers=8 --seq_length=32 --train_iters=" +
+         std::to_string(kIterations) +
+         " --eval_interval=6 --eval_iters=1 --log_interval=6 --global_batch_size=16 "
+         "--micro_batch_size=2" +
+         std::string(testing::kPastWarmup);
+}
+
+class SlowVirtualPipelineTrainTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(testing::MakeTempDir("virtual_pipeline_train"));
+    std::string output;
+    const std::string metrics = *dir_ + "/single.jsonl";
+    ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --metrics_file=" + metrics),
+                                  &output),
+              0)
+        << output;
+    single_ = new std::vector<nlohmann::json>(testing::MetricsRecords(metrics));
+  }
+  // Runs `layout` on `n` ranks; returns its records after checking them against one process.
+  std::vector<nlohmann::json> ExpectFollowsOneProcess(int n, const std::string& layout,
+                                                      const std::string& name) {
+    std::string output;
+    const std::string metrics = *dir_ + "/" + name + ".jsonl";
+    EXPECT_EQ(testing::RunCommand(
+                  testing::TrainCommand(n, Common() + " " + layout + " --metrics_file=" + metrics),
+                  &output),
+              0)
+        << output;
+    std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
+    const std::vector<double> losses = testing::LossesOf(records);
+    const std::vector<double> single = testing::LossesOf(*single_);
+    EXPECT_EQ(losses.size(), static_cast<size_t>(kIterations)) << output;
+    if (losses.empty() || single.empty()) return records;
+    EXPECT_EQ(losses.front(), single.front()) << name << ": the first loss, before any step";
+    const double worst = testing::MaxRelativeDifference(losses, single);
+    std::cout << name << ": max relative loss difference vs one process over " << kIterations
+              << " iterations: " << worst << std::endl;
+    EXPECT_LE(worst, testing::kLayoutTolerance) << name;
+    const std::vector<double> valid = testing::ValidLossesOf(records);
+    const std::vector<double> single_valid = testing::ValidLossesOf(*single_);
+    EXPECT_EQ(valid.size(), single_valid.size()) << "evaluation ran through the chunks";
+    EXPECT_LE(testing::MaxRelativeDifference(valid, single_valid), testing::kLayoutTolerance);
+    return records;
+  }
+  static std::string* dir_;
+  static std::vector<nlohmann::json>* single_;
+};
+std::string* SlowVirtualPipelineTrainTest::dir_ = nullptr;
+std::vector<nlohmann::json>* SlowVirtualPipelineTrainTest::single_ = nullptr;
+
+// stage_ranges lists the p·v virtual stages in model order: the even split.
+void ExpectRanges(const std::vector<nlohmann::json>& records, const nlohmann::json& expected) {
+  ASSERT_FALSE(records.empty());
+  ASSERT_TRUE(records.back().contains("stage_ranges")) << records.back().dump();
+  EXPECT_EQ(records.back()["stage_ranges"], expected);
+}
+
+TEST_F(SlowVirtualPipelineTrainTest, InterleavedTwoStages) {
+  const auto records = ExpectFollowsOneProcess(
+      2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2",
+      "pp2_interleaved");
+  ExpectRanges(records, nlohmann::json::parse("[[0,2],[2,4],[4,6],[6,8]]"));
+  // The same layout through Megatron's other flag.
+  ExpectFollowsOneProcess(
+      2, "--pipeline_model_parallel_size=2 --num_layers_per_virtual_pipeline_stage=2",
+      "pp2_interleaved_per_stage");
+  // Interleaved ZB-H1: the same layout with B and W split.
+  ExpectFollowsOneProcess(
+      2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2 "
+         "--pipeline_schedule=zbh1",
+      "pp2_interleaved_zbh1");
+}
+
+TEST_F(SlowVirtualPipelineTrainTest, ZeroBubbleVTwoStages) {
+  const auto records =
+      ExpectFollowsOneProcess(2, "--pipeline_model_parallel_size=2 --pipeline_schedule=zbv", "pp2_zbv");
+  ExpectRanges(records, nlohmann::json::parse("[[0,2],[2,4],[4,6],[6,8]]"));
+}
+
+TEST_F(SlowVirtualPipelineTrainTest, InterleavedFourStages) {
+  const auto records = ExpectFollowsOneProcess(
+      4, "--pipeline_model_parallel_size=4 --virtual_pipeline_model_parallel_size=2",
+      "pp4_interleaved");
+  ExpectRanges(records, nlohmann::json::parse("[[0,1],[1,2],[2,3],[3,4],[4,5],[5,6],[6,7],[7,8]]"));
+}
+
+// Each mistake exits non-zero with a message naming the flag (refused before any work).
+TEST(VirtualPipelineFlagsTest, MistakesAreRefusedNamingTheFlag) {
+  struct Case {
+    int n;
+    std::string flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {1, "--virtual_pipeline_model_parallel_size=2",
+       "--virtual_pipeline_model_parallel_size=2 needs --pipeline_model_parallel_size > 1"},
+      {1, "--virtual_pipeline_model_parallel_size=2 --num_layers_per_virtual_pipeline_stage=1",
+       "not both"},
+      {1, "--pipeline_schedule=zbv --virtual_pipeline_model_parallel_size=3",
+       "--pipeline_schedule=zbv runs two chunks per stage"},
+      {1, "--virtual_pipeline_model_parallel_size=-1", "must be ≥ 0"},
+      {2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2 "
+          "--pipeline_schedule=zbh2",
+       "it has no interleaved form"},
+      {2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=3",
+       "is below the 6 virtual pipeline stages"},
+      {2, "--pipeline_model_parallel_size=2 --num_layers_per_virtual_pipeline_stage=3",
+       "is not divisible by --pipeline_model_parallel_size × --num_layers_per_virtual_pipeline_stage"},
+      // Megatron's rule for interleaved 1F1B: the micro-batch count (here 6 / 2 = 3) must be
+      // a multiple of the stages (2).
+      {2, "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2 "
+          "--global_batch_size=6 --micro_batch_size=2",
+       "--pipeline_model_parallel_size"},
+      {2, "--pipeline_model_parallel_size=2 --pipeline_schedule=zbv --rebalancer=partition",
+       "not supported with 2 virtual pipeline stages"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.flags);
+    std::string output;
+    const int code = testing::RunCommand(
+        testing::TrainCommand(c.n, "--recipe=tiny --num_layers=4 --train_iters=1 " + c.flags),
+        &output);
+    EXPECT_NE(code, 0) << output;
+    EXPECT_NE(output.find(c.message), std::string::npos) << output;
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum

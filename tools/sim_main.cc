@@ -10,6 +10,8 @@
 //   fulcrum_sim --trace=run.jsonl --scale_layers=48 --scale_hidden=1024 --stages=24
 //   ... --repack                                 GPUs over time after re-packing
 //   ... --output=sim.jsonl                       per-iteration results, for fulcrum_plot
+//   fulcrum_sim --schedules                      1F1B, ZB-H1, interleaved 1F1B, ZB-V side by
+//                                                side at 16 and 24 stages (--stages for others)
 //
 // Exit codes: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or
 // the write of --output failed. --output is written atomically (a temporary file renamed over
@@ -32,11 +34,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/file_system.h"
+#include "dynamic/balance_problem.h"
 #include "dynamic/balancing_rebalancer.h"
 #include "dynamic/partition.h"
 #include "dynamic/simulation.h"
 #include "dynamic/trace_replay.h"
 #include "pipeline/schedule.h"
+#include "pipeline/schedule_simulator.h"
 #include "tools/internal/sim_cases.h"
 
 DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
@@ -55,7 +59,12 @@ DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (def
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
 DEFINE_int32(stages, 0, "Pipeline stages (0: the case's, or the trace's).");
 DEFINE_int32(microbatches, 0, "Micro-batches per iteration (0: 4 per stage, or the trace's).");
-DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2 (empty: zbh1 for cases, the trace's).");
+DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2, zbv (empty: zbh1 for cases, the trace's).");
+DEFINE_bool(schedules, false,
+            "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B (2 chunks per stage) "
+            "and ZB-V at unit costs and at the dense GPT's costs, with the layers spread uniformly "
+            "over the virtual stages (not balanced), at 16 and 24 stages (or --stages), "
+            "--microbatches (0: 4 per stage).");
 DEFINE_int32(rebalance_interval, 1, "Balancers decide every this many iterations (and after a change).");
 DEFINE_double(rebalance_min_gain, 0.05, "Balancers' minimum predicted gain (hysteresis).");
 DEFINE_int32(rebalance_window, 3, "Balancers' median window of measured iterations.");
@@ -497,6 +506,99 @@ int RunTrace(std::string* out) {
   return 0;
 }
 
+// --schedules. NOTE [schedule comparison]: every schedule runs the same model — the dense GPT
+// of the cases (NOTE [sim FLOP model]), --vocab's head on the last virtual stage — cut into
+// p·v contiguous pieces of equal layer counts (UniformPlacement over the virtual stages; a
+// balancer would move them), so a chunk of a 2-chunk schedule costs about half a stage.
+// "unit" gives each whole stage F = B = W = 1 (a chunk 1/v of it) and no transfer time,
+// the setting of the schedules' closed forms. The bubble is the mean over the stages of
+// idle / makespan; activations are the most any stage holds, in whole-stage micro-batches
+// (chunk micro-batches / v).
+struct ScheduleRow {
+  std::string label;
+  std::string name;
+  int chunks = 1;
+};
+
+struct ScheduleFigures {
+  double makespan = 0;
+  double bubble = 0;
+  double activations = 0;
+};
+
+ScheduleFigures Figures(const pipeline::Schedule& schedule,
+                        const std::vector<pipeline::ActionCosts>& costs) {
+  const pipeline::SimulationResult result = pipeline::Simulate(schedule, costs);
+  ScheduleFigures f;
+  f.makespan = result.makespan;
+  int peak = 0;
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    f.bubble += result.BubbleRatio(s) / schedule.num_stages;
+    peak = std::max(peak, pipeline::PeakInFlight(schedule, s));
+  }
+  f.activations = static_cast<double>(peak) / schedule.num_chunks;
+  return f;
+}
+
+int RunSchedules() {
+  sim::GptShape shape;
+  shape.device_tflops = FLAGS_device_tflops;
+  shape.vocab = FLAGS_vocab;
+  const dynamic::IterationCosts dense = sim::DenseCosts(shape);
+  dynamic::NetworkOptions network;
+  network.p2p_bandwidth_gbps = FLAGS_p2p_bandwidth_gbps;
+  network.p2p_latency_us = FLAGS_p2p_latency_us;
+  network.p2p_bytes = FLAGS_p2p_bytes >= 0
+                          ? FLAGS_p2p_bytes
+                          : static_cast<double>(shape.micro_batch * shape.seq_length * shape.hidden) *
+                                shape.bytes_per_activation;
+  const std::vector<ScheduleRow> rows = {{"1F1B", "1f1b", 1},
+                                         {"ZB-H1", "zbh1", 1},
+                                         {"interleaved 1F1B", "1f1b", 2},
+                                         {"ZB-V", "zbv", 2}};
+  std::vector<int> stage_counts = {16, 24};
+  if (FLAGS_stages > 0) stage_counts = {FLAGS_stages};
+  std::printf("fulcrum_sim --schedules: SIMULATED, not measured on GPUs. Dense GPT, %lld layers, "
+              "hidden %lld, seq %lld, micro-batch %lld, vocab %lld, %.0f TFLOP/s assumed, p2p %.3f "
+              "ms; layers uniform over the virtual stages (unbalanced)\n",
+              static_cast<long long>(shape.layers), static_cast<long long>(shape.hidden),
+              static_cast<long long>(shape.seq_length), static_cast<long long>(shape.micro_batch),
+              static_cast<long long>(shape.vocab), shape.device_tflops, network.P2pMs());
+  for (int p : stage_counts) {
+    const int m = FLAGS_microbatches > 0 ? FLAGS_microbatches : 4 * p;
+    std::printf("\n== %d stages, %d micro-batches\n", p, m);
+    std::printf("  %-17s %2s | %-26s | %-28s | %s\n", "schedule", "v",
+                "unit costs: makespan bubble", "dense GPT: makespan ms bubble",
+                "activations (stage micro-batches)");
+    for (const ScheduleRow& row : rows) {
+      absl::StatusOr<pipeline::Schedule> schedule =
+          pipeline::MakeSchedule(row.name, p, m, row.chunks);
+      if (!schedule.ok()) {
+        std::printf("  %-17s %2d | not run: %s\n", row.label.c_str(), row.chunks,
+                    std::string(schedule.status().message()).c_str());
+        continue;
+      }
+      const int pieces = p * schedule->num_chunks;
+      if (dense.num_layers() < pieces) {
+        std::printf("  %-17s %2d | not run: %lld layers cannot fill %d virtual stages\n",
+                    row.label.c_str(), schedule->num_chunks,
+                    static_cast<long long>(dense.num_layers()), pieces);
+        continue;
+      }
+      const std::vector<pipeline::ActionCosts> unit(
+          p, pipeline::ChunkCosts(pipeline::ActionCosts{1, 1, 1}, schedule->num_chunks));
+      const ScheduleFigures u = Figures(*schedule, unit);
+      const ScheduleFigures d = Figures(
+          *schedule, dynamic::StageActionCosts(dense, dynamic::UniformPlacement(dense.num_layers(), pieces),
+                                               network.P2pMs()));
+      std::printf("  %-17s %2d | %10.2f %7.2f%%       | %12.2f %7.2f%%        | %.2f\n",
+                  row.label.c_str(), schedule->num_chunks, u.makespan, 100 * u.bubble, d.makespan,
+                  100 * d.bubble, d.activations);
+    }
+  }
+  return 0;
+}
+
 // The numeric flags, and --output against the inputs: InvalidArgument naming the first bad
 // flag and its value, before any work.
 absl::Status CheckFlags() {
@@ -560,13 +662,21 @@ int main(int argc, char** argv) {
       "fulcrum_sim --case=all | --trace=PATH [options]: simulate pipeline balancing at scale "
       "(every figure printed is simulated)");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (FLAGS_case.empty() == FLAGS_trace.empty()) {
-    std::fprintf(stderr, "fulcrum_sim: give exactly one of --case=NAMES|all and --trace=PATH\n");
+  if (FLAGS_schedules + !FLAGS_case.empty() + !FLAGS_trace.empty() != 1) {
+    std::fprintf(stderr,
+                 "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules\n");
     return fulcrum::kUsageError;
   }
   if (absl::Status s = fulcrum::CheckFlags(); !s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return fulcrum::kUsageError;
+  }
+  if (FLAGS_schedules) {
+    if (!FLAGS_output.empty()) {
+      std::fprintf(stderr, "fulcrum_sim: --output is not written by --schedules\n");
+      return fulcrum::kUsageError;
+    }
+    return fulcrum::RunSchedules();
   }
   std::string out;
   const int code = FLAGS_trace.empty() ? fulcrum::RunCases(FLAGS_output.empty() ? nullptr : &out)

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -63,6 +64,50 @@ TEST(SimCliTest, CaseAllPrintsTheSixCaseTable) {
     EXPECT_NE(line.find("DynMo:"), std::string::npos) << line;
     EXPECT_NE(line.find("GPUs"), std::string::npos) << line;
   }
+}
+
+// --schedules: the four schedules side by side, figures labelled simulated. At unit costs
+// ZB-V's bubble is below ZB-H1's and interleaved 1F1B's below 1F1B's (their closed forms:
+// pipeline/chunked_schedule_test.cc); ZB-V holds 1F1B's p stage micro-batches.
+TEST(SimCliTest, SchedulesComparesTheFourSchedules) {
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kSim + " --schedules --stages=4 --microbatches=8", &output), 0)
+      << output;
+  EXPECT_NE(output.find("SIMULATED"), std::string::npos) << output;
+  EXPECT_NE(output.find("== 4 stages, 8 micro-batches"), std::string::npos) << output;
+  // Row "  NAME  v | unit makespan bubble% | ms bubble% | activations".
+  auto row = [&](const std::string& name) {
+    const size_t at = output.find("\n  " + name + " ");
+    EXPECT_NE(at, std::string::npos) << name << "\n" << output;
+    return at == std::string::npos ? std::string() : output.substr(at + 1, output.find('\n', at + 1) - at - 1);
+  };
+  auto unit_bubble = [](const std::string& line) {
+    const size_t bar = line.find('|');
+    double makespan = 0, bubble = 0;
+    std::sscanf(line.c_str() + bar + 1, "%lf %lf", &makespan, &bubble);
+    return bubble;
+  };
+  const std::string one_f_one_b = row("1F1B"), h1 = row("ZB-H1"),
+                    interleaved = row("interleaved 1F1B"), v = row("ZB-V");
+  // At p = 4, m = 8, unit costs: 1F1B 3m + 3(p-1) = 33, bubble 9/33; ZB-V 6m + p - 1 = 51
+  // chunk steps = 25.5 stage steps, bubble 1.5/25.5.
+  EXPECT_NE(one_f_one_b.find("33.00   27.27%"), std::string::npos) << one_f_one_b;
+  EXPECT_NE(v.find("25.50    5.88%"), std::string::npos) << v;
+  EXPECT_LT(unit_bubble(v), unit_bubble(h1)) << v << "\n" << h1;
+  EXPECT_LT(unit_bubble(interleaved), unit_bubble(one_f_one_b)) << interleaved;
+  EXPECT_NE(v.rfind("| 4.00"), std::string::npos) << v;
+
+  // Interleaved 1F1B needs m % p == 0: said in its row, the others still run.
+  ASSERT_EQ(testing::RunCommand(kSim + " --schedules --stages=4 --microbatches=6", &output), 0)
+      << output;
+  EXPECT_NE(row("interleaved 1F1B").find("not run: 1f1b schedule: interleaved 1F1B"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(row("ZB-V").find("%"), std::string::npos) << output;
+
+  ExpectRefusedInOneLine("--schedules --case=moe", "give exactly one of");
+  ExpectRefusedInOneLine("--schedules --output=" + Temp("schedules.jsonl"),
+                         "--output is not written by --schedules");
 }
 
 TEST(SimCliTest, BadFlagsExitTwoNamingTheValue) {

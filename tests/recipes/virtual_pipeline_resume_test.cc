@@ -147,6 +147,20 @@ TEST_F(SlowVirtualPipelineResumeTest, ChunkedCheckpointRecordsEveryChunksRange) 
   }
 }
 
+// The metrics name each range's rank (what fulcrum_plot colours the chunks by): ZB-V's V
+// (rank 0 holds the first and last pieces), the interleaved round robin; none with one chunk.
+TEST_F(SlowVirtualPipelineResumeTest, MetricsNameEachRangesRank) {
+  const auto& zbv = Straight("zbv", 2, kZbv);
+  const auto& interleaved = Straight("interleaved", 2, kInterleaved);
+  const auto& onef1b = Straight("1f1b", 2, kOneF1B);
+  ASSERT_FALSE(zbv.empty());
+  ASSERT_FALSE(interleaved.empty());
+  ASSERT_FALSE(onef1b.empty());
+  EXPECT_EQ(zbv.back()["stage_range_ranks"], nlohmann::json::parse("[0,1,1,0]"));
+  EXPECT_EQ(interleaved.back()["stage_range_ranks"], nlohmann::json::parse("[0,1,0,1]"));
+  EXPECT_FALSE(onef1b.back().contains("stage_range_ranks")) << onef1b.back().dump();
+}
+
 TEST_F(SlowVirtualPipelineResumeTest, ZbvCheckpointResumesUnder1f1b) {
   ExpectResumeContinues("zbv", 2, kZbv, "1f1b", 2, kOneF1B);
 }

@@ -106,11 +106,11 @@ class SlowVirtualPipelineResumeTest : public ::testing::Test {
       EXPECT_EQ(resumed[i]["loss"].get<double>(), straight[kSaveAt + i]["loss"].get<double>())
           << from << " -> " << to << ", iteration " << kSaveAt + i + 1;
     }
+    const std::vector<double> straight_losses = testing::LossesOf(straight);
     std::cout << from << " -> " << to << ": max relative loss difference "
-              << testing::MaxRelativeDifference(testing::LossesOf(resumed),
-                                                std::vector<double>(
-                                                    testing::LossesOf(straight).begin() + kSaveAt,
-                                                    testing::LossesOf(straight).end()))
+              << testing::MaxRelativeDifference(
+                     testing::LossesOf(resumed),
+                     std::vector<double>(straight_losses.begin() + kSaveAt, straight_losses.end()))
               << std::endl;
   }
 

@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -448,8 +449,22 @@ absl::Status Trainer::Save() {
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
   const auto start = Clock::now();
   // Where every layer is now (layers may have moved between stages).
-  const std::vector<std::pair<int64_t, int64_t>> stage_ranges =
+  std::vector<std::pair<int64_t, int64_t>> stage_ranges =
       collectives().GatherStageRanges(model_->layer_begin(), model_->layer_end());
+  if (model_->num_chunks() > 1) {
+    // With model chunks a rank's span [first chunk's begin, last chunk's end) is not its
+    // layers: the placement is every chunk's range, in layer order (the model order), so
+    // the checkpoint stays layout-free and loads under any schedule (every rank has the
+    // same chunk count, so the gathers match).
+    stage_ranges.clear();
+    for (int c = 0; c < model_->num_chunks(); ++c) {
+      for (const auto& range : collectives().GatherStageRanges(model_->chunk_range(c).first,
+                                                               model_->chunk_range(c).second)) {
+        stage_ranges.push_back(range);
+      }
+    }
+    std::sort(stage_ranges.begin(), stage_ranges.end());
+  }
   // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
   // every rank of the group takes part in; data-parallel replicas hold the same state.
   // Expert-parallel ranks hold different experts: each saves its own.

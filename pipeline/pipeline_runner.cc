@@ -387,6 +387,11 @@ void PipelineRunner::Metrics(nlohmann::json* record, std::string* log_line) cons
   nlohmann::json ranges = nlohmann::json::array();
   for (const auto& [begin, end] : ranges_) ranges.push_back({begin, end});
   r["stage_ranges"] = ranges;
+  if (num_chunks_ > 1 && !schedules_.empty()) {  // The rank of each range (any m: same layout).
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const ChunkId& id : VirtualStages(schedules_.begin()->second)) ranks.push_back(id.stage);
+    r["stage_range_ranks"] = ranks;
+  }
   for (const auto& [name, value] : rebalancer_->Metrics()) r[name] = value;
 }
 

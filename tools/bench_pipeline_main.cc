@@ -7,19 +7,27 @@
 //       --pipeline_model_parallel_size=PP --pipeline_schedule=S
 //       --micro_batch_size=B --global_batch_size=M*B --metrics_file=...
 // (binaries next to this one), so every micro-batch holds the same tokens whatever M is.
+// Two names run virtual pipeline stages (two model chunks per rank): "interleaved" is
+// Megatron's interleaved 1F1B (--pipeline_schedule=1f1b --virtual_pipeline_model_parallel_size=2;
+// Megatron's rule: M a multiple of PP) and "zbv" is ZB-V (--pipeline_schedule=zbv); the
+// recipe's layers must split into 2·PP chunks (a run fulcrum_train refuses for that is a
+// failed row, not the end of the benchmark).
 // From the metrics file it drops the first --skip_iters iterations (start-up) and prints
 // one table: the medians of iteration_ms, bubble_ratio (mean over stages; idle time until
 // the whole pipeline is done, NOTE [bubble measurement] in pipeline/pipeline_runner.h),
 // bubble_ratio_max and bubble_ratio_in_run (the idle time inside a stage's own run only),
-// and for each (PP, M) the ratios ZB-H1 / 1F1B of bubble and iteration time, against the
-// goal "ZB-H1 bubble <= --goal_ratio x 1F1B". With --timelines every run also records a
+// and for each (PP, M) every other schedule's ratios to 1F1B of bubble and iteration time,
+// with the goal "ZB-H1 bubble <= --goal_ratio x 1F1B" on ZB-H1's row. The runs go in
+// (PP, M, schedule) order, so the schedules of one (PP, M) run back to back, in turns,
+// rather than one schedule's whole sweep before the next (drift in the machine's load
+// spreads over all of them). With --timelines every run also records a
 // timeline; from it the tool takes each stage's median F, B, W (or BW) time and prints the
 // bubble the schedule simulator (pipeline/schedule_simulator.h) predicts for those costs
-// with free communication: the gap between "bubble" and "sim" is what the implementation
+// with free communication (not for the chunked schedules: their costs are per chunk): the gap between "bubble" and "sim" is what the implementation
 // (transfers, waits, noise) adds to the schedule's own bubble. Nothing is hard-coded:
 // every number printed was measured in this run.
 //
-//   build/bin/fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1]
+//   build/bin/fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1,interleaved,zbv]
 //       [--microbatches=4,8,16] [--micro_batch_size=1] [--train_iters=20] [--skip_iters=3]
 //       [--recipe=tiny] [--model_flags="--hidden_size=256"] [--timelines] [--keep_logs]
 //
@@ -55,9 +63,9 @@
 #include "tools/internal/bench_util.h"
 
 DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");
-DEFINE_string(schedules, "1f1b,zbh1",
-              "Pipeline schedules, comma-separated (1f1b, zbh1, zbh2). The ratio columns need "
-              "1f1b and zbh1.");
+DEFINE_string(schedules, "1f1b,zbh1,interleaved,zbv",
+              "Pipeline schedules, comma-separated (1f1b, zbh1, zbh2; interleaved = interleaved "
+              "1F1B with 2 chunks per stage; zbv). The ratio columns need 1f1b.");
 DEFINE_string(microbatches, "4,8,16", "Micro-batches per iteration, comma-separated; each >= 1.");
 DEFINE_int32(micro_batch_size, 1,
              "Sequences per micro-batch, the same for every count (--global_batch_size is "
@@ -88,6 +96,27 @@ struct RunKey {
     return std::tie(pp, microbatches, schedule) < std::tie(o.pp, o.microbatches, o.schedule);
   }
 };
+
+// How fulcrum_train runs a --schedules name: its --pipeline_schedule and model chunks per
+// stage (2 for the virtual-stage schedules).
+struct ScheduleSpec {
+  std::string pipeline_schedule;
+  int chunks = 1;
+};
+
+ScheduleSpec SpecOf(const std::string& name) {
+  if (name == "interleaved") return {"1f1b", 2};
+  if (name == "zbv") return {"zbv", 2};
+  return {name, 1};
+}
+
+std::string TrainScheduleFlags(const std::string& name) {
+  const ScheduleSpec spec = SpecOf(name);
+  std::string flags = " --pipeline_schedule=" + spec.pipeline_schedule;
+  // zbv sets its own two chunks; interleaved 1F1B is 1f1b with the virtual-stage flag.
+  if (name == "interleaved") flags += " --virtual_pipeline_model_parallel_size=2";
+  return flags;
+}
 
 struct RunResult {
   double iteration_ms = 0;  // Medians over the kept iterations.
@@ -137,6 +166,7 @@ bool SimulateFromTimeline(const std::string& path, const RunKey& key, RunResult*
     if (wait != wait_us.end()) us -= wait->second;
     durations[stage->second][e["args"].value("kind", "")].push_back(us / 1000.0);
   }
+  if (SpecOf(key.schedule).chunks > 1) return false;  // Per-chunk costs: not modelled here.
   auto schedule = pipeline::MakeSchedule(key.schedule, key.pp, key.microbatches);
   if (!schedule.ok() || static_cast<int>(durations.size()) != key.pp) return false;
   const bool split = pipeline::UsesSplitBackward(*schedule);
@@ -177,7 +207,7 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
       "/fulcrum_train --recipe=", FLAGS_recipe, " ", FLAGS_model_flags,
       " --micro_batch_size=", FLAGS_micro_batch_size,
       " --global_batch_size=", key.microbatches * FLAGS_micro_batch_size,
-      " --pipeline_model_parallel_size=", key.pp, " --pipeline_schedule=", key.schedule,
+      " --pipeline_model_parallel_size=", key.pp, TrainScheduleFlags(key.schedule),
       " --train_iters=", FLAGS_train_iters, " --eval_interval=0 --log_interval=1000000",
       " --metrics_file=", metrics, FLAGS_timelines ? " --timeline=" + timeline : "", " > ", log,
       " 2>&1");
@@ -231,25 +261,25 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
 std::string Cell(double value) { return value < 0 ? "-" : absl::StrFormat("%.3f", value); }
 
 void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResult>& results) {
-  std::printf("\n%3s %5s  %-8s %10s %8s %10s %8s %8s   %-16s %-16s %-8s %s\n", "pp", "m",
-              "schedule", "iter ms", "bubble", "bubble_max", "in-run", "sim", "zbh1/1f1b bubble",
-              "zbh1/1f1b iter", "goal", "in-run, sim ratios");
+  std::printf("\n%3s %5s  %-11s %10s %8s %10s %8s %8s   %-13s %-11s %-8s %s\n", "pp", "m",
+              "schedule", "iter ms", "bubble", "bubble_max", "in-run", "sim", "bubble/1f1b",
+              "iter/1f1b", "goal", "in-run, sim ratios");
   for (const RunKey& key : keys) {
     auto it = results.find(key);
     if (it == results.end()) {
-      std::printf("%3d %5d  %-8s %10s\n", key.pp, key.microbatches, key.schedule.c_str(), "failed");
+      std::printf("%3d %5d  %-11s %10s\n", key.pp, key.microbatches, key.schedule.c_str(), "failed");
       continue;
     }
     const RunResult& r = it->second;
     std::string bubble_ratio, time_ratio, goal, other_ratios;
-    if (key.schedule == "zbh1") {
+    if (key.schedule != "1f1b") {
       auto base = results.find(RunKey{key.pp, key.microbatches, "1f1b"});
       if (base != results.end() && base->second.bubble_ratio > 0 && base->second.iteration_ms > 0) {
         const RunResult& b = base->second;
         const double ratio = r.bubble_ratio / b.bubble_ratio;
         bubble_ratio = absl::StrFormat("%.2f", ratio);
         time_ratio = absl::StrFormat("%.2f", r.iteration_ms / b.iteration_ms);
-        goal = ratio <= FLAGS_goal_ratio ? "met" : "NOT met";
+        if (key.schedule == "zbh1") goal = ratio <= FLAGS_goal_ratio ? "met" : "NOT met";
         auto ratio_of = [](double a, double c) {
           return a >= 0 && c > 0 ? absl::StrFormat("%.2f", a / c) : std::string("-");
         };
@@ -257,7 +287,7 @@ void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResul
                        ratio_of(r.simulated_bubble, b.simulated_bubble);
       }
     }
-    std::printf("%3d %5d  %-8s %10.1f %8.3f %10.3f %8s %8s   %-16s %-16s %-8s %s\n", key.pp,
+    std::printf("%3d %5d  %-11s %10.1f %8.3f %10.3f %8s %8s   %-13s %-11s %-8s %s\n", key.pp,
                 key.microbatches, key.schedule.c_str(), r.iteration_ms, r.bubble_ratio,
                 r.bubble_ratio_max, Cell(r.bubble_ratio_in_run).c_str(),
                 Cell(r.simulated_bubble).c_str(), bubble_ratio.c_str(), time_ratio.c_str(),
@@ -270,7 +300,7 @@ void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResul
   for (const RunKey& key : keys) {
     auto it = results.find(key);
     if (it == results.end() || it->second.costs.empty()) continue;
-    std::printf("%3d %5d  %-8s %s\n", key.pp, key.microbatches, key.schedule.c_str(),
+    std::printf("%3d %5d  %-11s %s\n", key.pp, key.microbatches, key.schedule.c_str(),
                 it->second.costs.c_str());
   }
 }
@@ -293,7 +323,9 @@ int Run(const std::string& bin_dir) {
     for (int m : counts.value_or(std::vector<int>{})) {
       for (const std::string& schedule : schedules) {
         // Checks the schedule's name and (pp, m) before any run starts.
-        if (auto made = pipeline::MakeSchedule(schedule, pp, m); !made.ok() && error.empty()) {
+        if (auto made = pipeline::MakeSchedule(SpecOf(schedule).pipeline_schedule, pp, m,
+                                               SpecOf(schedule).chunks);
+            !made.ok() && error.empty()) {
           error = absl::StrCat("--schedules: ", made.status().message());
         }
         keys.push_back(RunKey{pp, m, schedule});
@@ -349,11 +381,13 @@ int Run(const std::string& bin_dir) {
     if (!result) {
       std::fprintf(stderr, "fulcrum_bench_pipeline: pp=%d m=%d %s failed (exit %d):\n%s\n", key.pp,
                    key.microbatches, key.schedule.c_str(), code, log_tail.c_str());
-      if (code == kUsageError) return kUsageError;  // fulcrum_train rejected the flags.
+      // fulcrum_train rejected the flags: the same for every row, except a chunked schedule
+      // whose layers do not split into 2·PP chunks (one row fails, the rest run).
+      if (code == kUsageError && SpecOf(key.schedule).chunks == 1) return kUsageError;
       failed = true;
       continue;
     }
-    std::fprintf(stderr, "  pp=%d m=%-3d %-5s  %8.1f ms/iter  bubble %.3f  (%.0f s)\n", key.pp,
+    std::fprintf(stderr, "  pp=%d m=%-3d %-11s  %8.1f ms/iter  bubble %.3f  (%.0f s)\n", key.pp,
                  key.microbatches, key.schedule.c_str(), result->iteration_ms, result->bubble_ratio,
                  seconds);
     results.emplace(key, *result);
@@ -381,7 +415,8 @@ int Run(const std::string& bin_dir) {
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
-      "pipeline bubble and iteration time of 1F1B vs ZB-H1 (and other schedules), measured by "
+      "pipeline bubble and iteration time of 1F1B, ZB-H1, interleaved 1F1B and ZB-V (and other "
+      "schedules), measured by "
       "training through fulcrum_launch + fulcrum_train for every --pp x --microbatches x "
       "--schedules.\nExample: fulcrum_bench_pipeline --pp=2 --microbatches=4,8 "
       "--train_iters=8");

@@ -7,7 +7,8 @@
 //
 // Each run (a file, or a strategy of a simulation) is one column of charts sharing the
 // iteration axis. A pipeline run (a metrics file with stage ranges, a trace, a simulation)
-// gets three: which layer lived on which stage (a band per stage, coloured by stage), each
+// gets three: which layer lived on which stage (a band per stage, coloured by stage; with
+// virtual stages a band per chunk, coloured by its rank, with data-rank and data-chunk), each
 // stage's load (compute ms) and the bubble ratio; dashed lines mark balancer decisions that
 // moved layers (blue) and re-packings, where the stage count changes (red). A metrics file
 // also gets its training curves: the loss (train, and validation where it was evaluated), the
@@ -76,7 +77,10 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
   double max_ms = 0;
   for (const StagePoint& p : s.stages) {
     if (!p.ranges.empty()) layers = std::max(layers, p.ranges.back().second);
-    stages = std::max(stages, p.ranges.size());
+    // Load lines are per rank: with chunks the ranges outnumber the ranks.
+    stages = std::max(stages, p.ranks.empty()
+                                  ? p.ranges.size()
+                                  : static_cast<size_t>(*std::max_element(p.ranks.begin(), p.ranks.end()) + 1));
     for (double v : p.stage_ms) max_ms = std::max(max_ms, v);
   }
   if (max_ms <= 0) max_ms = 1;
@@ -86,14 +90,28 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
                         "top; %d layers)</text>\n",
                         x0, top1 - 6, layers);
   for (const StagePoint& p : s.stages) {
+    std::vector<int> chunks_seen;  // Per rank: its ranges drawn so far in this point.
     for (size_t st = 0; st < p.ranges.size(); ++st) {
       const auto [b, e] = p.ranges[st];
+      // With chunks a band is coloured by the rank that holds it (a rank's chunks share a
+      // colour) and names its rank and chunk; a rank's chunks run in model order in both
+      // layouts (interleaved: chunk k / p; V: chunk 0 descends, chunk 1 comes back), so the
+      // chunk is how many of the rank's ranges came before. One chunk: exactly as before.
+      std::string chunk_attributes;
+      int colour = static_cast<int>(st);
+      if (!p.ranks.empty()) {
+        const int rank = p.ranks[st];
+        if (chunks_seen.size() <= static_cast<size_t>(rank)) chunks_seen.resize(rank + 1, 0);
+        chunk_attributes =
+            absl::StrFormat(" data-rank=\"%d\" data-chunk=\"%d\"", rank, chunks_seen[rank]++);
+        colour = rank;
+      }
       absl::StrAppendFormat(
           &svg,
-          "<rect class=\"range\" data-iteration=\"%d\" data-stage=\"%d\" data-begin=\"%d\" "
+          "<rect class=\"range\" data-iteration=\"%d\" data-stage=\"%d\"%s data-begin=\"%d\" "
           "data-end=\"%d\" x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"/>\n",
-          p.iteration, st, b, e, x_of(p.iteration), top1 + h1 * b / layers, dx,
-          h1 * (e - b) / layers, Color(static_cast<int>(st)));
+          p.iteration, st, chunk_attributes, b, e, x_of(p.iteration), top1 + h1 * b / layers, dx,
+          h1 * (e - b) / layers, Color(colour));
     }
   }
   absl::StrAppendFormat(&svg,

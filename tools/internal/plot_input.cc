@@ -78,6 +78,27 @@ absl::StatusOr<std::vector<double>> StageTimes(const json& j, const char* key) {
   return out;
 }
 
+// `j["stage_range_ranks"]` (virtual pipeline stages): the rank holding each of `ranges`, as
+// many as there are ranges, each in [0, ranges). Empty when absent (one range per rank).
+absl::StatusOr<std::vector<int>> RangeRanks(const json& j, const Ranges& ranges) {
+  const auto it = j.find("stage_range_ranks");
+  if (it == j.end()) return std::vector<int>();
+  if (!it->is_array() || it->size() != ranges.size()) {
+    return Bad(absl::StrCat("'stage_range_ranks' is ", it->dump(), "; expected one rank per range (",
+                            ranges.size(), ")"));
+  }
+  std::vector<int> out;
+  for (const json& rank : *it) {
+    if (!rank.is_number_integer() || rank.get<int64_t>() < 0 ||
+        rank.get<int64_t>() >= static_cast<int64_t>(ranges.size())) {
+      return Bad(absl::StrCat("'stage_range_ranks' holds ", rank.dump(), "; expected a rank in [0, ",
+                              ranges.size(), ")"));
+    }
+    out.push_back(rank.get<int>());
+  }
+  return out;
+}
+
 absl::StatusOr<double> Bubble(const json& j) {
   const auto it = j.find("bubble_ratio");
   if (it == j.end()) return 0.0;
@@ -134,6 +155,9 @@ absl::StatusOr<StagePoint> RangesPoint(const json& j) {
   absl::StatusOr<Ranges> ranges = StageRanges(j, "stage_ranges");
   if (!ranges.ok()) return ranges.status();
   p.ranges = *std::move(ranges);
+  absl::StatusOr<std::vector<int>> ranks = RangeRanks(j, p.ranges);
+  if (!ranks.ok()) return ranks.status();
+  p.ranks = *std::move(ranks);
   absl::StatusOr<std::vector<double>> ms = StageTimes(j, "stage_ms");
   if (!ms.ok()) return ms.status();
   p.stage_ms = *std::move(ms);

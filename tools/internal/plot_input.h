@@ -6,7 +6,9 @@
 // Every line is a JSON object with an integer "iteration". A metrics line contributes
 //   loss, valid_loss, lr, grad_norm, tokens_per_second   (numbers; null, which is how the
 //                                                          writer spells NaN/inf, is a gap)
-// and, on a pipeline run, stage_ranges, stage_ms, bubble_ratio and layers_moved (cumulative).
+// and, on a pipeline run, stage_ranges, stage_ms, bubble_ratio and layers_moved (cumulative);
+// with virtual pipeline stages, stage_ranges holds the p·v ranges in model order and
+// stage_range_ranks the rank holding each (one integer per range, each below their count).
 // A load-trace line (it has "loads" and "ran_on") contributes ran_on, the loads' F+B+W and
 // the measured bubble ratio; a line with "source": "fulcrum_sim" its stage_ranges, stage_ms,
 // bubble_ratio and layers_moved. A field of the wrong type, ranges that are not contiguous
@@ -32,6 +34,9 @@ namespace fulcrum::plot {
 struct StagePoint {
   int64_t iteration = 0;
   std::vector<std::pair<int64_t, int64_t>> ranges;  ///< The placement of the iteration.
+  /// With virtual pipeline stages, the rank holding each range (ranges are then per virtual
+  /// stage, in model order); empty when range k is rank k's.
+  std::vector<int> ranks;
   std::vector<double> stage_ms;
   double bubble = 0;
   bool decision = false;  ///< Layers moved in this iteration.

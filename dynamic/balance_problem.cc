@@ -103,6 +103,24 @@ absl::Status ValidateProblem(const BalanceProblem& problem) {
       !s.ok()) {
     return s;
   }
+  if (!problem.chunk_rank.empty()) {
+    std::vector<int> chunks_of(problem.num_stages, 0);
+    for (size_t k = 0; k < problem.chunk_rank.size(); ++k) {
+      const int rank = problem.chunk_rank[k];
+      if (rank < 0 || rank >= problem.num_stages) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "BalanceProblem.chunk_rank[%d] is %d; expected a rank in 0..%d (num_stages %d)", k,
+            rank, problem.num_stages - 1, problem.num_stages));
+      }
+      ++chunks_of[rank];
+    }
+    for (int r = 0; r < problem.num_stages; ++r) {
+      if (chunks_of[r] == 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "BalanceProblem.chunk_rank gives rank %d no chunk; every rank holds at least one", r));
+      }
+    }
+  }
   if (std::isnan(problem.memory_budget) || problem.memory_budget < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("BalanceProblem.memory_budget is %g; expected a value ≥ 0 (or "
@@ -113,6 +131,13 @@ absl::Status ValidateProblem(const BalanceProblem& problem) {
 }
 
 absl::Status CheckEnoughLayers(const BalanceProblem& problem) {
+  if (!problem.chunk_rank.empty() && problem.num_layers() < problem.num_virtual_stages()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d layers cannot fill %d virtual pipeline stages (%d chunks on %d pipeline stages; "
+        "each chunk needs at least one layer)",
+        problem.num_layers(), problem.num_virtual_stages(), problem.num_virtual_stages(),
+        problem.num_stages));
+  }
   if (problem.num_layers() < problem.num_stages) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%d layers cannot fill %d pipeline stages (each stage needs at least one layer)",
@@ -123,10 +148,11 @@ absl::Status CheckEnoughLayers(const BalanceProblem& problem) {
 
 absl::Status ValidatePlacement(const BalanceProblem& problem, const Placement& placement) {
   const int64_t num_layers = problem.num_layers();
-  if (static_cast<int64_t>(placement.size()) != problem.num_stages) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("placement %s has %d stage ranges; expected one per stage (%d)",
-                        FormatPlacement(placement), placement.size(), problem.num_stages));
+  if (static_cast<int64_t>(placement.size()) != problem.num_virtual_stages()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "placement %s has %d stage ranges; expected one per %s (%d)", FormatPlacement(placement),
+        placement.size(), problem.chunk_rank.empty() ? "stage" : "virtual stage",
+        problem.num_virtual_stages()));
   }
   int64_t expected_begin = 0;
   for (size_t s = 0; s < placement.size(); ++s) {
@@ -153,6 +179,20 @@ absl::Status ValidatePlacement(const BalanceProblem& problem, const Placement& p
   return absl::OkStatus();
 }
 
+std::vector<int> InterleavedChunkRanks(int num_stages, int num_chunks) {
+  std::vector<int> ranks;
+  for (int k = 0; k < num_stages * num_chunks; ++k) ranks.push_back(k % num_stages);
+  return ranks;
+}
+
+std::vector<int> VShapeChunkRanks(int num_stages) {
+  std::vector<int> ranks;
+  for (int k = 0; k < 2 * num_stages; ++k) {
+    ranks.push_back(k < num_stages ? k : 2 * num_stages - 1 - k);
+  }
+  return ranks;
+}
+
 Placement UniformPlacement(int64_t num_layers, int num_stages) {
   Placement placement(std::max(num_stages, 0));
   if (num_stages <= 0) return placement;
@@ -169,6 +209,10 @@ Placement UniformPlacement(int64_t num_layers, int num_stages) {
 
 StageEvaluator::StageEvaluator(const BalanceProblem& problem)
     : num_stages_(problem.num_stages),
+      // An identity chunk_rank is one chunk per rank: the one-chunk formulas, bit for bit.
+      has_chunks_(!problem.chunk_rank.empty() &&
+                  problem.chunk_rank != InterleavedChunkRanks(problem.num_stages, 1)),
+      chunk_rank_(problem.chunk_rank),
       first_stage_cost_(problem.first_stage_cost),
       last_stage_cost_(problem.last_stage_cost),
       memory_budget_(problem.memory_budget),
@@ -180,12 +224,15 @@ StageEvaluator::StageEvaluator(const BalanceProblem& problem)
   const auto p = static_cast<size_t>(std::max(num_stages_, 0));
   if (multiplier_.empty()) multiplier_.assign(p, 1.0);
   if (pinned_memory_.empty()) pinned_memory_.assign(p, 0.0);
+  if (chunk_rank_.empty()) {
+    for (int s = 0; s < num_stages_; ++s) chunk_rank_.push_back(s);
+  }
 }
 
 double StageEvaluator::StageCost(int stage, StageRange range) const {
   double pinned = 0;
   if (stage == 0) pinned += first_stage_cost_;
-  if (stage == num_stages_ - 1) pinned += last_stage_cost_;
+  if (stage == num_virtual_stages() - 1) pinned += last_stage_cost_;
   return (cost_prefix_[range.end] - cost_prefix_[range.begin]) + pinned;
 }
 
@@ -207,6 +254,49 @@ std::vector<double> StageEvaluator::StageCosts(const Placement& placement) const
   return costs;
 }
 
+double StageEvaluator::ChunkMemory(int virtual_stage, StageRange range) const {
+  const double state = state_prefix_[range.end] - state_prefix_[range.begin];
+  const double activations = activation_prefix_[range.end] - activation_prefix_[range.begin];
+  return state + multiplier_[RankOf(virtual_stage)] * activations;
+}
+
+std::vector<double> StageEvaluator::RankCosts(const Placement& placement) const {
+  if (!has_chunks_) return StageCosts(placement);
+  // NOTE [chunks]: from 0 (0 + c is c exactly), the chunks added in ascending order.
+  std::vector<double> costs(num_stages_, 0.0);
+  for (size_t k = 0; k < placement.size(); ++k) {
+    costs[RankOf(static_cast<int>(k))] += StageCost(static_cast<int>(k), placement[k]);
+  }
+  return costs;
+}
+
+std::vector<double> StageEvaluator::RankMemories(const Placement& placement) const {
+  std::vector<double> memory(num_stages_, 0.0);
+  if (!has_chunks_) {
+    for (size_t s = 0; s < placement.size(); ++s) {
+      memory[s] = StageMemory(static_cast<int>(s), placement[s]);
+    }
+    return memory;
+  }
+  memory = pinned_memory_;
+  for (size_t k = 0; k < placement.size(); ++k) {
+    memory[RankOf(static_cast<int>(k))] += ChunkMemory(static_cast<int>(k), placement[k]);
+  }
+  return memory;
+}
+
+double StageEvaluator::Bottleneck(const Placement& placement) const {
+  const std::vector<double> costs = RankCosts(placement);
+  return costs.empty() ? 0.0 : *std::max_element(costs.begin(), costs.end());
+}
+
+bool StageEvaluator::FitsMemory(const Placement& placement) const {
+  for (double memory : RankMemories(placement)) {
+    if (!(memory <= memory_budget_)) return false;
+  }
+  return true;
+}
+
 double StageCost(const BalanceProblem& problem, int stage, StageRange range) {
   return StageEvaluator(problem).StageCost(stage, range);
 }
@@ -219,13 +309,20 @@ std::vector<double> StageCosts(const BalanceProblem& problem, const Placement& p
   return StageEvaluator(problem).StageCosts(placement);
 }
 
+std::vector<double> RankCosts(const BalanceProblem& problem, const Placement& placement) {
+  return StageEvaluator(problem).RankCosts(placement);
+}
+
+std::vector<double> RankMemories(const BalanceProblem& problem, const Placement& placement) {
+  return StageEvaluator(problem).RankMemories(placement);
+}
+
 double Bottleneck(const BalanceProblem& problem, const Placement& placement) {
-  const std::vector<double> costs = StageCosts(problem, placement);
-  return costs.empty() ? 0.0 : *std::max_element(costs.begin(), costs.end());
+  return StageEvaluator(problem).Bottleneck(placement);
 }
 
 double Imbalance(const BalanceProblem& problem, const Placement& placement) {
-  const std::vector<double> costs = StageCosts(problem, placement);
+  const std::vector<double> costs = RankCosts(problem, placement);
   if (costs.empty()) return 0.0;
   double total = 0;
   for (double c : costs) total += c;
@@ -250,15 +347,18 @@ double PotentialOfLoads(std::vector<double> loads) {
 }
 
 double Potential(const BalanceProblem& problem, const Placement& placement) {
-  return PotentialOfLoads(StageCosts(problem, placement));
+  return PotentialOfLoads(RankCosts(problem, placement));
 }
 
 bool FitsMemory(const BalanceProblem& problem, const Placement& placement) {
   const StageEvaluator evaluator(problem);
-  for (size_t s = 0; s < placement.size(); ++s) {
-    if (!evaluator.Fits(static_cast<int>(s), placement[s])) return false;
+  if (!evaluator.has_chunks()) {
+    for (size_t s = 0; s < placement.size(); ++s) {
+      if (!evaluator.Fits(static_cast<int>(s), placement[s])) return false;
+    }
+    return true;
   }
-  return true;
+  return evaluator.FitsMemory(placement);
 }
 
 std::string FormatPlacement(const Placement& placement) {

@@ -88,6 +88,21 @@ absl::Status CheckLayout(int64_t num_layers, int num_stages) {
   return absl::OkStatus();
 }
 
+absl::Status CheckLayout(int64_t num_layers, int num_stages, int num_chunks) {
+  if (absl::Status s = CheckLayout(num_layers, num_stages); !s.ok() || num_chunks == 1) return s;
+  if (num_chunks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--virtual_pipeline_model_parallel_size=",
+                                                   num_chunks, ": expected at least 1 chunk"));
+  }
+  if (num_layers < static_cast<int64_t>(num_stages) * num_chunks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_layers=", num_layers, " cannot fill --pipeline_model_parallel_size=", num_stages,
+        " × --virtual_pipeline_model_parallel_size=", num_chunks,
+        " model chunks: every chunk needs at least one layer"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<BalancingRebalancer>> BalancingRebalancer::Create(
     BalancerOptions options) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
@@ -129,8 +144,8 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
   Placement ran_on;
   if (last_plan_iteration_ == iteration - 1 && last_plan_ranges_ != current &&
       pipeline::ValidateRanges(ToLayerRanges(last_plan_ranges_),
-                               loads.empty() ? 0 : loads.back().layer_end,
-                               static_cast<int>(loads.size()))
+                               current.empty() ? 0 : current.back().end,
+                               static_cast<int>(current.size()))
           .ok()) {
     ran_on = last_plan_ranges_;
   }

@@ -88,6 +88,11 @@ struct BalancerOptions {
 /// at least one layer); InvalidArgument naming --pipeline_model_parallel_size otherwise. A
 /// configuration error: main checks it before any work.
 absl::Status CheckLayout(int64_t num_layers, int num_stages);
+/// The same with `num_chunks` model chunks per stage (virtual pipeline stages): every one of
+/// the num_stages · num_chunks chunks needs a layer; InvalidArgument naming
+/// --virtual_pipeline_model_parallel_size when they cannot have one. num_chunks = 1 is
+/// CheckLayout above.
+absl::Status CheckLayout(int64_t num_layers, int num_stages, int num_chunks);
 
 class BalancingRebalancer final : public pipeline::Rebalancer {
  public:

@@ -22,14 +22,16 @@ constexpr double kRelativeTolerance = 1e-12;
 class Diffuser {
  public:
   Diffuser(const BalanceProblem& problem, const Placement& current)
-      : evaluator_(problem), num_stages_(problem.num_stages), layer_cost_(problem.layer_cost) {
+      : evaluator_(problem),
+        num_stages_(problem.num_virtual_stages()),
+        layer_cost_(problem.layer_cost) {
     bounds_.reserve(num_stages_ + 1);
     bounds_.push_back(0);
     for (const StageRange& range : current) bounds_.push_back(range.end);
-    loads_ = evaluator_.StageCosts(current);
+    loads_ = evaluator_.RankCosts(current);  // StageCosts without chunks.
     potential_ = PotentialOfLoads(loads_);
     const double total = std::accumulate(loads_.begin(), loads_.end(), 0.0);
-    tolerance_ = kRelativeTolerance * num_stages_ * total;
+    tolerance_ = kRelativeTolerance * problem.num_stages * total;
   }
 
   double potential() const { return potential_; }
@@ -45,12 +47,13 @@ class Diffuser {
     std::vector<int> pairs(num_stages_ - 1);
     std::iota(pairs.begin(), pairs.end(), 0);
     std::vector<double> gaps(pairs.size());
-    for (int u : pairs) gaps[u] = std::abs(loads_[u] - loads_[u + 1]);
+    for (int u : pairs) gaps[u] = std::abs(Load(u) - Load(u + 1));
     std::stable_sort(pairs.begin(), pairs.end(), [&](int a, int b) { return gaps[a] > gaps[b]; });
     int accepted = 0;
     for (int u : pairs) {
-      if (loads_[u] == loads_[u + 1]) continue;
-      const int heavy = loads_[u] > loads_[u + 1] ? u : u + 1;
+      // Two chunks of one rank have one load: NOTE [diffusion under chunks].
+      if (Load(u) == Load(u + 1)) continue;
+      const int heavy = Load(u) > Load(u + 1) ? u : u + 1;
       const int light = heavy == u ? u + 1 : u;
       if (TryShift(heavy, light)) ++accepted;
     }
@@ -64,7 +67,7 @@ class Diffuser {
     for (int source = 0; source < num_stages_; ++source) {
       if (Range(source).size() < 2) continue;
       for (int sink = 0; sink < num_stages_; ++sink) {
-        if (std::abs(sink - source) < 2 || !(loads_[source] > loads_[sink])) continue;
+        if (std::abs(sink - source) < 2 || !(Load(source) > Load(sink))) continue;
         std::vector<int64_t> bounds;
         std::vector<double> loads;
         if (!ShiftedBounds(source, sink, &bounds) || !Evaluate(bounds, source, sink, &loads)) {
@@ -84,6 +87,8 @@ class Diffuser {
 
  private:
   StageRange Range(int s) const { return {bounds_[s], bounds_[s + 1]}; }
+  // The load of (virtual) stage s's rank.
+  double Load(int s) const { return loads_[evaluator_.RankOf(s)]; }
 
   // The bounds after one unit moves from `source` to `sink` along the stages between them
   // (NOTE [zero-cost layers travel with a neighbour]): every boundary on the path shifts
@@ -117,6 +122,7 @@ class Diffuser {
   // while gaining memory (the source only loses layers).
   bool Evaluate(const std::vector<int64_t>& bounds, int source, int sink,
                 std::vector<double>* loads) const {
+    if (evaluator_.has_chunks()) return EvaluateChunks(bounds, loads);
     *loads = loads_;
     for (int s = std::min(source, sink); s <= std::max(source, sink); ++s) {
       const StageRange range{bounds[s], bounds[s + 1]};
@@ -124,6 +130,20 @@ class Diffuser {
       if (s == source || evaluator_.Fits(s, range)) continue;
       if (evaluator_.StageMemory(s, range) > evaluator_.StageMemory(s, Range(s))) return false;
     }
+    return true;
+  }
+
+  // Evaluate with chunks: every rank's load anew (a rank's chunks may lie on and off the
+  // path); false if a rank whose memory grows would go over the budget.
+  bool EvaluateChunks(const std::vector<int64_t>& bounds, std::vector<double>* loads) const {
+    Placement next(num_stages_);
+    for (int s = 0; s < num_stages_; ++s) next[s] = {bounds[s], bounds[s + 1]};
+    const std::vector<double> before = evaluator_.RankMemories(placement());
+    const std::vector<double> after = evaluator_.RankMemories(next);
+    for (size_t r = 0; r < after.size(); ++r) {
+      if (after[r] > before[r] && !(after[r] <= evaluator_.memory_budget())) return false;
+    }
+    *loads = evaluator_.RankCosts(next);
     return true;
   }
 
@@ -146,8 +166,8 @@ class Diffuser {
   StageEvaluator evaluator_;
   int num_stages_ = 0;
   std::vector<double> layer_cost_;
-  std::vector<int64_t> bounds_;  // p + 1 entries: 0, end of stage 0, ..., L.
-  std::vector<double> loads_;    // StageCost of every stage.
+  std::vector<int64_t> bounds_;  // p·v + 1 entries: 0, end of (virtual) stage 0, ..., L.
+  std::vector<double> loads_;    // Every rank's cost (RankCosts).
   double potential_ = 0;         // PotentialOfLoads(loads_).
   double tolerance_ = 0;
 };

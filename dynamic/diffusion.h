@@ -33,6 +33,18 @@
 // loads never moves a layer. A move never raises φ and never takes a stage over the memory
 // budget (a stage already over it only ever loses memory).
 //
+// NOTE [diffusion under chunks]
+// With chunks (NOTE [chunks] in balance_problem.h) the stages above are the VIRTUAL stages in
+// model order: a unit still crosses the boundary between virtual stages k and k+1 only, so
+// every chunk stays a contiguous range; but the loads are the RANKS' (a stage's load is its
+// rank's), φ is over ranks, and memory is checked per rank (a rank whose memory grows
+// must stay within the budget). Two adjacent virtual stages on one rank (ZB-V's turn at
+// the bottom of the V) have one load: a single move between them changes no rank's load,
+// so it can never lower φ and is never made on its own — Diffusion skips the pair. Such a
+// boundary is still crossed by chain moves (a unit passing through on its way between two
+// other ranks), which is all a local move could be good for: letting a layer travel on.
+// Without chunks all of this is the one-chunk diffusion, bit for bit.
+//
 // Pure function; thread-safe.
 #pragma once
 

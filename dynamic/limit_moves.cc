@@ -27,7 +27,7 @@ class Walk {
  public:
   Walk(const BalanceProblem& problem, const Placement& current, const Placement& target)
       : evaluator_(problem),
-        num_stages_(problem.num_stages),
+        num_stages_(problem.num_virtual_stages()),
         bounds_(BoundsOf(current)),
         target_(BoundsOf(target)),
         owner_at_start_(problem.num_layers(), 0) {
@@ -81,7 +81,10 @@ class Walk {
     return {bounds[s], bounds[s + 1]};
   }
 
+  // With chunks, over ranks (NOTE [chunks] in balance_problem.h); moves count layers that
+  // change virtual stage.
   double BottleneckWith(const std::vector<int64_t>& bounds) const {
+    if (evaluator_.has_chunks()) return evaluator_.Bottleneck(PlacementOfBounds(bounds));
     double bottleneck = 0;
     for (int s = 0; s < num_stages_; ++s) {
       bottleneck = std::max(bottleneck, evaluator_.StageCost(s, Range(bounds, s)));
@@ -90,6 +93,7 @@ class Walk {
   }
 
   bool FitsWith(const std::vector<int64_t>& bounds) const {
+    if (evaluator_.has_chunks()) return evaluator_.FitsMemory(PlacementOfBounds(bounds));
     for (int s = 0; s < num_stages_; ++s) {
       if (!evaluator_.Fits(s, Range(bounds, s))) return false;
     }

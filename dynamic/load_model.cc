@@ -41,6 +41,30 @@ absl::Status CheckScalar(int stage, const char* field, double value) {
   return absl::OkStatus();
 }
 
+// The layers a load's per-layer vectors follow: its range, or its chunks' ranges in chunk
+// order (NOTE [rebalancing under chunks] in pipeline/rebalancer.h).
+std::vector<StageRange> RangesOf(const StageLoad& load) {
+  if (load.chunk_ranges.empty()) return {StageRange{load.layer_begin, load.layer_end}};
+  std::vector<StageRange> ranges;
+  for (const auto& [begin, end] : load.chunk_ranges) ranges.push_back({begin, end});
+  return ranges;
+}
+
+int64_t LayerCount(const StageLoad& load) {
+  int64_t count = 0;
+  for (const StageRange& range : RangesOf(load)) count += std::max<int64_t>(0, range.size());
+  return count;
+}
+
+// Calls visit(global layer, index into the load's per-layer vectors) for its layers.
+template <typename Visit>
+void ForEachLayer(const StageLoad& load, const Visit& visit) {
+  int64_t i = 0;
+  for (const StageRange& range : RangesOf(load)) {
+    for (int64_t l = range.begin; l < range.end; ++l) visit(l, i++);
+  }
+}
+
 // The value of a per-layer vector of `load` for its i-th layer; 0 for an empty vector.
 template <typename T>
 double At(const std::vector<T>& values, int64_t i) {
@@ -55,9 +79,7 @@ std::vector<double> PerGlobalLayer(const std::vector<StageLoad>& loads, int64_t 
   std::vector<double> out(num_layers, 0.0);
   for (const StageLoad& load : loads) {
     const std::vector<T>& values = load.*field;
-    for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      out[l] = At(values, l - load.layer_begin);
-    }
+    ForEachLayer(load, [&](int64_t l, int64_t i) { out[l] = At(values, i); });
   }
   return out;
 }
@@ -66,11 +88,10 @@ std::vector<double> PerGlobalLayer(const std::vector<StageLoad>& loads, int64_t 
 std::vector<double> LayerTimes(const std::vector<StageLoad>& loads, int64_t num_layers) {
   std::vector<double> out(num_layers, 0.0);
   for (const StageLoad& load : loads) {
-    for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      const int64_t i = l - load.layer_begin;
+    ForEachLayer(load, [&](int64_t l, int64_t i) {
       out[l] = At(load.layer_forward_ms, i) + At(load.layer_backward_ms, i) +
                At(load.layer_weight_ms, i);
-    }
+    });
   }
   return out;
 }
@@ -78,6 +99,19 @@ std::vector<double> LayerTimes(const std::vector<StageLoad>& loads, int64_t num_
 double SumOver(const std::vector<double>& per_layer, StageRange range) {
   double sum = 0;
   for (int64_t l = range.begin; l < range.end; ++l) sum += per_layer[l];
+  return sum;
+}
+
+// Σ per_layer over rank `rank`'s layers in `placement` (virtual stages; `chunk_rank` as in
+// BalanceProblem, empty: stage = rank), its chunks in model order.
+double SumOverRank(const std::vector<double>& per_layer, const Placement& placement,
+                   const std::vector<int>& chunk_rank, int rank) {
+  if (chunk_rank.empty()) return SumOver(per_layer, placement[rank]);
+  double sum = 0;
+  for (size_t k = 0; k < placement.size(); ++k) {
+    if (chunk_rank[k] != rank) continue;
+    for (int64_t l = placement[k].begin; l < placement[k].end; ++l) sum += per_layer[l];
+  }
   return sum;
 }
 
@@ -105,14 +139,29 @@ double Median(const std::deque<double>& values) {
 }
 
 int64_t NumLayers(const std::vector<StageLoad>& loads) {
-  return loads.empty() ? 0 : loads.back().layer_end;
+  bool chunks = false;
+  for (const StageLoad& load : loads) chunks = chunks || !load.chunk_ranges.empty();
+  if (!chunks) return loads.empty() ? 0 : loads.back().layer_end;
+  int64_t end = 0;
+  for (const StageLoad& load : loads) {
+    for (const StageRange& range : RangesOf(load)) end = std::max(end, range.end);
+  }
+  return end;
+}
+
+// The rank holding the first (embedding) and the last (head) virtual stage.
+int FirstRank(const std::vector<int>& chunk_rank) {
+  return chunk_rank.empty() ? 0 : chunk_rank.front();
+}
+int LastRank(const std::vector<int>& chunk_rank, int num_stages) {
+  return chunk_rank.empty() ? num_stages - 1 : chunk_rank.back();
 }
 
 // OK when `measured_on` is null or a placement of the loads' layers over their stages.
 absl::Status CheckMeasuredOn(const std::vector<StageLoad>& loads, const Placement* measured_on) {
   if (measured_on == nullptr) return absl::OkStatus();
   if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(*measured_on), NumLayers(loads),
-                                                static_cast<int>(loads.size()));
+                                                static_cast<int>(PlacementOf(loads).size()));
       !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the placement the loads were measured on is invalid: ", s.message()));
@@ -170,10 +219,11 @@ pipeline::LayerRanges ToLayerRanges(const Placement& placement) {
 }
 
 Placement PlacementOf(const std::vector<StageLoad>& loads) {
-  Placement placement;
-  placement.reserve(loads.size());
-  for (const StageLoad& load : loads) placement.push_back({load.layer_begin, load.layer_end});
-  return placement;
+  return ToPlacement(pipeline::CurrentRanges(loads));
+}
+
+std::vector<int> ChunkRanksOf(const std::vector<StageLoad>& loads) {
+  return pipeline::ChunkRanks(loads);
 }
 
 absl::Status ValidateLoads(const std::vector<StageLoad>& loads) {
@@ -186,15 +236,25 @@ absl::Status ValidateLoads(const std::vector<StageLoad>& loads) {
           s, loads[s].stage));
     }
   }
-  if (absl::Status s =
-          pipeline::ValidateRanges(ToLayerRanges(PlacementOf(loads)), NumLayers(loads), num_stages);
+  const bool chunks = !ChunkRanksOf(loads).empty();
+  for (int s = 0; s < num_stages; ++s) {
+    if (chunks && loads[s].chunk_ranges.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "stage %d's load has no chunk_ranges while others have: with virtual pipeline "
+          "stages every rank reports its chunks",
+          s));
+    }
+  }
+  const Placement placement = PlacementOf(loads);
+  if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(placement), NumLayers(loads),
+                                                static_cast<int>(placement.size()));
       !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the stage loads' ranges are not a placement: ", s.message()));
   }
   for (int s = 0; s < num_stages; ++s) {
     const StageLoad& load = loads[s];
-    const int64_t n = load.layer_end - load.layer_begin;
+    const int64_t n = LayerCount(load);
     for (const auto& [field, values] : {std::pair{"layer_forward_ms", &load.layer_forward_ms},
                                         std::pair{"layer_backward_ms", &load.layer_backward_ms},
                                         std::pair{"layer_weight_ms", &load.layer_weight_ms},
@@ -239,10 +299,12 @@ absl::Status LoadModel::Observe(const std::vector<StageLoad>& loads, const Place
   if (absl::Status s = CheckMeasuredOn(loads, measured_on); !s.ok()) return s;
   const int num_stages = static_cast<int>(loads.size());
   const int64_t num_layers = NumLayers(loads);
-  if (num_stages != num_stages_ || num_layers != num_layers_) {
+  const std::vector<int> chunk_rank = ChunkRanksOf(loads);
+  if (num_stages != num_stages_ || num_layers != num_layers_ || chunk_rank != chunk_rank_) {
     Reset();
     num_stages_ = num_stages;
     num_layers_ = num_layers;
+    chunk_rank_ = chunk_rank;
     layer_time_.assign(num_layers, {});
   }
   if (!Measured(loads)) return absl::OkStatus();
@@ -254,10 +316,14 @@ absl::Status LoadModel::Observe(const std::vector<StageLoad>& loads, const Place
   auto residual = [&](int s) {
     const StageLoad& load = loads[s];
     const double total = load.forward_ms + load.backward_ms + load.weight_ms;
-    return std::max(0.0, total - SumOver(times, ran_on[s]));
+    return std::max(0.0, total - SumOverRank(times, ran_on, chunk_rank, s));
   };
-  Push(&first_stage_time_, residual(0));
-  if (num_stages > 1) Push(&last_stage_time_, residual(num_stages - 1));
+  // The embedding's rank and the head's; one residual when they are one rank (one stage,
+  // or ZB-V's rank 0), counted as the first stage's.
+  const int first_rank = FirstRank(chunk_rank);
+  const int last_rank = LastRank(chunk_rank, num_stages);
+  Push(&first_stage_time_, residual(first_rank));
+  if (last_rank != first_rank) Push(&last_stage_time_, residual(last_rank));
   ++observations_;
   return absl::OkStatus();
 }
@@ -265,6 +331,7 @@ absl::Status LoadModel::Observe(const std::vector<StageLoad>& loads, const Place
 void LoadModel::Reset() {
   num_stages_ = 0;
   num_layers_ = 0;
+  chunk_rank_.clear();
   layer_time_.clear();
   first_stage_time_.clear();
   last_stage_time_.clear();
@@ -281,6 +348,9 @@ absl::StatusOr<BalanceProblem> LoadModel::Problem(const std::vector<StageLoad>& 
   const int64_t num_layers = NumLayers(latest);
   BalanceProblem problem;
   problem.num_stages = num_stages;
+  problem.chunk_rank = ChunkRanksOf(latest);
+  const int first_rank = FirstRank(problem.chunk_rank);
+  const int last_rank = LastRank(problem.chunk_rank, num_stages);
 
   if (options_.by == BalanceBy::kTime) {
     if (!ready()) {
@@ -288,7 +358,8 @@ absl::StatusOr<BalanceProblem> LoadModel::Problem(const std::vector<StageLoad>& 
           "the load model has no time measurement yet (--balance_by=time needs one measured "
           "iteration since the start or the last model change)");
     }
-    if (num_stages != num_stages_ || num_layers != num_layers_) {
+    if (num_stages != num_stages_ || num_layers != num_layers_ ||
+        problem.chunk_rank != chunk_rank_) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "the loads place %d layers on %d stages; the times measured since the last reset are "
           "of %d layers on %d stages",
@@ -301,15 +372,15 @@ absl::StatusOr<BalanceProblem> LoadModel::Problem(const std::vector<StageLoad>& 
   } else {
     for (int s = 0; s < num_stages; ++s) {
       const StageLoad& load = latest[s];
-      if (static_cast<int64_t>(load.layer_parameters.size()) != load.layer_end - load.layer_begin) {
+      if (static_cast<int64_t>(load.layer_parameters.size()) != LayerCount(load)) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "--balance_by=params: stage %d's load has %d layer_parameters for its %d layers", s,
-            load.layer_parameters.size(), load.layer_end - load.layer_begin));
+            load.layer_parameters.size(), LayerCount(load)));
       }
     }
     problem.layer_cost = PerGlobalLayer(latest, num_layers, &StageLoad::layer_parameters);
-    problem.first_stage_cost = latest[0].pinned_parameters;
-    problem.last_stage_cost = num_stages > 1 ? latest[num_stages - 1].pinned_parameters : 0.0;
+    problem.first_stage_cost = latest[first_rank].pinned_parameters;
+    problem.last_stage_cost = last_rank != first_rank ? latest[last_rank].pinned_parameters : 0.0;
   }
 
   problem.layer_state_bytes = PerGlobalLayer(latest, num_layers, &StageLoad::layer_state_bytes);
@@ -322,11 +393,13 @@ absl::StatusOr<BalanceProblem> LoadModel::Problem(const std::vector<StageLoad>& 
   for (int s = 0; s < num_stages; ++s) {
     const StageLoad& load = latest[s];
     const double multiplier = static_cast<double>(std::max<int64_t>(1, load.peak_in_flight));
-    const double pinned_state = std::max(
-        0.0, static_cast<double>(load.state_bytes()) - SumOver(problem.layer_state_bytes, now[s]));
-    const double pinned_activations =
-        std::max(0.0, static_cast<double>(load.peak_activation_bytes) -
-                          multiplier * SumOver(problem.layer_activation_bytes, ran_on[s]));
+    const double pinned_state =
+        std::max(0.0, static_cast<double>(load.state_bytes()) -
+                          SumOverRank(problem.layer_state_bytes, now, problem.chunk_rank, s));
+    const double pinned_activations = std::max(
+        0.0, static_cast<double>(load.peak_activation_bytes) -
+                 multiplier * SumOverRank(problem.layer_activation_bytes, ran_on,
+                                          problem.chunk_rank, s));
     problem.activation_multiplier[s] = multiplier;
     problem.pinned_memory[s] = pinned_state + pinned_activations;
   }

@@ -32,6 +32,14 @@
 // moved layers' times would be counted into the pinned cost of the stage they left. The same
 // holds for the measured peak activation bytes.
 //
+// NOTE [load model under chunks]
+// With chunks (StageLoad::chunk_ranges) the problem gets chunk_rank from the loads (the
+// chunks sorted by where they begin), per-layer values follow each rank's chunks, a rank's
+// pinned memory and pinned time subtract all its chunks' layers, and the pinned costs go to
+// the rank holding the first virtual stage (embedding) and the one holding the last (head):
+// with ZB-V both are rank 0, whose residual is counted once, as first_stage_cost — as with
+// a single stage. A change of the chunk map forgets the history, like a change of p or L.
+//
 // Not thread-safe. Deterministic: equal inputs give bit-equal problems (every rank of a
 // pipeline builds the same one).
 #pragma once
@@ -73,8 +81,12 @@ struct LoadModelOptions {
 Placement ToPlacement(const pipeline::LayerRanges& ranges);
 /// The ranges of `placement` (no check).
 pipeline::LayerRanges ToLayerRanges(const Placement& placement);
-/// The stages' current ranges in `loads`, in stage order (no check).
+/// The stages' current ranges in `loads`, in model order: one per virtual stage with
+/// chunks (pipeline::CurrentRanges; no check).
 Placement PlacementOf(const std::vector<pipeline::StageLoad>& loads);
+/// The rank of each virtual stage of PlacementOf(loads) (BalanceProblem::chunk_rank);
+/// empty with one chunk per rank.
+std::vector<int> ChunkRanksOf(const std::vector<pipeline::StageLoad>& loads);
 
 /// OK when `loads` can feed the load model: one per stage with `stage` == its index, ranges
 /// forming a valid placement, every per-layer vector with one entry per layer of its range
@@ -127,6 +139,7 @@ class LoadModel {
   LoadModelOptions options_;
   int num_stages_ = 0;  // Of the last Observe; 0 before any.
   int64_t num_layers_ = 0;
+  std::vector<int> chunk_rank_;  // Of the last Observe (ChunkRanksOf); empty: v = 1.
   std::vector<std::deque<double>> layer_time_;  // By global layer: F+B+W, last `window`.
   std::deque<double> first_stage_time_;         // Pinned on stage 0.
   std::deque<double> last_stage_time_;          // Pinned on stage p-1 (empty when p = 1).

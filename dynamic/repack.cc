@@ -145,6 +145,19 @@ absl::Status RepackOptions::Validate() const {
   return absl::OkStatus();
 }
 
+absl::Status CheckRepackSupported(const std::string& schedule, int num_chunks) {
+  // The schedule decides its chunks (ZB-V takes 2 whatever is asked): make it for one stage.
+  absl::StatusOr<pipeline::Schedule> made =
+      pipeline::MakeSchedule(schedule, 1, 1, std::max(num_chunks, 1));
+  const int chunks = made.ok() ? made->num_chunks : num_chunks;
+  if (chunks <= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "re-packing (--repack) does not support virtual pipeline stages: --pipeline_schedule=",
+      schedule, " with --virtual_pipeline_model_parallel_size=", num_chunks, " runs ", chunks,
+      " model chunks per stage, and re-packing merges one-chunk stages only; use a one-chunk "
+      "schedule (1f1b, zbh1, zbh2 without virtual stages) or drop --repack"));
+}
+
 absl::Status ValidateRepackProblem(const RepackProblem& problem) {
   const int64_t n = problem.num_layers();
   if (n < 1) return absl::InvalidArgumentError("repack problem: no layers (layer_forward is empty)");
@@ -196,6 +209,9 @@ absl::Status CheckPlacement(const RepackProblem& problem, const Placement& place
 absl::StatusOr<double> PredictIterationTime(const RepackProblem& problem,
                                             const Placement& placement) {
   if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
+  if (auto s = CheckRepackSupported(problem.schedule, problem.num_chunks); !s.ok()) {
+    return absl::FailedPreconditionError(s.message());
+  }
   if (auto s = CheckPlacement(problem, placement); !s.ok()) return s;
   Evaluator evaluator(problem);
   return evaluator.Time(placement);
@@ -212,6 +228,9 @@ absl::StatusOr<std::vector<double>> RepackStageMemory(const RepackProblem& probl
 absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Placement& current,
                                         const RepackOptions& options) {
   if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
+  if (auto s = CheckRepackSupported(problem.schedule, problem.num_chunks); !s.ok()) {
+    return absl::FailedPreconditionError(s.message());
+  }
   if (auto s = CheckPlacement(problem, current); !s.ok()) return s;
   if (auto s = options.Validate(); !s.ok()) return s;
   Evaluator evaluator(problem);

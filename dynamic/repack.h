@@ -24,6 +24,15 @@
 // coarsening (2^(p-1)); above, it merges first fit: the leftmost adjacent pair whose merge
 // is admissible, repeated until none is (the result is admissible, not always the fewest).
 //
+// NOTE [re-packing under chunks]
+// Re-packing refuses virtual pipeline stages (ZB-V, interleaved 1F1B: more than one model
+// chunk per rank): a coarsening here is a run of consecutive one-chunk stages, while under
+// chunks a rank's layers are several separate ranges and merging two ranks means merging
+// chunk by chunk (for the V: ranks r and r+1 merge virtual r with r+1 and 2p−2−r with
+// 2p−1−r, which is again a V; interleaved likewise per chunk) — not built yet. So
+// CheckRepackSupported refuses the configuration up front, naming the flags, and
+// DecideRepack / PredictIterationTime return FailedPrecondition for such a schedule.
+//
 // Pure functions; thread-safe.
 #pragma once
 
@@ -65,6 +74,9 @@ struct RepackProblem {
 
   std::string schedule = "1f1b";  ///< --pipeline_schedule, regenerated for each stage count.
   int num_microbatches = 1;       ///< Per iteration and replica. Must be ≥ 1.
+  /// --virtual_pipeline_model_parallel_size; anything but 1, or a schedule that sets its
+  /// own chunks (zbv), is refused (NOTE [re-packing under chunks]).
+  int num_chunks = 1;
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_forward.size()); }
 };
@@ -91,6 +103,12 @@ struct RepackPlan {
   int candidates = 0;           ///< Coarsenings evaluated.
   std::string note;             ///< One line for the log: what was decided and why.
 };
+
+/// OK when re-packing can run under --pipeline_schedule=`schedule` with `num_chunks` model
+/// chunks per stage; InvalidArgument naming both flags when the schedule has more than one
+/// chunk per rank (NOTE [re-packing under chunks]). An unknown schedule is not this
+/// function's to report: OK.
+absl::Status CheckRepackSupported(const std::string& schedule, int num_chunks);
 
 /// OK, or InvalidArgument naming the field: per-layer vectors of different lengths, a
 /// negative or non-finite cost or size, num_microbatches < 1.

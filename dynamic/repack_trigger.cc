@@ -106,6 +106,12 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
 absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
     int64_t iteration, const pipeline::LayerRanges& current,
     const std::vector<pipeline::StageLoad>& loads) {
+  // NOTE [re-packing under chunks] in repack.h: refused before a script step or a decision.
+  if (options_.automatic || !options_.script.empty()) {
+    if (absl::Status s = CheckRepackSupported(options_.schedule, options_.num_chunks); !s.ok()) {
+      return s;
+    }
+  }
   Placement placement;
   for (const auto& [begin, end] : current) placement.push_back({begin, end});
   const int p = static_cast<int>(placement.size());

@@ -53,6 +53,9 @@ struct RepackTriggerOptions {
   /// The schedule (--pipeline_schedule), micro-batches per iteration and replica, and the
   /// memory budget in bytes (--rebalance_memory_budget_mb; infinity: none).
   std::string schedule = "1f1b";
+  /// --virtual_pipeline_model_parallel_size: re-packing refuses more than one chunk per
+  /// stage (NOTE [re-packing under chunks] in repack.h).
+  int num_chunks = 1;
   int num_microbatches = 1;
   double memory_budget = std::numeric_limits<double>::infinity();
 };

@@ -53,6 +53,15 @@ double At(const std::vector<double>& v, int64_t l) { return v.empty() ? 0.0 : v[
 
 }  // namespace
 
+std::vector<int> ChunkRanksOf(const pipeline::Schedule& schedule) {
+  if (schedule.num_chunks <= 1) return {};
+  std::vector<int> ranks;
+  for (const pipeline::ChunkId& chunk : pipeline::VirtualStages(schedule)) {
+    ranks.push_back(chunk.stage);
+  }
+  return ranks;
+}
+
 double NetworkOptions::P2pMs() const {
   if (p2p_bytes <= 0) return 0;
   return p2p_latency_us * 1e-3 + p2p_bytes / (p2p_bandwidth_gbps * 1e9) * 1e3;
@@ -97,10 +106,69 @@ std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
   return out;
 }
 
+namespace {
+
+// SimulatedLoads with chunks (NOTE [simulation under chunks]): rank r's load lists its
+// chunks' ranges in chunk order (ascending virtual stage) and their layers' values in that
+// order; its totals are its chunks' virtual-stage action costs summed.
+std::vector<pipeline::StageLoad> SimulatedChunkLoads(const IterationCosts& costs,
+                                                     const pipeline::Schedule& schedule,
+                                                     const std::vector<int>& chunk_rank,
+                                                     const Placement& ran_on,
+                                                     const Placement& now,
+                                                     const pipeline::SimulationResult* timeline) {
+  const int p = schedule.num_stages;
+  const double m = schedule.num_microbatches;
+  const bool fused = !pipeline::UsesSplitBackward(schedule);
+  const std::vector<pipeline::ActionCosts> ran = StageActionCosts(costs, ran_on, 0.0);
+  std::vector<pipeline::StageLoad> loads(p);
+  for (int r = 0; r < p; ++r) {
+    loads[r].stage = r;
+    loads[r].peak_in_flight = pipeline::PeakInFlight(schedule, r);
+  }
+  const int last = static_cast<int>(now.size()) - 1;
+  for (int k = 0; k <= last; ++k) {
+    pipeline::StageLoad& load = loads[chunk_rank[k]];
+    load.chunk_ranges.emplace_back(now[k].begin, now[k].end);
+    for (int64_t l = now[k].begin; l < now[k].end; ++l) {
+      const double b = costs.backward[l] + (fused ? costs.weight[l] : 0.0);
+      const double w = fused ? 0.0 : costs.weight[l];
+      load.layer_forward_ms.push_back(timeline ? m * costs.forward[l] : 0.0);
+      load.layer_backward_ms.push_back(timeline ? m * b : 0.0);
+      load.layer_weight_ms.push_back(timeline ? m * w : 0.0);
+      load.layer_parameters.push_back(At(costs.parameters, l));
+      load.layer_block_load.push_back(At(costs.block_load, l));
+      load.layer_state_bytes.push_back(static_cast<int64_t>(At(costs.state_bytes, l)));
+      load.parameter_bytes += static_cast<int64_t>(At(costs.state_bytes, l));
+    }
+    if (k == 0) load.pinned_parameters += costs.first_parameters;
+    if (k == last) load.pinned_parameters += costs.last_parameters;
+    if (timeline != nullptr) {
+      const pipeline::ActionCosts& c = ran[k];
+      load.forward_ms += m * c.forward;
+      load.backward_ms += m * (c.backward_input + (fused ? c.backward_weight : 0.0));
+      load.weight_ms += fused ? 0.0 : m * c.backward_weight;
+    }
+  }
+  if (timeline != nullptr) {
+    for (int r = 0; r < p; ++r) {
+      loads[r].wait_ms = timeline->stages[r].idle;
+      loads[r].total_ms = timeline->stages[r].end();
+    }
+  }
+  return loads;
+}
+
+}  // namespace
+
 std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
                                                 const pipeline::Schedule& schedule,
                                                 const Placement& ran_on, const Placement& now,
                                                 const pipeline::SimulationResult* timeline) {
+  const std::vector<int> chunk_rank = ChunkRanksOf(schedule);
+  if (!chunk_rank.empty()) {
+    return SimulatedChunkLoads(costs, schedule, chunk_rank, ran_on, now, timeline);
+  }
   const int p = static_cast<int>(now.size());
   const double m = schedule.num_microbatches;
   const bool fused = !pipeline::UsesSplitBackward(schedule);
@@ -137,9 +205,11 @@ std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
   return loads;
 }
 
-absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages) {
+absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages,
+                                             const std::vector<int>& chunk_rank) {
   BalanceProblem problem;
   problem.num_stages = num_stages;
+  problem.chunk_rank = chunk_rank;
   problem.layer_cost = costs.parameters;
   if (problem.layer_cost.empty()) problem.layer_cost.assign(costs.num_layers(), 1.0);
   problem.first_stage_cost = costs.first_parameters;
@@ -153,14 +223,20 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
   if (scenario.iterations < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--iterations=", scenario.iterations, " must be ≥ 1"));
   }
-  absl::StatusOr<pipeline::Schedule> made =
-      pipeline::MakeSchedule(scenario.schedule, scenario.num_stages, scenario.num_microbatches);
+  absl::StatusOr<pipeline::Schedule> made = pipeline::MakeSchedule(
+      scenario.schedule, scenario.num_stages, scenario.num_microbatches, scenario.num_chunks);
   if (!made.ok()) return made.status();
   const pipeline::Schedule schedule = *std::move(made);
+  // NOTE [simulation under chunks]: placements have one range per virtual stage.
+  const std::vector<int> chunk_rank = ChunkRanksOf(schedule);
+  const int num_virtual = scenario.num_stages * std::max(schedule.num_chunks, 1);
 
   IterationCosts first = scenario.costs(1);
   const int64_t layers = first.num_layers();
-  if (absl::Status s = CheckLayout(layers, scenario.num_stages); !s.ok()) return s;
+  if (absl::Status s = CheckLayout(layers, scenario.num_stages, std::max(schedule.num_chunks, 1));
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = CheckCosts(first, layers, 1); !s.ok()) return s;
 
   BalancerOptions named = options;
@@ -169,10 +245,11 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
       MakeRebalancer(strategy.rebalancer, named);
   if (!rebalancer.ok()) return rebalancer.status();
 
-  Placement current = UniformPlacement(layers, scenario.num_stages);
+  Placement current = UniformPlacement(layers, num_virtual);
   if (!scenario.initial_placement.empty()) {
     BalanceProblem shape;
     shape.num_stages = scenario.num_stages;
+    shape.chunk_rank = chunk_rank;
     shape.layer_cost = first.forward;
     if (absl::Status s = ValidatePlacement(shape, scenario.initial_placement);
         !s.ok()) {
@@ -182,7 +259,8 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     current = scenario.initial_placement;
   }
   if (strategy.params_initial) {
-    absl::StatusOr<Placement> by_params = ParameterPlacement(first, scenario.num_stages);
+    absl::StatusOr<Placement> by_params =
+        ParameterPlacement(first, scenario.num_stages, chunk_rank);
     if (!by_params.ok()) return by_params.status();
     current = *std::move(by_params);
   }
@@ -214,7 +292,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
         std::chrono::duration<double, std::milli>(Clock::now() - decide_start).count();
     Placement next = current;
     if (!decision.target.empty()) {
-      if (absl::Status s = pipeline::ValidateRanges(decision.target, layers, scenario.num_stages);
+      if (absl::Status s = pipeline::ValidateRanges(decision.target, layers, num_virtual);
           !s.ok()) {
         return absl::InternalError(absl::StrCat("iteration ", i, ": rebalancer '",
                                                 strategy.rebalancer, "' planned an invalid placement: ",
@@ -241,11 +319,12 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     it.bubble_ratio = bubble / scenario.num_stages;
     std::vector<double> into_stage(scenario.num_stages, 0.0);
     for (const pipeline::PlannedMove& move :
-         pipeline::MovesBetween(ToLayerRanges(current), ToLayerRanges(next))) {
-      const double bytes = At(costs.state_bytes, move.layer);
+         pipeline::MovesBetween(ToLayerRanges(current), ToLayerRanges(next), chunk_rank)) {
       ++it.layers_moved;
+      if (move.local()) continue;  // Between two chunks of one rank: nothing is sent.
+      const double bytes = At(costs.state_bytes, move.layer);
       it.bytes_migrated += bytes;
-      into_stage[move.to_stage] += scenario.network.MigrationMs(bytes);
+      into_stage[move.to_rank] += scenario.network.MigrationMs(bytes);
     }
     it.migration_ms = *std::max_element(into_stage.begin(), into_stage.end());
     it.iteration_ms = it.makespan_ms + it.migration_ms + scenario.step_ms;

@@ -31,6 +31,16 @@
 // executor overlaps part of it with the last W's), so the simulated overhead is an upper
 // bound. Decision time is the wall-clock time of the real Plan() call, measured here.
 //
+// NOTE [simulation under chunks]
+// With a schedule of v > 1 chunks per rank (interleaved 1F1B, ZB-V; Scenario::num_chunks, or
+// the schedule's own, as ZB-V's 2) placements have one range per VIRTUAL stage in model
+// order (start: the even split over p·v), each virtual stage's action costs follow its own
+// range (StageActionCosts on the virtual placement, embedding on virtual 0, head on the
+// last) and go to pipeline::Simulate per virtual stage; the loads handed to Plan() are per
+// rank with the rank's chunk_ranges (pipeline/rebalancer.h), so the balancers balance
+// ranks; a layer moving between two chunks of one rank is counted as moved but sends
+// nothing. With v = 1 all of this is the one-chunk simulation, unchanged.
+//
 // Not thread-safe (a run owns its rebalancer); separate runs may go on in separate threads.
 #pragma once
 
@@ -43,6 +53,7 @@
 #include "dynamic/balance_problem.h"
 #include "dynamic/balancing_rebalancer.h"
 #include "pipeline/rebalancer.h"
+#include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
 
 namespace fulcrum::dynamic {
@@ -92,6 +103,9 @@ struct Scenario {
   int num_stages = 2;           ///< p. Must be ≥ 1 and ≤ num_layers.
   int num_microbatches = 4;     ///< m per iteration.
   std::string schedule = "zbh1";
+  /// Model chunks per stage (--virtual_pipeline_model_parallel_size): 1, or v > 1 for an
+  /// interleaved schedule; ZB-V sets its own 2 (MakeSchedule). NOTE [simulation under chunks].
+  int num_chunks = 1;
   int64_t iterations = 10;      ///< Iterations 1..iterations.
   double tokens_per_iteration = 0;  ///< For tokens/s; 0: iterations/s only.
   /// The costs of iteration i (1-based). Must give the same layer count every iteration.
@@ -152,8 +166,9 @@ struct SimulatedRun {
 absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strategy& strategy,
                                          const BalancerOptions& options);
 
-/// The per-stage action costs of `costs` on `placement` (one per stage), with `p2p_ms` per
-/// transfer: what pipeline::Simulate is given for one iteration.
+/// The per-stage action costs of `costs` on `placement` (one per stage, or per virtual
+/// stage: embedding on the first range, head on the last), with `p2p_ms` per transfer:
+/// what pipeline::Simulate is given for one iteration.
 std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
                                                     const Placement& placement, double p2p_ms);
 
@@ -167,6 +182,12 @@ std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
 
 /// DeepSpeed's parameter-balanced initial placement (Partition on parameter counts, the
 /// embedding and head pinned): what fulcrum_train's --pipeline_initial_partition=params does.
-absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages);
+/// `chunk_rank`: BalanceProblem::chunk_rank (empty: one chunk per stage).
+absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages,
+                                             const std::vector<int>& chunk_rank = {});
+
+/// The rank of each virtual stage of `schedule` (VirtualStages' stages): BalanceProblem's
+/// chunk_rank; empty with one chunk per stage.
+std::vector<int> ChunkRanksOf(const pipeline::Schedule& schedule);
 
 }  // namespace fulcrum::dynamic

@@ -1,5 +1,7 @@
 #include "pipeline/rebalancer.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -97,8 +99,7 @@ RebalanceDecision ScriptedRebalancer::Plan(int64_t iteration, const std::vector<
   RebalanceDecision decision;
   auto it = steps_.find(iteration);
   if (it == steps_.end()) return decision;
-  LayerRanges current;
-  for (const StageLoad& load : loads) current.emplace_back(load.layer_begin, load.layer_end);
+  const LayerRanges current = CurrentRanges(loads);
   // Placements() played the script through before any work; the runner validates again.
   absl::StatusOr<LayerRanges> target = ApplyStep(it->second, current);
   if (target.ok() && *target != current) {
@@ -182,7 +183,8 @@ std::string FormatRanges(const LayerRanges& ranges) {
   });
 }
 
-std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to) {
+std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to,
+                                      const std::vector<int>& stage_rank) {
   std::vector<PlannedMove> moves;
   auto owner = [](const LayerRanges& ranges, int64_t layer) {
     for (int s = 0; s < static_cast<int>(ranges.size()); ++s) {
@@ -194,9 +196,40 @@ std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int a = owner(from, layer);
     const int b = owner(to, layer);
-    if (a != b) moves.push_back(PlannedMove{layer, a, b});
+    if (a == b) continue;
+    auto rank = [&](int stage) {
+      return stage >= 0 && stage < static_cast<int>(stage_rank.size()) ? stage_rank[stage] : stage;
+    };
+    moves.push_back(PlannedMove{layer, a, b, rank(a), rank(b)});
   }
   return moves;
+}
+
+LayerRanges CurrentRanges(const std::vector<StageLoad>& loads) {
+  LayerRanges ranges;
+  bool chunks = false;
+  for (const StageLoad& load : loads) chunks = chunks || !load.chunk_ranges.empty();
+  if (!chunks) {
+    for (const StageLoad& load : loads) ranges.emplace_back(load.layer_begin, load.layer_end);
+    return ranges;
+  }
+  for (const StageLoad& load : loads) {
+    for (const auto& range : load.chunk_ranges) ranges.push_back(range);
+  }
+  std::stable_sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+std::vector<int> ChunkRanks(const std::vector<StageLoad>& loads) {
+  std::vector<std::pair<std::pair<int64_t, int64_t>, int>> owned;
+  for (const StageLoad& load : loads) {
+    for (const auto& range : load.chunk_ranges) owned.push_back({range, load.stage});
+  }
+  if (owned.empty()) return {};
+  std::stable_sort(owned.begin(), owned.end());
+  std::vector<int> ranks;
+  for (const auto& [range, rank] : owned) ranks.push_back(rank);
+  return ranks;
 }
 
 uint64_t PlanHash(int64_t iteration, const LayerRanges& ranges) {

@@ -27,6 +27,17 @@
 // pipeline and the replica groups; a mismatch is an error naming the ranks, never a silent
 // divergence.
 //
+// NOTE [rebalancing under chunks]
+// With virtual pipeline stages (v model chunks per rank, pipeline/schedule.h) a placement has
+// one range per VIRTUAL stage, in model order (p·v entries); the rank that holds virtual
+// stage k is VirtualStages(schedule)[k].stage. Every function below that takes LayerRanges
+// works on virtual stages (ValidateRanges, ApplyMoves, MovesBetween, PlanHash); a StageLoad
+// is still what one RANK measured, with its chunks' ranges in `chunk_ranges` and its
+// per-layer values over those chunks' layers in chunk order (CurrentRanges and ChunkRanks
+// rebuild the placement and the virtual → rank map from the loads). A layer moving between
+// two virtual stages on one rank is local: PlannedMove::local(), no transfer. With v = 1
+// everything is as it was: virtual stage k is rank k.
+//
 // Not thread-safe.
 #pragma once
 
@@ -42,7 +53,8 @@
 
 namespace fulcrum::pipeline {
 
-/// Each stage's layer range [begin, end), in stage order: a placement of the layers.
+/// Each (virtual) stage's layer range [begin, end), in model order: a placement of the
+/// layers (NOTE [rebalancing under chunks]).
 using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
 
 /// What one stage measured in the previous iteration (NOTE [when the plan is made]), on the
@@ -52,8 +64,13 @@ using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
 /// the micro-batches; replicas' values are averaged.
 struct StageLoad {
   int stage = 0;
-  int64_t layer_begin = 0;                // The stage's layer range [begin, end).
+  int64_t layer_begin = 0;                // The stage's layer range [begin, end) (v = 1).
   int64_t layer_end = 0;
+  /// With v > 1 chunks per rank (NOTE [rebalancing under chunks]): the rank's chunks' ranges
+  /// [begin, end), in chunk order (chunk 0 first, which is also model order); then "the
+  /// range" below means these ranges' layers, in this order, and layer_begin/layer_end are
+  /// not read. Empty with one chunk per rank.
+  std::vector<std::pair<int64_t, int64_t>> chunk_ranges;
   // Per layer of the range (NOTE [per-layer timing] in pipeline/stage_executor.h). The
   // sums are the stage's F, B and W minus the embedding, head and loss and the transfers.
   std::vector<double> layer_forward_ms;   // F.
@@ -143,7 +160,8 @@ class NoOpRebalancer final : public Rebalancer {
   RebalanceDecision Plan(int64_t, const std::vector<StageLoad>&) override { return {}; }
 };
 
-/// One boundary layer moving to a neighbouring stage (a step of a --rebalance_script).
+/// One boundary layer moving to a neighbouring stage (a step of a --rebalance_script). With
+/// chunks, stages here are virtual stages (NOTE [rebalancing under chunks]).
 struct LayerMove {
   int64_t layer = 0;
   int to_stage = 0;
@@ -181,9 +199,9 @@ class ScriptedRebalancer final : public Rebalancer {
 /// adjacent stage or that would empty a stage.
 absl::StatusOr<LayerRanges> ApplyMoves(LayerRanges ranges, const std::vector<LayerMove>& moves);
 
-/// OK when `ranges` is a placement of `num_layers` layers over `num_stages` stages:
-/// contiguous, in stage order, from 0 to num_layers, none empty. InvalidArgument naming the
-/// stage otherwise.
+/// OK when `ranges` is a placement of `num_layers` layers over `num_stages` (virtual)
+/// stages — p·v with chunks: contiguous, in model order, from 0 to num_layers, none empty.
+/// InvalidArgument naming the stage otherwise.
 absl::Status ValidateRanges(const LayerRanges& ranges, int64_t num_layers, int num_stages);
 
 /// "[0,3) [3,8)", for logs.
@@ -192,13 +210,30 @@ std::string FormatRanges(const LayerRanges& ranges);
 /// A layer changing stage between two placements.
 struct PlannedMove {
   int64_t layer = 0;
-  int from_stage = 0;
-  int to_stage = 0;
+  int from_stage = 0;  ///< The (virtual) stage it leaves: an index into the ranges.
+  int to_stage = 0;    ///< The (virtual) stage it joins.
+  int from_rank = 0;   ///< The rank that holds from_stage (= from_stage when v = 1).
+  int to_rank = 0;     ///< The rank that holds to_stage.
+  /// Both virtual stages on one rank: the layer changes chunk, nothing is sent.
+  bool local() const { return from_rank == to_rank; }
+  friend bool operator==(const PlannedMove& a, const PlannedMove& b) {
+    return a.layer == b.layer && a.from_stage == b.from_stage && a.to_stage == b.to_stage &&
+           a.from_rank == b.from_rank && a.to_rank == b.to_rank;
+  }
 };
 
-/// Every layer whose stage differs between `from` and `to` (both valid placements of the
-/// same layers), in layer order.
-std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to);
+/// Every layer whose (virtual) stage differs between `from` and `to` (both valid placements
+/// of the same layers), in layer order. `stage_rank[k]`: the rank holding virtual stage k
+/// (empty: rank k, v = 1).
+std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to,
+                                      const std::vector<int>& stage_rank = {});
+
+/// The placement the loads describe, in model order: each load's range, or with chunks
+/// every load's chunk_ranges sorted by where they begin (no check).
+LayerRanges CurrentRanges(const std::vector<StageLoad>& loads);
+/// The rank of each virtual stage of CurrentRanges(loads) (the `stage` of the load the
+/// range came from); empty when no load has chunk_ranges (v = 1).
+std::vector<int> ChunkRanks(const std::vector<StageLoad>& loads);
 
 /// A 64-bit hash of (iteration, ranges), the same on every platform: replicas compare it to
 /// check that they apply the same plan.

@@ -58,8 +58,8 @@ std::string Script() {
 nlohmann::json RangesOf(const std::string& sizes) {
   nlohmann::json out = nlohmann::json::array();
   int64_t begin = 0;
-  for (const std::string& s : absl::StrSplit(sizes, ',')) {
-    const int64_t end = begin + std::stoll(s);
+  for (absl::string_view s : absl::StrSplit(sizes, ',')) {
+    const int64_t end = begin + std::stoll(std::string(s));
     out.push_back({begin, end});
     begin = end;
   }

@@ -174,6 +174,10 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     const double* r = all[s].data_ptr<double>();
     for (int64_t i = 0; i < kPerLayer * layers; ++i) per_layer[i] += r[kFixedColumns + i];
   }
+  // NOTE [model chunks]: with chunks a rank's span has gaps; its load carries its chunks'
+  // ranges (chunk order) and its per-layer values follow those chunks' layers.
+  const LayerRanges virtual_ranges =
+      schedule.num_chunks > 1 ? GatherVirtualRanges(stage, schedule) : LayerRanges{};
   std::vector<StageLoad> loads(schedule.num_stages);
   for (int s = 0; s < schedule.num_stages; ++s) {
     const double* r = all[s].data_ptr<double>();
@@ -193,14 +197,23 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     load.pinned_parameters = r[kPinnedParameters];
     load.peak_in_flight = PeakInFlight(schedule, s);
     auto column = [&](LayerColumn c, int64_t l) { return per_layer[c * layers + l]; };
-    for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      load.layer_forward_ms.push_back(column(kLayerForward, l));
-      load.layer_backward_ms.push_back(column(kLayerBackward, l));
-      load.layer_weight_ms.push_back(column(kLayerWeight, l));
-      load.layer_state_bytes.push_back(static_cast<int64_t>(column(kLayerState, l)));
-      load.layer_block_load.push_back(column(kLayerBlockLoad, l));
-      load.layer_parameters.push_back(column(kLayerParameters, l));
-      load.layer_activation_bytes.push_back(static_cast<int64_t>(column(kLayerActivation, l)));
+    std::vector<std::pair<int64_t, int64_t>> held = {{load.layer_begin, load.layer_end}};
+    if (schedule.num_chunks > 1) {
+      for (int c = 0; c < schedule.num_chunks; ++c) {
+        load.chunk_ranges.push_back(virtual_ranges[VirtualStageOf(schedule, s, c)]);
+      }
+      held = load.chunk_ranges;
+    }
+    for (const auto& [held_begin, held_end] : held) {
+      for (int64_t l = held_begin; l < held_end; ++l) {
+        load.layer_forward_ms.push_back(column(kLayerForward, l));
+        load.layer_backward_ms.push_back(column(kLayerBackward, l));
+        load.layer_weight_ms.push_back(column(kLayerWeight, l));
+        load.layer_state_bytes.push_back(static_cast<int64_t>(column(kLayerState, l)));
+        load.layer_block_load.push_back(column(kLayerBlockLoad, l));
+        load.layer_parameters.push_back(column(kLayerParameters, l));
+        load.layer_activation_bytes.push_back(static_cast<int64_t>(column(kLayerActivation, l)));
+      }
     }
   }
   return loads;
@@ -229,26 +242,33 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
                                                                    int64_t iteration) {
   const auto start = Clock::now();
   last_loads_ = GatherLoads(stage, schedule);
+  const int virtual_stages = schedule.num_stages * schedule.num_chunks;
+  // With chunks: one range per virtual stage in model order (the loads' chunk ranges), and
+  // the rank of each (a move between two virtual stages of one rank is local).
   LayerRanges current;
+  std::vector<int> stage_rank;
   if (schedule.num_chunks > 1) {
-    current = GatherVirtualRanges(stage, schedule);
+    for (const ChunkId& id : VirtualStages(schedule)) {
+      current.push_back(last_loads_[id.stage].chunk_ranges[id.chunk]);
+      stage_rank.push_back(id.stage);
+    }
+    // The model's chunks must be where the last plan put them (FinishMoves sets them):
+    // a rank that kept its old chunk ranges after a local move would otherwise go on
+    // unnoticed, each chunk running other layers than the plan says.
+    if (!ranges_.empty() && current != ranges_) {
+      return absl::InternalError(absl::StrCat(
+          "iteration ", iteration, ": the stages' chunks hold ", FormatRanges(current),
+          " but the last plan placed ", FormatRanges(ranges_)));
+    }
   } else {
     for (const StageLoad& load : last_loads_) current.emplace_back(load.layer_begin, load.layer_end);
   }
   last_decision_ = rebalancer_->Plan(iteration, last_loads_);
   if (!last_decision_.error.ok()) return last_decision_.error;
-  if (schedule.num_chunks > 1 && !last_decision_.target.empty() &&
-      last_decision_.target != current) {
-    return absl::UnimplementedError(absl::StrCat(
-        "iteration ", iteration, ": rebalancer '", rebalancer_->name(), "' planned layer moves, ",
-        "which are not carried out under virtual pipeline stages yet (",
-        schedule.num_chunks, " chunks per stage); run with --rebalancer=none"));
-  }
-  if (schedule.num_chunks > 1) last_decision_.target.clear();
   const LayerRanges& target = last_decision_.target;
   // Validated on the gathered ranges: every rank refuses a bad plan alike.
   if (!target.empty()) {
-    if (absl::Status valid = ValidateRanges(target, stage.options().num_layers, schedule.num_stages);
+    if (absl::Status valid = ValidateRanges(target, stage.options().num_layers, virtual_stages);
         !valid.ok()) {
       return absl::InternalError(absl::StrCat("iteration ", iteration, ": rebalancer '",
                                               rebalancer_->name(), "' planned an invalid placement: ",
@@ -264,7 +284,7 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
   plan_ms_ = MsSince(start);
   ran_on_ = current;
   ranges_ = target.empty() ? current : target;
-  return target.empty() ? std::vector<PlannedMove>{} : MovesBetween(current, target);
+  return target.empty() ? std::vector<PlannedMove>{} : MovesBetween(current, target, stage_rank);
 }
 
 LayerRanges PipelineRunner::GatherVirtualRanges(const GptModel& stage, const Schedule& schedule) {
@@ -297,17 +317,20 @@ void PipelineRunner::RecordMoves(int64_t iteration) {
   if (!last_decision_.note.empty()) logged_move_ = moves;
   for (const PlannedMove& move : last_moves_) {
     if (log) {
+      // With chunks the stages are virtual; the ranks say whether anything was sent.
+      const std::string ranks =
+          num_chunks_ == 1 ? std::string()
+          : move.local()   ? absl::StrCat(", both on rank ", move.from_rank, ": local")
+                           : absl::StrCat(", rank ", move.from_rank, " to ", move.to_rank);
       FULCRUM_LOG(INFO) << "iteration " << iteration << ": moved layer " << move.layer
                         << " from stage " << move.from_stage << " to stage " << move.to_stage
-                        << " (" << rebalancer_->name() << ")";
+                        << ranks << " (" << rebalancer_->name() << ")";
     }
   }
   if (timeline_ == nullptr) return;
   const double base_ms = timeline_->MillisecondsSinceOrigin(last_run_.start);
   if (!last_moves_.empty()) {
-    LayerRanges before;
-    for (const StageLoad& load : last_loads_) before.emplace_back(load.layer_begin, load.layer_end);
-    timeline_->RecordSpan(absl::StrCat("rebalance ", FormatRanges(before), " -> ", FormatRanges(ranges_)),
+    timeline_->RecordSpan(absl::StrCat("rebalance ", FormatRanges(ran_on_), " -> ", FormatRanges(ranges_)),
                           "rebalance", base_ms - plan_ms_, base_ms,
                           {{"iteration", std::to_string(iteration)},
                            {"rebalancer", rebalancer_->name()},
@@ -364,11 +387,17 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   const auto tail_start = Clock::now();
   auto loss = ShareLoss(last_run_);
   last_run_.tail_wait_ms = MsSince(tail_start);
-  // The moved layers arrive now, before the optimizer step (NOTE [early migration]).
-  // (With chunks ranges_ is per virtual stage and nothing moves: no range to check.)
-  FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(
-      stage, last_run_,
-      num_chunks_ > 1 ? std::pair<int64_t, int64_t>{1, 0} : ranges_[pp_->rank()]));
+  // The moved layers arrive now, before the optimizer step (NOTE [early migration]); with
+  // chunks every chunk then takes its virtual stage's range in the plan.
+  if (schedule->num_chunks > 1) {
+    std::vector<std::pair<int64_t, int64_t>> chunks;
+    for (int c = 0; c < schedule->num_chunks; ++c) {
+      chunks.push_back(ranges_[VirtualStageOf(*schedule, pp_->rank(), c)]);
+    }
+    FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_, std::move(chunks)));
+  } else {
+    FULCRUM_RETURN_IF_ERROR(executor_.FinishMoves(stage, last_run_, ranges_[pp_->rank()]));
+  }
   if (timeline_ != nullptr) timeline_->RecordIteration(iteration, last_run_);
   RecordMoves(iteration);
   const at::Tensor rows = pp_->AllGather(PipelineMetrics::StageRow(last_run_).unsqueeze(0));

@@ -68,8 +68,9 @@ class PipelineRunner final : public ForwardBackwardRunner {
   /// runner; groups of size 1 are skipped.
   /// `num_chunks` is v, the model chunks per stage (virtual pipeline stages: interleaved
   /// 1F1B, ZB-V; NOTE [model chunks] in core/gpt_model.h); the placement is then one range
-  /// per virtual stage, p·v in model order. Layer moves under chunks are not carried out yet:
-  /// a rebalancer that plans one with v > 1 is refused.
+  /// per virtual stage, p·v in model order; the rebalancer's loads carry each rank's chunk
+  /// ranges, its plan places the virtual stages, and a move between two chunks of one rank
+  /// is local (NOTE [early migration] in pipeline/stage_executor.h).
   PipelineRunner(parallel::Communicator* pp, std::string schedule_name, int64_t micro_batch_size,
                  std::unique_ptr<Rebalancer> rebalancer = nullptr,
                  std::vector<parallel::Communicator*> replica_groups = {}, int num_chunks = 1);

@@ -163,11 +163,6 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
                                               " on stage ", stage));
     }
   }
-  if (!forward_only && !moves.empty() && schedule.num_chunks > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "layer moves under virtual pipeline stages (", schedule.num_chunks, " chunks per stage, "
-        "schedule ", schedule.name, ") are not supported yet; run without a rebalancer"));
-  }
   const bool training = !forward_only;
   run_start_ = Clock::now();
   // NOTE [action times on the device]: time zero of the device axis, marked with the host's.
@@ -510,6 +505,11 @@ void StageExecutor::OpenBackwardInterval(RunContext& run, InFlight& state, size_
 absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result,
                                         std::pair<int64_t, int64_t> range) {
   return moves_->Finish(model, range, result);
+}
+
+absl::Status StageExecutor::FinishMoves(GptModel& model, StageRunResult& result,
+                                        std::vector<std::pair<int64_t, int64_t>> chunk_ranges) {
+  return moves_->Finish(model, std::move(chunk_ranges), result);
 }
 
 }  // namespace fulcrum::pipeline

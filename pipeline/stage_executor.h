@@ -19,8 +19,8 @@
 // its output to the one after (or computes the loss on the last); B/BW/W likewise in
 // reverse. State, the activation meter's accounting and the per-layer times are per
 // (micro-batch, chunk); messages get a queue and tags per (direction, chunk) (NOTE [chunk
-// transport] in pipeline/internal/stage_transport.h). Layer moves are not carried out
-// with chunks yet (Run refuses a plan with moves when v > 1).
+// transport] in pipeline/internal/stage_transport.h). Layer moves between virtual stages:
+// NOTE [early migration].
 //
 // Where the parts live: this file interprets the action list (F, B, W, BW); the transport
 // (pipeline/internal/stage_transport.h), the activation meter
@@ -189,6 +189,22 @@ struct StageRunResult {
 // each source when its run starts and completes every transfer in FinishMoves, after its
 // own last action and before the optimizer step, inserting the layers; its layers are then
 // the plan's range for it (checked).
+//
+// Under chunks (virtual pipeline stages) a move is between virtual stages, and a rank takes
+// part by the ranks that hold them (PlannedMove::from_rank/to_rank). A move between two
+// chunks of one rank is local: the layer stays in the rank's GptModel and nothing is sent;
+// only the chunk ranges change, in FinishMoves (after the iteration, before the optimizer
+// step: the layer's chunk is read only by F and B, all done by then). A remote move is
+// sent at the stage's last backward action, as with one chunk — not right after the last
+// W of the layer's own chunk, which may come earlier. That is the simple correct choice:
+// the last action holds the last W (or BW) of the whole list, so every W of every chunk is
+// done by then (each outgoing layer of another chunk has nothing queued; FlushTag finds
+// nothing) and the gradients are final; sending earlier would overlap the transfer with
+// more compute but needs per-chunk "last W" bookkeeping, left for when it is measured to
+// matter. FinishMoves then inserts the received layers, sets every chunk's range to the
+// plan's and checks that the rank holds exactly those layers (GptModel::CheckChunkRanges);
+// the runner also checks, before planning, that the gathered chunk ranges are the last
+// plan's.
 
 class StageExecutor {
  public:
@@ -216,6 +232,11 @@ class StageExecutor {
   /// that run's start) to `result.migrations`. No-op without moves.
   absl::Status FinishMoves(GptModel& model, StageRunResult& result,
                            std::pair<int64_t, int64_t> range = {1, 0});
+  /// The same with chunks (NOTE [model chunks]): then sets the model's chunk ranges to
+  /// `chunk_ranges` (this rank's chunks' ranges in the plan, chunk order) — local moves
+  /// change only these — and checks that it holds exactly their layers.
+  absl::Status FinishMoves(GptModel& model, StageRunResult& result,
+                           std::vector<std::pair<int64_t, int64_t>> chunk_ranges);
 
   /// Makes the timer of each Run (NOTE [per-layer timing]); by default a
   /// kernels::DeviceTimer for the model's device. A test seam: a timer with known

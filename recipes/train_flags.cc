@@ -382,10 +382,14 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     }
     FULCRUM_ASSIGN_OR_RETURN(auto script, pipeline::ScriptedRebalancer::Parse(FLAGS_rebalance_script));
     // The script is deterministic: play it through now, so a move that cannot happen is
-    // refused before any work rather than at its iteration.
+    // refused before any work rather than at its iteration. With virtual pipeline stages
+    // the script places the p·v virtual stages, from their even split (a bad chunk count
+    // is named below).
+    const absl::StatusOr<int> script_chunks = VirtualPipelineChunksFromFlags(config.pp);
+    const int virtual_stages = config.pp * (script_chunks.ok() ? *script_chunks : 1);
     pipeline::LayerRanges ranges;
-    for (int s = 0; s < config.pp; ++s) {
-      const StageSpec spec = EvenStage(FLAGS_num_layers, config.pp, s);
+    for (int s = 0; s < virtual_stages; ++s) {
+      const StageSpec spec = EvenStage(FLAGS_num_layers, virtual_stages, s);
       ranges.emplace_back(spec.layer_begin, spec.layer_end);
     }
     if (auto played = script->Placements(ranges); !played.ok()) {
@@ -394,14 +398,8 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
   if (chunks > 1) {
-    // Layer moves, the parameter-balanced start and re-packing place one range per stage;
-    // under chunks they are not carried out yet.
-    if (FLAGS_rebalancer != "none" || !FLAGS_rebalance_script.empty()) {
-      return Invalid(absl::StrCat("--rebalancer and --rebalance_script move layers, which is not "
-                                  "supported with ", chunks, " virtual pipeline stages per stage "
-                                  "(--virtual_pipeline_model_parallel_size / --pipeline_schedule=",
-                                  FLAGS_pipeline_schedule, ") yet"));
-    }
+    // The parameter-balanced start and re-packing place one range per stage; layer moves
+    // (--rebalancer, --rebalance_script) work on the virtual stages (NOTE [early migration]).
     if (FLAGS_pipeline_initial_partition != "uniform") {
       return Invalid("--pipeline_initial_partition=params places one range per stage; with "
                      "virtual pipeline stages it needs --pipeline_initial_partition=uniform");

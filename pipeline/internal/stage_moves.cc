@@ -25,12 +25,16 @@ absl::Status StageMoves::Begin(const std::vector<PlannedMove>& moves, Clock::tim
   // message with its receive, since the sender posts its layers in layer order too.
   std::set<int> sources;
   for (const PlannedMove& move : moves) {
-    if (move.from_stage == stage) outgoing_.push_back(move);
-    if (move.to_stage != stage) continue;
-    const bool first_from_source = sources.insert(move.from_stage).second;
+    // Under chunks the stages of a move are virtual; the ranks holding them send and
+    // receive, and a move between two chunks of one rank sends nothing (NOTE [early
+    // migration]). With one chunk a rank is its stage.
+    if (move.local()) continue;
+    if (move.from_rank == stage) outgoing_.push_back(move);
+    if (move.to_rank != stage) continue;
+    const bool first_from_source = sources.insert(move.from_rank).second;
     incoming_.push_back(PendingReceive{
         move, first_from_source ? std::optional<UnitReceive>(StartReceiveUnit(
-                                      *pp_, move.from_stage, UnitTag(move.layer)))
+                                      *pp_, move.from_rank, UnitTag(move.layer)))
                                 : std::nullopt});
   }
   active_ = !moves.empty();
@@ -50,7 +54,7 @@ absl::Status StageMoves::Send(GptModel& model, const PlannedMove& move, RunMeter
   {
     FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<TransformerLayer> layer, model.TakeLayer(move.layer));
     FULCRUM_ASSIGN_OR_RETURN(UnitSend send,
-                             StartSendUnit(*pp_, move.to_stage, *layer, UnitTag(move.layer)));
+                             StartSendUnit(*pp_, move.to_rank, *layer, UnitTag(move.layer)));
     timing.bytes = send.bytes();
     sends_.push_back({std::move(send), result.migrations.size()});
   }  // The layer is gone; its state travels as copies.
@@ -62,6 +66,22 @@ absl::Status StageMoves::Send(GptModel& model, const PlannedMove& move, RunMeter
 absl::Status StageMoves::Finish(GptModel& model, std::pair<int64_t, int64_t> range,
                                 StageRunResult& result) {
   if (!active_) return absl::OkStatus();
+  FULCRUM_RETURN_IF_ERROR(FinishTransfers(model, result));
+  if (range.first <= range.second) {
+    FULCRUM_RETURN_IF_ERROR(model.CheckRange(range.first, range.second));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageMoves::Finish(GptModel& model,
+                                std::vector<std::pair<int64_t, int64_t>> chunk_ranges,
+                                StageRunResult& result) {
+  if (active_) FULCRUM_RETURN_IF_ERROR(FinishTransfers(model, result));
+  FULCRUM_RETURN_IF_ERROR(model.set_chunk_ranges(std::move(chunk_ranges)));
+  return model.CheckChunkRanges();
+}
+
+absl::Status StageMoves::FinishTransfers(GptModel& model, StageRunResult& result) {
   active_ = false;
   std::vector<PendingReceive> incoming = std::exchange(incoming_, {});
   for (PendingReceive& pending : incoming) {
@@ -72,7 +92,7 @@ absl::Status StageMoves::Finish(GptModel& model, std::pair<int64_t, int64_t> ran
     timing.to_stage = move.to_stage;
     timing.start_ms = SinceRunStart();
     if (!pending.receive.has_value()) {
-      pending.receive.emplace(StartReceiveUnit(*pp_, move.from_stage, UnitTag(move.layer)));
+      pending.receive.emplace(StartReceiveUnit(*pp_, move.from_rank, UnitTag(move.layer)));
     }
     std::unique_ptr<TransformerLayer> shell = model.NewLayerShell(move.layer);
     FULCRUM_RETURN_IF_ERROR(pending.receive->Finish(*shell));
@@ -89,9 +109,6 @@ absl::Status StageMoves::Finish(GptModel& model, std::pair<int64_t, int64_t> ran
     }
   }
   outgoing_.clear();
-  if (range.first <= range.second) {
-    FULCRUM_RETURN_IF_ERROR(model.CheckRange(range.first, range.second));
-  }
   return absl::OkStatus();
 }
 

@@ -33,8 +33,9 @@ class StageMoves {
 
   explicit StageMoves(parallel::Communicator* pp) : pp_(pp) {}
 
-  /// Takes this stage's part of `moves` (every stage passes the same list): posts the
-  /// receive of each incoming layer's first message. `run_start` is the origin of the
+  /// Takes this stage's part of `moves` (every stage passes the same list; a stage is a
+  /// rank: from_rank/to_rank, local moves send nothing): posts the receive of each incoming
+  /// layer's first message. `run_start` is the origin of the
   /// timings. FailedPrecondition if the last run's moves were not finished.
   absl::Status Begin(const std::vector<PlannedMove>& moves, Clock::time_point run_start);
   /// Whether this stage sends layers in this run.
@@ -49,8 +50,17 @@ class StageMoves {
   /// `model` holds `range` (this stage's range in the plan; unchecked when begin > end).
   /// Appends the receives' timings and completes the sends'. No-op without moves.
   absl::Status Finish(GptModel& model, std::pair<int64_t, int64_t> range, StageRunResult& result);
+  /// The same under chunks (NOTE [early migration]): after the transfers sets the model's
+  /// chunk ranges to `chunk_ranges` (the plan's for this rank, chunk order; local moves
+  /// change only these) and checks that it holds exactly their layers. Always sets them,
+  /// moves or not.
+  absl::Status Finish(GptModel& model, std::vector<std::pair<int64_t, int64_t>> chunk_ranges,
+                      StageRunResult& result);
 
  private:
+  // Receives and inserts the incoming layers and waits for the sends (Finish's common part).
+  absl::Status FinishTransfers(GptModel& model, StageRunResult& result);
+
   double SinceRunStart() const;
 
   struct PendingSend {

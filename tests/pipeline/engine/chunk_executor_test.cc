@@ -145,8 +145,8 @@ TEST(ChunkExecutorTest, OneStageVHandsOverBetweenItsChunks) {
   RunCase(world.get(), Case{"zbv", 2, false}, 3);
 }
 
-// A model cut otherwise than the schedule, and layer moves under chunks, are refused by name.
-TEST(ChunkExecutorTest, MismatchedChunksAndMovesAreRefused) {
+// A model cut otherwise than the schedule is refused by name.
+TEST(ChunkExecutorTest, MismatchedChunksAreRefused) {
   std::unique_ptr<parallel::Communicator> world = OneProcessWorld();
   ASSERT_NE(world, nullptr);
   ModelOptions options = EngineModel();
@@ -159,12 +159,48 @@ TEST(ChunkExecutorTest, MismatchedChunksAndMovesAreRefused) {
   ASSERT_FALSE(run.ok());
   EXPECT_NE(run.status().message().find("runs 2 chunks per stage"), std::string::npos)
       << run.status();
-  GptModel two_chunks(options, ChunkedStage(*zbv, EvenVirtualRanges(options.num_layers, 2), 0));
-  PlannedMove move;  // layer 1 from chunk 0 to chunk 1 of the one stage
-  move.layer = 1;
-  run = executor.Run(two_chunks, *zbv, 1, plan, kLossScale, false, {move});
-  ASSERT_FALSE(run.ok());
-  EXPECT_NE(run.status().message().find("not supported yet"), std::string::npos) << run.status();
+}
+
+// NOTE [early migration] under chunks: a move between the two chunks of one rank (ZB-V on
+// one stage) sends nothing; the layer stays in the model and FinishMoves gives the chunks
+// the plan's ranges. The next run computes the same loss on the new cut (the same weights:
+// no optimizer step), and a plan the model's layers do not fit is refused.
+TEST(ChunkExecutorTest, LocalMoveChangesOnlyTheChunkRanges) {
+  std::unique_ptr<parallel::Communicator> world = OneProcessWorld();
+  ASSERT_NE(world, nullptr);
+  ModelOptions options = EngineModel();
+  options.num_layers = 4;
+  absl::StatusOr<Schedule> zbv = MakeSchedule("zbv", 1, 2);
+  ASSERT_TRUE(zbv.ok()) << zbv.status();
+  const MicroBatchPlan plan = RandomPlan(options, 2, kMicroBatchSize);
+  StageExecutor executor(world.get(), kMicroBatchSize);
+  const LayerRanges before = EvenVirtualRanges(options.num_layers, 2);  // [0,2) [2,4)
+  const LayerRanges after = {{0, 1}, {1, 4}};
+  GptModel model(options, ChunkedStage(*zbv, before, 0));
+  const std::vector<PlannedMove> moves = MovesBetween(before, after, {0, 0});
+  ASSERT_EQ(moves.size(), 1u);
+  EXPECT_TRUE(moves[0].local());
+  absl::StatusOr<StageRunResult> first = executor.Run(model, *zbv, 1, plan, kLossScale, false, moves);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->migrations.empty()) << "a local move sends nothing";
+  EXPECT_EQ(model.layers().size(), 4u) << "the layer stays in the rank's model";
+  ASSERT_TRUE(executor.FinishMoves(model, *first, after).ok());
+  EXPECT_EQ(model.chunk_range(0), after[0]);
+  EXPECT_EQ(model.chunk_range(1), after[1]);
+  absl::StatusOr<StageRunResult> second = executor.Run(model, *zbv, 2, plan, kLossScale);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->loss_sum, first->loss_sum);
+  // Chunk 1's F ran layers 1..3 now: layer 1's forward belongs to it.
+  for (const ActionTiming& t : second->timings) {
+    if (t.action.kind != ActionKind::kForward) continue;
+    for (const auto& [layer, ms] : t.layer_ms) {
+      EXPECT_EQ(t.action.chunk, layer < 1 ? 0 : 1) << t.action.ToString(true) << " layer " << layer;
+    }
+  }
+  // A plan whose ranges the held layers do not fill is named.
+  const absl::Status wrong = executor.FinishMoves(model, *second, {{0, 1}, {1, 3}});
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.message().find("should hold layers"), std::string::npos) << wrong;
 }
 
 TEST(SlowChunkExecutorTest, TwoStagesMatchOneProcess) {

@@ -108,6 +108,25 @@ std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
 
 namespace {
 
+// Appends the per-layer values of the layers in `range` to `load`, as the runner reports
+// them (NOTE [simulated loads]): times summed over the m micro-batches (zero when there is
+// no timeline: unmeasured), a fused BW counted as B; parameters, block loads and state bytes
+// per layer. Shared by the one-chunk and the chunked form of SimulatedLoads.
+void AppendLayerLoads(const IterationCosts& costs, const StageRange& range, double m, bool fused,
+                      bool measured, pipeline::StageLoad& load) {
+  for (int64_t l = range.begin; l < range.end; ++l) {
+    const double b = costs.backward[l] + (fused ? costs.weight[l] : 0.0);
+    const double w = fused ? 0.0 : costs.weight[l];
+    load.layer_forward_ms.push_back(measured ? m * costs.forward[l] : 0.0);
+    load.layer_backward_ms.push_back(measured ? m * b : 0.0);
+    load.layer_weight_ms.push_back(measured ? m * w : 0.0);
+    load.layer_parameters.push_back(At(costs.parameters, l));
+    load.layer_block_load.push_back(At(costs.block_load, l));
+    load.layer_state_bytes.push_back(static_cast<int64_t>(At(costs.state_bytes, l)));
+    load.parameter_bytes += static_cast<int64_t>(At(costs.state_bytes, l));
+  }
+}
+
 // SimulatedLoads with chunks (NOTE [simulation under chunks]): rank r's load lists its
 // chunks' ranges in chunk order (ascending virtual stage) and their layers' values in that
 // order; its totals are its chunks' virtual-stage action costs summed.
@@ -130,17 +149,7 @@ std::vector<pipeline::StageLoad> SimulatedChunkLoads(const IterationCosts& costs
   for (int k = 0; k <= last; ++k) {
     pipeline::StageLoad& load = loads[chunk_rank[k]];
     load.chunk_ranges.emplace_back(now[k].begin, now[k].end);
-    for (int64_t l = now[k].begin; l < now[k].end; ++l) {
-      const double b = costs.backward[l] + (fused ? costs.weight[l] : 0.0);
-      const double w = fused ? 0.0 : costs.weight[l];
-      load.layer_forward_ms.push_back(timeline ? m * costs.forward[l] : 0.0);
-      load.layer_backward_ms.push_back(timeline ? m * b : 0.0);
-      load.layer_weight_ms.push_back(timeline ? m * w : 0.0);
-      load.layer_parameters.push_back(At(costs.parameters, l));
-      load.layer_block_load.push_back(At(costs.block_load, l));
-      load.layer_state_bytes.push_back(static_cast<int64_t>(At(costs.state_bytes, l)));
-      load.parameter_bytes += static_cast<int64_t>(At(costs.state_bytes, l));
-    }
+    AppendLayerLoads(costs, now[k], m, fused, timeline != nullptr, load);
     if (k == 0) load.pinned_parameters += costs.first_parameters;
     if (k == last) load.pinned_parameters += costs.last_parameters;
     if (timeline != nullptr) {
@@ -180,17 +189,7 @@ std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
     load.layer_begin = now[s].begin;
     load.layer_end = now[s].end;
     load.peak_in_flight = pipeline::PeakInFlight(schedule, s);
-    for (int64_t l = now[s].begin; l < now[s].end; ++l) {
-      const double b = costs.backward[l] + (fused ? costs.weight[l] : 0.0);
-      const double w = fused ? 0.0 : costs.weight[l];
-      load.layer_forward_ms.push_back(timeline ? m * costs.forward[l] : 0.0);
-      load.layer_backward_ms.push_back(timeline ? m * b : 0.0);
-      load.layer_weight_ms.push_back(timeline ? m * w : 0.0);
-      load.layer_parameters.push_back(At(costs.parameters, l));
-      load.layer_block_load.push_back(At(costs.block_load, l));
-      load.layer_state_bytes.push_back(static_cast<int64_t>(At(costs.state_bytes, l)));
-      load.parameter_bytes += static_cast<int64_t>(At(costs.state_bytes, l));
-    }
+    AppendLayerLoads(costs, now[s], m, fused, timeline != nullptr, load);
     load.pinned_parameters = (s == 0 ? costs.first_parameters : 0.0) +
                              (s == p - 1 ? costs.last_parameters : 0.0);
     if (timeline != nullptr) {

@@ -255,7 +255,8 @@ LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ct
   at::Tensor labels = tokens.narrow(1, 1, s);
   ForwardContext local = ctx;  // the micro-batch starts without carried state
   local.token_state = at::Tensor();
-  if (needs_labels()) local.labels = labels.t();
+  // Plugins that read labels (early exit) compute on the model's device.
+  if (needs_labels()) local.labels = labels.t().to(options_.device_spec.device);
   at::Tensor hidden = Embed(inputs, local);
   hidden = ForwardLayers(std::move(hidden), local);
   return HeadLoss(hidden, labels);

@@ -1,5 +1,6 @@
 #include "core/linear.h"
 
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <chrono>
@@ -11,7 +12,22 @@
 namespace fulcrum {
 namespace {
 
-thread_local WeightGradStore* t_active_store = nullptr;
+// NOTE [store across threads]
+// On the CPU autograd runs a backward's nodes on the thread that called backward(); for
+// CUDA tensors it runs them on its own per-device worker thread. A thread_local active
+// store is therefore invisible exactly where a GPU backward computes weight gradients: they
+// were applied at once and the B/W split silently did nothing (an H100 run found it:
+// ExpertLinearCudaTest). The store is instead held in c10's ThreadLocalDebugInfo, which
+// the autograd engine captures with the rest of the caller's thread-local state
+// (at::ThreadLocalState) and installs on its worker threads for that backward. The slot
+// used is PRODUCER_INFO, which c10 reserves for the application (LibTorch itself leaves it
+// empty); a Scope pushes a new entry, so scopes nest and threads stay apart.
+struct ActiveStore final : c10::DebugInfoBase {
+  explicit ActiveStore(WeightGradStore* s) : store(s) {}
+  WeightGradStore* store;
+};
+constexpr c10::DebugInfoKind kStoreSlot = c10::DebugInfoKind::PRODUCER_INFO;
+
 thread_local int64_t t_current_tag = WeightGradStore::kNoTag;
 
 constexpr const char* kTagKey = "weight_grad_tag";
@@ -187,13 +203,16 @@ class LinearGeluMlpFunction : public torch::autograd::Function<LinearGeluMlpFunc
 
 }  // namespace
 
-WeightGradStore* WeightGradStore::Active() { return t_active_store; }
-
-WeightGradStore::Scope::Scope(WeightGradStore* store) : previous_(t_active_store) {
-  t_active_store = store;
+WeightGradStore* WeightGradStore::Active() {
+  const auto* active = dynamic_cast<const ActiveStore*>(c10::ThreadLocalDebugInfo::get(kStoreSlot));
+  return active != nullptr ? active->store : nullptr;
 }
 
-WeightGradStore::Scope::~Scope() { t_active_store = previous_; }
+WeightGradStore::Scope::Scope(WeightGradStore* store)
+    : guard_(std::make_unique<c10::DebugInfoGuard>(kStoreSlot,
+                                                   std::make_shared<ActiveStore>(store))) {}
+
+WeightGradStore::Scope::~Scope() = default;
 
 int64_t WeightGradStore::CurrentTag() { return t_current_tag; }
 
@@ -202,6 +221,8 @@ WeightGradStore::TagScope::TagScope(int64_t tag) : previous_(t_current_tag) { t_
 WeightGradStore::TagScope::~TagScope() { t_current_tag = previous_; }
 
 void WeightGradStore::Push(std::function<void()> task, int64_t tag, int64_t bytes) {
+  // A graph with CPU and CUDA nodes runs both at once (the caller's thread and the device's).
+  std::lock_guard<std::mutex> lock(push_mutex_);
   tasks_.push_back(Task{std::move(task), tag, bytes});
   held_bytes_ += bytes;
 }

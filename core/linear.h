@@ -62,8 +62,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
+
+namespace c10 {
+class DebugInfoGuard;  // c10/util/ThreadLocalDebugInfo.h
+}  // namespace c10
 
 namespace fulcrum {
 
@@ -72,7 +78,9 @@ class DeviceTimer;  // core/kernels/device_timer.h
 }  // namespace kernels
 
 /// Holds deferred weight-gradient computations (one store per micro-batch's backward).
-/// Not thread-safe; activation and tags are per thread.
+/// Push may be called from autograd's device threads; Flush and FlushTag from one thread at
+/// a time. Tags are per thread (set during the forward); the active store rides with the
+/// thread that runs backward() into autograd's worker threads (NOTE [store across threads]).
 class WeightGradStore {
  public:
   /// Tag of the closures of linear layers run outside any TagScope (embedding, head).
@@ -82,10 +90,12 @@ class WeightGradStore {
   WeightGradStore(const WeightGradStore&) = delete;
   WeightGradStore& operator=(const WeightGradStore&) = delete;
 
-  /// The store active on this thread, or nullptr.
+  /// The store active on this thread — or, on an autograd worker thread, on the thread
+  /// whose backward() it is running — or nullptr.
   static WeightGradStore* Active();
 
-  /// Activates `store` on this thread for the scope's lifetime (restores the previous one).
+  /// Activates `store` on this thread, and on the autograd threads of any backward() it
+  /// starts, for the scope's lifetime (restores the previous one).
   class Scope {
    public:
     explicit Scope(WeightGradStore* store);
@@ -94,7 +104,7 @@ class WeightGradStore {
     Scope& operator=(const Scope&) = delete;
 
    private:
-    WeightGradStore* previous_;
+    std::unique_ptr<c10::DebugInfoGuard> guard_;
   };
 
   /// The tag current on this thread (kNoTag outside any TagScope).
@@ -144,6 +154,7 @@ class WeightGradStore {
                      kernels::DeviceTimer* timer, const std::string& key_prefix);
 
   std::vector<Task> tasks_;
+  std::mutex push_mutex_;  // Push only (NOTE [store across threads]).
   int64_t held_bytes_ = 0;
 };
 

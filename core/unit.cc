@@ -185,7 +185,9 @@ absl::Status Unit::LoadState(
           "tensor ", name, " has shape ", c10::str(t.sizes()), ", the model expects ",
           c10::str(like.sizes())));
     }
-    *out = t.to(like.scalar_type()).contiguous().clone();
+    // The parameter's device and dtype: a checkpoint is read on the host, and Adam's
+    // moments must sit beside the weights they update (NOTE [device seam]).
+    *out = t.to(like.options(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     return absl::OkStatus();
   };
   // A mirror loads its source's tensors (Parameter::mirror_of).

@@ -316,7 +316,9 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
   const bool carry = model.carries_token_state();
   at::Tensor tokens =
       (first || last || model.needs_labels()) ? run.plan.tokens(mb) : at::Tensor();
-  if (model.needs_labels()) ctx.labels = tokens.narrow(1, 1, s).t();
+  if (model.needs_labels()) {  // read by plugins (early exit) on the model's device
+    ctx.labels = tokens.narrow(1, 1, s).t().to(model.options().device_spec.device);
+  }
   if (!first) {
     state->local_input = run.transport.HandsOverInput(chunk);
     FULCRUM_ASSIGN_OR_RETURN(state->input,

@@ -127,8 +127,9 @@ struct LayerPrune {
 };
 
 // The magnitude of element i of `w` as an order-preserving key (NOTE [global threshold]).
+// Read on the host: a weight on a GPU is copied once per pruning step (pruning is rare).
 struct Keys {
-  explicit Keys(const at::Tensor& weight) : w(weight.contiguous()) {
+  explicit Keys(const at::Tensor& weight) : w(weight.to(at::kCPU).contiguous()) {
     is_double = w.scalar_type() == at::kDouble;
   }
   int64_t size() const { return w.numel(); }
@@ -306,7 +307,9 @@ class PrunePlugin final : public Plugin {
       if (kept == mask.numel()) continue;  // nothing pruned: the dense path as it was
       state->mask[i] = mask;
       const double density = static_cast<double>(kept) / static_cast<double>(mask.numel());
-      if (sparse_compute && SparseIsFaster(w.size(0), w.size(1), density)) {
+      // The sparse kernels (core/sparse_linear.h) are CPU code: on a GPU a pruned weight
+      // takes the dense product of the masked weight.
+      if (sparse_compute && w.is_cpu() && SparseIsFaster(w.size(0), w.size(1), density)) {
         state->sparse[i] = std::make_shared<SparseWeight>(w, mask);
       }
     }
@@ -387,6 +390,7 @@ class PrunePlugin final : public Plugin {
           }
           m[e] = keep;
         }
+        mask = mask.to(w.device());
         const at::Tensor keep = mask.to(w.scalar_type());
         w.mul_(keep);
         if (Parameter* p = layer->FindParameter(LinearSlotName(kSlots[i]))) {

@@ -171,11 +171,25 @@ class SparseAttentionCore final : public AttentionCore {
   double Count(CountSlot slot) const { return counts_.data_ptr<double>()[slot]; }
   // Buckets of x [b, heads, s, d] → [b, heads, s] int64 (NOTE [sparse attention hashing]).
   at::Tensor Buckets(const at::Tensor& x) const;
+  // The rotations on x's device in x's dtype. The buffer itself stays on the host (the
+  // checkpoint and a layer move carry it; a load overwrites it in place, which bumps its
+  // version): the copy is remade only when the device, the dtype or the version changes.
+  const at::Tensor& RotationsOn(const at::Tensor& x) const {
+    if (!rotations_on_.defined() || rotations_on_.device() != x.device() ||
+        rotations_on_.scalar_type() != x.scalar_type() ||
+        rotations_version_ != rotations_._version()) {
+      rotations_on_ = rotations_.to(x.device(), x.scalar_type());
+      rotations_version_ = rotations_._version();
+    }
+    return rotations_on_;
+  }
 
   SparseAttentionOptions options_;
   at::Tensor rotations_;  // The layer's buffer (a handle): [global heads, d, c].
   at::Tensor counts_;     // The layer's buffer (a handle): fp64 [kNumCounts].
   int64_t first_head_;
+  mutable at::Tensor rotations_on_;  // RotationsOn's copy.
+  mutable int64_t rotations_version_ = -1;
 };
 
 at::Tensor SparseAttentionCore::Buckets(const at::Tensor& x) const {
@@ -183,7 +197,7 @@ at::Tensor SparseAttentionCore::Buckets(const at::Tensor& x) const {
   if (options_.buckets == 1)
     return at::zeros({x.size(0), heads, x.size(2)}, x.options().dtype(at::kLong));
   TORCH_INTERNAL_ASSERT(first_head_ + heads <= rotations_.size(0), "more heads than the model has");
-  const at::Tensor r = rotations_.narrow(0, first_head_, heads).to(x.scalar_type());
+  const at::Tensor r = RotationsOn(x).narrow(0, first_head_, heads);
   at::Tensor projected = at::matmul(x, r.unsqueeze(0));  // [b, heads, s, c]
   if (options_.buckets % 2 == 0) projected = at::cat({projected, -projected}, -1);
   return projected.argmax(-1);

@@ -1,9 +1,11 @@
 // Model pieces: shapes, causal masking, the custom Linear autograd function (against
 // autograd and finite differences), the B/W split, rotary positions, dropout keys and
 // layout-independent initialisation.
+#include <ATen/ThreadLocalState.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <thread>
 
 #include "core/gpt_model.h"
 #include "core/linear.h"
@@ -165,6 +167,45 @@ TEST(LinearTest, DeferredWeightGradientsAreBitIdentical) {
       EXPECT_TRUE(at::equal(a.value.grad(), b.value.grad())) << fused_units[u]->GlobalName(a.name);
     }
   }
+}
+
+// NOTE [store across threads] in core/linear.cc: for CUDA tensors autograd runs the
+// backward on its own device thread, under the thread-local state it captured from the
+// thread that called backward(). That hand-over is reproduced here on the CPU: a thread
+// that installs the captured state sees the store and defers into it; a thread that does
+// not sees none; a nested Scope(nullptr) turns deferral off and the store comes back after.
+TEST(LinearTest, ActiveStoreFollowsTheBackwardIntoAutogradsWorkerThreads) {
+  ModelOptions options = SmallModel();
+  options.tie_embeddings = false;
+  const at::Tensor tokens = RandomTokens(2, options.seq_length + 1, options.vocab_size, 4);
+  GptModel model(options);
+  const at::Tensor loss = model.ForwardLoss(tokens, ForwardContext()).sum;
+  WeightGradStore store;
+  {
+    WeightGradStore::Scope scope(&store);
+    ASSERT_EQ(WeightGradStore::Active(), &store);
+    {
+      WeightGradStore::Scope off(nullptr);
+      EXPECT_EQ(WeightGradStore::Active(), nullptr);
+    }
+    EXPECT_EQ(WeightGradStore::Active(), &store);
+    const at::ThreadLocalState captured;  // what the engine captures at backward()
+    WeightGradStore* plain_thread_sees = &store;
+    std::thread([&] { plain_thread_sees = WeightGradStore::Active(); }).join();
+    EXPECT_EQ(plain_thread_sees, nullptr) << "a store is per thread, not per process";
+    std::thread([&] {
+      at::ThreadLocalStateGuard guard(captured);  // what the engine's worker thread does
+      EXPECT_EQ(WeightGradStore::Active(), &store);
+      loss.backward();
+    }).join();
+  }
+  EXPECT_EQ(WeightGradStore::Active(), nullptr);
+  EXPECT_EQ(store.size(), static_cast<size_t>(4 * options.num_layers + 1))
+      << "the worker thread's linears deferred their weight gradients into the store";
+  const Parameter* qkv = model.layers().at(0)->FindParameter("self_attention.linear_qkv.weight");
+  EXPECT_FALSE(qkv->value.grad().defined());
+  store.Flush();
+  EXPECT_TRUE(qkv->value.grad().defined());
 }
 
 TEST(RotaryTest, IsARotationThatDependsOnRelativePosition) {

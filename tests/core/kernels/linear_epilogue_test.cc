@@ -193,7 +193,10 @@ TEST_F(LinearEpilogueCudaTest, FusedInputGradMatchesCpu) {
   const at::Tensor dy = Random({128, 32}, 35);
   const GeluInputGrad cpu = LinearGeluInputGrad(dy, w2, pre, true, true);
   const GeluInputGrad gpu = LinearGeluInputGrad(dy.cuda(), w2.cuda(), pre.cuda(), true, true);
-  EXPECT_LT(MaxAbsDiff(gpu.grad_pre_activation, cpu.grad_pre_activation), 1e-4);
+  // dy·w2 is a 32-long fp32 dot product (|value| up to ~15) times cuBLASLt's tanh-GeLU
+  // derivative: an H100 measured 1.1e-4 from the CPU. Using the exact (erf) derivative
+  // instead would move each value by up to 9e-4 × |dy·w2|, several times the tolerance.
+  EXPECT_LT(MaxAbsDiff(gpu.grad_pre_activation, cpu.grad_pre_activation), 3e-4);
   EXPECT_LT(MaxAbsDiff(gpu.grad_bias, cpu.grad_bias), 1e-3);
 }
 

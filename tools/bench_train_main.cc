@@ -21,7 +21,8 @@
 //
 // With --device=cuda (issue 23) it measures on one GPU, by default the ~1.3B `gpt_1p3b` shape
 // (24 layers, hidden 2048, 16 heads, seq 2048; --bf16 for bf16 compute over fp32 weights),
-// and every run ends with one table per model: ms/step, tokens/s and MFU of each side.
+// and every run ends with one table per model: ms/step, tokens/s and MFU of each side. There
+// the sides run one after another, each alone on the GPU (NOTE [sides on a GPU]).
 // NOTE [model FLOPs]: MFU counts the model's FLOPs, not the kernels': per token
 // 6·N + 12·L·h·s, N the parameters of the matrix products (L·(4h² + 2h·ffn) + h·vocab: the
 // output layer, tied or not; embeddings lookups and norms excluded), L layers, hidden h,
@@ -34,6 +35,7 @@
 //                                 [--layouts=1,tp2,dp2,tp2dp2] [--layout_iters=30]
 //                                 [--compare_reference] [--threads=0] [--cross_entropy]
 //                                 [--device=cpu|cuda|cuda:N|auto] [--bf16] [--quick]
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <gflags/gflags.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -43,6 +45,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -180,6 +183,9 @@ class Reference {
                   "--reference_python)\n", python.c_str());
       return nullptr;
     }
+    // A reference that dies (out of memory, say) must fail its side, not kill this process
+    // with SIGPIPE at the next request: writes to it then fail and Run returns -1.
+    std::signal(SIGPIPE, SIG_IGN);
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) return nullptr;
     std::vector<std::string> args = {python, g_reference_script,
@@ -208,7 +214,7 @@ class Reference {
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
-      execv(argv[0], argv.data());
+      execvp(argv[0], argv.data());  // --reference_python may be a bare name (python3)
       _exit(127);
     }
     close(to_child[0]);
@@ -357,38 +363,47 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   config.data.seq_length = shape.seq;
   config.data.split = "100,0,0";
   const absl::Status connected = ConnectFulcrumDevice(config);
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-      connected.ok() ? Trainer::Create(config, corpus) : absl::StatusOr<std::unique_ptr<Trainer>>(connected);
-  if (!trainer.ok() && connected.ok()) {
-    std::fprintf(stderr, "bench_train: %s\n", std::string(trainer.status().message()).c_str());
-    std::exit(1);
-  }
+  auto make_trainer = [&]() -> absl::StatusOr<std::unique_ptr<Trainer>> {
+    if (!connected.ok()) return connected;
+    absl::StatusOr<std::unique_ptr<Trainer>> made = Trainer::Create(config, corpus);
+    if (!made.ok()) {
+      std::fprintf(stderr, "bench_train: %s\n", std::string(made.status().message()).c_str());
+      std::exit(1);
+    }
+    return made;
+  };
 
-  PlainGpt plain(shape, vocab);
-  plain->to(g_device);
-  plain->future = plain->future.to(g_device);
-  torch::optim::AdamW adamw(plain->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  // The plain LibTorch side: the model and its optimizer.
+  struct PlainSide {
+    PlainSide(const Shape& shape, int64_t vocab) : model(shape, vocab) {
+      model->to(g_device);
+      model->future = model->future.to(g_device);
+      adamw = std::make_unique<torch::optim::AdamW>(
+          model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    }
+    PlainGpt model;
+    std::unique_ptr<torch::optim::AdamW> adamw;
+  };
   const int64_t micro = shape.global_batch / shape.micro_batch;
   const double tokens = double(shape.global_batch) * double(shape.seq);
   torch::Tensor batches = torch::randint(vocab, {micro, shape.micro_batch, shape.seq + 1},
                                          torch::TensorOptions(torch::kLong).device(g_device));
-  auto plain_step = [&]() {
-    adamw.zero_grad();
+  auto plain_step = [&](PlainSide& plain) {
+    plain.adamw->zero_grad();
     // --bf16 as PyTorch users write it: autocast over fp32 weights (only around the forward).
     for (int64_t m = 0; m < micro; ++m) {
       at::autocast::set_autocast_enabled(g_device.type(), FLAGS_bf16);
       if (FLAGS_bf16) at::autocast::set_autocast_dtype(g_device.type(), at::kBFloat16);
-      torch::Tensor loss = plain->forward(batches[m]);
+      torch::Tensor loss = plain.model->forward(batches[m]);
       at::autocast::set_autocast_enabled(g_device.type(), false);
       at::autocast::clear_cache();
       (loss.to(torch::kFloat) / tokens).backward();
     }
-    torch::nn::utils::clip_grad_norm_(plain->parameters(), 1.0);
-    adamw.step();
+    torch::nn::utils::clip_grad_norm_(plain.model->parameters(), 1.0);
+    plain.adamw->step();
   };
-  auto fulcrum_step = [&]() {
-    if (!trainer.ok()) return;
-    auto stats = (*trainer)->TrainIteration();
+  auto fulcrum_step = [&](Trainer& trainer) {
+    auto stats = trainer.TrainIteration();
     if (!stats.ok()) std::exit(1);
   };
   // Milliseconds per step of `step`, over --iters_per_round steps.
@@ -399,49 +414,102 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
     return std::chrono::duration<double, std::milli>(Clock::now() - start).count() /
            FLAGS_iters_per_round;
   };
-  for (int i = 0; i < FLAGS_warmup_iters; ++i) {
-    plain_step();
-    fulcrum_step();
-  }
-  Synchronize();
-  std::unique_ptr<Reference> eager_reference, compiled_reference;
-  if (FLAGS_compare_reference) {
-    eager_reference = Reference::Start(shape, at::get_num_threads(), /*compiled=*/false);
-    compiled_reference = Reference::Start(shape, at::get_num_threads(), /*compiled=*/true);
-  }
-  // ms per step of each side, and Fulcrum's time over PyTorch's per round.
-  std::vector<double> ours, theirs, ratios, eager, eager_ratios, compiled, compiled_ratios;
+  // ms per step of each side, per round.
+  std::vector<double> ours, theirs, eager, compiled;
   auto time_reference = [&](Reference* reference, std::vector<double>* ms) {
     if (reference == nullptr) return;
     const double seconds = reference->Run(FLAGS_iters_per_round);
     if (seconds > 0) ms->push_back(seconds / FLAGS_iters_per_round * 1e3);
   };
-  for (int r = 0; r < FLAGS_rounds; ++r) {
-    // Rotate which goes first so drift in machine load hits all alike.
-    std::vector<std::function<void()>> order = {
-        [&] { if (trainer.ok()) ours.push_back(ms_per_step(fulcrum_step)); },
-        [&] { theirs.push_back(ms_per_step(plain_step)); },
-        [&] { time_reference(eager_reference.get(), &eager); },
-        [&] { time_reference(compiled_reference.get(), &compiled); }};
-    std::rotate(order.begin(), order.begin() + r % order.size(), order.end());
-    for (auto& run : order) run();
-    if (ours.empty()) continue;
-    ratios.push_back(theirs.back() / ours.back());
-    if (eager.size() == ours.size()) eager_ratios.push_back(ours.back() / eager.back());
-    if (compiled.size() == ours.size()) compiled_ratios.push_back(ours.back() / compiled.back());
+  auto start_reference = [&](bool compiled_side) -> std::unique_ptr<Reference> {
+    if (!FLAGS_compare_reference) return nullptr;
+    return Reference::Start(shape, at::get_num_threads(), compiled_side);
+  };
+  auto profile = [&](Trainer& trainer) {
+    if (FLAGS_profile_trace.empty()) return;
+    torch::autograd::profiler::RecordProfile recorded(FLAGS_profile_trace + "." + shape.name + ".json");
+    for (int i = 0; i < 3; ++i) fulcrum_step(trainer);
+  };
+  std::string fulcrum_missing;
+  int64_t fulcrum_params = 0;
+
+  // NOTE [sides on a GPU]
+  // On the CPU the sides run interleaved, round by round, so that drift in the shared
+  // machine's load hits them alike. On a GPU the timed work is the device's, steady from one
+  // run to the next, and the sides cannot share its memory: each holds a 1.3B model's fp32
+  // masters, gradients and Adam state (~21 GB) plus its activations, and an H200 (140 GB)
+  // ran out with the four alive at once (65 + 40 + 34 GiB and the plain side's). There they
+  // run one after another, each alone on the GPU, its memory returned before the next.
+  if (g_device.is_cuda()) {
+    auto release = [] {
+      Synchronize();
+      at::accelerator::emptyCache();
+    };
+    {
+      absl::StatusOr<std::unique_ptr<Trainer>> trainer = make_trainer();
+      if (trainer.ok()) {
+        for (int i = 0; i < FLAGS_warmup_iters; ++i) fulcrum_step(**trainer);
+        for (int r = 0; r < FLAGS_rounds; ++r) ours.push_back(ms_per_step([&] { fulcrum_step(**trainer); }));
+        fulcrum_params = (*trainer)->model().NumParameterElements();
+        profile(**trainer);
+      } else {
+        fulcrum_missing = std::string(trainer.status().message());
+      }
+    }
+    release();
+    {
+      PlainSide plain(shape, vocab);
+      for (int i = 0; i < FLAGS_warmup_iters; ++i) plain_step(plain);
+      for (int r = 0; r < FLAGS_rounds; ++r) theirs.push_back(ms_per_step([&] { plain_step(plain); }));
+    }
+    release();
+    for (bool compiled_side : {false, true}) {
+      std::unique_ptr<Reference> reference = start_reference(compiled_side);
+      for (int r = 0; r < FLAGS_rounds && reference != nullptr; ++r) {
+        time_reference(reference.get(), compiled_side ? &compiled : &eager);
+      }
+    }  // ~Reference closes its pipe and waits: the GPU is the next one's alone
+  } else {
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = make_trainer();
+    if (!trainer.ok()) fulcrum_missing = std::string(trainer.status().message());
+    PlainSide plain(shape, vocab);
+    for (int i = 0; i < FLAGS_warmup_iters; ++i) {
+      plain_step(plain);
+      if (trainer.ok()) fulcrum_step(**trainer);
+    }
+    Synchronize();
+    std::unique_ptr<Reference> eager_reference = start_reference(false);
+    std::unique_ptr<Reference> compiled_reference = start_reference(true);
+    for (int r = 0; r < FLAGS_rounds; ++r) {
+      // Rotate which goes first so drift in machine load hits all alike.
+      std::vector<std::function<void()>> order = {
+          [&] { if (trainer.ok()) ours.push_back(ms_per_step([&] { fulcrum_step(**trainer); })); },
+          [&] { theirs.push_back(ms_per_step([&] { plain_step(plain); })); },
+          [&] { time_reference(eager_reference.get(), &eager); },
+          [&] { time_reference(compiled_reference.get(), &compiled); }};
+      std::rotate(order.begin(), order.begin() + r % order.size(), order.end());
+      for (auto& run : order) run();
+    }
+    if (trainer.ok()) {
+      fulcrum_params = (*trainer)->model().NumParameterElements();
+      profile(**trainer);
+    }
   }
-  PrintThroughputTable(shape, tokens, ours, theirs, eager, compiled,
-                       trainer.ok() ? "" : std::string(trainer.status().message()));
-  if (!trainer.ok()) return;
+  // Fulcrum's time over each other side's, round by round (the same round index: side by
+  // side on the CPU, in sequence on a GPU).
+  std::vector<double> ratios, eager_ratios, compiled_ratios;
+  for (size_t r = 0; r < ours.size(); ++r) {
+    if (r < theirs.size()) ratios.push_back(theirs[r] / ours[r]);
+    if (eager.size() == ours.size()) eager_ratios.push_back(ours[r] / eager[r]);
+    if (compiled.size() == ours.size()) compiled_ratios.push_back(ours[r] / compiled[r]);
+  }
+  PrintThroughputTable(shape, tokens, ours, theirs, eager, compiled, fulcrum_missing);
+  if (ours.empty()) return;
   std::printf("%-8s %10lld params | fulcrum %9.0f tok/s | plain libtorch %9.0f tok/s | "
               "ratio %.3f (median of %d rounds; overhead %+.1f%%)\n",
-              shape.name.c_str(), static_cast<long long>((*trainer)->model().NumParameterElements()),
+              shape.name.c_str(), static_cast<long long>(fulcrum_params),
               tokens / Median(ours) * 1e3, tokens / Median(theirs) * 1e3, Median(ratios),
               FLAGS_rounds, (1.0 - Median(ratios)) * 100.0);
-  if (!FLAGS_profile_trace.empty()) {
-    torch::autograd::profiler::RecordProfile profile(FLAGS_profile_trace + "." + shape.name + ".json");
-    for (int i = 0; i < 3; ++i) fulcrum_step();
-  }
   if (!eager_ratios.empty()) {
     std::printf("%-8s ms/step: fulcrum %.1f | plain libtorch %.1f | pytorch eager %.1f | "
                 "fulcrum/eager time %.3f (median of %zu rounds, %d threads; goal <= 0.9)\n",

@@ -20,6 +20,9 @@
 #   --no-build    use the binaries already in --build-dir (the CPU ctest does this).
 #   --bundle DIR  the .deb folder of tools/gpu_bundle.sh, unpacked into --prefix.
 #   --prefix DIR  where the bundle goes (default /tmp/fulcrum-prefix).
+#   --check-timeout S  kills a check (its whole process group) after S seconds and records
+#                 it as failed, so one hung run (an NCCL wait, say) cannot eat the
+#                 device machine's time (default 300; the build is not limited).
 # $PYTHON names the python3 whose torch is built against (default python3).
 set -uo pipefail
 
@@ -28,6 +31,7 @@ build_dir=build-gpu
 do_build=1
 bundle=""
 prefix=/tmp/fulcrum-prefix
+check_timeout=300
 out=""
 while (( $# )); do
   case "$1" in
@@ -36,7 +40,8 @@ while (( $# )); do
     --build-dir) build_dir=$2; shift ;;
     --bundle) bundle=$2; shift ;;
     --prefix) prefix=$2; shift ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    --check-timeout) check_timeout=$2; shift ;;
+    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option '$1'" >&2; exit 2 ;;
     *) [[ -z "$out" ]] || { echo "gpu_check.sh: one OUTDIR only (got '$out' and '$1')" >&2; exit 2; }
        out=$1 ;;
@@ -59,12 +64,17 @@ record() {
   printf 'gpu_check: %-24s %s %s\n' "$1" "$2" "${5:+($5)}"
 }
 
-# run_check NAME FIGURE_FN COMMAND: runs COMMAND (bash -c) with its output in logs/NAME.log;
-# FIGURE_FN (or "") is given the log path and prints the figures to report.
+# run_check NAME FIGURE_FN COMMAND: runs COMMAND (bash -c) with its output in logs/NAME.log,
+# killed after --check-timeout seconds (but the build); FIGURE_FN (or "") is given the log
+# path and prints the figures to report.
 run_check() {
   local name=$1 figures_of=$2 command=$3 log="$out/logs/$1.log" start=$SECONDS status figures=""
-  (cd "$out" && bash -c "$command") >"$log" 2>&1
+  local limit=()
+  [[ "$name" != build ]] && limit=(timeout --kill-after=10 "$check_timeout")
+  (cd "$out" && "${limit[@]}" bash -c "$command") >"$log" 2>&1
   status=$?
+  (( status == 124 || status == 137 )) && [[ "$name" != build ]] &&
+    echo "gpu_check: killed after --check-timeout=$check_timeout s" >>"$log"
   [[ -n "$figures_of" ]] && figures=$($figures_of "$log" 2>/dev/null | tr '\t\n' '  ')
   if (( status == 0 )); then
     record "$name" pass $((SECONDS - start)) "$command" "$figures"
@@ -119,10 +129,10 @@ fi
 # --- GPU tests -------------------------------------------------------------------------
 count_tests() { sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/failed \1 of \2/p' "$1" | tail -1; }
 if (( gpus == 0 )); then
-  record gpu_tests "$no_gpu" 0 "ctest -R 'Gpu|^Cuda|/Cuda'" ""
+  record gpu_tests "$no_gpu" 0 "ctest -R 'Gpu|Cuda'" ""
 else
   # The naming convention (tests/CMakeLists.txt): label gpu, and the Slow* GPU tests.
-  run_check gpu_tests count_tests "cd '$build_dir' && ctest -R 'Gpu|^Cuda|/Cuda' --output-on-failure --timeout 300"
+  run_check gpu_tests count_tests "cd '$build_dir' && ctest -R 'Gpu|Cuda' --output-on-failure --timeout 300"
 fi
 
 # --- the benchmark ---------------------------------------------------------------------

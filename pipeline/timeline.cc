@@ -78,10 +78,15 @@ void TimelineRecorder::RecordIteration(int64_t iteration, const StageRunResult& 
 
   double action_wait_ms = 0;
   double last_end_ms = 0;
+  // With model chunks every action names its chunk ("F3.0", "F3.1"), as the schedule's own
+  // printout does: a bare "F3" beside "F3.1" would read as a different kind of action. A
+  // stage with several chunks runs actions of a chunk above 0 in every iteration.
+  const bool chunks = std::any_of(run.timings.begin(), run.timings.end(),
+                                  [](const ActionTiming& t) { return t.action.chunk > 0; });
   for (const ActionTiming& timing : run.timings) {
     const double duration_ms = std::max(0.0, timing.end_ms - timing.start_ms);
     Event slice;
-    slice.name = timing.action.ToString();
+    slice.name = timing.action.ToString(chunks);
     slice.category = "compute";
     slice.tid = kComputeRow;
     slice.ts_us = us(timing.start_ms);
@@ -104,7 +109,7 @@ void TimelineRecorder::RecordIteration(int64_t iteration, const StageRunResult& 
       wait.ts_us = us(timing.start_ms);
       wait.dur_us = std::min(timing.wait_ms, duration_ms) * kMicrosecondsPerMillisecond;
       wait.iteration = iteration;
-      wait.args = {{"for", timing.action.ToString()}};
+      wait.args = {{"for", timing.action.ToString(chunks)}};
       events_.push_back(std::move(wait));
     }
     action_wait_ms += timing.wait_ms;
@@ -187,6 +192,7 @@ std::string TimelineRecorder::SerializeEvents() const {
     if (event.action) {
       args["microbatch"] = event.action->microbatch;
       args["kind"] = ActionKindName(event.action->kind);
+      args["chunk"] = event.action->chunk;
     }
     for (const auto& [key, value] : event.args) {
       std::visit([&args, &key = key](const auto& v) { args[key] = v; }, value);

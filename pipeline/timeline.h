@@ -72,8 +72,9 @@ class TimelineRecorder {
 
   /// Records this rank's actions of one iteration: `run` is what StageExecutor::Run
   /// returned (its ActionTiming times are relative to run.start). Each action becomes a complete
-  /// event named Action::ToString() ("F3", "B3", "W3", "BW3", category "compute") with args
-  /// {microbatch, iteration, kind}; its wait_ms a nested "wait" event (category "wait") at
+  /// event named Action::ToString() ("F3", "B3", "W3", "BW3"; with model chunks every name
+  /// shows its chunk: "F3.0", "F3.1"; category "compute") with args
+  /// {microbatch, iteration, kind, chunk}; its wait_ms a nested "wait" event (category "wait") at
   /// the action's start; the final wait for outstanding sends, and the wait for the rest of
   /// the pipeline (run.tail_wait_ms), "wait" events after the last action; the whole Run
   /// an "iteration N" event on a row of its own. An action's per-layer times are args
@@ -115,7 +116,7 @@ class TimelineRecorder {
     double ts_us = 0;              // Since the common origin.
     double dur_us = 0;             // 'X' only.
     int64_t iteration = -1;        // ≥ 0: shown as args.iteration.
-    std::optional<Action> action;  // Shown as args.microbatch and args.kind.
+    std::optional<Action> action;  // Shown as args.microbatch, args.kind and args.chunk.
     std::vector<std::pair<std::string, std::variant<std::string, double>>> args;
   };
 

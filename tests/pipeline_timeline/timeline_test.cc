@@ -191,6 +191,39 @@ TEST(TimelineRecorderTest, SyntheticIterationBecomesNestedTraceEvents) {
   EXPECT_EQ(instants[0]["name"], "checkpoint");
 }
 
+// Under virtual stages (two chunks per rank) every action names its chunk, chunk 0 too, and
+// carries it as an argument; with one chunk the names stay "F0" (the test above).
+TEST(TimelineRecorderTest, ActionsOfSeveralChunksNameTheirChunk) {
+  auto world = OneProcessWorld();
+  ASSERT_NE(world, nullptr);
+  const std::string path = MakeTempDir() + "/timeline.json";
+  TimelineRecorder timeline(world.get(), path, /*stage=*/0);
+  StageRunResult run;
+  run.start = Clock::now();
+  run.timings = {ActionTiming{Action{ActionKind::kForward, 3, 0}, 0, 1, 0.25},
+                 ActionTiming{Action{ActionKind::kForward, 3, 1}, 1, 2, 0},
+                 ActionTiming{Action{ActionKind::kBackwardInput, 3, 1}, 2, 3, 0},
+                 ActionTiming{Action{ActionKind::kBackwardWeight, 3, 0}, 3, 4, 0}};
+  run.total_ms = 4;
+  run.wait_ms = 0.25;
+  timeline.RecordIteration(1, run);
+  ASSERT_TRUE(timeline.Flush().ok());
+  const json trace = ReadJson(path);
+  ExpectValidTrace(trace);
+  const std::vector<json> compute = Select(trace, "X", "compute");
+  ASSERT_EQ(compute.size(), 4u);
+  const std::vector<std::string> names = {"F3.0", "F3.1", "B3.1", "W3.0"};
+  const std::vector<int> chunks = {0, 1, 1, 0};
+  for (size_t i = 0; i < compute.size(); ++i) {
+    EXPECT_EQ(compute[i]["name"], names[i]);
+    EXPECT_EQ(compute[i]["args"]["chunk"], chunks[i]);
+    EXPECT_EQ(compute[i]["args"]["microbatch"], 3);
+  }
+  const std::vector<json> waits = Select(trace, "X", "wait");
+  ASSERT_EQ(waits.size(), 1u);
+  EXPECT_EQ(waits[0]["args"]["for"], "F3.0");
+}
+
 TEST(TimelineRecorderTest, StopsRecordingAfterMaxIterationsAndFlushIsCumulative) {
   auto world = OneProcessWorld();
   ASSERT_NE(world, nullptr);

@@ -10,40 +10,17 @@
 
 #include "dynamic/simulation.h"
 #include "gtest/gtest.h"
+#include "tests/dynamic/sim/sim_scenarios.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
 
 namespace fulcrum::dynamic {
 namespace {
 
-IterationCosts Costs(const std::vector<double>& scale, double state_bytes) {
-  IterationCosts c;
-  for (double x : scale) {
-    c.forward.push_back(x);
-    c.backward.push_back(x);
-    c.weight.push_back(x);
-    c.parameters.push_back(1000);
-    c.state_bytes.push_back(state_bytes);
-  }
-  return c;
-}
-
 Scenario Chunked(const std::vector<double>& scale, int p, int m, const std::string& schedule,
                  int num_chunks, int64_t iterations, double state_bytes = 0) {
-  Scenario s;
-  s.name = "chunks";
-  s.num_stages = p;
-  s.num_microbatches = m;
-  s.schedule = schedule;
-  s.num_chunks = num_chunks;
-  s.iterations = iterations;
-  s.costs = [scale, state_bytes](int64_t) { return Costs(scale, state_bytes); };
-  return s;
+  return FixedCostScenario(scale, p, m, schedule, iterations, num_chunks, state_bytes);
 }
-
-const Strategy kUniform{"uniform", "none", BalanceBy::kTime, false};
-const Strategy kPartition{"partition", "partition", BalanceBy::kTime, false};
-const Strategy kDiffusion{"diffusion", "diffusion", BalanceBy::kTime, false};
 
 TEST(ChunkSimulationTest, ZbvPlacesPerVirtualStageAndTimesEachChunksRange) {
   // 8 layers of unequal cost on ZB-V, p = 2: the even split over 4 virtual stages, and the
@@ -57,7 +34,7 @@ TEST(ChunkSimulationTest, ZbvPlacesPerVirtualStageAndTimesEachChunksRange) {
   const absl::StatusOr<pipeline::Schedule> schedule = pipeline::MakeSchedule("zbv", 2, 4);
   ASSERT_TRUE(schedule.ok()) << schedule.status();
   const pipeline::SimulationResult expected = pipeline::Simulate(
-      *schedule, StageActionCosts(Costs(scale, 0), UniformPlacement(8, 4), 0.0));
+      *schedule, StageActionCosts(UniformKindCosts(scale, 0), UniformPlacement(8, 4), 0.0));
   EXPECT_EQ(it.makespan_ms, expected.makespan);
   EXPECT_EQ(ChunkRanksOf(*schedule), VShapeChunkRanks(2));
 }

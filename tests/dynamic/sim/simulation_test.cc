@@ -11,38 +11,15 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/dynamic/sim/sim_scenarios.h"
 
 namespace fulcrum::dynamic {
 namespace {
 
-// Layer l costs (F, B, W) = scale[l] × (1, 1, 1), nothing pinned, one state byte unit.
-IterationCosts Costs(const std::vector<double>& scale, double state_bytes = 1e6) {
-  IterationCosts c;
-  for (double x : scale) {
-    c.forward.push_back(x);
-    c.backward.push_back(x);
-    c.weight.push_back(x);
-    c.parameters.push_back(1000);
-    c.state_bytes.push_back(state_bytes);
-  }
-  return c;
-}
-
 Scenario Fixed(const std::vector<double>& scale, int p, int m, const std::string& schedule,
                int64_t iterations) {
-  Scenario s;
-  s.name = "test";
-  s.num_stages = p;
-  s.num_microbatches = m;
-  s.schedule = schedule;
-  s.iterations = iterations;
-  s.costs = [scale](int64_t) { return Costs(scale); };
-  return s;
+  return FixedCostScenario(scale, p, m, schedule, iterations);
 }
-
-const Strategy kUniform{"uniform", "none", BalanceBy::kTime, false};
-const Strategy kPartition{"partition", "partition", BalanceBy::kTime, false};
-const Strategy kDiffusion{"diffusion", "diffusion", BalanceBy::kTime, false};
 
 TEST(SimulateRunTest, HandComputedTimeline) {
   // p=2, m=2, 1F1B, layers (1, 1, 2, 2): stage 0 F=2 BW=4, stage 1 F=4 BW=8 (B+W).
@@ -118,7 +95,7 @@ TEST(SimulateRunTest, ParamsBaselineBalancesParameters) {
   // Parameters (4, 1, 1, 1, 1) over 2 stages: DeepSpeed's split is [0,1) [1,5).
   Scenario s = Fixed({1, 1, 1, 1, 1}, 2, 2, "1f1b", 1);
   s.costs = [](int64_t) {
-    IterationCosts c = Costs({1, 1, 1, 1, 1});
+    IterationCosts c = UniformKindCosts({1, 1, 1, 1, 1}, 1e6);
     c.parameters = {4, 1, 1, 1, 1};
     return c;
   };
@@ -145,7 +122,7 @@ TEST(SimulateRunTest, BalancedNeverSlowerThanStatic) {
     std::vector<double> scale(layers);
     for (double& x : scale) x = unit(rng);
     Scenario s = Fixed(scale, p, 2 * p, trial % 2 ? "1f1b" : "zbh1", 6);
-    s.costs = [scale](int64_t) { return Costs(scale, 0); };
+    s.costs = [scale](int64_t) { return UniformKindCosts(scale, 0); };
     absl::StatusOr<SimulatedRun> fixed = SimulateRun(s, kUniform, {});
     ASSERT_TRUE(fixed.ok()) << fixed.status();
     for (const Strategy& balanced : {kPartition, kDiffusion}) {

@@ -79,6 +79,15 @@ inline constexpr double kLayoutTolerance = 5e-6;
 inline constexpr char kPastWarmup[] = " --lr_warmup_iters=2";
 
 /// The largest |a[i] − b[i]| / |b[i]| over the common length.
+/// The tiny recipe at 8 layers (two per virtual stage at pp = 2, v = 2), 8 micro-batches of
+/// 2, evaluated at the half: what the virtual-pipeline tests train for `iterations`.
+inline std::string EightLayerTinyFlags(int iterations) {
+  return "--recipe=tiny --num_layers=8 --seq_length=32 --train_iters=" +
+         std::to_string(iterations) + " --eval_interval=" + std::to_string(iterations / 2) +
+         " --eval_iters=1 --log_interval=" + std::to_string(iterations / 2) +
+         " --global_batch_size=16 --micro_batch_size=2" + std::string(kPastWarmup);
+}
+
 inline double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {

@@ -21,13 +21,7 @@ namespace {
 
 constexpr int kIterations = 12;
 
-std::string Common() {
-  return "--recipe=tiny --num_layers=8 --seq_length=32 --train_iters=" +
-         std::to_string(kIterations) +
-         " --eval_interval=6 --eval_iters=1 --log_interval=6 --global_batch_size=16 "
-         "--micro_batch_size=2" +
-         std::string(testing::kPastWarmup);
-}
+std::string Common() { return testing::EightLayerTinyFlags(kIterations); }
 
 // One step per iteration, each a placement of the 4 virtual stages (the even split is
 // 2,2,2,2). Under ZB-V (virtual 0,3 on rank 0; 1,2 on rank 1) the step moves:

@@ -19,13 +19,7 @@ namespace {
 
 constexpr int kIterations = 12;
 
-std::string Common() {
-  return "--recipe=tiny --num_layers=8 --seq_length=32 --train_iters=" +
-         std::to_string(kIterations) +
-         " --eval_interval=6 --eval_iters=1 --log_interval=6 --global_batch_size=16 "
-         "--micro_batch_size=2" +
-         std::string(testing::kPastWarmup);
-}
+std::string Common() { return testing::EightLayerTinyFlags(kIterations); }
 
 class SlowVirtualPipelineTrainTest : public ::testing::Test {
  protected:

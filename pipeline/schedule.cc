@@ -960,21 +960,12 @@ absl::Status CheckRunsToCompletion(const Checked& checked) {
   auto is_finished = [&](const StageAction& node) {
     return finished[node.stage][KindIndex(node.action.kind)][checked.Pair(node.action)];
   };
-  std::vector<size_t> next(p, 0);
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int s = 0; s < p; ++s) {
-      const std::vector<Action>& actions = schedule.stages[s];
-      while (next[s] < actions.size()) {
-        const Action& action = actions[next[s]];
-        const std::vector<StageAction> deps = checked.Deps(s, action);
-        if (!std::all_of(deps.begin(), deps.end(), is_finished)) break;
-        finished[s][KindIndex(action.kind)][checked.Pair(action)] = true;
-        ++next[s];
-        moved = true;
-      }
-    }
-  }
+  const std::vector<size_t> next = WalkInListOrder(schedule, [&](int s, const Action& action) {
+    const std::vector<StageAction> deps = checked.Deps(s, action);
+    if (!std::all_of(deps.begin(), deps.end(), is_finished)) return false;
+    finished[s][KindIndex(action.kind)][checked.Pair(action)] = true;
+    return true;
+  });
   std::vector<std::string> stuck;
   for (int s = 0; s < p; ++s) {
     if (next[s] == schedule.stages[s].size()) continue;
@@ -993,6 +984,23 @@ absl::Status CheckRunsToCompletion(const Checked& checked) {
 }
 
 }  // namespace
+
+std::vector<size_t> WalkInListOrder(const Schedule& schedule,
+                                    const std::function<bool(int stage, const Action&)>& try_run) {
+  const int p = static_cast<int>(schedule.stages.size());
+  std::vector<size_t> next(p, 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int s = 0; s < p; ++s) {
+      const std::vector<Action>& actions = schedule.stages[s];
+      while (next[s] < actions.size() && try_run(s, actions[next[s]])) {
+        ++next[s];
+        moved = true;
+      }
+    }
+  }
+  return next;
+}
 
 absl::Status ValidateSchedule(const Schedule& schedule) {
   if (schedule.num_stages < 1 || schedule.num_microbatches < 1 || schedule.max_in_flight < 1) {

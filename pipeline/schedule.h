@@ -133,6 +133,18 @@ struct StageAction {
 /// schedule has no chunk `action.chunk` on `stage`.
 std::vector<StageAction> Dependencies(const Schedule& schedule, int stage, const Action& action);
 
+/// The one walk of a schedule in list order, which the checker (does every list run to
+/// completion?) and the simulator (when does each action run?) share: visits the stages
+/// round-robin and, on each, offers its next actions in list order to `try_run`, which
+/// either runs one (returns true; its dependencies must have run) or says it cannot yet
+/// (false: the stage waits). Stops when no stage can move; returns how many actions of each
+/// stage ran (all of them unless the schedule deadlocks). Readiness only grows as actions
+/// run, so the order of visits cannot change which actions run; and a `try_run` that takes
+/// start = max(its dependencies' ends, the stage's previous end) gets the times a
+/// time-ordered event queue would, since a start depends on nothing else.
+std::vector<size_t> WalkInListOrder(const Schedule& schedule,
+                                    const std::function<bool(int stage, const Action&)>& try_run);
+
 /// True when the schedule splits backward into B and W (it has a B or W action); false
 /// for fused BW schedules. The executor keeps a weight-gradient store only when true.
 bool UsesSplitBackward(const Schedule& schedule);

@@ -92,42 +92,27 @@ SimulationResult Simulate(const Schedule& schedule, const std::vector<ActionCost
 
   SimulationResult result;
   result.stages.resize(p);
-  std::vector<size_t> next(p, 0);
   std::vector<double> free_at(p, 0.0);
-  // Start times depend only on the end times of dependencies and of the stage's previous
-  // action, so visiting the stages round-robin and running each as far as it can gives
-  // the same times as a time-ordered event queue.
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int s = 0; s < p; ++s) {
-      const std::vector<Action>& actions = schedule.stages[s];
-      while (next[s] < actions.size()) {
-        const Action& action = actions[next[s]];
-        double start = free_at[s];
-        bool ready = true;
-        for (const StageAction& dep : Dependencies(schedule, s, action)) {
-          const double dep_end = end_of(dep);
-          if (dep_end < 0) {
-            ready = false;
-            break;
-          }
-          // The sender pays the transfer; none between two chunks of one stage.
-          const double transfer = dep.stage == s ? 0 : costs[dep.stage][dep.action.chunk].p2p;
-          start = std::max(start, dep_end + transfer);
-        }
-        if (!ready) break;
-        const double duration = Duration(costs[s][action.chunk], action.kind);
-        const double end = start + duration;
-        end_of({s, action}) = end;
-        free_at[s] = end;
-        StageTimeline& timeline = result.stages[s];
-        timeline.actions.push_back({start, end, action});
-        timeline.busy += duration;
-        ++next[s];
-        moved = true;
-      }
+  // An action starts when its stage is free and its dependencies' outputs arrived: the
+  // shared walk (WalkInListOrder) then gives a time-ordered event queue's times.
+  const std::vector<size_t> next = WalkInListOrder(schedule, [&](int s, const Action& action) {
+    double start = free_at[s];
+    for (const StageAction& dep : Dependencies(schedule, s, action)) {
+      const double dep_end = end_of(dep);
+      if (dep_end < 0) return false;
+      // The sender pays the transfer; none between two chunks of one stage.
+      const double transfer = dep.stage == s ? 0 : costs[dep.stage][dep.action.chunk].p2p;
+      start = std::max(start, dep_end + transfer);
     }
-  }
+    const double duration = Duration(costs[s][action.chunk], action.kind);
+    const double end = start + duration;
+    end_of({s, action}) = end;
+    free_at[s] = end;
+    StageTimeline& timeline = result.stages[s];
+    timeline.actions.push_back({start, end, action});
+    timeline.busy += duration;
+    return true;
+  });
   for (int s = 0; s < p; ++s) {
     StageTimeline& timeline = result.stages[s];
     // ValidateSchedule proved that every list runs to completion.

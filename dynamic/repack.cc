@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "dynamic/stage_costs.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::dynamic {
@@ -36,13 +37,6 @@ absl::Status CheckScalar(double value, const char* field) {
   return absl::OkStatus();
 }
 
-double SumOf(const std::vector<double>& values, StageRange range) {
-  double sum = 0;
-  if (values.empty()) return sum;
-  for (int64_t l = range.begin; l < range.end; ++l) sum += values[l];
-  return sum;
-}
-
 // Evaluates placements of one problem: schedules by stage count are generated once.
 class Evaluator {
  public:
@@ -63,22 +57,11 @@ class Evaluator {
     const int q = static_cast<int>(placement.size());
     absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(q);
     if (!schedule.ok()) return schedule.status();
-    std::vector<pipeline::ActionCosts> costs(q);
-    for (int s = 0; s < q; ++s) {
-      pipeline::ActionCosts& c = costs[s];
-      c.forward = SumOf(problem_.layer_forward, placement[s]);
-      c.backward_input = SumOf(problem_.layer_backward, placement[s]);
-      c.backward_weight = SumOf(problem_.layer_weight, placement[s]);
-      c.p2p = problem_.p2p;
-      for (const pipeline::ActionCosts* pinned :
-           {s == 0 ? &problem_.first_stage : nullptr, s == q - 1 ? &problem_.last_stage : nullptr}) {
-        if (pinned == nullptr) continue;
-        c.forward += pinned->forward;
-        c.backward_input += pinned->backward_input;
-        c.backward_weight += pinned->backward_weight;
-      }
-    }
-    return pipeline::Simulate(**schedule, costs).makespan;
+    return pipeline::Simulate(**schedule,
+                              PlacementStageCosts(problem_.layer_forward, problem_.layer_backward,
+                                                  problem_.layer_weight, problem_.first_stage,
+                                                  problem_.last_stage, placement, problem_.p2p))
+        .makespan;
   }
 
   absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
@@ -87,9 +70,9 @@ class Evaluator {
     if (!schedule.ok()) return schedule.status();
     std::vector<double> memory(q);
     for (int s = 0; s < q; ++s) {
-      memory[s] = SumOf(problem_.layer_state_bytes, placement[s]) +
+      memory[s] = RangeSum(problem_.layer_state_bytes, placement[s]) +
                   pipeline::PeakInFlight(**schedule, s) *
-                      SumOf(problem_.layer_activation_bytes, placement[s]);
+                      RangeSum(problem_.layer_activation_bytes, placement[s]);
       if (s == 0) memory[s] += problem_.first_stage_pinned_bytes;
       if (s == q - 1) memory[s] += problem_.last_stage_pinned_bytes;
     }

@@ -10,6 +10,7 @@
 #include "dynamic/balancers.h"
 #include "dynamic/load_model.h"
 #include "dynamic/partition.h"
+#include "dynamic/stage_costs.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::dynamic {
@@ -41,12 +42,6 @@ absl::Status CheckCosts(const IterationCosts& costs, int64_t layers, int64_t ite
     }
   }
   return absl::OkStatus();
-}
-
-double Sum(const std::vector<double>& v, StageRange range) {
-  double sum = 0;
-  for (int64_t l = range.begin; l < range.end; ++l) sum += v[l];
-  return sum;
 }
 
 double At(const std::vector<double>& v, int64_t l) { return v.empty() ? 0.0 : v[l]; }
@@ -84,26 +79,15 @@ std::vector<Strategy> StandardStrategies() {
 
 std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
                                                     const Placement& placement, double p2p_ms) {
-  const int p = static_cast<int>(placement.size());
-  std::vector<pipeline::ActionCosts> out(p);
-  for (int s = 0; s < p; ++s) {
-    pipeline::ActionCosts& c = out[s];
-    c.forward = Sum(costs.forward, placement[s]);
-    c.backward_input = Sum(costs.backward, placement[s]);
-    c.backward_weight = Sum(costs.weight, placement[s]);
-    c.p2p = p2p_ms;
-    if (s == 0) {
-      c.forward += costs.first_forward;
-      c.backward_input += costs.first_backward;
-      c.backward_weight += costs.first_weight;
-    }
-    if (s == p - 1) {
-      c.forward += costs.last_forward;
-      c.backward_input += costs.last_backward;
-      c.backward_weight += costs.last_weight;
-    }
-  }
-  return out;
+  pipeline::ActionCosts first, last;
+  first.forward = costs.first_forward;
+  first.backward_input = costs.first_backward;
+  first.backward_weight = costs.first_weight;
+  last.forward = costs.last_forward;
+  last.backward_input = costs.last_backward;
+  last.backward_weight = costs.last_weight;
+  return PlacementStageCosts(costs.forward, costs.backward, costs.weight, first, last,
+                             placement, p2p_ms);
 }
 
 namespace {

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +116,71 @@ void ForEachCombination(int n, int k, Visit visit) {
   }
 }
 
+// NOTE [re-packing by bottleneck]
+// Above kExhaustiveRepackStages the 2^(p-1) coarsenings are too many to simulate (24
+// stages: 8 million). For each stage count q, the coarsening of `current` into q groups of
+// consecutive old stages with the smallest bottleneck — the largest per-micro-batch F+B+W
+// of a group, the embedding's cost on the first group and the head's on the last — among
+// those whose every group fits the memory budget, is found exactly by dynamic programming
+// over the old stage boundaries, O(q·p²). The bottleneck is what bounds a pipeline's
+// steady state, so this is the q-stage candidate most likely to keep the predicted time;
+// it is then simulated like any other. Returns the cut indices (as Coarsen takes them), or
+// nothing when no q-grouping fits the budget.
+std::optional<std::vector<int>> LeastBottleneckCuts(const RepackProblem& problem,
+                                                    const Placement& current, int q,
+                                                    const pipeline::Schedule& schedule) {
+  const int p = static_cast<int>(current.size());
+  // prefix[i]: the per-micro-batch F+B+W and the state bytes of old stages [0, i); the
+  // activation bytes likewise (times the group's in-flight count below).
+  std::vector<double> work(p + 1, 0), state(p + 1, 0), activations(p + 1, 0);
+  for (int i = 0; i < p; ++i) {
+    work[i + 1] = work[i] + RangeSum(problem.layer_forward, current[i]) +
+                  RangeSum(problem.layer_backward, current[i]) +
+                  RangeSum(problem.layer_weight, current[i]);
+    state[i + 1] = state[i] + RangeSum(problem.layer_state_bytes, current[i]);
+    activations[i + 1] = activations[i] + RangeSum(problem.layer_activation_bytes, current[i]);
+  }
+  const auto pinned_work = [](const pipeline::ActionCosts& c) {
+    return c.forward + c.backward_input + c.backward_weight;
+  };
+  // Group g (of q) made of old stages [i, j): its cost, or +inf when over the budget.
+  const double kInf = std::numeric_limits<double>::infinity();
+  auto group_cost = [&](int g, int i, int j) {
+    double memory = state[j] - state[i] +
+                    pipeline::PeakInFlight(schedule, g) * (activations[j] - activations[i]);
+    double cost = work[j] - work[i];
+    if (g == 0) {
+      memory += problem.first_stage_pinned_bytes;
+      cost += pinned_work(problem.first_stage);
+    }
+    if (g == q - 1) {
+      memory += problem.last_stage_pinned_bytes;
+      cost += pinned_work(problem.last_stage);
+    }
+    return memory > problem.memory_budget ? kInf : cost;
+  };
+  // best[g][j]: the least bottleneck of groups 0..g covering old stages [0, j);
+  // from[g][j] the start of group g in it.
+  std::vector<std::vector<double>> best(q, std::vector<double>(p + 1, kInf));
+  std::vector<std::vector<int>> from(q, std::vector<int>(p + 1, -1));
+  for (int j = 1; j <= p; ++j) best[0][j] = group_cost(0, 0, j), from[0][j] = 0;
+  for (int g = 1; g < q; ++g) {
+    for (int j = g + 1; j <= p; ++j) {
+      for (int i = g; i < j; ++i) {  // group g is [i, j); the groups before cover [0, i)
+        const double candidate = std::max(best[g - 1][i], group_cost(g, i, j));
+        if (candidate < best[g][j]) best[g][j] = candidate, from[g][j] = i;
+      }
+    }
+  }
+  if (!std::isfinite(best[q - 1][p])) return std::nullopt;
+  std::vector<int> cuts(q - 1);
+  for (int g = q - 1, j = p; g > 0; --g) {
+    j = from[g][j];
+    cuts[g - 1] = j - 1;  // old stage j-1 ends group g-1
+  }
+  return cuts;
+}
+
 }  // namespace
 
 absl::Status RepackOptions::Validate() const {
@@ -124,6 +191,10 @@ absl::Status RepackOptions::Validate() const {
   if (!std::isfinite(max_slowdown) || max_slowdown < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--repack_max_slowdown=", max_slowdown, " must be a finite fraction ≥ 0 (0.05: 5%)"));
+  }
+  if (exhaustive_up_to < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RepackOptions::exhaustive_up_to=", exhaustive_up_to, " must be ≥ 1"));
   }
   return absl::OkStatus();
 }
@@ -251,7 +322,7 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
     return *time <= bound;
   };
 
-  if (p <= kExhaustiveRepackStages) {
+  if (p <= options.exhaustive_up_to) {
     // Fewest stages first; within a count, the fastest, then the smallest ends (the
     // combinations come in lexicographic order and only a strictly faster one replaces).
     for (int q = options.min_stages; q < p && !plan.repack; ++q) {
@@ -269,8 +340,29 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
       if (!error.ok()) return error;
     }
   } else {
-    // First fit over adjacent pairs, leftmost first, until no merge is admissible.
+    // NOTE [re-packing by bottleneck]: fewest stages first, one candidate per count.
+    for (int q = options.min_stages; q < p && !plan.repack; ++q) {
+      absl::StatusOr<const pipeline::Schedule*> schedule = evaluator.ScheduleFor(q);
+      if (!schedule.ok()) return schedule.status();
+      const std::optional<std::vector<int>> cuts = LeastBottleneckCuts(problem, current, q, **schedule);
+      if (!cuts.has_value()) continue;
+      const Placement candidate = Coarsen(current, *cuts);
+      double time = 0, peak = 0;
+      if (evaluate(candidate, &time, &peak)) {
+        plan.repack = true;
+        plan.placement = candidate;
+        plan.predicted_after = time;
+        plan.peak_memory = peak;
+      }
+      if (!error.ok()) return error;
+    }
+  }
+  if (p > options.exhaustive_up_to) {
+    // Also first fit over adjacent pairs, leftmost first, until no merge is admissible; it
+    // wins when it reaches fewer stages (or as many, faster) than the least-bottleneck
+    // candidates — e.g. when those all run too slow.
     Placement packed = current;
+    double packed_time = 0, packed_peak = 0;
     bool merged = true;
     while (merged && static_cast<int>(packed.size()) > options.min_stages) {
       merged = false;
@@ -281,15 +373,21 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
         double time = 0, peak = 0;
         if (evaluate(candidate, &time, &peak)) {
           packed = std::move(candidate);
-          plan.repack = true;
-          plan.placement = packed;
-          plan.predicted_after = time;
-          plan.peak_memory = peak;
+          packed_time = time;
+          packed_peak = peak;
           merged = true;
           break;
         }
         if (!error.ok()) return error;
       }
+    }
+    const bool fewer = packed.size() < plan.placement.size();
+    if (packed.size() < current.size() &&
+        (fewer || (packed.size() == plan.placement.size() && packed_time < plan.predicted_after))) {
+      plan.repack = true;
+      plan.placement = std::move(packed);
+      plan.predicted_after = packed_time;
+      plan.peak_memory = packed_peak;
     }
   }
 

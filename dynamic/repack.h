@@ -21,8 +21,11 @@
 // DecideRepack returns the admissible coarsening with the fewest stages, ties broken by the
 // smaller predicted time, then by the lexicographically smaller stage ends; no repack when
 // none is admissible. Up to kExhaustiveRepackStages current stages it tries every
-// coarsening (2^(p-1)); above, it merges first fit: the leftmost adjacent pair whose merge
-// is admissible, repeated until none is (the result is admissible, not always the fewest).
+// coarsening (2^(p-1)); above, for each stage count q (fewest first) it simulates the
+// q-stage coarsening of least bottleneck (NOTE [re-packing by bottleneck] in repack.cc,
+// a dynamic program), and also merges first fit: the leftmost adjacent pair whose merge is
+// admissible, repeated until none is; the one with fewer stages (then the faster) wins.
+// The result is admissible, not always the fewest stages.
 //
 // NOTE [re-packing under chunks]
 // Re-packing refuses virtual pipeline stages (ZB-V, interleaved 1F1B: more than one model
@@ -88,6 +91,10 @@ struct RepackOptions {
   /// The largest allowed rise of the predicted iteration time, as a fraction of the
   /// current one. Default: 0.05. Must be ≥ 0 and finite.
   double max_slowdown = 0.05;
+  /// Current stage counts up to which every coarsening is simulated; above, the
+  /// least-bottleneck and first-fit candidates (NOTE [re-packing decision]). Default:
+  /// kExhaustiveRepackStages (2^15 coarsenings at most). Tests lower it to compare the two.
+  int exhaustive_up_to = kExhaustiveRepackStages;
 
   /// InvalidArgument naming the flag.
   absl::Status Validate() const;

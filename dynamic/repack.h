@@ -51,7 +51,7 @@
 namespace fulcrum::dynamic {
 
 /// Current stage counts up to which DecideRepack searches every coarsening.
-inline constexpr int kExhaustiveRepackStages = 16;
+inline constexpr int kExhaustiveRepackStages = 12;
 
 /// What the re-packing decision needs to know about the model, per layer and pinned.
 struct RepackProblem {
@@ -93,7 +93,7 @@ struct RepackOptions {
   double max_slowdown = 0.05;
   /// Current stage counts up to which every coarsening is simulated; above, the
   /// least-bottleneck and first-fit candidates (NOTE [re-packing decision]). Default:
-  /// kExhaustiveRepackStages (2^15 coarsenings at most). Tests lower it to compare the two.
+  /// kExhaustiveRepackStages (2^11 coarsenings at most). Tests lower it to compare the two.
   int exhaustive_up_to = kExhaustiveRepackStages;
 
   /// InvalidArgument naming the flag.

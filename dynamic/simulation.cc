@@ -77,6 +77,49 @@ std::vector<Strategy> StandardStrategies() {
   };
 }
 
+RepackProblem RepackProblemOf(const Scenario& scenario, const IterationCosts& costs) {
+  RepackProblem problem;
+  problem.layer_forward = costs.forward;
+  problem.layer_backward = costs.backward;
+  problem.layer_weight = costs.weight;
+  problem.first_stage.forward = costs.first_forward;
+  problem.first_stage.backward_input = costs.first_backward;
+  problem.first_stage.backward_weight = costs.first_weight;
+  problem.last_stage.forward = costs.last_forward;
+  problem.last_stage.backward_input = costs.last_backward;
+  problem.last_stage.backward_weight = costs.last_weight;
+  problem.p2p = scenario.network.P2pMs();
+  problem.layer_state_bytes = costs.state_bytes;
+  problem.schedule = scenario.schedule;
+  problem.num_microbatches = scenario.num_microbatches;
+  problem.num_chunks = scenario.num_chunks;
+  return problem;
+}
+
+absl::StatusOr<std::vector<int>> RepackedStages(const Scenario& scenario, const SimulatedRun& run,
+                                                const RepackOptions& options) {
+  std::vector<int> stages;
+  stages.reserve(run.iterations.size());
+  std::vector<double> last_key;
+  for (const SimulatedIteration& it : run.iterations) {
+    const IterationCosts costs = scenario.costs(it.iteration);
+    std::vector<double> key = costs.forward;
+    key.insert(key.end(), costs.backward.begin(), costs.backward.end());
+    key.insert(key.end(), costs.weight.begin(), costs.weight.end());
+    for (const StageRange& r : it.placement) key.push_back(static_cast<double>(r.end));
+    if (stages.empty() || key != last_key) {
+      absl::StatusOr<RepackPlan> plan =
+          DecideRepack(RepackProblemOf(scenario, costs), it.placement, options);
+      if (!plan.ok()) return plan.status();
+      stages.push_back(static_cast<int>(plan->placement.size()));
+    } else {
+      stages.push_back(stages.back());
+    }
+    last_key = std::move(key);
+  }
+  return stages;
+}
+
 std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
                                                     const Placement& placement, double p2p_ms) {
   pipeline::ActionCosts first, last;

@@ -52,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "dynamic/balance_problem.h"
 #include "dynamic/balancing_rebalancer.h"
+#include "dynamic/repack.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
@@ -171,6 +172,20 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
 /// what pipeline::Simulate is given for one iteration.
 std::vector<pipeline::ActionCosts> StageActionCosts(const IterationCosts& costs,
                                                     const Placement& placement, double p2p_ms);
+
+/// The re-packing problem (dynamic/repack.h) of `costs` under `scenario`'s schedule,
+/// micro-batches and links: per-layer F/B/W, the embedding and head pinned to the ends,
+/// state bytes per layer; no activation bytes and no memory budget (a scenario has
+/// neither), so only the predicted time limits a coarsening.
+RepackProblem RepackProblemOf(const Scenario& scenario, const IterationCosts& costs);
+
+/// The stages re-packing keeps in each iteration of `run`: fulcrum_train's --repack=auto
+/// decision (DecideRepack) on RepackProblemOf(scenario, that iteration's costs) from the
+/// placement the iteration ran on. One count per iteration; decided again only when the
+/// costs or the placement changed. Errors: DecideRepack's.
+absl::StatusOr<std::vector<int>> RepackedStages(const Scenario& scenario,
+                                                const SimulatedRun& run,
+                                                const RepackOptions& options);
 
 /// The StageLoads the runner would hand Plan(): iteration costs `costs` measured on
 /// `ran_on`, the layers now on `now` (NOTE [simulated loads]); `timeline` the simulated

@@ -83,8 +83,12 @@ DEFINE_int64(scale_layers, 0, "Scale a trace to this many layers (NOTE [trace sc
 DEFINE_int64(scale_hidden, 0, "...and this hidden size (needs --trace_hidden, --trace_seq).");
 DEFINE_int64(trace_hidden, 0, "Hidden size of the traced model (for scaling).");
 DEFINE_int64(trace_seq, 0, "Sequence length of the traced model (for scaling).");
-DEFINE_bool(repack, false, "Also show GPUs over time when stages are re-packed (partition by time).");
-DEFINE_double(repack_slack, 0.05, "Re-packing may slow the pipeline by at most this fraction.");
+DEFINE_bool(repack, false,
+            "Also show the stages (GPUs) over time that re-packing keeps: fulcrum_train's "
+            "--repack=auto decision on each iteration of the best balanced run.");
+DEFINE_double(repack_slack, 0.05,
+              "Re-packing may raise the predicted iteration time by at most this fraction "
+              "(--repack_max_slowdown).");
 DEFINE_bool(per_iteration, false, "Print every iteration of every strategy.");
 DEFINE_string(output, "", "Write per-iteration results as JSON lines here (for fulcrum_plot), "
               "atomically and only when every simulation succeeded; never onto an input.");
@@ -124,56 +128,29 @@ absl::StatusOr<std::vector<dynamic::Strategy>> Strategies() {
   return out;
 }
 
-// Fewest stages whose time-balanced pipeline is at most (1 + slack) × the p-stage one's
-// makespan, for the costs of iteration `i`: the GPUs re-packing keeps.
-int RepackedStages(const dynamic::Scenario& s, const dynamic::IterationCosts& costs, double target_ms) {
-  for (int k = 1; k <= s.num_stages; ++k) {
-    if (costs.num_layers() < k) break;
-    dynamic::BalanceProblem problem;
-    problem.num_stages = k;
-    for (int64_t l = 0; l < costs.num_layers(); ++l) {
-      problem.layer_cost.push_back(costs.forward[l] + costs.backward[l] + costs.weight[l]);
-    }
-    problem.first_stage_cost = costs.first_forward + costs.first_backward + costs.first_weight;
-    problem.last_stage_cost = costs.last_forward + costs.last_backward + costs.last_weight;
-    absl::StatusOr<Placement> placement = dynamic::PartitionBalance(problem);
-    if (!placement.ok()) continue;
-    absl::StatusOr<pipeline::Schedule> schedule =
-        pipeline::MakeSchedule(s.schedule, k, s.num_microbatches);
-    if (!schedule.ok()) continue;
-    const double ms = pipeline::Simulate(*schedule, dynamic::StageActionCosts(costs, *placement,
-                                                                              s.network.P2pMs()))
-                          .makespan;
-    if (ms <= target_ms * (1 + FLAGS_repack_slack)) return k;
-  }
-  return s.num_stages;
-}
-
-// Mean GPUs over the run after re-packing, and the series "iterations a-b: k".
+// The stages re-packing keeps over `balanced` (dynamic::RepackedStages: fulcrum_train's
+// --repack=auto decision on each iteration's placement and costs, --repack_slack as the
+// allowed slowdown): their mean and the series "iterations a-b: k".
 std::pair<double, std::string> Repack(const dynamic::Scenario& s, const SimulatedRun& balanced) {
-  const double target = balanced.iterations.size() > 2 ? balanced.iterations[2].makespan_ms
-                                                       : balanced.iterations.back().makespan_ms;
+  dynamic::RepackOptions options;
+  options.max_slowdown = FLAGS_repack_slack;
+  const absl::StatusOr<std::vector<int>> stages = dynamic::RepackedStages(s, balanced, options);
+  if (!stages.ok() || stages->empty()) {
+    return {0.0, stages.ok() ? "no iterations" : std::string(stages.status().message())};
+  }
   double sum = 0;
   std::string series;
-  int last = -1;
-  int64_t from = 1;
-  std::vector<double> last_costs;
-  int k = 0;
-  for (int64_t i = 1; i <= s.iterations; ++i) {
-    const dynamic::IterationCosts c = s.costs(i);
-    std::vector<double> key = c.forward;
-    key.insert(key.end(), c.backward.begin(), c.backward.end());
-    if (key != last_costs) k = RepackedStages(s, c, target);
-    last_costs = key;
-    sum += k;
-    if (k != last && last >= 0) {
-      absl::StrAppend(&series, series.empty() ? "" : ", ", from, "-", i - 1, ": ", last);
-      from = i;
+  int64_t from = balanced.iterations.front().iteration;
+  for (size_t i = 0; i < stages->size(); ++i) {
+    sum += (*stages)[i];
+    const bool last = i + 1 == stages->size();
+    if (last || (*stages)[i + 1] != (*stages)[i]) {
+      const int64_t to = balanced.iterations[i].iteration;
+      absl::StrAppend(&series, series.empty() ? "" : ", ", from, "-", to, ": ", (*stages)[i]);
+      if (!last) from = balanced.iterations[i + 1].iteration;
     }
-    last = k;
   }
-  absl::StrAppend(&series, series.empty() ? "" : ", ", from, "-", s.iterations, ": ", last);
-  return {sum / static_cast<double>(s.iterations), series};
+  return {sum / static_cast<double>(stages->size()), series};
 }
 
 // Appends the JSON lines of `run` to `out` (null: no --output).
@@ -372,7 +349,7 @@ int RunCases(std::string* out) {
     if (FLAGS_repack) {
       const auto [mean, series] = Repack(c.scenario, *balanced);
       gpus = absl::StrFormat("%.1f", mean);
-      std::printf("  re-packed stages over iterations (partition by time, slowdown <= %.0f%%): %s; "
+      std::printf("  re-packed stages over iterations (the --repack=auto decision, slowdown <= %.0f%%): %s; "
                   "mean %.1f of %d\n",
                   100 * FLAGS_repack_slack, series.c_str(), mean, c.scenario.num_stages);
     }

@@ -57,8 +57,13 @@ DEFINE_string(early_exit_metrics, "",
 DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
               "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
-DEFINE_int32(stages, 0, "Pipeline stages (0: the case's, or the trace's).");
-DEFINE_int32(microbatches, 0, "Micro-batches per iteration (0: 4 per stage, or the trace's).");
+DEFINE_int32(stages, 0,
+             "Pipeline stages (0: the case's, or the trace's). Without --microbatches it also "
+             "sets the micro-batch count: 4 per stage for a case, the trace's micro-batches per "
+             "stage (rounded up) for a trace.");
+DEFINE_int32(microbatches, 0,
+             "Micro-batches per iteration (0: 4 per stage for a case or --schedules, the trace's "
+             "for a trace; both at --stages when given).");
 DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2, zbv (empty: zbh1 for cases, the trace's).");
 DEFINE_bool(schedules, false,
             "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B and ZB-H1 (2 chunks "
@@ -265,6 +270,7 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
 int RunCases(std::string* out) {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
+  options.num_stages = FLAGS_stages;
   options.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) options.schedule = FLAGS_schedule;
   options.shape.device_tflops = FLAGS_device_tflops;
@@ -316,7 +322,6 @@ int RunCases(std::string* out) {
       std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
       return kUsageError;
     }
-    if (FLAGS_stages > 0) made->scenario.num_stages = FLAGS_stages;
     if (made->measured) {
       if (absl::Status st = CheckScenario(made->scenario); !st.ok()) {
         std::fprintf(stderr, "--case=%s: %s\n", name.c_str(), std::string(st.message()).c_str());
@@ -425,6 +430,14 @@ int RunTrace(std::string* out) {
     };
   }
   if (scaled) s.initial_placement.clear();  // Another layout: start from the even split.
+  if (FLAGS_stages > 0 && FLAGS_stages != s.num_stages && FLAGS_microbatches == 0) {
+    // The trace's micro-batch count belongs to its stage count: keep its micro-batches per
+    // stage (what fills the pipeline, and so its bubble) on the new count, as a case keeps
+    // "4 per stage"; rounded up, never fewer per stage than the trace ran.
+    const int64_t traced = s.num_microbatches;
+    s.num_microbatches = static_cast<int>(
+        (traced * FLAGS_stages + s.num_stages - 1) / s.num_stages);
+  }
   if (FLAGS_stages > 0) s.num_stages = FLAGS_stages;
   if (FLAGS_microbatches > 0) s.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) s.schedule = FLAGS_schedule;

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@
 #include "dynamic/trace_replay.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
+#include "recipes/cli.h"
 #include "tools/internal/sim_cases.h"
 
 DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
@@ -687,10 +689,42 @@ absl::Status CheckFlags() {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "fulcrum_sim --case=all | --trace=PATH [options]: simulate pipeline balancing at scale "
-      "(every figure printed is simulated)");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_sim";
+  help.usage =
+      "fulcrum_sim: the pipeline simulator at scales our machines cannot run. Every figure it\n"
+      "prints is SIMULATED (per-layer costs of a named case or of a fulcrum_train --load_trace).\n\n"
+      "  fulcrum_sim --case=all                       the DynMo table: six cases, 16-24 stages\n"
+      "  fulcrum_sim --case=pruning --per_iteration   one case, iteration by iteration\n"
+      "  fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)\n"
+      "  fulcrum_sim --trace=run.jsonl --trace_hidden=128 --trace_seq=128 --scale_layers=48 \\\n"
+      "      --scale_hidden=1024 --stages=24          a trace scaled up\n"
+      "  fulcrum_sim --schedules                      1F1B, ZB-H1, interleaved 1F1B, ZB-V side by side\n\n"
+      "Give exactly one of --case, --trace and --schedules. --stages without --microbatches\n"
+      "also sets the micro-batch count: 4 per stage for a case (and --schedules), the trace's\n"
+      "micro-batches per stage (rounded up) for a trace.\n"
+      "Exit status: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or\n"
+      "the write of --output failed.\n";
+  help.groups = {
+      {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
+                            "strategies", "iterations"}},
+      {"Pipeline", {"stages", "microbatches", "schedule"}},
+      {"Balancers", {"rebalance_interval", "rebalance_min_gain", "rebalance_window"}},
+      {"Network and device",
+       {"p2p_bandwidth_gbps", "p2p_latency_us", "p2p_bytes", "migration_bandwidth_gbps",
+        "migration_latency_us", "device_tflops", "vocab"}},
+      {"Scaling a trace", {"scale_layers", "scale_hidden", "trace_hidden", "trace_seq"}},
+      {"Re-packing", {"repack", "repack_slack"}},
+      {"Output", {"per_iteration", "output"}},
+  };
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
+  if (argc > 1) {
+    std::fprintf(stderr, "fulcrum_sim: unexpected argument '%s' (flags are --name=value)\n",
+                 argv[1]);
+    return fulcrum::kUsageError;
+  }
   if (FLAGS_schedules + !FLAGS_case.empty() + !FLAGS_trace.empty() != 1) {
     std::fprintf(stderr,
                  "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules\n");

@@ -36,6 +36,10 @@ struct Tool {
   std::string bad_value;    // An argument with a value its flag's type refuses.
   std::string bad_flag;     // The flag that message must name.
   bool plugin_flags = false;  // Links the plugins, whose flags it accepts too.
+  // What it says to a stray argument ("stray"): the tools without positional arguments
+  // refuse it in one line; fulcrum_plot and fulcrum_ckpt take arguments and say what they
+  // need (fulcrum_ckpt with its usage after the line).
+  std::string stray = "unexpected argument 'stray'";
 };
 
 std::ostream& operator<<(std::ostream& os, const Tool& tool) { return os << tool.program; }
@@ -44,9 +48,9 @@ const std::vector<Tool>& Tools() {
   static const auto* tools = new std::vector<Tool>{
       {"fulcrum_sim", "sim_main.cc", "fulcrum_sim --case=all", "--stages=abc", "--stages"},
       {"fulcrum_plot", "plot_main.cc", "fulcrum_plot INPUT.jsonl... -o OUT.svg", "--title",
-       "--title"},
+       "--title", false, "fulcrum_plot: give one or more input files and -o OUT.svg"},
       {"fulcrum_ckpt", "ckpt_main.cc", "fulcrum_ckpt verify PATH", "--num_experts_per_tok=two",
-       "--num_experts_per_tok"},
+       "--num_experts_per_tok", false, "fulcrum_ckpt: expected a command and a PATH"},
       {"fulcrum_bench_balance", "bench_balance_main.cc", "fulcrum_bench_balance [--configs=",
        "--rounds=abc", "--rounds"},
       {"fulcrum_bench_comm", "bench_comm_main.cc",
@@ -170,6 +174,18 @@ TEST_P(ToolCliTest, BadValueExitsTwoInOneLineNamingTheFlag) {
   const ToolRun run = RunTool(tool, tool.bad_value);
   ExpectRefusedInOneLine(run, tool.bad_flag);
   EXPECT_THAT(run.output, HasSubstr(tool.program + ": ")) << "the message names the program";
+}
+
+TEST_P(ToolCliTest, StrayArgumentExitsTwo) {
+  const Tool& tool = GetParam();
+  const ToolRun run = RunTool(tool, "stray");
+  if (tool.program == "fulcrum_ckpt") {
+    EXPECT_EQ(run.code, 2) << run.output;
+    EXPECT_THAT(run.output, HasSubstr(tool.stray));
+    EXPECT_LT(run.seconds, kNoWorkSeconds);
+  } else {
+    ExpectRefusedInOneLine(run, tool.stray);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tools, ToolCliTest, ::testing::ValuesIn(Tools()),

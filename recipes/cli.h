@@ -1,5 +1,7 @@
-// The command line of Fulcrum's programs (fulcrum_train, fulcrum_preprocess): gflags with
-// the behaviour a user expects instead of gflags' own.
+// The command line of Fulcrum's programs (fulcrum_train, fulcrum_preprocess, fulcrum_sim,
+// fulcrum_plot, fulcrum_ckpt and the benchmarks; fulcrum_launch parses its own, since what
+// follows its "--" belongs to the program it starts): gflags with the behaviour a user
+// expects instead of gflags' own.
 //
 //  - A bad flag (unknown name, a value that does not parse or is out of range for its type,
 //    a missing value, an unreadable --flagfile or a bad line in it) prints one line naming

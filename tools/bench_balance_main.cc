@@ -671,13 +671,26 @@ int Main(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "iteration time, bubble and imbalance of static partitions (none, params) vs the "
-      "partition and diffusion rebalancers on a model whose heavy layers sit on one side, "
-      "interleaved over --rounds, plus the check that every configuration's losses equal the "
-      "uniform run's.\nExample: fulcrum_bench_balance --rounds=1 --train_iters=12 --skip_iters=4");
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(
-          &argc, &argv, "fulcrum_bench_balance", "bench_balance")) {
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_balance";
+  help.usage =
+      "fulcrum_bench_balance: iteration time, bubble and imbalance of static partitions (none,\n"
+      "params) vs the partition and diffusion rebalancers on a model whose heavy layers sit on\n"
+      "one side, interleaved over --rounds, plus the check that every configuration's losses\n"
+      "equal the uniform run's. Runs fulcrum_launch + fulcrum_train built next to it.\n\n"
+      "  fulcrum_bench_balance [--configs=none,params,partition,diffusion] [--rounds=2]\n"
+      "      [--train_iters=40] [--skip_iters=10] [--pp=2] [--schedule=zbh1] [--recipe=tiny_moe]\n"
+      "  fulcrum_bench_balance --rounds=1 --train_iters=12 --skip_iters=4     a quick run\n\n"
+      "Exit status: 0 done and the losses agree, 2 bad flags (or fulcrum_train rejected the\n"
+      "flags), 1 a run failed or a configuration's losses differ from the reference.\n";
+  help.groups = {
+      {"Runs", {"configs", "rounds", "train_iters", "skip_iters", "before_iters", "pp",
+                "schedule", "recipe", "model_flags"}},
+      {"Checks and output", {"loss_tolerance", "keep_logs"}},
+      {"Re-packing row", {"repack_row", "repack_model_flags", "repack_iters",
+                          "repack_auto_max_slowdown", "repack_at"}},
+  };
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Main(fulcrum::bench::BinDir(argv[0]));

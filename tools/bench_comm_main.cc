@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "parallel/communicator.h"
 #include "parallel/world.h"
 #include "parallel/world_communicator.h"
+#include "recipes/cli.h"
 
 DEFINE_string(backend, "gloo", "Communication backend: gloo (CPU tensors) or nccl (GPU).");
 DEFINE_string(ops, "all_reduce,all_gather,reduce_scatter,all_to_all", "Operations to time.");
@@ -141,10 +143,28 @@ int Run() {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "bandwidth of all_reduce, all_gather, reduce_scatter and all_to_all, as nccl-tests "
-      "reports it.\nRun under fulcrum_launch --nproc_per_node=N.");
-  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_comm";
+  help.usage =
+      "fulcrum_bench_comm: bandwidth of all_reduce, all_gather, reduce_scatter and all_to_all\n"
+      "of a Communicator backend, reported as nccl-tests reports it (algbw, busbw).\n\n"
+      "  fulcrum_launch --nproc_per_node=4 -- fulcrum_bench_comm [--backend=gloo]\n"
+      "      [--min_bytes=8] [--max_bytes=67108864] [--step_factor=4] [--iters=20] [--warmup=5]\n\n"
+      "Exit status: 0 done, 2 bad flags (--backend, --ops), 1 no world from fulcrum_launch or\n"
+      "a communication failure.\n";
+  help.groups = {
+      {"Backend and operations", {"backend", "ops", "timeout_s"}},
+      {"Sizes and timing", {"min_bytes", "max_bytes", "step_factor", "iters", "warmup",
+                            "max_iter_bytes"}},
+  };
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
+  if (argc > 1) {
+    std::fprintf(stderr, "fulcrum_bench_comm: unexpected argument '%s' (flags are --name=value)\n",
+                 argv[1]);
+    return 2;
+  }
   fulcrum::InitLogging(argv[0]);
   try {
     return fulcrum::Run();

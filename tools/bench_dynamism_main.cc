@@ -463,12 +463,29 @@ int Main(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "per-layer F+B+W of a dense, pruned and frozen layer built by the plugins, and a pp=2 "
-      "run where a plugin makes the stages unequal, with and without the partition balancer."
-      "\nExample: fulcrum_bench_dynamism --threads=1 --reps=5 --pipeline=false");
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(
-          &argc, &argv, "fulcrum_bench_dynamism", "bench_dynamism")) {
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_dynamism";
+  help.usage =
+      "fulcrum_bench_dynamism: per-layer F+B+W of a dense, pruned, frozen, routed (mod),\n"
+      "early-exit and sparse-attention layer built by the plugins, and a pp=2 run where a\n"
+      "plugin makes the stages unequal, with and without the partition balancer (through\n"
+      "fulcrum_bench_balance, built next to it).\n\n"
+      "  fulcrum_bench_dynamism [--hidden=512] [--threads=1,2] [--reps=7] [--pipeline=true]\n"
+      "  fulcrum_bench_dynamism --threads=1 --reps=5 --pipeline=false     the layer tables only\n\n"
+      "The plugins' own flags are accepted too (under \"Plugins\" below); each table sets the\n"
+      "ones it varies.\n"
+      "Exit status: 0 done (goals are reported, not enforced), 2 bad flags, 1 a check failed\n"
+      "(a pruned layer's sparsity or output is off, or the pipeline benchmark failed).\n";
+  help.groups = {
+      {"Layer", {"hidden", "heads", "ffn", "seq", "micro_batch"}},
+      {"Plugin configurations", {"sparsity", "capacities", "active", "attention_seq", "buckets",
+                                 "attention_block"}},
+      {"Timing", {"threads", "reps", "warmup"}},
+      {"Pipeline table", {"pipeline", "pipeline_rounds", "pipeline_iters"}},
+  };
+  help.per_file_dir = "plugins";
+  help.per_file_title = "Plugins";
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Main(fulcrum::bench::BinDir(argv[0]));

@@ -449,10 +449,24 @@ std::vector<int64_t> ParseList(const std::string& flag, const std::string& value
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "One MoE layer: moe::MoeLayer vs an eager batched-GEMM layer; index dispatch/combine vs "
-      "GShard's one-hot einsums.");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_moe";
+  help.usage =
+      "fulcrum_bench_moe: one MoE layer, forward and backward: moe::MoeLayer vs an eager\n"
+      "batched-GEMM layer with the same weights (table \"layer\"), and index dispatch/combine\n"
+      "vs GShard's one-hot einsums (table \"dispatch\"), side by side in one process.\n\n"
+      "  fulcrum_bench_moe [--tables=layer,dispatch] [--layer_tokens=4096] [--tokens=4096,16384]\n"
+      "      [--experts=8,16] [--topk=1,2] [--hidden=512] [--ffn_hidden=512] [--rounds=3]\n\n"
+      "Exit status: 0 done, 2 bad flags.\n";
+  help.groups = {
+      {"Tables", {"tables"}},
+      {"Layer table", {"layer_tokens", "layer_experts", "layer_topk", "layer_rounds"}},
+      {"Dispatch table", {"tokens", "experts", "topk", "rounds"}},
+      {"Both", {"hidden", "ffn_hidden", "warmup", "threads", "keep_heap", "profile_trace"}},
+  };
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+    return *code;
+  }
   fulcrum::InitLogging(argv[0]);
   bool layer_table = false, dispatch_table = false;
   for (absl::string_view table : absl::StrSplit(FLAGS_tables, ',', absl::SkipEmpty())) {

@@ -414,14 +414,22 @@ int Run(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "pipeline bubble and iteration time of 1F1B, ZB-H1, interleaved 1F1B and ZB-V (and other "
-      "schedules), measured by "
-      "training through fulcrum_launch + fulcrum_train for every --pp x --microbatches x "
-      "--schedules.\nExample: fulcrum_bench_pipeline --pp=2 --microbatches=4,8 "
-      "--train_iters=8");
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(
-          &argc, &argv, "fulcrum_bench_pipeline", "bench_pipeline")) {
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_pipeline";
+  help.usage =
+      "fulcrum_bench_pipeline: pipeline bubble and iteration time of 1F1B, ZB-H1, interleaved\n"
+      "1F1B and ZB-V (and other schedules), measured by training through fulcrum_launch +\n"
+      "fulcrum_train (built next to it) for every --pp x --microbatches x --schedules.\n\n"
+      "  fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1,interleaved,zbv]\n"
+      "      [--microbatches=4,8,16] [--train_iters=20] [--recipe=tiny] [--timelines]\n"
+      "  fulcrum_bench_pipeline --pp=2 --microbatches=4,8 --train_iters=8     a quick run\n\n"
+      "Exit status: 0 done, 2 bad flags (or fulcrum_train rejected the flags), 1 a run failed.\n";
+  help.groups = {
+      {"Runs", {"pp", "schedules", "microbatches", "micro_batch_size", "train_iters",
+                "skip_iters", "recipe", "model_flags"}},
+      {"Goal and output", {"goal_ratio", "timelines", "keep_logs"}},
+  };
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Run(fulcrum::bench::BinDir(argv[0]));

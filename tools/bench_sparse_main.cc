@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "core/logging.h"
 #include "core/sparse_linear.h"
 #include "core/threads.h"
+#include "recipes/cli.h"
 
 DEFINE_string(shapes, "qkv:1536x512,proj:512x512,fc1:2048x512,fc2:512x2048",
               "Weights to measure, name:OUTxIN, comma-separated.");
@@ -279,8 +281,27 @@ void PrintTable(int threads, const std::vector<Shape>& shapes, const std::vector
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("Pruned linear layers: dense GEMM vs sparse SpMM/SDDMM, F, B and W.");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_sparse";
+  help.usage =
+      "fulcrum_bench_sparse: the linear layers of a pruned transformer layer, dense GEMM vs\n"
+      "sparse SpMM/SDDMM (core/sparse_linear.h), forward, backward and weight gradient, side\n"
+      "by side in one process.\n\n"
+      "  fulcrum_bench_sparse [--shapes=qkv:1536x512,proj:512x512,fc1:2048x512,fc2:512x2048]\n"
+      "      [--seq=256] [--micro_batch=4] [--sparsity=0.5,0.8,0.9,0.95] [--threads=1,2]\n\n"
+      "Exit status: 0 done, 2 bad flags.\n";
+  help.groups = {
+      {"Shapes", {"shapes", "seq", "micro_batch", "dtype"}},
+      {"Measurements", {"sparsity", "threads", "reps", "warmup", "libtorch_csr"}},
+  };
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
+  if (argc > 1) {
+    std::fprintf(stderr, "fulcrum_bench_sparse: unexpected argument '%s' (flags are --name=value)\n",
+                 argv[1]);
+    return 2;
+  }
   fulcrum::InitLogging(argv[0]);
   const std::vector<fulcrum::Shape> shapes = fulcrum::ParseShapes(FLAGS_shapes);
   const auto sparsities = fulcrum::ParseList<double>(

@@ -614,8 +614,28 @@ void MeasureLayouts(const std::string& bin_dir) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("Fulcrum's training step vs the same model as a plain LibTorch loop.");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_bench_train";
+  help.usage =
+      "fulcrum_bench_train: framework overhead of fulcrum_train's training step: Fulcrum's\n"
+      "Trainer against the same model as a plain LibTorch loop, interleaved round by round;\n"
+      "with --compare_reference also PyTorch eager and torch.compile; with --layouts the tiny\n"
+      "recipe under parallel layouts (fulcrum_launch, built next to it).\n\n"
+      "  fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]\n"
+      "      [--layouts=1,tp2,dp2,tp2dp2] [--compare_reference] [--threads=0]\n"
+      "      [--device=cpu|cuda|cuda:N|auto] [--bf16] [--quick]\n\n"
+      "Exit status: 0 done, 2 bad flags (an unknown model or device included), 1 a failure.\n";
+  help.groups = {
+      {"Measurements", {"models", "rounds", "iters_per_round", "warmup_iters", "quick",
+                        "cross_entropy", "threads", "keep_heap", "profile_trace"}},
+      {"Device", {"device", "bf16"}},
+      {"Parallel layouts", {"layouts", "layout_iters"}},
+      {"PyTorch reference", {"compare_reference", "reference_python", "reference_script",
+                             "reference_wait_policy"}},
+  };
+  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+    return *code;
+  }
   fulcrum::InitLogging(argv[0]);
   if (auto device = fulcrum::ResolveDevice(FLAGS_device, /*local_rank=*/0); !device.ok()) {
     std::fprintf(stderr, "bench_train: %s\n", std::string(device.status().message()).c_str());

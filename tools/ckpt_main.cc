@@ -13,7 +13,9 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +24,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/hf_checkpoint.h"
 #include "core/logging.h"
+#include "recipes/cli.h"
 
 DEFINE_string(key, "",
               "For `show`: the manifest field to print, a top-level name (iteration, "
@@ -45,7 +48,7 @@ namespace fulcrum {
 namespace {
 
 constexpr char kUsageText[] =
-    R"(inspects and verifies Fulcrum checkpoints.
+    R"(fulcrum_ckpt: inspects and verifies Fulcrum checkpoints.
 
 Usage:
   fulcrum_ckpt list   PATH             iteration, manifest fields and the tensor table
@@ -88,7 +91,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 }
 
 int UsageError(const std::string& message) {
-  std::cerr << "fulcrum_ckpt: " << message << "\n\nfulcrum_ckpt " << gflags::ProgramUsage() << "\n";
+  std::cerr << "fulcrum_ckpt: " << message << "\n\n" << gflags::ProgramUsage() << "\n";
   return kUsageError;
 }
 
@@ -246,36 +249,20 @@ int ConvertHf(int argc, char** argv) {
 }
 
 int Main(int argc, char** argv) {
-  gflags::SetUsageMessage(kUsageText);
-  // gflags' own --help lists the flags of every linked library; ours says what matters.
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "help") {
-      std::cout << "fulcrum_ckpt " << gflags::ProgramUsage()
-                << "\n\nFlags:\n  --key: " << gflags::GetCommandLineFlagInfoOrDie("key").description
-                << "\n  --allow_unchecksummed_manifest: "
-                << gflags::GetCommandLineFlagInfoOrDie("allow_unchecksummed_manifest").description
-                << "\n  --max_shard_size: "
-                << gflags::GetCommandLineFlagInfoOrDie("max_shard_size").description
-                << "\n  --num_experts_per_tok: "
-                << gflags::GetCommandLineFlagInfoOrDie("num_experts_per_tok").description
-                << "\n";
-      return kOk;
-    }
+  cli::HelpSpec help;
+  help.program = "fulcrum_ckpt";
+  help.usage = kUsageText;
+  help.groups = {{"show", {"key"}},
+                 {"verify", {"allow_unchecksummed_manifest"}},
+                 {"export-hf", {"max_shard_size", "num_experts_per_tok"}}};
+  // `fulcrum_ckpt help` reads like the commands; it asks for the same text as --help.
+  if (argc >= 2 && std::string_view(argv[1]) == "help") {
+    std::cout << cli::HelpText(help);
+    return kOk;
   }
-  // gflags exits with status 1 on an unknown flag; wrong usage here means status 2.
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg.empty() || arg[0] != '-') continue;
-    const std::string_view name = arg.substr(arg.find_first_not_of('-'));
-    const std::string_view flag = name.substr(0, name.find('='));
-    if (flag != "key" && flag != "allow_unchecksummed_manifest" &&
-        flag != "noallow_unchecksummed_manifest" && flag != "max_shard_size" &&
-        flag != "num_experts_per_tok") {
-      return UsageError(absl::StrCat("unknown flag '", std::string(arg), "'"));
-    }
+  if (std::optional<int> exit_code = cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
   }
-  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
   InitLogging(argv[0]);
 
   if (argc >= 2 && (std::string(argv[1]) == "import-hf" || std::string(argv[1]) == "export-hf")) {

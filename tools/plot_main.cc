@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/file_system.h"
+#include "recipes/cli.h"
 #include "tools/internal/plot_input.h"
 
 DEFINE_string(o, "", "The SVG file to write (required).");
@@ -270,9 +272,20 @@ std::string Column(const Series& s, double x0, double width, double* bottom) {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("fulcrum_plot INPUT.jsonl... -o OUT.svg: draw runs (metrics files of any "
-                          "run, load traces or fulcrum_sim --output) side by side");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_plot";
+  help.usage =
+      "fulcrum_plot: one self-contained SVG of one or more runs, side by side.\n\n"
+      "  fulcrum_plot INPUT.jsonl... -o OUT.svg\n\n"
+      "An input is a fulcrum_train --metrics_file (any run), a --load_trace file or a\n"
+      "fulcrum_sim --output (one column per strategy).\n"
+      "Exit status: 0 written, 2 bad flags or unreadable input (one line, before anything is\n"
+      "written), 1 the SVG could not be written. The SVG is written atomically and never onto\n"
+      "an input.\n";
+  help.groups = {{"Output", {"o", "title"}}};
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
   if (argc < 2 || FLAGS_o.empty()) {
     std::fprintf(stderr, "fulcrum_plot: give one or more input files and -o OUT.svg\n");
     return fulcrum::kUsageError;

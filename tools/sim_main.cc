@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@
 #include "dynamic/trace_replay.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
+#include "recipes/cli.h"
 #include "tools/internal/sim_cases.h"
 
 DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
@@ -57,8 +59,13 @@ DEFINE_string(early_exit_metrics, "",
 DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
               "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
-DEFINE_int32(stages, 0, "Pipeline stages (0: the case's, or the trace's).");
-DEFINE_int32(microbatches, 0, "Micro-batches per iteration (0: 4 per stage, or the trace's).");
+DEFINE_int32(stages, 0,
+             "Pipeline stages (0: the case's, or the trace's). Without --microbatches it also "
+             "sets the micro-batch count: 4 per stage for a case, the trace's micro-batches per "
+             "stage (rounded up) for a trace.");
+DEFINE_int32(microbatches, 0,
+             "Micro-batches per iteration (0: 4 per stage for a case or --schedules, the trace's "
+             "for a trace; both at --stages when given).");
 DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2, zbv (empty: zbh1 for cases, the trace's).");
 DEFINE_bool(schedules, false,
             "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B and ZB-H1 (2 chunks "
@@ -242,6 +249,7 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
 int RunCases(std::string* out) {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
+  options.num_stages = FLAGS_stages;
   options.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) options.schedule = FLAGS_schedule;
   options.shape.device_tflops = FLAGS_device_tflops;
@@ -293,7 +301,6 @@ int RunCases(std::string* out) {
       std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
       return kUsageError;
     }
-    if (FLAGS_stages > 0) made->scenario.num_stages = FLAGS_stages;
     if (made->measured) {
       if (absl::Status st = CheckScenario(made->scenario); !st.ok()) {
         std::fprintf(stderr, "--case=%s: %s\n", name.c_str(), std::string(st.message()).c_str());
@@ -402,6 +409,14 @@ int RunTrace(std::string* out) {
     };
   }
   if (scaled) s.initial_placement.clear();  // Another layout: start from the even split.
+  if (FLAGS_stages > 0 && FLAGS_stages != s.num_stages && FLAGS_microbatches == 0) {
+    // The trace's micro-batch count belongs to its stage count: keep its micro-batches per
+    // stage (what fills the pipeline, and so its bubble) on the new count, as a case keeps
+    // "4 per stage"; rounded up, never fewer per stage than the trace ran.
+    const int64_t traced = s.num_microbatches;
+    s.num_microbatches = static_cast<int>(
+        (traced * FLAGS_stages + s.num_stages - 1) / s.num_stages);
+  }
   if (FLAGS_stages > 0) s.num_stages = FLAGS_stages;
   if (FLAGS_microbatches > 0) s.num_microbatches = FLAGS_microbatches;
   if (!FLAGS_schedule.empty()) s.schedule = FLAGS_schedule;
@@ -651,10 +666,42 @@ absl::Status CheckFlags() {
 }  // namespace fulcrum
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "fulcrum_sim --case=all | --trace=PATH [options]: simulate pipeline balancing at scale "
-      "(every figure printed is simulated)");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  fulcrum::cli::HelpSpec help;
+  help.program = "fulcrum_sim";
+  help.usage =
+      "fulcrum_sim: the pipeline simulator at scales our machines cannot run. Every figure it\n"
+      "prints is SIMULATED (per-layer costs of a named case or of a fulcrum_train --load_trace).\n\n"
+      "  fulcrum_sim --case=all                       the DynMo table: six cases, 16-24 stages\n"
+      "  fulcrum_sim --case=pruning --per_iteration   one case, iteration by iteration\n"
+      "  fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)\n"
+      "  fulcrum_sim --trace=run.jsonl --trace_hidden=128 --trace_seq=128 --scale_layers=48 \\\n"
+      "      --scale_hidden=1024 --stages=24          a trace scaled up\n"
+      "  fulcrum_sim --schedules                      1F1B, ZB-H1, interleaved 1F1B, ZB-V side by side\n\n"
+      "Give exactly one of --case, --trace and --schedules. --stages without --microbatches\n"
+      "also sets the micro-batch count: 4 per stage for a case (and --schedules), the trace's\n"
+      "micro-batches per stage (rounded up) for a trace.\n"
+      "Exit status: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or\n"
+      "the write of --output failed.\n";
+  help.groups = {
+      {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
+                            "strategies", "iterations"}},
+      {"Pipeline", {"stages", "microbatches", "schedule"}},
+      {"Balancers", {"rebalance_interval", "rebalance_min_gain", "rebalance_window"}},
+      {"Network and device",
+       {"p2p_bandwidth_gbps", "p2p_latency_us", "p2p_bytes", "migration_bandwidth_gbps",
+        "migration_latency_us", "device_tflops", "vocab"}},
+      {"Scaling a trace", {"scale_layers", "scale_hidden", "trace_hidden", "trace_seq"}},
+      {"Re-packing", {"repack", "repack_slack"}},
+      {"Output", {"per_iteration", "output"}},
+  };
+  if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
+    return *exit_code;
+  }
+  if (argc > 1) {
+    std::fprintf(stderr, "fulcrum_sim: unexpected argument '%s' (flags are --name=value)\n",
+                 argv[1]);
+    return fulcrum::kUsageError;
+  }
   if (FLAGS_schedules + !FLAGS_case.empty() + !FLAGS_trace.empty() != 1) {
     std::fprintf(stderr,
                  "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules\n");

@@ -1,15 +1,14 @@
-// Helpers the benchmark tools share: their command-line handling (bad flags are usage
-// errors, exit 2; --help lists only the tool's own flags), the machine's state that every
-// benchmark prints beside its numbers (usable cores, load average), medians, alternated
-// timing rounds, and running the real binaries (fulcrum_launch, fulcrum_train) that sit next
-// to the tool.
+// Helpers the benchmark tools share: their command-line handling (recipes/cli.h: bad flags
+// are usage errors, exit 2; --help lists only the tool's own flags), the machine's state
+// that every benchmark prints beside its numbers (usable cores, load average), medians,
+// alternated timing rounds, and running the real binaries (fulcrum_launch, fulcrum_train)
+// that sit next to the tool.
 //
 // Header-only: each tool is one executable built from its own main file.
 // Thread-safety: none needed; these run on the tool's main thread.
 #pragma once
 
 #include <fcntl.h>
-#include <gflags/gflags.h>
 #include <sched.h>
 #include <spawn.h>
 #include <stdlib.h>
@@ -35,6 +34,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "core/usable_cores.h"
+#include "recipes/cli.h"
 
 extern char** environ;
 
@@ -185,80 +185,17 @@ inline std::optional<std::vector<int>> ParseInts(const std::string& flag, const 
   return out;
 }
 
-/// gflags exits 1 on an unknown flag or a malformed value; for the tools they are usage
-/// errors (exit 2), so the arguments are checked against the registered flags first.
-inline bool CheckCommandLine(int argc, char** argv, std::string* error) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg.size() < 2 || arg[0] != '-') {
-      *error = absl::StrCat("unexpected argument '", arg, "' (flags are --name=value)");
-      return false;
-    }
-    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
-    const size_t equals = arg.find('=');
-    const std::string name(arg.substr(0, equals));
-    gflags::CommandLineFlagInfo info;
-    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
-      if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) &&
-          info.type == "bool" && equals == absl::string_view::npos) {
-        continue;
-      }
-      *error = absl::StrCat("unknown flag --", name);
-      return false;
-    }
-    if (info.filename.find("gflags") != std::string::npos) continue;  // --help, --flagfile, ...
-    std::string value;
-    if (equals != absl::string_view::npos) {
-      value = std::string(arg.substr(equals + 1));
-    } else if (info.type == "bool") {
-      value = "true";
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      *error = absl::StrCat("--", name, " needs a value");
-      return false;
-    }
-    if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
-      *error = absl::StrCat("--", name, "='", value, "' is not a valid ", info.type);
-      return false;
-    }
-  }
-  return true;
-}
-
-/// The usage message and the flags defined in files whose name contains `source` (gflags'
-/// --help lists every library's too; --helpfull still does).
-inline void PrintHelp(const char* tool, const char* source) {
-  std::printf("%s: %s\n\nFlags:\n", tool, gflags::ProgramUsage());
-  std::vector<gflags::CommandLineFlagInfo> flags;
-  gflags::GetAllFlags(&flags);
-  for (const auto& flag : flags) {
-    if (flag.filename.find(source) == std::string::npos) continue;
-    std::string value = flag.default_value;
-    if (double d; flag.type == "double" && absl::SimpleAtod(value, &d)) value = absl::StrCat(d);
-    std::printf("  --%s=%s\n      %s\n", flag.name.c_str(), value.c_str(),
-                flag.description.c_str());
-  }
-}
-
-/// A tool's flag handling, after gflags::SetUsageMessage: --help prints the tool's own flags
-/// (exit 0), a bad flag is a usage error (exit 2), otherwise the flags are parsed and
-/// nullopt says "go on". `source` picks the tool's flags by their file's name.
-inline std::optional<int> ParseToolFlags(int* argc, char*** argv, const char* tool,
-                                         const char* source) {
-  for (int i = 1; i < *argc; ++i) {
-    const std::string_view arg = (*argv)[i];
-    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpshort") {
-      PrintHelp(tool, source);
-      return 0;
-    }
-  }
-  std::string error;
-  if (!CheckCommandLine(*argc, *argv, &error)) {
-    std::fprintf(stderr, "%s: %s\nRun `%s --help` for usage.\n", tool, error.c_str(), tool);
+/// A tool's command line, through the shared helper (recipes/cli.h): --help prints the
+/// tool's usage and its own flags (exit 0), a bad flag is a usage error (exit 2, one line).
+/// The benchmarks take no positional arguments, so a leftover one is a usage error too.
+/// Returns nullopt to go on, else the exit code.
+inline std::optional<int> ParseToolFlags(int* argc, char*** argv, const cli::HelpSpec& spec) {
+  if (std::optional<int> exit_code = cli::ParseCommandLine(argc, argv, spec)) return exit_code;
+  if (*argc > 1) {
+    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; %s --help "
+                 "lists them)\n", spec.program.c_str(), (*argv)[1], spec.program.c_str());
     return kUsageError;
   }
-  gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);
   return std::nullopt;
 }
 

@@ -56,8 +56,8 @@ void SetLayer(dynamic::IterationCosts* c, int64_t l, const DenseLayer& d, double
 dynamic::Scenario Base(const std::string& name, int stages, const CaseOptions& o, int64_t layers) {
   dynamic::Scenario s;
   s.name = name;
-  s.num_stages = stages;
-  s.num_microbatches = o.num_microbatches > 0 ? o.num_microbatches : 4 * stages;
+  s.num_stages = o.num_stages > 0 ? o.num_stages : stages;
+  s.num_microbatches = o.num_microbatches > 0 ? o.num_microbatches : 4 * s.num_stages;
   s.schedule = o.schedule;
   s.iterations = o.iterations;
   s.network = o.network;

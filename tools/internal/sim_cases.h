@@ -59,6 +59,9 @@ dynamic::IterationCosts DenseCosts(const GptShape& shape);
 struct CaseOptions {
   GptShape shape;
   int64_t iterations = 100;  ///< Simulated iterations (each case maps its schedule onto them).
+  /// Pipeline stages; 0: the case's own (16 for moe and mod, 24 for the others). Set here,
+  /// not on the built scenario, so that the default micro-batch count follows it.
+  int num_stages = 0;
   int num_microbatches = 0;  ///< 0: 4 per stage (DynMo: "4 micro-batches per GPU").
   std::string schedule = "zbh1";
   dynamic::NetworkOptions network;  ///< p2p_bytes is set from the shape.

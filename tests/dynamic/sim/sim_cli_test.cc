@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/dynamic/sim/hand_trace.h"
 #include "tests/run_command.h"
@@ -168,6 +169,35 @@ TEST(SimCliTest, NumericFlagsOutOfRangeExitTwoInOneLine) {
   ExpectRefusedInOneLine("--case=moe --vocab=-1", "--vocab=-1");
   ExpectRefusedInOneLine(trace + " --stages=5", "3 layers cannot fill 5 stages");
   ExpectRefusedInOneLine("--case=pruning --stages=1000", "cannot fill 1000 stages");
+}
+
+// --stages without --microbatches: the micro-batch count is the one the case or trace implies
+// at the NEW stage count (a case's 4 per stage; a trace's micro-batches per stage, rounded
+// up), not the one of the stage count it was built with. --microbatches still wins.
+TEST(SimCliTest, StagesRescalesTheImpliedMicrobatchCount) {
+  auto stage_lines = [](const std::string& args) {
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(kSim + " " + args, &output), 0) << args << "\n" << output;
+    return output;
+  };
+  using ::testing::HasSubstr;
+  // The cases' own layouts: 24 stages (pruning) and 16 (mod), 4 micro-batches per stage.
+  std::string out = stage_lines("--case=pruning,mod --iterations=3");
+  EXPECT_THAT(out, HasSubstr("24 stages, 48 layers, 96 micro-batches"));
+  EXPECT_THAT(out, HasSubstr("16 stages, 32 layers, 64 micro-batches"));
+  out = stage_lines("--case=pruning,mod --iterations=3 --stages=8");
+  EXPECT_THAT(out, HasSubstr("8 stages, 48 layers, 32 micro-batches"));
+  EXPECT_THAT(out, HasSubstr("8 stages, 32 layers, 32 micro-batches"));
+  out = stage_lines("--case=pruning --iterations=3 --stages=8 --microbatches=10");
+  EXPECT_THAT(out, HasSubstr("8 stages, 48 layers, 10 micro-batches"));
+  // The hand trace ran 2 stages with 2 micro-batches: 1 per stage.
+  const std::string trace =
+      "--trace=" + WriteTrace("stages", {dynamic::HandTraceLine(1), dynamic::HandTraceLine(2),
+                                         dynamic::HandTraceLine(3)});
+  EXPECT_THAT(stage_lines(trace), HasSubstr("2 stages, 3 layers, 2 micro-batches"));
+  EXPECT_THAT(stage_lines(trace + " --stages=3"), HasSubstr("3 stages, 3 layers, 3 micro-batches"));
+  EXPECT_THAT(stage_lines(trace + " --stages=3 --microbatches=5"),
+              HasSubstr("3 stages, 3 layers, 5 micro-batches"));
 }
 
 TEST(SimCliTest, MetricsWithAStringForACountExitTwo) {

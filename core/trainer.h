@@ -180,8 +180,6 @@ class Trainer {
   int64_t corpus_documents_ = 0;
   int64_t corpus_tokens_ = 0;
   int64_t corpus_max_token_ = 0;  // The largest token id in the data.
-  // Load's --finetune half: the weights alone.
-  absl::Status LoadWeightsOnly(const ckpt::CheckpointReader& reader, const std::string& source);
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).
   nlohmann::json BlockStatistics();

@@ -20,22 +20,19 @@ namespace fulcrum {
 
 std::vector<std::pair<int64_t, int64_t>> GatherLayerPlacement(const GptModel& stage,
                                                               ParallelContext& collectives) {
-  std::vector<std::pair<int64_t, int64_t>> placement =
-      collectives.GatherStageRanges(stage.layer_begin(), stage.layer_end());
-  if (stage.num_chunks() > 1) {
-    // With model chunks a rank's span [first chunk's begin, last chunk's end) is not its
-    // layers: the placement is every chunk's range, in layer order (the model order), so
-    // the checkpoint stays layout-free and loads under any schedule (every rank has the
-    // same chunk count, so the gathers match).
-    placement.clear();
-    for (int c = 0; c < stage.num_chunks(); ++c) {
-      for (const auto& range : collectives.GatherStageRanges(stage.chunk_range(c).first,
-                                                             stage.chunk_range(c).second)) {
-        placement.push_back(range);
-      }
-    }
-    std::sort(placement.begin(), placement.end());
+  // With model chunks a rank's span [first chunk's begin, last chunk's end) is not its
+  // layers: the placement is every chunk's range, in layer order (the model order), so the
+  // checkpoint stays layout-free and loads under any schedule (every rank has the same
+  // chunk count, so the gathers match). Without, chunk 0 is the stage's range.
+  const int chunks = stage.num_chunks();
+  std::vector<std::pair<int64_t, int64_t>> placement;
+  for (const auto& stage_ranges :
+       GatherChunkRanges(stage, chunks, [&collectives](const at::Tensor& row) {
+         return collectives.StackOverPipeline(row);
+       })) {
+    placement.insert(placement.end(), stage_ranges.begin(), stage_ranges.end());
   }
+  if (chunks > 1) std::sort(placement.begin(), placement.end());
   return placement;
 }
 

@@ -12,6 +12,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/distributed_checkpoint.h"
 #include "core/logging.h"
+#include "core/optimizer/adamw.h"
 #include "core/status.h"
 #include "core/training_manifest.h"
 
@@ -111,7 +112,7 @@ Trainer::Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileS
     : config_(config),
       layout_(layout),
       fs_(fs),
-      optimizer_(config.optimizer),
+      optimizer_(std::make_unique<AdamW>(config.optimizer)),
       schedule_(config.schedule, config.train.train_iters) {}
 
 namespace {
@@ -272,39 +273,28 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   // The units are read only now: a pipeline run may have moved layers between stages
   // (NOTE [layer migration]), and the optimizer step runs on the new layout.
   const std::vector<Unit*> units = model_->Units();
-  // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
-  // ones (identical on all ranks of the group) once.
   // The stop flag rides along (NOTE [graceful stop]): summed over data parallelism with the
   // loss, then over the model-parallel ranks with the gradient norm — over the whole job.
-  const double stop_here = stop_request_ && stop_request_() ? 1.0 : 0.0;
-  std::vector<double> sums{loss_sum, stop_here};
-  collectives().AllReduceGradients(units);
-  collectives().SumOverDataParallel(sums);
-  {
+  StepRequest request;
+  request.lr = schedule_.At(iteration);
+  request.data_parallel_sums = {loss_sum};
+  request.job_sums = {stop_request_ && stop_request_() ? 1.0 : 0.0};
+  request.after_reduce = [&] {
     // The gradients are complete and agree over the replicas (e.g. masked by pruning).
     PluginContext ctx = MakePluginContext(iteration);
-    FULCRUM_RETURN_IF_ERROR(plugins_->AfterBackward(ctx));
-  }
-  const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
-  std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
-  collectives().SumOverExpertParallel(expert_sq);
-  std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
-                                  expert_sq[0],
-                              sums[1]};
-  collectives().SumOverModelParallel(grad_sq);
-  const double grad_norm = std::sqrt(grad_sq[0]);
-  const bool stop_requested = grad_sq[1] > 0;
-  loss_sum = sums[0];
-  if (!std::isfinite(grad_norm)) {
+    return plugins_->AfterBackward(ctx);
+  };
+  FULCRUM_ASSIGN_OR_RETURN(const StepResult step,
+                           optimizer_->ReduceAndStep(units, collectives(), request));
+  const double lr = request.lr;
+  const double grad_norm = step.grad_norm;
+  const bool stop_requested = step.job_sums[0] > 0;
+  loss_sum = step.data_parallel_sums[0];
+  if (!step.stepped) {
     return absl::InternalError(absl::StrCat("iteration ", iteration, ": gradient norm is ",
                                             grad_norm, " (loss ", loss_sum / total_tokens,
                                             "); lower --lr or check the data"));
   }
-  const double clip = optimizer_.ClipFactor(grad_norm);
-  if (clip < 1.0) AdamW::ScaleGradients(units, clip);
-  const double lr = schedule_.At(iteration);
-  optimizer_.Step(units, lr);
-  model_->ZeroGrad();
   for (const auto& [index, layer] : model_->layers()) {
     if (FeedForward* block = layer->feed_forward()) block->AfterOptimizerStep();
   }

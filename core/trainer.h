@@ -27,7 +27,8 @@
 #include "core/file_system.h"
 #include "core/gpt_model.h"
 #include "core/metrics.h"
-#include "core/optimizer.h"
+#include "core/optimizer/lr_schedule.h"
+#include "core/optimizer/optimizer.h"
 #include "core/parallel_context.h"
 #include "core/plugin.h"
 #include "core/rank_roles.h"
@@ -198,7 +199,7 @@ class Trainer {
   }
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
-  AdamW optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;  // AdamW (core/optimizer/adamw.h).
   LrSchedule schedule_;
   std::unique_ptr<data::GptDataset> train_data_;
   std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.

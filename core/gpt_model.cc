@@ -262,6 +262,24 @@ LossSum GptModel::ForwardLoss(const at::Tensor& tokens, const ForwardContext& ct
   return HeadLoss(hidden, labels);
 }
 
+std::vector<std::vector<std::pair<int64_t, int64_t>>> GatherChunkRanges(
+    const GptModel& stage, int num_chunks,
+    const std::function<at::Tensor(const at::Tensor& row)>& stack) {
+  at::Tensor mine = at::zeros({2 * num_chunks}, at::kLong);
+  for (int c = 0; c < num_chunks && c < stage.num_chunks(); ++c) {
+    mine[2 * c] = stage.chunk_range(c).first;
+    mine[2 * c + 1] = stage.chunk_range(c).second;
+  }
+  const at::Tensor all = stack(mine).contiguous();  // [stages, 2·num_chunks]
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges(all.size(0));
+  for (int64_t s = 0; s < all.size(0); ++s) {
+    for (int c = 0; c < num_chunks; ++c) {
+      ranges[s].emplace_back(all[s][2 * c].item<int64_t>(), all[s][2 * c + 1].item<int64_t>());
+    }
+  }
+  return ranges;
+}
+
 void GptModel::ZeroGrad() {
   for (Unit* unit : Units()) unit->ZeroGrad();
 }

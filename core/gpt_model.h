@@ -30,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <utility>
@@ -68,6 +69,18 @@ StageSpec EvenStage(int64_t num_layers, int stages, int stage);
 /// single-range spec.
 StageSpec StageOfChunks(const std::vector<std::pair<int64_t, int64_t>>& virtual_ranges,
                         const std::vector<std::pair<int, int>>& owners, int stage);
+
+class GptModel;
+
+/// NOTE [model chunks]: every pipeline stage's chunk ranges, [stage][chunk] in stage order,
+/// each stage's in chunk order, for `num_chunks` chunks per stage (a stage holding fewer
+/// gives [0, 0) for the rest). `stack` stacks every stage's int64 row (its chunks' begin
+/// and end, [2·num_chunks]) into [stages, 2·num_chunks]: ParallelContext::StackOverPipeline
+/// or an all-gather over the pipeline group (collective over that group). The one gather of
+/// the placement, for the checkpoint's layer placement and the pipeline's virtual stages.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> GatherChunkRanges(
+    const GptModel& stage, int num_chunks,
+    const std::function<at::Tensor(const at::Tensor& row)>& stack);
 
 /// Loss of one micro-batch: the sum of token cross-entropies (an autograd scalar) and the
 /// number of tokens it covers. The trainer divides by the global batch's token count.

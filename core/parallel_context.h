@@ -94,10 +94,10 @@ class ParallelContext {
   virtual void SumOverExpertParallel(std::vector<double>& values) = 0;
   /// Every pipeline stage's `mine`, in stage order (collective over the pipeline group).
   virtual std::vector<std::string> GatherOverPipeline(const std::string& mine) = 0;
-  /// Every pipeline stage's layer range, in stage order, given this stage's (collective over
-  /// the pipeline group; ranges change when layers move).
-  virtual std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin,
-                                                                     int64_t end) = 0;
+  /// Every pipeline stage's `row` (a 1-D tensor of the same size and dtype on every stage),
+  /// stacked in stage order: [stages, size] (collective over the pipeline group). What
+  /// GatherChunkRanges (core/gpt_model.h) gathers the layer placement with.
+  virtual at::Tensor StackOverPipeline(const at::Tensor& row) = 0;
   /// Waits for every rank of the job.
   virtual void Barrier() = 0;
 
@@ -142,9 +142,7 @@ class SingleProcessContext final : public ParallelContext {
   void SumOverModelParallel(std::vector<double>& values) override {}
   void SumOverExpertParallel(std::vector<double>& values) override {}
   std::vector<std::string> GatherOverPipeline(const std::string& mine) override { return {mine}; }
-  std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override {
-    return {{begin, end}};
-  }
+  at::Tensor StackOverPipeline(const at::Tensor& row) override { return row.unsqueeze(0); }
   void Barrier() override {}
   void AllReduceSum(GroupRole role, at::Tensor& tensor) override {}
   /// Null: one process has no communicators (plugins get a null context instead).

@@ -1,7 +1,5 @@
 #include "core/trainer.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,10 +9,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "core/checkpoint/checkpoint.h"
-#include "core/checkpoint/hf_checkpoint.h"
+#include "core/distributed_checkpoint.h"
 #include "core/logging.h"
+#include "core/optimizer/adamw.h"
 #include "core/status.h"
 #include "core/training_manifest.h"
 
@@ -114,7 +112,7 @@ Trainer::Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileS
     : config_(config),
       layout_(layout),
       fs_(fs),
-      optimizer_(config.optimizer),
+      optimizer_(std::make_unique<AdamW>(config.optimizer)),
       schedule_(config.schedule, config.train.train_iters) {}
 
 namespace {
@@ -275,39 +273,28 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   // The units are read only now: a pipeline run may have moved layers between stages
   // (NOTE [layer migration]), and the optimizer step runs on the new layout.
   const std::vector<Unit*> units = model_->Units();
-  // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
-  // ones (identical on all ranks of the group) once.
   // The stop flag rides along (NOTE [graceful stop]): summed over data parallelism with the
   // loss, then over the model-parallel ranks with the gradient norm — over the whole job.
-  const double stop_here = stop_request_ && stop_request_() ? 1.0 : 0.0;
-  std::vector<double> sums{loss_sum, stop_here};
-  collectives().AllReduceGradients(units);
-  collectives().SumOverDataParallel(sums);
-  {
+  StepRequest request;
+  request.lr = schedule_.At(iteration);
+  request.data_parallel_sums = {loss_sum};
+  request.job_sums = {stop_request_ && stop_request_() ? 1.0 : 0.0};
+  request.after_reduce = [&] {
     // The gradients are complete and agree over the replicas (e.g. masked by pruning).
     PluginContext ctx = MakePluginContext(iteration);
-    FULCRUM_RETURN_IF_ERROR(plugins_->AfterBackward(ctx));
-  }
-  const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
-  std::vector<double> expert_sq{AdamW::GradSquaredSum(units, include_replicated, true)};
-  collectives().SumOverExpertParallel(expert_sq);
-  std::vector<double> grad_sq{AdamW::GradSquaredSum(units, include_replicated, false) +
-                                  expert_sq[0],
-                              sums[1]};
-  collectives().SumOverModelParallel(grad_sq);
-  const double grad_norm = std::sqrt(grad_sq[0]);
-  const bool stop_requested = grad_sq[1] > 0;
-  loss_sum = sums[0];
-  if (!std::isfinite(grad_norm)) {
+    return plugins_->AfterBackward(ctx);
+  };
+  FULCRUM_ASSIGN_OR_RETURN(const StepResult step,
+                           optimizer_->ReduceAndStep(units, collectives(), request));
+  const double lr = request.lr;
+  const double grad_norm = step.grad_norm;
+  const bool stop_requested = step.job_sums[0] > 0;
+  loss_sum = step.data_parallel_sums[0];
+  if (!step.stepped) {
     return absl::InternalError(absl::StrCat("iteration ", iteration, ": gradient norm is ",
                                             grad_norm, " (loss ", loss_sum / total_tokens,
                                             "); lower --lr or check the data"));
   }
-  const double clip = optimizer_.ClipFactor(grad_norm);
-  if (clip < 1.0) AdamW::ScaleGradients(units, clip);
-  const double lr = schedule_.At(iteration);
-  optimizer_.Step(units, lr);
-  model_->ZeroGrad();
   for (const auto& [index, layer] : model_->layers()) {
     if (FeedForward* block = layer->feed_forward()) block->AfterOptimizerStep();
   }
@@ -447,103 +434,14 @@ nlohmann::json Trainer::ManifestFields(
 absl::Status Trainer::Save() {
   const std::string& dir = config_.train.save;
   if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
-  const auto start = Clock::now();
-  // Where every layer is now (layers may have moved between stages).
-  std::vector<std::pair<int64_t, int64_t>> stage_ranges =
-      collectives().GatherStageRanges(model_->layer_begin(), model_->layer_end());
-  if (model_->num_chunks() > 1) {
-    // With model chunks a rank's span [first chunk's begin, last chunk's end) is not its
-    // layers: the placement is every chunk's range, in layer order (the model order), so
-    // the checkpoint stays layout-free and loads under any schedule (every rank has the
-    // same chunk count, so the gathers match).
-    stage_ranges.clear();
-    for (int c = 0; c < model_->num_chunks(); ++c) {
-      for (const auto& range : collectives().GatherStageRanges(model_->chunk_range(c).first,
-                                                               model_->chunk_range(c).second)) {
-        stage_ranges.push_back(range);
-      }
-    }
-    std::sort(stage_ranges.begin(), stage_ranges.end());
-  }
-  // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
-  // every rank of the group takes part in; data-parallel replicas hold the same state.
-  // Expert-parallel ranks hold different experts: each saves its own.
-  const bool writer = layout_.roles.writes_checkpoint_shard;
-  const bool committer = layout_.roles.commits_checkpoint;
-  using Part = CheckpointPart;
-  const Part part = layout_.roles.checkpoint_part;
-  TensorParallelGroup* tp = collectives().tensor_parallel();
-  NamedTensors tensors;
-  if (part != Part::kNothing) {
-    Unit::ShardGatherer gather;
-    if (tp != nullptr) {
-      gather = [tp](const at::Tensor& shard, int64_t dim) { return tp->AllGather(shard, dim); };
-    }
-    for (Unit* unit : model_->Units()) {
-      NamedTensors state = unit->StateTensors(gather, part == Part::kExpertParallel);
-      tensors.insert(tensors.end(), state.begin(), state.end());
-    }
-  }
-  if (committer) {
-    // The default generator is not used by training itself (NOTE [layout-independent
-    // randomness]) but user and plugin code may draw from it; restore it on resume.
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    tensors.emplace_back("rng.torch_cpu", generator.get_state());
-  }
-  // The committer creates the temporary directory; the other writers join it once it
-  // exists, and the committer commits once every shard is written. Every rank passes every
-  // barrier whatever fails, so an error on one rank is reported, never turned into a hang.
-  absl::Status status = absl::OkStatus();
-  std::optional<ckpt::CheckpointWriter> ckpt_writer;
-  if (committer) {
-    auto begun = ckpt::CheckpointWriter::Begin(fs_, dir, iteration_);
-    if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
-  }
-  collectives().Barrier();
-  if (writer && !committer) {
-    auto joined = ckpt::CheckpointWriter::Join(fs_, dir, iteration_);
-    if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
-  }
-  if (writer && status.ok()) {
-    status = ckpt_writer->WriteShard(
-        layout_.roles.checkpoint_shard_name, tensors);
-  }
-  collectives().Barrier();
-  // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
-  // only if it knows the set: the committer also checks every writer reported success.
-  std::vector<double> failures{status.ok() ? 0.0 : 1.0};
-  collectives().SumOverDataParallel(failures);
-  collectives().SumOverModelParallel(failures);
-  if (committer && status.ok()) {
-    if (failures[0] > 0) {
-      status = absl::InternalError(absl::StrCat("checkpoint of iteration ", iteration_, ": ",
-                                                failures[0], " rank(s) failed to write their shard"));
-    } else {
-      status = ckpt_writer->Commit(ManifestFields(stage_ranges));
-    }
-    if (status.ok()) {
-      FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration_ << " written in "
-                        << absl::StrFormat("%.2f s", MillisecondsSince(start) / 1000.0);
-      if (config_.train.save_keep_last > 0) {
-        auto removed = ckpt::RemoveOldCheckpoints(fs_, dir, config_.train.save_keep_last);
-        if (!removed.ok()) {
-          FULCRUM_LOG(WARNING) << "--save_keep_last: " << removed.status().message();
-        } else if (!removed->empty()) {
-          FULCRUM_LOG(INFO) << "removed " << absl::StrJoin(*removed, ", ") << " (--save_keep_last="
-                            << config_.train.save_keep_last << ")";
-        }
-      }
-    }
-  }
-  if (committer && !status.ok() && ckpt_writer.has_value()) {
-    // A failed save leaves nothing behind; the checkpoints before it are untouched.
-    if (absl::Status aborted = ckpt_writer->Abort(); !aborted.ok()) {
-      FULCRUM_LOG(WARNING) << "could not remove " << ckpt_writer->temp_dir() << ": " << aborted;
-    }
-  }
-  collectives().Barrier();
-  return status;
+  CheckpointSave save;
+  save.fs = fs_;
+  save.dir = dir;
+  save.iteration = iteration_;
+  save.manifest_fields = ManifestFields(GatherLayerPlacement(*model_, collectives()));
+  save.keep_last = config_.train.save_keep_last;
+  return SaveCheckpoint(save, model_->Units(), layout_.roles,
+                        CheckpointCollectivesOf(collectives()));
 }
 
 absl::Status Trainer::Load(const std::string& path) {
@@ -553,91 +451,20 @@ absl::Status Trainer::Load(const std::string& path) {
 }
 
 absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
-  const std::string source = JoinPath(reader.dir(), ckpt::kManifestFileName);
-  const nlohmann::json& manifest = reader.manifest();
-  if (manifest.contains(ckpt::kImportedFromField) && !config_.train.finetune) {
-    const nlohmann::json& from = manifest[ckpt::kImportedFromField];
-    return absl::InvalidArgumentError(absl::StrCat(
-        reader.dir(), " was imported (from ",
-        from.is_object() ? from.value("architecture", std::string("?")) : std::string("?"),
-        "): it holds model weights but no training state to resume; add --finetune to start "
-        "training from its weights"));
-  }
-  // The data must be of the model's vocabulary, whichever the way in.
-  if (manifest.contains("config") && manifest["config"].is_object()) {
-    FULCRUM_RETURN_IF_ERROR(
-        CheckDataFitsVocabulary(manifest["config"], corpus_max_token_, source));
-  }
-  if (config_.train.finetune) return LoadWeightsOnly(reader, source);
-  FULCRUM_ASSIGN_OR_RETURN(const TrainingManifest saved,
-                           ParseTrainingManifest(reader.manifest(), source));
-  std::vector<std::string> warnings;
-  FULCRUM_RETURN_IF_ERROR(CheckResume(saved, config_,
-                                      {config_.data_path, corpus_documents_, corpus_tokens_},
-                                      source, &warnings));
-  if (is_logging_rank()) {
-    for (const std::string& warning : warnings) FULCRUM_LOG(WARNING) << warning;
-  }
-  auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
-  for (Unit* unit : model_->Units()) {
-    FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*with_optimizer=*/true));
-    // The tensors must agree with the manifest: no unit has taken more steps than the run.
-    if (unit->optimizer_step() > saved.iteration) {
-      return absl::DataLossError(absl::StrCat(
-          source, ": ", unit->name(), " has taken ", unit->optimizer_step(),
-          " optimizer steps but the checkpoint is of iteration ", saved.iteration));
-    }
-  }
-  if (reader.Has("rng.torch_cpu")) {
-    FULCRUM_ASSIGN_OR_RETURN(at::Tensor rng, reader.Read("rng.torch_cpu"));
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(rng);
-  }
-  iteration_ = saved.iteration;
-  consumed_samples_ = saved.consumed_samples;
+  CheckpointLoad load;
+  load.config = &config_;
+  load.data = {config_.data_path, corpus_documents_, corpus_tokens_};
+  load.data_max_token = corpus_max_token_;
+  load.log_warnings = is_logging_rank();
+  FULCRUM_ASSIGN_OR_RETURN(const LoadedCheckpoint loaded,
+                           LoadCheckpoint(reader, model_->Units(), load));
+  iteration_ = loaded.iteration;
+  consumed_samples_ = loaded.consumed_samples;
   {
     PluginContext ctx = MakePluginContext(iteration_);
     FULCRUM_RETURN_IF_ERROR(plugins_->AfterLoad(ctx));
   }
-  FULCRUM_LOG(INFO) << "loaded checkpoint " << reader.dir() << ": iteration " << iteration_
-                    << ", consumed samples " << consumed_samples_;
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::LoadWeightsOnly(const ckpt::CheckpointReader& reader,
-                                      const std::string& source) {
-  // NOTE [finetune]: only the model's shape is checked; the optimizer, schedule, data
-  // position and random state start afresh, as in a new run.
-  std::vector<std::string> warnings;
-  FULCRUM_RETURN_IF_ERROR(
-      CheckFinetune(reader.manifest().value("config", nlohmann::json()), config_, source,
-                    &warnings));
-  if (is_logging_rank()) {
-    for (const std::string& warning : warnings) FULCRUM_LOG(WARNING) << warning;
-  }
-  auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
-  for (Unit* unit : model_->Units()) {
-    absl::Status status = unit->LoadStateTensors(lookup, /*with_optimizer=*/false);
-    if (!status.ok()) {
-      return absl::Status(status.code(), absl::StrCat(source, " (--finetune): ", status.message()));
-    }
-  }
-  iteration_ = 0;
-  consumed_samples_ = 0;
-  {
-    PluginContext ctx = MakePluginContext(iteration_);
-    FULCRUM_RETURN_IF_ERROR(plugins_->AfterLoad(ctx));
-  }
-  const nlohmann::json& manifest = reader.manifest();
-  std::string origin = absl::StrCat("iteration ", reader.iteration());
-  if (manifest.contains(ckpt::kImportedFromField) && manifest[ckpt::kImportedFromField].is_object()) {
-    const nlohmann::json& from = manifest[ckpt::kImportedFromField];
-    origin = absl::StrCat(from.value("architecture", std::string("?")), " imported from ",
-                          from.value("source", std::string("?")));
-  }
-  FULCRUM_LOG(INFO) << "fine-tuning from the weights of " << reader.dir() << " (" << origin
-                    << "): iteration 0, fresh optimizer and schedule (--finetune)";
+  FULCRUM_LOG(INFO) << loaded.summary;
   return absl::OkStatus();
 }
 

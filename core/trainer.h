@@ -27,7 +27,8 @@
 #include "core/file_system.h"
 #include "core/gpt_model.h"
 #include "core/metrics.h"
-#include "core/optimizer.h"
+#include "core/optimizer/lr_schedule.h"
+#include "core/optimizer/optimizer.h"
 #include "core/parallel_context.h"
 #include "core/plugin.h"
 #include "core/rank_roles.h"
@@ -180,8 +181,6 @@ class Trainer {
   int64_t corpus_documents_ = 0;
   int64_t corpus_tokens_ = 0;
   int64_t corpus_max_token_ = 0;  // The largest token id in the data.
-  // Load's --finetune half: the weights alone.
-  absl::Status LoadWeightsOnly(const ckpt::CheckpointReader& reader, const std::string& source);
   /// The FeedForward blocks' statistics of the last step, over every stage (collective
   /// over the pipeline group).
   nlohmann::json BlockStatistics();
@@ -200,7 +199,7 @@ class Trainer {
   }
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
-  AdamW optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;  // AdamW (core/optimizer/adamw.h).
   LrSchedule schedule_;
   std::unique_ptr<data::GptDataset> train_data_;
   std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.

@@ -161,15 +161,8 @@ std::vector<std::string> ProcessGroupContext::GatherOverPipeline(const std::stri
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> ProcessGroupContext::GatherStageRanges(int64_t begin,
-                                                                               int64_t end) {
-  at::Tensor mine = at::tensor({begin, end}, at::kLong).unsqueeze(0);
-  at::Tensor all = group(GroupKind::kPipeline).AllGather(mine);
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (int64_t s = 0; s < all.size(0); ++s) {
-    ranges.emplace_back(all[s][0].item<int64_t>(), all[s][1].item<int64_t>());
-  }
-  return ranges;
+at::Tensor ProcessGroupContext::StackOverPipeline(const at::Tensor& row) {
+  return group(GroupKind::kPipeline).AllGather(row.contiguous().unsqueeze(0));
 }
 
 }  // namespace fulcrum::parallel

@@ -60,7 +60,7 @@ class ProcessGroupContext final : public ParallelContext {
   void SumOverModelParallel(std::vector<double>& values) override;
   void SumOverExpertParallel(std::vector<double>& values) override;
   std::vector<std::string> GatherOverPipeline(const std::string& mine) override;
-  std::vector<std::pair<int64_t, int64_t>> GatherStageRanges(int64_t begin, int64_t end) override;
+  at::Tensor StackOverPipeline(const at::Tensor& row) override;
   void Barrier() override { world_->Barrier(); }
   void AllReduceSum(GroupRole role, at::Tensor& tensor) override;
   Communicator* communicator(GroupRole role) override { return &group(KindOf(role)); }

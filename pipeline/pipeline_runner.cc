@@ -288,18 +288,11 @@ absl::StatusOr<std::vector<PlannedMove>> PipelineRunner::PlanMoves(const GptMode
 }
 
 LayerRanges PipelineRunner::GatherVirtualRanges(const GptModel& stage, const Schedule& schedule) {
-  const int v = schedule.num_chunks;
-  at::Tensor mine = at::zeros({2 * v}, at::kLong);
-  for (int c = 0; c < v && c < stage.num_chunks(); ++c) {
-    mine[2 * c] = stage.chunk_range(c).first;
-    mine[2 * c + 1] = stage.chunk_range(c).second;
-  }
-  const at::Tensor all = pp_->AllGather(mine.unsqueeze(0)).contiguous();  // [stages, 2v]
+  const std::vector<LayerRanges> chunks =
+      GatherChunkRanges(stage, schedule.num_chunks,
+                        [this](const at::Tensor& row) { return pp_->AllGather(row.unsqueeze(0)); });
   LayerRanges ranges;
-  for (const ChunkId& id : VirtualStages(schedule)) {
-    ranges.emplace_back(all[id.stage][2 * id.chunk].item<int64_t>(),
-                        all[id.stage][2 * id.chunk + 1].item<int64_t>());
-  }
+  for (const ChunkId& id : VirtualStages(schedule)) ranges.push_back(chunks[id.stage][id.chunk]);
   return ranges;
 }
 

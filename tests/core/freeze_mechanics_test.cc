@@ -7,7 +7,7 @@
 
 #include "core/gpt_model.h"
 #include "core/linear.h"
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
 

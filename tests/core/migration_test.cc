@@ -10,7 +10,7 @@
 #include <map>
 
 #include "core/gpt_model.h"
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 #include "core/random.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -10,7 +10,7 @@
 
 #include "core/gpt_model.h"
 #include "core/linear.h"
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 #include "core/trainer.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"

@@ -3,7 +3,8 @@
 
 #include <cmath>
 
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
+#include "core/optimizer/lr_schedule.h"
 #include "core/unit.h"
 #include "gtest/gtest.h"
 

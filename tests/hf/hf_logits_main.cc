@@ -2,7 +2,7 @@
 // (tests/hf/hf_interop_test.py). It opens a Fulcrum checkpoint, builds the model its
 // manifest describes, and writes what tests/hf/hf_reference.py `reference` writes for the
 // same tokens with the Hugging Face model: the logits, the mean token loss, and the loss
-// after one AdamW step (core/optimizer.h) on the same tokens — in the same file format
+// after one AdamW step (core/optimizer/adamw.h) on the same tokens — in the same file format
 // (NOTE [hf comparison file] in hf_reference.py), so one `compare` reads both.
 //
 //   fulcrum_hf_logits --load=CKPT --tokens=TOKENS.json --out=RESULT.safetensors
@@ -40,7 +40,7 @@
 #include "core/file_system.h"
 #include "core/gpt_model.h"
 #include "core/logging.h"
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 #include "core/status.h"
 #include "moe/moe_layer.h"
 

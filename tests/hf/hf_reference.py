@@ -269,7 +269,7 @@ def _reference(model_dir, tokens, args):
     model = _load(model_dir, strict=True)
     with torch.no_grad():
         logits, loss = _logits_and_loss(model, tokens)
-    # One AdamW step as Fulcrum's (core/optimizer.h): decoupled decay, none on biases and
+    # One AdamW step as Fulcrum's (core/optimizer/adamw.h): decoupled decay, none on biases and
     # norm weights (the 1-D tensors), no clipping. A tied weight is one parameter here and
     # one in Fulcrum.
     params = [p for p in model.parameters() if p.requires_grad]

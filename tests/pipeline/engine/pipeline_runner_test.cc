@@ -8,7 +8,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 #include "gtest/gtest.h"
 #include "parallel/process_groups.h"
 #include "parallel/world_communicator.h"

@@ -1,19 +1,30 @@
 // AdamW with decoupled weight decay (Loshchilov & Hutter, ICLR 2019, Algorithm 2) and
 // global gradient-norm clipping, over units. The optimizer object holds only
 // hyper-parameters: every moment and step counter lives in the unit it belongs to
-// (invariant 2), so the same call works on whatever units a stage holds today.
+// (invariant 2), so the same call works on whatever units a stage holds today. Every
+// data-parallel replica holds and updates the whole state (core/optimizer/optimizer.h).
 #pragma once
 
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "core/config.h"
+#include "core/optimizer/optimizer.h"
+#include "core/parallel_context.h"
 #include "core/unit.h"
 
 namespace fulcrum {
 
-class AdamW {
+class AdamW final : public Optimizer {
  public:
   explicit AdamW(const OptimizerOptions& options) : options_(options) {}
+
+  /// Reduces the gradients over data parallelism, takes the global norm (over model and
+  /// expert parallelism), clips to options().clip_grad, steps at request.lr and zeroes
+  /// the gradients.
+  absl::StatusOr<StepResult> ReduceAndStep(const std::vector<Unit*>& units,
+                                           ParallelContext& collectives,
+                                           const StepRequest& request) override;
 
   /// Sum over the units' gradients of their squared L2 norms (computed in double): this
   /// rank's part of the global norm, which parallel callers sum over model-parallel ranks.
@@ -44,20 +55,6 @@ class AdamW {
 
  private:
   OptimizerOptions options_;
-};
-
-/// Learning rate at optimizer step `step` (1-based: the first update is step 1).
-/// Warmup: lr·step/warmup for step ≤ warmup. Then decay from lr to min_lr over
-/// (warmup, decay_iters] — constant, linear or half-cosine — and min_lr afterwards.
-class LrSchedule {
- public:
-  /// `train_iters` is used when options.decay_iters is 0.
-  LrSchedule(const LrScheduleOptions& options, int64_t train_iters);
-  double At(int64_t step) const;
-
- private:
-  LrScheduleOptions options_;
-  int64_t decay_iters_;
 };
 
 }  // namespace fulcrum

@@ -1,8 +1,10 @@
-#include "core/optimizer.h"
+#include "core/optimizer/adamw.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
+
+#include "core/status.h"
 
 namespace fulcrum {
 namespace {
@@ -60,6 +62,38 @@ double AdamW::ClipFactor(double grad_norm) const {
   return factor < 1.0 ? factor : 1.0;
 }
 
+absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
+                                                ParallelContext& collectives,
+                                                const StepRequest& request) {
+  // The job's sums ride along (NOTE [graceful stop]): summed over data parallelism with the
+  // data-parallel ones, then over the model-parallel ranks with the gradient norm.
+  const size_t dp_count = request.data_parallel_sums.size();
+  std::vector<double> sums = request.data_parallel_sums;
+  sums.insert(sums.end(), request.job_sums.begin(), request.job_sums.end());
+  collectives.AllReduceGradients(units);
+  collectives.SumOverDataParallel(sums);
+  if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
+  // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
+  // ones (identical on all ranks of the group) once.
+  const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
+  std::vector<double> expert_sq{GradSquaredSum(units, include_replicated, true)};
+  collectives.SumOverExpertParallel(expert_sq);
+  std::vector<double> grad_sq{GradSquaredSum(units, include_replicated, false) + expert_sq[0]};
+  grad_sq.insert(grad_sq.end(), sums.begin() + dp_count, sums.end());
+  collectives.SumOverModelParallel(grad_sq);
+  StepResult result;
+  result.grad_norm = std::sqrt(grad_sq[0]);
+  result.data_parallel_sums.assign(sums.begin(), sums.begin() + dp_count);
+  result.job_sums.assign(grad_sq.begin() + 1, grad_sq.end());
+  if (!std::isfinite(result.grad_norm)) return result;
+  const double clip = ClipFactor(result.grad_norm);
+  if (clip < 1.0) ScaleGradients(units, clip);
+  Step(units, request.lr);
+  for (Unit* unit : units) unit->ZeroGrad();
+  result.stepped = true;
+  return result;
+}
+
 void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
   at::NoGradGuard no_grad;
   const double beta1 = options_.adam_beta1;
@@ -93,28 +127,6 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
       p.value.addcdiv_(p.exp_avg, denom, -step_size);
     }
   }
-}
-
-LrSchedule::LrSchedule(const LrScheduleOptions& options, int64_t train_iters)
-    : options_(options), decay_iters_(options.decay_iters > 0 ? options.decay_iters : train_iters) {}
-
-double LrSchedule::At(int64_t step) const {
-  const double max_lr = options_.lr;
-  const double min_lr = options_.min_lr;
-  const int64_t warmup = options_.warmup_iters;
-  if (warmup > 0 && step <= warmup) {
-    return max_lr * static_cast<double>(step) / static_cast<double>(warmup);
-  }
-  if (options_.decay_style == LrDecayStyle::kConstant) return max_lr;
-  if (step >= decay_iters_) return min_lr;
-  const double ratio = static_cast<double>(step - warmup) / static_cast<double>(decay_iters_ - warmup);
-  double coeff = 0.0;
-  switch (options_.decay_style) {
-    case LrDecayStyle::kLinear: coeff = 1.0 - ratio; break;
-    case LrDecayStyle::kCosine: coeff = 0.5 * (std::cos(M_PI * ratio) + 1.0); break;
-    case LrDecayStyle::kConstant: coeff = 1.0; break;
-  }
-  return min_lr + coeff * (max_lr - min_lr);
 }
 
 }  // namespace fulcrum

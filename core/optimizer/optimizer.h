@@ -1,0 +1,60 @@
+// The optimizer's part of an iteration, from the accumulated gradients to updated
+// parameters: reduce the gradients over the replicas, take the global gradient norm, clip,
+// update, clear the gradients. The trainer calls it once per iteration whatever the
+// optimizer: AdamW (core/optimizer/adamw.h) does the sequence on full replicas; a
+// distributed optimizer (ZeRO-1: each data-parallel rank updating its slice of the state)
+// goes beside it and owns the same sequence with its own reduce and step.
+//
+// Not thread-safe; ReduceAndStep is collective over the whole job.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/parallel_context.h"
+#include "core/unit.h"
+
+namespace fulcrum {
+
+/// One step's inputs beside the gradients.
+struct StepRequest {
+  /// The learning rate of this step.
+  double lr = 0;
+  /// Values summed over data parallelism with the gradients' reduction (the loss).
+  std::vector<double> data_parallel_sums;
+  /// Values summed over the whole job at no extra collective: over data parallelism with
+  /// the above, then over the model-parallel ranks with the gradient norm (the stop flag,
+  /// NOTE [graceful stop] in core/trainer.h).
+  std::vector<double> job_sums;
+  /// Runs once the gradients are complete and agree over the replicas, before the norm is
+  /// taken (the plugins' AfterBackward, which may mask gradients); may be empty. Its error
+  /// ends the step before any update.
+  std::function<absl::Status()> after_reduce;
+};
+
+/// What a step measured.
+struct StepResult {
+  /// The global L2 norm of the gradients before clipping.
+  double grad_norm = 0;
+  /// False when the norm was not finite: then nothing was updated and the gradients are
+  /// left as they were, for the caller to report with what it knows (the loss).
+  bool stepped = false;
+  /// StepRequest's sums, summed.
+  std::vector<double> data_parallel_sums;
+  std::vector<double> job_sums;
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  /// One optimizer step over `units` (this rank's part of the model): reduce, norm, clip,
+  /// update, zero the gradients. Collective over `collectives`' whole job; every rank must
+  /// call it alike.
+  virtual absl::StatusOr<StepResult> ReduceAndStep(const std::vector<Unit*>& units,
+                                                   ParallelContext& collectives,
+                                                   const StepRequest& request) = 0;
+};
+
+}  // namespace fulcrum

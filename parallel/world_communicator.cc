@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "parallel/gloo_communicator.h"
+#include "parallel/host_staged_communicator.h"
 #include "parallel/nccl_communicator.h"
 #include "parallel/rendezvous.h"
 #include "parallel/split_plane_communicator.h"
@@ -70,11 +71,7 @@ absl::StatusOr<Backend> ResolveBackend(std::string_view name, const c10::Device&
     }
     return Backend::kNccl;
   }
-  if (cuda) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--distributed_backend=gloo carries CPU tensors only, but ", on,
-        "; use --distributed_backend=nccl (or auto) on a GPU"));
-  }
+  // gloo on a GPU: the tensors are staged through host memory (NOTE [host staging]).
   return Backend::kGloo;
 }
 
@@ -91,9 +88,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateWorldCommunicator(
     options.hostname = world.master_addr == "::1" ? "::1" : "127.0.0.1";
   }
   switch (backend) {
-    case Backend::kGloo:
-      return CreateGlooCommunicator(std::move(store), world.rank, world.world_size, timeout,
-                                    options);
+    case Backend::kGloo: {
+      // CPU tensors go straight to Gloo; a CUDA tensor is staged through host memory
+      // (NOTE [host staging]), so one GPU can hold several ranks.
+      FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> gloo,
+                               CreateGlooCommunicator(std::move(store), world.rank,
+                                                      world.world_size, timeout, options));
+      return std::unique_ptr<Communicator>(
+          std::make_unique<HostStagedCommunicator>(std::move(gloo)));
+    }
     case Backend::kNccl: {
       // NOTE [control plane]: the tensors go through NCCL, the CPU control values through a
       // Gloo world over the same store (the two backends key their store entries apart).

@@ -38,16 +38,19 @@ bool HaveNccl();
 /// ask about either build).
 ///
 /// Errors, each naming the flag, the value and the device: InvalidArgument for an unknown
-/// name; FailedPrecondition for nccl on the CPU (NCCL moves CUDA memory only) and for gloo
-/// on a CUDA device (the Gloo communicator carries CPU tensors only); Unimplemented for
-/// nccl, or auto on a CUDA device, in a build without NCCL.
+/// name; FailedPrecondition for nccl on the CPU (NCCL moves CUDA memory only);
+/// Unimplemented for nccl, or auto on a CUDA device, in a build without NCCL. gloo on a
+/// CUDA device is allowed: its tensors are staged through host memory (NOTE [host
+/// staging] in parallel/host_staged_communicator.h) — slow, but several ranks can share
+/// one GPU, which NCCL refuses.
 absl::StatusOr<Backend> ResolveBackend(std::string_view name, const c10::Device& device,
                                        bool have_nccl);
 
 /// Connects to the job's store (ConnectStore) and creates the world communicator of
 /// `backend`, bounded by `timeout`, which then bounds every operation of the communicator.
 /// Gloo binds to loopback when the master is on loopback, else as GlooOptions defaults
-/// (GLOO_SOCKET_IFNAME, else the hostname). NCCL uses GPU `world.local_rank`, and comes
+/// (GLOO_SOCKET_IFNAME, else the hostname), and carries non-CPU tensors by staging them
+/// through host memory (HostStagedCommunicator). NCCL uses GPU `world.local_rank`, and comes
 /// paired with a Gloo communicator over the same ranks for CPU control values
 /// (SplitPlaneCommunicator, NOTE [control plane]); its backend() is "nccl+gloo".
 ///

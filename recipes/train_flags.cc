@@ -149,8 +149,10 @@ DEFINE_string(plugins, "",
               "Dynamism plugins, in order (see the list above), e.g. moe,freeze,prune. The moe "
               "plugin is also selected by --num_experts > 0.");
 DEFINE_string(distributed_backend, "auto",
-              "auto (nccl on a CUDA --device, else gloo), gloo (CPU tensors) or nccl (CUDA "
-              "tensors; the CPU control values still ride a Gloo communicator).");
+              "auto (nccl on a CUDA --device, else gloo), gloo or nccl (CUDA tensors; the CPU "
+              "control values still ride a Gloo communicator). gloo on a GPU stages every "
+              "tensor through host memory: slow, but several ranks may share one GPU "
+              "(--device=cuda:0), which NCCL refuses.");
 DEFINE_int64(distributed_timeout_minutes, 10,
              "Bound on rendezvous and on every collective; a dead peer fails after this.");
 DEFINE_int32(num_threads, 0,

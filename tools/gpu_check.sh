@@ -10,8 +10,11 @@
 # logs are in OUTDIR/logs/. Exit status: 0 when no check failed.
 #
 # On a machine without a GPU it still runs end to end: the GPU checks read
-# "not run (no GPU visible)". Checks that need more GPUs than are visible (pp, tp,
-# migration: one rank per GPU, and NCCL refuses two ranks on one GPU) say how many.
+# "not run (no GPU visible)". The two-rank checks (pp, tp, dp, ep, a migration, ZB-V with
+# moves) run one rank per GPU over NCCL when two GPUs are visible; with one GPU both ranks
+# share it over Gloo with host staging (NCCL refuses two ranks on one GPU; NOTE [host
+# staging] in parallel/host_staged_communicator.h), and the report says which. Each
+# multi-rank run's losses are compared with the one-process run of the same recipe.
 #
 #   --quick       the fewest build targets, 3 iterations per run, a short benchmark: fits
 #                 the device machine's 10-minute command with a build on 16 cores.
@@ -23,6 +26,7 @@
 #   --check-timeout S  kills a check (its whole process group) after S seconds and records
 #                 it as failed, so one hung run (an NCCL wait, say) cannot eat the
 #                 device machine's time (default 300; the build is not limited).
+#   --no-bench    leaves the training benchmark out (recorded as not run).
 # $PYTHON names the python3 whose torch is built against (default python3).
 set -uo pipefail
 
@@ -32,6 +36,7 @@ do_build=1
 bundle=""
 prefix=/tmp/fulcrum-prefix
 check_timeout=300
+bench=1
 out=""
 while (( $# )); do
   case "$1" in
@@ -41,7 +46,8 @@ while (( $# )); do
     --bundle) bundle=$2; shift ;;
     --prefix) prefix=$2; shift ;;
     --check-timeout) check_timeout=$2; shift ;;
-    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
+    --no-bench) bench=0 ;;
+    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option '$1'" >&2; exit 2 ;;
     *) [[ -z "$out" ]] || { echo "gpu_check.sh: one OUTDIR only (got '$out' and '$1')" >&2; exit 2; }
        out=$1 ;;
@@ -66,7 +72,7 @@ record() {
 
 # run_check NAME FIGURE_FN COMMAND: runs COMMAND (bash -c) with its output in logs/NAME.log,
 # killed after --check-timeout seconds (but the build); FIGURE_FN (or "") is given the log
-# path and prints the figures to report.
+# path and prints the figures to report; its non-zero exit fails the check.
 run_check() {
   local name=$1 figures_of=$2 command=$3 log="$out/logs/$1.log" start=$SECONDS status figures=""
   local limit=()
@@ -75,7 +81,13 @@ run_check() {
   status=$?
   (( status == 124 || status == 137 )) && [[ "$name" != build ]] &&
     echo "gpu_check: killed after --check-timeout=$check_timeout s" >>"$log"
-  [[ -n "$figures_of" ]] && figures=$($figures_of "$log" 2>/dev/null | tr '\t\n' '  ')
+  if [[ -n "$figures_of" ]]; then
+    # A figure function that exits non-zero (a loss off the one-process run, no layer
+    # moved) fails the check.
+    figures=$($figures_of "$log" 2>/dev/null)
+    (( $? != 0 && status == 0 )) && status=1
+    figures=$(echo "$figures" | tr '\t\n' '  ')
+  fi
   if (( status == 0 )); then
     record "$name" pass $((SECONDS - start)) "$command" "$figures"
   else
@@ -127,7 +139,11 @@ else
 fi
 
 # --- GPU tests -------------------------------------------------------------------------
-count_tests() { sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/failed \1 of \2/p' "$1" | tail -1; }
+# ctest's summary: "N% tests passed, F tests failed out of T", or "100% tests passed out of T".
+count_tests() {
+  sed -n -e 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/failed \1 of \2/p' \
+         -e 's/^100% tests passed out of \([0-9]*\).*/failed 0 of \1/p' "$1" | tail -1
+}
 if (( gpus == 0 )); then
   record gpu_tests "$no_gpu" 0 "ctest -R 'Gpu|Cuda'" ""
 else
@@ -141,48 +157,116 @@ bench_args="--device=cuda --bf16 --compare_reference --reference_python=${PYTHON
 (( quick )) && bench_args+=" --quick"
 if (( gpus == 0 )); then
   record bench_train "$no_gpu" 0 "$bin/fulcrum_bench_train $bench_args" ""
+elif (( ! bench )); then
+  record bench_train "not run (--no-bench)" 0 "$bin/fulcrum_bench_train $bench_args" ""
 else
   run_check bench_train bench_figures "'$bin/fulcrum_bench_train' $bench_args"
 fi
 
 # --- one short training run per feature ------------------------------------------------
+# The figures of a run: its iterations, last loss and layers moved; with a reference run's
+# log as $2, also the largest |loss difference| over the iterations both logged, and the
+# check fails (exit 1) past $loss_tolerance; with $3 = moves it fails if no layer moved.
+loss_tolerance=1e-3
 loss_of() {
-  python3 - "$1" <<'PY'
+  python3 - "$1" "${2:-}" "$loss_tolerance" "${3:-}" <<'PY'
 import json, sys
-rows = []
-for line in open(sys.argv[1].replace(".log", ".jsonl")):
-    try: rows.append(json.loads(line))
-    except ValueError: pass
-if rows:
-    last = rows[-1]
-    print("iterations %s, last loss %s" % (len(rows), last.get("loss", last.get("lm_loss", "?"))))
+def rows_of(log):
+    rows = []
+    for line in open(log.replace(".log", ".jsonl")):
+        try: rows.append(json.loads(line))
+        except ValueError: pass
+    return [r for r in rows if "iteration" in r]
+def losses(log):
+    return {r["iteration"]: r.get("loss", r.get("lm_loss")) for r in rows_of(log)}
+mine = losses(sys.argv[1])
+if not mine: sys.exit(0)
+last = max(mine)
+text = "iterations %d, last loss %s" % (len(mine), mine[last])
+moved = max([r.get("layers_moved", 0) for r in rows_of(sys.argv[1])] or [0])
+if any("layers_moved" in r for r in rows_of(sys.argv[1])):
+    text += "; layers moved %d" % moved
+if sys.argv[4] == "moves" and moved == 0:
+    print(text + "; no layer moved"); sys.exit(1)
+if sys.argv[2]:
+    ref = losses(sys.argv[2])
+    common = [i for i in mine if i in ref and mine[i] is not None and ref[i] is not None]
+    if not common:
+        print(text + "; no iteration in common with the one-process run"); sys.exit(1)
+    diff = max(abs(mine[i] - ref[i]) for i in common)
+    text += "; max |loss - one process| %.2e over %d iterations (tolerance %s)" % (
+        diff, len(common), sys.argv[3])
+    print(text)
+    sys.exit(0 if diff <= float(sys.argv[3]) else 1)
+print(text)
 PY
 }
 train_of() { echo "'$bin/fulcrum_train' --recipe=$1 --device=cuda --train_iters=$iters --log_interval=1"; }
 train=$(train_of tiny)
-launch() { echo "'$bin/fulcrum_launch' --nproc_per_node=$1 --master_port=0 -- $train"; }
-# name, GPUs needed, command (metrics go to logs/NAME.jsonl, read by loss_of)
+# Two ranks: one per GPU over NCCL where two are visible, else both on GPU 0 over Gloo with
+# host staging (NOTE [host staging]).
+if (( gpus >= 2 )); then
+  two_ranks="'$bin/fulcrum_launch' --nproc_per_node=2 --master_port=0 --"
+  two_ranks_on="nccl, one GPU per rank"
+else
+  two_ranks="'$bin/fulcrum_launch' --nproc_per_node=2 --master_port=0 --"
+  two_ranks_on="gloo with host staging, both ranks on GPU 0"
+fi
+two_rank_train() {
+  local train_cmd
+  train_cmd=$(train_of "$1")
+  if (( gpus >= 2 )); then
+    echo "$two_ranks $train_cmd"
+  else
+    echo "$two_ranks $train_cmd --device=cuda:0 --distributed_backend=gloo"
+  fi
+}
+# name, GPUs needed, command, reference check, "moves" (the last two optional): metrics go
+# to logs/NAME.jsonl, read by loss_of, compared with logs/REFERENCE.jsonl; with "moves"
+# the check fails unless a layer moved.
 train_check() {
-  local name=$1 need=$2 command="$3 --metrics_file='$out/logs/$1.jsonl'"
+  local name=$1 need=$2 command="$3 --metrics_file='$out/logs/$1.jsonl'" reference=${4:-}
+  local figures=loss_of
+  if [[ -n "$reference" ]]; then
+    eval "loss_of_$name() { loss_of \"\$1\" '$out/logs/$reference.log' '${5:-}'; }"
+    figures="loss_of_$name"
+  fi
   if (( gpus == 0 )); then
     record "$name" "$no_gpu" 0 "$command" ""
   elif (( gpus < need )); then
     record "$name" "not run (needs $need GPUs, $gpus visible)" 0 "$command" ""
   else
-    run_check "$name" loss_of "$command"
+    run_check "$name" "$figures" "$command"
   fi
 }
 train_check train_dense 1 "$train"
 train_check train_bf16 1 "$train --bf16"
 train_check train_moe 1 "$(train_of tiny_moe)"
+train_check train_moe8 1 "$(train_of tiny_moe) --num_layers=8"
 for plugin in early_exit freeze "mod --mod_capacity=0.25" "prune --prune_start_iter=0 --prune_end_iter=1" \
               "sparse_attention --sparse_attention_buckets=4"; do
   train_check "train_plugin_${plugin%% *}" 1 "$train --plugins=$plugin"
 done
+train_check train_freeze_scheduled 1 "$train --plugins=freeze --freeze_schedule='3:0-1'"
 train_check train_resume 1 "$train --save='$out/ckpt' && $(train_of tiny | sed "s/--train_iters=$iters/--train_iters=$((iters + 2))/") --load='$out/ckpt'"
-train_check train_pp 2 "$(launch 2) --pipeline_model_parallel_size=2"
-train_check train_tp 2 "$(launch 2) --tensor_model_parallel_size=2"
-train_check train_migration 2 "$(launch 2) --pipeline_model_parallel_size=2 --rebalancer=partition --rebalance_min_gain=0"
+# Two ranks ($two_ranks_on), each against its one-process run.
+if (( gpus > 0 )); then
+  record two_ranks pass 0 "" "the two-rank checks below run over $two_ranks_on"
+else
+  record two_ranks "$no_gpu" 0 "" ""
+fi
+train_check train_pp 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2" train_dense
+train_check train_tp 1 "$(two_rank_train tiny) --tensor_model_parallel_size=2" train_dense
+train_check train_dp 1 "$(two_rank_train tiny)" train_dense
+train_check train_ep 1 "$(two_rank_train tiny_moe) --expert_model_parallel_size=2" train_moe
+# Scripted moves (a balancer may find nothing to move in 10 iterations): boundary layers
+# between ranks, then per-virtual-stage counts under ZB-V (moves between the two chunks of
+# one rank among them).
+train_check train_migration 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2 --rebalance_script='3:1->1;6:2,2'" train_dense moves
+# Stage 0's layers frozen after iteration 3: it runs forward only from then on (NOTE
+# [forward-only stages]).
+train_check train_pp_frozen 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --plugins=freeze --freeze_schedule='3:0-1'" train_freeze_scheduled
+train_check train_zbv_moves 1 "$(two_rank_train tiny_moe) --num_layers=8 --pipeline_model_parallel_size=2 --pipeline_schedule=zbv --rebalance_script='2:3,1,1,3;4:1,3,3,1;6:2,2,2,2'" train_moe8 moves
 
 # --- the report ------------------------------------------------------------------------
 python3 - "$results" "$out" "$quick" <<'PY'

@@ -195,6 +195,9 @@ TEST(ResolveBackendTest, AutoFollowsTheDevice) {
   EXPECT_EQ(*ResolveBackend("auto", gpu, /*have_nccl=*/true), Backend::kNccl);
   EXPECT_EQ(*ResolveBackend("gloo", cpu, /*have_nccl=*/true), Backend::kGloo);
   EXPECT_EQ(*ResolveBackend("nccl", gpu, /*have_nccl=*/true), Backend::kNccl);
+  // gloo on a GPU stages its tensors through host memory (NOTE [host staging]).
+  EXPECT_EQ(*ResolveBackend("gloo", gpu, /*have_nccl=*/true), Backend::kGloo);
+  EXPECT_EQ(*ResolveBackend("gloo", gpu, /*have_nccl=*/false), Backend::kGloo);
 }
 
 TEST(ResolveBackendTest, MismatchesAreRefusedWithClearMessages) {
@@ -216,8 +219,6 @@ TEST(ResolveBackendTest, MismatchesAreRefusedWithClearMessages) {
            {"nccl", cpu, false, absl::StatusCode::kFailedPrecondition, "NCCL moves CUDA memory only"},
            {"auto", gpu, false, absl::StatusCode::kUnimplemented,
             "--distributed_backend=auto picks nccl because the device is cuda:1"},
-           {"gloo", gpu, true, absl::StatusCode::kFailedPrecondition,
-            "--distributed_backend=gloo carries CPU tensors only, but the device is cuda:1"},
            {"mpi", cpu, true, absl::StatusCode::kInvalidArgument,
             "unknown --distributed_backend 'mpi'; expected auto, gloo or nccl"}}) {
     SCOPED_TRACE(c.name + " on " + c.device.str());

@@ -35,6 +35,15 @@ void UnitSend::Wait() {
   buffers_.clear();
 }
 
+// NOTE [migration payload on the host]
+// A moving layer's state travels as one flat payload, and the receiver (a shell of the
+// layer) allocates the buffer before it knows where each piece lived: the payload is built
+// on the host, from a layer whose parameters are on the GPU as from one on the CPU. That
+// also keeps both ends on one plane of a split communicator (NOTE [control plane]): a CPU
+// tensor rides Gloo on both sides, where a device payload sent over NCCL would meet a host
+// receive on Gloo. The cost is a device-to-host and a host-to-device copy of each moving
+// layer; a payload kept on the device (sent over NCCL, the pieces that live on the host
+// sent apart) is the faster form, not built yet.
 absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, const Unit& unit,
                                        int tag) {
   NamedTensors tensors = unit.MigrationTensors();
@@ -55,7 +64,9 @@ absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, cons
     // "name:d0,d1,...": the receiver takes the shape from here, since some tensors (a
     // block's step state) have shapes that only the sender knows.
     absl::StrAppend(&names, name, ":", absl::StrJoin(tensor.sizes(), ","), "\n");
-    values.push_back(tensor.detach().to(dtype).reshape({-1}));
+    // NOTE [migration payload on the host]: one host buffer, whatever device each piece
+    // lives on (a layer's parameters on the GPU, an MoE block's step state on the host).
+    values.push_back(tensor.detach().to(at::kCPU, dtype).reshape({-1}));
   }
   UnitSend send;
   at::Tensor payload = values.empty() ? at::empty({0}, dtype) : at::cat(values);

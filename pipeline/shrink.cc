@@ -39,7 +39,9 @@ void Send(parallel::Communicator& world, int dst, const NamedTensors& tensors) {
   std::string names;
   std::vector<at::Tensor> bytes;
   for (const auto& [name, tensor] : tensors) {
-    const at::Tensor flat = tensor.detach().contiguous().reshape({-1});
+    // On the host, as a migration's payload (NOTE [migration payload on the host] in
+    // migration.cc): the receiver's buffer is a host one, and the pieces may live apart.
+    const at::Tensor flat = tensor.detach().to(at::kCPU).contiguous().reshape({-1});
     absl::StrAppend(&names, name, "|", static_cast<int>(flat.scalar_type()), "|",
                     absl::StrJoin(tensor.sizes(), ","), "\n");
     if (flat.numel() > 0) bytes.push_back(flat.view(at::kByte));

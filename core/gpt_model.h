@@ -130,6 +130,14 @@ class GptModel {
     return chunk_ranges_.empty() ? 1 : static_cast<int>(chunk_ranges_.size());
   }
   std::pair<int64_t, int64_t> chunk_range(int chunk) const;
+  /// The chunk whose range holds global layer `layer`, or -1 when none does.
+  int chunk_of(int64_t layer) const {
+    for (int c = 0; c < num_chunks(); ++c) {
+      const auto [begin, end] = chunk_range(c);
+      if (layer >= begin && layer < end) return c;
+    }
+    return -1;
+  }
   /// Sets every chunk's range (layer moves between chunks); the ranges must be ascending
   /// within each chunk and not overlap. InvalidArgument otherwise. Does not move layers:
   /// CheckChunkRanges says whether the held layers match.

@@ -253,6 +253,12 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
       scenario.schedule, scenario.num_stages, scenario.num_microbatches, scenario.num_chunks);
   if (!made.ok()) return made.status();
   const pipeline::Schedule schedule = *std::move(made);
+  // NOTE [forward-only stages]: iteration i runs `schedule` with the stages that lie in its
+  // frozen prefix forward only, as the runner makes it from the same ranges.
+  auto schedule_on = [&schedule](const IterationCosts& costs, const Placement& placement) {
+    return pipeline::WithForwardOnlyPrefix(
+        schedule, pipeline::ForwardOnlyVirtualStages(ToLayerRanges(placement), costs.frozen_prefix));
+  };
   // NOTE [simulation under chunks]: placements have one range per virtual stage.
   const std::vector<int> chunk_rank = ChunkRanksOf(schedule);
   const int num_virtual = scenario.num_stages * std::max(schedule.num_chunks, 1);
@@ -296,6 +302,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
   const double p2p_ms = scenario.network.P2pMs();
   IterationCosts previous;                 // Iteration i-1's costs.
   Placement previous_ran_on;               // ...and the placement it ran on.
+  pipeline::Schedule previous_schedule;    // ...the schedule it ran (forward-only stages).
   pipeline::SimulationResult previous_timeline;
   for (int64_t i = 1; i <= scenario.iterations; ++i) {
     IterationCosts costs = i == 1 ? first : scenario.costs(i);
@@ -307,9 +314,10 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
         PlacementOf(previous.recorded_loads) == current) {
       loads = previous.recorded_loads;
     } else if (i > 1) {
-      loads = SimulatedLoads(previous, schedule, previous_ran_on, current, &previous_timeline);
+      loads = SimulatedLoads(previous, previous_schedule, previous_ran_on, current,
+                             &previous_timeline);
     } else {
-      loads = SimulatedLoads(costs, schedule, current, current, nullptr);
+      loads = SimulatedLoads(costs, schedule_on(costs, current), current, current, nullptr);
     }
     const auto decide_start = Clock::now();
     pipeline::RebalanceDecision decision = (*rebalancer)->Plan(i, loads);
@@ -328,8 +336,9 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     }
 
     // Iteration i runs on `current`; the moves happen in its backward tail.
+    pipeline::Schedule ran = schedule_on(costs, current);
     const pipeline::SimulationResult timeline =
-        pipeline::Simulate(schedule, StageActionCosts(costs, current, p2p_ms));
+        pipeline::Simulate(ran, StageActionCosts(costs, current, p2p_ms));
     SimulatedIteration it;
     it.iteration = i;
     it.placement = current;
@@ -365,6 +374,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
 
     if (costs.model_changed) (*rebalancer)->OnModelChanged(i, costs.change_reason);
     previous_ran_on = current;
+    previous_schedule = std::move(ran);
     previous_timeline = timeline;
     previous = std::move(costs);
     current = std::move(next);

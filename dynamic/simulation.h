@@ -65,6 +65,10 @@ struct IterationCosts {
   std::vector<double> forward;   ///< L entries: F of each layer.
   std::vector<double> backward;  ///< L entries: B (input gradient).
   std::vector<double> weight;    ///< L entries: W (weight gradient).
+  /// The embedding and layers [0, frozen_prefix) are frozen front to back (NOTE [frozen
+  /// prefix] in core/gpt_model.h): the virtual stages that lie wholly in them run forward
+  /// only (NOTE [forward-only stages] in pipeline/schedule.h), as the runner has them.
+  int64_t frozen_prefix = 0;
   double first_forward = 0, first_backward = 0, first_weight = 0;  ///< Embedding, stage 0.
   double last_forward = 0, last_backward = 0, last_weight = 0;     ///< Head + loss, stage p-1.
   std::vector<double> parameters;   ///< L entries or none: trainable parameters per layer.

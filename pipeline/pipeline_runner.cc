@@ -346,12 +346,14 @@ void PipelineRunner::RecordMoves(int64_t iteration) {
 }
 
 absl::StatusOr<const Schedule*> PipelineRunner::ScheduleFor(const std::string& name,
-                                                            int microbatches) {
-  auto key = std::make_pair(name, microbatches);
+                                                            int microbatches, int forward_only) {
+  auto key = std::make_tuple(name, microbatches, forward_only);
   auto it = schedules_.find(key);
   if (it == schedules_.end()) {
     FULCRUM_ASSIGN_OR_RETURN(Schedule schedule,
                              MakeSchedule(name, pp_->size(), microbatches, num_chunks_));
+    // NOTE [forward-only stages]: the frozen prefix's stages run no backward.
+    schedule = WithForwardOnlyPrefix(std::move(schedule), forward_only);
     FULCRUM_RETURN_IF_ERROR(ValidateSchedule(schedule));
     it = schedules_.emplace(key, std::move(schedule)).first;
   }
@@ -367,7 +369,12 @@ std::pair<double, int64_t> PipelineRunner::ShareLoss(const StageRunResult& run) 
 absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, int64_t iteration,
                                                                const MicroBatchPlan& plan,
                                                                double loss_scale) {
-  FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule, ScheduleFor(schedule_name_, plan.count));
+  // NOTE [forward-only stages]: every rank has the same ranges and frozen prefix, so the
+  // same schedule.
+  FULCRUM_ASSIGN_OR_RETURN(
+      const Schedule* schedule,
+      ScheduleFor(schedule_name_, plan.count,
+                  ForwardOnlyVirtualStages(ranges_, stage.frozen_prefix())));
   // What the previous Run ran on and measured, for its load-trace line.
   metrics_.StartRun(ran_on_, plan.count);
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));

@@ -34,6 +34,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -113,7 +114,10 @@ class PipelineRunner final : public ForwardBackwardRunner {
   const LayerRanges& ranges() const { return ranges_; }
 
  private:
-  absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches);
+  /// The schedule `name` for `microbatches`, its first `forward_only` virtual stages
+  /// forward only (NOTE [forward-only stages] in schedule.h); made and validated once.
+  absl::StatusOr<const Schedule*> ScheduleFor(const std::string& name, int microbatches,
+                                              int forward_only = 0);
   /// Sums the head stage's loss over the pipeline so every stage returns the same value.
   std::pair<double, int64_t> ShareLoss(const StageRunResult& run);
   /// Every stage's load of the last run on the current layout, gathered over the pipeline
@@ -142,7 +146,7 @@ class PipelineRunner final : public ForwardBackwardRunner {
   std::vector<parallel::Communicator*> replica_groups_;
   TimelineRecorder* timeline_ = nullptr;
   int64_t flush_every_ = 50;
-  std::map<std::pair<std::string, int>, Schedule> schedules_;
+  std::map<std::tuple<std::string, int, int>, Schedule> schedules_;  // (name, m, forward_only)
   StageRunResult last_run_;
   bool has_run_ = false;  // last_run_ holds a training run's measurements.
   std::vector<StageLoad> last_loads_;

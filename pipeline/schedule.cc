@@ -741,6 +741,45 @@ absl::StatusOr<Schedule> MakeSchedule(const std::string& name, int num_stages,
   }
 }
 
+Schedule WithForwardOnlyPrefix(Schedule schedule, int count) {
+  const int virtual_stages = schedule.num_stages * schedule.num_chunks;
+  if (count < 0 || count >= virtual_stages) {
+    throw std::invalid_argument(absl::StrCat(
+        "schedule '", schedule.name, "': ", count, " forward-only virtual stages of ",
+        virtual_stages, "; the last one (the head) always runs a backward"));
+  }
+  if (schedule.forward_only != 0) {
+    throw std::invalid_argument(absl::StrCat("schedule '", schedule.name,
+                                             "' already has forward-only virtual stages"));
+  }
+  schedule.forward_only = count;
+  if (count == 0) return schedule;
+  const std::vector<ChunkId> layout = VirtualStages(schedule);
+  std::vector<std::vector<bool>> forward_only(schedule.num_stages,
+                                              std::vector<bool>(schedule.num_chunks, false));
+  for (int k = 0; k < count; ++k) forward_only[layout[k].stage][layout[k].chunk] = true;
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    std::vector<Action>& actions = schedule.stages[s];
+    actions.erase(std::remove_if(actions.begin(), actions.end(),
+                                 [&](const Action& a) {
+                                   return a.kind != ActionKind::kForward &&
+                                          forward_only[s][a.chunk];
+                                 }),
+                  actions.end());
+  }
+  return schedule;
+}
+
+int ForwardOnlyVirtualStages(const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                             int64_t frozen_prefix) {
+  if (frozen_prefix <= 0) return 0;
+  int count = 0;
+  while (count + 1 < static_cast<int>(ranges.size()) && ranges[count].second <= frozen_prefix) {
+    ++count;
+  }
+  return count;
+}
+
 std::string ScheduleNames() { return ScheduleRegistry::Global().Names(); }
 
 std::string ScheduleHelp() {
@@ -805,6 +844,11 @@ class Checked {
   std::string Name(const Action& action) const {
     return action.ToString(schedule_.num_chunks > 1);
   }
+  // NOTE [forward-only stages]: chunk `chunk` of `stage` runs forward only.
+  bool ForwardOnly(int stage, int chunk) const {
+    return virtual_of_[stage][chunk] < schedule_.forward_only;
+  }
+  int VirtualOf(int stage, int chunk) const { return virtual_of_[stage][chunk]; }
   std::vector<StageAction> Deps(int stage, const Action& action) const {
     return DependenciesOn([this](int k) { return layout_[k]; }, static_cast<int>(layout_.size()),
                           virtual_of_[stage][action.chunk], stage, action);
@@ -914,8 +958,17 @@ absl::Status ValidateStage(const Checked& checked, int stage, const BackwardForm
     for (int chunk = 0; chunk < v; ++chunk) {
       for (int mb = 0; mb < m; ++mb) {
         const Action action{kind, mb, chunk};
-        if (seen[KindIndex(kind)][checked.Pair(action)] == 0) {
+        const bool wanted = kind == ActionKind::kForward || !checked.ForwardOnly(stage, chunk);
+        const int count = seen[KindIndex(kind)][checked.Pair(action)];
+        if (wanted && count == 0) {
           return StageError(schedule, stage, absl::StrCat(checked.Name(action), " is missing"));
+        }
+        if (!wanted && count > 0) {
+          return StageError(
+              schedule, stage,
+              absl::StrCat(checked.Name(action), " on virtual stage ",
+                           checked.VirtualOf(stage, chunk), ", which runs forward only (",
+                           schedule.forward_only, " forward-only virtual stages)"));
         }
       }
     }
@@ -934,7 +987,7 @@ absl::Status ValidateStage(const Checked& checked, int stage, const BackwardForm
       }
     }
     done[KindIndex(action.kind)][checked.Pair(action)] = true;
-    held += InFlightDelta(action.kind);
+    if (!checked.ForwardOnly(stage, action.chunk)) held += InFlightDelta(action.kind);
     if (held > schedule.max_in_flight) {
       return StageError(schedule, stage,
                         absl::StrFormat("%s holds %d %s in flight, above the "
@@ -1019,6 +1072,12 @@ absl::Status ValidateSchedule(const Schedule& schedule) {
                      " stage lists for num_stages=", schedule.num_stages));
   }
   if (absl::Status status = ValidateLayout(schedule); !status.ok()) return status;
+  if (schedule.forward_only < 0 || schedule.forward_only >= schedule.num_stages * schedule.num_chunks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Prefix(schedule), "forward_only=", schedule.forward_only, " outside 0..",
+        schedule.num_stages * schedule.num_chunks - 1,
+        " (the last virtual stage holds the head and always runs a backward)"));
+  }
   const Checked checked(schedule);
   const BackwardForm form = FindBackwardForm(schedule);
   for (int s = 0; s < schedule.num_stages; ++s) {
@@ -1031,6 +1090,11 @@ int PeakInFlight(const Schedule& schedule, int stage) {
   int held = 0;
   int peak = 0;
   for (const Action& action : schedule.stages.at(stage)) {
+    // NOTE [forward-only stages]: such a forward holds nothing.
+    if (schedule.forward_only > 0) {
+      const int k = VirtualStageOf(schedule, stage, action.chunk);
+      if (k >= 0 && k < schedule.forward_only) continue;
+    }
     held += InFlightDelta(action.kind);
     peak = std::max(peak, held);
   }
@@ -1053,6 +1117,9 @@ std::string FormatSchedule(const Schedule& schedule) {
     for (const ChunkId& id : schedule.virtual_stages) {
       absl::StrAppend(&out, " ", id.stage, ".", id.chunk);
     }
+  }
+  if (schedule.forward_only > 0) {
+    absl::StrAppend(&out, "\nforward only: virtual stages 0..", schedule.forward_only - 1);
   }
   // Pad the stage numbers so that the lists of a deep pipeline line up.
   const size_t last_stage = schedule.stages.empty() ? 0 : schedule.stages.size() - 1;

@@ -21,6 +21,7 @@
 #include <functional>
 #include <iosfwd>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -86,8 +87,27 @@ struct Schedule {
   /// k-th contiguous piece of the model (k = 0 has the embedding, k = p·v-1 the head).
   /// Empty means v = 1 and virtual stage k is stage k, chunk 0.
   std::vector<ChunkId> virtual_stages;
+  /// Virtual stages 0..forward_only-1 (model order) run forward only: no B, BW or W
+  /// (NOTE [forward-only stages]). 0 for a generator's schedule; WithForwardOnlyPrefix
+  /// sets it.
+  int forward_only = 0;
   std::vector<std::vector<Action>> stages;  ///< stages[s]: what stage s runs, in order.
 };
+
+// NOTE [forward-only stages]
+// When the embedding and layers [0, k) are frozen front to back (NOTE [frozen prefix] in
+// core/gpt_model.h), a virtual stage whose layers all lie in that prefix has nothing to
+// differentiate: nothing before it trains, so no gradient flows into it or out of it. Its
+// B/BW/W would do no work, but in a generator's list they still stand between its
+// forwards, each waiting for the next stage's backward of the same micro-batch — so a
+// cheap frozen stage would idle on zero-cost steps, paced by the trainable stages after
+// it, and its forwards would be held to the in-flight limit although it holds no
+// activations. WithForwardOnlyPrefix removes those actions: the forward-only stages run
+// their forwards back to back, as fast as their inputs come, and hold nothing (their
+// forwards build no graph); the first trainable virtual stage sends no input gradient. The
+// dependencies are unchanged (nothing depends on a removed action), so the checker, the
+// simulator and the executor need no other rule; the checker requires exactly the F's of
+// a forward-only stage and does not count them as held.
 
 /// virtual_stages, or the identity (k -> stage k, chunk 0) when it is empty: always
 /// num_stages·num_chunks entries for a valid schedule.
@@ -223,6 +243,19 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
 Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
                        double backward_input, double backward_weight, double p2p);
 
+/// `schedule` with its first `count` virtual stages forward-only (NOTE [forward-only
+/// stages]): their B, BW and W actions removed, every other action in its place, and
+/// max_in_flight unchanged. Precondition: 0 ≤ count < p·v (the last virtual stage holds the
+/// head and the loss) and schedule.forward_only = 0; std::invalid_argument otherwise.
+Schedule WithForwardOnlyPrefix(Schedule schedule, int count);
+
+/// How many virtual stages run forward only when layers [0, frozen_prefix) are frozen:
+/// the leading ones whose range (`ranges`: one [begin, end) per virtual stage, in model
+/// order) ends at or before the prefix, never the last one (the head). 0 when
+/// frozen_prefix is 0: the embedding then trains, even on an empty first stage.
+int ForwardOnlyVirtualStages(const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                             int64_t frozen_prefix);
+
 /// Builds a schedule from (num_stages, num_microbatches, num_chunks); registered by name.
 using ScheduleGenerator =
     std::function<Schedule(int num_stages, int num_microbatches, int num_chunks)>;
@@ -245,9 +278,10 @@ std::string ScheduleNames();
 std::string ScheduleHelp();
 
 /// Checks everything an executor relies on: the shape (num_stages lists, counts ≥ 1,
-/// virtual_stages empty with v = 1 or a permutation of all p·v (stage, chunk) pairs);
-/// then stage by stage: micro-batch and chunk numbers in range, fused BW and split B/W not
-/// mixed, every (micro-batch, chunk) pair exactly once per action kind, each action after
+/// virtual_stages empty with v = 1 or a permutation of all p·v (stage, chunk) pairs,
+/// 0 ≤ forward_only < p·v); then stage by stage: micro-batch and chunk numbers in range,
+/// fused BW and split B/W not mixed, every (micro-batch, chunk) pair exactly once per
+/// action kind (F only on a forward-only virtual stage), each action after
 /// its dependencies on the same stage (B/BW after its own F, W after its own B, and with a
 /// V the F/B that turns on this stage after its partner), at most max_in_flight pairs
 /// held; and last, that running every stage's list strictly in order, each action waiting
@@ -257,7 +291,8 @@ std::string ScheduleHelp();
 absl::Status ValidateSchedule(const Schedule& schedule);
 
 /// The most (micro-batch, chunk) pairs `stage` holds at once: a pair is held from its F
-/// until its BW, or until its W in split schedules (W still reads the stored activations).
+/// until its BW, or until its W in split schedules (W still reads the stored activations);
+/// the F of a forward-only virtual stage holds nothing (NOTE [forward-only stages]).
 /// With v = 1 this is the micro-batches held.
 /// Precondition: 0 ≤ stage < schedule.stages.size() (std::out_of_range otherwise).
 int PeakInFlight(const Schedule& schedule, int stage);

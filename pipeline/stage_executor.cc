@@ -80,6 +80,7 @@ struct StageExecutor::RunContext {
         num_chunks(schedule.num_chunks),
         virtual_of(ChunkVirtualStages(schedule, pp->rank())),
         last_virtual(schedule.num_stages * schedule.num_chunks - 1),
+        forward_only_virtual(schedule.forward_only),
         meter(/*enabled=*/training),
         // Activations are [seq_length, micro_batch_size, hidden] between stages.
         transport(pp, VirtualStages(schedule), actions,
@@ -96,6 +97,8 @@ struct StageExecutor::RunContext {
   // last (the head and the loss); with one chunk, the first and the last stage.
   bool first(int chunk) const { return virtual_of[chunk] == 0; }
   bool last(int chunk) const { return virtual_of[chunk] == last_virtual; }
+  // NOTE [forward-only stages]: the chunk has no B, BW or W in this run's schedule.
+  bool runs_forward_only(int chunk) const { return virtual_of[chunk] < forward_only_virtual; }
   // A (micro-batch, chunk) pair's key in the activation meter (the micro-batch with v = 1).
   int MeterKey(int mb, int chunk) const { return mb * num_chunks + chunk; }
 
@@ -119,6 +122,7 @@ struct StageExecutor::RunContext {
   const int num_chunks;
   const std::vector<int> virtual_of;  // Per chunk, its virtual stage.
   const int last_virtual;
+  const int forward_only_virtual;  // Virtual stages 0..this-1 run forward only.
   internal::RunMeter meter;
   internal::StageTransport transport;
   // By (micro-batch, chunk).
@@ -171,16 +175,27 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
       timer_factory_ ? timer_factory_(device) : std::make_unique<kernels::DeviceTimer>(device);
   timer->MarkOrigin();
   std::vector<Action> actions;
-  int last_backward = -1;  // Index of the last B, W or BW: where outgoing layers leave.
+  // Where each chunk's outgoing layers leave (NOTE [early migration]): the index of the
+  // chunk's last action after which none of its weights changes — its last B, W or BW, or
+  // its last F when it runs forward only (NOTE [forward-only stages]).
+  std::vector<int> chunk_done(schedule.num_chunks, -1);
   for (const Action& a : schedule.stages[stage]) {
     if (!training && a.kind != ActionKind::kForward) continue;
-    if (a.kind != ActionKind::kForward) last_backward = static_cast<int>(actions.size());
+    if (training && (a.kind != ActionKind::kForward ||
+                     VirtualStageOf(schedule, stage, a.chunk) < schedule.forward_only)) {
+      chunk_done[a.chunk] = static_cast<int>(actions.size());
+    }
     actions.push_back(a);
   }
   // This stage's part of the moves (NOTE [early migration]): the receives are posted now.
   FULCRUM_RETURN_IF_ERROR(moves_->Begin(training ? moves : std::vector<PlannedMove>{}, run_start_));
-  if (moves_->sends() && last_backward < 0) {
-    return absl::InternalError(absl::StrCat("stage ", stage, ": moves planned but no backward"));
+  for (const PlannedMove& move : moves_->outgoing()) {
+    const int chunk = model.chunk_of(move.layer);
+    if (chunk < 0 || chunk_done[chunk] < 0) {
+      return absl::InternalError(absl::StrCat("stage ", stage, ": layer ", move.layer,
+                                              " is to move but no action of its chunk ends its "
+                                              "weights' work"));
+    }
   }
 
   // NOTE [pre-posted receives]: in the order the list consumes them.
@@ -196,10 +211,14 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
     timing.start_ms = SinceRunStart();
     run.timer->Start(ActionKey(index));
     run.action = index;
-    const bool last_action = index == last_backward;
+    // NOTE [early migration]: the action after which this chunk's outgoing layers leave.
+    const bool last_action = index == chunk_done[action.chunk];
     switch (action.kind) {
       case ActionKind::kForward:
         FULCRUM_RETURN_IF_ERROR(Forward(run, action.microbatch, action.chunk, timing));
+        if (last_action) {
+          FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, action.chunk, timing));
+        }
         break;
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
@@ -400,6 +419,16 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
     run.transport.SendActivation(hidden, mb, chunk);
     if (run.training) state->output = hidden;
   }
+  if (run.training && run.runs_forward_only(chunk)) {
+    // NOTE [forward-only stages]: no backward comes for this chunk; it holds nothing.
+    if (hidden.requires_grad()) {
+      return absl::InternalError(absl::StrCat(
+          "stage ", run.stage, ": chunk ", chunk, " runs forward only (virtual stage ",
+          run.virtual_of[chunk], " of ", run.forward_only_virtual,
+          " forward-only), but its output needs a gradient: a layer there trains"));
+    }
+    return absl::OkStatus();
+  }
   if (run.training) {
     // A hand-over from this stage's chunk before shares that chunk's output: counted there.
     const int64_t input_bytes = state->local_input ? 0 : Bytes(state->input);
@@ -462,8 +491,8 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, int chunk, bool sp
   }
   run.meter.Release(state.meter_key);
   run.in_flight.erase(it);
-  // After a last fused BW every weight gradient is final: the outgoing layers leave.
-  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, timing));
+  // After the chunk's last fused BW its weight gradients are final: its outgoing layers leave.
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, chunk, timing));
   return absl::OkStatus();
 }
 
@@ -477,7 +506,7 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, int chunk, bool last
   }
   WeightGradStore& store = it->second->weight_grads;
   // NOTE [early migration]: each moving layer's last weight gradients first, then off.
-  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, timing));
+  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, chunk, timing));
   // NOTE [per-layer timing]: per tag into the timer; CollectLayerTimes reads them back.
   store.Flush(nullptr, run.timer.get(), WeightKeyPrefix(run.action));
   run.meter.Release(it->second->meter_key);
@@ -486,8 +515,10 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, int chunk, bool last
 }
 
 absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore* store,
-                                               ActionTiming& timing) {
+                                               int chunk, ActionTiming& timing) {
+  const auto [begin, end] = run.model.chunk_range(chunk);
   for (const PlannedMove& move : moves_->outgoing()) {
+    if (move.layer < begin || move.layer >= end) continue;  // another chunk's
     if (store != nullptr) {
       store->FlushTag(move.layer, nullptr, run.timer.get(), WeightKeyPrefix(run.action));
     }

@@ -179,29 +179,30 @@ struct StageRunResult {
 // The moves of an iteration are known before it starts: the rebalancer plans a placement
 // from the previous iteration's loads (pipeline/rebalancer.h), and every layer whose stage
 // changes goes straight from its old stage to its new one, any distance away. A stage sends
-// its outgoing layers during its last action, which holds every layer's last weight
-// gradient: it is the last W (or BW), since a W follows its own B and F, and every W
-// flushes all layers of its micro-batch. In that W each moving layer's queued GEMMs run
+// its outgoing layers during its last action of their chunk (with one chunk, its last
+// action), which holds every such layer's last weight gradient: it is the chunk's last W
+// (or BW), since a W follows its own B and F, and every W flushes all layers of its
+// (micro-batch, chunk). In that W each moving layer's queued GEMMs run
 // first (WeightGradStore::FlushTag), then the layer is taken out and its state posted to
 // its new stage, then the other layers' W runs (after a last fused BW, the layers leave at
 // the end of the action). Its gradients are final then, so the new stage continues it
 // bit-identically. A receiving stage posts the receive of the first incoming layer from
 // each source when its run starts and completes every transfer in FinishMoves, after its
 // own last action and before the optimizer step, inserting the layers; its layers are then
-// the plan's range for it (checked).
+// the plan's range for it (checked). A stage that runs forward only (NOTE [forward-only
+// stages] in schedule.h) sends after its last F: its frozen weights do not change.
 //
 // Under chunks (virtual pipeline stages) a move is between virtual stages, and a rank takes
 // part by the ranks that hold them (PlannedMove::from_rank/to_rank). A move between two
 // chunks of one rank is local: the layer stays in the rank's GptModel and nothing is sent;
 // only the chunk ranges change, in FinishMoves (after the iteration, before the optimizer
-// step: the layer's chunk is read only by F and B, all done by then). A remote move is
-// sent at the stage's last backward action, as with one chunk — not right after the last
-// W of the layer's own chunk, which may come earlier. That is the simple correct choice:
-// the last action holds the last W (or BW) of the whole list, so every W of every chunk is
-// done by then (each outgoing layer of another chunk has nothing queued; FlushTag finds
-// nothing) and the gradients are final; sending earlier would overlap the transfer with
-// more compute but needs per-chunk "last W" bookkeeping, left for when it is measured to
-// matter. FinishMoves then inserts the received layers, sets every chunk's range to the
+// step: the layer's chunk is read only by F and B, all done by then). A remote move leaves
+// right after the last W (or BW; the last F of a forward-only chunk) of the layer's own
+// chunk, which under ZB-V may come well before the rank's last action (the chunk nearer
+// the head finishes its backward first): a W flushes the layers of its own (micro-batch,
+// chunk), so after the chunk's last W its layers' gradients are final, and the rank's
+// other chunks never touch them. The transfer then overlaps the rest of the rank's list.
+// FinishMoves then inserts the received layers, sets every chunk's range to the
 // plan's and checks that the rank holds exactly those layers (GptModel::CheckChunkRanges);
 // the runner also checks, before planning, that the gathered chunk ranges are the last
 // plan's.
@@ -255,7 +256,11 @@ class StageExecutor {
   absl::Status Weight(RunContext& run, int mb, int chunk, bool last_action, ActionTiming& timing);
   // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
   // last micro-batch's deferred weight gradients, of which each layer's run first.
-  absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, ActionTiming& timing);
+  /// Sends the outgoing layers of chunk `chunk` (NOTE [early migration]); `store` holds
+  /// the deferred weight gradients of the action that ends the chunk's work (null after a
+  /// fused BW or a forward-only chunk's last F).
+  absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, int chunk,
+                                  ActionTiming& timing);
   // Times slot `slot`'s backward from now (the backward reached its output).
   static void OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot);
   // The run's one Collect: fills every action's and the result's per-layer times, and on

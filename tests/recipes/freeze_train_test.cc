@@ -1,10 +1,12 @@
 // The freeze plugin (plugins/freeze.cc) through the real binaries: a scripted schedule
 // freezes layers front to back; the frozen weights (and their Adam state) do not change
-// any more, their weight-gradient work leaves the timeline, pp=2 and dp=2 train the
-// one-process losses, a resume after freezing continues bit for bit; the gradient rule
+// any more, their weight-gradient work leaves the timeline (a stage wholly frozen runs
+// forward only), pp=2 and dp=2 train the one-process losses, a resume after freezing continues bit for bit; the gradient rule
 // freezes front to back within its maximum.
 #include <fstream>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -79,8 +81,19 @@ TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
   const nlohmann::json trace = nlohmann::json::parse(in);
   const nlohmann::json& events = trace.is_object() ? trace["traceEvents"] : trace;
   int w_before = 0, w_after = 0;
+  // NOTE [forward-only stages]: once layers 0 and 1 (all of stage 0, rank 0) are frozen,
+  // stage 0 runs its forwards only — no B or W action at all — while stage 1 keeps both.
+  int stage0_backward_before = 0, stage0_backward_after = 0, stage1_backward_after = 0;
   for (const auto& e : events) {
-    if (!e.contains("args") || e["args"].value("kind", "") != "W") continue;
+    if (!e.contains("args")) continue;
+    const std::string kind = e["args"].value("kind", "");
+    if (kind == "B" || kind == "W") {
+      const int64_t iteration = e["args"].value("iteration", int64_t{0});
+      const int rank = e.value("pid", -1);
+      if (rank == 0) ++(iteration <= 4 ? stage0_backward_before : stage0_backward_after);
+      if (rank == 1 && iteration > 4) ++stage1_backward_after;
+    }
+    if (kind != "W") continue;
     const int64_t iteration = e["args"].value("iteration", int64_t{0});
     const bool layer0 = e["args"].contains("layers.0 ms");
     if (iteration <= 4 && layer0) ++w_before;
@@ -92,6 +105,9 @@ TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
   }
   EXPECT_GT(w_before, 0) << "layer 0 did weight-gradient work before it froze";
   EXPECT_GT(w_after, 0) << "W actions of the trainable layers remain";
+  EXPECT_GT(stage0_backward_before, 0) << "stage 0 ran B and W before its layers froze";
+  EXPECT_EQ(stage0_backward_after, 0) << "stage 0 runs forward only once all its layers froze";
+  EXPECT_GT(stage1_backward_after, 0);
 
   // A resume after the freezes continues the straight run bit for bit, frozen.
   std::vector<nlohmann::json> after;
@@ -122,6 +138,61 @@ TEST(SlowFreezeTrainTest, TheGradientRuleFreezesFrontToBackWithinItsMaximum) {
   // Bad flags are refused before any work, naming the flag.
   EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --freeze_schedule=4:9"), &output), 2);
   EXPECT_NE(output.find("--freeze_schedule: '9' is not a layer"), std::string::npos) << output;
+}
+
+// NOTE [forward-only stages] while layers move: pp=4 over 8 layers (two per stage), layers
+// 0-5 frozen after iteration 2, so stages 0, 1 and 2 run forward only from iteration 3.
+// The script sends a frozen layer off a forward-only stage (4 -> stage 1 in iteration 4:
+// after stage 2's last F), a trainable one onto it (6 -> stage 2 in iteration 6: stage 2
+// trains again from iteration 7) and a frozen one between two forward-only stages (2 ->
+// stage 0 in iteration 8). The losses are the one process's; the timeline shows which
+// stages ran a backward. pp=4 on two cores: correctness only.
+TEST(SlowFreezeTrainTest, ForwardOnlyStagesSendAndReceiveLayersAndKeepTheLosses) {
+  const std::string dir = testing::MakeTempDir("freeze_forward_only");
+  const std::string flags =
+      "--recipe=tiny --num_layers=8 --train_iters=10 --eval_interval=0 --log_interval=5 "
+      "--global_batch_size=16 --micro_batch_size=4 --plugins=freeze --freeze_schedule='2:0-5'" +
+      std::string(testing::kPastWarmup);
+  const std::string script = "4:4->1;6:6->2;8:2->0";
+  std::vector<nlohmann::json> one, pp4;
+  std::string output;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(1, flags, dir + "/one.jsonl", &one, &output));
+  const std::string timeline = dir + "/t.json";
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
+      4,
+      flags + " --pipeline_model_parallel_size=4 --pipeline_schedule=zbh1 --rebalance_script='" +
+          script + "' --timeline=" + timeline,
+      dir + "/pp4.jsonl", &pp4, &output));
+  ASSERT_EQ(one.size(), 10u);
+  ASSERT_EQ(pp4.size(), 10u);
+  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(pp4), testing::LossesOf(one)),
+            testing::kLayoutTolerance);
+  EXPECT_EQ(testing::LayersMovedOf(pp4), testing::ScriptedMovesByIteration(script, 10));
+  EXPECT_EQ(pp4.back()["frozen_prefix"], 6);
+
+  // Backward actions (B or W) per rank (= stage) and iteration.
+  std::map<std::pair<int, int64_t>, int> backward;
+  std::ifstream in(timeline);
+  ASSERT_TRUE(in.good());
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  for (const auto& e : trace.is_object() ? trace["traceEvents"] : trace) {
+    if (!e.contains("args")) continue;
+    const std::string kind = e["args"].value("kind", "");
+    if (kind != "B" && kind != "W") continue;
+    ++backward[{e.value("pid", -1), e["args"].value("iteration", int64_t{0})}];
+  }
+  auto ran_backward = [&](int stage, int64_t iteration) {
+    return backward.count({stage, iteration}) > 0;
+  };
+  for (int64_t i = 1; i <= 10; ++i) {
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    const bool frozen = i >= 3;
+    EXPECT_EQ(ran_backward(0, i), !frozen);
+    EXPECT_EQ(ran_backward(1, i), !frozen);
+    // Stage 2 holds layers 4-5, then 5 (iteration 5 on), then 5-6 (iteration 7 on).
+    EXPECT_EQ(ran_backward(2, i), !frozen || i >= 7);
+    EXPECT_TRUE(ran_backward(3, i)) << "the head's stage always runs its backward";
+  }
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 // the losses are those of the same layout never moving (invariant 3), and follow one
 // process as the fixed placements do (virtual_pipeline_train_test.cc). Then the issue's
 // done-when: tiny_moe under ZB-V with --rebalancer=partition.
+#include <algorithm>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -113,6 +115,46 @@ TEST_F(SlowVirtualPipelineMovesTest, InterleavedMovesBetweenRanks) {
   ExpectMovesKeepTheLosses(
       "--pipeline_model_parallel_size=2 --virtual_pipeline_model_parallel_size=2",
       "pp2_interleaved");
+}
+
+// NOTE [early migration] under chunks: a remote move leaves right after the last W of the
+// layer's own chunk. Under ZB-V rank 0 holds virtual stages 0 (chunk 0) and 3 (chunk 1,
+// the head); the backward runs 3 -> 0, so chunk 1's last W comes well before the rank's last
+// action. Step 2:2,2,3,1 moves layer 6 from virtual 3 (rank 0, chunk 1) to virtual 2 (rank
+// 1): in iteration 2 rank 0 sends it from "W7.1" (8 micro-batches), and actions follow.
+TEST_F(SlowVirtualPipelineMovesTest, ARemoteMoveLeavesAfterItsOwnChunksLastW) {
+  const std::string timeline = *dir_ + "/early_send.json";
+  std::string output;
+  const std::vector<nlohmann::json> moved = testing::TrainRecords(
+      2,
+      testing::EightLayerTinyFlags(3) +
+          " --pipeline_model_parallel_size=2 --pipeline_schedule=zbv --rebalance_script=2:2,2,3,1"
+          " --timeline=" + timeline,
+      *dir_ + "/early_send.jsonl", &output);
+  ASSERT_EQ(moved.size(), 3u) << output;
+  EXPECT_EQ(moved[1]["layers_moved"], 1);
+  std::ifstream in(timeline);
+  ASSERT_TRUE(in.good());
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  // Rank 0's compute actions of iteration 2, in time order.
+  std::vector<nlohmann::json> actions;
+  for (const auto& e : trace.is_object() ? trace["traceEvents"] : trace) {
+    if (e.value("pid", -1) != 0 || !e.contains("args") || !e["args"].contains("kind")) continue;
+    if (e["args"].value("iteration", int64_t{0}) == 2) actions.push_back(e);
+  }
+  ASSERT_FALSE(actions.empty());
+  std::sort(actions.begin(), actions.end(), [](const nlohmann::json& a, const nlohmann::json& b) {
+    return a["ts"].get<double>() < b["ts"].get<double>();
+  });
+  std::vector<std::string> senders;
+  size_t sender_index = 0;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (!actions[i]["args"].contains("migration ms")) continue;
+    senders.push_back(actions[i]["name"].get<std::string>());
+    sender_index = i;
+  }
+  ASSERT_EQ(senders, std::vector<std::string>{"W7.1"}) << "sent from chunk 1's last W";
+  EXPECT_LT(sender_index + 1, actions.size()) << "the rank's chunk 0 still works after the send";
 }
 
 // The done-when: tiny_moe, 8 layers, ZB-V on 2 ranks, balanced by the partition

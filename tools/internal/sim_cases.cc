@@ -290,6 +290,7 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     out.scenario.costs = [dense, frozen_at](int64_t i) {
       dynamic::IterationCosts c = dense;
       for (int64_t l = 0; l < frozen_at(i); ++l) c.backward[l] = c.weight[l] = 0;
+      c.frozen_prefix = frozen_at(i);  // stages wholly frozen run forward only
       if (frozen_at(i + 1) != frozen_at(i)) {
         c.model_changed = true;
         c.change_reason = absl::StrCat("froze layers up to ", frozen_at(i + 1));

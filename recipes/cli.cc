@@ -395,6 +395,12 @@ std::optional<int> ParseCommandLine(int* argc, char*** argv, const HelpSpec& spe
     }
   }
   gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);
+  if (!spec.takes_arguments && *argc > 1) {
+    std::cerr << spec.program << ": unexpected argument '" << (*argv)[1]
+              << "' (flags are --name=value; " << spec.program << " --help lists them)"
+              << std::endl;
+    return 2;
+  }
   return std::nullopt;
 }
 

@@ -38,6 +38,10 @@ struct HelpSpec {
   /// them — how the flags of plugins (one file each) reach --help without a list here.
   std::string per_file_dir;    // e.g. "plugins"; empty for none.
   std::string per_file_title;  // e.g. "Plugins".
+  /// Whether the program takes arguments beside its flags (fulcrum_plot's files,
+  /// fulcrum_ckpt's subcommand). When false, ParseCommandLine refuses a leftover one: one
+  /// line naming it, exit 2.
+  bool takes_arguments = false;
 };
 
 /// The flags of this program that no group of `spec` lists and no per-file directory
@@ -49,8 +53,10 @@ std::vector<std::string> UngroupedFlags(const HelpSpec& spec);
 std::string HelpText(const HelpSpec& spec);
 
 /// Handles help requests and checks every flag of argv[1..] (up to a "--"), then lets gflags
-/// parse and remove them. Returns nullopt when the program should go on, or the exit code
-/// to return from main: 0 after printing help, 2 after printing one line about a bad flag.
+/// parse and remove them; argv then holds the program name and its arguments. Returns
+/// nullopt when the program should go on, or the exit code to return from main: 0 after
+/// printing help, 2 after printing one line about a bad flag or, unless
+/// spec.takes_arguments, an argument that is not a flag.
 std::optional<int> ParseCommandLine(int* argc, char*** argv, const HelpSpec& spec);
 
 }  // namespace fulcrum::cli

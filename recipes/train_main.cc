@@ -179,6 +179,13 @@ absl::StatusOr<std::unique_ptr<fulcrum::parallel::ProcessGroupContext>> Connect(
   const std::chrono::minutes timeout(fulcrum::DistributedTimeoutMinutesFlag());
   FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<fulcrum::parallel::Communicator> comm,
                            fulcrum::parallel::CreateWorldCommunicator(c.world, c.backend, timeout));
+  const c10::Device& device = c.early.model.device_spec.device;
+  if (c.backend == fulcrum::parallel::Backend::kGloo && device.is_cuda() && c.world.rank == 0) {
+    FULCRUM_LOG(WARNING) << "--distributed_backend=gloo on " << device.str()
+                         << ": every tensor between ranks is staged through host memory "
+                            "(correct, slow; for several ranks on one GPU). Train at speed "
+                            "with nccl, one GPU per rank.";
+  }
   FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<fulcrum::parallel::ProcessGroupContext> context,
                            fulcrum::parallel::ProcessGroupContext::Create(std::move(comm), c.layout,
                                                                           tie_embeddings));
@@ -235,11 +242,7 @@ int Run(int argc, char** argv) {
           fulcrum::cli::ParseCommandLine(&argc, &argv, fulcrum::TrainHelpSpec())) {
     return *exit_code;
   }
-  if (argc > 1) {
-    std::cerr << "fulcrum_train: unexpected argument '" << argv[1] << "' (flags are --name=value)"
-              << std::endl;
-    return 2;
-  }
+
   fulcrum::InitLogging(argv[0]);
   // Step-sized blocks (the logits) stay in the heap instead of being unmapped and faulted
   // in again every step (core/malloc_tuning.h; docs/PERF.md).

@@ -690,7 +690,7 @@ int main(int argc, char** argv) {
       {"Re-packing row", {"repack_row", "repack_model_flags", "repack_iters",
                           "repack_auto_max_slowdown", "repack_at"}},
   };
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+  if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Main(fulcrum::bench::BinDir(argv[0]));

@@ -160,11 +160,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *exit_code;
   }
-  if (argc > 1) {
-    std::fprintf(stderr, "fulcrum_bench_comm: unexpected argument '%s' (flags are --name=value)\n",
-                 argv[1]);
-    return 2;
-  }
+
   fulcrum::InitLogging(argv[0]);
   try {
     return fulcrum::Run();

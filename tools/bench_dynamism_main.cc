@@ -485,7 +485,7 @@ int main(int argc, char** argv) {
   };
   help.per_file_dir = "plugins";
   help.per_file_title = "Plugins";
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+  if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Main(fulcrum::bench::BinDir(argv[0]));

@@ -464,7 +464,7 @@ int main(int argc, char** argv) {
       {"Dispatch table", {"tokens", "experts", "topk", "rounds"}},
       {"Both", {"hidden", "ffn_hidden", "warmup", "threads", "keep_heap", "profile_trace"}},
   };
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+  if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;
   }
   fulcrum::InitLogging(argv[0]);

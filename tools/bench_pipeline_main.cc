@@ -429,7 +429,7 @@ int main(int argc, char** argv) {
                 "skip_iters", "recipe", "model_flags"}},
       {"Goal and output", {"goal_ratio", "timelines", "keep_logs"}},
   };
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+  if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;
   }
   return fulcrum::Run(fulcrum::bench::BinDir(argv[0]));

@@ -297,11 +297,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *exit_code;
   }
-  if (argc > 1) {
-    std::fprintf(stderr, "fulcrum_bench_sparse: unexpected argument '%s' (flags are --name=value)\n",
-                 argv[1]);
-    return 2;
-  }
+
   fulcrum::InitLogging(argv[0]);
   const std::vector<fulcrum::Shape> shapes = fulcrum::ParseShapes(FLAGS_shapes);
   const auto sparsities = fulcrum::ParseList<double>(

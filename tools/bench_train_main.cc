@@ -633,7 +633,7 @@ int main(int argc, char** argv) {
       {"PyTorch reference", {"compare_reference", "reference_python", "reference_script",
                              "reference_wait_policy"}},
   };
-  if (std::optional<int> code = fulcrum::bench::ParseToolFlags(&argc, &argv, help)) {
+  if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;
   }
   fulcrum::InitLogging(argv[0]);

@@ -251,6 +251,7 @@ int ConvertHf(int argc, char** argv) {
 int Main(int argc, char** argv) {
   cli::HelpSpec help;
   help.program = "fulcrum_ckpt";
+  help.takes_arguments = true;  // the subcommand and its paths
   help.usage = kUsageText;
   help.groups = {{"show", {"key"}},
                  {"verify", {"allow_unchecksummed_manifest"}},

@@ -274,6 +274,7 @@ std::string Column(const Series& s, double x0, double width, double* bottom) {
 int main(int argc, char** argv) {
   fulcrum::cli::HelpSpec help;
   help.program = "fulcrum_plot";
+  help.takes_arguments = true;  // the files to draw
   help.usage =
       "fulcrum_plot: one self-contained SVG of one or more runs, side by side.\n\n"
       "  fulcrum_plot INPUT.jsonl... -o OUT.svg\n\n"

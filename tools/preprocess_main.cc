@@ -452,11 +452,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *exit_code;
   }
-  if (argc > 1) {
-    std::cerr << "fulcrum_preprocess: unexpected argument '" << argv[1]
-              << "' (inputs are given with --input=FILE[,FILE...])\n";
-    return kExitBadInput;
-  }
+
   absl::StatusOr<Options> options = OptionsFromFlags();
   absl::Status status = options.status();
   if (status.ok()) status = Run(*options);

@@ -697,11 +697,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *exit_code;
   }
-  if (argc > 1) {
-    std::fprintf(stderr, "fulcrum_sim: unexpected argument '%s' (flags are --name=value)\n",
-                 argv[1]);
-    return fulcrum::kUsageError;
-  }
+
   if (FLAGS_schedules + !FLAGS_case.empty() + !FLAGS_trace.empty() != 1) {
     std::fprintf(stderr,
                  "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules\n");

@@ -185,18 +185,4 @@ inline std::optional<std::vector<int>> ParseInts(const std::string& flag, const 
   return out;
 }
 
-/// A tool's command line, through the shared helper (recipes/cli.h): --help prints the
-/// tool's usage and its own flags (exit 0), a bad flag is a usage error (exit 2, one line).
-/// The benchmarks take no positional arguments, so a leftover one is a usage error too.
-/// Returns nullopt to go on, else the exit code.
-inline std::optional<int> ParseToolFlags(int* argc, char*** argv, const cli::HelpSpec& spec) {
-  if (std::optional<int> exit_code = cli::ParseCommandLine(argc, argv, spec)) return exit_code;
-  if (*argc > 1) {
-    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are --name=value; %s --help "
-                 "lists them)\n", spec.program.c_str(), (*argv)[1], spec.program.c_str());
-    return kUsageError;
-  }
-  return std::nullopt;
-}
-
 }  // namespace fulcrum::bench

@@ -100,6 +100,14 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
     if (j.contains("model_changed")) {
       line.model_changed = j.at("model_changed").get<std::vector<std::string>>();
     }
+    if (j.contains("frozen_prefix")) {
+      absl::StatusOr<int64_t> frozen = JsonInteger<int64_t>(j.at("frozen_prefix"));
+      if (!frozen.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'frozen_prefix': ", frozen.status().message()));
+      }
+      line.frozen_prefix = *frozen;
+    }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(e.what());
   }
@@ -141,6 +149,11 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
   if (!decision.ok()) return decision.status();
   line.ran_on = *std::move(ran_on);
   line.decision = *std::move(decision);
+  if (line.frozen_prefix < 0 || line.frozen_prefix > line.loads.back().layer_end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frozen_prefix = ", line.frozen_prefix, "; expected 0..", line.loads.back().layer_end,
+        " (the model's layers)"));
+  }
   return line;
 }
 
@@ -234,6 +247,7 @@ IterationCosts CostsFromTraceLine(const TraceLine& line) {
   }
   c.recorded_loads = line.loads;
   c.recorded_ran_on = line.ran_on;
+  c.frozen_prefix = line.frozen_prefix;
   return c;
 }
 
@@ -283,6 +297,9 @@ IterationCosts ScaleCosts(const IterationCosts& costs, int64_t hidden, int64_t n
   out.last_parameters = costs.last_parameters * pinned_ratio;
   out.model_changed = costs.model_changed;
   out.change_reason = costs.change_reason;
+  // New layer l takes old layer l·L/L' (pick): it is frozen when that one is, which holds
+  // for l < ceil(k·L'/L).
+  out.frozen_prefix = (costs.frozen_prefix * new_layers + layers - 1) / std::max<int64_t>(layers, 1);
   return out;  // The recorded loads do not carry over: they describe the recorded model.
 }
 

@@ -42,6 +42,9 @@ struct TraceLine {
   Placement decision;         ///< What Plan(iteration + 1) chose.
   std::vector<pipeline::StageLoad> loads;
   std::vector<std::string> model_changed;
+  /// Layers [0, frozen_prefix) were frozen in that iteration: the stages wholly inside ran
+  /// forward only (NOTE [forward-only stages] in pipeline/schedule.h). 0 when absent.
+  int64_t frozen_prefix = 0;
   double pipeline_ms = 0, bubble_ratio = 0, iteration_ms = 0;  ///< Measured.
   std::vector<double> stage_ms;
 };
@@ -59,7 +62,8 @@ struct LoadTrace {
 /// InvalidArgument naming the line for a line that is not a trace line (a missing or
 /// mistyped field; ranges that are not a placement of the loads' layers over their stages;
 /// per-layer times that are not one per layer; a negative or non-finite measured time; a
-/// bubble ratio outside [0, 1]; fewer than one micro-batch), lines out of order, a change of
+/// bubble ratio outside [0, 1]; fewer than one micro-batch; a frozen prefix that is not a
+/// layer count of the model), lines out of order, a change of
 /// stages, layers, schedule or micro-batches, or no lines at all. Never throws: any text is
 /// either a LoadTrace that CostsFromTraceLine and ScenarioFromTrace can use, or an error.
 absl::StatusOr<LoadTrace> ParseLoadTrace(std::string_view text, std::string_view name);

@@ -14,6 +14,8 @@
 //                                        parameters, state and activation bytes
 //    "decision": [[0,3],[3,8]],          the placement Plan(i+1) chose
 //    "model_changed": ["pruned to 52%"],  OnModelChanged(i) calls, when there were any
+//    "frozen_prefix": 6,                 layers frozen front to back in iteration i, when
+//                                        any (the stages wholly inside ran forward only)
 //    "measured": {"pipeline_ms", "bubble_ratio", "stage_ms", "iteration_ms"}}  of iteration i
 // Doubles are written shortest-round-trip (nlohmann), so a replay reads the same bits.
 //

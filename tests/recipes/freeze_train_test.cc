@@ -161,8 +161,15 @@ TEST(SlowFreezeTrainTest, ForwardOnlyStagesSendAndReceiveLayersAndKeepTheLosses)
   ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
       4,
       flags + " --pipeline_model_parallel_size=4 --pipeline_schedule=zbh1 --rebalance_script='" +
-          script + "' --timeline=" + timeline,
+          script + "' --timeline=" + timeline + " --load_trace=" + dir + "/trace.jsonl",
       dir + "/pp4.jsonl", &pp4, &output));
+  // The load trace says which iterations ran with the prefix frozen (fulcrum_sim --trace
+  // replays them forward-only): iterations 3.. , not 1 and 2.
+  for (const nlohmann::json& line : testing::MetricsRecords(dir + "/trace.jsonl")) {
+    const int64_t iteration = line["iteration"].get<int64_t>();
+    EXPECT_EQ(line.value("frozen_prefix", int64_t{0}), iteration >= 3 ? 6 : 0)
+        << "trace line of iteration " << iteration;
+  }
   ASSERT_EQ(one.size(), 10u);
   ASSERT_EQ(pp4.size(), 10u);
   EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(pp4), testing::LossesOf(one)),

@@ -134,6 +134,10 @@ TEST(TraceReplayTest, ParseRefusesMalformedLinesNamingThem) {
        [](nlohmann::json* j) { (*j)["loads"][0]["layer_state_bytes"][0] = 1e54; },
        "'layer_state_bytes': 1e+54 is not an integer"},
       {"an array", [](nlohmann::json* j) { *j = {1, 2}; }, "not a JSON object"},
+      {"a frozen prefix past the layers", [](nlohmann::json* j) { (*j)["frozen_prefix"] = 4; },
+       "frozen_prefix = 4; expected 0..3"},
+      {"a fractional frozen prefix", [](nlohmann::json* j) { (*j)["frozen_prefix"] = 0.5; },
+       "'frozen_prefix': 0.5 is not an integer"},
   };
   for (const Case& c : cases) {
     nlohmann::json line = HandTraceLine(2);
@@ -164,6 +168,33 @@ TEST(TraceReplayTest, ScalingFollowsTheFlopModel) {
   for (int l = 0; l < 6; ++l) EXPECT_DOUBLE_EQ(big.forward[l], expected[l]) << l;
   EXPECT_DOUBLE_EQ(big.last_forward, 6);
   EXPECT_DOUBLE_EQ(big.parameters[0], 400);
+}
+
+// NOTE [forward-only stages] in a replay: a line's frozen_prefix reaches the costs (and a
+// scaled model, in proportion), and the replay runs stage 0 — wholly frozen — forward
+// only: with stage 0's layer frozen its backward work leaves the simulated timeline
+// (busy = m · its F, the embedding's included), as it left the live run's.
+TEST(TraceReplayTest, AFrozenPrefixRunsItsStagesForwardOnly) {
+  nlohmann::json frozen = HandTraceLine(1);
+  frozen["frozen_prefix"] = 1;
+  absl::StatusOr<LoadTrace> trace = ReadLoadTrace(Write("frozen", {frozen}));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  EXPECT_EQ(trace->lines[0].frozen_prefix, 1);
+  const IterationCosts c = CostsFromTraceLine(trace->lines[0]);
+  EXPECT_EQ(c.frozen_prefix, 1);
+  EXPECT_EQ(ScaleCosts(c, 128, 6, 256, 256).frozen_prefix, 2);  // layers 0, 1 take layer 0
+  EXPECT_EQ(ScaleCosts(c, 128, 4, 256, 256).frozen_prefix, 2);  // 0, 1 (1·3/4 = 0) take layer 0
+
+  const Strategy none = {"none", "none", BalanceBy::kTime, false};
+  absl::StatusOr<SimulatedRun> run = SimulateRun(ScenarioFromTrace(*trace, "frozen"), none, {});
+  ASSERT_TRUE(run.ok()) << run.status();
+  // Stage 0: F = 1 (embedding) + 2 (layer 0) per micro-batch, m = 2, nothing else.
+  EXPECT_DOUBLE_EQ(run->iterations[0].stage_busy_ms[0], 6);
+  absl::StatusOr<LoadTrace> unfrozen = ReadLoadTrace(Write("unfrozen", {HandTraceLine(1)}));
+  ASSERT_TRUE(unfrozen.ok());
+  absl::StatusOr<SimulatedRun> before = SimulateRun(ScenarioFromTrace(*unfrozen, "u"), none, {});
+  ASSERT_TRUE(before.ok());
+  EXPECT_DOUBLE_EQ(before->iterations[0].stage_busy_ms[0], 20) << "F 3, B 4, W 3 per micro-batch";
 }
 
 // A real run: fulcrum_train on two processes, heavy MoE layers on stage 0, Partition by

@@ -44,20 +44,31 @@ class Evaluator {
  public:
   explicit Evaluator(const RepackProblem& problem) : problem_(problem) {}
 
-  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(int num_stages) {
-    auto it = schedules_.find(num_stages);
+  // The schedule `placement` runs: its stage count's, the stages that lie wholly in the
+  // frozen prefix forward only (NOTE [forward-only stages]).
+  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(const Placement& placement) {
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
+    return ScheduleFor(static_cast<int>(placement.size()),
+                       pipeline::ForwardOnlyVirtualStages(ranges, problem_.frozen_prefix));
+  }
+
+  // The schedule of `num_stages` stages, the first `forward_only` forward only.
+  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(int num_stages, int forward_only) {
+    const std::pair<int, int> key(num_stages, forward_only);
+    auto it = schedules_.find(key);
     if (it == schedules_.end()) {
       absl::StatusOr<pipeline::Schedule> made =
           pipeline::MakeSchedule(problem_.schedule, num_stages, problem_.num_microbatches);
       if (!made.ok()) return made.status();
-      it = schedules_.emplace(num_stages, std::move(*made)).first;
+      it = schedules_.emplace(key, pipeline::WithForwardOnlyPrefix(*std::move(made), forward_only))
+               .first;
     }
     return &it->second;
   }
 
   absl::StatusOr<double> Time(const Placement& placement) {
-    const int q = static_cast<int>(placement.size());
-    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(q);
+    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(placement);
     if (!schedule.ok()) return schedule.status();
     return pipeline::Simulate(**schedule,
                               PlacementStageCosts(problem_.layer_forward, problem_.layer_backward,
@@ -68,7 +79,7 @@ class Evaluator {
 
   absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
     const int q = static_cast<int>(placement.size());
-    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(q);
+    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(placement);
     if (!schedule.ok()) return schedule.status();
     std::vector<double> memory(q);
     for (int s = 0; s < q; ++s) {
@@ -83,7 +94,7 @@ class Evaluator {
 
  private:
   const RepackProblem& problem_;
-  std::map<int, pipeline::Schedule> schedules_;
+  std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (stages, forward-only)
 };
 
 // The coarsening of `current` that cuts after the old stages in `cuts` (ascending indices
@@ -342,7 +353,9 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
   } else {
     // NOTE [re-packing by bottleneck]: fewest stages first, one candidate per count.
     for (int q = options.min_stages; q < p && !plan.repack; ++q) {
-      absl::StatusOr<const pipeline::Schedule*> schedule = evaluator.ScheduleFor(q);
+      // The candidate's memory bound counts every stage's in-flight micro-batches, frozen
+      // ones too (conservative); evaluate() then predicts it exactly.
+      absl::StatusOr<const pipeline::Schedule*> schedule = evaluator.ScheduleFor(q, 0);
       if (!schedule.ok()) return schedule.status();
       const std::optional<std::vector<int>> cuts = LeastBottleneckCuts(problem, current, q, **schedule);
       if (!cuts.has_value()) continue;

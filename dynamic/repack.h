@@ -80,6 +80,10 @@ struct RepackProblem {
   /// --virtual_pipeline_model_parallel_size; anything but 1, or a schedule that sets its
   /// own chunks (zbv), is refused (NOTE [re-packing under chunks]).
   int num_chunks = 1;
+  /// Layers [0, frozen_prefix) are frozen: each placement's stages that lie wholly inside
+  /// run forward only (NOTE [forward-only stages] in pipeline/schedule.h), as training
+  /// would run them — their time and memory predicted that way. Default: none.
+  int64_t frozen_prefix = 0;
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_forward.size()); }
 };

@@ -105,7 +105,7 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
 
 absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
     int64_t iteration, const pipeline::LayerRanges& current,
-    const std::vector<pipeline::StageLoad>& loads) {
+    const std::vector<pipeline::StageLoad>& loads, int64_t frozen_prefix) {
   // NOTE [re-packing under chunks] in repack.h: refused before a script step or a decision.
   if (options_.automatic || !options_.script.empty()) {
     if (absl::Status s = CheckRepackSupported(options_.schedule, options_.num_chunks); !s.ok()) {
@@ -146,6 +146,7 @@ absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
   absl::StatusOr<RepackProblem> problem = RepackProblemFromLoads(
       loads, options_.schedule, options_.num_microbatches, options_.memory_budget);
   if (!problem.ok()) return problem.status();
+  problem->frozen_prefix = frozen_prefix;
   absl::StatusOr<RepackPlan> plan = DecideRepack(*problem, placement, options_.decision);
   if (!plan.ok()) return plan.status();
   last_note_ = absl::StrCat("after iteration ", iteration, ": ", plan->note);

@@ -77,9 +77,11 @@ class RepackTrigger {
   /// stage count is not below the current one is already done (a relaunch after it) and is
   /// skipped; one still to do whose iteration has passed is done now (NOTE [overdue script
   /// step]). Returns the plan to carry out, or nullopt; errors from the decision.
+  /// `frozen_prefix`: the model's frozen layers from layer 0 (RepackProblem::frozen_prefix).
   absl::StatusOr<std::optional<RepackPlan>> Check(int64_t iteration,
                                                   const pipeline::LayerRanges& current,
-                                                  const std::vector<pipeline::StageLoad>& loads);
+                                                  const std::vector<pipeline::StageLoad>& loads,
+                                                  int64_t frozen_prefix = 0);
 
   /// The last Check's decision line ("repack: ..."), empty if none was made.
   const std::string& last_note() const { return last_note_; }

@@ -93,6 +93,7 @@ RepackProblem RepackProblemOf(const Scenario& scenario, const IterationCosts& co
   problem.schedule = scenario.schedule;
   problem.num_microbatches = scenario.num_microbatches;
   problem.num_chunks = scenario.num_chunks;
+  problem.frozen_prefix = costs.frozen_prefix;
   return problem;
 }
 

@@ -74,7 +74,7 @@ void ElasticController::WatchForStop(Trainer& trainer, std::function<bool()> sto
         if (repack_trigger_ && !repack_plan_ && repack_error_.ok() &&
             trainer.iteration() + 1 < options_.train_iters) {
           auto plan = repack_trigger_->Check(trainer.iteration() + 1, runner_->ranges(),
-                                             runner_->last_loads());
+                                             runner_->last_loads(), trainer.model().frozen_prefix());
           if (!plan.ok()) {
             repack_error_ = plan.status();
           } else if (plan->has_value()) {

@@ -614,5 +614,33 @@ TEST(RepackTest, VirtualPipelineStagesAreRefused) {
               HasSubstr("does not support virtual pipeline stages"));
 }
 
+// NOTE [forward-only stages] in the re-packing decision: a placement's stages that lie
+// wholly in the frozen prefix are predicted forward only, as training runs them. Two
+// stages, 1F1B, m = 4, stage 0 one frozen layer of F = 3, stage 1 one layer of F = 1 and
+// BW = 2, transfers 0.5: forward-only 3m + 3.5 = 15.5 (pipeline/forward_only_schedule_test
+// derives it); with the frozen stage waiting on its zero-cost BW's, 3.5m + 3 = 17. Memory:
+// the frozen stage holds no micro-batch in flight.
+TEST(RepackTest, FrozenStagesArePredictedForwardOnly) {
+  RepackProblem problem;
+  problem.layer_forward = {3, 1};
+  problem.layer_backward = {0, 2};
+  problem.layer_weight = {0, 0};
+  problem.p2p = 0.5;
+  problem.schedule = "1f1b";
+  problem.num_microbatches = 4;
+  problem.layer_activation_bytes = {100, 100};
+  const Placement two = {{0, 1}, {1, 2}};
+  EXPECT_DOUBLE_EQ(Time(problem, two), 17);
+  EXPECT_DOUBLE_EQ(Peak(problem, two), 200) << "stage 0 holds 2 micro-batches";
+  problem.frozen_prefix = 1;
+  EXPECT_DOUBLE_EQ(Time(problem, two), 15.5);
+  auto memory = RepackStageMemory(problem, two);
+  ASSERT_TRUE(memory.ok());
+  EXPECT_DOUBLE_EQ((*memory)[0], 0) << "a forward-only stage holds no activations";
+  EXPECT_DOUBLE_EQ((*memory)[1], 100);
+  // One stage holds the head: never forward-only.
+  EXPECT_DOUBLE_EQ(Time(problem, {{0, 2}}), 4 * (3 + 1 + 2.0));
+}
+
 }  // namespace
 }  // namespace fulcrum::dynamic

@@ -7,17 +7,19 @@
 namespace fulcrum::parallel {
 namespace {
 
-// Completes a staged receive (NOTE [host staging]): waits for the wrapped operation, then
-// copies the host buffer into the tensor on its device. Wait is idempotent, as CommWork's.
-class CopyBackWork final : public CommWork {
+// Completes a staged operation (NOTE [host staging]): waits for the wrapped one, then — for
+// a receive, whose `target` is defined — copies the host buffer into the tensor on its
+// device; a send's host copy is only kept alive until then. Wait is idempotent, as
+// CommWork's.
+class StagedWork final : public CommWork {
  public:
-  CopyBackWork(std::unique_ptr<CommWork> inner, at::Tensor host, at::Tensor target)
+  StagedWork(std::unique_ptr<CommWork> inner, at::Tensor host, at::Tensor target = {})
       : inner_(std::move(inner)), host_(std::move(host)), target_(std::move(target)) {}
 
   void Wait() override {
     if (inner_ == nullptr) return;
     inner_->Wait();
-    target_.copy_(host_);
+    if (target_.defined()) target_.copy_(host_);
     inner_.reset();
     host_.reset();
   }
@@ -25,25 +27,7 @@ class CopyBackWork final : public CommWork {
  private:
   std::unique_ptr<CommWork> inner_;
   at::Tensor host_;
-  at::Tensor target_;  // shares the caller's storage
-};
-
-// Keeps a staged send's host copy alive until the wrapped send is done.
-class KeepAliveWork final : public CommWork {
- public:
-  KeepAliveWork(std::unique_ptr<CommWork> inner, at::Tensor host)
-      : inner_(std::move(inner)), host_(std::move(host)) {}
-
-  void Wait() override {
-    if (inner_ == nullptr) return;
-    inner_->Wait();
-    inner_.reset();
-    host_.reset();
-  }
-
- private:
-  std::unique_ptr<CommWork> inner_;
-  at::Tensor host_;
+  at::Tensor target_;  // shares the caller's storage; undefined for a send
 };
 
 }  // namespace
@@ -99,7 +83,7 @@ PendingTensor HostStagedCommunicator::IAllToAll(const at::Tensor& input,
   if (!Staged(input)) return inner().IAllToAll(input, input_splits, output_splits);
   PendingTensor host = inner().IAllToAll(ToHost(input), input_splits, output_splits);
   at::Tensor out = at::empty_like(host.tensor, host.tensor.options().device(input.device()));
-  return PendingTensor{out, std::make_unique<CopyBackWork>(std::move(host.work), host.tensor, out)};
+  return PendingTensor{out, std::make_unique<StagedWork>(std::move(host.work), host.tensor, out)};
 }
 
 std::unique_ptr<CommWork> HostStagedCommunicator::ISend(const at::Tensor& tensor, int dst,
@@ -107,14 +91,14 @@ std::unique_ptr<CommWork> HostStagedCommunicator::ISend(const at::Tensor& tensor
   if (!Staged(tensor)) return inner().ISend(tensor, dst, tag);
   at::Tensor host = ToHost(tensor);
   std::unique_ptr<CommWork> work = inner().ISend(host, dst, tag);
-  return std::make_unique<KeepAliveWork>(std::move(work), std::move(host));
+  return std::make_unique<StagedWork>(std::move(work), std::move(host));
 }
 
 std::unique_ptr<CommWork> HostStagedCommunicator::IRecv(at::Tensor& tensor, int src, int tag) {
   if (!Staged(tensor)) return inner().IRecv(tensor, src, tag);
   at::Tensor host = at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
   std::unique_ptr<CommWork> work = inner().IRecv(host, src, tag);
-  return std::make_unique<CopyBackWork>(std::move(work), std::move(host), tensor);
+  return std::make_unique<StagedWork>(std::move(work), std::move(host), tensor);
 }
 
 std::unique_ptr<Communicator> HostStagedCommunicator::Split(const std::vector<int>& ranks,

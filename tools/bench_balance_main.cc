@@ -50,6 +50,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_string(configs, "none,params,partition,diffusion",

@@ -73,6 +73,7 @@
 #include "core/status.h"
 #include "core/threads.h"
 #include "plugins/plugin_registry.h"
+#include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_int64(hidden, 512, "Hidden size of the measured layer (gpt_20m: 512).");

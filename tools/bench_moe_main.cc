@@ -54,6 +54,7 @@
 #include "moe/moe_layer.h"
 #include "moe/dispatch.h"
 #include "moe/router.h"
+#include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_string(tokens, "4096,16384", "Token counts T to measure (comma-separated).");

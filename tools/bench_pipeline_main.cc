@@ -60,6 +60,7 @@
 #include "absl/strings/strip.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
+#include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");

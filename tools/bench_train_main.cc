@@ -65,6 +65,7 @@
 #include "core/tensor_parallel.h"
 #include "core/threads.h"
 #include "core/trainer.h"
+#include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");

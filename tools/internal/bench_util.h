@@ -1,5 +1,5 @@
-// Helpers the benchmark tools share: their command-line handling (recipes/cli.h: bad flags
-// are usage errors, exit 2; --help lists only the tool's own flags), the machine's state
+// Helpers the benchmark tools share (their command line is recipes/cli.h's, as every
+// tool's): the usage-error exit code, parsing of list flags, the machine's state
 // that every benchmark prints beside its numbers (usable cores, load average), medians,
 // alternated timing rounds, and running the real binaries (fulcrum_launch, fulcrum_train)
 // that sit next to the tool.
@@ -34,7 +34,6 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "core/usable_cores.h"
-#include "recipes/cli.h"
 
 extern char** environ;
 

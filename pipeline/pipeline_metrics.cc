@@ -37,8 +37,10 @@ at::Tensor PipelineMetrics::StageRow(const StageRunResult& run) {
                     at::kDouble);
 }
 
-void PipelineMetrics::StartRun(const LayerRanges& last_ran_on, int microbatches) {
+void PipelineMetrics::StartRun(const LayerRanges& last_ran_on, int microbatches,
+                               int64_t last_frozen_prefix) {
   previous_ran_on_ = last_ran_on;
+  previous_frozen_prefix_ = last_frozen_prefix;
   previous_span_ms_ = span_ms_;
   previous_bubble_ratio_ = bubble_ratio_;
   previous_stage_ms_ = stage_ms_;
@@ -108,6 +110,7 @@ void PipelineMetrics::WritePrevious(nlohmann::json* record) const {
   nlohmann::json& r = *record;
   r["microbatches"] = previous_microbatches_;
   r["ran_on"] = RangesToJson(previous_ran_on_);
+  if (previous_frozen_prefix_ > 0) r["frozen_prefix"] = previous_frozen_prefix_;
   r["measured"] = {{"pipeline_ms", previous_span_ms_},
                    {"bubble_ratio", previous_bubble_ratio_},
                    {"stage_ms", previous_stage_ms_}};

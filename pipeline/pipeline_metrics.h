@@ -37,8 +37,10 @@ class PipelineMetrics {
   static at::Tensor StageRow(const StageRunResult& run);
 
   /// A Run on `microbatches` micro-batches starts: what the last one measured becomes the
-  /// previous measurement, with `last_ran_on` (the placement it ran on) and `microbatches`.
-  void StartRun(const LayerRanges& last_ran_on, int microbatches);
+  /// previous measurement, with `last_ran_on` (the placement it ran on), `microbatches` and
+  /// `last_frozen_prefix` (the model's frozen prefix it ran with: NOTE [forward-only
+  /// stages] in schedule.h).
+  void StartRun(const LayerRanges& last_ran_on, int microbatches, int64_t last_frozen_prefix = 0);
   /// The Run of `iteration` ended: `run` is this stage's, `rows` every stage's StageRow in
   /// stage order ([stages, kRowWidth]), `moves` the layers its tail moved. Returns the log
   /// line of the first iteration on a new placement (the previous Run moved layers),
@@ -52,8 +54,8 @@ class PipelineMetrics {
   /// device_peak_allocated_mb (the caching allocator's, this stage; absent on the CPU,
   /// where the allocator is not tracked); appends " | bubble B | imbalance I" to `log_line`.
   void Write(nlohmann::json* record, std::string* log_line) const;
-  /// The previous Run's part of a load-trace line: microbatches, ran_on and measured
-  /// (pipeline_ms, bubble_ratio, stage_ms). Nothing before a second Run.
+  /// The previous Run's part of a load-trace line: microbatches, ran_on, frozen_prefix (when
+  /// not 0) and measured (pipeline_ms, bubble_ratio, stage_ms). Nothing before a second Run.
   void WritePrevious(nlohmann::json* record) const;
   /// Whether a Run before the last one was measured (the load trace has a line).
   bool has_previous() const { return !previous_ran_on_.empty(); }
@@ -72,6 +74,7 @@ class PipelineMetrics {
   double previous_span_ms_ = 0, previous_bubble_ratio_ = 0;
   std::vector<double> previous_stage_ms_;
   int previous_microbatches_ = 0;
+  int64_t previous_frozen_prefix_ = 0;
   // The iteration before the last moves: what the next one is compared with in the log.
   double bottleneck_before_moves_ms_ = 0;
   double bubble_before_moves_ = 0;

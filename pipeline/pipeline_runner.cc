@@ -371,14 +371,13 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                double loss_scale) {
   // NOTE [forward-only stages]: every rank has the same ranges and frozen prefix, so the
   // same schedule.
-  previous_frozen_prefix_ = frozen_prefix_;
-  frozen_prefix_ = stage.frozen_prefix();
   FULCRUM_ASSIGN_OR_RETURN(
       const Schedule* schedule,
       ScheduleFor(schedule_name_, plan.count,
                   ForwardOnlyVirtualStages(ranges_, stage.frozen_prefix())));
   // What the previous Run ran on and measured, for its load-trace line.
-  metrics_.StartRun(ran_on_, plan.count);
+  metrics_.StartRun(ran_on_, plan.count, frozen_prefix_);
+  frozen_prefix_ = stage.frozen_prefix();
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
   last_iteration_ = iteration;
   FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale,
@@ -438,7 +437,6 @@ void PipelineRunner::LoadTrace(nlohmann::json* record) const {
   r["rebalancer"] = rebalancer_->name();
   r["loads"] = std::move(loads);
   r["decision"] = RangesToJson(ranges_);
-  if (previous_frozen_prefix_ > 0) r["frozen_prefix"] = previous_frozen_prefix_;
   for (const auto& [iteration, reason] : model_changes_) {
     if (iteration == last_iteration_ - 1) r["model_changed"].push_back(reason);
   }

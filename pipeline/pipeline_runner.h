@@ -153,10 +153,9 @@ class PipelineRunner final : public ForwardBackwardRunner {
   std::vector<PlannedMove> last_moves_;
   RebalanceDecision last_decision_;
   LayerRanges ranges_;  // After the last Run's moves.
-  // The model's frozen prefix in the last Run and the one before (that one's load-trace
-  // line says what ran forward only; NOTE [forward-only stages]).
+  // The model's frozen prefix in the last Run (its load-trace line says what ran forward
+  // only; NOTE [forward-only stages]).
   int64_t frozen_prefix_ = 0;
-  int64_t previous_frozen_prefix_ = 0;
   LayerRanges ran_on_;  // What the last Run ran on (before its moves).
   int64_t last_iteration_ = 0;
   std::vector<std::pair<int64_t, std::string>> model_changes_;  // For the load trace.

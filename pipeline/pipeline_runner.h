@@ -76,6 +76,9 @@ class PipelineRunner final : public ForwardBackwardRunner {
                  std::unique_ptr<Rebalancer> rebalancer = nullptr,
                  std::vector<parallel::Communicator*> replica_groups = {}, int num_chunks = 1);
 
+  /// Whether each run times every layer (StageExecutor::set_layer_timing; on by default).
+  /// Off, the loads' per-layer times read 0: only for runs whose rebalancer never moves.
+  void set_layer_timing(bool on) { executor_.set_layer_timing(on); }
   /// Records every iteration's actions, waits and migrations into `timeline` (flushed by
   /// Finish and every `flush_every` iterations); it must outlive the runner.
   void SetTimeline(TimelineRecorder* timeline, int64_t flush_every = 50) {

@@ -130,6 +130,7 @@ struct StageExecutor::RunContext {
   StageRunResult result;
   // NOTE [per-layer timing]: one timer per run, collected once at its end.
   std::unique_ptr<kernels::DeviceTimer> timer;
+  bool time_layers = true;               // StageExecutor::set_layer_timing
   std::vector<LayerInterval> intervals;  // F and B, in the order they were timed
   int action = -1;                       // Index of the action running now.
 };
@@ -204,6 +205,7 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
                  micro_batch_size_, depth);
   run.result.start = run_start_;
   run.timer = std::move(timer);
+  run.time_layers = layer_timing_;
   for (int index = 0; index < static_cast<int>(actions.size()); ++index) {
     const Action& action = actions[index];
     ActionTiming timing;
@@ -363,7 +365,7 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
     const std::unique_ptr<TransformerLayer>& layer = it->second;
     const size_t slot = state->layers.size();
     state->layers.push_back(layer_index);
-    if (run.training && hidden.requires_grad()) {
+    if (run.training && run.time_layers && hidden.requires_grad()) {
       InFlight* st = state.get();
       RunContext* r = &run;
       state->first_hooked = std::min(state->first_hooked, slot);
@@ -378,14 +380,16 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
       });
     }
     const int64_t layer_live_before = run.meter.live();
-    const std::string key = LayerKey('F', run.action, layer_index);
-    run.timer->Start(key);
+    const std::string key = run.time_layers ? LayerKey('F', run.action, layer_index) : "";
+    if (run.time_layers) run.timer->Start(key);
     {
       WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
       hidden = layer->Forward(hidden, ctx);
     }
-    run.timer->Stop(key);
-    run.intervals.push_back({run.action, layer_index, key});
+    if (run.time_layers) {
+      run.timer->Stop(key);
+      run.intervals.push_back({run.action, layer_index, key});
+    }
     if (run.training) {
       double& bytes = run.result.layer_activation_bytes[layer_index];
       bytes = std::max(bytes, static_cast<double>(run.meter.live() - layer_live_before));
@@ -508,7 +512,7 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, int chunk, bool last
   // NOTE [early migration]: each moving layer's last weight gradients first, then off.
   if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, chunk, timing));
   // NOTE [per-layer timing]: per tag into the timer; CollectLayerTimes reads them back.
-  store.Flush(nullptr, run.timer.get(), WeightKeyPrefix(run.action));
+  store.Flush(nullptr, run.time_layers ? run.timer.get() : nullptr, WeightKeyPrefix(run.action));
   run.meter.Release(it->second->meter_key);
   run.in_flight.erase(it);
   return absl::OkStatus();
@@ -520,7 +524,8 @@ absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore*
   for (const PlannedMove& move : moves_->outgoing()) {
     if (move.layer < begin || move.layer >= end) continue;  // another chunk's
     if (store != nullptr) {
-      store->FlushTag(move.layer, nullptr, run.timer.get(), WeightKeyPrefix(run.action));
+      store->FlushTag(move.layer, nullptr, run.time_layers ? run.timer.get() : nullptr,
+                      WeightKeyPrefix(run.action));
     }
     const double t0 = SinceRunStart();
     FULCRUM_RETURN_IF_ERROR(moves_->Send(run.model, move, &run.meter, run.result));

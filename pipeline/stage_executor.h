@@ -245,6 +245,14 @@ class StageExecutor {
   using TimerFactory = std::function<std::unique_ptr<kernels::DeviceTimer>(c10::Device)>;
   void set_timer_factory(TimerFactory factory) { timer_factory_ = std::move(factory); }
 
+  /// Whether Runs time each layer (NOTE [per-layer timing]; on by default). Off, only the
+  /// actions are timed (NOTE [action times on the device]): no per-layer intervals, no
+  /// gradient hooks, and the result's per-layer times stay empty (activation bytes are
+  /// still measured). What a run that never balances may choose (fulcrum_train
+  /// --layer_timing=false), and how the timing's own cost is measured.
+  void set_layer_timing(bool on) { layer_timing_ = on; }
+  bool layer_timing() const { return layer_timing_; }
+
  private:
   struct InFlight;
   struct RunContext;
@@ -254,8 +262,6 @@ class StageExecutor {
   absl::Status Backward(RunContext& run, int mb, int chunk, bool split, bool last_action,
                         ActionTiming& timing);
   absl::Status Weight(RunContext& run, int mb, int chunk, bool last_action, ActionTiming& timing);
-  // Sends every outgoing layer (NOTE [early migration]); `store` (may be null) holds the
-  // last micro-batch's deferred weight gradients, of which each layer's run first.
   /// Sends the outgoing layers of chunk `chunk` (NOTE [early migration]); `store` holds
   /// the deferred weight gradients of the action that ends the chunk's work (null after a
   /// fused BW or a forward-only chunk's last F).
@@ -275,6 +281,7 @@ class StageExecutor {
   std::unique_ptr<internal::StageMoves> moves_;
   std::chrono::steady_clock::time_point run_start_;
   TimerFactory timer_factory_;
+  bool layer_timing_ = true;
 };
 
 }  // namespace fulcrum::pipeline

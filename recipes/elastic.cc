@@ -54,6 +54,7 @@ absl::StatusOr<ForwardBackwardRunner*> ElasticController::InstallRunner(
       std::vector<parallel::Communicator*>{&context.group(parallel::GroupKind::kTensor),
                                            &context.group(parallel::GroupKind::kData)},
       one_stage ? 1 : options_.num_chunks);
+  runner->set_layer_timing(options_.layer_timing);
   if (!timeline_path.empty()) {
     timeline_ = std::make_unique<pipeline::TimelineRecorder>(&context.world(), timeline_path,
                                                              context.coords().pp);

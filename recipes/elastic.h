@@ -40,6 +40,8 @@ struct ElasticOptions {
   /// Model chunks per stage (VirtualPipelineChunksFromFlags); > 1: virtual pipeline stages.
   int num_chunks = 1;
   int64_t micro_batch_size = 1;
+  /// --layer_timing: whether the runner times each layer (StageExecutor::set_layer_timing).
+  bool layer_timing = true;
   /// A fresh rebalancer for each runner (the flags' --rebalancer...).
   std::function<absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>>()> make_rebalancer;
   /// --timeline; empty: none. After a live shrink onto N stages the timeline goes on in

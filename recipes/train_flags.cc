@@ -115,6 +115,11 @@ DEFINE_string(rebalance_script, "",
               "placement), steps separated by ';', e.g. '5:1->1;9:2,2' (in iteration 5's "
               "backward tail layer 1 goes to stage 1; in 9's, two layers per stage).");
 // Balancing (dynamic/).
+DEFINE_bool(layer_timing, true,
+            "Pipeline runs: time every layer's F, B and W (events on a GPU, read once per "
+            "iteration; the balancers' loads). false: only each schedule action is timed "
+            "(the bubble and the timeline still are) — refused with --rebalancer, "
+            "--load_trace and --repack=auto, which need the per-layer times.");
 DEFINE_string(rebalancer, "none",
               "Who decides where layers run (see the list above): none (the initial placement "
               "stays), partition (exact minimum of the bottleneck stage) or diffusion "
@@ -360,6 +365,20 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   if (FLAGS_pipeline_initial_partition != "uniform" && FLAGS_pipeline_initial_partition != "params") {
     return Invalid(absl::StrCat("--pipeline_initial_partition='", FLAGS_pipeline_initial_partition,
                                 "' is unknown; expected uniform or params"));
+  }
+  if (!FLAGS_layer_timing) {
+    // What balances or records layers needs their times.
+    if (FLAGS_rebalancer != "none") {
+      return Invalid(absl::StrCat("--rebalancer=", FLAGS_rebalancer, " balances the measured "
+                                  "per-layer times; it needs --layer_timing=true"));
+    }
+    if (!FLAGS_load_trace.empty()) {
+      return Invalid("--load_trace records the per-layer times; it needs --layer_timing=true");
+    }
+    if (FLAGS_repack == "auto") {
+      return Invalid("--repack=auto decides from the per-layer times; it needs "
+                     "--layer_timing=true");
+    }
   }
   if (FLAGS_rebalancer != "none") {
     if (!FLAGS_rebalance_script.empty()) {
@@ -634,5 +653,6 @@ std::string LoadPathFlag() { return FLAGS_load; }
 bool AllowUnchecksummedManifestFlag() { return FLAGS_allow_unchecksummed_manifest; }
 std::string PluginsFlag() { return FLAGS_plugins; }
 std::string DeviceFlag() { return FLAGS_device; }
+bool LayerTimingFlag() { return FLAGS_layer_timing; }
 
 }  // namespace fulcrum

@@ -83,5 +83,7 @@ bool AllowUnchecksummedManifestFlag();
 std::string PluginsFlag();
 /// --device as given (cpu, cuda, cuda:N, auto), for the startup log.
 std::string DeviceFlag();
+/// --layer_timing: whether pipeline runs time each layer (StageExecutor::set_layer_timing).
+bool LayerTimingFlag();
 
 }  // namespace fulcrum

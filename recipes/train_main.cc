@@ -197,6 +197,7 @@ fulcrum::ElasticOptions ElasticOptionsOf(const Checked& c, const fulcrum::Traine
   options.layout = c.layout;
   options.schedule = fulcrum::PipelineScheduleFlag();
   options.num_chunks = c.num_chunks;
+  options.layer_timing = fulcrum::LayerTimingFlag();
   options.micro_batch_size = config.train.micro_batch_size;
   options.make_rebalancer = fulcrum::RebalancerFromFlags;
   options.timeline = fulcrum::TimelineFlag();

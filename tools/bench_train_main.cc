@@ -38,7 +38,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <gflags/gflags.h>
-#include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -50,6 +50,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 #include <sys/wait.h>
@@ -86,8 +87,9 @@ DEFINE_string(reference_python, FULCRUM_VENV_PYTHON,
 DEFINE_string(reference_script, "",
               "Path of bench_train_reference.py; empty: <binary dir>/../../tools/.");
 DEFINE_string(profile_trace, "",
-              "If set, after measuring, records LibTorch's op profile of 3 Fulcrum steps "
-              "per model to <this>.<model>.json (chrome trace; docs/PERF.md sums it by op).");
+              "If set, after measuring, records a Kineto profile of 3 Fulcrum steps per model "
+              "to <this>.<model>.json (chrome trace: host ops, and each kernel on a GPU; "
+              "tools/op_profile_summary.py sums it by op, --kernels by kernel).");
 DEFINE_bool(keep_heap, true,
             "Keep freed step memory in the heap (core/malloc_tuning.h); the PyTorch-eager "
             "reference keeps glibc's defaults either way.");
@@ -428,8 +430,18 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   };
   auto profile = [&](Trainer& trainer) {
     if (FLAGS_profile_trace.empty()) return;
-    torch::autograd::profiler::RecordProfile recorded(FLAGS_profile_trace + "." + shape.name + ".json");
+    // Kineto, as torch.profiler records: the ops on the host and, on a GPU, every kernel's
+    // own time on the device (tools/op_profile_summary.py --kernels sums those).
+    namespace prof = torch::profiler::impl;
+    const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+    std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
+    if (g_device.is_cuda()) activities.insert(prof::ActivityType::CUDA);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
     for (int i = 0; i < 3; ++i) fulcrum_step(trainer);
+    Synchronize();
+    torch::autograd::profiler::disableProfiler()->save(FLAGS_profile_trace + "." + shape.name +
+                                                       ".json");
   };
   std::string fulcrum_missing;
   int64_t fulcrum_params = 0;

@@ -2,8 +2,8 @@
 """The PyTorch twin of fulcrum_bench_train's GPT step (--compare_reference), eager or compiled.
 
 A pre-LayerNorm GPT written the ordinary PyTorch way (nn.Linear with biases, learned
-positions, causal softmax attention, GeLU MLP, untied or tied output layer, mean
-cross-entropy), trained with torch.optim.AdamW and clip_grad_norm_ over gradient
+positions, causal scaled_dot_product_attention, GeLU MLP, untied or tied output layer,
+mean cross-entropy), trained with torch.optim.AdamW and clip_grad_norm_ over gradient
 accumulation, the same shape and thread count as the Fulcrum side. With --compile the model is wrapped
 in torch.compile (inductor; on the CPU it generates C++ and builds it with the machine's
 g++); compiling happens during the warm-up steps and is not timed.
@@ -36,6 +36,11 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--bf16", action="store_true",
                    help="mixed precision: fp32 weights and optimizer, bf16 compute (autocast)")
+    p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
+                   help="sdpa: F.scaled_dot_product_attention(is_causal=True), as Fulcrum's "
+                        "core computes it and as a PyTorch user writes it today; explicit: "
+                        "the softmax of the masked score matrix (what this script did before "
+                        "2026-11-26: its [b, heads, s, s] scores cost the GPU sides dearly)")
     p.add_argument("--trace", default="",
                    help="after warmup, write a chrome trace of 3 steps here and exit "
                         "(tools/op_profile_summary.py sums it by op)")
@@ -67,9 +72,13 @@ def main():
             b, s, h = x.shape
             d = h // args.heads
             q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, args.heads, d).permute(2, 0, 3, 1, 4)
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-            context = (probs @ v).transpose(1, 2).reshape(b, s, h)
+            if args.attention == "sdpa":  # flash / memory-efficient kernels where they exist
+                context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+                probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+                context = probs @ v
+            context = context.transpose(1, 2).reshape(b, s, h)
             x = x + self.proj(context)
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -122,9 +131,13 @@ def main():
         step()
     synchronize()
     if args.trace:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":  # the kernels' own times (op_profile_summary.py --kernels)
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
             for _ in range(3):
                 step()
+            synchronize()
         prof.export_chrome_trace(args.trace)
         return
     print("ready threads=%d" % torch.get_num_threads(), flush=True)

@@ -90,6 +90,34 @@ TEST(SlowBalanceTrainTest, ParameterBalancedInitialPlacementGivesTheHeavyStageFe
   EXPECT_NE(output.find("--rebalancer"), std::string::npos) << output;
 }
 
+// --layer_timing=false: the pipeline times only its actions (StageExecutor::
+// set_layer_timing); training is the same to the bit, the bubble is still measured, and
+// what needs the per-layer times is refused before any work, naming the flag.
+TEST(BalanceTrainTest, LayerTimingOffTrainsTheSameLossesAndRefusesWhatNeedsIt) {
+  const std::string dir = testing::MakeTempDir("layer_timing");
+  const std::string flags =
+      "--recipe=tiny --train_iters=3 --eval_interval=0 --log_interval=1 "
+      "--pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --global_batch_size=32";
+  std::string output;
+  const std::vector<nlohmann::json> timed =
+      testing::TrainRecords(2, flags, dir + "/timed.jsonl", &output);
+  const std::vector<nlohmann::json> untimed =
+      testing::TrainRecords(2, flags + " --layer_timing=false", dir + "/untimed.jsonl", &output);
+  ASSERT_EQ(timed.size(), 3u);
+  ASSERT_EQ(untimed.size(), 3u) << output;
+  for (size_t i = 0; i < timed.size(); ++i) {
+    EXPECT_EQ(untimed[i]["loss"], timed[i]["loss"]) << "iteration " << i + 1;
+    EXPECT_TRUE(untimed[i].contains("bubble_ratio")) << untimed[i].dump();
+  }
+  for (const std::string& refused : std::vector<std::string>{"--rebalancer=partition", "--load_trace=" + dir + "/trace.jsonl", "--repack=auto"}) {
+    EXPECT_EQ(testing::RunCommand(testing::TrainCommand(2, flags + " --layer_timing=false " + refused),
+                                  &output),
+              2)
+        << refused << ": " << output;
+    EXPECT_NE(output.find("needs --layer_timing=true"), std::string::npos) << output;
+  }
+}
+
 // README: a memory budget that no placement fits is a clear error. The state of a layer is
 // known only with the model and the activations only once measured, so it is found at the
 // first decision (planning iteration 1 with --balance_by=params, before any compute; after

@@ -368,6 +368,59 @@ TEST_F(PipelineExecutorTest, PerLayerTimesComeFromTheDeviceTimer) {
   }
 }
 
+// StageExecutor::set_layer_timing(false): only the actions are timed — no per-layer
+// interval starts, no per-layer time is reported — and the run computes the same bits
+// (the same gradients, the same loss) as one timed layer by layer; the activation meter
+// still measures each layer.
+TEST_F(PipelineExecutorTest, WithoutLayerTimingOnlyTheActionsAreTimed) {
+  const ModelOptions options = EngineModel();
+  constexpr int kMicroBatches = 3;
+  const Schedule schedule = MustMake("zbh1", kMicroBatches);
+  const MicroBatchPlan plan = RandomPlan(options, kMicroBatches, kMicroBatchSize);
+  auto run_with = [&](bool layer_timing, GptModel& model, FakeTimer::Log& log) {
+    StageExecutor executor(world_.get(), kMicroBatchSize);
+    executor.set_layer_timing(layer_timing);
+    executor.set_timer_factory([&log](c10::Device) -> std::unique_ptr<kernels::DeviceTimer> {
+      return std::make_unique<FakeTimer>(&log);
+    });
+    return executor.Run(model, schedule, 1, plan, 1e-3);
+  };
+  GptModel timed(options), untimed(options);
+  FakeTimer::Log timed_log, untimed_log;
+  absl::StatusOr<StageRunResult> with = run_with(true, timed, timed_log);
+  absl::StatusOr<StageRunResult> without = run_with(false, untimed, untimed_log);
+  ASSERT_TRUE(with.ok()) << with.status();
+  ASSERT_TRUE(without.ok()) << without.status();
+
+  EXPECT_EQ(untimed_log.collects, 1);
+  EXPECT_EQ(untimed_log.starts, static_cast<int>(schedule.stages[0].size()));  // one per action
+  for (const auto& [key, ms] : untimed_log.returned) {
+    EXPECT_TRUE(IsActionKey(key)) << key << " was timed with layer timing off";
+  }
+  EXPECT_GT(timed_log.starts, 4 * untimed_log.starts);  // the timed run did time the layers
+  EXPECT_TRUE(without->layer_forward_ms.empty());
+  EXPECT_TRUE(without->layer_backward_ms.empty());
+  EXPECT_TRUE(without->layer_weight_ms.empty());
+  for (const ActionTiming& t : without->timings) EXPECT_TRUE(t.layer_ms.empty()) << t.action.ToString();
+  EXPECT_EQ(with->layer_forward_ms.size(), 4u);
+  EXPECT_EQ(without->layer_activation_bytes, with->layer_activation_bytes);
+
+  EXPECT_EQ(without->loss_sum, with->loss_sum);
+  const std::vector<Unit*> a = timed.Units(), b = untimed.Units();
+  ASSERT_EQ(a.size(), b.size());
+  int compared = 0;
+  for (size_t u = 0; u < a.size(); ++u) {
+    for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
+      const at::Tensor& ga = a[u]->parameters()[p].value.grad();
+      const at::Tensor& gb = b[u]->parameters()[p].value.grad();
+      ASSERT_TRUE(ga.defined() && gb.defined()) << a[u]->parameters()[p].name;
+      EXPECT_TRUE(at::equal(ga, gb)) << a[u]->GlobalName(a[u]->parameters()[p].name);
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 40);
+}
+
 // The run's actions on one stage as a timeline: in list order, none overlapping the next,
 // each ending no earlier than it starts, waits inside their action, all within the run.
 void ExpectOrderedActions(const StageRunResult& run, const Schedule& schedule) {

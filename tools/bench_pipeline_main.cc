@@ -25,11 +25,15 @@
 // bubble the schedule simulator (pipeline/schedule_simulator.h) predicts for those costs
 // with free communication (not for the chunked schedules: their costs are per chunk): the gap between "bubble" and "sim" is what the implementation
 // (transfers, waits, noise) adds to the schedule's own bubble. Nothing is hard-coded:
-// every number printed was measured in this run.
+// every number printed was measured in this run. With --layer_timing_overhead every
+// configuration also runs --overhead_rounds pairs, per-layer timing on and off
+// (fulcrum_train --layer_timing=false), back to back, and a second table gives what the
+// per-layer timing costs (issue 23: <= 1%; on a GPU, pass --model_flags="--device=cuda ...").
 //
 //   build/bin/fulcrum_bench_pipeline [--pp=2,4] [--schedules=1f1b,zbh1,interleaved,zbv]
 //       [--microbatches=4,8,16] [--micro_batch_size=1] [--train_iters=20] [--skip_iters=3]
 //       [--recipe=tiny] [--model_flags="--hidden_size=256"] [--timelines] [--keep_logs]
+//       [--layer_timing_overhead] [--overhead_rounds=3]
 //
 // Exit codes: 0 done, 2 bad flags (or fulcrum_train rejected the flags), 1 a run failed.
 #include <gflags/gflags.h>
@@ -78,6 +82,12 @@ DEFINE_string(model_flags, "",
               "Extra fulcrum_train flags, e.g. \"--hidden_size=256 --num_layers=8\" (not the "
               "batch, pipeline or metrics flags, which this tool sets).");
 DEFINE_double(goal_ratio, 0.4, "Goal: median ZB-H1 bubble <= this x the 1F1B one.");
+DEFINE_bool(layer_timing_overhead, false,
+            "Also measure what per-layer timing costs (issue 23's goal: <= 1%): every "
+            "configuration runs --overhead_rounds more times in pairs, timed as always and "
+            "with --layer_timing=false (only the actions timed), back to back, and a second "
+            "table gives the median iteration time of each side and their ratio.");
+DEFINE_int32(overhead_rounds, 3, "Timed/untimed pairs per configuration (--layer_timing_overhead).");
 DEFINE_bool(keep_logs, false, "Keep each run's log and metrics (their directory is printed).");
 DEFINE_bool(timelines, false,
             "Record a timeline (--timeline) of every run and print the simulated bubble of the "
@@ -96,6 +106,13 @@ struct RunKey {
   bool operator<(const RunKey& o) const {
     return std::tie(pp, microbatches, schedule) < std::tie(o.pp, o.microbatches, o.schedule);
   }
+};
+
+// How one run of a configuration is made: `layer_timing` false adds --layer_timing=false;
+// `round` names its files apart from the other runs of the configuration.
+struct RunMode {
+  bool layer_timing = true;
+  int round = 0;
 };
 
 // How fulcrum_train runs a --schedules name: its --pipeline_schedule and model chunks per
@@ -197,9 +214,12 @@ bool SimulateFromTimeline(const std::string& path, const RunKey& key, RunResult*
 // Runs one configuration; nullopt on failure, with the exit code in `code` and the log's
 // tail in `log_tail`.
 std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& work_dir,
-                                const RunKey& key, int* code, std::string* log_tail) {
+                                const RunKey& key, const RunMode& mode, int* code,
+                                std::string* log_tail) {
   const std::string stem =
-      absl::StrFormat("%s/pp%d_m%d_%s", work_dir, key.pp, key.microbatches, key.schedule);
+      absl::StrFormat("%s/pp%d_m%d_%s%s%s", work_dir, key.pp, key.microbatches, key.schedule,
+                      mode.layer_timing ? "" : "_untimed",
+                      mode.round > 0 ? absl::StrCat("_r", mode.round) : "");
   const std::string metrics = stem + ".jsonl", log = stem + ".log", timeline = stem + ".json";
   std::remove(metrics.c_str());
   std::remove(timeline.c_str());
@@ -209,8 +229,10 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
       " --micro_batch_size=", FLAGS_micro_batch_size,
       " --global_batch_size=", key.microbatches * FLAGS_micro_batch_size,
       " --pipeline_model_parallel_size=", key.pp, TrainScheduleFlags(key.schedule),
+      mode.layer_timing ? "" : " --layer_timing=false",
       " --train_iters=", FLAGS_train_iters, " --eval_interval=0 --log_interval=1000000",
-      " --metrics_file=", metrics, FLAGS_timelines ? " --timeline=" + timeline : "", " > ", log,
+      " --metrics_file=", metrics,
+      FLAGS_timelines && mode.round == 0 ? " --timeline=" + timeline : "", " > ", log,
       " 2>&1");
   const int status = std::system(command.c_str());
   *code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
@@ -251,7 +273,7 @@ std::optional<RunResult> RunOne(const std::string& bin_dir, const std::string& w
   result.bubble_ratio_max = Median(bubble_max);
   if (!bubble_in_run.empty()) result.bubble_ratio_in_run = Median(bubble_in_run);
   result.kept_iterations = static_cast<int>(iteration_ms.size());
-  if (FLAGS_timelines && !SimulateFromTimeline(timeline, key, &result)) {
+  if (FLAGS_timelines && mode.round == 0 && !SimulateFromTimeline(timeline, key, &result)) {
     std::fprintf(stderr, "fulcrum_bench_pipeline: %s: no usable timeline; 'sim' left empty\n",
                  timeline.c_str());
   }
@@ -304,6 +326,54 @@ void PrintTable(const std::vector<RunKey>& keys, const std::map<RunKey, RunResul
     std::printf("%3d %5d  %-11s %s\n", key.pp, key.microbatches, key.schedule.c_str(),
                 it->second.costs.c_str());
   }
+}
+
+// --layer_timing_overhead: for each configuration that ran, --overhead_rounds pairs of runs,
+// per-layer timing on then off, back to back (drift in the machine's load falls on both
+// sides alike); prints each side's median over its runs' median iteration times and the
+// ratio. The runs here are extra: the main table's run is not one of them. False when a
+// run failed.
+bool MeasureLayerTimingOverhead(const std::string& bin_dir, const std::string& work_dir,
+                                const std::vector<RunKey>& keys,
+                                const std::map<RunKey, RunResult>& ran) {
+  auto joined = [](const std::vector<double>& values) {
+    return absl::StrJoin(values, "/", [](std::string* out, double v) {
+      absl::StrAppend(out, absl::StrFormat("%.1f", v));
+    });
+  };
+  bool ok = true;
+  std::vector<std::string> rows;
+  for (const RunKey& key : keys) {
+    if (ran.find(key) == ran.end()) continue;
+    std::vector<double> timed, untimed;
+    for (int round = 1; round <= FLAGS_overhead_rounds; ++round) {
+      for (const bool layer_timing : {true, false}) {
+        int code = 0;
+        std::string log_tail;
+        std::optional<RunResult> result =
+            RunOne(bin_dir, work_dir, key, RunMode{layer_timing, round}, &code, &log_tail);
+        if (!result) {
+          std::fprintf(stderr, "fulcrum_bench_pipeline: pp=%d m=%d %s%s failed (exit %d):\n%s\n",
+                       key.pp, key.microbatches, key.schedule.c_str(),
+                       layer_timing ? "" : " --layer_timing=false", code, log_tail.c_str());
+          ok = false;
+          continue;
+        }
+        (layer_timing ? timed : untimed).push_back(result->iteration_ms);
+      }
+    }
+    if (timed.empty() || untimed.empty()) continue;
+    const double on = Median(timed), off = Median(untimed);
+    rows.push_back(absl::StrFormat("%3d %5d  %-11s %12.2f %12.2f %8.4f %+9.2f%%  %s vs %s", key.pp,
+                                   key.microbatches, key.schedule.c_str(), on, off, on / off,
+                                   100.0 * (on / off - 1.0), joined(timed), joined(untimed)));
+  }
+  std::printf("\nper-layer timing overhead (%d pairs per row, back to back; each run's median "
+              "iteration; goal <= 1%%):\n%3s %5s  %-11s %12s %12s %8s %10s  %s\n",
+              FLAGS_overhead_rounds, "pp", "m", "schedule", "timed ms", "untimed ms", "ratio",
+              "overhead", "runs (timed vs untimed)");
+  for (const std::string& row : rows) std::printf("%s\n", row.c_str());
+  return ok;
 }
 
 int Run(const std::string& bin_dir) {
@@ -376,7 +446,7 @@ int Run(const std::string& bin_dir) {
     int code = 0;
     std::string log_tail;
     const auto start = std::chrono::steady_clock::now();
-    std::optional<RunResult> result = RunOne(bin_dir, work_dir, key, &code, &log_tail);
+    std::optional<RunResult> result = RunOne(bin_dir, work_dir, key, RunMode{}, &code, &log_tail);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!result) {
@@ -392,6 +462,10 @@ int Run(const std::string& bin_dir) {
                  key.microbatches, key.schedule.c_str(), result->iteration_ms, result->bubble_ratio,
                  seconds);
     results.emplace(key, *result);
+  }
+
+  if (FLAGS_layer_timing_overhead && !MeasureLayerTimingOverhead(bin_dir, work_dir, keys, results)) {
+    failed = true;
   }
 
   std::printf(
@@ -428,7 +502,8 @@ int main(int argc, char** argv) {
   help.groups = {
       {"Runs", {"pp", "schedules", "microbatches", "micro_batch_size", "train_iters",
                 "skip_iters", "recipe", "model_flags"}},
-      {"Goal and output", {"goal_ratio", "timelines", "keep_logs"}},
+      {"Goal and output", {"goal_ratio", "timelines", "layer_timing_overhead", "overhead_rounds",
+                           "keep_logs"}},
   };
   if (std::optional<int> code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *code;

@@ -1,10 +1,13 @@
 #include "core/linear.h"
 
+#include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <chrono>
 #include <optional>
+#include <unordered_map>
 
 #include "core/kernels/device_timer.h"
 #include "core/kernels/linear_epilogue.h"
@@ -31,6 +34,94 @@ constexpr c10::DebugInfoKind kStoreSlot = c10::DebugInfoKind::PRODUCER_INFO;
 thread_local int64_t t_current_tag = WeightGradStore::kNoTag;
 
 constexpr const char* kTagKey = "weight_grad_tag";
+
+// NOTE [compute copies of the weights]
+// Under --bf16 every GEMM casts its fp32 master weight to bf16 where it is used (NOTE [mixed
+// precision]): in the forward and again in the backward of every micro-batch — on the 1.3B
+// GPT 8 casts of each weight a step, ~29 ms of an H100's 437 (Kineto profile,
+// docs/gpu-runs/2026-11-26c/). On an accelerator the cast is kept instead, as Megatron keeps
+// its bf16 model weights beside the fp32 masters: one compute copy per master weight, valid
+// while the master's version counter (bumped by every in-place write: the optimizer's step,
+// a checkpoint's copy_, pruning's mask) has not moved since it was made. A stale copy is
+// refreshed in place (no allocation), so after the first step a layer's copies are written
+// once per optimizer step and read by every micro-batch. Costs the copies' memory (2 bytes per
+// weight in bf16). The copies are allocated and freed unreported to the thread's memory
+// reporter — they are weights, not activations (NOTE [activation memory] in
+// pipeline/stage_executor.h) — and dropped once their master is gone (a layer that left
+// the stage). The CPU casts where it computes, as before: its bit-exact and memory tests
+// are written on that, and there the cast is cheap beside the GEMM.
+class ComputeCopies {
+ public:
+  static ComputeCopies& Global() {
+    static ComputeCopies* copies = new ComputeCopies();
+    return *copies;
+  }
+
+  at::Tensor Get(const at::Tensor& master, at::ScalarType dtype) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Quiet quiet;
+    const int64_t version = master._version();
+    auto it = entries_.find(master.unsafeGetTensorImpl());
+    if (it != entries_.end() && !it->second.master.expired() &&
+        it->second.data == master.data_ptr() && it->second.copy.scalar_type() == dtype &&
+        it->second.copy.sizes() == master.sizes()) {
+      Entry& entry = it->second;
+      if (entry.version != version) {
+        at::NoGradGuard no_grad;
+        entry.copy.copy_(master);
+        entry.version = version;
+      }
+      return entry.copy;
+    }
+    if (++inserts_ % 256 == 0) Sweep();
+    at::Tensor copy = master.detach().to(dtype);
+    entries_.insert_or_assign(
+        master.unsafeGetTensorImpl(),
+        Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(master.getIntrusivePtr()), version,
+              master.data_ptr(), copy});
+    return copy;
+  }
+
+ private:
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> master;
+    int64_t version = 0;
+    const void* data = nullptr;
+    at::Tensor copy;
+  };
+  // Hides this thread's memory reporter while it lives.
+  struct Unreported final : c10::MemoryReportingInfoBase {
+    bool memoryProfilingEnabled() const override { return false; }
+    void reportMemoryUsage(void*, int64_t, size_t, size_t, c10::Device) override {}
+  };
+  struct Quiet {
+    c10::DebugInfoGuard guard{c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Unreported>()};
+  };
+  void Sweep() {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      it = it->second.master.expired() ? entries_.erase(it) : std::next(it);
+    }
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
+  int64_t inserts_ = 0;
+};
+
+// `weight` in `dtype` for a GEMM (NOTE [compute copies of the weights]).
+at::Tensor ForCompute(const at::Tensor& weight, at::ScalarType dtype) {
+  if (weight.scalar_type() == dtype) return weight;
+  if (weight.device().is_cpu()) return weight.to(dtype);
+  return ComputeCopies::Global().Get(weight, dtype);
+}
+
+}  // namespace
+
+at::Tensor ComputeCopyOf(const at::Tensor& master, at::ScalarType dtype) {
+  return ComputeCopies::Global().Get(master, dtype);
+}
+
+namespace {
 
 int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -61,6 +152,30 @@ std::function<at::Tensor()> WeightGradOf(const at::Tensor& grad_out, const at::T
   };
 }
 
+// NOTE [gradient accumulation fusion]
+// On a GPU, once a weight's .grad exists (the second micro-batch on), its gradient is
+// accumulated by the GEMM itself — C = grad_outᵀ·x + C, beta = 1, into the fp32 .grad
+// (kernels::AccumulateWeightGrad; Megatron's gradient_accumulation_fusion) — instead of a
+// GEMM into a temporary and an add over the whole weight, autograd's AccumulateGrad or ours.
+// The fused backward then hands autograd no gradient for the weight (it is already in
+// .grad). The CPU keeps the product and the add: its bit-exact tests are written on them.
+bool AccumulatesInGemm(const at::Tensor& weight) {
+  const at::Tensor& slot = weight.grad();
+  return weight.is_cuda() && slot.defined() && slot.is_contiguous() &&
+         slot.scalar_type() == weight.scalar_type();
+}
+
+// Adds the weight gradient into weight.grad: in the GEMM where it can (above), else the
+// product then AccumulateInto.
+void AccumulateWeightGradInto(const at::Tensor& weight, const at::Tensor& grad_out,
+                              const at::Tensor& input) {
+  if (AccumulatesInGemm(weight)) {
+    kernels::AccumulateWeightGrad(grad_out, input, const_cast<at::Tensor&>(weight).mutable_grad());
+    return;
+  }
+  AccumulateInto(weight, WeightGradOf(grad_out, input, weight.scalar_type())());
+}
+
 // The gradient of `weight` in y = x·Wᵀ for `grad_out` (contiguous): returned for autograd
 // to accumulate, or — while a store is active — queued with `tag` and the bytes it holds
 // (NOTE [B/W split]), undefined then and for a frozen weight (no W work for it). Every
@@ -69,14 +184,17 @@ std::function<at::Tensor()> WeightGradOf(const at::Tensor& grad_out, const at::T
 at::Tensor WeightGradOrDefer(const at::Tensor& weight, const at::Tensor& grad_out,
                              const at::Tensor& input, int64_t tag) {
   if (!weight.requires_grad()) return at::Tensor();
-  std::function<at::Tensor()> weight_grad = WeightGradOf(grad_out, input, weight.scalar_type());
   if (WeightGradStore* store = WeightGradStore::Active()) {
     // Deferred; autograd receives no gradient for the weight.
-    store->Push([weight, weight_grad]() { AccumulateInto(weight, weight_grad()); }, tag,
-                Bytes(grad_out) + Bytes(input));
+    store->Push([weight, grad_out, input]() { AccumulateWeightGradInto(weight, grad_out, input); },
+                tag, Bytes(grad_out) + Bytes(input));
     return at::Tensor();
   }
-  return weight_grad();
+  if (AccumulatesInGemm(weight)) {  // NOTE [gradient accumulation fusion]
+    AccumulateWeightGradInto(weight, grad_out, input);
+    return at::Tensor();
+  }
+  return WeightGradOf(grad_out, input, weight.scalar_type())();
 }
 
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -88,7 +206,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
     // NOTE [mixed precision]: the GEMM runs in the input's dtype; the master weight is
     // saved, not its cast (the backward casts again rather than hold a second copy).
-    return at::matmul(input, weight.to(input.scalar_type()).t());
+    return at::matmul(input, ForCompute(weight, input.scalar_type()).t());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -101,7 +219,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // A first trainable layer after a frozen prefix needs no input gradient (NOTE [frozen
     // prefix] in core/gpt_model.h).
     at::Tensor grad_input = ctx->needs_input_grad(0)
-                                ? at::matmul(grad_out, weight.to(grad_out.scalar_type()))
+                                ? at::matmul(grad_out, ForCompute(weight, grad_out.scalar_type()))
                                 : at::Tensor();
     at::Tensor grad_weight =
         WeightGradOrDefer(weight, grad_out, input, ctx->saved_data[kTagKey].toInt());
@@ -164,14 +282,14 @@ class LinearGeluMlpFunction : public torch::autograd::Function<LinearGeluMlpFunc
                             const at::Tensor& fc2_weight, bool tanh_approx) {
     const at::ScalarType dtype = input.scalar_type();
     kernels::LinearGeluOutput fc1 = kernels::LinearBiasGeluForward(
-        input, fc1_weight.to(dtype), fc1_bias.value_or(at::Tensor()), tanh_approx);
+        input, ForCompute(fc1_weight, dtype), fc1_bias.value_or(at::Tensor()), tanh_approx);
     // What the unfused MLP keeps: fc1's input, the GeLU's input and fc2's input (the
     // weights are leaves, saved without a copy).
     ctx->save_for_backward({input, fc1_weight, fc2_weight, fc1.pre_activation, fc1.output});
     ctx->saved_data[kTagKey] = WeightGradStore::CurrentTag();
     ctx->saved_data["tanh_approx"] = tanh_approx;
     ctx->saved_data["has_bias"] = fc1_bias.has_value();
-    return at::matmul(fc1.output, fc2_weight.to(dtype).t());
+    return at::matmul(fc1.output, ForCompute(fc2_weight, dtype).t());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -188,14 +306,14 @@ class LinearGeluMlpFunction : public torch::autograd::Function<LinearGeluMlpFunc
     // needs_input_grad counts the tensor inputs only: 2 is the bias when there is one.
     const bool want_bias_grad = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     kernels::GeluInputGrad fc2_back =
-        kernels::LinearGeluInputGrad(grad_out, fc2_weight.to(dtype), pre,
+        kernels::LinearGeluInputGrad(grad_out, ForCompute(fc2_weight, dtype), pre,
                                      ctx->saved_data["tanh_approx"].toBool(), want_bias_grad);
     const at::Tensor grad_pre = fc2_back.grad_pre_activation.contiguous();
     // fc2's weight gradient before fc1's: the order autograd runs the unfused Linears in,
     // so a deferred queue holds the same closures in the same order.
     at::Tensor grad_fc2_weight = WeightGradOrDefer(fc2_weight, grad_out, h, tag);
     at::Tensor grad_input =
-        ctx->needs_input_grad(0) ? at::matmul(grad_pre, fc1_weight.to(dtype)) : at::Tensor();
+        ctx->needs_input_grad(0) ? at::matmul(grad_pre, ForCompute(fc1_weight, dtype)) : at::Tensor();
     at::Tensor grad_fc1_weight = WeightGradOrDefer(fc1_weight, grad_pre, input, tag);
     return {grad_input, grad_fc1_weight, fc2_back.grad_bias, grad_fc2_weight, at::Tensor()};
   }

@@ -158,6 +158,12 @@ class WeightGradStore {
   int64_t held_bytes_ = 0;
 };
 
+/// `master` in `dtype` from the compute-copy cache (NOTE [compute copies of the weights] in
+/// core/linear.cc): made once, refreshed in place when the master's version counter moved,
+/// allocated unreported to the thread's memory reporter. The GEMMs here use it on
+/// accelerators only (the CPU casts where it computes); public for its tests.
+at::Tensor ComputeCopyOf(const at::Tensor& master, at::ScalarType dtype);
+
 /// y = x·Wᵀ + b for x [..., in], W [out, in], b [out] (may be undefined). The result has x's
 /// dtype; W and b may be wider masters (NOTE [mixed precision]).
 at::Tensor LinearForward(const at::Tensor& input, const at::Tensor& weight,

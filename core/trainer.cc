@@ -258,17 +258,31 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     FULCRUM_ASSIGN_OR_RETURN(auto result, pipeline->Run(*model_, iteration, plan, 1.0 / total_tokens));
     loss_sum = result.first;
   } else {
+    // NOTE [no host waits inside the step]: on a GPU a host copy of the batch or a read of
+    // the loss waits for the work queued before it, and the device idles while the host then
+    // launches the next micro-batch. So every micro-batch's tokens go to the device before
+    // the first forward, and the losses add up there (fp64, in micro-batch order: the same
+    // bits as adding them on the host) and are read once, after the last backward.
+    const c10::Device device = model_->options().device_spec.device;
+    std::vector<at::Tensor> tokens(local_micro), positions(local_micro);
+    for (int64_t m = 0; m < local_micro; ++m) {
+      const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
+      ReadMicroBatch(*train_data_, first, &tokens[m],
+                     model_->needs_token_positions() ? &positions[m] : nullptr);
+      tokens[m] = tokens[m].to(device);
+    }
+    at::Tensor losses;
     for (int64_t m = 0; m < local_micro; ++m) {
       const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
       ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
       ctx.epoch = epoch;
-      at::Tensor tokens;
-      ReadMicroBatch(*train_data_, first, &tokens,
-                     model_->needs_token_positions() ? &ctx.token_positions : nullptr);
-      LossSum loss = model_->ForwardLoss(tokens, ctx);
+      ctx.token_positions = positions[m];
+      LossSum loss = model_->ForwardLoss(tokens[m], ctx);
       (loss.sum / total_tokens).backward();
-      loss_sum += loss.sum.item<double>();
+      const at::Tensor sum = loss.sum.detach().to(at::kDouble);
+      losses = losses.defined() ? losses + sum : sum;
     }
+    if (losses.defined()) loss_sum += losses.item<double>();
   }
   // The units are read only now: a pipeline run may have moved layers between stages
   // (NOTE [layer migration]), and the optimizer step runs on the new layout.

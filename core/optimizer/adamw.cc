@@ -1,8 +1,12 @@
 #include "core/optimizer/adamw.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
+#include <map>
+#include <string>
+#include <tuple>
 
 #include "core/status.h"
 
@@ -32,17 +36,33 @@ double SquaredSum(const at::Tensor& g) {
 
 }  // namespace
 
+// NOTE [gradient norm on a device]
+// On the CPU each gradient's Σ g² is summed in turn (SquaredSum). A gradient on an
+// accelerator is not read back one by one: that was one host synchronisation per parameter
+// (292 a step on the 1.3B GPT, the GPU idle while the host waited and then launched the
+// next; Kineto profile, docs/gpu-runs/2026-11-26c/). Their L2 norms come from one
+// multi-tensor call in fp64 (_foreach_norm), are squared and summed on the device, and
+// read once. fp64 as on the CPU; the summation order differs, so the last bits may.
 double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated,
                              bool expert_parallel) {
   double sum = 0.0;
+  std::vector<at::Tensor> on_device;
   for (Unit* unit : units) {
     for (const Parameter& p : unit->parameters()) {
       const at::Tensor& g = p.value.grad();
       if (!g.defined() || p.expert_parallel != expert_parallel) continue;
       if (!include_replicated && !(p.tp_shard_dim >= 0 && unit->tp_size() > 1)) continue;
       if (!p.mirror_of.empty()) continue;  // its source counts it
-      sum += SquaredSum(g);
+      if (g.device().is_cpu()) {
+        sum += SquaredSum(g);
+      } else {
+        on_device.push_back(g);
+      }
     }
+  }
+  if (!on_device.empty()) {
+    const std::vector<at::Tensor> norms = at::_foreach_norm(on_device, 2, at::kDouble);
+    sum += at::stack(norms).square().sum().item<double>();
   }
   return sum;
 }
@@ -94,10 +114,29 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   return result;
 }
 
+// NOTE [fused AdamW on a device]
+// The per-tensor update below is ~8 kernels per parameter; on a GPU that is thousands of
+// small launches a step. There the parameters go to LibTorch's fused AdamW
+// (at::_fused_adamw_, the kernel behind torch.optim.AdamW(fused=True)): one multi-tensor
+// launch per group of parameters that share a step count, a weight decay, a device and a
+// dtype. Its update is the same formula — w ← w − lr·λ·w; m, v as below; w ← w −
+// (lr / (1 − β1ᵗ))·m / (√v / √(1 − β2ᵗ) + ε) — evaluated in fp32 registers, so its last bits
+// may differ from the per-tensor ops (AdamWTest.FusedMatchesPerTensor states the bound). The
+// CPU keeps the per-tensor ops: every bit-exact CPU test is written against them.
+namespace {
+
+struct FusedGroup {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+};
+
+}  // namespace
+
 void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
   at::NoGradGuard no_grad;
   const double beta1 = options_.adam_beta1;
   const double beta2 = options_.adam_beta2;
+  // (step, decays, device, dtype) → its parameters.
+  std::map<std::tuple<int64_t, bool, std::string, at::ScalarType>, FusedGroup> fused;
   for (Unit* unit : units) {
     // A frozen unit (no parameter requires a gradient) takes no step at all.
     bool trainable = false;
@@ -117,6 +156,19 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
         p.exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
         p.exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
       }
+      const bool fuse = kernel_ == Kernel::kFused ||
+                        (kernel_ == Kernel::kAuto && !p.value.device().is_cpu());
+      if (fuse && p.value.is_contiguous() && grad.is_contiguous() &&
+          grad.scalar_type() == p.value.scalar_type() && grad.device() == p.value.device()) {
+        const bool decays = p.weight_decay && options_.weight_decay != 0.0;
+        FusedGroup& group =
+            fused[{step, decays, p.value.device().str(), p.value.scalar_type()}];
+        group.params.push_back(p.value);
+        group.grads.push_back(grad);
+        group.exp_avgs.push_back(p.exp_avg);
+        group.exp_avg_sqs.push_back(p.exp_avg_sq);
+        continue;
+      }
       // Decoupled decay first, on the pre-update weights: w ← w·(1 − lr·λ).
       if (p.weight_decay && options_.weight_decay != 0.0) {
         p.value.mul_(1.0 - lr * options_.weight_decay);
@@ -126,6 +178,23 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
       at::Tensor denom = (p.exp_avg_sq.sqrt() / sqrt_bc2).add_(options_.adam_eps);
       p.value.addcdiv_(p.exp_avg, denom, -step_size);
     }
+  }
+  for (auto& [key, group] : fused) {
+    const auto& [step, decays, device, dtype] = key;
+    // The kernel reads the step count (already advanced) from a tensor per parameter.
+    const at::Tensor step_count = at::full({}, static_cast<double>(step),
+                                           at::TensorOptions().dtype(at::kFloat).device(
+                                               group.params.front().device()));
+    const std::vector<at::Tensor> steps(group.params.size(), step_count);
+    at::_fused_adamw_(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs,
+                      /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
+                      decays ? options_.weight_decay : 0.0, options_.adam_eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+    // The fused kernel writes the weights without bumping their version counters (unlike
+    // the per-tensor ops): bumped here, or the compute copies of the weights (NOTE
+    // [compute copies of the weights], core/linear.cc) would stay the old weights — what
+    // the first GPU run of this path did (MixedPrecisionTest.GpuBf16LossesFollowTheCpuBf16).
+    for (const at::Tensor& param : group.params) torch::autograd::impl::bump_version(param);
   }
 }
 

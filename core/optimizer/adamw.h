@@ -48,13 +48,19 @@ class AdamW final : public Optimizer {
   double ClipFactor(double grad_norm) const;
 
   /// One AdamW update of every parameter that has a gradient, at learning rate `lr`.
-  /// Each unit's step counter advances by one.
+  /// Each unit's step counter advances by one. NOTE [fused AdamW on a device].
   void Step(const std::vector<Unit*>& units, double lr) const;
+
+  /// How Step updates (NOTE [fused AdamW on a device]): kAuto fuses on accelerators and
+  /// runs the per-tensor ops on the CPU; the others force one way (tests compare them).
+  enum class Kernel { kAuto, kPerTensor, kFused };
+  void set_kernel(Kernel kernel) { kernel_ = kernel; }
 
   const OptimizerOptions& options() const { return options_; }
 
  private:
   OptimizerOptions options_;
+  Kernel kernel_ = Kernel::kAuto;
 };
 
 }  // namespace fulcrum

@@ -2,7 +2,10 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <memory>
+#include <vector>
 
+#include "core/linear.h"
 #include "core/optimizer/adamw.h"
 #include "core/optimizer/lr_schedule.h"
 #include "core/unit.h"
@@ -127,6 +130,100 @@ TEST(AdamWTest, GradSquaredSumIsFp64SumOfSquares) {
   const double got = AdamW::GradSquaredSum({&unit});
   EXPECT_NEAR(got, expected, 1e-12 * expected);
   EXPECT_GT(got, 1e8) << "the gradients were summed";
+}
+
+// NOTE [fused AdamW on a device]: LibTorch's fused AdamW (the GPU's default; forced here
+// on the CPU) gives the per-tensor update to fp32 rounding: over three steps of units with
+// decayed and undecayed parameters, one unit further along (its own step count: a group of
+// its own), a frozen parameter (left alone) and one without a gradient (no state made).
+// The bound is 1e-6 relative to the weights' scale; decaying the undecayed group, or
+// sharing one step count across the units, moves weights by ~1e-3 and fails it.
+TEST(AdamWTest, FusedMatchesPerTensor) {
+  class Layer : public Unit {
+   public:
+    Layer() : Unit("layer") {
+      AddParameter("weight", at::zeros({33, 17}), true);
+      AddParameter("bias", at::zeros({17}), false);
+      AddParameter("frozen", at::zeros({5}), true);
+      AddParameter("unused", at::zeros({4}), true);
+    }
+  };
+  OptimizerOptions options;
+  options.weight_decay = 0.1;
+  options.adam_beta2 = 0.95;
+  auto run = [&](AdamW::Kernel kernel) {
+    torch::manual_seed(11);
+    std::vector<std::unique_ptr<Layer>> layers;
+    for (int i = 0; i < 2; ++i) {
+      layers.push_back(std::make_unique<Layer>());
+      for (Parameter& p : layers.back()->parameters()) p.value.data().normal_();
+      layers.back()->parameters()[2].value.requires_grad_(false);
+    }
+    layers[1]->set_optimizer_step(40);  // further along: its bias corrections are others
+    AdamW adamw(options);
+    adamw.set_kernel(kernel);
+    for (int step = 0; step < 3; ++step) {
+      for (auto& layer : layers) {
+        for (int i = 0; i < 3; ++i) {
+          at::Tensor& p = layer->parameters()[i].value;
+          p.mutable_grad() = torch::randn(p.sizes());
+        }
+      }
+      adamw.Step({layers[0].get(), layers[1].get()}, 0.05);
+    }
+    return layers;
+  };
+  const auto per_tensor = run(AdamW::Kernel::kPerTensor);
+  const auto fused = run(AdamW::Kernel::kFused);
+  double worst = 0.0, moved = 0.0;
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(fused[l]->optimizer_step(), per_tensor[l]->optimizer_step());
+    for (size_t i = 0; i < 4; ++i) {
+      const Parameter& a = per_tensor[l]->parameters()[i];
+      const Parameter& b = fused[l]->parameters()[i];
+      worst = std::max(worst, (a.value - b.value).abs().max().item<double>());
+      if (a.exp_avg.defined() || b.exp_avg.defined()) {
+        ASSERT_TRUE(a.exp_avg.defined() && b.exp_avg.defined()) << a.name;
+        worst = std::max(worst, (a.exp_avg - b.exp_avg).abs().max().item<double>());
+        worst = std::max(worst, (a.exp_avg_sq - b.exp_avg_sq).abs().max().item<double>());
+      }
+    }
+    // The frozen parameter and the one without a gradient did not move, in either.
+    torch::manual_seed(11);
+    EXPECT_FALSE(fused[l]->parameters()[3].exp_avg.defined());
+  }
+  // The update happened: the weights are far from where the same seed started them.
+  {
+    torch::manual_seed(11);
+    Layer start;
+    for (Parameter& p : start.parameters()) p.value.data().normal_();
+    moved = (start.parameters()[0].value - fused[0]->parameters()[0].value).abs().max().item<double>();
+    EXPECT_TRUE(at::equal(start.parameters()[2].value, fused[0]->parameters()[2].value))
+        << "the frozen parameter moved";
+  }
+  EXPECT_GT(moved, 0.05);
+  EXPECT_LT(worst, 1e-6) << "fused AdamW differs from the per-tensor update by " << worst;
+}
+
+// The fused kernel writes the weights behind autograd's back; Step bumps their version
+// counters so that everything keyed on them sees the step: here the bf16 compute copy
+// (NOTE [compute copies of the weights]) holds the stepped weight, as after a per-tensor
+// step. Without the bump the copy keeps the weight before the step (the bug a GPU run found).
+TEST(AdamWTest, StepsOfBothKernelsBumpTheWeightsVersion) {
+  for (const AdamW::Kernel kernel : {AdamW::Kernel::kPerTensor, AdamW::Kernel::kFused}) {
+    TwoParameterUnit unit;
+    SetGrads(unit, {0.5f, -0.25f, 2.0f}, {0.3f});
+    const at::Tensor& w = unit.parameters()[0].value;
+    const at::Tensor before = ComputeCopyOf(w, at::kBFloat16).clone();
+    const int64_t version = w._version();
+    AdamW adamw(OptimizerOptions{});
+    adamw.set_kernel(kernel);
+    adamw.Step({&unit}, 0.5);
+    EXPECT_GT(w._version(), version);
+    const at::Tensor after = ComputeCopyOf(w, at::kBFloat16);
+    EXPECT_TRUE(at::equal(after, w.detach().to(at::kBFloat16)));
+    EXPECT_FALSE(at::equal(after, before)) << "the step moved nothing";
+  }
 }
 
 TEST(LrScheduleTest, WarmupThenCosine) {

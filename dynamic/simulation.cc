@@ -244,6 +244,37 @@ absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int nu
   return PartitionBalance(problem);
 }
 
+// NOTE [oracle placement]
+// The upper bound of S_bal (issue 25: T(best static) / T(best balanced) on the same dynamic
+// costs): iteration i runs on the placement that minimises its own bottleneck stage, found
+// with that iteration's true costs, with no migration time and no decision time. A balancer
+// plans iteration i from iteration i-1's measurements (NOTE [simulated loads]) and pays for
+// its moves; where the loads do not persist from one iteration to the next (MoE loads with
+// low autocorrelation), the gap between the two is what no balancer acting on the past can
+// close. The objective is the balancers' own (the bottleneck of F + B + W per stage, the
+// pinned units included), not the simulated makespan: a placement with a smaller
+// bottleneck can, rarely, fill or drain the pipeline a little longer.
+Strategy OracleStrategy() {
+  Strategy oracle;
+  oracle.name = "oracle";
+  oracle.oracle = true;
+  return oracle;
+}
+
+absl::StatusOr<Placement> OraclePlacement(const IterationCosts& costs, int num_stages,
+                                          const std::vector<int>& chunk_rank) {
+  BalanceProblem problem;
+  problem.num_stages = num_stages;
+  problem.chunk_rank = chunk_rank;
+  problem.layer_cost.resize(costs.num_layers());
+  for (int64_t l = 0; l < costs.num_layers(); ++l) {
+    problem.layer_cost[l] = costs.forward[l] + costs.backward[l] + costs.weight[l];
+  }
+  problem.first_stage_cost = costs.first_forward + costs.first_backward + costs.first_weight;
+  problem.last_stage_cost = costs.last_forward + costs.last_backward + costs.last_weight;
+  return PartitionBalance(problem);
+}
+
 absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strategy& strategy,
                                          const BalancerOptions& options) {
   if (!scenario.costs) return absl::InvalidArgumentError("scenario '" + scenario.name + "' has no costs");
@@ -309,10 +340,18 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     IterationCosts costs = i == 1 ? first : scenario.costs(i);
     if (absl::Status s = CheckCosts(costs, layers, i); !s.ok()) return s;
 
+    if (strategy.oracle) {  // NOTE [oracle placement]: placed on its own costs, for free.
+      absl::StatusOr<Placement> best = OraclePlacement(costs, scenario.num_stages, chunk_rank);
+      if (!best.ok()) return best.status();
+      current = *std::move(best);
+    }
     // Plan(i) with what iteration i-1 measured (NOTE [simulated loads]).
     std::vector<pipeline::StageLoad> loads;
-    if (i > 1 && !previous.recorded_loads.empty() && previous.recorded_ran_on == previous_ran_on &&
-        PlacementOf(previous.recorded_loads) == current) {
+    if (strategy.oracle) {
+      // No balancer: nothing to hand over.
+    } else if (i > 1 && !previous.recorded_loads.empty() &&
+               previous.recorded_ran_on == previous_ran_on &&
+               PlacementOf(previous.recorded_loads) == current) {
       loads = previous.recorded_loads;
     } else if (i > 1) {
       loads = SimulatedLoads(previous, previous_schedule, previous_ran_on, current,
@@ -321,10 +360,13 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
       loads = SimulatedLoads(costs, schedule_on(costs, current), current, current, nullptr);
     }
     const auto decide_start = Clock::now();
-    pipeline::RebalanceDecision decision = (*rebalancer)->Plan(i, loads);
+    pipeline::RebalanceDecision decision;
+    if (!strategy.oracle) decision = (*rebalancer)->Plan(i, loads);
     if (!decision.error.ok()) return decision.error;  // As training ends on it.
     const double decision_ms =
-        std::chrono::duration<double, std::milli>(Clock::now() - decide_start).count();
+        strategy.oracle ? 0.0
+                        : std::chrono::duration<double, std::milli>(Clock::now() - decide_start)
+                              .count();
     Placement next = current;
     if (!decision.target.empty()) {
       if (absl::Status s = pipeline::ValidateRanges(decision.target, layers, num_virtual);
@@ -373,7 +415,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     run.decision_ms += it.decision_ms;
     run.iterations.push_back(std::move(it));
 
-    if (costs.model_changed) (*rebalancer)->OnModelChanged(i, costs.change_reason);
+    if (costs.model_changed && !strategy.oracle) (*rebalancer)->OnModelChanged(i, costs.change_reason);
     previous_ran_on = current;
     previous_schedule = std::move(ran);
     previous_timeline = timeline;

@@ -129,12 +129,26 @@ struct Strategy {
   std::string rebalancer = "none";  ///< A BalancerRegistry name.
   BalanceBy by = BalanceBy::kTime;
   bool params_initial = false;  ///< Start from DeepSpeed's parameter-balanced placement.
-  bool is_static() const { return rebalancer == "none"; }
+  /// NOTE [oracle placement]: every iteration on the placement Partition finds for that
+  /// iteration's own costs, moved there for free. No balancer can do this (it knows an
+  /// iteration's costs only after it ran, and moving costs time): the upper bound of what
+  /// placing layers can give. `rebalancer` and `by` are not used.
+  bool oracle = false;
+  bool is_static() const { return rebalancer == "none" && !oracle; }
 };
 
 /// Megatron (uniform), DeepSpeed (params), then Partition and Diffusion by time and by
 /// parameters: the six strategies the issue compares.
 std::vector<Strategy> StandardStrategies();
+
+/// NOTE [oracle placement]: the same-iteration optimum ("oracle").
+Strategy OracleStrategy();
+
+/// The placement minimising the bottleneck (virtual) stage of `costs` alone: Partition on
+/// each layer's F + B + W, the embedding's and the head's pinned to the ends (NOTE [oracle
+/// placement]). `chunk_rank` as ParameterPlacement's.
+absl::StatusOr<Placement> OraclePlacement(const IterationCosts& costs, int num_stages,
+                                          const std::vector<int>& chunk_rank = {});
 
 /// One simulated iteration.
 struct SimulatedIteration {

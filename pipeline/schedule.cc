@@ -1086,15 +1086,18 @@ absl::Status ValidateSchedule(const Schedule& schedule) {
   return CheckRunsToCompletion(checked);
 }
 
+bool RunsForwardOnly(const Schedule& schedule, int stage, int chunk) {
+  if (schedule.forward_only <= 0) return false;
+  const int k = VirtualStageOf(schedule, stage, chunk);
+  return k >= 0 && k < schedule.forward_only;
+}
+
 int PeakInFlight(const Schedule& schedule, int stage) {
   int held = 0;
   int peak = 0;
   for (const Action& action : schedule.stages.at(stage)) {
     // NOTE [forward-only stages]: such a forward holds nothing.
-    if (schedule.forward_only > 0) {
-      const int k = VirtualStageOf(schedule, stage, action.chunk);
-      if (k >= 0 && k < schedule.forward_only) continue;
-    }
+    if (RunsForwardOnly(schedule, stage, action.chunk)) continue;
     held += InFlightDelta(action.kind);
     peak = std::max(peak, held);
   }

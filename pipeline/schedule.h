@@ -115,6 +115,10 @@ std::vector<ChunkId> VirtualStages(const Schedule& schedule);
 
 /// The model-order index of (stage, chunk); -1 when the schedule has no such chunk.
 int VirtualStageOf(const Schedule& schedule, int stage, int chunk);
+/// Whether `stage`'s chunk `chunk` lies in the schedule's forward-only prefix (its virtual
+/// stage < schedule.forward_only: NOTE [forward-only stages]); false for a chunk the stage
+/// does not hold.
+bool RunsForwardOnly(const Schedule& schedule, int stage, int chunk);
 
 /// Megatron's interleaved layout (Narayanan et al. 2021 §2.2): the model is cut into p·v
 /// pieces dealt round-robin, virtual stage k on stage k % p as its chunk k / p.

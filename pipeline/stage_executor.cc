@@ -182,8 +182,7 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
   std::vector<int> chunk_done(schedule.num_chunks, -1);
   for (const Action& a : schedule.stages[stage]) {
     if (!training && a.kind != ActionKind::kForward) continue;
-    if (training && (a.kind != ActionKind::kForward ||
-                     VirtualStageOf(schedule, stage, a.chunk) < schedule.forward_only)) {
+    if (training && (a.kind != ActionKind::kForward || RunsForwardOnly(schedule, stage, a.chunk))) {
       chunk_done[a.chunk] = static_cast<int>(actions.size());
     }
     actions.push_back(a);

@@ -246,6 +246,16 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
   return absl::OkStatus();
 }
 
+// NOTE [three numbers]
+// DynMo's table mixes two kinds of figure (issue 25): its MoE and MoD speedups are what
+// balancing alone gains on the same dynamic model (their idle fractions give them:
+// (1−0.08)/(1−0.25) = 1.23), its pruning, freezing, sparse-attention and early-exit figures
+// also count the dynamism's own saving against a dense model. Each case here prints both:
+//   S_bal   = T(best static placement, dynamic costs) / T(best time balancer, same costs)
+//   S_dyn   = T(best static, dense model) / T(best static, dynamic costs)
+//   S_total = S_bal × S_dyn = T(best static, dense) / T(best balancer, dynamic)
+// and the bound of S_bal, T(best static) / T(oracle) (NOTE [oracle placement] in
+// dynamic/simulation.cc), beside DynMo's figure and the name of the one it compares to.
 int RunCases(std::string* out) {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
@@ -341,21 +351,39 @@ int RunCases(std::string* out) {
     const SimulatedRun* fixed = Best(*runs, true);
     const SimulatedRun* balanced = Best(*runs, false);
     if (fixed == nullptr || balanced == nullptr) continue;
-    std::string versus_dense;
+    // Issue 25's three numbers (NOTE [three numbers] above RunCases).
+    absl::StatusOr<SimulatedRun> oracle =
+        dynamic::SimulateRun(c.scenario, dynamic::OracleStrategy(), Options());
+    if (!oracle.ok()) {
+      std::fprintf(stderr, "%s: oracle: %s\n", name.c_str(), std::string(oracle.status().message()).c_str());
+      return 1;
+    }
+    std::printf("  %-20s %10.1f ms  bubble %.3f  (each iteration on its own best placement, moved "
+                "for free: the bound of S_bal)\n",
+                "oracle", oracle->total_ms, oracle->mean_bubble_ratio);
+    const double s_bal = fixed->total_ms / balanced->total_ms;
+    const double s_bal_bound = fixed->total_ms / oracle->total_ms;
+    std::string s_dyn = "  -  ", s_total = "  -  ";
+    double dense_static = 0;  // The best static placement of the dense model.
     if (c.versus_dense) {
       const dynamic::Scenario dense = sim::DenseScenario(c, options);
-      double best_dense = 0;  // The best static placement of the dense model.
       for (int k : {0, 1}) {
         absl::StatusOr<SimulatedRun> d =
             dynamic::SimulateRun(dense, dynamic::StandardStrategies()[k], Options());
-        if (d.ok() && (best_dense == 0 || d->total_ms < best_dense)) best_dense = d->total_ms;
+        if (d.ok() && (dense_static == 0 || d->total_ms < dense_static)) dense_static = d->total_ms;
       }
-      if (best_dense > 0) versus_dense = absl::StrFormat(", %.2fx vs dense", best_dense / balanced->total_ms);
+      if (dense_static > 0) {
+        s_dyn = absl::StrFormat("%5.2fx", dense_static / fixed->total_ms);
+        s_total = absl::StrFormat("%5.2fx", dense_static / balanced->total_ms);
+        std::printf("  dense model, best static placement: %.1f ms\n", dense_static);
+      }
     }
     std::string gpus = "-";
+    double gpus_after = c.scenario.num_stages;
     if (FLAGS_repack) {
       const auto [mean, series] = Repack(c.scenario, *balanced);
       gpus = absl::StrFormat("%.1f", mean);
+      gpus_after = mean;
       std::printf("  re-packed stages over iterations (the --repack=auto decision, slowdown <= %.0f%%): %s; "
                   "mean %.1f of %d\n",
                   100 * FLAGS_repack_slack, series.c_str(), mean, c.scenario.num_stages);
@@ -363,19 +391,27 @@ int RunCases(std::string* out) {
     const double overhead = balanced->total_ms > 0
                                 ? 100 * (balanced->decision_ms + balanced->migration_ms) / balanced->total_ms
                                 : 0;
+    const double tokens_per_gpu =
+        c.scenario.tokens_per_iteration * balanced->iterations_per_second() / gpus_after;
     table.push_back(absl::StrFormat(
-        "%-17s bubble %4.1f%% -> %4.1f%%  %5.2fx%-15s GPUs %2d -> %-4s ovh %4.2f%% | DynMo: %s", name,
-        100 * fixed->mean_bubble_ratio, 100 * balanced->mean_bubble_ratio,
-        fixed->total_ms / balanced->total_ms, versus_dense, c.scenario.num_stages, gpus, overhead,
-        c.dynmo));
+        "%-17s idle %4.1f%% -> %4.1f%% (oracle %4.1f%%)  S_bal %5.2fx (bound %5.2fx)  S_dyn %s  "
+        "S_total %s  GPUs %2d -> %-4s %7.0f tok/s/GPU  ovh %4.2f%% | DynMo: %s -- compare: %s",
+        name, 100 * fixed->mean_bubble_ratio, 100 * balanced->mean_bubble_ratio,
+        100 * oracle->mean_bubble_ratio, s_bal, s_bal_bound, s_dyn, s_total,
+        c.scenario.num_stages, gpus, tokens_per_gpu, overhead, c.dynmo, c.dynmo_compares));
     std::printf("  best static: %s; best balanced: %s (decisions %.1f ms measured, migration %.1f ms "
                 "= bytes / bandwidth)\n",
                 fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
                 balanced->migration_ms);
   }
-  std::printf("\nDynMo table (SIMULATED; bubble = mean idle fraction of the stages, best static -> "
-              "best time balancer; speedup over the best static baseline; overhead = decision time "
-              "measured + migration bytes / bandwidth, of the balanced run's time):\n");
+  std::printf(
+      "\nDynMo table (SIMULATED; idle = mean idle fraction of the stages, best static -> best "
+      "time balancer (the oracle's); S_bal = T(best static) / T(best balanced), both on the "
+      "dynamic costs, bound = T(best static) / T(oracle); S_dyn = T(dense, best static) / "
+      "T(dynamic, best static): the dynamism's own saving; S_total = S_bal x S_dyn; tok/s/GPU "
+      "of the balanced run on the GPUs it keeps; ovh = decision time measured + migration "
+      "bytes / bandwidth, of the balanced run's time; 'compare' names which of ours DynMo's "
+      "figure measures):\n");
   for (const std::string& row : table) std::printf("  %s\n", row.c_str());
   std::printf("(%.1f s)\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return 0;

@@ -85,9 +85,14 @@ struct NamedCase {
   dynamic::Scenario scenario;
   std::string provenance;     ///< Where the per-layer behaviour comes from.
   std::string dynmo;          ///< DynMo's published figures.
-  /// Compare also with the dense model's static run (the dynamism's own savings counted, as
-  /// DynMo does for sparse attention and early exit).
+  /// The model has a dense counterpart (DenseScenario: the same shape without the
+  /// dynamism), so S_dyn and S_total exist (issue 25); false for MoE, whose dynamic model is
+  /// the model.
   bool versus_dense = false;
+  /// Which of our three numbers DynMo's figure is comparable to: "S_bal" (its MoE and MoD
+  /// figures, what their idle fractions give) or "S_total" (the others include the
+  /// dynamism's own savings).
+  std::string dynmo_compares = "S_bal";
 };
 
 /// "moe, pruning, freezing, sparse_attention, early_exit, mod".

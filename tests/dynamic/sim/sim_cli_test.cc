@@ -61,9 +61,20 @@ TEST(SimCliTest, CaseAllPrintsTheSixCaseTable) {
     const size_t row = output.find(std::string("\n  ") + name + " ", table);
     ASSERT_NE(row, std::string::npos) << name << "\n" << output;
     const std::string line = output.substr(row + 3, output.find('\n', row + 3) - row - 3);
-    EXPECT_NE(line.find("bubble"), std::string::npos) << line;
+    EXPECT_NE(line.find("idle"), std::string::npos) << line;
     EXPECT_NE(line.find("DynMo:"), std::string::npos) << line;
     EXPECT_NE(line.find("GPUs"), std::string::npos) << line;
+    // NOTE [three numbers]: S_bal with the oracle's bound, S_dyn, S_total, and which of
+    // them DynMo's figure compares to; MoE has no dense counterpart.
+    for (const char* field : {"S_bal", "(bound", "S_dyn", "S_total", "tok/s/GPU", "compare: S_"}) {
+      EXPECT_NE(line.find(field), std::string::npos) << field << ": " << line;
+    }
+    double s_bal = 0, bound = 0;
+    ASSERT_EQ(std::sscanf(line.c_str() + line.find("S_bal"), "S_bal %lfx (bound %lfx)", &s_bal, &bound), 2)
+        << line;
+    EXPECT_GT(s_bal, 0.9) << line;
+    EXPECT_GE(bound, 0.99) << "the oracle is at least the static placement: " << line;
+    EXPECT_EQ(line.find("S_dyn   -") != std::string::npos, std::string(name) == "moe") << line;
   }
 }
 

@@ -91,6 +91,41 @@ TEST(SimulateRunTest, PartitionMovesAfterProfilingAndMigrationIsCounted) {
   EXPECT_NEAR(run->iterations[1].iteration_ms, run->iterations[1].makespan_ms + 1.01, 1e-9);
 }
 
+// NOTE [oracle placement]: the oracle runs every iteration on that iteration's own optimum,
+// moved for free. Costs alternating between heavy-first (3, 1, 1, 1) and heavy-last
+// (1, 1, 1, 3) on 2 stages: the oracle's placements alternate with them ([0,1) [1,4), then
+// [0,3) [3,4)), every iteration balanced at 3:3 (ZB-H1, m = 4: 3·(3m + p − 1) = 39), nothing
+// counted as moved; Partition by time plans each iteration from the one before, so from its
+// first decision on it runs each iteration on the previous one's optimum — the wrong one
+// here — and is slower than the oracle.
+TEST(SimulateRunTest, OracleRunsEachIterationOnItsOwnOptimum) {
+  Scenario s = Fixed({3, 1, 1, 1}, 2, 4, "zbh1", 6);
+  s.costs = [](int64_t i) {
+    return UniformKindCosts(i % 2 == 1 ? std::vector<double>{3, 1, 1, 1}
+                                       : std::vector<double>{1, 1, 1, 3},
+                            1e6);
+  };
+  absl::StatusOr<SimulatedRun> oracle = SimulateRun(s, OracleStrategy(), BalancerOptions{});
+  ASSERT_TRUE(oracle.ok()) << oracle.status();
+  ASSERT_EQ(oracle->iterations.size(), 6u);
+  for (const SimulatedIteration& it : oracle->iterations) {
+    const Placement best = it.iteration % 2 == 1 ? Placement{{0, 1}, {1, 4}} : Placement{{0, 3}, {3, 4}};
+    EXPECT_EQ(it.placement, best) << "iteration " << it.iteration;
+    EXPECT_NEAR(it.makespan_ms, 39, 1e-9) << "iteration " << it.iteration;
+    EXPECT_EQ(it.layers_moved, 0);
+    EXPECT_EQ(it.migration_ms, 0);
+    EXPECT_EQ(it.decision_ms, 0);
+  }
+  EXPECT_TRUE(OracleStrategy().oracle);
+  EXPECT_FALSE(OracleStrategy().is_static());
+  absl::StatusOr<SimulatedRun> partition = SimulateRun(s, kPartition, BalancerOptions{});
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  EXPECT_GT(partition->total_ms, oracle->total_ms + 1.0);
+  absl::StatusOr<SimulatedRun> uniform = SimulateRun(s, kUniform, BalancerOptions{});
+  ASSERT_TRUE(uniform.ok()) << uniform.status();
+  EXPECT_GT(uniform->total_ms, oracle->total_ms + 1.0);
+}
+
 TEST(SimulateRunTest, ParamsBaselineBalancesParameters) {
   // Parameters (4, 1, 1, 1, 1) over 2 stages: DeepSpeed's split is [0,1) [1,5).
   Scenario s = Fixed({1, 1, 1, 1, 1}, 2, 2, "1f1b", 1);

@@ -532,9 +532,8 @@ absl::Status Trainer::Run() {
   std::vector<double> expert_count{0.0};  // Different on each expert-parallel rank.
   for (Unit* unit : model_->Units()) {
     for (const Parameter& p : unit->parameters()) {
-      const bool sharded = p.tp_shard_dim >= 0 && unit->tp_size() > 1;
-      if (p.mirror_of.empty() && (sharded || unit->tp_rank() == 0)) {
-        (p.expert_parallel ? expert_count : count)[0] += static_cast<double>(p.value.numel());
+      if (p.sharding.CountedOn(unit->tp_rank(), unit->tp_size())) {  // NOTE [parameter sharding]
+        (p.sharding.expert_parallel ? expert_count : count)[0] += static_cast<double>(p.value.numel());
       }
     }
   }

@@ -34,8 +34,8 @@ at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
                         GlobalName(local_name));
   at::Tensor value = init.to(params_device_, params_dtype_).contiguous().detach();
   value.set_requires_grad(true);
-  parameters_.push_back(Parameter{local_name, std::move(value), weight_decay, tp_shard_dim, {},
-                                 {}, mirror_of, expert_parallel});
+  parameters_.push_back(Parameter{local_name, std::move(value), weight_decay,
+                                 ShardingSpec{tp_shard_dim, mirror_of, expert_parallel}, {}, {}});
   return parameters_.back().value;
 }
 
@@ -64,11 +64,12 @@ NamedTensors Unit::ParameterTensors() const {
 
 NamedTensors Unit::StateTensors(const ShardGatherer& gather, bool expert_parallel_only) const {
   auto full = [&](const Parameter& p, const at::Tensor& t) {
-    return (gather && p.tp_shard_dim >= 0 && tp_size_ > 1) ? gather(t, p.tp_shard_dim)
-                                                            : t.detach();
+    return (gather && p.sharding.TensorParallelSharded(tp_size_))
+               ? gather(t, p.sharding.tp_shard_dim)
+               : t.detach();
   };
   auto saved = [&](const Parameter& p) {
-    return p.mirror_of.empty() && (!expert_parallel_only || p.expert_parallel);
+    return p.sharding.Saved() && (!expert_parallel_only || p.sharding.expert_parallel);
   };
   NamedTensors out;
   for (const auto& p : parameters_) {
@@ -171,14 +172,15 @@ absl::Status Unit::LoadState(
                        at::Tensor* out) -> absl::Status {
     const at::Tensor& like = p.value;
     FULCRUM_ASSIGN_OR_RETURN(at::Tensor t, lookup(name));
-    if (p.tp_shard_dim >= 0 && tp_size_ > 1) {
-      if (p.tp_shard_dim >= t.dim() || t.size(p.tp_shard_dim) != like.size(p.tp_shard_dim) * tp_size_) {
+    if (p.sharding.TensorParallelSharded(tp_size_)) {
+      const int64_t dim = p.sharding.tp_shard_dim;
+      if (dim >= t.dim() || t.size(dim) != like.size(dim) * tp_size_) {
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor ", name, " has shape ", c10::str(t.sizes()), "; sharding it over ", tp_size_,
-            " tensor-parallel ranks along dimension ", p.tp_shard_dim, " cannot give ",
+            " tensor-parallel ranks along dimension ", dim, " cannot give ",
             c10::str(like.sizes())));
       }
-      t = ShardOf(t, p.tp_shard_dim, tp_rank_, tp_size_);
+      t = ShardOf(t, dim, tp_rank_, tp_size_);
     }
     if (t.sizes() != like.sizes()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -192,7 +194,7 @@ absl::Status Unit::LoadState(
   };
   // A mirror loads its source's tensors (Parameter::mirror_of).
   auto stored_name = [&](const Parameter& p) {
-    return p.mirror_of.empty() ? GlobalName(p.name) : p.mirror_of;
+    return p.sharding.Saved() ? GlobalName(p.name) : p.sharding.mirror_of;
   };
   for (auto& p : parameters_) {
     at::Tensor loaded;

@@ -33,14 +33,17 @@
 namespace fulcrum {
 
 /// One trainable tensor of a unit and the AdamW state that travels with it.
-struct Parameter {
-  std::string name;      // Local name inside the unit, e.g. "mlp.linear_fc1.weight".
-  at::Tensor value;      // fp32 leaf tensor with requires_grad; its .grad() is the gradient.
-  bool weight_decay;     // False for biases and norm parameters (no decoupled decay).
-  int64_t tp_shard_dim;  // Dimension split over the tensor-parallel group, -1 if replicated
-                         // (NOTE [tensor-parallel sharding] in core/tensor_parallel.h).
-  at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
-  at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
+// NOTE [parameter sharding]
+// How one parameter lies over the parallel groups, as one value that every reader asks
+// rather than working it out again from the fields: the gradient reduction (which
+// data-parallel group sums it: ReducedOverExpertData), the gradient norm and the parameter
+// counts (which ranks count their copy: CountedOn), the checkpoint (Saved; a tensor-parallel
+// slice is gathered along tp_shard_dim), layer migration and re-packing (a mirror is rebuilt
+// from its source), and plugins that sum per-layer gradient statistics over the model.
+struct ShardingSpec {
+  // Dimension split over the tensor-parallel group, -1 if replicated (NOTE
+  // [tensor-parallel sharding] in core/tensor_parallel.h).
+  int64_t tp_shard_dim = -1;
   // Global name of the parameter this one mirrors, or empty. A mirror is a replica kept on
   // another pipeline stage (the tied output weight on the last stage mirrors
   // embedding.word_embeddings.weight): both receive the summed gradient and the same
@@ -53,6 +56,30 @@ struct Parameter {
   // parallel one, the gradient norm sums them over the expert-parallel group, and each
   // expert-parallel rank writes its own to checkpoints.
   bool expert_parallel = false;
+
+  /// Split over a tensor-parallel group of `tp_size` ranks (each holds a slice).
+  bool TensorParallelSharded(int tp_size) const { return tp_shard_dim >= 0 && tp_size > 1; }
+  /// Whether the copy on tensor-parallel rank `tp_rank` counts in sums over the model (the
+  /// gradient norm, parameter counts, per-layer gradient statistics): a slice on every
+  /// rank, a replicated parameter on rank 0 only (the others hold the same), a mirror never
+  /// (its source counts). Sums over the model-parallel ranks of these count each once.
+  bool CountedOn(int tp_rank, int tp_size) const {
+    return mirror_of.empty() && (TensorParallelSharded(tp_size) || tp_rank == 0);
+  }
+  /// Its gradient is summed over the expert-data-parallel group, not the data-parallel one,
+  /// and its share of the norm over the expert-parallel group too.
+  bool ReducedOverExpertData() const { return expert_parallel; }
+  /// Written to checkpoints (a mirror loads from its source).
+  bool Saved() const { return mirror_of.empty(); }
+};
+
+struct Parameter {
+  std::string name;      // Local name inside the unit, e.g. "mlp.linear_fc1.weight".
+  at::Tensor value;      // fp32 leaf tensor with requires_grad; its .grad() is the gradient.
+  bool weight_decay;     // False for biases and norm parameters (no decoupled decay).
+  ShardingSpec sharding; // NOTE [parameter sharding].
+  at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
+  at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;

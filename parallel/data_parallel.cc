@@ -29,8 +29,9 @@ void GradientReducer::AllReduce(const std::vector<Unit*>& units) {
   std::vector<Parameter*> params;
   for (Unit* unit : units) {
     for (Parameter& p : unit->parameters()) {
-      if (select_ == Select::kDense && p.expert_parallel) continue;
-      if (select_ == Select::kExpertParallel && !p.expert_parallel) continue;
+      // NOTE [parameter sharding]: which data-parallel group sums it.
+      if (select_ == Select::kDense && p.sharding.ReducedOverExpertData()) continue;
+      if (select_ == Select::kExpertParallel && !p.sharding.ReducedOverExpertData()) continue;
       params.push_back(&p);
     }
   }

@@ -105,7 +105,7 @@ void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   for (Unit* unit : units) {
     for (Parameter& p : unit->parameters()) {
       const bool tied = (unit->name() == "embedding" && p.name == "word_embeddings.weight") ||
-                        p.mirror_of == "embedding.word_embeddings.weight";
+                        p.sharding.mirror_of == "embedding.word_embeddings.weight";
       if (!tied) continue;
       at::Tensor& g = p.value.mutable_grad();
       if (!g.defined()) g = at::zeros_like(p.value);

@@ -218,11 +218,11 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
     // A mirror (the tied output weight on a last stage of its own) is not state of its
     // own: it takes its source's value and moments, which came with the embedding.
     for (const Parameter& p : unit->parameters()) {
-      if (p.mirror_of.empty()) continue;
+      if (p.sharding.Saved()) continue;  // not a mirror (NOTE [parameter sharding])
       const std::string name = unit->GlobalName(p.name);
       for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
         const std::string prefix = *suffix == '\0' ? "" : "optimizer.";
-        auto source = received.find(prefix + p.mirror_of + suffix);
+        auto source = received.find(prefix + p.sharding.mirror_of + suffix);
         if (source != received.end()) received[prefix + name + suffix] = source->second;
       }
     }

@@ -129,12 +129,13 @@ class FreezePlugin final : public Plugin {
     // Every layer's gradient norm this iteration (NOTE [freeze decisions]).
     std::vector<double> squares(num_layers_, 0.0);
     for (const auto& [index, layer] : ctx.model().layers()) {
-      const bool first_shard = layer->tp_rank() == 0;
       for (const Parameter& p : layer->parameters()) {
         const at::Tensor& g = p.value.grad();
         if (!g.defined()) continue;
-        const bool sharded = p.tp_shard_dim >= 0 && layer->tp_size() > 1;
-        if (sharded || first_shard) squares[index] += g.to(at::kDouble).pow(2).sum().item<double>();
+        // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
+        if (p.sharding.CountedOn(layer->tp_rank(), layer->tp_size())) {
+          squares[index] += g.to(at::kDouble).pow(2).sum().item<double>();
+        }
       }
     }
     ctx.SumOverModel(squares);

@@ -43,16 +43,15 @@ double SquaredSum(const at::Tensor& g) {
 // next; Kineto profile, docs/gpu-runs/2026-11-26c/). Their L2 norms come from one
 // multi-tensor call in fp64 (_foreach_norm), are squared and summed on the device, and
 // read once. fp64 as on the CPU; the summation order differs, so the last bits may.
-double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated,
-                             bool expert_parallel) {
+double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool expert_parallel) {
   double sum = 0.0;
   std::vector<at::Tensor> on_device;
   for (Unit* unit : units) {
     for (const Parameter& p : unit->parameters()) {
       const at::Tensor& g = p.value.grad();
-      if (!g.defined() || p.expert_parallel != expert_parallel) continue;
-      if (!include_replicated && !(p.tp_shard_dim >= 0 && unit->tp_size() > 1)) continue;
-      if (!p.mirror_of.empty()) continue;  // its source counts it
+      if (!g.defined() || p.sharding.ReducedOverExpertData() != expert_parallel) continue;
+      // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
+      if (!p.sharding.CountedOn(unit->tp_rank(), unit->tp_size())) continue;
       if (g.device().is_cpu()) {
         sum += SquaredSum(g);
       } else {
@@ -94,11 +93,10 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   collectives.SumOverDataParallel(sums);
   if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
-  // ones (identical on all ranks of the group) once.
-  const bool include_replicated = units.empty() || units[0]->tp_rank() == 0;
-  std::vector<double> expert_sq{GradSquaredSum(units, include_replicated, true)};
+  // ones (identical on all ranks of the group) once (NOTE [parameter sharding]).
+  std::vector<double> expert_sq{GradSquaredSum(units, true)};
   collectives.SumOverExpertParallel(expert_sq);
-  std::vector<double> grad_sq{GradSquaredSum(units, include_replicated, false) + expert_sq[0]};
+  std::vector<double> grad_sq{GradSquaredSum(units, false) + expert_sq[0]};
   grad_sq.insert(grad_sq.end(), sums.begin() + dp_count, sums.end());
   collectives.SumOverModelParallel(grad_sq);
   StepResult result;

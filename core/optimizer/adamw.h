@@ -28,16 +28,14 @@ class AdamW final : public Optimizer {
 
   /// Sum over the units' gradients of their squared L2 norms (computed in double): this
   /// rank's part of the global norm, which parallel callers sum over model-parallel ranks.
-  /// Replicated (not tensor-parallel-sharded) parameters count only when
-  /// `include_replicated`, so that the group counts them once; mirrors never count (their
-  /// source does). With `expert_parallel` true only Parameter::expert_parallel ones count
-  /// (which callers also sum over the expert-parallel group), with false only the others.
-  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated,
-                               bool expert_parallel);
+  /// Only the copies ShardingSpec::CountedOn this rank count (NOTE [parameter sharding]:
+  /// replicated parameters on tensor-parallel rank 0, slices everywhere, mirrors never).
+  /// With `expert_parallel` true only the expert-parallel ones count (which callers also
+  /// sum over the expert-parallel group), with false only the others.
+  static double GradSquaredSum(const std::vector<Unit*>& units, bool expert_parallel);
   /// Every parameter (dense and expert-parallel).
-  static double GradSquaredSum(const std::vector<Unit*>& units, bool include_replicated = true) {
-    return GradSquaredSum(units, include_replicated, false) +
-           GradSquaredSum(units, include_replicated, true);
+  static double GradSquaredSum(const std::vector<Unit*>& units) {
+    return GradSquaredSum(units, false) + GradSquaredSum(units, true);
   }
 
   /// Multiplies every gradient by `factor`.

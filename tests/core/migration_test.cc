@@ -217,7 +217,7 @@ TEST(MirrorTest, TiedHeadOnAnotherStageMirrorsTheWordEmbeddings) {
   GptModel last(o, StageSpec{1, 2, false, true});
   Parameter* mirror = last.head()->FindParameter("word_embeddings_mirror.weight");
   ASSERT_NE(mirror, nullptr);
-  EXPECT_EQ(mirror->mirror_of, "embedding.word_embeddings.weight");
+  EXPECT_EQ(mirror->sharding.mirror_of, "embedding.word_embeddings.weight");
   EXPECT_TRUE(at::equal(mirror->value, first.embedding()->word_embeddings()));
   for (auto& [name, t] : last.head()->StateTensors()) {
     EXPECT_EQ(name.find("mirror"), std::string::npos) << name << " must not be checkpointed";

@@ -264,9 +264,9 @@ TEST(MoeLayerTest, ParametersAreNamedByGlobalExpertAndMarkedExpertParallel) {
   for (const Parameter& p : b.unit->parameters()) {
     if (p.name.rfind("mlp.experts.", 0) == 0) {
       ++experts;
-      EXPECT_TRUE(p.expert_parallel) << p.name;
+      EXPECT_TRUE(p.sharding.expert_parallel) << p.name;
     } else {
-      EXPECT_FALSE(p.expert_parallel) << p.name;
+      EXPECT_FALSE(p.sharding.expert_parallel) << p.name;
     }
   }
   EXPECT_EQ(experts, kExperts * 4);

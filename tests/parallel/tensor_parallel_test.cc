@@ -62,9 +62,9 @@ void ExpectShardedGradients(const Unit& sharded, const Unit& full, int rank, int
     const Parameter& s = sharded.parameters()[i];
     const Parameter& f = full.parameters()[i];
     ASSERT_TRUE(s.value.grad().defined()) << s.name;
-    const at::Tensor expected = ShardOf(f.value.grad(), s.tp_shard_dim, rank, size);
+    const at::Tensor expected = ShardOf(f.value.grad(), s.sharding.tp_shard_dim, rank, size);
     EXPECT_LT(MaxAbsDiff(s.value.grad(), expected), kTolerance) << full.GlobalName(f.name);
-    EXPECT_TRUE(at::equal(s.value, ShardOf(f.value, s.tp_shard_dim, rank, size)))
+    EXPECT_TRUE(at::equal(s.value, ShardOf(f.value, s.sharding.tp_shard_dim, rank, size)))
         << "initial value of " << full.GlobalName(f.name) << " is a slice of the full one";
   }
 }

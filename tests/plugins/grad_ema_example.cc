@@ -38,8 +38,8 @@ class GradEmaPlugin final : public Plugin {
     std::vector<double> squares(num_layers_, 0.0);
     for (const auto& [index, layer] : ctx.model().layers()) {
       for (const Parameter& p : layer->parameters()) {
-        const bool sharded = p.tp_shard_dim >= 0 && layer->tp_size() > 1;
-        if (p.value.grad().defined() && (sharded || layer->tp_rank() == 0)) {
+        // Slices count on every tensor-parallel rank, replicas once (ShardingSpec::CountedOn).
+        if (p.value.grad().defined() && p.sharding.CountedOn(layer->tp_rank(), layer->tp_size())) {
           squares[index] += p.value.grad().to(at::kDouble).pow(2).sum().item<double>();
         }
       }

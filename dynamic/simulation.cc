@@ -232,16 +232,30 @@ std::vector<pipeline::StageLoad> SimulatedLoads(const IterationCosts& costs,
   return loads;
 }
 
-absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages,
-                                             const std::vector<int>& chunk_rank) {
+namespace {
+
+// Partition of `layer_cost` over `num_stages` (chunk_rank: BalanceProblem's) with `first`
+// and `last` pinned to the ends: the one-off placements below.
+absl::StatusOr<Placement> PinnedPartition(std::vector<double> layer_cost, double first,
+                                          double last, int num_stages,
+                                          const std::vector<int>& chunk_rank) {
   BalanceProblem problem;
   problem.num_stages = num_stages;
   problem.chunk_rank = chunk_rank;
-  problem.layer_cost = costs.parameters;
-  if (problem.layer_cost.empty()) problem.layer_cost.assign(costs.num_layers(), 1.0);
-  problem.first_stage_cost = costs.first_parameters;
-  problem.last_stage_cost = costs.last_parameters;
+  problem.layer_cost = std::move(layer_cost);
+  problem.first_stage_cost = first;
+  problem.last_stage_cost = last;
   return PartitionBalance(problem);
+}
+
+}  // namespace
+
+absl::StatusOr<Placement> ParameterPlacement(const IterationCosts& costs, int num_stages,
+                                             const std::vector<int>& chunk_rank) {
+  std::vector<double> parameters = costs.parameters;
+  if (parameters.empty()) parameters.assign(costs.num_layers(), 1.0);
+  return PinnedPartition(std::move(parameters), costs.first_parameters, costs.last_parameters,
+                         num_stages, chunk_rank);
 }
 
 // NOTE [oracle placement]
@@ -263,16 +277,14 @@ Strategy OracleStrategy() {
 
 absl::StatusOr<Placement> OraclePlacement(const IterationCosts& costs, int num_stages,
                                           const std::vector<int>& chunk_rank) {
-  BalanceProblem problem;
-  problem.num_stages = num_stages;
-  problem.chunk_rank = chunk_rank;
-  problem.layer_cost.resize(costs.num_layers());
+  std::vector<double> work(costs.num_layers());
   for (int64_t l = 0; l < costs.num_layers(); ++l) {
-    problem.layer_cost[l] = costs.forward[l] + costs.backward[l] + costs.weight[l];
+    work[l] = costs.forward[l] + costs.backward[l] + costs.weight[l];
   }
-  problem.first_stage_cost = costs.first_forward + costs.first_backward + costs.first_weight;
-  problem.last_stage_cost = costs.last_forward + costs.last_backward + costs.last_weight;
-  return PartitionBalance(problem);
+  return PinnedPartition(std::move(work),
+                         costs.first_forward + costs.first_backward + costs.first_weight,
+                         costs.last_forward + costs.last_backward + costs.last_weight, num_stages,
+                         chunk_rank);
 }
 
 absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strategy& strategy,

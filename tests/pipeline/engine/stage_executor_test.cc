@@ -77,6 +77,24 @@ class PipelineExecutorTest : public ::testing::Test {
   std::unique_ptr<parallel::Communicator> world_;
 };
 
+// Every parameter of `a` has a gradient, bit for bit that of the same parameter of `b`
+// (and there are more than 40 of them: the comparison covers the model).
+void ExpectSameGradients(const GptModel& a_model, const GptModel& b_model) {
+  const std::vector<Unit*> a = a_model.Units(), b = b_model.Units();
+  ASSERT_EQ(a.size(), b.size());
+  int compared = 0;
+  for (size_t u = 0; u < a.size(); ++u) {
+    for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
+      const at::Tensor& ga = a[u]->parameters()[p].value.grad();
+      const at::Tensor& gb = b[u]->parameters()[p].value.grad();
+      ASSERT_TRUE(ga.defined() && gb.defined()) << a[u]->parameters()[p].name;
+      EXPECT_TRUE(at::equal(ga, gb)) << a[u]->GlobalName(a[u]->parameters()[p].name);
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 40);
+}
+
 // NOTE [per-layer timing]: every layer gets F, B and W time in a ZB-H1 run; per action and
 // per layer they add up; the per-layer sums stay within the stage's F, B and W (the
 // embedding, head and loss are no layer's) and make up most of them.
@@ -190,19 +208,7 @@ TEST_F(PipelineExecutorTest, GradientsAreBitIdenticalToAPlainBackward) {
     LossSum loss = plain.ForwardLoss(plan.tokens(mb), ctx);
     (loss.sum * kLossScale).backward();
   }
-  const std::vector<Unit*> a = executed.Units(), b = plain.Units();
-  ASSERT_EQ(a.size(), b.size());
-  int compared = 0;
-  for (size_t u = 0; u < a.size(); ++u) {
-    for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
-      const at::Tensor& ga = a[u]->parameters()[p].value.grad();
-      const at::Tensor& gb = b[u]->parameters()[p].value.grad();
-      ASSERT_TRUE(ga.defined() && gb.defined()) << a[u]->parameters()[p].name;
-      EXPECT_TRUE(at::equal(ga, gb)) << a[u]->GlobalName(a[u]->parameters()[p].name);
-      ++compared;
-    }
-  }
-  EXPECT_GT(compared, 40);
+  ExpectSameGradients(executed, plain);
 }
 
 // NOTE [activation memory]: one stage running F B W per micro-batch holds one micro-batch
@@ -406,19 +412,7 @@ TEST_F(PipelineExecutorTest, WithoutLayerTimingOnlyTheActionsAreTimed) {
   EXPECT_EQ(without->layer_activation_bytes, with->layer_activation_bytes);
 
   EXPECT_EQ(without->loss_sum, with->loss_sum);
-  const std::vector<Unit*> a = timed.Units(), b = untimed.Units();
-  ASSERT_EQ(a.size(), b.size());
-  int compared = 0;
-  for (size_t u = 0; u < a.size(); ++u) {
-    for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
-      const at::Tensor& ga = a[u]->parameters()[p].value.grad();
-      const at::Tensor& gb = b[u]->parameters()[p].value.grad();
-      ASSERT_TRUE(ga.defined() && gb.defined()) << a[u]->parameters()[p].name;
-      EXPECT_TRUE(at::equal(ga, gb)) << a[u]->GlobalName(a[u]->parameters()[p].name);
-      ++compared;
-    }
-  }
-  EXPECT_GT(compared, 40);
+  ExpectSameGradients(timed, untimed);
 }
 
 // The run's actions on one stage as a timeline: in list order, none overlapping the next,

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -183,14 +184,22 @@ TEST(MoeLayerTest, PerExpertCapacityGivesThePaddedLayersOutputsAndGradients) {
     ForwardContext ctx = Ctx(/*training=*/false, 1, 0);
     at::Tensor out_a = a.block->Forward(x, ctx);
     at::Tensor out_b = b.block->Forward(x, ctx);
-    EXPECT_TRUE(at::allclose(out_a, out_b, 1e-6, 1e-7));
+    // The two layouts sum the same terms in other orders: fp32 rounding, bounded relative
+    // to each tensor's largest entry (an absolute 1e-7 failed about once in 40 runs on a
+    // bias gradient whose terms cancel to near zero; a dropped or misrouted token is off by
+    // the order of the entries themselves).
+    auto same = [](const at::Tensor& x, const at::Tensor& y) {
+      const double scale = std::max(x.abs().max().item<double>(), 1e-30);
+      return (x - y).abs().max().item<double>() <= 2e-6 * scale;
+    };
+    EXPECT_TRUE(same(out_a, out_b));
     (out_a * weight).sum().backward();
     (out_b * weight).sum().backward();
     auto grads_a = TakeGrads(*a.unit);
     auto grads_b = TakeGrads(*b.unit);
     ASSERT_EQ(grads_a.size(), grads_b.size());
     for (const auto& [name, g] : grads_a) {
-      EXPECT_TRUE(at::allclose(g, grads_b[name], 1e-6, 1e-7)) << name;
+      EXPECT_TRUE(same(g, grads_b[name])) << name;
     }
   }
 }

@@ -59,7 +59,6 @@ class ComputeCopies {
 
   at::Tensor Get(const at::Tensor& master, at::ScalarType dtype) {
     std::lock_guard<std::mutex> lock(mutex_);
-    Quiet quiet;
     const int64_t version = master._version();
     auto it = entries_.find(master.unsafeGetTensorImpl());
     if (it != entries_.end() && !it->second.master.expired() &&
@@ -67,12 +66,14 @@ class ComputeCopies {
         it->second.copy.sizes() == master.sizes()) {
       Entry& entry = it->second;
       if (entry.version != version) {
+        Quiet quiet;
         at::NoGradGuard no_grad;
         entry.copy.copy_(master);
         entry.version = version;
       }
       return entry.copy;
     }
+    Quiet quiet;  // the allocation and any copies the sweep frees go unreported
     if (++inserts_ % 256 == 0) Sweep();
     at::Tensor copy = master.detach().to(dtype);
     entries_.insert_or_assign(

@@ -228,6 +228,9 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   // ones whatever the layout; data-parallel rank d runs a contiguous block of them.
   const int64_t local_micro = t.global_batch_size / (t.micro_batch_size * dp_size());
   const int64_t first_micro = dp_rank() * local_micro;
+  const auto first_sample = [&](int64_t m) {
+    return consumed_samples_ + (first_micro + m) * t.micro_batch_size;
+  };
   const double total_tokens =
       static_cast<double>(t.global_batch_size) * static_cast<double>(config_.data.seq_length);
   const int64_t iteration = iteration_ + 1;
@@ -245,9 +248,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   if (pipeline != nullptr) {
     MicroBatchPlan plan;
     plan.count = static_cast<int>(local_micro);
-    plan.first_sample = [&](int m) {
-      return consumed_samples_ + (first_micro + m) * t.micro_batch_size;
-    };
+    plan.first_sample = first_sample;
     plan.tokens = [&](int m) { return MicroBatch(*train_data_, plan.first_sample(m)); };
     plan.token_positions = [&](int m) {
       at::Tensor positions;
@@ -266,15 +267,13 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     const c10::Device device = model_->options().device_spec.device;
     std::vector<at::Tensor> tokens(local_micro), positions(local_micro);
     for (int64_t m = 0; m < local_micro; ++m) {
-      const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
-      ReadMicroBatch(*train_data_, first, &tokens[m],
+      ReadMicroBatch(*train_data_, first_sample(m), &tokens[m],
                      model_->needs_token_positions() ? &positions[m] : nullptr);
       tokens[m] = tokens[m].to(device);
     }
     at::Tensor losses;
     for (int64_t m = 0; m < local_micro; ++m) {
-      const int64_t first = consumed_samples_ + (first_micro + m) * t.micro_batch_size;
-      ForwardContext ctx{/*training=*/true, iteration, first, 1.0 / total_tokens};
+      ForwardContext ctx{/*training=*/true, iteration, first_sample(m), 1.0 / total_tokens};
       ctx.epoch = epoch;
       ctx.token_positions = positions[m];
       LossSum loss = model_->ForwardLoss(tokens[m], ctx);

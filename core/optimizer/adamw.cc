@@ -154,11 +154,11 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
         p.exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
         p.exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
       }
+      const bool decays = p.weight_decay && options_.weight_decay != 0.0;
       const bool fuse = kernel_ == Kernel::kFused ||
                         (kernel_ == Kernel::kAuto && !p.value.device().is_cpu());
       if (fuse && p.value.is_contiguous() && grad.is_contiguous() &&
           grad.scalar_type() == p.value.scalar_type() && grad.device() == p.value.device()) {
-        const bool decays = p.weight_decay && options_.weight_decay != 0.0;
         FusedGroup& group =
             fused[{step, decays, p.value.device().str(), p.value.scalar_type()}];
         group.params.push_back(p.value);
@@ -168,9 +168,7 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
         continue;
       }
       // Decoupled decay first, on the pre-update weights: w ← w·(1 − lr·λ).
-      if (p.weight_decay && options_.weight_decay != 0.0) {
-        p.value.mul_(1.0 - lr * options_.weight_decay);
-      }
+      if (decays) p.value.mul_(1.0 - lr * options_.weight_decay);
       p.exp_avg.mul_(beta1).add_(grad, 1.0 - beta1);
       p.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1.0 - beta2);
       at::Tensor denom = (p.exp_avg_sq.sqrt() / sqrt_bc2).add_(options_.adam_eps);

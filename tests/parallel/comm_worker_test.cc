@@ -134,6 +134,39 @@ TEST(CommWorker, ReduceScatterReturnsThisRanksReducedChunk) {
       << "reduce_scatter must not modify its input";
 }
 
+// NOTE [ring reduce-scatter]: the ring's chunk r equals the all_reduce's chunk r — bit for
+// bit on two ranks (x_r + x_other either way), within the reassociation of n fp32 adds on
+// more.
+TEST(CommWorker, RingReduceScatterMatchesAllReduceOfTheWhole) {
+  SKIP_UNLESS_WORKER();
+  Communicator& comm = World();
+  const int n = comm.size();
+  const int r = comm.rank();
+  for (at::ScalarType type : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(100 + r);
+    const int64_t rows = 3 * n;
+    at::Tensor input = at::randn({rows, 5}, Opts(at::kFloat)).to(type);
+    at::Tensor whole = input.clone();
+    comm.AllReduce(whole, ReduceOp::kSum);
+    const at::Tensor expected = whole.narrow(0, r * 3, 3);
+    const at::Tensor got = comm.ReduceScatter(input, ReduceOp::kSum);
+    ASSERT_EQ(got.scalar_type(), type);
+    ASSERT_EQ(got.sizes(), expected.sizes());
+    if (n == 2) {
+      EXPECT_TRUE(at::equal(got, expected)) << (got - expected).abs().max();
+    } else {
+      // fp32: the reassociation; bf16: it can move a rounding by one bf16 step (2^-7 relative).
+      const double rtol = type == at::kBFloat16 ? 1.0 / 128 : 0.0;
+      EXPECT_TRUE(at::allclose(got.to(at::kFloat), expected.to(at::kFloat), rtol, 1e-6))
+          << (got.to(at::kFloat) - expected.to(at::kFloat)).abs().max();
+    }
+    const at::Tensor min = comm.ReduceScatter(input, ReduceOp::kMin);
+    at::Tensor whole_min = input.clone();
+    comm.AllReduce(whole_min, ReduceOp::kMin);
+    EXPECT_TRUE(at::equal(min, whole_min.narrow(0, r * 3, 3)));
+  }
+}
+
 TEST(CommWorker, BroadcastFromTheLastRank) {
   SKIP_UNLESS_WORKER();
   Communicator& comm = World();

@@ -79,6 +79,8 @@ struct OptimizerOptions {
   double adam_beta2 = 0.999;          // Default: 0.999.
   double adam_eps = 1e-8;             // Default: 1e-8.
   double clip_grad = 1.0;             // Default: 1.0. Global L2 norm; 0 disables clipping.
+  bool use_distributed_optimizer = false;  // Default: false. Shard the moments over data
+                                           //   parallelism (core/optimizer/distributed_adamw.h).
   absl::Status Validate() const;
 };
 

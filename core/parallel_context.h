@@ -61,6 +61,11 @@ class ForwardBackwardRunner {
   /// measured so far are stale (pipeline/rebalancer.h, Rebalancer::OnModelChanged). Called on
   /// every rank, between iterations.
   virtual void ModelChanged(int64_t iteration, const std::string& reason) {}
+  /// `hook` runs on every rank at the start of each Run whose plan changes the placement,
+  /// before any layer leaves its stage: the optimizer makes the layers' whole state
+  /// travel-ready there (NOTE [optimizer state residency] in core/optimizer/optimizer.h).
+  /// Collective, as the plan is the same on every rank. A later call replaces it.
+  virtual void SetBeforeLayersMove(std::function<absl::Status()> hook) {}
   /// Called once when training stops, on every rank (collective): flush what was recorded.
   virtual absl::Status Finish() { return absl::OkStatus(); }
   /// One line of --load_trace after the last Run: the per-layer costs of the latest complete
@@ -84,6 +89,12 @@ class ParallelContext {
   /// Sums every defined gradient of `units` over the data-parallel group, in place (and,
   /// with a tied output weight split over pipeline stages, the embedding and its mirror).
   virtual void AllReduceGradients(const std::vector<Unit*>& units) = 0;
+  /// Only the last part of AllReduceGradients: with an output weight tied to the word
+  /// embeddings across pipeline stages, sums the gradients of the embedding (first stage)
+  /// and its mirror (last stage) over the two, in place; nothing otherwise. A sharded
+  /// optimizer (core/optimizer/distributed_adamw.h) calls it before its own data-parallel
+  /// reduction: the two sums commute (up to the order of the fp adds).
+  virtual void AllReduceTiedGradients(const std::vector<Unit*>& units) = 0;
   /// Sums each value over the data-parallel group, in place.
   virtual void SumOverDataParallel(std::vector<double>& values) = 0;
   /// Sums each value over the ranks that hold different parts of one model replica
@@ -123,6 +134,16 @@ class ParallelContext {
   /// Sums `tensor` (contiguous, on the model's device) over this rank's group of `role`, in
   /// place; identity on a group of one. Collective over that group.
   virtual void AllReduceSum(GroupRole role, at::Tensor& tensor) = 0;
+  /// This rank's index in its group of `role`, and the group's size.
+  virtual int GroupRank(GroupRole role) = 0;
+  virtual int GroupSize(GroupRole role) = 0;
+  /// Reduce-scatter over the group of `role`: chunk GroupRank(role) of the sum of every
+  /// rank's `input` (1-D, contiguous, on the model's device, its length a multiple of
+  /// GroupSize(role)). Collective over that group; on a group of one, a copy of `input`.
+  virtual at::Tensor ReduceScatterSum(GroupRole role, const at::Tensor& input) = 0;
+  /// Every rank's `shard` (1-D, the same length and dtype on every rank) concatenated in
+  /// rank order. Collective over the group of `role`; on a group of one, `shard` itself.
+  virtual at::Tensor AllGather(GroupRole role, const at::Tensor& shard) = 0;
   /// This rank's communicator of group `role`, for libraries that communicate themselves
   /// (NOTE [plugin doors]). Never null; valid until the layout changes.
   virtual parallel::Communicator* communicator(GroupRole role) = 0;
@@ -138,6 +159,7 @@ class SingleProcessContext final : public ParallelContext {
   TensorParallelGroup* tensor_parallel() override { return nullptr; }
   StageSpec Stage(int64_t num_layers) const override { return StageSpec(); }
   void AllReduceGradients(const std::vector<Unit*>& units) override {}
+  void AllReduceTiedGradients(const std::vector<Unit*>& units) override {}
   void SumOverDataParallel(std::vector<double>& values) override {}
   void SumOverModelParallel(std::vector<double>& values) override {}
   void SumOverExpertParallel(std::vector<double>& values) override {}
@@ -145,6 +167,12 @@ class SingleProcessContext final : public ParallelContext {
   at::Tensor StackOverPipeline(const at::Tensor& row) override { return row.unsqueeze(0); }
   void Barrier() override {}
   void AllReduceSum(GroupRole role, at::Tensor& tensor) override {}
+  int GroupRank(GroupRole role) override { return 0; }
+  int GroupSize(GroupRole role) override { return 1; }
+  at::Tensor ReduceScatterSum(GroupRole role, const at::Tensor& input) override {
+    return input.clone();
+  }
+  at::Tensor AllGather(GroupRole role, const at::Tensor& shard) override { return shard; }
   /// Null: one process has no communicators (plugins get a null context instead).
   parallel::Communicator* communicator(GroupRole role) override { return nullptr; }
 };

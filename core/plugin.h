@@ -171,7 +171,13 @@ class Plugin : public LayerCustomizer {
   virtual absl::Status BeforeIteration(PluginContext& ctx) { return absl::OkStatus(); }
   /// After the backward passes and the data-parallel reduction: the gradients are complete
   /// and equal on every replica; before the gradient norm, clipping and the optimizer step.
+  /// Under the distributed optimizer (core/optimizer/distributed_adamw.h) no rank holds
+  /// the reduced gradients whole: a plugin that reads or edits them here, or edits the
+  /// optimizer's moments, says so with ReadsWholeGradients.
   virtual absl::Status AfterBackward(PluginContext& ctx) { return absl::OkStatus(); }
+  /// True when AfterBackward reads or edits whole reduced gradients, or the plugin edits
+  /// the Adam moments (Parameter::exp_avg): --use_distributed_optimizer refuses it.
+  virtual bool ReadsWholeGradients() const { return false; }
   /// After the optimizer step (and the MLP blocks' own AfterOptimizerStep).
   virtual absl::Status AfterOptimizerStep(PluginContext& ctx) { return absl::OkStatus(); }
   /// After a checkpoint was loaded into the model (its layers' states restored; their

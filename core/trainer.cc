@@ -13,6 +13,7 @@
 #include "core/distributed_checkpoint.h"
 #include "core/logging.h"
 #include "core/optimizer/adamw.h"
+#include "core/optimizer/distributed_adamw.h"
 #include "core/status.h"
 #include "core/training_manifest.h"
 
@@ -112,7 +113,9 @@ Trainer::Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileS
     : config_(config),
       layout_(layout),
       fs_(fs),
-      optimizer_(std::make_unique<AdamW>(config.optimizer)),
+      optimizer_(config.optimizer.use_distributed_optimizer
+                     ? std::unique_ptr<Optimizer>(std::make_unique<DistributedAdamW>(config.optimizer))
+                     : std::make_unique<AdamW>(config.optimizer)),
       schedule_(config.schedule, config.train.train_iters) {}
 
 namespace {
@@ -164,6 +167,16 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " is not a multiple of --micro_batch_size=", config.train.micro_batch_size,
         " × data-parallel size ", dp));
   }
+  if (config.optimizer.use_distributed_optimizer && plugins) {
+    for (const auto& plugin : plugins->plugins()) {
+      if (plugin->ReadsWholeGradients()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--use_distributed_optimizer: plugin '", plugin->name(),
+            "' reads or edits whole reduced gradients or the Adam moments, which the "
+            "distributed optimizer keeps only in slices; not supported yet"));
+      }
+    }
+  }
   std::unique_ptr<Trainer> trainer(new Trainer(config, layout, fs));
   trainer->plugins_ = plugins ? std::move(plugins) : std::make_shared<PluginSet>();
   trainer->corpus_documents_ = corpus->num_sequences();
@@ -198,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   trainer->model_ = std::make_unique<GptModel>(
       config.model, trainer->collectives().Stage(config.model.num_layers),
       trainer->collectives().tensor_parallel(), trainer->plugins_);
+  trainer->HookOptimizerToLayerMoves();
   return trainer;
 }
 
@@ -453,8 +467,13 @@ absl::Status Trainer::Save() {
   save.iteration = iteration_;
   save.manifest_fields = ManifestFields(GatherLayerPlacement(*model_, collectives()));
   save.keep_last = config_.train.save_keep_last;
-  return SaveCheckpoint(save, model_->Units(), layout_.roles,
-                        CheckpointCollectivesOf(collectives()));
+  // NOTE [optimizer state residency]: the checkpoint reads whole moments from the units.
+  const std::vector<Unit*> units = model_->Units();
+  FULCRUM_RETURN_IF_ERROR(optimizer_->GatherState(units, collectives()));
+  const absl::Status saved =
+      SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));
+  optimizer_->ReleaseState(units);
+  return saved;
 }
 
 absl::Status Trainer::Load(const std::string& path) {
@@ -481,6 +500,15 @@ absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
   return absl::OkStatus();
 }
 
+void Trainer::HookOptimizerToLayerMoves() {
+  if (layout_.runner == nullptr) return;
+  // A moving layer takes its whole optimizer state with it (NOTE [optimizer state
+  // residency]): the distributed optimizer gathers it into the Parameters first, and adopts
+  // its slices of the new layout at the next step.
+  layout_.runner->SetBeforeLayersMove(
+      [this] { return optimizer_->GatherState(model_->Units(), collectives()); });
+}
+
 absl::Status Trainer::ChangeLayout(
     const TrainerLayout& layout,
     const std::function<absl::Status(const GptModel& old_model, GptModel& new_model)>& fill) {
@@ -498,6 +526,7 @@ absl::Status Trainer::ChangeLayout(
   FULCRUM_RETURN_IF_ERROR(fill(*model_, *model));
   model_ = std::move(model);
   layout_ = layout;
+  HookOptimizerToLayerMoves();
   // The metrics file and the load trace follow the logging rank (the last stage's), which
   // may have changed; both are opened for appending, so the new writer goes on after the
   // old one's last line. A new logging rank starts a new TensorBoard file, which sorts
@@ -568,6 +597,8 @@ absl::Status Trainer::Run() {
     // The layout the iteration ran on: re-packing (dynamic/repack.h) shrinks it.
     record["pipeline_size"] = layout_.roles.pp_size;
     record["active_ranks"] = layout_.roles.world_size;
+    // This (logging) rank's Adam moments: a data-parallel slice under the distributed optimizer.
+    record["optimizer_state_bytes"] = OptimizerStateBytes();
     std::string extra;
     if (ForwardBackwardRunner* pipeline = layout_.runner) {
       pipeline->Metrics(&record, &extra);

@@ -160,6 +160,9 @@ class Trainer {
   absl::Status Save();
 
   GptModel& model() { return *model_; }
+  /// Bytes of optimizer state (Adam moments) this rank holds: all of its parameters' under
+  /// AdamW, a data-parallel slice under the distributed optimizer (after its first step).
+  int64_t OptimizerStateBytes() const { return optimizer_->StateBytes(model_->Units()); }
   int64_t iteration() const { return iteration_; }
   int64_t consumed_samples() const { return consumed_samples_; }
   const TrainerConfig& config() const { return config_; }
@@ -199,7 +202,10 @@ class Trainer {
   }
   FileSystem* fs_;
   std::unique_ptr<GptModel> model_;
-  std::unique_ptr<Optimizer> optimizer_;  // AdamW (core/optimizer/adamw.h).
+  // Lets the runner ask the optimizer for whole state before layers move.
+  void HookOptimizerToLayerMoves();
+  // AdamW (core/optimizer/adamw.h), or with --use_distributed_optimizer DistributedAdamW.
+  std::unique_ptr<Optimizer> optimizer_;
   LrSchedule schedule_;
   std::unique_ptr<data::GptDataset> train_data_;
   std::unique_ptr<data::GptDataset> valid_data_;  // Null when the valid split is empty.

@@ -95,6 +95,10 @@ Communicator& ProcessGroupContext::group(GroupKind kind) {
 void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
   gradient_reducer_->AllReduce(units);
   expert_gradient_reducer_->AllReduce(units);
+  AllReduceTiedGradients(units);
+}
+
+void ProcessGroupContext::AllReduceTiedGradients(const std::vector<Unit*>& units) {
   if (embedding_group_ == nullptr) return;
   // ZB-V: the embedding and the head are on one rank; its gradient is whole there.
   if (!virtual_stages_.empty() && virtual_stages_.front().first == virtual_stages_.back().first) {
@@ -129,6 +133,18 @@ GroupKind ProcessGroupContext::KindOf(GroupRole role) {
 void ProcessGroupContext::AllReduceSum(GroupRole role, at::Tensor& tensor) {
   Communicator& comm = group(KindOf(role));
   if (comm.size() > 1) comm.AllReduce(tensor, ReduceOp::kSum);
+}
+
+at::Tensor ProcessGroupContext::ReduceScatterSum(GroupRole role, const at::Tensor& input) {
+  Communicator& comm = group(KindOf(role));
+  if (comm.size() == 1) return input.clone();
+  return comm.ReduceScatter(input, ReduceOp::kSum);
+}
+
+at::Tensor ProcessGroupContext::AllGather(GroupRole role, const at::Tensor& shard) {
+  Communicator& comm = group(KindOf(role));
+  if (comm.size() == 1) return shard;
+  return comm.AllGather(shard);
 }
 
 void ProcessGroupContext::SumOverDataParallel(std::vector<double>& values) {

@@ -56,6 +56,7 @@ class ProcessGroupContext final : public ParallelContext {
     virtual_stages_ = std::move(owners);
   }
   void AllReduceGradients(const std::vector<Unit*>& units) override;
+  void AllReduceTiedGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
   void SumOverExpertParallel(std::vector<double>& values) override;
@@ -63,6 +64,10 @@ class ProcessGroupContext final : public ParallelContext {
   at::Tensor StackOverPipeline(const at::Tensor& row) override;
   void Barrier() override { world_->Barrier(); }
   void AllReduceSum(GroupRole role, at::Tensor& tensor) override;
+  int GroupRank(GroupRole role) override { return group(KindOf(role)).rank(); }
+  int GroupSize(GroupRole role) override { return group(KindOf(role)).size(); }
+  at::Tensor ReduceScatterSum(GroupRole role, const at::Tensor& input) override;
+  at::Tensor AllGather(GroupRole role, const at::Tensor& shard) override;
   Communicator* communicator(GroupRole role) override { return &group(KindOf(role)); }
 
   /// The group kind that plays `role` (NOTE [plugin doors] in core/parallel_context.h).

@@ -379,6 +379,9 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   metrics_.StartRun(ran_on_, plan.count, frozen_prefix_);
   frozen_prefix_ = stage.frozen_prefix();
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
+  // Every rank sees the same plan, so every rank runs the hook when the placement changes
+  // (this stage may send and receive nothing).
+  if (before_moves_ && ranges_ != ran_on_) FULCRUM_RETURN_IF_ERROR(before_moves_());
   last_iteration_ = iteration;
   FULCRUM_ASSIGN_OR_RETURN(last_run_, executor_.Run(stage, *schedule, iteration, plan, loss_scale,
                                                     /*forward_only=*/false, last_moves_));

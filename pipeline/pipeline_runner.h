@@ -85,6 +85,9 @@ class PipelineRunner final : public ForwardBackwardRunner {
     timeline_ = timeline;
     flush_every_ = flush_every;
   }
+  void SetBeforeLayersMove(std::function<absl::Status()> hook) override {
+    before_moves_ = std::move(hook);
+  }
   absl::Status Finish() override;
 
   absl::StatusOr<std::pair<double, int64_t>> Run(GptModel& stage, int64_t iteration,
@@ -154,6 +157,7 @@ class PipelineRunner final : public ForwardBackwardRunner {
   bool has_run_ = false;  // last_run_ holds a training run's measurements.
   std::vector<StageLoad> last_loads_;
   std::vector<PlannedMove> last_moves_;
+  std::function<absl::Status()> before_moves_;  // SetBeforeLayersMove's hook
   RebalanceDecision last_decision_;
   LayerRanges ranges_;  // After the last Run's moves.
   // The model's frozen prefix in the last Run (its load-trace line says what ran forward

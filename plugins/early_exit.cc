@@ -340,6 +340,9 @@ class EarlyExitPlugin final : public Plugin {
     return absl::OkStatus();
   }
 
+  // It adds the exit heads' gradients into the owners' reduced gradients (core/plugin.h).
+  bool ReadsWholeGradients() const override { return true; }
+
   absl::Status AfterBackward(PluginContext& ctx) override {
     ReturnHeadGradients(ctx);
     return absl::OkStatus();

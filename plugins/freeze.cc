@@ -124,6 +124,9 @@ class FreezePlugin final : public Plugin {
     layer.OnStateLoaded(ApplyFrozenFlag);
   }
 
+  // It reads each layer's reduced gradient norm (core/plugin.h).
+  bool ReadsWholeGradients() const override { return true; }
+
   absl::Status AfterBackward(PluginContext& ctx) override {
     if (!options_.schedule.empty() || AtMaximum()) return absl::OkStatus();
     // Every layer's gradient norm this iteration (NOTE [freeze decisions]).

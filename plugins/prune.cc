@@ -210,6 +210,9 @@ class PrunePlugin final : public Plugin {
     return absl::OkStatus();
   }
 
+  // It masks the reduced gradients and zeroes pruned weights' Adam moments (core/plugin.h).
+  bool ReadsWholeGradients() const override { return true; }
+
   absl::Status AfterBackward(PluginContext& ctx) override {
     // NOTE [masks]: pruned weights get no gradient.
     at::NoGradGuard no_grad;

@@ -75,6 +75,11 @@ DEFINE_double(adam_beta1, 0.9, "Adam beta1.");
 DEFINE_double(adam_beta2, 0.999, "Adam beta2.");
 DEFINE_double(adam_eps, 1e-8, "Adam epsilon.");
 DEFINE_double(clip_grad, 1.0, "Clip the global gradient L2 norm to this; 0 disables.");
+DEFINE_bool(use_distributed_optimizer, false,
+            "Shard the Adam moments over the data-parallel group (the expert-data-parallel "
+            "group for experts; ZeRO-1): gradients reduce-scattered, updated weights "
+            "all-gathered. Not yet with re-packing, or the prune, freeze and early_exit "
+            "plugins.");
 // Batches and iterations.
 DEFINE_int64(micro_batch_size, 8, "Samples per forward/backward.");
 DEFINE_int64(global_batch_size, 16, "Samples per optimizer step (accumulated micro-batches).");
@@ -236,7 +241,8 @@ cli::HelpSpec TrainHelpSpec() {
       {"Training",
        {"train_iters", "micro_batch_size", "global_batch_size", "lr", "min_lr",
         "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1",
-        "adam_beta2", "adam_eps", "clip_grad", "exit_interval", "eval_interval", "eval_iters"}},
+        "adam_beta2", "adam_eps", "clip_grad", "use_distributed_optimizer", "exit_interval",
+        "eval_interval", "eval_iters"}},
       {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
       {"Parallel",
        {"tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -416,6 +422,14 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     }
     if (auto played = script->Placements(ranges); !played.ok()) {
       return Invalid(std::string(played.status().message()));
+    }
+  }
+  if (FLAGS_use_distributed_optimizer) {
+    // NOTE [distributed optimizer]: its slices are cut over the layers a stage holds; a
+    // live shrink rebuilds the model under them.
+    if (FLAGS_repack != "off" || !FLAGS_repack_script.empty()) {
+      return Invalid("--use_distributed_optimizer does not support re-packing (--repack, "
+                     "--repack_script) yet");
     }
   }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
@@ -616,6 +630,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   o.adam_beta2 = FLAGS_adam_beta2;
   o.adam_eps = FLAGS_adam_eps;
   o.clip_grad = FLAGS_clip_grad;
+  o.use_distributed_optimizer = FLAGS_use_distributed_optimizer;
 
   LrScheduleOptions& s = c.schedule;
   s.lr = FLAGS_lr;

@@ -44,19 +44,27 @@ double SquaredSum(const at::Tensor& g) {
 // multi-tensor call in fp64 (_foreach_norm), are squared and summed on the device, and
 // read once. fp64 as on the CPU; the summation order differs, so the last bits may.
 double AdamW::GradSquaredSum(const std::vector<Unit*>& units, bool expert_parallel) {
-  double sum = 0.0;
-  std::vector<at::Tensor> on_device;
+  std::vector<at::Tensor> grads;
   for (Unit* unit : units) {
     for (const Parameter& p : unit->parameters()) {
       const at::Tensor& g = p.value.grad();
       if (!g.defined() || p.sharding.ReducedOverExpertData() != expert_parallel) continue;
       // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
       if (!p.sharding.CountedOn(unit->tp_rank(), unit->tp_size())) continue;
-      if (g.device().is_cpu()) {
-        sum += SquaredSum(g);
-      } else {
-        on_device.push_back(g);
-      }
+      grads.push_back(g);
+    }
+  }
+  return SumOfSquares(grads);
+}
+
+double AdamW::SumOfSquares(const std::vector<at::Tensor>& pieces) {
+  double sum = 0.0;
+  std::vector<at::Tensor> on_device;
+  for (const at::Tensor& g : pieces) {
+    if (g.device().is_cpu()) {
+      sum += SquaredSum(g);
+    } else {
+      on_device.push_back(g);
     }
   }
   if (!on_device.empty()) {
@@ -142,10 +150,6 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
     if (!trainable) continue;
     const int64_t step = unit->optimizer_step() + 1;
     unit->set_optimizer_step(step);
-    const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-    const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-    const double step_size = lr / bias_correction1;
-    const double sqrt_bc2 = std::sqrt(bias_correction2);
     for (Parameter& p : unit->parameters()) {
       const at::Tensor& grad = p.value.grad();
       // A frozen parameter is never updated, even if a gradient reached it.
@@ -167,12 +171,7 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
         group.exp_avg_sqs.push_back(p.exp_avg_sq);
         continue;
       }
-      // Decoupled decay first, on the pre-update weights: w ← w·(1 − lr·λ).
-      if (decays) p.value.mul_(1.0 - lr * options_.weight_decay);
-      p.exp_avg.mul_(beta1).add_(grad, 1.0 - beta1);
-      p.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1.0 - beta2);
-      at::Tensor denom = (p.exp_avg_sq.sqrt() / sqrt_bc2).add_(options_.adam_eps);
-      p.value.addcdiv_(p.exp_avg, denom, -step_size);
+      Update(p.value, grad, p.exp_avg, p.exp_avg_sq, step, lr, decays);
     }
   }
   for (auto& [key, group] : fused) {
@@ -192,6 +191,34 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
     // the first GPU run of this path did (MixedPrecisionTest.GpuBf16LossesFollowTheCpuBf16).
     for (const at::Tensor& param : group.params) torch::autograd::impl::bump_version(param);
   }
+}
+
+void AdamW::Update(at::Tensor value, const at::Tensor& grad, at::Tensor exp_avg,
+                   at::Tensor exp_avg_sq, int64_t step, double lr, bool decays) const {
+  const double beta1 = options_.adam_beta1;
+  const double beta2 = options_.adam_beta2;
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const double step_size = lr / bias_correction1;
+  const double sqrt_bc2 = std::sqrt(bias_correction2);
+  // Decoupled decay first, on the pre-update weights: w ← w·(1 − lr·λ).
+  if (decays) value.mul_(1.0 - lr * options_.weight_decay);
+  exp_avg.mul_(beta1).add_(grad, 1.0 - beta1);
+  exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1.0 - beta2);
+  at::Tensor denom = (exp_avg_sq.sqrt() / sqrt_bc2).add_(options_.adam_eps);
+  value.addcdiv_(exp_avg, denom, -step_size);
+}
+
+int64_t AdamW::StateBytes(const std::vector<Unit*>& units) const {
+  int64_t bytes = 0;
+  for (Unit* unit : units) {
+    for (const Parameter& p : unit->parameters()) {
+      for (const at::Tensor* t : {&p.exp_avg, &p.exp_avg_sq}) {
+        if (t->defined()) bytes += t->numel() * static_cast<int64_t>(t->element_size());
+      }
+    }
+  }
+  return bytes;
 }
 
 }  // namespace fulcrum

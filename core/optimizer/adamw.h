@@ -38,6 +38,11 @@ class AdamW final : public Optimizer {
     return GradSquaredSum(units, false) + GradSquaredSum(units, true);
   }
 
+  /// Σ x² over every tensor of `pieces` (fp32 or other), in fp64: each CPU fp32 tensor in
+  /// one pass without temporaries, device tensors in one multi-tensor call read once
+  /// (NOTE [gradient norm on a device]).
+  static double SumOfSquares(const std::vector<at::Tensor>& pieces);
+
   /// Multiplies every gradient by `factor`.
   static void ScaleGradients(const std::vector<Unit*>& units, double factor);
 
@@ -53,6 +58,14 @@ class AdamW final : public Optimizer {
   /// runs the per-tensor ops on the CPU; the others force one way (tests compare them).
   enum class Kernel { kAuto, kPerTensor, kFused };
   void set_kernel(Kernel kernel) { kernel_ = kernel; }
+
+  /// One AdamW update of `value` (any shape; written in place) from `grad`, with moments
+  /// `exp_avg`/`exp_avg_sq` (same shape, updated in place) at step `step` (≥ 1): Step's
+  /// per-tensor kernel, shared with the distributed optimizer, which runs it on slices.
+  void Update(at::Tensor value, const at::Tensor& grad, at::Tensor exp_avg,
+              at::Tensor exp_avg_sq, int64_t step, double lr, bool decays) const;
+
+  int64_t StateBytes(const std::vector<Unit*>& units) const override;
 
   const OptimizerOptions& options() const { return options_; }
 

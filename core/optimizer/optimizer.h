@@ -55,6 +55,23 @@ class Optimizer {
   virtual absl::StatusOr<StepResult> ReduceAndStep(const std::vector<Unit*>& units,
                                                    ParallelContext& collectives,
                                                    const StepRequest& request) = 0;
+
+  // NOTE [optimizer state residency]: every Parameter's exp_avg/exp_avg_sq (core/unit.h) is
+  // where checkpoints, layer moves and plugins find a parameter's whole optimizer state. An
+  // optimizer that keeps the state elsewhere (the distributed optimizer: a slice per
+  // data-parallel rank) makes it whole there on GatherState and takes it back (keeping its
+  // own copy) on ReleaseState; state it finds written there (a checkpoint load) it adopts
+  // at its next call. AdamW keeps it there always: both are no-ops.
+
+  /// Writes the whole optimizer state of `units` into their Parameters. Collective over
+  /// the data-parallel groups: every rank calls it alike.
+  virtual absl::Status GatherState(const std::vector<Unit*>& units, ParallelContext& collectives) {
+    return absl::OkStatus();
+  }
+  /// Drops what GatherState wrote (the optimizer keeps its own slices).
+  virtual void ReleaseState(const std::vector<Unit*>& units) {}
+  /// Bytes of optimizer state (moments) this rank holds.
+  virtual int64_t StateBytes(const std::vector<Unit*>& units) const = 0;
 };
 
 }  // namespace fulcrum

@@ -1,0 +1,301 @@
+#include "core/optimizer/distributed_adamw.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace fulcrum {
+namespace {
+
+using GroupRole = ParallelContext::GroupRole;
+
+bool Trainable(const Unit& unit) {
+  for (const Parameter& p : unit.parameters()) {
+    if (p.value.requires_grad()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> DistributedAdamW::OwnedPart(const Bucket& b, const Member& m) {
+  const int64_t begin = std::max(m.offset, b.shard_begin);
+  const int64_t end = std::min(m.offset + m.param->value.numel(), b.shard_begin + b.shard_size);
+  return {begin, end};
+}
+
+absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
+                                            ParallelContext& collectives) {
+  std::vector<const c10::TensorImpl*> signature;
+  for (Unit* unit : units) {
+    for (const Parameter& p : unit->parameters()) signature.push_back(p.value.unsafeGetTensorImpl());
+  }
+  if (!buckets_.empty() || !signature_.empty()) {
+    if (signature == signature_) return absl::OkStatus();
+    if (!gathered_) {
+      return absl::FailedPreconditionError(
+          "the distributed optimizer's parameters changed between steps without its state "
+          "gathered first (layers moved without ForwardBackwardRunner::SetBeforeLayersMove's "
+          "hook, or the job was re-packed): not supported yet with --use_distributed_optimizer");
+    }
+    // Layers moved; every Parameter holds its whole state (the old buckets may point at
+    // units that left: dropped unread).
+    buckets_.clear();
+    steps_.clear();
+  }
+  signature_ = std::move(signature);
+  for (GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
+    const int n = collectives.GroupSize(group);
+    const int r = collectives.GroupRank(group);
+    Bucket bucket;
+    int64_t bytes = 0;
+    auto flush = [&] {
+      if (bucket.members.empty()) return;
+      bucket.size = (bucket.size + n - 1) / n * n;
+      bucket.shard_size = bucket.size / n;
+      bucket.shard_begin = r * bucket.shard_size;
+      const auto options = at::TensorOptions().dtype(bucket.dtype).device(bucket.device);
+      bucket.exp_avg = at::zeros({bucket.shard_size}, options);
+      bucket.exp_avg_sq = at::zeros({bucket.shard_size}, options);
+      buckets_.push_back(std::move(bucket));
+      bucket = Bucket();
+      bytes = 0;
+    };
+    for (Unit* unit : units) {
+      for (Parameter& p : unit->parameters()) {
+        if (p.sharding.ReducedOverExpertData() != (group == GroupRole::kExpertData)) continue;
+        if (!p.value.is_contiguous()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "--use_distributed_optimizer: parameter ", unit->GlobalName(p.name),
+              " is not contiguous; the optimizer updates it through a flat view"));
+        }
+        if (!bucket.members.empty() &&
+            (bucket.dtype != p.value.scalar_type() || bucket.device != p.value.device())) {
+          flush();
+        }
+        if (bucket.members.empty()) {
+          bucket.group = group;
+          bucket.dtype = p.value.scalar_type();
+          bucket.device = p.value.device();
+        }
+        bucket.members.push_back({unit, &p, bucket.size});
+        bucket.size += p.value.numel();
+        bytes += p.value.numel() * static_cast<int64_t>(p.value.element_size());
+        if (bytes >= bucket_bytes_) flush();
+      }
+    }
+    flush();
+  }
+  for (Unit* unit : units) steps_[unit] = unit->optimizer_step();
+  return absl::OkStatus();
+}
+
+void DistributedAdamW::AdoptWrittenState() {
+  at::NoGradGuard no_grad;
+  for (Bucket& b : buckets_) {
+    for (const Member& m : b.members) {
+      Parameter& p = *m.param;
+      const auto [begin, end] = OwnedPart(b, m);
+      const bool written = p.exp_avg.defined() && p.exp_avg_sq.defined();
+      const bool reset = !written && m.unit->optimizer_step() == 0 && steps_[m.unit] > 0;
+      if (begin < end && (written || reset)) {
+        at::Tensor mine = b.exp_avg.narrow(0, begin - b.shard_begin, end - begin);
+        at::Tensor mine_sq = b.exp_avg_sq.narrow(0, begin - b.shard_begin, end - begin);
+        if (written) {
+          mine.copy_(p.exp_avg.reshape({-1}).narrow(0, begin - m.offset, end - begin));
+          mine_sq.copy_(p.exp_avg_sq.reshape({-1}).narrow(0, begin - m.offset, end - begin));
+        } else {
+          mine.zero_();
+          mine_sq.zero_();
+        }
+      }
+      p.exp_avg = p.exp_avg_sq = at::Tensor();
+    }
+  }
+  for (auto& [unit, step] : steps_) step = unit->optimizer_step();
+  gathered_ = false;
+}
+
+absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Unit*>& units,
+                                                           ParallelContext& collectives,
+                                                           const StepRequest& request) {
+  FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
+  AdoptWrittenState();
+  collectives.AllReduceTiedGradients(units);
+
+  // Which parameters have a gradient on some rank of their group (as GradientReducer
+  // agrees): the others stay without one and take no step.
+  std::vector<std::vector<bool>> present(buckets_.size());
+  for (GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
+    std::vector<std::pair<size_t, size_t>> where;
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      if (buckets_[i].group != group) continue;
+      present[i].assign(buckets_[i].members.size(), false);
+      for (size_t j = 0; j < buckets_[i].members.size(); ++j) where.emplace_back(i, j);
+    }
+    if (where.empty()) continue;
+    at::Tensor flags = at::zeros({static_cast<int64_t>(where.size())}, at::kFloat);
+    for (size_t k = 0; k < where.size(); ++k) {
+      const Member& m = buckets_[where[k].first].members[where[k].second];
+      flags.data_ptr<float>()[k] = m.param->value.grad().defined() ? 1.0f : 0.0f;
+    }
+    at::Tensor on_device = flags.to(buckets_[where.front().first].device);
+    collectives.AllReduceSum(group, on_device);
+    flags = on_device.cpu();
+    for (size_t k = 0; k < where.size(); ++k) {
+      present[where[k].first][where[k].second] = flags.data_ptr<float>()[k] > 0;
+    }
+  }
+
+  // Each bucket's gradients, summed over its group: this rank's slice only.
+  std::vector<at::Tensor> grad_slices(buckets_.size());
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const Bucket& b = buckets_[i];
+    at::Tensor flat = at::zeros({b.size}, at::TensorOptions().dtype(b.dtype).device(b.device));
+    for (const Member& m : b.members) {
+      const at::Tensor& g = m.param->value.grad();
+      if (!g.defined()) continue;
+      if (g.scalar_type() != b.dtype) {
+        return absl::InternalError(absl::StrCat(
+            "--use_distributed_optimizer: the gradient of ", m.unit->GlobalName(m.param->name),
+            " is ", c10::toString(g.scalar_type()), ", its parameter ", c10::toString(b.dtype)));
+      }
+      flat.narrow(0, m.offset, g.numel()).copy_(g.reshape({-1}));
+    }
+    grad_slices[i] = collectives.ReduceScatterSum(b.group, flat);
+  }
+  if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
+
+  // The norm from the owned slices (NOTE [parameter sharding]: slices of tensor-parallel
+  // parameters on every tensor-parallel rank, replicas once).
+  std::vector<at::Tensor> dense_pieces, expert_pieces;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const Bucket& b = buckets_[i];
+    for (size_t j = 0; j < b.members.size(); ++j) {
+      const Member& m = b.members[j];
+      if (!present[i][j] || !m.param->sharding.CountedOn(m.unit->tp_rank(), m.unit->tp_size())) {
+        continue;
+      }
+      const auto [begin, end] = OwnedPart(b, m);
+      if (begin >= end) continue;
+      at::Tensor piece = grad_slices[i].narrow(0, begin - b.shard_begin, end - begin);
+      (b.group == GroupRole::kExpertData ? expert_pieces : dense_pieces).push_back(piece);
+    }
+  }
+  const size_t dp_count = request.data_parallel_sums.size();
+  std::vector<double> sums = request.data_parallel_sums;
+  sums.insert(sums.end(), request.job_sums.begin(), request.job_sums.end());
+  sums.push_back(AdamW::SumOfSquares(dense_pieces));
+  collectives.SumOverDataParallel(sums);
+  const double dense_sq = sums.back();
+  sums.pop_back();
+  // The experts' slices: summed over the ranks holding the same experts, then over the
+  // ranks holding the others (AdamW sums whole expert gradients over the latter only).
+  std::vector<double> expert_sq{AdamW::SumOfSquares(expert_pieces)};
+  bool has_experts = false;
+  c10::Device expert_device(c10::kCPU);
+  for (const Bucket& b : buckets_) {
+    if (b.group == GroupRole::kExpertData) {
+      has_experts = true;
+      expert_device = b.device;
+    }
+  }
+  if (has_experts) {
+    at::Tensor t = at::full({1}, expert_sq[0], at::TensorOptions().dtype(at::kDouble)).to(expert_device);
+    collectives.AllReduceSum(GroupRole::kExpertData, t);
+    expert_sq[0] = t.cpu().item<double>();
+  }
+  collectives.SumOverExpertParallel(expert_sq);
+  std::vector<double> grad_sq{dense_sq + expert_sq[0]};
+  grad_sq.insert(grad_sq.end(), sums.begin() + dp_count, sums.end());
+  collectives.SumOverModelParallel(grad_sq);
+  StepResult result;
+  result.grad_norm = std::sqrt(grad_sq[0]);
+  result.data_parallel_sums.assign(sums.begin(), sums.begin() + dp_count);
+  result.job_sums.assign(grad_sq.begin() + 1, grad_sq.end());
+  if (!std::isfinite(result.grad_norm)) return result;
+  const double clip = adamw_.ClipFactor(result.grad_norm);
+  if (clip < 1.0) {
+    for (at::Tensor& g : grad_slices) g.mul_(clip);
+  }
+
+  // AdamW on the owned slices, in place in the weights.
+  at::NoGradGuard no_grad;
+  for (Unit* unit : units) {
+    if (Trainable(*unit)) unit->set_optimizer_step(unit->optimizer_step() + 1);
+  }
+  const OptimizerOptions& o = adamw_.options();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
+    for (size_t j = 0; j < b.members.size(); ++j) {
+      const Member& m = b.members[j];
+      Parameter& p = *m.param;
+      if (!present[i][j] || !p.value.requires_grad()) continue;
+      const auto [begin, end] = OwnedPart(b, m);
+      if (begin >= end) continue;
+      const int64_t at_slice = begin - b.shard_begin;
+      const int64_t len = end - begin;
+      adamw_.Update(p.value.view({-1}).narrow(0, begin - m.offset, len),
+                    grad_slices[i].narrow(0, at_slice, len), b.exp_avg.narrow(0, at_slice, len),
+                    b.exp_avg_sq.narrow(0, at_slice, len), m.unit->optimizer_step(), request.lr,
+                    p.weight_decay && o.weight_decay != 0.0);
+    }
+    // Every rank's updated slice into every rank's weights.
+    at::Tensor slice = at::zeros({b.shard_size}, at::TensorOptions().dtype(b.dtype).device(b.device));
+    for (const Member& m : b.members) {
+      const auto [begin, end] = OwnedPart(b, m);
+      if (begin >= end) continue;
+      slice.narrow(0, begin - b.shard_begin, end - begin)
+          .copy_(m.param->value.view({-1}).narrow(0, begin - m.offset, end - begin));
+    }
+    const at::Tensor whole = collectives.AllGather(b.group, slice);
+    for (const Member& m : b.members) {
+      const int64_t numel = m.param->value.numel();
+      m.param->value.view({-1}).copy_(whole.narrow(0, m.offset, numel));
+    }
+  }
+  for (Unit* unit : units) {
+    unit->ZeroGrad();
+    steps_[unit] = unit->optimizer_step();
+  }
+  result.stepped = true;
+  return result;
+}
+
+absl::Status DistributedAdamW::GatherState(const std::vector<Unit*>& units,
+                                           ParallelContext& collectives) {
+  FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
+  AdoptWrittenState();
+  for (const Bucket& b : buckets_) {
+    const at::Tensor exp_avg = collectives.AllGather(b.group, b.exp_avg);
+    const at::Tensor exp_avg_sq = collectives.AllGather(b.group, b.exp_avg_sq);
+    for (const Member& m : b.members) {
+      Parameter& p = *m.param;
+      const int64_t numel = p.value.numel();
+      p.exp_avg = exp_avg.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
+      p.exp_avg_sq = exp_avg_sq.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
+    }
+  }
+  gathered_ = true;
+  return absl::OkStatus();
+}
+
+void DistributedAdamW::ReleaseState(const std::vector<Unit*>& units) {
+  for (const Bucket& b : buckets_) {
+    for (const Member& m : b.members) m.param->exp_avg = m.param->exp_avg_sq = at::Tensor();
+  }
+  gathered_ = false;
+}
+
+int64_t DistributedAdamW::StateBytes(const std::vector<Unit*>& units) const {
+  int64_t bytes = 0;
+  for (const Bucket& b : buckets_) {
+    bytes += 2 * b.shard_size * static_cast<int64_t>(b.exp_avg.element_size());
+  }
+  return bytes;
+}
+
+}  // namespace fulcrum

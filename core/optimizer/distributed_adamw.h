@@ -1,0 +1,117 @@
+// The distributed optimizer (--use_distributed_optimizer; ZeRO stage 1, Rajbhandari et al.
+// 2020, as Megatron-LM's distributed optimizer): AdamW whose moments are sharded over the
+// data-parallel group — and, for expert-parallel parameters, over the expert-data-parallel
+// group — so a rank holds 1/dp of the optimizer state instead of all of it.
+//
+// NOTE [distributed optimizer]
+// Layout. A rank's parameters, in unit and parameter order, are cut into buckets of whole
+// parameters (up to a byte budget, one group and dtype per bucket), each padded to a
+// multiple of the group's size n; rank r owns the r-th n-th of every bucket (Megatron's
+// per-bucket sharding: no rank waits on one large shard, and a bucket's reduction and
+// gather are one collective each). The moments of the owned slice live here, fp32, as
+// large as the slice; nothing else of the state is kept.
+// A step, collective over the job:
+//   1. the tied embedding's gradients summed over the first and last stage (before, not
+//      after, the data-parallel sum: the sums commute);
+//   2. per bucket, the gradients flattened (zeros where a rank has none) and
+//      reduce-scattered: each rank gets the sum of its own slice only;
+//   3. the plugins' after-reduce hook (which therefore must not read whole gradients:
+//      Plugin::ReadsWholeGradients plugins are refused with this optimizer);
+//   4. the global norm from the owned slices, summed over the data-parallel group (dense)
+//      and the expert-data and expert-parallel groups (experts), then over the model;
+//   5. clip, then AdamW (the same per-tensor kernel as AdamW::Update) on the owned slices
+//      of the weights, in place;
+//   6. per bucket, the updated slices all-gathered into every rank's weights.
+// A parameter that no rank of its group has a gradient for takes no step (as AdamW,
+// which skips it), and a frozen one (requires_grad false) neither.
+// Bit-exactness: at dp = 2 the reduce-scatter adds x_r + x_other, the all_reduce's bits,
+// and the update is AdamW's per-tensor kernel on slices, so with clipping inactive the
+// weights equal AdamW's bit for bit; the norm sums in another order, so its last bits (and
+// a clip factor's) may differ.
+// State residency (NOTE [optimizer state residency] in core/optimizer/optimizer.h):
+// GatherState all-gathers the moments into every Parameter (for a checkpoint's save),
+// ReleaseState drops them again; moments a checkpoint load wrote into a Parameter are
+// adopted (this rank's slice copied, the rest dropped) at the next call, so a checkpoint
+// saved at any dp, with or without this optimizer, resumes under any other.
+// Layer moves: before layers move (ForwardBackwardRunner::SetBeforeLayersMove) the state
+// is gathered whole into the Parameters, so a moving layer carries it as under AdamW
+// (pipeline/migration.cc); the next step finds another set of parameters, cuts a new
+// layout and adopts its slices from the Parameters. The whole state is held only in
+// iterations that move layers.
+// Not yet: re-packing (refused by fulcrum_train), plugins that read whole gradients, the
+// fused kernel on a device (the per-tensor kernel runs everywhere), overlapping the
+// reduction with the backward.
+//
+// Not thread-safe; every call but StateBytes is collective.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/optimizer/adamw.h"
+#include "core/optimizer/optimizer.h"
+
+namespace fulcrum {
+
+class DistributedAdamW final : public Optimizer {
+ public:
+  /// `bucket_bytes`: the byte budget of one bucket (Megatron's default, 40M parameters, is
+  /// larger; 25 MB is our gradient reducer's).
+  explicit DistributedAdamW(const OptimizerOptions& options,
+                            int64_t bucket_bytes = 25 * 1024 * 1024)
+      : adamw_(options), bucket_bytes_(bucket_bytes) {}
+
+  absl::StatusOr<StepResult> ReduceAndStep(const std::vector<Unit*>& units,
+                                           ParallelContext& collectives,
+                                           const StepRequest& request) override;
+  absl::Status GatherState(const std::vector<Unit*>& units, ParallelContext& collectives) override;
+  void ReleaseState(const std::vector<Unit*>& units) override;
+  /// The moments of the owned slices (the layout's, once built; 0 before).
+  int64_t StateBytes(const std::vector<Unit*>& units) const override;
+
+  /// The number of buckets of the current layout (tests).
+  size_t num_buckets() const { return buckets_.size(); }
+
+ private:
+  // One parameter inside a bucket: elements [offset, offset + numel) of the bucket.
+  struct Member {
+    Unit* unit;
+    Parameter* param;
+    int64_t offset;
+  };
+  struct Bucket {
+    ParallelContext::GroupRole group;
+    at::ScalarType dtype;
+    c10::Device device = c10::Device(c10::kCPU);
+    std::vector<Member> members;
+    int64_t size = 0;         // padded: a multiple of the group's size
+    int64_t shard_begin = 0;  // this rank's slice [shard_begin, shard_begin + shard_size)
+    int64_t shard_size = 0;
+    at::Tensor exp_avg, exp_avg_sq;  // fp32 moments of the slice
+  };
+
+  // Builds the layout on first use, and again for a changed set of parameters (layers
+  // moved) when the state was gathered before they moved; refuses one otherwise.
+  absl::Status EnsureLayout(const std::vector<Unit*>& units, ParallelContext& collectives);
+  // Copies this rank's slice of moments a load wrote into Parameters, then drops them; a
+  // unit whose step counter went back to 0 (loaded without state) has its slices zeroed.
+  void AdoptWrittenState();
+  // The part of member `m` inside bucket `b`'s owned slice: [begin, end) in bucket
+  // coordinates, empty when begin ≥ end.
+  static std::pair<int64_t, int64_t> OwnedPart(const Bucket& b, const Member& m);
+
+  AdamW adamw_;
+  int64_t bucket_bytes_;
+  std::vector<Bucket> buckets_;
+  std::vector<const c10::TensorImpl*> signature_;  // the parameters the layout was built on
+  std::map<const Unit*, int64_t> steps_;           // each unit's step counter after our last step
+  // GatherState ran and nothing took the state back since: every Parameter holds its whole
+  // state, so a changed set of parameters (layers moved) can be re-sliced.
+  bool gathered_ = false;
+};
+
+}  // namespace fulcrum

@@ -216,8 +216,16 @@ at::Tensor GptModel::Embed(const at::Tensor& tokens, const ForwardContext& ctx) 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const {
   TORCH_CHECK(static_cast<int64_t>(layers_.size()) == layer_end_ - layer_begin_,
               "the stage's layers [", layer_begin_, ", ", layer_end_, ") have gaps");
-  for (const auto& [index, layer] : layers_) hidden = layer->Forward(hidden, ctx);
+  int64_t position = 0;
+  for (const auto& [index, layer] : layers_) hidden = ForwardLayer(*layer, position++, hidden, ctx);
   return hidden;
+}
+
+at::Tensor GptModel::ForwardLayer(const TransformerLayer& layer, int64_t position,
+                                  const at::Tensor& hidden, const ForwardContext& ctx) const {
+  const bool recompute = options_.recompute_layers && ctx.training &&
+                         (options_.recompute_num_layers == 0 || position < options_.recompute_num_layers);
+  return recompute ? RecomputedForward(layer, hidden, ctx) : layer.Forward(hidden, ctx);
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,
@@ -226,7 +234,7 @@ at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx,
     auto it = layers_.find(i);
     TORCH_CHECK(it != layers_.end(), "the stage does not hold layer ", i, " of the range [",
                 begin, ", ", end, ")");
-    hidden = it->second->Forward(hidden, ctx);
+    hidden = ForwardLayer(*it->second, i - begin, hidden, ctx);
   }
   return hidden;
 }

@@ -197,6 +197,11 @@ class GptModel {
 
   /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;
+  /// One layer's forward, `position` its place in its chunk (0: the chunk's first layer):
+  /// recomputed in the backward when options().recompute_layers covers that place (NOTE
+  /// [activation recomputation] in core/transformer_layer.h). Every layer loop calls it.
+  at::Tensor ForwardLayer(const TransformerLayer& layer, int64_t position, const at::Tensor& hidden,
+                          const ForwardContext& ctx) const;
   /// Runs the held layers of [begin, end) in order (one chunk: NOTE [model chunks]); they
   /// must be all of [begin, end).
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,

@@ -175,6 +175,10 @@ class Plugin : public LayerCustomizer {
   /// the reduced gradients whole: a plugin that reads or edits them here, or edits the
   /// optimizer's moments, says so with ReadsWholeGradients.
   virtual absl::Status AfterBackward(PluginContext& ctx) { return absl::OkStatus(); }
+  /// True when the plugin's blocks honour ForwardContext::recomputing (record nothing and
+  /// compute the same again): --recompute_granularity=full refuses a plugin that says false
+  /// (NOTE [activation recomputation] in core/transformer_layer.h).
+  virtual bool SupportsRecompute() const { return false; }
   /// True when AfterBackward reads or edits whole reduced gradients, or the plugin edits
   /// the Adam moments (Parameter::exp_avg): --use_distributed_optimizer refuses it.
   virtual bool ReadsWholeGradients() const { return false; }

@@ -167,6 +167,16 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " is not a multiple of --micro_batch_size=", config.train.micro_batch_size,
         " × data-parallel size ", dp));
   }
+  if (config.model.recompute_layers && plugins) {
+    for (const auto& plugin : plugins->plugins()) {
+      if (!plugin->SupportsRecompute()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--recompute_granularity=full: plugin '", plugin->name(),
+            "' does not support recomputation yet (its blocks would measure the recomputed "
+            "forward a second time)"));
+      }
+    }
+  }
   if (config.optimizer.use_distributed_optimizer && plugins) {
     for (const auto& plugin : plugins->plugins()) {
       if (plugin->ReadsWholeGradients()) {

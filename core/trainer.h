@@ -160,6 +160,12 @@ class Trainer {
   absl::Status Save();
 
   GptModel& model() { return *model_; }
+  /// Makes every parameter's whole optimizer state readable from its Parameter (NOTE
+  /// [optimizer state residency]), for code that moves state itself (the live shrink);
+  /// the optimizer takes it back at its next step. Collective over the data-parallel groups.
+  absl::Status GatherOptimizerState() {
+    return optimizer_->GatherState(model_->Units(), collectives());
+  }
   /// Bytes of optimizer state (Adam moments) this rank holds: all of its parameters' under
   /// AdamW, a data-parallel slice under the distributed optimizer (after its first step).
   int64_t OptimizerStateBytes() const { return optimizer_->StateBytes(model_->Units()); }

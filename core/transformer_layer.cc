@@ -5,6 +5,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "absl/strings/str_cat.h"
 #include "core/kernels/attention.h"
 #include "core/linear.h"
@@ -493,6 +496,60 @@ at::Tensor TransformerLayer::PlainForward(const at::Tensor& hidden, const Forwar
   at::Tensor mlp = Mlp(Norm(options_, x, ln2_weight_, ln2_bias_), ctx);
   return x + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
                      layer_index_, ctx);
+}
+
+namespace {
+
+// NOTE [activation recomputation]: the layer and the context travel in the node's saved
+// data; the layer outlives the backward (a moving layer leaves after its last W).
+struct RecomputedLayer : public torch::autograd::Function<RecomputedLayer> {
+  static at::Tensor forward(torch::autograd::AutogradContext* node, const at::Tensor& hidden,
+                            const TransformerLayer* layer, const ForwardContext* ctx) {
+    node->save_for_backward({hidden});
+    auto& saved = node->saved_data;
+    saved["layer"] = reinterpret_cast<int64_t>(layer);
+    saved["tag"] = WeightGradStore::CurrentTag();
+    saved["training"] = ctx->training;
+    saved["iteration"] = ctx->iteration;
+    saved["first_sample"] = ctx->first_sample;
+    saved["loss_scale"] = ctx->loss_scale;
+    saved["epoch"] = ctx->epoch;
+    saved["token_positions"] = ctx->token_positions;
+    saved["labels"] = ctx->labels;
+    saved["rotary_positions"] = ctx->rotary_positions;
+    // Autograd is off inside a custom function's forward: nothing of the layer is kept.
+    return layer->Forward(hidden, *ctx);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* node,
+                                               torch::autograd::tensor_list grads) {
+    auto& saved = node->saved_data;
+    const auto* layer = reinterpret_cast<const TransformerLayer*>(saved["layer"].toInt());
+    ForwardContext ctx{saved["training"].toBool(), saved["iteration"].toInt(),
+                       saved["first_sample"].toInt(), saved["loss_scale"].toDouble(),
+                       saved["token_positions"].toOptional<at::Tensor>().value_or(at::Tensor()),
+                       saved["epoch"].toInt()};
+    ctx.labels = saved["labels"].toOptional<at::Tensor>().value_or(at::Tensor());
+    ctx.rotary_positions = saved["rotary_positions"].toOptional<at::Tensor>().value_or(at::Tensor());
+    ctx.recomputing = true;
+    const at::Tensor input = node->get_saved_variables()[0].detach().requires_grad_(true);
+    at::Tensor output;
+    {
+      at::AutoGradMode with_grad(true);
+      WeightGradStore::TagScope tag(saved["tag"].toInt());
+      output = layer->Forward(input, ctx);
+    }
+    torch::autograd::backward({output}, {grads[0]});
+    return {input.grad(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor RecomputedForward(const TransformerLayer& layer, const at::Tensor& hidden,
+                             const ForwardContext& ctx) {
+  if (!at::GradMode::is_enabled() || !hidden.requires_grad()) return layer.Forward(hidden, ctx);
+  return RecomputedLayer::apply(hidden, &layer, &ctx);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -101,7 +101,34 @@ struct ForwardContext {
   /// states [n, b, h] that are not the sequence's tokens 0..n−1 (Mixture-of-Depths' routed
   /// subset, ascending); undefined: 0..n−1.
   at::Tensor rotary_positions;
+  /// True while a layer's forward runs a second time inside the backward pass (NOTE
+  /// [activation recomputation]): a block must compute exactly what it computed the first
+  /// time and record nothing again (measurements, counters, caches).
+  bool recomputing = false;
 };
+
+// NOTE [activation recomputation]
+// Megatron's full recomputation (--recompute_granularity=full; Chen et al. 2016, "Training
+// Deep Nets with Sublinear Memory Cost"): a recomputed layer runs its forward without
+// autograd, keeping only its input, and in the backward runs it again with autograd and
+// back-propagates through that. What it keeps between F and B is one [s, b, h] tensor
+// instead of every intermediate (the activation meter measures it per layer, so the
+// balancer's memory model sees the smaller footprint). The second forward draws the same
+// dropout masks (they are keyed by global identity: NOTE [layout-independent randomness])
+// and runs under the tag of the first (NOTE [weight-gradient tags]), so under the B/W split
+// its weight gradients still wait for the W action, and gradients equal the plain layer's
+// bit for bit. It costs one more forward of the layer in every backward. The second
+// forward runs with ForwardContext::recomputing set, so blocks that measure in the forward
+// (MoE loads, auxiliary-loss values) measure once; a plugin says it honours that with
+// Plugin::SupportsRecompute, and the trainer refuses recomputation with any that does not.
+
+class TransformerLayer;
+
+/// `layer`'s forward of `hidden`, recomputed in the backward pass (NOTE [activation
+/// recomputation]). Where nothing needs a gradient (no autograd, or `hidden` without one:
+/// a frozen prefix) the plain forward.
+at::Tensor RecomputedForward(const TransformerLayer& layer, const at::Tensor& hidden,
+                             const ForwardContext& ctx);
 
 /// The layer norm of options.normalization over x's last dimension: LayerNorm with weight and
 /// bias, or RMSNorm with the weight (bias undefined).

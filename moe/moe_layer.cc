@@ -152,13 +152,14 @@ class MoeLayer final : public FeedForward {
     at::Tensor combined;
     if (early) {
       combined = CachedExperts(tokens, route_ctx.fixed_experts, route, &routing);
-      ++early_micro_batches_;
+      if (!ctx.recomputing) ++early_micro_batches_;
     } else {
       routing = route();
       combined = options_.per_expert_capacity ? RaggedExperts(tokens, routing, k)
                                               : PaddedExperts(tokens, routing, k);
     }
-    if (caching) cache_->Record(positions, cached, routing.choice, by_cache);
+    // NOTE [activation recomputation]: the recomputed forward records nothing again.
+    if (caching && !ctx.recomputing) cache_->Record(positions, cached, routing.choice, by_cache);
     SlotAssignment& slots = last_slots_;
 
     if (ctx.training) {
@@ -168,8 +169,10 @@ class MoeLayer final : public FeedForward {
       }
       // NOTE [auxiliary losses] (core/aux_loss.h).
       combined = WithAuxLoss(combined, aux_total, ctx.loss_scale * static_cast<double>(t));
-      Accumulate(routing, slots, t);
-      expert_rows_ += rows_this_call_;
+      if (!ctx.recomputing) {
+        Accumulate(routing, slots, t);
+        expert_rows_ += rows_this_call_;
+      }
     }
     return combined.view(x.sizes());
   }

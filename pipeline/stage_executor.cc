@@ -383,7 +383,7 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
     if (run.time_layers) run.timer->Start(key);
     {
       WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
-      hidden = layer->Forward(hidden, ctx);
+      hidden = model.ForwardLayer(*layer, layer_index - chunk_begin, hidden, ctx);
     }
     if (run.time_layers) {
       run.timer->Stop(key);

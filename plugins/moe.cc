@@ -111,6 +111,10 @@ class MoePlugin final : public Plugin {
             std::vector<std::pair<std::string, std::string>> shape)
       : options_(std::move(options)), model_(std::move(model)), shape_(std::move(shape)) {}
   const char* name() const override { return "moe"; }
+  // The layers record their loads and auxiliary-loss values once (ForwardContext::
+  // recomputing). Not with the assignment cache: the recomputed forward would look up the
+  // assignments its first forward just recorded.
+  bool SupportsRecompute() const override { return options_.assignment_cache_threshold <= 0; }
 
   absl::Status OnLayout(ParallelContext* parallel) override {
     // Building the exchange is collective over the expert group: every rank is here.

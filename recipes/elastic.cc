@@ -147,6 +147,9 @@ absl::Status ElasticController::ShrinkOnce(Trainer& trainer, bool* released) {
   const int new_pp = static_cast<int>(new_ranges.size());
   const int new_world = old_world / old_pp * new_pp;
   const auto shrink_start = pipeline::TimelineRecorder::Clock::now();
+  // The state travels from the Parameters (the distributed optimizer's slices made whole
+  // first; every rank of the old layout is here).
+  FULCRUM_RETURN_IF_ERROR(trainer.GatherOptimizerState());
   // The old runner and timeline stay alive (the trainer holds the runner until it changes
   // layout) and go before the old groups they use.
   std::unique_ptr<pipeline::PipelineRunner> old_runner = std::move(runner_);

@@ -75,11 +75,18 @@ DEFINE_double(adam_beta1, 0.9, "Adam beta1.");
 DEFINE_double(adam_beta2, 0.999, "Adam beta2.");
 DEFINE_double(adam_eps, 1e-8, "Adam epsilon.");
 DEFINE_double(clip_grad, 1.0, "Clip the global gradient L2 norm to this; 0 disables.");
+DEFINE_string(recompute_granularity, "",
+              "Activation recomputation: 'full' keeps only each recomputed layer's input in "
+              "the forward pass and runs the layer again in the backward (empty: none; "
+              "'selective' is not built yet). Of the plugins, moe supports it (without "
+              "--moe_assignment_cache_threshold).");
+DEFINE_int64(recompute_num_layers, 0,
+             "With --recompute_granularity=full: how many layers of each pipeline stage (each "
+             "model chunk), first ones first, are recomputed; 0: all of them.");
 DEFINE_bool(use_distributed_optimizer, false,
             "Shard the Adam moments over the data-parallel group (the expert-data-parallel "
             "group for experts; ZeRO-1): gradients reduce-scattered, updated weights "
-            "all-gathered. Not yet with re-packing, or the prune, freeze and early_exit "
-            "plugins.");
+            "all-gathered. Not yet with the prune, freeze and early_exit plugins.");
 // Batches and iterations.
 DEFINE_int64(micro_batch_size, 8, "Samples per forward/backward.");
 DEFINE_int64(global_batch_size, 16, "Samples per optimizer step (accumulated micro-batches).");
@@ -242,7 +249,7 @@ cli::HelpSpec TrainHelpSpec() {
        {"train_iters", "micro_batch_size", "global_batch_size", "lr", "min_lr",
         "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1",
         "adam_beta2", "adam_eps", "clip_grad", "use_distributed_optimizer", "exit_interval",
-        "eval_interval", "eval_iters"}},
+        "eval_interval", "eval_iters", "recompute_granularity", "recompute_num_layers"}},
       {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
       {"Parallel",
        {"tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -424,14 +431,6 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
       return Invalid(std::string(played.status().message()));
     }
   }
-  if (FLAGS_use_distributed_optimizer) {
-    // NOTE [distributed optimizer]: its slices are cut over the layers a stage holds; a
-    // live shrink rebuilds the model under them.
-    if (FLAGS_repack != "off" || !FLAGS_repack_script.empty()) {
-      return Invalid("--use_distributed_optimizer does not support re-packing (--repack, "
-                     "--repack_script) yet");
-    }
-  }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
   if (chunks > 1) {
     // The parameter-balanced start and re-packing place one range per stage; layer moves
@@ -593,6 +592,22 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   if (m.swiglu && m.openai_gelu) return Invalid("--openai_gelu and --swiglu exclude each other");
   m.hidden_dropout = FLAGS_hidden_dropout;
   m.attention_dropout = FLAGS_attention_dropout;
+  // NOTE [activation recomputation] in core/transformer_layer.h.
+  if (FLAGS_recompute_granularity == "full") {
+    m.recompute_layers = true;
+    if (FLAGS_recompute_num_layers < 0) {
+      return Invalid(absl::StrCat("--recompute_num_layers=", FLAGS_recompute_num_layers,
+                                  " must be ≥ 0 (0: every layer)"));
+    }
+    m.recompute_num_layers = FLAGS_recompute_num_layers;
+  } else if (FLAGS_recompute_granularity == "selective") {
+    return Invalid("--recompute_granularity=selective is not built yet; 'full' is");
+  } else if (!FLAGS_recompute_granularity.empty()) {
+    return Invalid(absl::StrCat("--recompute_granularity='", FLAGS_recompute_granularity,
+                                "' is unknown; expected full (or empty: none)"));
+  } else if (FLAGS_recompute_num_layers != 0) {
+    return Invalid("--recompute_num_layers needs --recompute_granularity=full");
+  }
   m.seed = FLAGS_seed;
   // NOTE [device seam]: one DeviceSpec from --device, --params_dtype and --bf16.
   FULCRUM_RETURN_IF_ERROR(ParseParamsDtype(FLAGS_params_dtype, &m.device_spec));

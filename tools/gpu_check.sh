@@ -267,6 +267,13 @@ train_check train_migration 1 "$(two_rank_train tiny) --pipeline_model_parallel_
 # [forward-only stages]).
 train_check train_pp_frozen 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --plugins=freeze --freeze_schedule='3:0-1'" train_freeze_scheduled
 train_check train_zbv_moves 1 "$(two_rank_train tiny_moe) --num_layers=8 --pipeline_model_parallel_size=2 --pipeline_schedule=zbv --rebalance_script='2:3,1,1,3;4:1,3,3,1;6:2,2,2,2'" train_moe8 moves
+# The distributed optimizer (moments sharded over dp, reduce-scatter and all-gather on the
+# device path; NOTE [distributed optimizer]), with layers moving under it; full activation
+# recomputation on one GPU (the bf16 path) and at pp=2 with MoE layers under ZB-H1.
+train_check train_dp_zero 1 "$(two_rank_train tiny) --use_distributed_optimizer" train_dense
+train_check train_zero_moves 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2 --use_distributed_optimizer --rebalance_script='3:1->1;6:2,2'" train_dense moves
+train_check train_recompute 1 "$train --bf16 --recompute_granularity=full" train_bf16
+train_check train_pp_moe_recompute 1 "$(two_rank_train tiny_moe) --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --recompute_granularity=full" train_moe
 
 # --- the report ------------------------------------------------------------------------
 python3 - "$results" "$out" "$quick" <<'PY'

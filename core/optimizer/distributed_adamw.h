@@ -37,10 +37,12 @@
 // is gathered whole into the Parameters, so a moving layer carries it as under AdamW
 // (pipeline/migration.cc); the next step finds another set of parameters, cuts a new
 // layout and adopts its slices from the Parameters. The whole state is held only in
-// iterations that move layers.
-// Not yet: re-packing (refused by fulcrum_train), plugins that read whole gradients, the
-// fused kernel on a device (the per-tensor kernel runs everywhere), overlapping the
-// reduction with the backward.
+// iterations that move layers. A live shrink (recipes/elastic.cc) gathers the same way
+// before the state exchange (Trainer::GatherOptimizerState), and the survivors' next step
+// cuts the layout of their new model.
+// Not yet: plugins that read whole gradients (refused), the fused kernel on a device (the
+// per-tensor kernel runs everywhere), overlapping the reduction with the backward, a gather
+// of only the moving layers (all of a stage's state is made whole).
 //
 // Not thread-safe; every call but StateBytes is collective.
 #pragma once

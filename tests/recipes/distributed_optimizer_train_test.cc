@@ -186,15 +186,51 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
       << testing::MaxRelativeDifference(sharded.losses, still.losses);
 }
 
-TEST(SlowDistributedOptimizerTest, RefusesRePackingAndPluginsThatReadWholeGradients) {
+// Re-packing pp=2×dp=2 onto pp=1×dp=2 after iteration 6, live and through a checkpoint:
+// before the live shrink every rank gathers its slices whole (the released ranks' layers
+// travel with their state), and the survivors cut the new layout at their next step; the
+// relaunched job adopts its slices from the checkpoint. Both train the losses of the run
+// that never shrinks, bit for bit (untied embeddings, clipping off: as above).
+TEST(SlowDistributedOptimizerTest, RePackingLiveAndThroughACheckpointKeepsTheLosses) {
+  const std::string dir = testing::MakeTempDir("zero_repack");
+  const std::string layout = Common(12) + kZero +
+                             " --clip_grad=0 --pipeline_model_parallel_size=2"
+                             " --untie_embeddings_and_output_weights";
+  const TrainRun still = Train(4, layout, dir, "still");
+  ASSERT_EQ(still.losses.size(), 12u);
   std::string output;
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(2, Common(2) + kZero +
-                                                             " --pipeline_model_parallel_size=2"
-                                                             " --repack=auto"),
+  const std::string live_metrics = dir + "/live.jsonl";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(4, layout + " --repack_script=6:1 --metrics_file=" +
+                                                             live_metrics),
                                 &output),
-            2)
+            0)
       << output;
-  EXPECT_THAT(output, HasSubstr("--use_distributed_optimizer does not support re-packing"));
+  EXPECT_THAT(output, HasSubstr("re-packed live after iteration 6: 2 → 1 pipeline stages"));
+  const auto live = testing::MetricsRecords(live_metrics);
+  ASSERT_EQ(live.size(), 12u);
+  EXPECT_EQ(testing::LossesOf(live), still.losses);
+  EXPECT_EQ(live.back()["pipeline_size"].get<int>(), 1);
+  // One stage holds the whole model now: its slice of the moments grew accordingly.
+  EXPECT_GT(live.back()["optimizer_state_bytes"].get<int64_t>(),
+            live.front()["optimizer_state_bytes"].get<int64_t>());
+
+  const std::string save = dir + "/ckpt";
+  const std::string relaunched_metrics = dir + "/relaunched.jsonl";
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(4, layout + " --repack_script=6:1 "
+                                                             "--repack_via_checkpoint --save=" + save +
+                                                             " --metrics_file=" + relaunched_metrics),
+                                &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("exited with code 75: the job asks for a relaunch"));
+  const auto relaunched = testing::MetricsRecords(relaunched_metrics);
+  ASSERT_EQ(relaunched.size(), 12u);
+  EXPECT_EQ(testing::LossesOf(relaunched), still.losses);
+  EXPECT_EQ(relaunched.back()["pipeline_size"].get<int>(), 1);
+}
+
+TEST(SlowDistributedOptimizerTest, RefusesPluginsThatReadWholeGradients) {
+  std::string output;
   EXPECT_NE(testing::RunCommand(testing::TrainCommand(1, Common(2) + kZero + " --plugins=prune"),
                                 &output),
             0);

@@ -1,0 +1,119 @@
+// --recompute_granularity=full (NOTE [activation recomputation] in core/transformer_layer.h)
+// in real runs: the losses of the run without it, bit for bit — one process, and pp=2 under
+// ZB-H1 (the B/W split) with dropout on and layers moving — at a smaller activation peak;
+// and what it refuses.
+#include <cstdint>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/test_util.h"
+#include "tests/recipes/train_runs.h"
+#include "tests/run_command.h"
+
+namespace fulcrum {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Common() {
+  return "--recipe=tiny --train_iters=10 --eval_interval=0 --log_interval=5 "
+         "--global_batch_size=16 --micro_batch_size=4 --hidden_dropout=0.1 "
+         "--attention_dropout=0.1" +
+         std::string(testing::kPastWarmup);
+}
+
+std::vector<nlohmann::json> Train(int n, const std::string& args, const std::string& dir,
+                                  const std::string& name) {
+  const std::string metrics = dir + "/" + name + ".jsonl";
+  std::string output;
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(n, args + " --metrics_file=" + metrics), &output), 0)
+      << output;
+  return testing::MetricsRecords(metrics);
+}
+
+TEST(SlowRecomputeTrainTest, OneProcessTrainsTheSameLossesBitForBit) {
+  const std::string dir = testing::MakeTempDir("recompute_one");
+  const auto plain = Train(1, Common(), dir, "plain");
+  const auto again = Train(1, Common() + " --recompute_granularity=full", dir, "full");
+  ASSERT_EQ(plain.size(), 10u);
+  EXPECT_EQ(testing::LossesOf(again), testing::LossesOf(plain));
+}
+
+// pp=2 under ZB-H1: the recomputed layers' weight gradients still wait for W; a scripted
+// plan moves a layer in iteration 4 (it leaves after its last W, its recomputation long
+// done). Every loss equals the plain run's; the largest stage's activation peak is lower,
+// all layers recomputed lower than one per stage.
+TEST(SlowRecomputeTrainTest, PipelineWithTheSplitAndMovesTrainsTheSameLossesAtALowerPeak) {
+  const std::string dir = testing::MakeTempDir("recompute_pp2");
+  const std::string layout = Common() +
+                             " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1"
+                             " --rebalance_script='4:1->1'";
+  const auto plain = Train(2, layout, dir, "plain");
+  const auto one = Train(2, layout + " --recompute_granularity=full --recompute_num_layers=1", dir, "one");
+  const auto all = Train(2, layout + " --recompute_granularity=full", dir, "all");
+  ASSERT_EQ(plain.size(), 10u);
+  EXPECT_EQ(testing::LossesOf(one), testing::LossesOf(plain));
+  EXPECT_EQ(testing::LossesOf(all), testing::LossesOf(plain));
+  EXPECT_EQ(all.back()["stage_ranges"].dump(), "[[0,1],[1,4]]") << "the layer moved";
+  auto peak = [](const std::vector<nlohmann::json>& run) {
+    double worst = 0;
+    for (const auto& r : run) worst = std::max(worst, r["activation_peak_mb"].get<double>());
+    return worst;
+  };
+  std::cout << "activation peak MB: plain " << peak(plain) << ", one layer per stage "
+            << peak(one) << ", all " << peak(all) << "\n";
+  EXPECT_LT(peak(all), peak(plain));
+  EXPECT_LE(peak(all), peak(one));
+}
+
+// MoE layers (tiny_moe at pp=2 under ZB-H1): the recomputed
+// forward routes the same tokens to the same experts and records its loads once, so the
+// losses and every MoE figure of the metrics (expert loads, auxiliary losses) equal the
+// plain run's.
+TEST(SlowRecomputeTrainTest, MoeLayersRecordTheirLoadsOnce) {
+  const std::string dir = testing::MakeTempDir("recompute_moe");
+  const std::string layout =
+      "--recipe=tiny_moe --train_iters=8 --eval_interval=0 --log_interval=4 "
+      "--global_batch_size=16 --micro_batch_size=4 --pipeline_model_parallel_size=2 "
+      "--pipeline_schedule=zbh1" + std::string(testing::kPastWarmup);
+  const auto plain = Train(2, layout, dir, "plain");
+  const auto again = Train(2, layout + " --recompute_granularity=full", dir, "full");
+  ASSERT_EQ(plain.size(), 8u);
+  ASSERT_EQ(again.size(), 8u);
+  int compared = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(again[i]["loss"], plain[i]["loss"]) << "iteration " << i + 1;
+    for (const char* field : {"expert_tokens", "load_balancing_loss", "z_loss", "dropped_tokens"}) {
+      if (!plain[i].contains(field)) continue;
+      ++compared;
+      EXPECT_EQ(again[i][field], plain[i][field]) << field << ", iteration " << i + 1;
+    }
+  }
+  EXPECT_GE(compared, 16) << "the MoE figures were in the metrics";
+  EXPECT_LT(again.back()["activation_peak_mb"].get<double>(), plain.back()["activation_peak_mb"].get<double>());
+}
+
+TEST(RecomputeFlagsTest, BadFlagsExitTwoNamingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--recompute_granularity=selective", "--recompute_granularity=selective is not built yet"},
+      {"--recompute_granularity=partial", "--recompute_granularity='partial' is unknown"},
+      {"--recompute_num_layers=2", "--recompute_num_layers needs --recompute_granularity=full"},
+      {"--recompute_granularity=full --recompute_num_layers=-1", "must be ≥ 0"},
+      {"--recompute_granularity=full --plugins=early_exit",
+       "plugin 'early_exit' does not support recomputation yet"},
+      {"--recipe=tiny_moe --recompute_granularity=full --moe_assignment_cache_threshold=0.1",
+       "plugin 'moe' does not support recomputation yet"},
+  };
+  for (const auto& [flags, message] : cases) {
+    std::string output;
+    EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, "--recipe=tiny --train_iters=2 " + flags), &output), 2)
+        << flags << "\n" << output;
+    EXPECT_THAT(output, HasSubstr(message)) << flags;
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum

@@ -381,49 +381,42 @@ class GlooCommunicator final : public Communicator {
   }
 
   // One step of a collective built from point-to-point messages: sends `out` to `dst` and
-  // receives `in` from `src` under `tag`, both in flight at once, waiting for both; a
-  // failure fails the communicator as Run does.
+  // receives `in` from `src` under `tag`, all in flight at once. Large messages go as several
+  // segments: one message per step ran at a quarter of all_reduce's bytes per second on two
+  // local ranks.
   void RunPair(const char* op, const at::Tensor& out, int dst, at::Tensor& in, int src, int tag) {
-    const uint64_t sequence = ++collective_sequence_;
-    const auto start = Clock::now();
-    std::string cause;
-    try {
-      // Large messages go as several in flight at once: one message per step ran at a
-      // quarter of all_reduce's bytes per second on two local ranks.
+    RunAll(op, [&] {
       const int64_t numel = out.numel();
       const int64_t per = std::max<int64_t>(1, kRingSegmentBytes / out.element_size());
       std::vector<c10::intrusive_ptr<c10d::Work>> works;
       at::Tensor flat_out = out.view({-1});
       at::Tensor flat_in = in.view({-1});
       for (int64_t begin = 0, k = 0; begin < numel; begin += per, ++k) {
-        const int64_t len = std::min(per, numel - begin);
-        std::vector<at::Tensor> ins{flat_in.narrow(0, begin, len)};
+        std::vector<at::Tensor> ins{flat_in.narrow(0, begin, std::min(per, numel - begin))};
         works.push_back(pg_->recv(ins, src, tag * kRingSegmentsPerStep + static_cast<int>(k)));
       }
       for (int64_t begin = 0, k = 0; begin < numel; begin += per, ++k) {
-        const int64_t len = std::min(per, numel - begin);
-        std::vector<at::Tensor> outs{flat_out.narrow(0, begin, len)};
+        std::vector<at::Tensor> outs{flat_out.narrow(0, begin, std::min(per, numel - begin))};
         works.push_back(pg_->send(outs, dst, tag * kRingSegmentsPerStep + static_cast<int>(k)));
       }
-      for (auto& work : works) work->wait(timeout_ + kWaitGrace);
-      return;
-    } catch (const std::exception& e) {
-      cause = internal::ExceptionMessage(e);
-    }
-    if (Clock::now() - start >= timeout_) {
-      cause = absl::StrCat("timed out after ", timeout_.count(), " ms (", cause, ")");
-    }
-    Fail(absl::StrCat(op, " on ", group_, ": ", cause, "; ", ProbeSilentMembers(sequence)));
+      return works;
+    });
   }
 
   template <typename Issue>
   void Run(const char* op, Issue&& issue) {
+    RunAll(op, [&] { return std::vector<c10::intrusive_ptr<c10d::Work>>{issue()}; });
+  }
+
+  // Issues the works of collective `op` and waits for all of them; a failure or timeout
+  // fails the communicator, naming the members that are gone.
+  template <typename Issue>
+  void RunAll(const char* op, Issue&& issue) {
     const uint64_t sequence = ++collective_sequence_;
     const auto start = Clock::now();
     std::string cause;
     try {
-      c10::intrusive_ptr<c10d::Work> work = issue();
-      work->wait(timeout_ + kWaitGrace);
+      for (auto& work : issue()) work->wait(timeout_ + kWaitGrace);
       return;
     } catch (const std::exception& e) {
       cause = internal::ExceptionMessage(e);

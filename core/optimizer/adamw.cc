@@ -89,6 +89,18 @@ double AdamW::ClipFactor(double grad_norm) const {
   return factor < 1.0 ? factor : 1.0;
 }
 
+StepResult FinishNorm(double local_sq, const std::vector<double>& sums, size_t dp_count,
+                      ParallelContext& collectives) {
+  std::vector<double> grad_sq{local_sq};
+  grad_sq.insert(grad_sq.end(), sums.begin() + static_cast<std::ptrdiff_t>(dp_count), sums.end());
+  collectives.SumOverModelParallel(grad_sq);
+  StepResult result;
+  result.grad_norm = std::sqrt(grad_sq[0]);
+  result.data_parallel_sums.assign(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(dp_count));
+  result.job_sums.assign(grad_sq.begin() + 1, grad_sq.end());
+  return result;
+}
+
 absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
                                                 ParallelContext& collectives,
                                                 const StepRequest& request) {
@@ -104,13 +116,8 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   // ones (identical on all ranks of the group) once (NOTE [parameter sharding]).
   std::vector<double> expert_sq{GradSquaredSum(units, true)};
   collectives.SumOverExpertParallel(expert_sq);
-  std::vector<double> grad_sq{GradSquaredSum(units, false) + expert_sq[0]};
-  grad_sq.insert(grad_sq.end(), sums.begin() + dp_count, sums.end());
-  collectives.SumOverModelParallel(grad_sq);
-  StepResult result;
-  result.grad_norm = std::sqrt(grad_sq[0]);
-  result.data_parallel_sums.assign(sums.begin(), sums.begin() + dp_count);
-  result.job_sums.assign(grad_sq.begin() + 1, grad_sq.end());
+  StepResult result =
+      FinishNorm(GradSquaredSum(units, false) + expert_sq[0], sums, dp_count, collectives);
   if (!std::isfinite(result.grad_norm)) return result;
   const double clip = ClipFactor(result.grad_norm);
   if (clip < 1.0) ScaleGradients(units, clip);

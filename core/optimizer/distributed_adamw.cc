@@ -209,13 +209,7 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
     expert_sq[0] = t.cpu().item<double>();
   }
   collectives.SumOverExpertParallel(expert_sq);
-  std::vector<double> grad_sq{dense_sq + expert_sq[0]};
-  grad_sq.insert(grad_sq.end(), sums.begin() + dp_count, sums.end());
-  collectives.SumOverModelParallel(grad_sq);
-  StepResult result;
-  result.grad_norm = std::sqrt(grad_sq[0]);
-  result.data_parallel_sums.assign(sums.begin(), sums.begin() + dp_count);
-  result.job_sums.assign(grad_sq.begin() + 1, grad_sq.end());
+  StepResult result = FinishNorm(dense_sq + expert_sq[0], sums, dp_count, collectives);
   if (!std::isfinite(result.grad_norm)) return result;
   const double clip = adamw_.ClipFactor(result.grad_norm);
   if (clip < 1.0) {

@@ -46,6 +46,13 @@ struct StepResult {
   std::vector<double> job_sums;
 };
 
+/// The end of every optimizer's norm: `local_sq` (this rank's part of the squared global
+/// norm, as the optimizer shards it) and the job sums — the tail of `sums`, after its first
+/// `dp_count` (the data-parallel sums, already summed) — summed over the model-parallel
+/// ranks. Fills every field of StepResult but `stepped`. Collective (SumOverModelParallel).
+StepResult FinishNorm(double local_sq, const std::vector<double>& sums, size_t dp_count,
+                      ParallelContext& collectives);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;

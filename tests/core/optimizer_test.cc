@@ -29,6 +29,18 @@ void SetGrads(Unit& unit, std::vector<float> w, std::vector<float> b) {
   unit.parameters()[1].value.mutable_grad() = at::tensor(b);
 }
 
+// A decayed weight, an undecayed bias, a parameter the tests freeze and one that gets no
+// gradient.
+class Layer : public Unit {
+ public:
+  Layer() : Unit("layer") {
+    AddParameter("weight", at::zeros({33, 17}), true);
+    AddParameter("bias", at::zeros({17}), false);
+    AddParameter("frozen", at::zeros({5}), true);
+    AddParameter("unused", at::zeros({4}), true);
+  }
+};
+
 // The AdamW update written out in double precision, element by element.
 struct ScalarAdamW {
   double p, m = 0, v = 0;
@@ -141,15 +153,6 @@ TEST(AdamWTest, GradSquaredSumIsFp64SumOfSquares) {
 // The bound is 1e-6 relative to the weights' scale; decaying the undecayed group, or
 // sharing one step count across the units, moves weights by ~1e-3 and fails it.
 TEST(AdamWTest, FusedMatchesPerTensor) {
-  class Layer : public Unit {
-   public:
-    Layer() : Unit("layer") {
-      AddParameter("weight", at::zeros({33, 17}), true);
-      AddParameter("bias", at::zeros({17}), false);
-      AddParameter("frozen", at::zeros({5}), true);
-      AddParameter("unused", at::zeros({4}), true);
-    }
-  };
   OptimizerOptions options;
   options.weight_decay = 0.1;
   options.adam_beta2 = 0.95;
@@ -234,15 +237,6 @@ TEST(AdamWTest, StepsOfBothKernelsBumpTheWeightsVersion) {
 // parameter and one without a gradient. Then a checkpoint-style hand-over: moments written
 // into the Parameters (as a load does) are adopted, and the steps go on as AdamW's.
 TEST(DistributedAdamWTest, OneRankStepsAsAdamWBitForBit) {
-  class Layer : public Unit {
-   public:
-    Layer() : Unit("layer") {
-      AddParameter("weight", at::zeros({33, 17}), true);
-      AddParameter("bias", at::zeros({17}), false);
-      AddParameter("frozen", at::zeros({5}), true);
-      AddParameter("unused", at::zeros({4}), true);
-    }
-  };
   OptimizerOptions options;
   options.weight_decay = 0.1;
   options.adam_beta2 = 0.95;

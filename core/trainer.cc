@@ -144,6 +144,27 @@ absl::Status ValidateLayout(const TrainerLayout& layout) {
   return absl::OkStatus();
 }
 
+// Plugins that cannot run under a feature the config turns on, refused by name before any
+// work starts.
+absl::Status RefuseUnsupportedPlugins(const TrainerConfig& config, const PluginSet* plugins) {
+  if (plugins == nullptr) return absl::OkStatus();
+  for (const auto& plugin : plugins->plugins()) {
+    if (config.model.recompute_layers && !plugin->SupportsRecompute()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--recompute_granularity=full: plugin '", plugin->name(),
+          "' does not support recomputation yet (its blocks would measure the recomputed "
+          "forward a second time)"));
+    }
+    if (config.optimizer.use_distributed_optimizer && plugin->ReadsWholeGradients()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--use_distributed_optimizer: plugin '", plugin->name(),
+          "' reads or edits whole reduced gradients or the Adam moments, which the "
+          "distributed optimizer keeps only in slices; not supported yet"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
@@ -167,26 +188,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " is not a multiple of --micro_batch_size=", config.train.micro_batch_size,
         " × data-parallel size ", dp));
   }
-  if (config.model.recompute_layers && plugins) {
-    for (const auto& plugin : plugins->plugins()) {
-      if (!plugin->SupportsRecompute()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--recompute_granularity=full: plugin '", plugin->name(),
-            "' does not support recomputation yet (its blocks would measure the recomputed "
-            "forward a second time)"));
-      }
-    }
-  }
-  if (config.optimizer.use_distributed_optimizer && plugins) {
-    for (const auto& plugin : plugins->plugins()) {
-      if (plugin->ReadsWholeGradients()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--use_distributed_optimizer: plugin '", plugin->name(),
-            "' reads or edits whole reduced gradients or the Adam moments, which the "
-            "distributed optimizer keeps only in slices; not supported yet"));
-      }
-    }
-  }
+  FULCRUM_RETURN_IF_ERROR(RefuseUnsupportedPlugins(config, plugins.get()));
   std::unique_ptr<Trainer> trainer(new Trainer(config, layout, fs));
   trainer->plugins_ = plugins ? std::move(plugins) : std::make_shared<PluginSet>();
   trainer->corpus_documents_ = corpus->num_sequences();

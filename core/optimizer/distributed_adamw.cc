@@ -47,6 +47,7 @@ absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
     steps_.clear();
   }
   signature_ = std::move(signature);
+  expert_device_.reset();
   for (GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
     const int n = collectives.GroupSize(group);
     const int r = collectives.GroupRank(group);
@@ -77,6 +78,7 @@ absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
           flush();
         }
         if (bucket.members.empty()) {
+          if (group == GroupRole::kExpertData) expert_device_ = p.value.device();
           bucket.group = group;
           bucket.dtype = p.value.scalar_type();
           bucket.device = p.value.device();
@@ -195,16 +197,8 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   // The experts' slices: summed over the ranks holding the same experts, then over the
   // ranks holding the others (AdamW sums whole expert gradients over the latter only).
   std::vector<double> expert_sq{AdamW::SumOfSquares(expert_pieces)};
-  bool has_experts = false;
-  c10::Device expert_device(c10::kCPU);
-  for (const Bucket& b : buckets_) {
-    if (b.group == GroupRole::kExpertData) {
-      has_experts = true;
-      expert_device = b.device;
-    }
-  }
-  if (has_experts) {
-    at::Tensor t = at::full({1}, expert_sq[0], at::TensorOptions().dtype(at::kDouble)).to(expert_device);
+  if (expert_device_) {
+    at::Tensor t = at::full({1}, expert_sq[0], at::TensorOptions().dtype(at::kDouble)).to(*expert_device_);
     collectives.AllReduceSum(GroupRole::kExpertData, t);
     expert_sq[0] = t.cpu().item<double>();
   }
@@ -245,8 +239,12 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
       slice.narrow(0, begin - b.shard_begin, end - begin)
           .copy_(m.param->value.view({-1}).narrow(0, begin - m.offset, end - begin));
     }
+    // Only the members that took a step: the others are equal on every rank already, and
+    // copying over them would bump their version counters for nothing.
     const at::Tensor whole = collectives.AllGather(b.group, slice);
-    for (const Member& m : b.members) {
+    for (size_t j = 0; j < b.members.size(); ++j) {
+      const Member& m = b.members[j];
+      if (!present[i][j] || !m.param->value.requires_grad()) continue;
       const int64_t numel = m.param->value.numel();
       m.param->value.view({-1}).copy_(whole.narrow(0, m.offset, numel));
     }

@@ -51,6 +51,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,9 @@ class DistributedAdamW final : public Optimizer {
   AdamW adamw_;
   int64_t bucket_bytes_;
   std::vector<Bucket> buckets_;
+  // Where the expert buckets live; empty when this stage holds no expert-parallel parameter
+  // (then no expert-data-parallel sum runs).
+  std::optional<c10::Device> expert_device_;
   std::vector<const c10::TensorImpl*> signature_;  // the parameters the layout was built on
   std::map<const Unit*, int64_t> steps_;           // each unit's step counter after our last step
   // GatherState ran and nothing took the state back since: every Parameter holds its whole

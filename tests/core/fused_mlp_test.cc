@@ -31,6 +31,7 @@
 namespace fulcrum {
 namespace {
 
+using testing::LiveBytes;
 using testing::MaxAbsDiff;
 
 // Makes `layer` take the unfused MLP: fc1's product replaced by the dense product itself.
@@ -221,21 +222,6 @@ TEST(FusedMlpTest, FrozenWeightsGetNoGradient) {
   }
   EXPECT_TRUE(at::equal(input_grads[0], input_grads[1]));
 }
-
-// Bytes allocated minus bytes freed on this thread while installed: the c10 memory reporter
-// the pipeline executor's activation meter is (pipeline/internal/activation_meter.h).
-class LiveBytes final : public c10::MemoryReportingInfoBase {
- public:
-  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, size_t /*total_allocated*/,
-                         size_t /*total_reserved*/, c10::Device /*device*/) override {
-    live_ += alloc_size;
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-  int64_t live() const { return live_; }
-
- private:
-  int64_t live_ = 0;
-};
 
 // Bytes alive after the layer's forward beyond its input and parameters: what autograd
 // keeps for the backward, plus the output.

@@ -16,9 +16,12 @@
 #include "core/random.h"
 #include "core/transformer_layer.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_util.h"
 
 namespace fulcrum {
 namespace {
+
+using testing::LiveBytes;
 
 ModelOptions Options() {
   ModelOptions o;
@@ -102,18 +105,6 @@ TEST(RecomputeTest, GradientsEqualThePlainLayerBitForBitWithAndWithoutTheSplit) 
   at::NoGradGuard no_grad;
   EXPECT_FALSE(at::equal(layer.Forward(x, ForwardContext{true, 3, 8, 0.5}), with_dropout));
 }
-
-class LiveBytes final : public c10::MemoryReportingInfoBase {
- public:
-  void reportMemoryUsage(void*, int64_t alloc_size, size_t, size_t, c10::Device) override {
-    live_ += alloc_size;
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-  int64_t live() const { return live_; }
-
- private:
-  int64_t live_ = 0;
-};
 
 // Bytes alive after the forward beyond the input and the parameters: what autograd keeps
 // for the backward, and the output.

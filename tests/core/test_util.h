@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
 
 #include <cstdint>
 #include <functional>
@@ -49,5 +50,21 @@ double MaxAbsDiff(const std::vector<double>& a, const std::vector<double>& b);
 void ExpectLayerMatchesReference(const TransformerLayer& layer,
                                  const std::function<at::Tensor(const at::Tensor&)>& reference,
                                  at::IntArrayRef shape, double tolerance);
+
+/// Bytes allocated minus bytes freed on this thread while installed (through
+/// c10::DebugInfoGuard with DebugInfoKind::PROFILER_STATE): the c10 memory reporter the
+/// pipeline executor's activation meter is (pipeline/internal/activation_meter.h).
+class LiveBytes final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, size_t /*total_allocated*/,
+                         size_t /*total_reserved*/, c10::Device /*device*/) override {
+    live_ += alloc_size;
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  int64_t live() const { return live_; }
+
+ private:
+  int64_t live_ = 0;
+};
 
 }  // namespace fulcrum::testing

@@ -151,6 +151,29 @@ TEST(SlowDistributedOptimizerTest, CheckpointsCrossOptimizersAndLayouts) {
   }
 }
 
+// The plan of `moves` (three layers moving: one in iteration 3, two back later) trained
+// with the replicated and with the distributed optimizer: the losses equal bit for bit,
+// and the layers did move. The distributed run's metrics records come back.
+std::vector<nlohmann::json> ExpectMovesFollowTheReplicatedOptimizer(const std::string& moves,
+                                                                     const std::string& dir,
+                                                                     size_t iters,
+                                                                     TrainRun* sharded_run) {
+  const TrainRun replicated = Train(4, moves, dir, "adamw");
+  const TrainRun sharded = Train(4, moves + kZero, dir, "zero");
+  EXPECT_EQ(sharded.losses.size(), iters);
+  EXPECT_EQ(sharded.losses, replicated.losses)
+      << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
+  EXPECT_LT(sharded.state_bytes, replicated.state_bytes);
+  const auto records = testing::MetricsRecords(dir + "/zero.jsonl");
+  EXPECT_EQ(records.size(), iters);
+  if (!records.empty()) {
+    EXPECT_EQ(records.back()["layers_moved"].get<int64_t>(), 3);
+    EXPECT_EQ(records.back()["stage_ranges"].dump(), "[[0,3],[3,4]]");
+  }
+  *sharded_run = sharded;
+  return records;
+}
+
 // Layers move under the distributed optimizer (pp=2 × dp=2, a scripted plan moving one
 // layer and then two back): the state is gathered whole before the move, travels with the
 // layer, and is sliced again on the new layout. The losses equal the replicated
@@ -163,18 +186,12 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
   const std::string layout = Common() +
                              " --clip_grad=0 --pipeline_model_parallel_size=2"
                              " --untie_embeddings_and_output_weights";
-  const std::string moves = layout + " --rebalance_script='3:1->1;7:3,1'";
-  const TrainRun replicated = Train(4, moves, dir, "adamw");
-  const TrainRun sharded = Train(4, moves + kZero, dir, "zero");
-  ASSERT_EQ(sharded.losses.size(), 20u);
-  EXPECT_EQ(sharded.losses, replicated.losses)
-      << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
-  const auto records = testing::MetricsRecords(dir + "/zero.jsonl");
+  TrainRun sharded;
+  const auto records = ExpectMovesFollowTheReplicatedOptimizer(
+      layout + " --rebalance_script='3:1->1;7:3,1'", dir, 20, &sharded);
   ASSERT_EQ(records.size(), 20u);
-  EXPECT_EQ(records.back()["layers_moved"].get<int64_t>(), 3) << "one layer in iteration 3, two in 7";
   EXPECT_EQ(records[1]["stage_ranges"].dump(), "[[0,2],[2,4]]");
   EXPECT_EQ(records[2]["stage_ranges"].dump(), "[[0,1],[1,4]]");
-  EXPECT_EQ(records.back()["stage_ranges"].dump(), "[[0,3],[3,4]]");
   // The logging (last) stage's slice of the state was cut again after each move: larger
   // with three layers, smaller with one.
   const auto bytes = [&](int i) { return records[i]["optimizer_state_bytes"].get<int64_t>(); };
@@ -186,33 +203,23 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
       << testing::MaxRelativeDifference(sharded.losses, still.losses);
 }
 
+// The same with MoE layers (tiny_moe, 4 layers, MoE at 0 and 2): the experts' slices over
+// their expert-data-parallel group travel too.
+TEST(SlowDistributedOptimizerTest, MoeLayerMovesCarryTheShardedStateBitForBit) {
+  TrainRun sharded;
+  ExpectMovesFollowTheReplicatedOptimizer(
+      "--recipe=tiny_moe --num_layers=4 --train_iters=10 --eval_interval=0 --log_interval=5 "
+      "--global_batch_size=16 --micro_batch_size=2 --clip_grad=0 "
+      "--pipeline_model_parallel_size=2 --untie_embeddings_and_output_weights "
+      "--rebalance_script='3:1->1;6:3,1'" + std::string(testing::kPastWarmup),
+      testing::MakeTempDir("zero_moe_moves"), 10, &sharded);
+}
+
 // Re-packing pp=2×dp=2 onto pp=1×dp=2 after iteration 6, live and through a checkpoint:
 // before the live shrink every rank gathers its slices whole (the released ranks' layers
 // travel with their state), and the survivors cut the new layout at their next step; the
 // relaunched job adopts its slices from the checkpoint. Both train the losses of the run
 // that never shrinks, bit for bit (untied embeddings, clipping off: as above).
-// The same with MoE layers (tiny_moe, 4 layers, MoE at 0 and 2): the experts' slices over
-// their expert-data-parallel group travel too; the losses equal the replicated optimizer's
-// under the same plan bit for bit.
-TEST(SlowDistributedOptimizerTest, MoeLayerMovesCarryTheShardedStateBitForBit) {
-  const std::string dir = testing::MakeTempDir("zero_moe_moves");
-  const std::string moves =
-      "--recipe=tiny_moe --num_layers=4 --train_iters=10 --eval_interval=0 --log_interval=5 "
-      "--global_batch_size=16 --micro_batch_size=2 --clip_grad=0 "
-      "--pipeline_model_parallel_size=2 --untie_embeddings_and_output_weights "
-      "--rebalance_script='3:1->1;6:3,1'" + std::string(testing::kPastWarmup);
-  const TrainRun replicated = Train(4, moves, dir, "adamw");
-  const TrainRun sharded = Train(4, moves + kZero, dir, "zero");
-  ASSERT_EQ(sharded.losses.size(), 10u);
-  EXPECT_EQ(sharded.losses, replicated.losses)
-      << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
-  const auto records = testing::MetricsRecords(dir + "/zero.jsonl");
-  ASSERT_EQ(records.size(), 10u);
-  EXPECT_EQ(records.back()["layers_moved"].get<int64_t>(), 3);
-  EXPECT_EQ(records.back()["stage_ranges"].dump(), "[[0,3],[3,4]]");
-  EXPECT_LT(sharded.state_bytes, replicated.state_bytes);
-}
-
 TEST(SlowDistributedOptimizerTest, RePackingLiveAndThroughACheckpointKeepsTheLosses) {
   const std::string dir = testing::MakeTempDir("zero_repack");
   const std::string layout = Common(12) + kZero +

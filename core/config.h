@@ -58,6 +58,11 @@ struct ModelOptions {
   /// NOTE [activation recomputation] (core/transformer_layer.h): with recompute_layers the
   /// first recompute_num_layers layers of every stage (every model chunk) keep only their
   /// input in the forward pass and run again in the backward (0: all of them).
+  /// Default: false (--sequence_parallel). NOTE [sequence parallelism] in
+  /// core/tensor_parallel.h: with a tensor-parallel group of more than one rank, the residual
+  /// stream between the parallel regions is split along the sequence over the group. A
+  /// layout choice, not the model: checkpoints do not record it.
+  bool sequence_parallel = false;
   bool recompute_layers = false;      // Default: false (--recompute_granularity=full sets it).
   int64_t recompute_num_layers = 0;   // Default: 0, every layer when recompute_layers.
   /// Default: cpu, fp32 masters and compute. Where every tensor of the model lives and in

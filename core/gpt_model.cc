@@ -206,6 +206,10 @@ std::unique_ptr<TransformerLayer> GptModel::NewLayerShell(int64_t index) const {
                                             customizer_.get());
 }
 
+int64_t GptModel::local_sequence_length() const {
+  return TensorParallelRegions(tp_, options_.sequence_parallel).SequenceRows(options_.seq_length).second;
+}
+
 at::Tensor GptModel::Embed(const at::Tensor& tokens, const ForwardContext& ctx) const {
   TORCH_CHECK(embedding_, "this stage holds no embedding");
   std::optional<at::NoGradGuard> frozen;

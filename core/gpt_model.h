@@ -151,6 +151,10 @@ class GptModel {
   /// Total parameter scalars held by this rank (a tied output weight counts once).
   int64_t NumParameterElements() const;
   TensorParallelGroup* tensor_parallel() const { return tp_; }
+  /// The rows of the [seq_length, b, h] residual stream this rank holds between layers and
+  /// between pipeline stages: seq_length, or its 1/tp under sequence parallelism (NOTE
+  /// [sequence parallelism] in core/tensor_parallel.h).
+  int64_t local_sequence_length() const;
 
   /// NOTE [frozen prefix]
   /// When the embedding lookup and layers [0, k) are frozen (a plugin froze them, front to

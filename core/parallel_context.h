@@ -86,15 +86,17 @@ class ParallelContext {
   /// The part of a `num_layers`-layer model this rank holds.
   virtual StageSpec Stage(int64_t num_layers) const = 0;
 
-  /// Sums every defined gradient of `units` over the data-parallel group, in place (and,
-  /// with a tied output weight split over pipeline stages, the embedding and its mirror).
+  /// Sums every defined gradient of `units` over the data-parallel group, in place, and
+  /// does the model-parallel sums of AllReduceModelParallelGradients.
   virtual void AllReduceGradients(const std::vector<Unit*>& units) = 0;
-  /// Only the last part of AllReduceGradients: with an output weight tied to the word
-  /// embeddings across pipeline stages, sums the gradients of the embedding (first stage)
-  /// and its mirror (last stage) over the two, in place; nothing otherwise. A sharded
+  /// The model-parallel part of AllReduceGradients, in place: the gradients of parameters
+  /// used on sequence shards (ShardingSpec::sequence_parallel, NOTE [sequence parallelism]
+  /// in core/tensor_parallel.h) summed over the tensor-parallel group, and, with an output
+  /// weight tied to the word embeddings across pipeline stages, the gradients of the
+  /// embedding (first stage) and its mirror (last stage) summed over the two. A sharded
   /// optimizer (core/optimizer/distributed_adamw.h) calls it before its own data-parallel
-  /// reduction: the two sums commute (up to the order of the fp adds).
-  virtual void AllReduceTiedGradients(const std::vector<Unit*>& units) = 0;
+  /// reduction: the sums commute (up to the order of the fp adds).
+  virtual void AllReduceModelParallelGradients(const std::vector<Unit*>& units) = 0;
   /// Sums each value over the data-parallel group, in place.
   virtual void SumOverDataParallel(std::vector<double>& values) = 0;
   /// Sums each value over the ranks that hold different parts of one model replica
@@ -159,7 +161,7 @@ class SingleProcessContext final : public ParallelContext {
   TensorParallelGroup* tensor_parallel() override { return nullptr; }
   StageSpec Stage(int64_t num_layers) const override { return StageSpec(); }
   void AllReduceGradients(const std::vector<Unit*>& units) override {}
-  void AllReduceTiedGradients(const std::vector<Unit*>& units) override {}
+  void AllReduceModelParallelGradients(const std::vector<Unit*>& units) override {}
   void SumOverDataParallel(std::vector<double>& values) override {}
   void SumOverModelParallel(std::vector<double>& values) override {}
   void SumOverExpertParallel(std::vector<double>& values) override {}

@@ -182,6 +182,11 @@ class Plugin : public LayerCustomizer {
   /// True when AfterBackward reads or edits whole reduced gradients, or the plugin edits
   /// the Adam moments (Parameter::exp_avg): --use_distributed_optimizer refuses it.
   virtual bool ReadsWholeGradients() const { return false; }
+  /// True when the plugin works on sequence-parallel layers (NOTE [sequence parallelism] in
+  /// core/tensor_parallel.h): between the tensor-parallel regions a layer holds only its
+  /// rank's rows of the sequence; a feed-forward block still sees the whole sequence.
+  /// --sequence_parallel refuses a plugin that says false.
+  virtual bool SupportsSequenceParallel() const { return false; }
   /// After the optimizer step (and the MLP blocks' own AfterOptimizerStep).
   virtual absl::Status AfterOptimizerStep(PluginContext& ctx) { return absl::OkStatus(); }
   /// After a checkpoint was loaded into the model (its layers' states restored; their

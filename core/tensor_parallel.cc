@@ -98,6 +98,32 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
 
 }  // namespace
 
+at::Tensor TensorParallelRegions::EnterColumnParallel(const at::Tensor& x) const {
+  if (tp_ == nullptr) return x;
+  return sequence_parallel_ ? tp_->GatherSequence(x) : tp_->CopyToRegion(x);
+}
+
+at::Tensor TensorParallelRegions::LeaveRowParallel(const at::Tensor& partial) const {
+  if (tp_ == nullptr) return partial;
+  return sequence_parallel_ ? tp_->ReduceScatterSequence(partial) : tp_->ReduceFromRegion(partial);
+}
+
+at::Tensor TensorParallelRegions::WholeSequence(const at::Tensor& x) const {
+  return sequence_parallel_ ? tp_->GatherSequenceWhole(x) : x;
+}
+
+at::Tensor TensorParallelRegions::OwnSequence(const at::Tensor& x) const {
+  return sequence_parallel_ ? tp_->ScatterSequence(x) : x;
+}
+
+std::pair<int64_t, int64_t> TensorParallelRegions::SequenceRows(int64_t s) const {
+  if (!sequence_parallel_) return {0, s};
+  TORCH_CHECK(s % tp_->size() == 0, "--sequence_parallel: a sequence of ", s,
+              " tokens does not split over ", tp_->size(), " tensor-parallel ranks");
+  const int64_t rows = s / tp_->size();
+  return {tp_->rank() * rows, rows};
+}
+
 at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size) {
   if (size == 1 || dim < 0) return full;
   TORCH_CHECK(full.size(dim) % size == 0, "cannot shard dimension ", dim, " of size ",

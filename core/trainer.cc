@@ -125,6 +125,8 @@ class FeedForwardOnly final : public Plugin {
  public:
   explicit FeedForwardOnly(FeedForwardFactory factory) : factory_(std::move(factory)) {}
   const char* name() const override { return "feed_forward"; }
+  // A block sees the whole sequence (NOTE [sequence parallelism]).
+  bool SupportsSequenceParallel() const override { return true; }
   std::unique_ptr<FeedForward> MakeFeedForward(int64_t layer, Unit& unit, bool initialize) override {
     return factory_(layer, unit, initialize);
   }
@@ -154,6 +156,12 @@ absl::Status RefuseUnsupportedPlugins(const TrainerConfig& config, const PluginS
           "--recompute_granularity=full: plugin '", plugin->name(),
           "' does not support recomputation yet (its blocks would measure the recomputed "
           "forward a second time)"));
+    }
+    if (config.model.sequence_parallel && !plugin->SupportsSequenceParallel()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--sequence_parallel: plugin '", plugin->name(),
+          "' does not support sequence-parallel layers yet (it reads or edits hidden states "
+          "that a layer holds only in sequence shards)"));
     }
     if (config.optimizer.use_distributed_optimizer && plugin->ReadsWholeGradients()) {
       return absl::InvalidArgumentError(absl::StrCat(

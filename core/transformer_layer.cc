@@ -22,12 +22,14 @@ at::Tensor Ones(at::IntArrayRef shape) { return at::ones(shape, at::kFloat); }
 int TpRank(TensorParallelGroup* tp) { return tp ? tp->rank() : 0; }
 int TpSize(TensorParallelGroup* tp) { return tp ? tp->size() : 1; }
 
-// f and g of Megatron: identities on one rank.
-at::Tensor CopyToRegion(TensorParallelGroup* tp, const at::Tensor& x) {
-  return tp ? tp->CopyToRegion(x) : x;
-}
-at::Tensor ReduceFromRegion(TensorParallelGroup* tp, const at::Tensor& x) {
-  return tp ? tp->ReduceFromRegion(x) : x;
+// Marks the unit's replicated parameters that compute on sequence shards (NOTE [sequence
+// parallelism]): their gradients are partial sums over the tensor-parallel group.
+void MarkSequenceParallel(Unit& unit, const TensorParallelRegions& regions,
+                          std::initializer_list<const char*> names) {
+  if (!regions.sequence_parallel()) return;
+  for (const char* name : names) {
+    if (Parameter* p = unit.FindParameter(name)) p->sharding.sequence_parallel = true;
+  }
 }
 
 // x + b, or x when the bias is absent (--disable_bias_linear). The (master) bias is cast
@@ -63,10 +65,16 @@ at::Tensor MlpActivation(const ModelOptions& options, const at::Tensor& fc1_out)
 }
 
 at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
-                   int64_t layer, const ForwardContext& ctx) {
+                   int64_t layer, const ForwardContext& ctx, int64_t first_row,
+                   int64_t whole_rows) {
   if (!ctx.training || p == 0.0) return x;
   at::Generator gen = MakeGenerator(seed, site, {layer, ctx.iteration, ctx.first_sample});
-  at::Tensor keep = at::empty(x.sizes(), x.options().requires_grad(false)).bernoulli_(1.0 - p, gen);
+  std::vector<int64_t> shape = x.sizes().vec();
+  const bool rows = whole_rows > x.size(0);
+  if (rows) shape[0] = whole_rows;
+  at::Tensor keep = at::empty(shape, x.options().requires_grad(false)).bernoulli_(1.0 - p, gen);
+  // Its rows copied out: a view would keep the whole mask alive for the backward.
+  if (rows) keep = keep.narrow(0, first_row, x.size(0)).contiguous();
   return x * keep.div_(1.0 - p);
 }
 
@@ -118,6 +126,7 @@ Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
     : Unit("embedding", TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
+      regions_(tp, options.sequence_parallel),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
   set_params_dtype(ParamsScalarType(options), options.device_spec.device);
   const int64_t h = options.hidden_size;
@@ -135,6 +144,7 @@ Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
                    {options.seq_length, h}, options.init_method_std),
         /*weight_decay=*/true);
   }
+  MarkSequenceParallel(*this, regions_, {"position_embeddings.weight"});
 }
 
 at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ctx) const {
@@ -155,15 +165,19 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
     at::Tensor outside = (ids < vocab_start_).logical_or_(ids >= vocab_start_ + rows);
     at::Tensor local = (ids - vocab_start_).masked_fill_(outside, 0);
     hidden = at::embedding(word_embeddings_, local).masked_fill(outside.unsqueeze(-1), 0.0);
-    hidden = tp_->ReduceFromRegion(hidden);
+    // The sum over ranks: whole on every rank, or each rank's sequence rows (NOTE
+    // [sequence parallelism]).
+    hidden = regions_.LeaveRowParallel(hidden);
   }
+  const auto [first_row, rows] = regions_.SequenceRows(s);
   if (position_embeddings_.defined()) {
-    hidden = hidden + position_embeddings_.narrow(0, 0, s).unsqueeze(1);
+    hidden = hidden + position_embeddings_.narrow(0, first_row, rows).unsqueeze(1);
   }
   // The residual stream carries the compute dtype (bf16 under --bf16); the lookup itself
   // reads the master rows, so its backward scatters fp32 gradients.
   hidden = hidden.to(options_.device_spec.compute_dtype);
-  return Dropout(hidden, options_.hidden_dropout, options_.seed, "embedding_dropout", -1, ctx);
+  return Dropout(hidden, options_.hidden_dropout, options_.seed, "embedding_dropout", -1, ctx,
+                 first_row, s);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -173,6 +187,7 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
     : Unit(absl::StrCat("layers.", layer_index), TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
+      regions_(tp, options.sequence_parallel),
       layer_index_(layer_index),
       local_heads_(options.num_attention_heads / TpSize(tp)),
       local_groups_(options.query_groups() / TpSize(tp)) {
@@ -227,6 +242,12 @@ TransformerLayer::TransformerLayer(const ModelOptions& options, int64_t layer_in
     fc2_weight_ = weight("mlp.linear_fc2.weight", {h, f}, out_std, 1);
     if (bias) fc2_bias_ = constant("mlp.linear_fc2.bias", Zeros({h}), -1);
   }
+  // Used on this rank's sequence rows (a feed-forward block's own parameters see the whole
+  // sequence and are not among these).
+  MarkSequenceParallel(*this, regions_,
+                       {"input_layernorm.weight", "input_layernorm.bias",
+                        "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight",
+                        "pre_mlp_layernorm.bias", "mlp.linear_fc2.bias"});
   if (customizer != nullptr) customizer->EditLayer(*this, initialize);
 }
 
@@ -313,13 +334,16 @@ absl::Status TransformerLayer::LoadMigrationTensors(
 }
 
 at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext& ctx) const {
-  const int64_t s = x.size(0);
-  const int64_t b = x.size(1);
+  // Column-parallel QKV on the whole sequence (gathered from the shards under sequence
+  // parallelism).
+  const at::Tensor input = regions_.EnterColumnParallel(x);
+  const int64_t s = input.size(0);
+  const int64_t b = input.size(1);
   const int64_t heads = local_heads_;
   const int64_t groups = local_groups_;
   const int64_t per_group = heads / groups;
   const int64_t d = options_.head_dim();
-  at::Tensor qkv = Project(LinearSlot::kQkv, CopyToRegion(tp_, x), qkv_weight_, qkv_bias_)
+  at::Tensor qkv = Project(LinearSlot::kQkv, input, qkv_weight_, qkv_bias_)
                        .view({s, b, groups, per_group + 2, d});
   // [s, b, heads, d] → [b, heads, s, d]. unbind, not three selects: its backward writes
   // the three gradients into one tensor instead of zero-filling and adding three.
@@ -358,8 +382,9 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   context = context.permute({2, 0, 1, 3})                   // [s, b, heads, d]
                 .reshape({s, b, heads * d});
   // Row-parallel: partial products summed over the group, then the bias once.
-  return AddBias(ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
-                 proj_bias_);
+  return AddBias(
+      regions_.LeaveRowParallel(Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
+      proj_bias_);
 }
 
 // The dense causal attention: kernels::AttentionCore (NOTE [attention core contract] in
@@ -377,30 +402,39 @@ at::Tensor TransformerLayer::SoftmaxAttention(const at::Tensor& q, const at::Ten
 }
 
 at::Tensor TransformerLayer::Mlp(const at::Tensor& x, const ForwardContext& ctx) const {
-  if (feed_forward_ != nullptr) return feed_forward_->Forward(x, ctx);
+  // A block computes on the whole sequence, replicated over the group, as without sequence
+  // parallelism (NOTE [sequence parallelism]).
+  if (feed_forward_ != nullptr) {
+    return regions_.OwnSequence(feed_forward_->Forward(regions_.WholeSequence(x), ctx));
+  }
   at::Tensor local;  // This rank's share of fc2's output, before the reduction and the bias.
   if (!options_.swiglu && !linears_[static_cast<size_t>(LinearSlot::kFc1)] &&
       !linears_[static_cast<size_t>(LinearSlot::kFc2)]) {
     // fc1, GeLU and fc2 as one function through the fused GEMM epilogues; a plugin's
     // product for either weight keeps the unfused path (NOTE [fused GeLU MLP] in
     // core/linear.h).
-    local = LinearGeluMlpForward(CopyToRegion(tp_, x), fc1_weight_, fc1_bias_, fc2_weight_,
+    local = LinearGeluMlpForward(regions_.EnterColumnParallel(x), fc1_weight_, fc1_bias_, fc2_weight_,
                                  options_.openai_gelu);
   } else {
     at::Tensor h = MlpActivation(
-        options_, Project(LinearSlot::kFc1, CopyToRegion(tp_, x), fc1_weight_, fc1_bias_));
+        options_, Project(LinearSlot::kFc1, regions_.EnterColumnParallel(x), fc1_weight_, fc1_bias_));
     local = Project(LinearSlot::kFc2, h, fc2_weight_, at::Tensor());
   }
-  return AddBias(ReduceFromRegion(tp_, local), fc2_bias_);
+  return AddBias(regions_.LeaveRowParallel(local), fc2_bias_);
+}
+
+at::Tensor TransformerLayer::DropoutRows(const at::Tensor& x, std::string_view site,
+                                         const ForwardContext& ctx) const {
+  const int64_t whole = regions_.WholeSequenceLength(x.size(0));
+  return Dropout(x, options_.hidden_dropout, options_.seed, site, layer_index_, ctx,
+                 regions_.SequenceRows(whole).first, whole);
 }
 
 at::Tensor TransformerLayer::Residual(const at::Tensor& hidden, const ForwardContext& ctx) const {
-  at::Tensor attn = Dropout(Attention(Norm(options_, hidden, ln1_weight_, ln1_bias_), ctx),
-                            options_.hidden_dropout, options_.seed, "attention_output_dropout",
-                            layer_index_, ctx);
+  at::Tensor attn = DropoutRows(Attention(Norm(options_, hidden, ln1_weight_, ln1_bias_), ctx),
+                                "attention_output_dropout", ctx);
   at::Tensor mlp = Mlp(Norm(options_, hidden + attn, ln2_weight_, ln2_bias_), ctx);
-  return attn + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
-                        layer_index_, ctx);
+  return attn + DropoutRows(mlp, "mlp_output_dropout", ctx);
 }
 
 at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tensor& index,
@@ -409,6 +443,9 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   const int64_t b = hidden.size(1);
   const int64_t h = options_.hidden_size;
   const int64_t k = index.size(0);
+  TORCH_CHECK(!regions_.sequence_parallel(),
+              "ResidualAt: not built for --sequence_parallel (the index names whole-sequence "
+              "positions)");
   TORCH_CHECK(index.dim() == 2 && index.size(1) == b, "ResidualAt: index must be [k, ", b,
               "], got ", index.sizes());
   const at::Tensor index3 = index.unsqueeze(-1).expand({k, b, h});
@@ -433,7 +470,7 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
   const at::Tensor kv_rows =
       (base + at::arange(per_group, per_group + 2, longs).mul_(d).view({1, 2, 1}) + within)
           .reshape({-1});
-  const at::Tensor x = CopyToRegion(tp_, Norm(options_, hidden, ln1_weight_, ln1_bias_));
+  const at::Tensor x = regions_.EnterColumnParallel(Norm(options_, hidden, ln1_weight_, ln1_bias_));
   at::Tensor q = LinearRowsForward(x.gather(0, index3), qkv_weight_, qkv_bias_, q_rows)
                      .view({k, b, heads, d})
                      .permute({1, 2, 0, 3});  // [b, heads, k, d]
@@ -474,7 +511,7 @@ at::Tensor TransformerLayer::ResidualAt(const at::Tensor& hidden, const at::Tens
                            .permute({2, 0, 1, 3})
                            .reshape({k, b, heads * d});
   at::Tensor attn = AddBias(
-      ReduceFromRegion(tp_, Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
+      regions_.LeaveRowParallel(Project(LinearSlot::kProj, context, proj_weight_, at::Tensor())),
       proj_bias_);
   attn = Dropout(attn, options_.hidden_dropout, options_.seed, "attention_output_dropout",
                  layer_index_, ctx);
@@ -491,11 +528,9 @@ at::Tensor TransformerLayer::Forward(const at::Tensor& hidden, const ForwardCont
 
 at::Tensor TransformerLayer::PlainForward(const at::Tensor& hidden, const ForwardContext& ctx) const {
   at::Tensor attn = Attention(Norm(options_, hidden, ln1_weight_, ln1_bias_), ctx);
-  at::Tensor x = hidden + Dropout(attn, options_.hidden_dropout, options_.seed,
-                                  "attention_output_dropout", layer_index_, ctx);
+  at::Tensor x = hidden + DropoutRows(attn, "attention_output_dropout", ctx);
   at::Tensor mlp = Mlp(Norm(options_, x, ln2_weight_, ln2_bias_), ctx);
-  return x + Dropout(mlp, options_.hidden_dropout, options_.seed, "mlp_output_dropout",
-                     layer_index_, ctx);
+  return x + DropoutRows(mlp, "mlp_output_dropout", ctx);
 }
 
 namespace {
@@ -557,6 +592,7 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
     : Unit("head", TpRank(tp), TpSize(tp)),
       options_(options),
       tp_(tp),
+      regions_(tp, options.sequence_parallel),
       vocab_start_(TpRank(tp) * (options.vocab_size / TpSize(tp))) {
   set_params_dtype(ParamsScalarType(options), options.device_spec.device);
   const int64_t h = options.hidden_size;
@@ -580,14 +616,15 @@ Head::Head(const ModelOptions& options, TensorParallelGroup* tp, bool mirror_wor
                 0, tp_rank(), tp_size()),
         true, /*tp_shard_dim=*/0, /*mirror_of=*/source);
   }
+  MarkSequenceParallel(*this, regions_, {"final_layernorm.weight", "final_layernorm.bias"});
 }
 
 at::Tensor Head::Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const {
   at::Tensor x = Norm(options_, hidden, ln_weight_, ln_bias_);
   const at::Tensor& w = output_weight_.defined() ? output_weight_ : word_embeddings;
   TORCH_CHECK(w.defined(), "tied output layer needs the word embeddings");
-  // Vocab-parallel output layer: column-parallel over the vocabulary.
-  return LinearForward(CopyToRegion(tp_, x), w, at::Tensor());
+  // Vocab-parallel output layer: column-parallel over the vocabulary, on the whole sequence.
+  return LinearForward(regions_.EnterColumnParallel(x), w, at::Tensor());
 }
 
 at::Tensor Head::TokenLosses(const at::Tensor& hidden, const at::Tensor& word_embeddings,

@@ -145,13 +145,18 @@ at::Tensor ExpandGroups(const at::Tensor& kv, int64_t per_group);
 at::ScalarType ParamsScalarType(const ModelOptions& options);
 
 /// Inverted dropout whose mask is a pure function of (seed, site, layer, ctx counters).
+/// With `whole_rows` > x.size(0), x is rows [first_row, first_row + x.size(0)) of a
+/// [whole_rows, ...] tensor (a sequence shard: NOTE [sequence parallelism]) and is dropped
+/// by those rows of the whole tensor's mask.
 at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_view site,
-                   int64_t layer, const ForwardContext& ctx);
+                   int64_t layer, const ForwardContext& ctx, int64_t first_row = 0,
+                   int64_t whole_rows = 0);
 
 class Embedding : public Unit {
  public:
   explicit Embedding(const ModelOptions& options, TensorParallelGroup* tp = nullptr);
-  /// tokens [b, s] (int64) → hidden [s, b, h] (replicated over the tensor-parallel group).
+  /// tokens [b, s] (int64) → hidden [s, b, h] (replicated over the tensor-parallel group),
+  /// or this rank's rows [s/tp, b, h] under sequence parallelism.
   at::Tensor Forward(const at::Tensor& tokens, const ForwardContext& ctx) const;
   /// This rank's rows of the word embeddings: [V/tp, h], starting at vocab_start().
   const at::Tensor& word_embeddings() const { return word_embeddings_; }
@@ -160,6 +165,7 @@ class Embedding : public Unit {
  private:
   ModelOptions options_;
   TensorParallelGroup* tp_;
+  TensorParallelRegions regions_;
   int64_t vocab_start_;
   at::Tensor word_embeddings_;
   at::Tensor position_embeddings_;  // Undefined with rotary positions.
@@ -269,8 +275,13 @@ class TransformerLayer : public Unit {
   at::Tensor Project(LinearSlot slot, const at::Tensor& x, const at::Tensor& w,
                      const at::Tensor& b) const;
 
+  // Its dropout of x, this rank's rows of the residual stream (all of them without
+  // sequence parallelism).
+  at::Tensor DropoutRows(const at::Tensor& x, std::string_view site, const ForwardContext& ctx) const;
+
   ModelOptions options_;
   TensorParallelGroup* tp_;
+  TensorParallelRegions regions_;  // NOTE [sequence parallelism]
   int64_t layer_index_;
   int64_t local_heads_;   // Attention heads on this rank: num_attention_heads / tp.
   int64_t local_groups_;  // Key/value heads on this rank: query_groups() / tp.
@@ -291,7 +302,8 @@ class Head : public Unit {
   /// Parameter::mirror_of), initialised like them.
   explicit Head(const ModelOptions& options, TensorParallelGroup* tp = nullptr,
                 bool mirror_word_embeddings = false);
-  /// hidden [s, b, h] → this rank's vocabulary columns of the logits, [s, b, V/tp].
+  /// hidden [s, b, h] (this rank's [s/tp, b, h] rows under sequence parallelism) → this
+  /// rank's vocabulary columns of the whole sequence's logits, [s, b, V/tp].
   /// `word_embeddings` is the tied output weight shard (ignored when untied).
   at::Tensor Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const;
   /// Per-token cross-entropy [s, b] of hidden [s, b, h] against labels [s, b].
@@ -301,6 +313,7 @@ class Head : public Unit {
  private:
   ModelOptions options_;
   TensorParallelGroup* tp_;
+  TensorParallelRegions regions_;
   int64_t vocab_start_;
   at::Tensor ln_weight_, ln_bias_;
   at::Tensor output_weight_;  // Undefined when tied to an embedding on the same stage.

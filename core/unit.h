@@ -40,6 +40,7 @@ namespace fulcrum {
 // counts (which ranks count their copy: CountedOn), the checkpoint (Saved; a tensor-parallel
 // slice is gathered along tp_shard_dim), layer migration and re-packing (a mirror is rebuilt
 // from its source), and plugins that sum per-layer gradient statistics over the model.
+// The tensor-parallel sum of sequence-parallel gradients reads it too.
 struct ShardingSpec {
   // Dimension split over the tensor-parallel group, -1 if replicated (NOTE
   // [tensor-parallel sharding] in core/tensor_parallel.h).
@@ -56,6 +57,12 @@ struct ShardingSpec {
   // parallel one, the gradient norm sums them over the expert-parallel group, and each
   // expert-parallel rank writes its own to checkpoints.
   bool expert_parallel = false;
+  // Replicated over the tensor-parallel group but used on this rank's sequence shard
+  // (NOTE [sequence parallelism] in core/tensor_parallel.h: the norms, the row-parallel
+  // biases, the position embeddings under --sequence_parallel): each rank's gradient covers
+  // its rows only, so the gradients are summed over the tensor-parallel group before any
+  // other reduction (ParallelContext::AllReduceModelParallelGradients).
+  bool sequence_parallel = false;
 
   /// Split over a tensor-parallel group of `tp_size` ranks (each holds a slice).
   bool TensorParallelSharded(int tp_size) const { return tp_shard_dim >= 0 && tp_size > 1; }

@@ -71,7 +71,79 @@ class GatherFromRegionFunction : public torch::autograd::Function<GatherFromRegi
   }
 };
 
+// Dimension 0 is the sequence (NOTE [sequence parallelism]); the communicator gathers and
+// reduce-scatters along it.
+at::Tensor ReduceScatterRows(Communicator* comm, const at::Tensor& t) {
+  return comm->ReduceScatter(t.contiguous(), ReduceOp::kSum);
+}
+
+// All-gather of the sequence forward, reduce-scatter of the gradient backward.
+class GatherSequenceFunction : public torch::autograd::Function<GatherSequenceFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return comm->AllGather(x.contiguous());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {ReduceScatterRows(SavedCommunicator(ctx), grads[0]), at::Tensor()};
+  }
+};
+
+// Reduce-scatter of the sequence forward, all-gather of the gradient backward.
+class ReduceScatterSequenceFunction
+    : public torch::autograd::Function<ReduceScatterSequenceFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return ReduceScatterRows(comm, x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {SavedCommunicator(ctx)->AllGather(grads[0].contiguous()), at::Tensor()};
+  }
+};
+
+// All-gather of the sequence forward, this rank's rows of the (whole, equal) gradient
+// backward.
+class GatherSequenceWholeFunction : public torch::autograd::Function<GatherSequenceWholeFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return comm->AllGather(x.contiguous());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {SliceOfRank(SavedCommunicator(ctx), grads[0], 0), at::Tensor()};
+  }
+};
+
+// This rank's rows forward, all-gather of the gradient backward.
+class ScatterSequenceFunction : public torch::autograd::Function<ScatterSequenceFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm) {
+    SaveCommunicator(ctx, comm);
+    return SliceOfRank(comm, x, 0);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {SavedCommunicator(ctx)->AllGather(grads[0].contiguous()), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor CommTensorParallelGroup::GatherSequence(const at::Tensor& x) {
+  return GatherSequenceFunction::apply(x, comm_);
+}
+
+at::Tensor CommTensorParallelGroup::ReduceScatterSequence(const at::Tensor& x) {
+  return ReduceScatterSequenceFunction::apply(x, comm_);
+}
+
+at::Tensor CommTensorParallelGroup::GatherSequenceWhole(const at::Tensor& x) {
+  return GatherSequenceWholeFunction::apply(x, comm_);
+}
+
+at::Tensor CommTensorParallelGroup::ScatterSequence(const at::Tensor& x) {
+  return ScatterSequenceFunction::apply(x, comm_);
+}
 
 at::Tensor CommTensorParallelGroup::CopyToRegion(const at::Tensor& x) {
   return CopyToRegionFunction::apply(x, comm_);

@@ -1,5 +1,6 @@
 // Tensor parallelism over a Communicator: the autograd mappings of Megatron-LM (Shoeybi et
-// al. 2019, §3) — copy (f), reduce (g), gather — behind core's TensorParallelGroup
+// al. 2019, §3) — copy (f), reduce (g), gather, and the
+// sequence-parallel gather / reduce-scatter (NOTE [sequence parallelism]) — behind core's TensorParallelGroup
 // interface. The sharded layers themselves (column-parallel linear_qkv/linear_fc1,
 // row-parallel linear_proj/linear_fc2, vocab-parallel embedding, output layer and
 // cross-entropy) are the model code in core/transformer_layer.cc and
@@ -26,6 +27,10 @@ class CommTensorParallelGroup final : public TensorParallelGroup {
   at::Tensor CopyToRegion(const at::Tensor& x) override;
   at::Tensor ReduceFromRegion(const at::Tensor& x) override;
   at::Tensor GatherFromRegion(const at::Tensor& x) override;
+  at::Tensor GatherSequence(const at::Tensor& x) override;
+  at::Tensor ReduceScatterSequence(const at::Tensor& x) override;
+  at::Tensor GatherSequenceWhole(const at::Tensor& x) override;
+  at::Tensor ScatterSequence(const at::Tensor& x) override;
   void AllReduceSum(at::Tensor& t) override;
   void AllReduceMax(at::Tensor& t) override;
   at::Tensor AllGather(const at::Tensor& t, int64_t dim) override;

@@ -1,5 +1,7 @@
 #include "parallel/process_groups.h"
 
+#include <map>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -93,9 +95,41 @@ Communicator& ProcessGroupContext::group(GroupKind kind) {
 }
 
 void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
+  AllReduceSequenceParallelGradients(units);
   gradient_reducer_->AllReduce(units);
   expert_gradient_reducer_->AllReduce(units);
   AllReduceTiedGradients(units);
+}
+
+void ProcessGroupContext::AllReduceModelParallelGradients(const std::vector<Unit*>& units) {
+  AllReduceSequenceParallelGradients(units);
+  AllReduceTiedGradients(units);
+}
+
+void ProcessGroupContext::AllReduceSequenceParallelGradients(const std::vector<Unit*>& units) {
+  Communicator& tp = group(GroupKind::kTensor);
+  if (tp.size() == 1) return;
+  // NOTE [sequence parallelism]: each rank's gradient covers its sequence rows. Every rank
+  // of the group runs the same layers, so the same gradients are defined on each: one
+  // all-reduce per dtype of them all, flattened.
+  std::map<at::ScalarType, std::vector<at::Tensor>> grads;
+  for (Unit* unit : units) {
+    for (Parameter& p : unit->parameters()) {
+      if (!p.sharding.sequence_parallel || !p.value.grad().defined()) continue;
+      grads[p.value.grad().scalar_type()].push_back(p.value.mutable_grad());
+    }
+  }
+  for (auto& [dtype, list] : grads) {
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& g : list) flat.push_back(g.reshape({-1}));
+    at::Tensor sum = at::cat(flat);
+    tp.AllReduce(sum, ReduceOp::kSum);
+    int64_t offset = 0;
+    for (at::Tensor& g : list) {
+      g.copy_(sum.narrow(0, offset, g.numel()).view(g.sizes()));
+      offset += g.numel();
+    }
+  }
 }
 
 void ProcessGroupContext::AllReduceTiedGradients(const std::vector<Unit*>& units) {

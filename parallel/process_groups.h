@@ -56,7 +56,7 @@ class ProcessGroupContext final : public ParallelContext {
     virtual_stages_ = std::move(owners);
   }
   void AllReduceGradients(const std::vector<Unit*>& units) override;
-  void AllReduceTiedGradients(const std::vector<Unit*>& units) override;
+  void AllReduceModelParallelGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
   void SumOverExpertParallel(std::vector<double>& values) override;
@@ -75,6 +75,9 @@ class ProcessGroupContext final : public ParallelContext {
 
  private:
   ProcessGroupContext(std::unique_ptr<Communicator> world, const ParallelConfig& config);
+  // The two parts of AllReduceModelParallelGradients.
+  void AllReduceSequenceParallelGradients(const std::vector<Unit*>& units);
+  void AllReduceTiedGradients(const std::vector<Unit*>& units);
 
   ParallelConfig config_;
   RankCoords coords_;

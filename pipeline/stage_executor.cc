@@ -82,9 +82,10 @@ struct StageExecutor::RunContext {
         last_virtual(schedule.num_stages * schedule.num_chunks - 1),
         forward_only_virtual(schedule.forward_only),
         meter(/*enabled=*/training),
-        // Activations are [seq_length, micro_batch_size, hidden] between stages.
+        // Activations are [seq_length, micro_batch_size, hidden] between stages (this
+        // rank's rows of the sequence under sequence parallelism).
         transport(pp, VirtualStages(schedule), actions,
-                  {model.options().seq_length, micro_batch_size, model.options().hidden_size},
+                  {model.local_sequence_length(), micro_batch_size, model.options().hidden_size},
                   // NOTE [device seam]: activations travel in the compute dtype (bf16
                   // under --bf16) and are received onto the spec's device.
                   at::TensorOptions()

@@ -115,6 +115,10 @@ class MoePlugin final : public Plugin {
   // recomputing). Not with the assignment cache: the recomputed forward would look up the
   // assignments its first forward just recorded.
   bool SupportsRecompute() const override { return options_.assignment_cache_threshold <= 0; }
+  // The layer hands the block the whole sequence and keeps its own rows of the output
+  // (NOTE [sequence parallelism] in core/tensor_parallel.h): routing, the exchange and the
+  // experts' tensor-parallel regions are those of a run without it.
+  bool SupportsSequenceParallel() const override { return true; }
 
   absl::Status OnLayout(ParallelContext* parallel) override {
     // Building the exchange is collective over the expert group: every rank is here.

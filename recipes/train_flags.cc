@@ -107,6 +107,11 @@ DEFINE_int64(vocab_size, 0,
              "data must fit.");
 // Parallelism.
 DEFINE_int32(tensor_model_parallel_size, 1, "Tensor-parallel size (splits heads and MLP).");
+DEFINE_bool(sequence_parallel, false,
+            "With --tensor_model_parallel_size > 1: split the norms, dropouts and residual adds "
+            "along the sequence over the tensor-parallel ranks (Korthikanti et al. 2022); their "
+            "activations shrink by that size, the losses stay the same. --seq_length must be a "
+            "multiple of the size.");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
 DEFINE_string(pipeline_schedule, "1f1b",
               "Pipeline schedule: 1f1b (interleaved 1F1B with virtual stages), zbh1 (interleaved "
@@ -252,7 +257,7 @@ cli::HelpSpec TrainHelpSpec() {
         "eval_interval", "eval_iters", "recompute_granularity", "recompute_num_layers"}},
       {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
       {"Parallel",
-       {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+       {"tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
         "expert_model_parallel_size", "distributed_backend", "distributed_timeout_minutes",
         "num_threads"}},
       {"Pipeline and balancing",
@@ -607,6 +612,19 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
                                 "' is unknown; expected full (or empty: none)"));
   } else if (FLAGS_recompute_num_layers != 0) {
     return Invalid("--recompute_num_layers needs --recompute_granularity=full");
+  }
+  // NOTE [sequence parallelism] in core/tensor_parallel.h.
+  if (FLAGS_sequence_parallel) {
+    if (tp < 2) {
+      return Invalid(absl::StrCat("--sequence_parallel needs --tensor_model_parallel_size > 1 "
+                                  "(it splits the sequence over the tensor-parallel ranks); got ",
+                                  tp));
+    }
+    if (m.seq_length % tp != 0) {
+      return Invalid(absl::StrCat("--sequence_parallel: --seq_length=", m.seq_length,
+                                  " is not a multiple of --tensor_model_parallel_size=", tp));
+    }
+    m.sequence_parallel = true;
   }
   m.seed = FLAGS_seed;
   // NOTE [device seam]: one DeviceSpec from --device, --params_dtype and --bf16.

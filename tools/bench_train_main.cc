@@ -38,6 +38,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <gflags/gflags.h>
+#include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -49,6 +50,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <set>
 #include <string>
@@ -77,6 +79,14 @@ DEFINE_string(layouts, "1,tp2,dp2,tp2dp2",
               "Parallel layouts to time with the tiny recipe: 1 (one process), tpN, dpN, tpNdpM; "
               "empty skips them.");
 DEFINE_int32(layout_iters, 30, "Iterations per layout run (the first 5 are not counted).");
+DEFINE_bool(memory_features, false,
+            "Also measure the memory features with fulcrum_train on the tiny recipe, each "
+            "against the run without it: optimizer bytes per rank with "
+            "--use_distributed_optimizer at dp=2, the activation peak with "
+            "--recompute_granularity=full at pp=2 and with --sequence_parallel at pp=2 x tp=2, "
+            "each with the iteration time. The two runs of a pair alternate, --memory_rounds "
+            "times; --layout_iters iterations each.");
+DEFINE_int32(memory_rounds, 2, "Alternating rounds per --memory_features pair.");
 DEFINE_bool(compare_reference, false,
             "Also time the same model in PyTorch eager and under torch.compile "
             "(tools/bench_train_reference.py under --reference_python), interleaved; skipped "
@@ -605,6 +615,94 @@ void MeasureCrossEntropy(const Shape& shape) {
   std::fflush(stdout);
 }
 
+// One fulcrum_train run's figures from its metrics file: the median iteration time after
+// the first five iterations, the last record's optimizer bytes (the logging rank's) and the
+// largest activation peak (pipeline runs only; 0 otherwise). ok false when it failed.
+struct TrainFigures {
+  bool ok = false;
+  double ms = 0;
+  double state_bytes = 0;
+  double activation_peak_mb = 0;
+};
+
+TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flags) {
+  TrainFigures out;
+  char metrics[] = "/tmp/fulcrum_bench_memory_XXXXXX";
+  const int fd = mkstemp(metrics);
+  if (fd < 0) return out;
+  close(fd);
+  const std::string train = bin_dir + "/fulcrum_train --recipe=tiny --eval_interval=0 "
+                            "--log_interval=1000 --train_iters=" +
+                            std::to_string(FLAGS_layout_iters) + " " + flags +
+                            " --metrics_file=" + metrics;
+  const std::string command =
+      (n == 1 ? train
+              : bin_dir + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) +
+                    " --master_port=0 -- " + train) + " > /dev/null 2>&1";
+  if (std::system(command.c_str()) == 0) {
+    std::ifstream in(metrics);
+    std::string line;
+    std::vector<double> ms;
+    while (std::getline(in, line)) {
+      const nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (r.is_discarded()) continue;
+      if (r.contains("iteration_ms")) ms.push_back(r["iteration_ms"].get<double>());
+      if (r.contains("optimizer_state_bytes")) out.state_bytes = r["optimizer_state_bytes"].get<double>();
+      if (r.contains("activation_peak_mb")) {
+        out.activation_peak_mb = std::max(out.activation_peak_mb, r["activation_peak_mb"].get<double>());
+      }
+    }
+    if (ms.size() > 5) {
+      out.ms = Median(std::vector<double>(ms.begin() + 5, ms.end()));
+      out.ok = true;
+    }
+  }
+  std::remove(metrics);
+  return out;
+}
+
+// A feature against the run without it, the two alternating --memory_rounds times: the
+// medians of each side's figures, and their ratios (with / without).
+void CompareFeature(const std::string& bin_dir, const char* label, int n, const std::string& base,
+                    const std::string& feature, bool state_bytes) {
+  std::vector<double> ms[2], value[2];
+  for (int round = 0; round < FLAGS_memory_rounds; ++round) {
+    for (int with = 0; with < 2; ++with) {
+      const TrainFigures f = RunTrain(bin_dir, n, base + (with ? " " + feature : ""));
+      if (!f.ok) {
+        std::printf("  %-34s failed (%s)\n", label, with ? feature.c_str() : "without it");
+        return;
+      }
+      ms[with].push_back(f.ms);
+      value[with].push_back(state_bytes ? f.state_bytes : f.activation_peak_mb);
+    }
+  }
+  const double without = Median(value[0]), with = Median(value[1]);
+  if (state_bytes) {
+    std::printf("  %-34s optimizer bytes/rank %.0f -> %.0f (ratio %.3f, goal 0.50 +- 5%%)",
+                label, without, with, with / without);
+  } else {
+    std::printf("  %-34s activation peak %.2f -> %.2f MB (ratio %.3f)", label, without, with,
+                with / without);
+  }
+  std::printf(" | ms/iter %.1f -> %.1f (ratio %.2f)\n", Median(ms[0]), Median(ms[1]),
+              Median(ms[1]) / Median(ms[0]));
+  std::fflush(stdout);
+}
+
+void MeasureMemoryFeatures(const std::string& bin_dir) {
+  std::printf("\nmemory features, tiny recipe, %d iterations per run, %d alternating rounds "
+              "(Gloo on this machine; pp=2 x tp=2 runs 4 ranks):\n",
+              FLAGS_layout_iters, FLAGS_memory_rounds);
+  CompareFeature(bin_dir, "dp=2 --use_distributed_optimizer", 2, "",
+                 "--use_distributed_optimizer", /*state_bytes=*/true);
+  CompareFeature(bin_dir, "pp=2 --recompute_granularity=full", 2,
+                 "--pipeline_model_parallel_size=2", "--recompute_granularity=full", false);
+  CompareFeature(bin_dir, "pp=2 x tp=2 --sequence_parallel", 4,
+                 "--pipeline_model_parallel_size=2 --tensor_model_parallel_size=2",
+                 "--sequence_parallel", false);
+}
+
 void MeasureLayouts(const std::string& bin_dir) {
   std::printf("\nparallel layouts, tiny recipe, %d iterations each (Gloo on this machine):\n",
               FLAGS_layout_iters);
@@ -633,16 +731,17 @@ int main(int argc, char** argv) {
       "fulcrum_bench_train: framework overhead of fulcrum_train's training step: Fulcrum's\n"
       "Trainer against the same model as a plain LibTorch loop, interleaved round by round;\n"
       "with --compare_reference also PyTorch eager and torch.compile; with --layouts the tiny\n"
-      "recipe under parallel layouts (fulcrum_launch, built next to it).\n\n"
+      "recipe under parallel layouts (fulcrum_launch, built next to it); with --memory_features\n"
+      "the distributed optimizer, recomputation and sequence parallelism against runs without.\n\n"
       "  fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]\n"
-      "      [--layouts=1,tp2,dp2,tp2dp2] [--compare_reference] [--threads=0]\n"
+      "      [--layouts=1,tp2,dp2,tp2dp2] [--memory_features] [--compare_reference] [--threads=0]\n"
       "      [--device=cpu|cuda|cuda:N|auto] [--bf16] [--quick]\n\n"
       "Exit status: 0 done, 2 bad flags (an unknown model or device included), 1 a failure.\n";
   help.groups = {
       {"Measurements", {"models", "rounds", "iters_per_round", "warmup_iters", "quick",
                         "cross_entropy", "threads", "keep_heap", "profile_trace"}},
       {"Device", {"device", "bf16"}},
-      {"Parallel layouts", {"layouts", "layout_iters"}},
+      {"Parallel layouts", {"layouts", "layout_iters", "memory_features", "memory_rounds"}},
       {"PyTorch reference", {"compare_reference", "reference_python", "reference_script",
                              "reference_wait_policy"}},
   };
@@ -705,5 +804,6 @@ int main(int argc, char** argv) {
     }
   }
   if (!FLAGS_layouts.empty()) fulcrum::MeasureLayouts(bin_dir);
+  if (FLAGS_memory_features) fulcrum::MeasureMemoryFeatures(bin_dir);
   return 0;
 }

@@ -126,7 +126,7 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
                                                            const StepRequest& request) {
   FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
   AdoptWrittenState();
-  collectives.AllReduceTiedGradients(units);
+  collectives.AllReduceModelParallelGradients(units);
 
   // Which parameters have a gradient on some rank of their group (as GradientReducer
   // agrees): the others stay without one and take no step.

@@ -6,8 +6,14 @@
 // The TpWorker cases run only under fulcrum_launch, started by SlowTensorParallelTest.
 #include <torch/torch.h>
 
+#include <c10/util/ThreadLocalDebugInfo.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <memory>
+#include <iostream>
+#include <vector>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -141,6 +147,145 @@ TEST(TpWorker, VocabParallelCrossEntropyMatchesDense) {
   (got * weights).sum().backward();
   // Gradients are weighted by up to 9: fp32 rounding of ~1e-7 relative.
   EXPECT_LT(MaxAbsDiff(ShardOf(dense.grad(), 1, world.rank(), world.size()), shard.grad()), 1e-5);
+}
+
+// NOTE [sequence parallelism] in core/tensor_parallel.h.
+ModelOptions SequenceParallel(ModelOptions o) {
+  o.sequence_parallel = true;
+  return o;
+}
+
+// The gradients of a sequence-parallel unit against the full unit's, after the sum over
+// the group that ParallelContext::AllReduceModelParallelGradients does: slices for sharded
+// parameters, equality for replicated ones. Returns the names marked sequence_parallel.
+std::vector<std::string> ExpectSequenceParallelGradients(Unit& sharded, const Unit& full,
+                                                         CommTensorParallelGroup& tp) {
+  std::vector<std::string> marked;
+  for (Parameter& p : sharded.parameters()) {
+    if (!p.sharding.sequence_parallel) continue;
+    marked.push_back(p.name);
+    at::Tensor& g = p.value.mutable_grad();
+    tp.AllReduceSum(g);
+  }
+  ExpectShardedGradients(sharded, full, tp.rank(), tp.size());
+  return marked;
+}
+
+// A layer's shard of the residual stream in, its shard out: the rows of the full layer's
+// output, the rows of its input gradient, and — once the marked parameters' gradients are
+// summed over the group — every parameter gradient of the full layer. Dropout on (0.1 at
+// both sites): each rank keeps its rows of the whole mask.
+TEST(TpWorker, SequenceParallelLayerMatchesSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  for (PositionEmbedding pe : {PositionEmbedding::kLearned, PositionEmbedding::kRotary}) {
+    ModelOptions o = Options();
+    o.position_embedding = pe;
+    TransformerLayer full(o, 1);
+    TransformerLayer sharded(SequenceParallel(o), 1, &tp);
+    at::Generator gen = MakeGenerator(3, "sp_input");
+    at::Tensor x = at::randn({o.seq_length, 3, o.hidden_size}, gen, at::kFloat);
+    at::Tensor upstream = at::randn({o.seq_length, 3, o.hidden_size}, gen, at::kFloat);
+    ForwardContext ctx{true, 5, 40};
+    at::Tensor x_full = x.clone().requires_grad_(true);
+    at::Tensor x_shard = ShardOf(x, 0, world.rank(), world.size()).requires_grad_(true);
+    at::Tensor y_full = full.Forward(x_full, ctx);
+    at::Tensor y_shard = sharded.Forward(x_shard, ctx);
+    ASSERT_EQ(y_shard.size(0), o.seq_length / world.size()) << "the output is this rank's rows";
+    EXPECT_LT(MaxAbsDiff(ShardOf(y_full, 0, world.rank(), world.size()), y_shard), kTolerance)
+        << PositionEmbeddingName(pe);
+    (y_full * upstream).sum().backward();
+    (y_shard * ShardOf(upstream, 0, world.rank(), world.size())).sum().backward();
+    EXPECT_LT(MaxAbsDiff(ShardOf(x_full.grad(), 0, world.rank(), world.size()), x_shard.grad()),
+              kTolerance);
+    const std::vector<std::string> marked = ExpectSequenceParallelGradients(sharded, full, tp);
+    EXPECT_EQ(marked, (std::vector<std::string>{
+                          "input_layernorm.weight", "input_layernorm.bias",
+                          "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight",
+                          "pre_mlp_layernorm.bias", "mlp.linear_fc2.bias"}));
+  }
+}
+
+// The whole model on one stage: embedding (vocab-parallel, then reduce-scattered over the
+// sequence), layers on shards, the head gathering the sequence before its vocab-parallel
+// output layer. The loss and every gradient equal the single-process model's.
+TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  for (bool tied : {true, false}) {
+    ModelOptions o = Options();
+    o.tie_embeddings = tied;
+    GptModel full(o);
+    GptModel sharded(SequenceParallel(o), StageSpec(), &tp);
+    EXPECT_EQ(sharded.local_sequence_length(), o.seq_length / world.size());
+    at::Generator gen = MakeGenerator(4, "sp_tokens");
+    at::Tensor tokens = at::randint(o.vocab_size, {3, o.seq_length + 1}, gen,
+                                    at::TensorOptions().dtype(at::kLong));
+    ForwardContext ctx{true, 2, 8};
+    LossSum a = full.ForwardLoss(tokens, ctx);
+    LossSum b = sharded.ForwardLoss(tokens, ctx);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_NEAR(a.sum.item<double>(), b.sum.item<double>(), kTolerance * a.sum.item<double>())
+        << (tied ? "tied" : "untied");
+    a.sum.backward();
+    b.sum.backward();
+    auto full_units = full.Units();
+    auto sharded_units = sharded.Units();
+    ASSERT_EQ(full_units.size(), sharded_units.size());
+    std::vector<std::string> marked;
+    for (size_t u = 0; u < full_units.size(); ++u) {
+      for (const std::string& name :
+           ExpectSequenceParallelGradients(*sharded_units[u], *full_units[u], tp)) {
+        marked.push_back(sharded_units[u]->GlobalName(name));
+      }
+    }
+    // The position embeddings, 6 per layer, the final norm's two.
+    EXPECT_EQ(marked.size(), 1u + 6u * o.num_layers + 2u);
+    EXPECT_EQ(marked.front(), "embedding.position_embeddings.weight");
+    EXPECT_EQ(marked.back(), "head.final_layernorm.bias");
+  }
+}
+
+// What a layer's forward keeps for the backward, with and without sequence parallelism:
+// the norms', the dropouts' and the residual adds' tensors are this rank's rows only.
+// The reporter is this thread's; a tensor a Gloo worker thread happened to release last
+// (it holds a collective's tensors until it moves on) never reports its free, so a single
+// measurement can only be too high: the least of five is taken.
+int64_t LayerForwardKeeps(const ModelOptions& o, TensorParallelGroup* tp, bool recompute) {
+  TransformerLayer layer(o, 1, tp);
+  const int64_t rows = o.sequence_parallel ? o.seq_length / tp->size() : o.seq_length;
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    at::Tensor x = at::randn({rows, 4, o.hidden_size}, MakeGenerator(6, "sp_keeps"), at::kFloat)
+                       .requires_grad_(true);
+    auto live = std::make_shared<fulcrum::testing::LiveBytes>();
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, live);
+    const ForwardContext ctx{true, 1, 0};
+    at::Tensor y = recompute ? RecomputedForward(layer, x, ctx) : layer.Forward(x, ctx);
+    least = std::min(least, live->live());
+  }
+  return least;
+}
+
+TEST(TpWorker, SequenceParallelLayerKeepsLessForTheBackward) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = World();
+  CommTensorParallelGroup tp(&world);
+  const ModelOptions o = Options();  // dropout 0.1 at both sites
+  const int64_t rows_bytes = o.seq_length * 4 * o.hidden_size * 4;  // one [s, 4, h] fp32
+  const int64_t plain = LayerForwardKeeps(o, &tp, false);
+  const int64_t sequence = LayerForwardKeeps(SequenceParallel(o), &tp, false);
+  const int64_t recomputed = LayerForwardKeeps(o, &tp, true);
+  const int64_t both = LayerForwardKeeps(SequenceParallel(o), &tp, true);
+  std::cout << "rank " << world.rank() << ": a layer's forward keeps " << plain << " bytes, "
+            << sequence << " sequence-parallel; recomputed " << recomputed << ", " << both
+            << " sequence-parallel (one [s, b, h] is " << rows_bytes << ")" << std::endl;
+  EXPECT_LT(sequence, plain);
+  // Recomputed, the layer keeps its output alone: this rank's rows of it.
+  EXPECT_EQ(recomputed, rows_bytes);
+  EXPECT_EQ(both, rows_bytes / world.size());
 }
 
 std::string RunWorkers(int n, int* code) {

@@ -27,11 +27,7 @@ std::string Common() {
 
 std::vector<nlohmann::json> Train(int n, const std::string& args, const std::string& dir,
                                   const std::string& name) {
-  const std::string metrics = dir + "/" + name + ".jsonl";
-  std::string output;
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(n, args + " --metrics_file=" + metrics), &output), 0)
-      << output;
-  return testing::MetricsRecords(metrics);
+  return testing::TrainRecords(n, args, dir + "/" + name + ".jsonl");
 }
 
 TEST(SlowRecomputeTrainTest, OneProcessTrainsTheSameLossesBitForBit) {

@@ -77,5 +77,34 @@ TEST(SlowBenchTrainTest, ComparesWithPyTorchEagerAndCompiled) {
   for (int i = 1; i <= 3; ++i) EXPECT_GT(std::stod(m[i]), 0.0) << out;
 }
 
+// --memory_features: one round of each pair, short runs. The rows carry measured figures:
+// the distributed optimizer halves the optimizer bytes at dp=2 (the goal's ±5%),
+// recomputation and sequence parallelism lower the activation peak.
+TEST(SlowBenchTrainTest, MemoryFeaturesPrintTheirRows) {
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(kBin + "/fulcrum_bench_train --models=tiny --layouts= "
+                                       "--rounds=1 --iters_per_round=1 --warmup_iters=1 "
+                                       "--memory_features --memory_rounds=1 --layout_iters=8",
+                                &out),
+            0)
+      << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      out, m, std::regex(R"(--use_distributed_optimizer +optimizer bytes/rank ([0-9]+) -> ([0-9]+) \(ratio ([0-9.]+))")))
+      << out;
+  EXPECT_GT(std::stod(m[1]), 0.0);
+  EXPECT_NEAR(std::stod(m[3]), 0.5, 0.025) << out;
+  for (const char* feature : {"--recompute_granularity=full", "--sequence_parallel"}) {
+    ASSERT_TRUE(std::regex_search(
+        out, m,
+        std::regex(std::string(feature) +
+                   R"( +activation peak ([0-9.]+) -> ([0-9.]+) MB \(ratio ([0-9.]+)\) \| ms/iter ([0-9.]+) -> ([0-9.]+))")))
+        << feature << "\n" << out;
+    EXPECT_GT(std::stod(m[1]), 0.0) << feature;
+    EXPECT_LT(std::stod(m[3]), 1.0) << feature << "\n" << out;
+    EXPECT_GT(std::stod(m[4]), 0.0) << feature;
+  }
+}
+
 }  // namespace
 }  // namespace fulcrum

@@ -55,16 +55,19 @@ struct ModelOptions {
   double hidden_dropout = 0.0;        // Default: 0. Dropout after attention and MLP.
   double attention_dropout = 0.0;     // Default: 0. Dropout on attention probabilities.
   uint64_t seed = 1234;               // Default: 1234. Initialisation and dropout masks.
-  /// NOTE [activation recomputation] (core/transformer_layer.h): with recompute_layers the
-  /// first recompute_num_layers layers of every stage (every model chunk) keep only their
-  /// input in the forward pass and run again in the backward (0: all of them).
   /// Default: false (--sequence_parallel). NOTE [sequence parallelism] in
   /// core/tensor_parallel.h: with a tensor-parallel group of more than one rank, the residual
   /// stream between the parallel regions is split along the sequence over the group. A
   /// layout choice, not the model: checkpoints do not record it.
   bool sequence_parallel = false;
+  /// NOTE [activation recomputation] (core/transformer_layer.h): with recompute_layers the
+  /// first recompute_num_layers layers of every stage (every model chunk) keep only their
+  /// input in the forward pass and run again in the backward (0: all of them).
   bool recompute_layers = false;      // Default: false (--recompute_granularity=full sets it).
   int64_t recompute_num_layers = 0;   // Default: 0, every layer when recompute_layers.
+  /// Default: false (--recompute_granularity=selective sets it). Every layer's dense attention
+  /// core keeps only q, k, v and runs again in the backward (NOTE [activation recomputation]).
+  bool recompute_attention = false;
   /// Default: cpu, fp32 masters and compute. Where every tensor of the model lives and in
   /// which precision it computes (NOTE [device seam] in core/device.h) — the one source of
   /// truth for the dtype: --params_dtype sets the master dtype (fp64 is for numerical

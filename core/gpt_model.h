@@ -199,7 +199,8 @@ class GptModel {
     return customizer_ != nullptr ? customizer_->InitialTokenState() : 0.0;
   }
 
-  /// Runs the held layers in order on hidden [s, b, h]. They must be contiguous.
+  /// Runs the held layers in order on hidden [s, b, h] (this rank's local_sequence_length()
+  /// rows under sequence parallelism). They must be contiguous.
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx) const;
   /// One layer's forward, `position` its place in its chunk (0: the chunk's first layer):
   /// recomputed in the backward when options().recompute_layers covers that place (NOTE

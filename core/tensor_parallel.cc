@@ -129,7 +129,9 @@ at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size) {
   TORCH_CHECK(full.size(dim) % size == 0, "cannot shard dimension ", dim, " of size ",
               full.size(dim), " over ", size, " ranks");
   const int64_t chunk = full.size(dim) / size;
-  return full.narrow(dim, rank * chunk, chunk).contiguous();
+  // A copy in every case: a slice along dimension 0 is already contiguous, and contiguous()
+  // would hand back a view holding the whole tensor's storage.
+  return full.narrow(dim, rank * chunk, chunk).clone(at::MemoryFormat::Contiguous);
 }
 
 at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,

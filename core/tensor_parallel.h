@@ -15,7 +15,9 @@
 //   vocab-parallel embedding                                                   weight dim 0
 //   norms, position embeddings                                                 replicated
 // linear_qkv's rows are ordered (head, {q,k,v}, head_dim), so a contiguous slice holds whole
-// heads. Replicated parameters receive identical gradients on every rank of the group.
+// heads. Replicated parameters receive identical gradients on every rank of the group —
+// except, under --sequence_parallel, those used on sequence shards (NOTE [sequence
+// parallelism] below), whose gradients are summed over the group at the step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -121,7 +123,8 @@ class TensorParallelRegions {
   bool sequence_parallel_ = false;
 };
 
-/// The slice of `full` along `dim` that rank `rank` of `size` keeps (contiguous copy).
+/// The slice of `full` along `dim` that rank `rank` of `size` keeps: a contiguous copy with
+/// storage of its own (never a view of `full`), or `full` itself when size is 1 or dim < 0.
 at::Tensor ShardOf(const at::Tensor& full, int64_t dim, int rank, int size);
 
 /// Cross-entropy of vocab-parallel logits [..., V/size] (this rank's columns start at

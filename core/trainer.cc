@@ -197,6 +197,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
         " × data-parallel size ", dp));
   }
   FULCRUM_RETURN_IF_ERROR(RefuseUnsupportedPlugins(config, plugins.get()));
+  // NOTE [sequence parallelism]: the sequence splits evenly over the tensor-parallel ranks
+  // (the flags check this too; a config built in code meets it here, before any work).
+  if (TensorParallelGroup* tp = parallel ? parallel->tensor_parallel() : nullptr;
+      config.model.sequence_parallel && tp != nullptr && config.model.seq_length % tp->size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--sequence_parallel: seq_length ", config.model.seq_length,
+        " is not a multiple of the tensor-parallel size ", tp->size()));
+  }
   std::unique_ptr<Trainer> trainer(new Trainer(config, layout, fs));
   trainer->plugins_ = plugins ? std::move(plugins) : std::make_shared<PluginSet>();
   trainer->corpus_documents_ = corpus->num_sequences();

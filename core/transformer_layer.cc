@@ -73,8 +73,9 @@ at::Tensor Dropout(const at::Tensor& x, double p, uint64_t seed, std::string_vie
   const bool rows = whole_rows > x.size(0);
   if (rows) shape[0] = whole_rows;
   at::Tensor keep = at::empty(shape, x.options().requires_grad(false)).bernoulli_(1.0 - p, gen);
-  // Its rows copied out: a view would keep the whole mask alive for the backward.
-  if (rows) keep = keep.narrow(0, first_row, x.size(0)).contiguous();
+  // Its rows copied out (clone: a dimension-0 slice is contiguous already, and a view would
+  // keep the whole mask alive for the backward).
+  if (rows) keep = keep.narrow(0, first_row, x.size(0)).clone(at::MemoryFormat::Contiguous);
   return x * keep.div_(1.0 - p);
 }
 
@@ -376,6 +377,8 @@ at::Tensor TransformerLayer::Attention(const at::Tensor& x, const ForwardContext
   at::Tensor context;  // [b, heads, s, d]
   if (attention_core_ != nullptr) {
     context = attention_core_->Forward(q, ExpandGroups(k, per_group), ExpandGroups(v, per_group), ctx);
+  } else if (options_.recompute_attention && ctx.training) {
+    context = RecomputedSoftmaxAttention(q, k, v, ctx);
   } else {
     context = SoftmaxAttention(q, k, v, ctx);
   }
@@ -537,21 +540,43 @@ namespace {
 
 // NOTE [activation recomputation]: the layer and the context travel in the node's saved
 // data; the layer outlives the backward (a moving layer leaves after its last W).
+void SaveForRecompute(torch::autograd::AutogradContext* node, const TransformerLayer* layer,
+                      const ForwardContext& ctx) {
+  auto& saved = node->saved_data;
+  saved["layer"] = reinterpret_cast<int64_t>(layer);
+  saved["tag"] = WeightGradStore::CurrentTag();
+  saved["training"] = ctx.training;
+  saved["iteration"] = ctx.iteration;
+  saved["first_sample"] = ctx.first_sample;
+  saved["loss_scale"] = ctx.loss_scale;
+  saved["epoch"] = ctx.epoch;
+  saved["token_positions"] = ctx.token_positions;
+  saved["labels"] = ctx.labels;
+  saved["rotary_positions"] = ctx.rotary_positions;
+}
+
+// The context SaveForRecompute kept, marked as the recomputation's.
+ForwardContext RestoreForRecompute(torch::autograd::AutogradContext* node) {
+  auto& saved = node->saved_data;
+  ForwardContext ctx{saved["training"].toBool(), saved["iteration"].toInt(),
+                     saved["first_sample"].toInt(), saved["loss_scale"].toDouble(),
+                     saved["token_positions"].toOptional<at::Tensor>().value_or(at::Tensor()),
+                     saved["epoch"].toInt()};
+  ctx.labels = saved["labels"].toOptional<at::Tensor>().value_or(at::Tensor());
+  ctx.rotary_positions = saved["rotary_positions"].toOptional<at::Tensor>().value_or(at::Tensor());
+  ctx.recomputing = true;
+  return ctx;
+}
+
+const TransformerLayer* SavedLayer(torch::autograd::AutogradContext* node) {
+  return reinterpret_cast<const TransformerLayer*>(node->saved_data["layer"].toInt());
+}
+
 struct RecomputedLayer : public torch::autograd::Function<RecomputedLayer> {
   static at::Tensor forward(torch::autograd::AutogradContext* node, const at::Tensor& hidden,
                             const TransformerLayer* layer, const ForwardContext* ctx) {
     node->save_for_backward({hidden});
-    auto& saved = node->saved_data;
-    saved["layer"] = reinterpret_cast<int64_t>(layer);
-    saved["tag"] = WeightGradStore::CurrentTag();
-    saved["training"] = ctx->training;
-    saved["iteration"] = ctx->iteration;
-    saved["first_sample"] = ctx->first_sample;
-    saved["loss_scale"] = ctx->loss_scale;
-    saved["epoch"] = ctx->epoch;
-    saved["token_positions"] = ctx->token_positions;
-    saved["labels"] = ctx->labels;
-    saved["rotary_positions"] = ctx->rotary_positions;
+    SaveForRecompute(node, layer, *ctx);
     // Autograd is off inside a custom function's forward: nothing of the layer is kept.
     return layer->Forward(hidden, *ctx);
   }
@@ -559,14 +584,8 @@ struct RecomputedLayer : public torch::autograd::Function<RecomputedLayer> {
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* node,
                                                torch::autograd::tensor_list grads) {
     auto& saved = node->saved_data;
-    const auto* layer = reinterpret_cast<const TransformerLayer*>(saved["layer"].toInt());
-    ForwardContext ctx{saved["training"].toBool(), saved["iteration"].toInt(),
-                       saved["first_sample"].toInt(), saved["loss_scale"].toDouble(),
-                       saved["token_positions"].toOptional<at::Tensor>().value_or(at::Tensor()),
-                       saved["epoch"].toInt()};
-    ctx.labels = saved["labels"].toOptional<at::Tensor>().value_or(at::Tensor());
-    ctx.rotary_positions = saved["rotary_positions"].toOptional<at::Tensor>().value_or(at::Tensor());
-    ctx.recomputing = true;
+    const TransformerLayer* layer = SavedLayer(node);
+    const ForwardContext ctx = RestoreForRecompute(node);
     const at::Tensor input = node->get_saved_variables()[0].detach().requires_grad_(true);
     at::Tensor output;
     {
@@ -580,6 +599,42 @@ struct RecomputedLayer : public torch::autograd::Function<RecomputedLayer> {
 };
 
 }  // namespace
+
+// Selective (NOTE [activation recomputation]): the dense attention core of one layer.
+struct RecomputedAttentionCore : public torch::autograd::Function<RecomputedAttentionCore> {
+  static at::Tensor forward(torch::autograd::AutogradContext* node, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v,
+                            const TransformerLayer* layer, const ForwardContext* ctx) {
+    node->save_for_backward({q, k, v});
+    SaveForRecompute(node, layer, *ctx);
+    return layer->SoftmaxAttention(q, k, v, *ctx);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* node,
+                                               torch::autograd::tensor_list grads) {
+    const ForwardContext ctx = RestoreForRecompute(node);
+    const auto saved = node->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& t : saved) inputs.push_back(t.detach().requires_grad_(true));
+    at::Tensor output;
+    {
+      at::AutoGradMode with_grad(true);
+      output = SavedLayer(node)->SoftmaxAttention(inputs[0], inputs[1], inputs[2], ctx);
+    }
+    torch::autograd::backward({output}, {grads[0]});
+    return {inputs[0].grad(), inputs[1].grad(), inputs[2].grad(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor TransformerLayer::RecomputedSoftmaxAttention(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v,
+                                                        const ForwardContext& ctx) const {
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    return SoftmaxAttention(q, k, v, ctx);
+  }
+  return RecomputedAttentionCore::apply(q, k, v, this, &ctx);
+}
 
 at::Tensor RecomputedForward(const TransformerLayer& layer, const at::Tensor& hidden,
                              const ForwardContext& ctx) {

@@ -111,8 +111,9 @@ struct ForwardContext {
 // Megatron's full recomputation (--recompute_granularity=full; Chen et al. 2016, "Training
 // Deep Nets with Sublinear Memory Cost"): a recomputed layer runs its forward without
 // autograd, keeping only its input, and in the backward runs it again with autograd and
-// back-propagates through that. What it keeps between F and B is one [s, b, h] tensor
-// instead of every intermediate (the activation meter measures it per layer, so the
+// back-propagates through that. What it keeps between F and B is one [s, b, h] tensor (its
+// rows under sequence parallelism) instead of every intermediate (the activation meter
+// measures it per layer, so the
 // balancer's memory model sees the smaller footprint). The second forward draws the same
 // dropout masks (they are keyed by global identity: NOTE [layout-independent randomness])
 // and runs under the tag of the first (NOTE [weight-gradient tags]), so under the B/W split
@@ -121,6 +122,16 @@ struct ForwardContext {
 // forward runs with ForwardContext::recomputing set, so blocks that measure in the forward
 // (MoE loads, auxiliary-loss values) measure once; a plugin says it honours that with
 // Plugin::SupportsRecompute, and the trainer refuses recomputation with any that does not.
+//
+// Selective recomputation (--recompute_granularity=selective; Korthikanti et al. 2022,
+// §5): only the dense attention core — q·kᵀ, the causal softmax, the attention dropout and
+// the product with v — keeps its inputs q, k, v alone and runs again in the backward. That
+// is where the s×s tensors live when attention dropout is on (the probabilities and their
+// masks, NOTE [attention core contract] in core/kernels/attention.h); without attention
+// dropout the core is a flash kernel that keeps no s×s tensor, and selective saves little
+// at the price of the core's forward. A plugin's attention core is not recomputed. Every
+// layer is covered (recompute_num_layers is for full). Same masks, same bits as the plain
+// layer; the core has no weights, so the B/W split is untouched.
 
 class TransformerLayer;
 
@@ -230,7 +241,8 @@ class TransformerLayer : public Unit {
   NamedTensors MigrationTensors() const override;
   absl::Status LoadMigrationTensors(const std::map<std::string, at::Tensor>& tensors) override;
   /// hidden [s, b, h] → [s, b, h]: the wrapper's (SetForwardWrapper) if one is set, else
-  /// hidden + Residual(hidden) (computed as two residual additions).
+  /// hidden + Residual(hidden) (computed as two residual additions). Under sequence
+  /// parallelism s is this rank's rows of the sequence (NOTE [sequence parallelism]).
   at::Tensor Forward(const at::Tensor& hidden, const ForwardContext& ctx) const;
   /// What the layer adds to the residual stream, f(x) = attention + MLP: hidden [n, b, h]
   /// → [n, b, h] for any n, the n tokens of each sequence attending causally to each other
@@ -270,6 +282,11 @@ class TransformerLayer : public Unit {
   // kernels::AttentionCore) → [b, heads, s, d].
   at::Tensor SoftmaxAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const ForwardContext& ctx) const;
+  // SoftmaxAttention recomputed in the backward (NOTE [activation recomputation]:
+  // selective).
+  at::Tensor RecomputedSoftmaxAttention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const ForwardContext& ctx) const;
+  friend struct RecomputedAttentionCore;
   at::Tensor Mlp(const at::Tensor& x, const ForwardContext& ctx) const;
   // x·Wᵀ + b through the slot's replacement, else the dense Linear (core/linear.h).
   at::Tensor Project(LinearSlot slot, const at::Tensor& x, const at::Tensor& w,
@@ -306,7 +323,8 @@ class Head : public Unit {
   /// rank's vocabulary columns of the whole sequence's logits, [s, b, V/tp].
   /// `word_embeddings` is the tied output weight shard (ignored when untied).
   at::Tensor Logits(const at::Tensor& hidden, const at::Tensor& word_embeddings) const;
-  /// Per-token cross-entropy [s, b] of hidden [s, b, h] against labels [s, b].
+  /// Per-token cross-entropy [s, b] of hidden [s, b, h] (this rank's rows under sequence
+  /// parallelism: the logits are of the whole sequence) against labels [s, b].
   at::Tensor TokenLosses(const at::Tensor& hidden, const at::Tensor& word_embeddings,
                          const at::Tensor& labels) const;
 

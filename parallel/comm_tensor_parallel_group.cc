@@ -18,7 +18,8 @@ at::Tensor GatherAlong(Communicator* comm, const at::Tensor& t, int64_t dim) {
 
 at::Tensor SliceOfRank(Communicator* comm, const at::Tensor& t, int64_t dim) {
   const int64_t chunk = t.size(dim) / comm->size();
-  return t.narrow(dim, comm->rank() * chunk, chunk).contiguous();
+  // A copy (NOTE in ShardOf): a view would keep the whole tensor alive.
+  return t.narrow(dim, comm->rank() * chunk, chunk).clone(at::MemoryFormat::Contiguous);
 }
 
 // Autograd contexts hold IValues, which cannot hold a raw pointer; the communicator outlives

@@ -210,7 +210,8 @@ struct StageRunResult {
 class StageExecutor {
  public:
   /// `model` is this stage's part; `pp` the pipeline communicator (rank = stage index).
-  /// Activations are [seq_length, micro_batch_size, hidden] between stages.
+  /// Activations are [seq_length, micro_batch_size, hidden] between stages
+  /// (GptModel::local_sequence_length() rows under sequence parallelism).
   StageExecutor(parallel::Communicator* pp, int64_t micro_batch_size);
   ~StageExecutor();  // Out of line: StageMoves is complete only in the .cc.
   StageExecutor(const StageExecutor&) = delete;

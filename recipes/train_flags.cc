@@ -77,9 +77,12 @@ DEFINE_double(adam_eps, 1e-8, "Adam epsilon.");
 DEFINE_double(clip_grad, 1.0, "Clip the global gradient L2 norm to this; 0 disables.");
 DEFINE_string(recompute_granularity, "",
               "Activation recomputation: 'full' keeps only each recomputed layer's input in "
-              "the forward pass and runs the layer again in the backward (empty: none; "
-              "'selective' is not built yet). Of the plugins, moe supports it (without "
-              "--moe_assignment_cache_threshold).");
+              "the forward pass and runs the layer again in the backward; 'selective' does "
+              "that for every layer's attention core alone (q·kᵀ, softmax, attention dropout, "
+              "·v: the s×s tensors, kept only with --attention_dropout); empty: none. With "
+              "full, of the plugins moe supports it (without "
+              "--moe_assignment_cache_threshold); selective leaves plugins' attention cores "
+              "alone.");
 DEFINE_int64(recompute_num_layers, 0,
              "With --recompute_granularity=full: how many layers of each pipeline stage (each "
              "model chunk), first ones first, are recomputed; 0: all of them.");
@@ -606,10 +609,14 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
     }
     m.recompute_num_layers = FLAGS_recompute_num_layers;
   } else if (FLAGS_recompute_granularity == "selective") {
-    return Invalid("--recompute_granularity=selective is not built yet; 'full' is");
+    if (FLAGS_recompute_num_layers != 0) {
+      return Invalid("--recompute_num_layers is for --recompute_granularity=full; selective "
+                     "recomputes the attention core of every layer");
+    }
+    m.recompute_attention = true;
   } else if (!FLAGS_recompute_granularity.empty()) {
     return Invalid(absl::StrCat("--recompute_granularity='", FLAGS_recompute_granularity,
-                                "' is unknown; expected full (or empty: none)"));
+                                "' is unknown; expected full or selective (or empty: none)"));
   } else if (FLAGS_recompute_num_layers != 0) {
     return Invalid("--recompute_num_layers needs --recompute_granularity=full");
   }

@@ -11,8 +11,10 @@
 // gather are one collective each). The moments of the owned slice live here, fp32, as
 // large as the slice; nothing else of the state is kept.
 // A step, collective over the job:
-//   1. the tied embedding's gradients summed over the first and last stage (before, not
-//      after, the data-parallel sum: the sums commute);
+//   1. the model-parallel sums (ParallelContext::AllReduceModelParallelGradients): the
+//      gradients of parameters used on sequence shards over the tensor-parallel group, and
+//      the tied embedding's over the first and last stage (before, not after, the
+//      data-parallel sum: the sums commute);
 //   2. per bucket, the gradients flattened (zeros where a rank has none) and
 //      reduce-scattered: each rank gets the sum of its own slice only;
 //   3. the plugins' after-reduce hook (which therefore must not read whole gradients:

@@ -7,8 +7,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
+#include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -43,8 +45,18 @@ struct Result {
   bool weight_grads_before_w = false;
 };
 
-Result RunLayer(bool recompute, bool deferred) {
-  const ModelOptions o = Options();
+// How the layer runs: plainly, wholly recomputed (full), or with its attention core
+// recomputed (selective).
+enum class Mode { kPlain, kFull, kSelective };
+
+const char* ModeName(Mode mode) {
+  return mode == Mode::kPlain ? "plain" : mode == Mode::kFull ? "full" : "selective";
+}
+
+Result RunLayer(Mode mode, bool deferred) {
+  ModelOptions o = Options();
+  o.recompute_attention = mode == Mode::kSelective;
+  const bool recompute = mode == Mode::kFull;
   TransformerLayer layer(o, 1);
   at::Generator gen = MakeGenerator(9, "recompute_test");
   const at::Tensor x = at::randn({o.seq_length, 3, o.hidden_size}, gen);
@@ -76,10 +88,12 @@ Result RunLayer(bool recompute, bool deferred) {
 }
 
 TEST(RecomputeTest, GradientsEqualThePlainLayerBitForBitWithAndWithoutTheSplit) {
-  for (bool deferred : {false, true}) {
-    SCOPED_TRACE(deferred ? "B/W split" : "fused backward");
-    const Result plain = RunLayer(false, deferred);
-    const Result again = RunLayer(true, deferred);
+  for (const auto [mode, deferred] : {std::pair{Mode::kFull, false}, std::pair{Mode::kFull, true},
+                                      std::pair{Mode::kSelective, false},
+                                      std::pair{Mode::kSelective, true}}) {
+    SCOPED_TRACE(std::string(ModeName(mode)) + (deferred ? ", B/W split" : ", fused backward"));
+    const Result plain = RunLayer(Mode::kPlain, deferred);
+    const Result again = RunLayer(mode, deferred);
     EXPECT_TRUE(at::equal(plain.output, again.output));
     ASSERT_TRUE(again.input_grad.defined());
     EXPECT_TRUE(at::equal(plain.input_grad, again.input_grad));
@@ -101,15 +115,17 @@ TEST(RecomputeTest, GradientsEqualThePlainLayerBitForBitWithAndWithoutTheSplit) 
   TransformerLayer layer(o, 1);
   at::Generator gen = MakeGenerator(9, "recompute_test");
   const at::Tensor x = at::randn({o.seq_length, 3, o.hidden_size}, gen);
-  const at::Tensor with_dropout = RunLayer(false, false).output;
+  const at::Tensor with_dropout = RunLayer(Mode::kPlain, false).output;
   at::NoGradGuard no_grad;
   EXPECT_FALSE(at::equal(layer.Forward(x, ForwardContext{true, 3, 8, 0.5}), with_dropout));
 }
 
 // Bytes alive after the forward beyond the input and the parameters: what autograd keeps
 // for the backward, and the output.
-int64_t ForwardKeeps(bool recompute) {
-  const ModelOptions o = Options();
+int64_t ForwardKeeps(Mode mode) {
+  ModelOptions o = Options();
+  o.recompute_attention = mode == Mode::kSelective;
+  const bool recompute = mode == Mode::kFull;
   TransformerLayer layer(o, 1);
   at::Tensor input = at::randn({o.seq_length, 4, o.hidden_size}, MakeGenerator(4, "keeps"))
                          .requires_grad_(true);
@@ -123,13 +139,29 @@ int64_t ForwardKeeps(bool recompute) {
 TEST(RecomputeTest, KeepsOnlyTheOutputBetweenForwardAndBackward) {
   const ModelOptions o = Options();
   const int64_t hidden_bytes = o.seq_length * 4 * o.hidden_size * 4;  // one [s, b, h] fp32
-  const int64_t plain = ForwardKeeps(false);
-  const int64_t again = ForwardKeeps(true);
+  const int64_t plain = ForwardKeeps(Mode::kPlain);
+  const int64_t again = ForwardKeeps(Mode::kFull);
   // The recomputed layer allocates the output alone (its input is the caller's, saved by
   // reference); the plain one keeps many [s, b, h]-sized intermediates and the attention
   // probabilities that dropout needs.
   EXPECT_EQ(again, hidden_bytes) << "plain " << plain;
   EXPECT_GT(plain, 8 * hidden_bytes);
+}
+
+// Selective: the attention core keeps q, k and v alone. With attention dropout on the plain
+// core keeps the probabilities, their masks and the dropped probabilities (s×s per head);
+// those go, and the rest of the layer keeps what it kept.
+TEST(RecomputeTest, SelectiveDropsTheAttentionCoresSquareTensors) {
+  const ModelOptions o = Options();
+  const int64_t square_bytes = 4 * o.num_attention_heads * o.seq_length * o.seq_length * 4;  // b = 4
+  const int64_t plain = ForwardKeeps(Mode::kPlain);
+  const int64_t selective = ForwardKeeps(Mode::kSelective);
+  const int64_t full = ForwardKeeps(Mode::kFull);
+  std::cout << "the layer's forward keeps " << plain << " bytes plain, " << selective
+            << " with its attention core recomputed, " << full << " recomputed whole (one "
+            << "[b, heads, s, s] is " << square_bytes << ")" << std::endl;
+  EXPECT_LE(selective, plain - 2 * square_bytes);
+  EXPECT_GT(selective, full);
 }
 
 }  // namespace

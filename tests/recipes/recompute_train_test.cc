@@ -34,14 +34,17 @@ TEST(SlowRecomputeTrainTest, OneProcessTrainsTheSameLossesBitForBit) {
   const std::string dir = testing::MakeTempDir("recompute_one");
   const auto plain = Train(1, Common(), dir, "plain");
   const auto again = Train(1, Common() + " --recompute_granularity=full", dir, "full");
+  const auto selective = Train(1, Common() + " --recompute_granularity=selective", dir, "selective");
   ASSERT_EQ(plain.size(), 10u);
   EXPECT_EQ(testing::LossesOf(again), testing::LossesOf(plain));
+  EXPECT_EQ(testing::LossesOf(selective), testing::LossesOf(plain));
 }
 
 // pp=2 under ZB-H1: the recomputed layers' weight gradients still wait for W; a scripted
 // plan moves a layer in iteration 4 (it leaves after its last W, its recomputation long
-// done). Every loss equals the plain run's; the largest stage's activation peak is lower,
-// all layers recomputed lower than one per stage.
+// done). Every loss equals the plain run's, full or selective; the largest stage's
+// activation peak is lower, all layers recomputed lower than one per stage, selective
+// between the plain run and full.
 TEST(SlowRecomputeTrainTest, PipelineWithTheSplitAndMovesTrainsTheSameLossesAtALowerPeak) {
   const std::string dir = testing::MakeTempDir("recompute_pp2");
   const std::string layout = Common() +
@@ -50,9 +53,11 @@ TEST(SlowRecomputeTrainTest, PipelineWithTheSplitAndMovesTrainsTheSameLossesAtAL
   const auto plain = Train(2, layout, dir, "plain");
   const auto one = Train(2, layout + " --recompute_granularity=full --recompute_num_layers=1", dir, "one");
   const auto all = Train(2, layout + " --recompute_granularity=full", dir, "all");
+  const auto selective = Train(2, layout + " --recompute_granularity=selective", dir, "selective");
   ASSERT_EQ(plain.size(), 10u);
   EXPECT_EQ(testing::LossesOf(one), testing::LossesOf(plain));
   EXPECT_EQ(testing::LossesOf(all), testing::LossesOf(plain));
+  EXPECT_EQ(testing::LossesOf(selective), testing::LossesOf(plain));
   EXPECT_EQ(all.back()["stage_ranges"].dump(), "[[0,1],[1,4]]") << "the layer moved";
   auto peak = [](const std::vector<nlohmann::json>& run) {
     double worst = 0;
@@ -60,9 +65,12 @@ TEST(SlowRecomputeTrainTest, PipelineWithTheSplitAndMovesTrainsTheSameLossesAtAL
     return worst;
   };
   std::cout << "activation peak MB: plain " << peak(plain) << ", one layer per stage "
-            << peak(one) << ", all " << peak(all) << "\n";
+            << peak(one) << ", all " << peak(all) << ", selective " << peak(selective) << "\n";
   EXPECT_LT(peak(all), peak(plain));
   EXPECT_LE(peak(all), peak(one));
+  // With attention dropout on, the attention cores' s×s tensors are what selective drops.
+  EXPECT_LT(peak(selective), peak(plain));
+  EXPECT_GT(peak(selective), peak(all));
 }
 
 // MoE layers (tiny_moe at pp=2 under ZB-H1): the recomputed
@@ -94,7 +102,8 @@ TEST(SlowRecomputeTrainTest, MoeLayersRecordTheirLoadsOnce) {
 
 TEST(RecomputeFlagsTest, BadFlagsExitTwoNamingThem) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--recompute_granularity=selective", "--recompute_granularity=selective is not built yet"},
+      {"--recompute_granularity=selective --recompute_num_layers=2",
+       "--recompute_num_layers is for --recompute_granularity=full"},
       {"--recompute_granularity=partial", "--recompute_granularity='partial' is unknown"},
       {"--recompute_num_layers=2", "--recompute_num_layers needs --recompute_granularity=full"},
       {"--recompute_granularity=full --recompute_num_layers=-1", "must be ≥ 0"},

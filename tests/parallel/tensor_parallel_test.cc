@@ -264,9 +264,10 @@ TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
 
 // What a layer's forward keeps for the backward, with and without sequence parallelism:
 // the norms', the dropouts' and the residual adds' tensors are this rank's rows only.
-// The reporter is this thread's; a tensor a Gloo worker thread happened to release last
-// (it holds a collective's tensors until it moves on) never reports its free, so a single
-// measurement can only be too high: the least of five is taken.
+// The reporter is this thread's: a tensor a Gloo worker thread released last would never
+// report its free here. The communicator drops finished works on the calling thread (NOTE
+// [collective tensors freed here] in parallel/gloo_communicator.cc), but only within a
+// bounded wait, so a measurement can only be too high: the least of five is taken.
 int64_t LayerForwardKeeps(const ModelOptions& o, TensorParallelGroup* tp, bool recompute) {
   TransformerLayer layer(o, 1, tp);
   const int64_t rows = o.sequence_parallel ? o.seq_length / tp->size() : o.seq_length;

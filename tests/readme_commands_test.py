@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -100,6 +101,17 @@ def run_block(block, build_dir, repo, failures):
         print(f"README.md:{block.line}: skipped ({reason})", flush=True)
         return 0
     scratch = tempfile.mkdtemp(prefix=f"readme_{block.line}_")
+    failed_before = len(failures)
+    ran = run_block_in(block, scratch, build_dir, repo, failures)
+    if len(failures) == failed_before:
+        shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        print(f"README.md:{block.line}: its files are kept in {scratch}", flush=True)
+    return ran
+
+
+def run_block_in(block, scratch, build_dir, repo, failures):
+    """Runs the block's commands in `scratch` (the build, venv and tests linked in)."""
     os.symlink(build_dir, os.path.join(scratch, "build"))
     for name in (".venv", "tests"):
         if os.path.exists(os.path.join(repo, name)):

@@ -32,6 +32,8 @@ FULCRUM_VENV="${FULCRUM_VENV:-$FULCRUM_ROOT/.venv}"
 FULCRUM_TORCH_VERSION=2.11.0
 FULCRUM_TENSORBOARD_VERSION=2.20.0
 FULCRUM_TRANSFORMERS_VERSION=5.24.0
+# Disk the torch install takes at its peak: the downloaded wheels plus the unpacked venv.
+FULCRUM_TORCH_INSTALL_GB=8
 
 FULCRUM_PACKAGES=(
   cmake ninja-build g++ pkg-config
@@ -86,6 +88,19 @@ fulcrum_venv_python() {
   return 1
 }
 
+# Refuses, naming the directory and the numbers, when $1's file system has less than $2 GB
+# free for $3: pip would otherwise die midway with a bare "No space left on device".
+fulcrum_check_free_disk() {
+  local dir=$1 need_gb=$2 what=$3 free_kb
+  mkdir -p "$dir"
+  free_kb=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+    echo "fulcrum: $what needs about $need_gb GB free under $dir; only $((free_kb / 1024)) MB are" >&2
+    echo "fulcrum: free some space (or set FULCRUM_VENV / FULCRUM_TORCH_DIR elsewhere) and run again" >&2
+    return 1
+  fi
+}
+
 fulcrum_torch_installed() {
   [ -x "$FULCRUM_VENV/bin/python" ] &&
     "$FULCRUM_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$FULCRUM_TORCH_VERSION')" \
@@ -98,8 +113,10 @@ fulcrum_install_torch() {
   local start=$SECONDS python
   python="$(fulcrum_venv_python)"
   echo "fulcrum: installing torch==$FULCRUM_TORCH_VERSION (LibTorch, CUDA 13.0 build) into $FULCRUM_VENV"
+  fulcrum_check_free_disk "$(dirname "$FULCRUM_VENV")" "$FULCRUM_TORCH_INSTALL_GB" "the torch install"
   [ -x "$FULCRUM_VENV/bin/python" ] || "$python" -m venv "$FULCRUM_VENV"
-  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+  # No pip cache: it would hold a second copy of the ~3 GB of wheels.
+  "$FULCRUM_VENV/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check \
     "torch==$FULCRUM_TORCH_VERSION"
   echo "fulcrum: torch installed in $((SECONDS - start)) s"
 }
@@ -117,7 +134,7 @@ fulcrum_install_pinned() {
   [ -n "${FULCRUM_TORCH_DIR:-}" ] && return 0
   fulcrum_venv_has "$package" "$version" && return 0
   echo "fulcrum: installing $package==$version into $FULCRUM_VENV"
-  "$FULCRUM_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+  "$FULCRUM_VENV/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check \
     "$package==$version" "$@"
 }
 

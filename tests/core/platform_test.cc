@@ -33,8 +33,8 @@ TEST(PlatformTest, NamesTheLibTorchItsCudaBuildAndTheDevice) {
 }
 
 TEST(PlatformTest, StdFilesystemRemovesATree) {
-  char pattern[] = "/tmp/fulcrum_platform_test.XXXXXX";
-  ASSERT_NE(mkdtemp(pattern), nullptr);
+  std::string pattern = ::testing::TempDir() + "fulcrum_platform_test.XXXXXX";
+  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
   const std::filesystem::path root = pattern;
   std::filesystem::create_directories(root / "a" / "b");
   std::ofstream(root / "a" / "b" / "file") << "x";

@@ -88,7 +88,7 @@ Result RunLayer(Mode mode, bool deferred) {
 }
 
 TEST(RecomputeTest, GradientsEqualThePlainLayerBitForBitWithAndWithoutTheSplit) {
-  for (const auto [mode, deferred] : {std::pair{Mode::kFull, false}, std::pair{Mode::kFull, true},
+  for (const auto& [mode, deferred] : {std::pair{Mode::kFull, false}, std::pair{Mode::kFull, true},
                                       std::pair{Mode::kSelective, false},
                                       std::pair{Mode::kSelective, true}}) {
     SCOPED_TRACE(std::string(ModeName(mode)) + (deferred ? ", B/W split" : ", fused backward"));

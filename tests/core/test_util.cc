@@ -71,15 +71,6 @@ std::shared_ptr<data::IndexedDataset> SyntheticCorpus(int64_t num_documents, int
                                           std::move(doc_index));
 }
 
-std::string MakeTempDir(const std::string& tag) {
-  std::string pattern = ::testing::TempDir() + "fulcrum_" + tag + "_XXXXXX";
-  std::vector<char> buffer(pattern.begin(), pattern.end());
-  buffer.push_back('\0');
-  const char* dir = mkdtemp(buffer.data());
-  if (dir == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
-  return dir;
-}
-
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }

@@ -15,6 +15,7 @@
 #include "core/trainer.h"
 #include "core/transformer_layer.h"
 #include "tests/run_command.h"  // RunCommand
+#include "tests/temp_dir.h"     // MakeTempDir
 
 namespace fulcrum::testing {
 
@@ -33,9 +34,6 @@ TrainerConfig SmallTrainerConfig();
 /// seeded starting tokens; the last id, vocab - 1, ends each document.
 std::shared_ptr<data::IndexedDataset> SyntheticCorpus(int64_t num_documents, int64_t tokens_per_doc,
                                                       int64_t vocab, uint64_t seed = 7);
-
-/// A fresh empty directory under the test temp dir.
-std::string MakeTempDir(const std::string& tag);
 
 /// Max |a - b| over all elements (as double).
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b);

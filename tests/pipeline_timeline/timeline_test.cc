@@ -25,6 +25,7 @@
 #include "parallel/world_communicator.h"
 #include "tests/run_command.h"
 #include "tests/worker_runs.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -35,11 +36,7 @@ using Clock = std::chrono::steady_clock;
 // Timestamps are doubles in microseconds; this absorbs their rounding.
 constexpr double kToleranceUs = 0.01;
 
-std::string MakeTempDir() {
-  std::string dir = "/tmp/fulcrum_timeline_XXXXXX";
-  EXPECT_NE(mkdtemp(dir.data()), nullptr);
-  return dir;
-}
+std::string MakeTempDir() { return fulcrum::testing::MakeTempDir("timeline"); }
 
 using fulcrum::testing::RunCommand;
 

@@ -6,6 +6,7 @@ naming the file and the rule (a checker that passes everything would fail here).
 """
 import pathlib
 import subprocess
+import shutil
 import sys
 import tempfile
 import unittest
@@ -29,6 +30,7 @@ class CheckLayeringTest(unittest.TestCase):
     def tree(self, files):
         # A minimal tree: one registered plugin plus the files under test.
         d = pathlib.Path(tempfile.mkdtemp(prefix="layering_"))
+        self.addCleanup(shutil.rmtree, d, ignore_errors=True)
         base = {"plugins/freeze.cc": 'FULCRUM_REGISTER_PLUGIN(freeze, "help", (x));\n'}
         for name, text in {**base, **files}.items():
             (d / name).parent.mkdir(parents=True, exist_ok=True)

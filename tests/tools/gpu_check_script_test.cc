@@ -12,6 +12,7 @@
 #include <string>
 
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum {
 namespace {
@@ -21,11 +22,7 @@ using ::testing::HasSubstr;
 const std::string kSource = FULCRUM_SOURCE_DIR;
 const std::string kBin = FULCRUM_BIN_DIR;
 
-std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/" + name + "_XXXXXX";
-  if (mkdtemp(dir.data()) == nullptr) ADD_FAILURE() << "cannot make " << dir;
-  return dir;
-}
+std::string TempDir(const std::string& name) { return testing::MakeTempDir(name); }
 
 bool GpuVisible() {
   std::string out;

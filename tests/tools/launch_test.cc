@@ -217,9 +217,8 @@ RunResult RunShell(int nproc, const std::string& script, std::vector<std::string
 class SlowLaunchTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char pattern[] = "/tmp/fulcrum_launch_test.XXXXXX";
-    ASSERT_NE(mkdtemp(pattern), nullptr);
-    dir_ = pattern;
+    dir_ = ::testing::TempDir() + "fulcrum_launch_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir_.data()), nullptr);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 

@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum {
 namespace {
@@ -21,7 +22,8 @@ namespace {
 const std::string kPlot = std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot";
 
 std::string Temp(const std::string& name) {
-  return ::testing::TempDir() + "/plot_chunks_" + std::to_string(::getpid()) + "_" + name;
+  static const std::string dir = testing::MakeTempDir("plot_chunks");  // one per test process
+  return dir + "/" + name;
 }
 
 // The attributes of every <rect class="range" .../> of the SVG, in order.

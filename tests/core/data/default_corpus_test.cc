@@ -1,5 +1,6 @@
 // Tests for core/data/default_corpus: the Debian license texts as a ready-made corpus.
 #include "core/data/default_corpus.h"
+#include "tests/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -80,8 +81,7 @@ TEST(DefaultCorpusTest, MissingOrEmptyFolderIsAnError) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("/nonexistent/licenses"));
 
-  std::string empty = ::testing::TempDir() + "fulcrum_corpus_XXXXXX";
-  ASSERT_NE(::mkdtemp(empty.data()), nullptr);
+  const std::string empty = fulcrum::testing::MakeTempDir("corpus");
   auto none = BuildDefaultCorpus(tokenizer, empty);
   EXPECT_THAT(none.status().message(), AllOf(HasSubstr(empty), HasSubstr("no regular files")));
   EXPECT_THAT(DefaultCorpusDescription(empty), HasSubstr("no regular files"));

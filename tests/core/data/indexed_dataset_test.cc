@@ -1,6 +1,7 @@
 // Tests for core/data/indexed_dataset: byte-exact Megatron .idx/.bin layout, round trips,
 // and a clear error (naming the file) for every kind of corruption.
 #include "core/data/indexed_dataset.h"
+#include "tests/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,12 +20,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() {
-  std::string pattern = ::testing::TempDir() + "fulcrum_indexed_XXXXXX";
-  const char* dir = ::mkdtemp(pattern.data());
-  EXPECT_NE(dir, nullptr);
-  return pattern;
-}
+std::string MakeTempDir() { return fulcrum::testing::MakeTempDir("indexed"); }
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

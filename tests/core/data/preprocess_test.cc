@@ -12,6 +12,7 @@
 #include "core/data/indexed_dataset.h"
 #include "core/data/tokenizer.h"
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum::data {
 namespace {
@@ -37,8 +38,7 @@ class PreprocessTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_TRUE(std::ifstream(kBinary).is_open())
         << kBinary << " is missing; build the fulcrum_preprocess target";
-    dir_ = ::testing::TempDir() + "fulcrum_preprocess_XXXXXX";
-    ASSERT_NE(::mkdtemp(dir_.data()), nullptr);
+    dir_ = fulcrum::testing::MakeTempDir("preprocess");
   }
 
   std::string dir_;

@@ -1,6 +1,7 @@
 // Tests for core/data/tokenizer: byte round trips, sentencepiece training (reproducible,
 // exact round trip thanks to byte fallback and identity normalisation), and the factory.
 #include "core/data/tokenizer.h"
+#include "tests/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -17,11 +18,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() {
-  std::string pattern = ::testing::TempDir() + "fulcrum_tokenizer_XXXXXX";
-  EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
-  return pattern;
-}
+std::string MakeTempDir() { return fulcrum::testing::MakeTempDir("tokenizer"); }
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

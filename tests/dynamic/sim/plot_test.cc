@@ -16,6 +16,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum {
 namespace {
@@ -67,7 +68,8 @@ std::vector<Element> ParseTags(const std::string& svg) {
 }
 
 std::string Temp(const std::string& name) {
-  return ::testing::TempDir() + "/plot_" + std::to_string(::getpid()) + "_" + name;
+  static const std::string dir = testing::MakeTempDir("plot");  // one per test process
+  return dir + "/" + name;
 }
 
 TEST(PlotTest, DrawsStaticAndBalancedRunsSideBySide) {

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "tests/dynamic/sim/hand_trace.h"
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum {
 namespace {
@@ -25,7 +26,8 @@ namespace {
 const std::string kSim = std::string(FULCRUM_BIN_DIR) + "/fulcrum_sim";
 
 std::string Temp(const std::string& name) {
-  return ::testing::TempDir() + "/sim_cli_" + std::to_string(::getpid()) + "_" + name;
+  static const std::string dir = testing::MakeTempDir("sim_cli");  // one per test process
+  return dir + "/" + name;
 }
 
 // Writes `lines` (a trace of hand-written lines) to a temporary file; returns its path.

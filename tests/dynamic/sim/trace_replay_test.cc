@@ -18,12 +18,14 @@
 #include "pipeline/load_trace.h"
 #include "tests/dynamic/sim/hand_trace.h"
 #include "tests/run_command.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum::dynamic {
 namespace {
 
 std::string TempPath(const std::string& name) {
-  return ::testing::TempDir() + "/" + name + "_" + std::to_string(::getpid());
+  static const std::string dir = testing::MakeTempDir("trace_replay");  // one per test process
+  return dir + "/" + name;
 }
 
 std::string Write(const std::string& name, const std::vector<nlohmann::json>& lines) {

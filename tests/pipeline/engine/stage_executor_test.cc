@@ -23,6 +23,7 @@
 #include "parallel/world_communicator.h"
 #include "pipeline/timeline.h"
 #include "tests/pipeline/engine/engine_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace fulcrum::pipeline {
 namespace {
@@ -156,8 +157,7 @@ TEST_F(PipelineExecutorTest, TimelineShowsPerLayerTimes) {
   GptModel model(EngineModel());
   absl::StatusOr<StageRunResult> run = RunSchedule(model, MustMake("zbh1", 2));
   ASSERT_TRUE(run.ok()) << run.status();
-  std::string dir = "/tmp/fulcrum_engine_XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string dir = fulcrum::testing::MakeTempDir("engine");
   const std::string path = dir + "/t.json";
   TimelineRecorder timeline(world_.get(), path, /*stage=*/0);
   timeline.RecordIteration(1, *run);

@@ -121,6 +121,10 @@ struct TrainOptions {
   /// Default: 0 (keep all). After each save, delete all but the newest this many
   /// checkpoints of `save` (never the one `latest` names).
   int64_t save_keep_last = 0;
+  /// Default: true (--ckpt_format=sharded). Every rank writes the pieces of the state it
+  /// holds, nothing gathered (NOTE [sharded checkpoints]); false (full): each tensor-parallel
+  /// group gathers whole tensors to one writer. Either loads under any layout.
+  bool sharded_checkpoints = true;
   std::string metrics_file;           // Default: none. JSON lines, one per iteration.
   /// Default: none. JSON lines of each iteration's measured per-layer F/B/W, plugin loads
   /// and placement (pipeline/load_trace.h), for fulcrum_sim --trace.

@@ -51,25 +51,94 @@ CheckpointCollectives CheckpointCollectivesOf(ParallelContext& collectives) {
   return out;
 }
 
+namespace {
+
+// Where a tensor-parallel shard lies in its whole: the whole's shape and the box's start.
+ckpt::TensorPiece TensorParallelBox(const std::string& name, const at::Tensor& shard,
+                                    int64_t tp_dim, int tp_rank, int tp_size) {
+  ckpt::TensorPiece piece;
+  piece.name = name;
+  piece.shape = shard.sizes().vec();
+  piece.offsets.assign(piece.shape.size(), 0);
+  if (tp_dim >= 0) {
+    piece.shape[tp_dim] *= tp_size;
+    piece.offsets[tp_dim] = tp_rank * shard.size(tp_dim);
+  }
+  piece.tensor = shard;
+  return piece;
+}
+
+// What one rank writes to a sharded checkpoint (NOTE [sharded checkpoints]): its part's
+// tensors, tensor-parallel shards as boxes and the rest only from tp rank 0 (the others
+// hold copies), plus the moment slices it owns when the optimizer holds them sliced.
+void ShardedState(const CheckpointSave& save, const std::vector<Unit*>& units, CheckpointPart part,
+                  NamedTensors* whole, std::vector<ckpt::TensorPiece>* pieces) {
+  const bool moments_sliced = save.moment_slices.has_value();
+  if (part != CheckpointPart::kNothing) {
+    for (Unit* unit : units) {
+      for (Unit::LocalState& state : unit->LocalStateTensors(
+               part == CheckpointPart::kExpertParallel, /*with_moments=*/!moments_sliced)) {
+        if (state.tp_dim >= 0) {
+          pieces->push_back(TensorParallelBox(state.name, state.tensor, state.tp_dim,
+                                              unit->tp_rank(), unit->tp_size()));
+        } else if (unit->tp_rank() == 0) {
+          whole->emplace_back(std::move(state.name), std::move(state.tensor));
+        }
+      }
+    }
+  }
+  if (!moments_sliced) return;
+  for (const MomentSlice& slice : *save.moment_slices) {
+    const Parameter& p = *slice.param;
+    // As LocalStateTensors: no moments before the first step, none for a mirror.
+    if (slice.unit->optimizer_step() == 0 || !p.sharding.Saved()) continue;
+    const int64_t tp_dim =
+        p.sharding.TensorParallelSharded(slice.unit->tp_size()) ? p.sharding.tp_shard_dim : -1;
+    // A parameter replicated over tensor parallelism has the same slices on every tp rank.
+    if (tp_dim < 0 && slice.unit->tp_rank() != 0) continue;
+    const std::string base = "optimizer." + slice.unit->GlobalName(p.name);
+    for (const auto& [suffix, values] :
+         {std::pair{".exp_avg", slice.exp_avg}, std::pair{".exp_avg_sq", slice.exp_avg_sq}}) {
+      ckpt::TensorPiece piece = TensorParallelBox(base + suffix, p.value.detach(), tp_dim,
+                                                  slice.unit->tp_rank(), slice.unit->tp_size());
+      piece.box = p.value.sizes().vec();
+      piece.flat = true;
+      piece.flat_begin = slice.begin;
+      piece.flat_end = slice.end;
+      piece.tensor = values;
+      pieces->push_back(std::move(piece));
+    }
+  }
+}
+
+}  // namespace
+
 absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>& units,
                             const RankRoles& roles, const CheckpointCollectives& collectives) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t iteration = save.iteration;
-  // Checkpoints hold full tensors (invariant 4): tensor-parallel shards are gathered, which
-  // every rank of the group takes part in; data-parallel replicas hold the same state.
-  // Expert-parallel ranks hold different experts: each saves its own.
-  const bool writer = roles.writes_checkpoint_shard;
+  // Checkpoints are layout-free (invariant 4). Full: tensor-parallel shards are gathered,
+  // which every rank of the group takes part in; data-parallel replicas hold the same
+  // state; expert-parallel ranks hold different experts: each saves its own. Sharded: every
+  // rank writes the pieces it holds, the reader assembles them.
   const bool committer = roles.commits_checkpoint;
   using Part = CheckpointPart;
   const Part part = roles.checkpoint_part;
   NamedTensors tensors;
-  if (part != Part::kNothing) {
+  std::vector<ckpt::TensorPiece> pieces;
+  if (save.sharded) {
+    ShardedState(save, units, part, &tensors, &pieces);
+  } else if (part != Part::kNothing) {
     for (Unit* unit : units) {
       NamedTensors state =
           unit->StateTensors(collectives.gather_shard, part == Part::kExpertParallel);
       tensors.insert(tensors.end(), state.begin(), state.end());
     }
   }
+  const bool writer = save.sharded ? (committer || !tensors.empty() || !pieces.empty())
+                                   : roles.writes_checkpoint_shard;
+  const std::string shard_name =
+      save.sharded ? absl::StrFormat("rank_%05d", roles.world_rank) : roles.checkpoint_shard_name;
   if (committer) {
     // The default generator is not used by training itself (NOTE [layout-independent
     // randomness]) but user and plugin code may draw from it; restore it on resume.
@@ -92,7 +161,7 @@ absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>
     if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
   }
   if (writer && status.ok()) {
-    status = ckpt_writer->WriteShard(roles.checkpoint_shard_name, tensors);
+    status = ckpt_writer->WriteShard(shard_name, tensors, pieces);
   }
   collectives.barrier();
   // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
@@ -134,6 +203,23 @@ absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>
 
 namespace {
 
+// A unit's tensor-parallel shard of a checkpoint's tensor, reading only the bytes it needs
+// when the tensor is stored as pieces (CheckpointReader::ReadSlice).
+Unit::SliceLookup ShardLookup(const ckpt::CheckpointReader& reader) {
+  return [&reader](const std::string& name, int64_t dim, int64_t index,
+                   int64_t count) -> absl::StatusOr<at::Tensor> {
+    FULCRUM_ASSIGN_OR_RETURN(const auto described, reader.Describe(name));
+    const std::vector<int64_t>& shape = described.second;
+    if (dim >= static_cast<int64_t>(shape.size()) || shape[dim] % count != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", name, " has shape [", absl::StrJoin(shape, ", "), "]; it does not split over ",
+          count, " tensor-parallel ranks along dimension ", dim));
+    }
+    const int64_t length = shape[dim] / count;
+    return reader.ReadSlice(name, dim, index * length, length);
+  };
+}
+
 // LoadCheckpoint's --finetune half: the weights alone.
 absl::StatusOr<LoadedCheckpoint> LoadWeightsOnly(const ckpt::CheckpointReader& reader,
                                                  const std::vector<Unit*>& units,
@@ -150,7 +236,8 @@ absl::StatusOr<LoadedCheckpoint> LoadWeightsOnly(const ckpt::CheckpointReader& r
   }
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {
-    absl::Status status = unit->LoadStateTensors(lookup, /*with_optimizer=*/false);
+    absl::Status status =
+        unit->LoadStateTensors(lookup, /*with_optimizer=*/false, ShardLookup(reader));
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat(source, " (--finetune): ", status.message()));
     }
@@ -199,7 +286,8 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const ckpt::CheckpointReader& re
   }
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {
-    FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*with_optimizer=*/true));
+    FULCRUM_RETURN_IF_ERROR(
+        unit->LoadStateTensors(lookup, /*with_optimizer=*/true, ShardLookup(reader)));
     // The tensors must agree with the manifest: no unit has taken more steps than the run.
     if (unit->optimizer_step() > saved.iteration) {
       return absl::DataLossError(absl::StrCat(

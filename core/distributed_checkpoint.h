@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "core/file_system.h"
 #include "core/gpt_model.h"
+#include "core/optimizer/optimizer.h"
 #include "core/parallel_context.h"
 #include "core/rank_roles.h"
 #include "core/training_manifest.h"
@@ -66,11 +68,20 @@ struct CheckpointSave {
   nlohmann::json manifest_fields;
   /// --save_keep_last: after a commit, keep only the newest this many; 0 keeps all.
   int64_t keep_last = 0;
+  /// --ckpt_format=sharded (NOTE [sharded checkpoints] in core/checkpoint/manifest_json.h):
+  /// every rank writes the pieces it holds — a tensor-parallel shard as its box, an
+  /// optimizer's moment slice as a flat range of it — into its own file, and nothing is
+  /// gathered. False: the tensor-parallel group gathers whole tensors to one writer.
+  bool sharded = false;
+  /// The optimizer's moment slices when it holds the moments sliced (Optimizer::SlicesState:
+  /// the units hold none); sharded saves only.
+  std::optional<std::vector<MomentSlice>> moment_slices;
 };
 
 /// Saves the state of `units` (this rank's part of the model) under `roles`' duties: the
-/// tensor-parallel group gathers its shards, the shard writers write them, the committing
-/// rank begins, commits (and prunes to keep_last) or aborts. Every rank passes every
+/// tensor-parallel group gathers its shards and the shard writers write them (full), or
+/// every rank writes what it holds (sharded); the committing rank begins, commits (and
+/// prunes to keep_last) or aborts. Every rank passes every
 /// barrier whatever fails, so a failure on one rank is reported on the committing rank,
 /// never turned into a hang; a failed save leaves the earlier checkpoints untouched.
 /// Collective over the whole job.

@@ -495,8 +495,14 @@ absl::Status Trainer::Save() {
   save.iteration = iteration_;
   save.manifest_fields = ManifestFields(GatherLayerPlacement(*model_, collectives()));
   save.keep_last = config_.train.save_keep_last;
-  // NOTE [optimizer state residency]: the checkpoint reads whole moments from the units.
+  save.sharded = config_.train.sharded_checkpoints;
   const std::vector<Unit*> units = model_->Units();
+  if (save.sharded && optimizer_->SlicesState()) {
+    // Each rank writes the moment slices it owns (NOTE [sharded checkpoints]).
+    FULCRUM_ASSIGN_OR_RETURN(save.moment_slices, optimizer_->MomentSlices(units, collectives()));
+    return SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));
+  }
+  // NOTE [optimizer state residency]: a full checkpoint reads whole moments from the units.
   FULCRUM_RETURN_IF_ERROR(optimizer_->GatherState(units, collectives()));
   const absl::Status saved =
       SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));

@@ -62,32 +62,43 @@ NamedTensors Unit::ParameterTensors() const {
   return out;
 }
 
-NamedTensors Unit::StateTensors(const ShardGatherer& gather, bool expert_parallel_only) const {
-  auto full = [&](const Parameter& p, const at::Tensor& t) {
-    return (gather && p.sharding.TensorParallelSharded(tp_size_))
-               ? gather(t, p.sharding.tp_shard_dim)
-               : t.detach();
+std::vector<Unit::LocalState> Unit::LocalStateTensors(bool expert_parallel_only,
+                                                       bool with_moments) const {
+  auto split = [&](const Parameter& p) {
+    return p.sharding.TensorParallelSharded(tp_size_) ? p.sharding.tp_shard_dim : int64_t{-1};
   };
   auto saved = [&](const Parameter& p) {
     return p.sharding.Saved() && (!expert_parallel_only || p.sharding.expert_parallel);
   };
-  NamedTensors out;
+  std::vector<LocalState> out;
   for (const auto& p : parameters_) {
-    if (saved(p)) out.emplace_back(GlobalName(p.name), full(p, p.value));
+    if (saved(p)) out.push_back({GlobalName(p.name), p.value.detach(), split(p)});
   }
   if (!expert_parallel_only) {
-    for (const auto& [name, tensor] : buffers_) out.emplace_back(GlobalName(name), tensor.detach());
+    for (const auto& [name, tensor] : buffers_) out.push_back({GlobalName(name), tensor.detach()});
   }
   if (optimizer_step_ == 0) return out;
-  for (const auto& p : parameters_) {
-    if (!saved(p)) continue;
-    const std::string base = "optimizer." + GlobalName(p.name);
-    out.emplace_back(base + ".exp_avg", full(p, p.exp_avg));
-    out.emplace_back(base + ".exp_avg_sq", full(p, p.exp_avg_sq));
+  if (with_moments) {
+    for (const auto& p : parameters_) {
+      if (!saved(p)) continue;
+      const std::string base = "optimizer." + GlobalName(p.name);
+      out.push_back({base + ".exp_avg", p.exp_avg, split(p)});
+      out.push_back({base + ".exp_avg_sq", p.exp_avg_sq, split(p)});
+    }
   }
   if (expert_parallel_only) return out;
-  out.emplace_back("optimizer." + name_ + ".step",
-                   at::scalar_tensor(optimizer_step_, at::TensorOptions().dtype(at::kLong)));
+  out.push_back({"optimizer." + name_ + ".step",
+                 at::scalar_tensor(optimizer_step_, at::TensorOptions().dtype(at::kLong))});
+  return out;
+}
+
+NamedTensors Unit::StateTensors(const ShardGatherer& gather, bool expert_parallel_only) const {
+  NamedTensors out;
+  for (LocalState& state : LocalStateTensors(expert_parallel_only)) {
+    out.emplace_back(std::move(state.name), (gather && state.tp_dim >= 0)
+                                                ? gather(state.tensor, state.tp_dim)
+                                                : std::move(state.tensor));
+  }
   return out;
 }
 
@@ -159,20 +170,26 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
 
 absl::Status Unit::LoadStateTensors(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer) {
-  absl::Status status = LoadState(lookup, with_optimizer);
+    bool with_optimizer, const SliceLookup& slice_lookup) {
+  absl::Status status = LoadState(lookup, with_optimizer, slice_lookup);
   if (status.ok()) StateLoaded();
   return status;
 }
 
 absl::Status Unit::LoadState(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer) {
+    bool with_optimizer, const SliceLookup& slice_lookup) {
   auto load_into = [&](const std::string& name, const Parameter& p,
                        at::Tensor* out) -> absl::Status {
     const at::Tensor& like = p.value;
-    FULCRUM_ASSIGN_OR_RETURN(at::Tensor t, lookup(name));
-    if (p.sharding.TensorParallelSharded(tp_size_)) {
+    at::Tensor t;
+    if (p.sharding.TensorParallelSharded(tp_size_) && slice_lookup) {
+      // This rank's shard alone (its size checked against the parameter below).
+      FULCRUM_ASSIGN_OR_RETURN(t, slice_lookup(name, p.sharding.tp_shard_dim, tp_rank_, tp_size_));
+    } else {
+      FULCRUM_ASSIGN_OR_RETURN(t, lookup(name));
+    }
+    if (p.sharding.TensorParallelSharded(tp_size_) && !slice_lookup) {
       const int64_t dim = p.sharding.tp_shard_dim;
       if (dim >= t.dim() || t.size(dim) != like.size(dim) * tp_size_) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -127,12 +127,26 @@ class Unit {
   /// Gathers a shard split along `dim` over the tensor-parallel group into the full tensor.
   using ShardGatherer = std::function<at::Tensor(const at::Tensor& shard, int64_t dim)>;
 
-  /// Parameter values, then (when the optimizer has stepped) moments and the step counter,
-  /// under their global names. This is the unit's whole persistent state. Sharded tensors
-  /// are this rank's shards, or the full tensors when `gather` is given (checkpoints store
-  /// full tensors, so any tensor-parallel size can load them).
-  /// With `expert_parallel_only`, only the expert-parallel parameters and their moments
-  /// (what an expert-parallel rank other than the first adds to a checkpoint).
+  /// One tensor of the unit's persistent state as this rank holds it.
+  struct LocalState {
+    std::string name;  // Global.
+    at::Tensor tensor;
+    /// ≥ 0: `tensor` is this rank's shard (tp_rank() of tp_size() equal slices along this
+    /// dimension) of the whole; −1: it is the whole.
+    int64_t tp_dim = -1;
+  };
+  /// Parameter values, buffers, then (when the optimizer has stepped) the moments — unless
+  /// `with_moments` is false (an optimizer that holds them sliced writes its slices) — and
+  /// the step counter, under their global names: the unit's whole persistent state as this
+  /// rank holds it, nothing gathered. With `expert_parallel_only`, only the
+  /// expert-parallel parameters and their moments (what an expert-parallel rank other than
+  /// the first adds to a checkpoint).
+  std::vector<LocalState> LocalStateTensors(bool expert_parallel_only = false,
+                                            bool with_moments = true) const;
+
+  /// LocalStateTensors as named tensors: tensor-parallel shards as they are, or gathered
+  /// into the whole when `gather` is given (a full checkpoint, a layer moving between ranks
+  /// of different tensor-parallel sizes).
   NamedTensors StateTensors(const ShardGatherer& gather = nullptr,
                             bool expert_parallel_only = false) const;
 
@@ -142,9 +156,15 @@ class Unit {
   /// with the right shape, and every buffer. With `with_optimizer`, the moments are read
   /// when the step counter is present (absent: the checkpoint predates the first step,
   /// state resets).
+  /// `slice_lookup(name, dim, index, count)`, when given, returns only the index-th of
+  /// `count` equal slices along `dim` (InvalidArgument when the whole does not split so):
+  /// a tensor-parallel shard is then read alone (a sharded checkpoint reads just its bytes).
+  using SliceLookup = std::function<absl::StatusOr<at::Tensor>(const std::string& name,
+                                                               int64_t dim, int64_t index,
+                                                               int64_t count)>;
   absl::Status LoadStateTensors(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer);
+      bool with_optimizer, const SliceLookup& slice_lookup = nullptr);
 
   /// Everything that travels with the unit when it moves to another pipeline stage (NOTE
   /// [layer migration] in core/gpt_model.h), under global names: values, gradients
@@ -228,7 +248,7 @@ class Unit {
   // LoadStateTensors without the callbacks.
   absl::Status LoadState(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer);
+      bool with_optimizer, const SliceLookup& slice_lookup);
 
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;

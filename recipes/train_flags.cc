@@ -191,6 +191,11 @@ DEFINE_int64(save_interval, 0, "Save every this many iterations (also saved at e
 DEFINE_int32(save_keep_last, 0,
              "Keep only the newest this many checkpoints in --save (older ones are deleted after "
              "each save; the one `latest` names is always kept); 0 = keep all.");
+DEFINE_string(ckpt_format, "sharded",
+              "How --save writes: sharded (every rank writes the pieces it holds, its tensor-"
+              "parallel shards and its distributed-optimizer slices, into its own file; nothing "
+              "is gathered) or full (each tensor-parallel group gathers whole tensors to one "
+              "writer). Both load under any layout; fulcrum_ckpt consolidate makes a full one.");
 DEFINE_bool(allow_data_change, false,
             "Resume --load on other data than the checkpoint trained on (another --data_path, "
             "--split or --seed), on purpose; without it such a resume is refused.");
@@ -284,7 +289,7 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
       {"Checkpoints", {"save", "load", "finetune", "save_interval", "save_keep_last",
-                       "allow_data_change", "allow_unchecksummed_manifest"}},
+                       "ckpt_format", "allow_data_change", "allow_unchecksummed_manifest"}},
       {"Logging", {"log_interval", "metrics_file", "tensorboard_dir", "load_trace", "timeline"}},
   };
   spec.per_file_dir = "plugins";
@@ -694,6 +699,11 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   t.load_trace = FLAGS_load_trace;
   t.tensorboard_dir = FLAGS_tensorboard_dir;
   t.save_keep_last = FLAGS_save_keep_last;
+  if (FLAGS_ckpt_format != "sharded" && FLAGS_ckpt_format != "full") {
+    return Invalid(absl::StrCat("--ckpt_format='", FLAGS_ckpt_format,
+                                "' is not a checkpoint format; expected sharded or full"));
+  }
+  t.sharded_checkpoints = FLAGS_ckpt_format == "sharded";
   t.allow_data_change = FLAGS_allow_data_change;
   t.finetune = FLAGS_finetune;
   c.data_path = FLAGS_data_path;

@@ -8,9 +8,13 @@
 //   fulcrum_ckpt import-hf HF_DIR OUT    a transformers model directory → a Fulcrum
 //                                        checkpoint of iteration 0 (core/checkpoint/hf_checkpoint.h)
 //   fulcrum_ckpt export-hf CKPT OUT      a Fulcrum checkpoint's model → a transformers directory
+//   fulcrum_ckpt consolidate CKPT OUT    a sharded checkpoint → a full one (every tensor whole)
+//   fulcrum_ckpt shard CKPT OUT --pieces=N  any checkpoint → one whose tensors are cut in N
+//                                        pieces, one file each
 #include <gflags/gflags.h>
 
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -24,6 +28,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/hf_checkpoint.h"
 #include "core/logging.h"
+#include "core/status.h"
 #include "recipes/cli.h"
 
 DEFINE_string(key, "",
@@ -39,6 +44,9 @@ DEFINE_string(max_shard_size, "5GB",
               "For `export-hf`: the largest model file to write (5GB, 500MB, 2GiB or bytes); a "
               "larger model is written as model-XXXXX-of-YYYYY.safetensors shards with "
               "model.safetensors.index.json. 0: always one model.safetensors.");
+DEFINE_int64(pieces, 2,
+             "For `shard`: how many pieces (and files) each tensor of at least that many "
+             "elements is cut into, as ranges of its elements; smaller tensors stay whole.");
 DEFINE_int64(num_experts_per_tok, 0,
              "For `export-hf` of an MoE (Mixtral) checkpoint that was trained rather than "
              "imported: the router's top-k (--moe_router_topk), which its manifest does not "
@@ -71,13 +79,22 @@ Usage:
                                        transformers directory OUT (config.json +
                                        model.safetensors), for from_pretrained
                                        [--max_shard_size=5GB] [--num_experts_per_tok=K]
+  fulcrum_ckpt consolidate CKPT OUT    writes checkpoint CKPT with every tensor whole (a
+                                       sharded checkpoint's pieces assembled, each checked)
+                                       into the new save directory OUT, one file
+  fulcrum_ckpt shard CKPT OUT          writes checkpoint CKPT into the new save directory
+                                       OUT with each tensor cut into --pieces=N ranges of its
+                                       elements, one file per piece (NOTE [sharded
+                                       checkpoints]); fulcrum_train loads either under any
+                                       layout
 
 PATH is a save directory (its `latest` file names the checkpoint) or one checkpoint
 directory such as /ckpt/iter_0000020.
 
 Exit status: 0 success, 1 missing or damaged checkpoint (or unknown --key), 2 wrong usage.
-import-hf and export-hf: 0 success, 2 input refused (unsupported configuration, missing
-file or tensor, shape mismatch, OUT not empty; nothing is written), 1 failure writing OUT.)";
+import-hf, export-hf, consolidate and shard: 0 success, 2 input refused (unsupported
+configuration, missing file or tensor, shape mismatch, OUT not empty; nothing is written),
+1 failure writing OUT.)";
 
 // Tensors whose global name starts with this hold optimizer state, not parameters.
 constexpr char kOptimizerPrefix[] = "optimizer.";
@@ -105,7 +122,9 @@ int List(const ckpt::CheckpointReader& reader) {
             << "iteration:  " << reader.iteration() << "\n"
             << "fields:\n";
   for (const auto& [key, value] : reader.manifest().items()) {
-    if (key == "tensors" || key == "files" || key == "iteration") continue;
+    if (key == "tensors" || key == "files" || key == "iteration" || key == ckpt::kPiecesKey) {
+      continue;
+    }
     std::string text = value.dump();
     if (text.size() > kMaxFieldChars) text = text.substr(0, kMaxFieldChars) + "...";
     std::cout << "  " << key << ": " << text << "\n";
@@ -118,11 +137,22 @@ int List(const ckpt::CheckpointReader& reader) {
   int64_t parameters = 0;
   int64_t optimizer_elements = 0;
   uint64_t bytes = 0;
-  for (const auto& [name, entry] : reader.entries()) {
-    rows.push_back({name, *ckpt::SafetensorsDtypeName(entry.dtype), ShapeString(entry.shape),
-                    entry.file, absl::StrCat(entry.numel())});
-    (name.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_elements : parameters) += entry.numel();
-    bytes += entry.byte_size();
+  // Whole tensors: a sharded one (NOTE [sharded checkpoints]) shows its piece count where a
+  // whole one shows its file.
+  for (const std::string& name : reader.names()) {
+    const auto [dtype, shape] = *reader.Describe(name);
+    int64_t numel = 1;
+    for (const int64_t d : shape) numel *= d;
+    const auto sharded = reader.sharded().find(name);
+    size_t pieces = 0;
+    if (sharded != reader.sharded().end()) {
+      for (const auto& box : sharded->second.boxes) pieces += box.pieces.size();
+    }
+    rows.push_back({name, *ckpt::SafetensorsDtypeName(dtype), ShapeString(shape),
+                    pieces > 0 ? absl::StrCat(pieces, " pieces") : reader.entries().at(name).file,
+                    absl::StrCat(numel)});
+    (name.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_elements : parameters) += numel;
+    bytes += static_cast<uint64_t>(numel) * c10::elementSize(dtype);
   }
   size_t widths[4] = {0, 0, 0, 0};
   for (const Row& row : rows) {
@@ -138,9 +168,9 @@ int List(const ckpt::CheckpointReader& reader) {
   }
   std::cout << absl::StrFormat(
       "total: %d tensors, %d parameters, %d optimizer-state elements (names under '%s'), "
-      "%d bytes, %d shard files\n",
-      reader.entries().size(), parameters, optimizer_elements, kOptimizerPrefix, bytes,
-      reader.manifest()["files"].size());
+      "%d bytes, %d shard files (%d tensors stored as pieces)\n",
+      reader.names().size(), parameters, optimizer_elements, kOptimizerPrefix, bytes,
+      reader.manifest()["files"].size(), reader.sharded().size());
   return kOk;
 }
 
@@ -166,6 +196,7 @@ int Show(const ckpt::CheckpointReader& reader, const std::string& key) {
   if (key.empty()) {
     nlohmann::json fields = manifest;
     fields.erase("tensors");
+    fields.erase(ckpt::kPiecesKey);
     std::cout << fields.dump(2) << "\n";
     return kOk;
   }
@@ -214,9 +245,10 @@ int ConvertHf(int argc, char** argv) {
     return UsageError(command == "import-hf" ? "expected: import-hf HF_DIR OUT"
                                              : "expected: export-hf CKPT OUT");
   }
-  if (!FLAGS_key.empty() || FLAGS_allow_unchecksummed_manifest) {
-    return UsageError(absl::StrCat("--key and --allow_unchecksummed_manifest do not apply to `",
-                                   command, "`"));
+  if (!FLAGS_key.empty() || FLAGS_allow_unchecksummed_manifest ||
+      !gflags::GetCommandLineFlagInfoOrDie("pieces").is_default) {
+    return UsageError(absl::StrCat("--key, --allow_unchecksummed_manifest and --pieces do not "
+                                   "apply to `", command, "`"));
   }
   FileSystem* fs = DefaultFileSystem();
   if (command == "import-hf") {
@@ -248,6 +280,104 @@ int ConvertHf(int argc, char** argv) {
   return kOk;
 }
 
+// The caller's fields of `manifest` (what Commit must be given back to rewrite it).
+nlohmann::json CallerFields(const nlohmann::json& manifest) {
+  nlohmann::json fields = manifest;
+  for (const char* key : {"format_version", "files", "tensors", ckpt::kPiecesKey,
+                          ckpt::kManifestChecksumKey}) {
+    fields.erase(key);
+  }
+  return fields;
+}
+
+// Rewrites checkpoint `in` into the new save directory `out` (nothing there yet): every
+// tensor read whole, then written by `write` (given the writer and the tensors by name).
+absl::Status Rewrite(
+    FileSystem* fs, const std::string& in, const std::string& out,
+    const std::function<absl::Status(ckpt::CheckpointWriter&,
+                                     const std::vector<std::pair<std::string, at::Tensor>>&)>&
+        write) {
+  FULCRUM_ASSIGN_OR_RETURN(const ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(fs, in));
+  if (fs->FileExists(out) && (!fs->IsDirectory(out) || !fs->ListDir(out)->empty())) {
+    return absl::AlreadyExistsError(absl::StrCat(out, " exists and is not an empty directory"));
+  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const std::string& name : reader.names()) {
+    FULCRUM_ASSIGN_OR_RETURN(at::Tensor tensor, reader.Read(name));  // checked on the way
+    tensors.emplace_back(name, std::move(tensor));
+  }
+  FULCRUM_ASSIGN_OR_RETURN(ckpt::CheckpointWriter writer,
+                           ckpt::CheckpointWriter::Begin(fs, out, reader.iteration()));
+  absl::Status status = write(writer, tensors);
+  if (status.ok()) status = writer.Commit(CallerFields(reader.manifest()));
+  if (!status.ok()) (void)writer.Abort();
+  return status;
+}
+
+// `shard`: each tensor of at least `pieces` elements cut into `pieces` ranges of its
+// row-major elements, piece i into file piece_0000i; the others whole, into piece_00000.
+absl::Status WritePieces(ckpt::CheckpointWriter& writer,
+                         const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                         int64_t pieces) {
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> whole(pieces);
+  std::vector<std::vector<ckpt::TensorPiece>> parts(pieces);
+  for (const auto& [name, tensor] : tensors) {
+    const int64_t numel = tensor.numel();
+    if (tensor.dim() == 0 || numel < pieces) {
+      whole[0].emplace_back(name, tensor);
+      continue;
+    }
+    const at::Tensor flat = tensor.contiguous().view({-1});
+    for (int64_t i = 0; i < pieces; ++i) {
+      ckpt::TensorPiece piece;
+      piece.name = name;
+      piece.shape = tensor.sizes().vec();
+      piece.offsets.assign(piece.shape.size(), 0);
+      piece.box = piece.shape;
+      piece.flat = true;
+      piece.flat_begin = numel * i / pieces;
+      piece.flat_end = numel * (i + 1) / pieces;
+      piece.tensor = flat.narrow(0, piece.flat_begin, piece.flat_end - piece.flat_begin);
+      parts[i].push_back(std::move(piece));
+    }
+  }
+  for (int64_t i = 0; i < pieces; ++i) {
+    FULCRUM_RETURN_IF_ERROR(
+        writer.WriteShard(absl::StrFormat("piece_%05d", i), whole[i], parts[i]));
+  }
+  return absl::OkStatus();
+}
+
+int Reshard(int argc, char** argv) {
+  const std::string command = argv[1];
+  if (argc != 4) return UsageError(absl::StrCat("expected: ", command, " CKPT OUT"));
+  if (!FLAGS_key.empty() || FLAGS_allow_unchecksummed_manifest ||
+      !gflags::GetCommandLineFlagInfoOrDie("max_shard_size").is_default ||
+      FLAGS_num_experts_per_tok != 0) {
+    return UsageError(absl::StrCat("only --pieces applies to `", command, "`"));
+  }
+  if (command == "consolidate" && !gflags::GetCommandLineFlagInfoOrDie("pieces").is_default) {
+    return UsageError("--pieces only applies to `shard`");
+  }
+  if (FLAGS_pieces < 1 || FLAGS_pieces > 4096) {
+    return UsageError(absl::StrCat("--pieces=", FLAGS_pieces, " must be in 1..4096"));
+  }
+  const absl::Status status = Rewrite(
+      DefaultFileSystem(), argv[2], argv[3],
+      [&](ckpt::CheckpointWriter& writer,
+          const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+        return command == "consolidate" ? writer.WriteShard("model", tensors)
+                                        : WritePieces(writer, tensors, FLAGS_pieces);
+      });
+  if (!status.ok()) return ConversionFailed(status);
+  std::cout << (command == "consolidate" ? "consolidated " : "sharded ") << argv[2] << " into "
+            << argv[3]
+            << (command == "consolidate" ? std::string(" (one file)")
+                                         : absl::StrCat(" (", FLAGS_pieces, " pieces)"))
+            << "\n";
+  return kOk;
+}
+
 int Main(int argc, char** argv) {
   cli::HelpSpec help;
   help.program = "fulcrum_ckpt";
@@ -255,7 +385,8 @@ int Main(int argc, char** argv) {
   help.usage = kUsageText;
   help.groups = {{"show", {"key"}},
                  {"verify", {"allow_unchecksummed_manifest"}},
-                 {"export-hf", {"max_shard_size", "num_experts_per_tok"}}};
+                 {"export-hf", {"max_shard_size", "num_experts_per_tok"}},
+                 {"shard", {"pieces"}}};
   // `fulcrum_ckpt help` reads like the commands; it asks for the same text as --help.
   if (argc >= 2 && std::string_view(argv[1]) == "help") {
     std::cout << cli::HelpText(help);
@@ -269,9 +400,15 @@ int Main(int argc, char** argv) {
   if (argc >= 2 && (std::string(argv[1]) == "import-hf" || std::string(argv[1]) == "export-hf")) {
     return ConvertHf(argc, argv);
   }
+  if (argc >= 2 && (std::string(argv[1]) == "consolidate" || std::string(argv[1]) == "shard")) {
+    return Reshard(argc, argv);
+  }
   if (!gflags::GetCommandLineFlagInfoOrDie("max_shard_size").is_default ||
       FLAGS_num_experts_per_tok != 0) {
     return UsageError("--max_shard_size and --num_experts_per_tok only apply to `export-hf`");
+  }
+  if (!gflags::GetCommandLineFlagInfoOrDie("pieces").is_default) {
+    return UsageError("--pieces only applies to `shard`");
   }
   if (argc != 3) return UsageError("expected a command and a PATH");
   const std::string command = argv[1];

@@ -54,6 +54,24 @@
 
 namespace fulcrum::ckpt {
 
+/// A rank's piece of a tensor that no rank holds whole (NOTE [sharded checkpoints] in
+/// core/checkpoint/manifest_json.h): a box of the whole tensor, or a range of a box's
+/// row-major elements.
+struct TensorPiece {
+  std::string name;              // The whole tensor's global name.
+  std::vector<int64_t> shape;    // The whole tensor's shape.
+  std::vector<int64_t> offsets;  // The box's first index along each dimension.
+  std::vector<int64_t> box;      // The box's extent; empty: `tensor`'s shape (no flat range).
+  /// With a flat range: `tensor` is 1-D, the box's elements [flat_begin, flat_end).
+  bool flat = false;
+  int64_t flat_begin = 0;
+  int64_t flat_end = 0;
+  at::Tensor tensor;
+};
+
+/// The stored name of `piece_of`'s piece written by shard `shard_name`: "<name>@<shard>".
+std::string PieceStoredName(const std::string& piece_of, const std::string& shard_name);
+
 /// Writes one checkpoint directory. Movable, not copyable.
 class CheckpointWriter {
  public:
@@ -72,8 +90,12 @@ class CheckpointWriter {
   /// (dtype, shape, xxh3 of the stored bytes) to <shard_name>.index.json, both fsync'ed.
   /// `shard_name` must match [A-Za-z0-9_-][A-Za-z0-9_.-]* (e.g. "model", "pp1_tp0") and be
   /// unique within the checkpoint.
+  /// `pieces` are stored too, under PieceStoredName, with their rows in the index's
+  /// "pieces" table; Commit checks that every sharded tensor's pieces, from all shards,
+  /// tile it.
   absl::Status WriteShard(const std::string& shard_name,
-                          const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+                          const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                          const std::vector<TensorPiece>& pieces = {});
 
   /// Makes the checkpoint visible: merges every shard's index (a tensor name in two shards
   /// is an error), writes manifest.json with `manifest_fields` (a JSON object; its keys
@@ -147,18 +169,32 @@ class CheckpointReader {
   /// The whole manifest, caller fields included.
   const nlohmann::json& manifest() const;
   int64_t iteration() const { return state_->iteration; }
-  /// All tensor names, sorted.
+  /// The names of the tensors Read gives — stored whole, or as pieces (NOTE [sharded
+  /// checkpoints]) — sorted; never a piece's stored name.
   std::vector<std::string> names() const;
-  /// The tensor table, by name.
+  /// The stored tensors (pieces among them, under their stored names), by name.
   const TensorTable& entries() const { return state_->entries; }
+  /// The tensors stored as pieces, by whole name.
+  const ShardedTensorTable& sharded() const { return state_->sharded; }
+  /// The dtype and whole shape of `name` (stored whole or as pieces); NotFound otherwise.
+  absl::StatusOr<std::pair<at::ScalarType, std::vector<int64_t>>> Describe(
+      std::string_view name) const;
   /// False for a manifest of format_version 1 (read only with
   /// CheckpointReadOptions::allow_unchecksummed_manifest): its fields were not verified.
   bool manifest_checksummed() const { return state_->manifest_checksummed; }
-  bool Has(std::string_view name) const { return entries().count(name) > 0; }
+  /// Whether Read(name) finds a tensor (not a piece's stored name).
+  bool Has(std::string_view name) const;
 
   /// Reads `name` into a new CPU tensor after checking its checksum; a mismatch is
   /// DataLoss naming the tensor and its file. NotFound if the checkpoint has no `name`.
+  /// A sharded tensor is assembled from its pieces, each checked.
   absl::StatusOr<at::Tensor> Read(std::string_view name) const;
+
+  /// Reads elements [start, start + length) of `name` along `dim` (a tensor-parallel
+  /// rank's shard). Of a sharded tensor only the pieces whose boxes overlap the slice are
+  /// read and checked; a tensor stored whole is read whole and narrowed.
+  absl::StatusOr<at::Tensor> ReadSlice(std::string_view name, int64_t dim, int64_t start,
+                                       int64_t length) const;
 
   /// Checks every tensor's checksum. (That every file is present with its recorded size
   /// and every tensor is in its file with the recorded dtype and shape was checked by Open:
@@ -173,6 +209,8 @@ class CheckpointReader {
     int64_t iteration = 0;
     bool manifest_checksummed = true;
     TensorTable entries;
+    PieceRows pieces;
+    ShardedTensorTable sharded;
     std::map<std::string, std::unique_ptr<SafetensorsReader>> files;  // By file name.
   };
   explicit CheckpointReader(std::shared_ptr<const State> state) : state_(std::move(state)) {}
@@ -181,6 +219,10 @@ class CheckpointReader {
   // The bytes of `name` after checking them against the manifest's checksum.
   absl::StatusOr<std::string_view> VerifiedBytes(const std::string& name,
                                                  const ManifestEntry& entry) const;
+  // A stored tensor (whole, or a piece) after checking its checksum.
+  absl::StatusOr<at::Tensor> ReadStored(std::string_view name) const;
+  // One box of a sharded tensor, assembled from its pieces, in the box's shape.
+  absl::StatusOr<at::Tensor> ReadBox(const ShardedTensorRows::Box& box, at::ScalarType dtype) const;
 
   std::shared_ptr<const State> state_;
 };

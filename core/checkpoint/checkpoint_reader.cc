@@ -1,5 +1,10 @@
 // CheckpointReader: finds the checkpoint a path refers to, validates its structure on
 // Open, and checks checksums on every read.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
@@ -120,6 +125,8 @@ absl::StatusOr<CheckpointReader> CheckpointReader::OpenDir(FileSystem* fs, const
   state->iteration = parsed.iteration;
   state->manifest_checksummed = parsed.verified;
   state->entries = ToTensorTable(std::move(parsed.tensors));
+  state->pieces = std::move(parsed.pieces);
+  state->sharded = std::move(parsed.sharded);
 
   // Open every shard: a missing, truncated or corrupt file is reported here, naming it,
   // before any tensor is handed out.
@@ -166,8 +173,30 @@ const nlohmann::json& CheckpointReader::manifest() const { return *state_->manif
 std::vector<std::string> CheckpointReader::names() const {
   std::vector<std::string> names;
   names.reserve(state_->entries.size());
-  for (const auto& [name, entry] : state_->entries) names.push_back(name);
+  for (const auto& [name, entry] : state_->entries) {
+    if (state_->pieces.count(name) == 0) names.push_back(name);
+  }
+  for (const auto& [name, whole] : state_->sharded) names.push_back(name);
+  std::sort(names.begin(), names.end());
   return names;
+}
+
+bool CheckpointReader::Has(std::string_view name) const {
+  return state_->sharded.count(name) > 0 ||
+         (state_->entries.count(name) > 0 && state_->pieces.count(name) == 0);
+}
+
+absl::StatusOr<std::pair<at::ScalarType, std::vector<int64_t>>> CheckpointReader::Describe(
+    std::string_view name) const {
+  if (const auto it = state_->sharded.find(name); it != state_->sharded.end()) {
+    return std::pair{*ScalarTypeFromSafetensorsDtype(it->second.dtype), it->second.shape};
+  }
+  if (!Has(name)) {
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", state_->dir, " has no tensor '", std::string(name), "'"));
+  }
+  const ManifestEntry& entry = state_->entries.find(name)->second;
+  return std::pair{entry.dtype, entry.shape};
 }
 
 absl::StatusOr<std::string_view> CheckpointReader::VerifiedBytes(const std::string& name,
@@ -183,7 +212,7 @@ absl::StatusOr<std::string_view> CheckpointReader::VerifiedBytes(const std::stri
   return bytes;
 }
 
-absl::StatusOr<at::Tensor> CheckpointReader::Read(std::string_view name) const {
+absl::StatusOr<at::Tensor> CheckpointReader::ReadStored(std::string_view name) const {
   const auto it = state_->entries.find(name);
   if (it == state_->entries.end()) {
     return absl::NotFoundError(
@@ -192,6 +221,75 @@ absl::StatusOr<at::Tensor> CheckpointReader::Read(std::string_view name) const {
   FULCRUM_RETURN_IF_ERROR(VerifiedBytes(it->first, it->second).status());
   // Verified bytes, decoded by the shard reader (one copy into a fresh tensor).
   return state_->files.at(it->second.file)->Read(name);
+}
+
+absl::StatusOr<at::Tensor> CheckpointReader::ReadBox(const ShardedTensorRows::Box& box,
+                                                     at::ScalarType dtype) const {
+  if (box.pieces.size() == 1 && !state_->pieces.at(box.pieces[0]).flat) {
+    return ReadStored(box.pieces[0]);
+  }
+  // Flat pieces: the box's row-major elements, range by range (AssemblePieces checked
+  // that the ranges tile it).
+  at::Tensor flat = at::empty({std::accumulate(box.extent.begin(), box.extent.end(), int64_t{1},
+                                               std::multiplies<int64_t>())},
+                              at::TensorOptions().dtype(dtype));
+  for (const std::string& stored : box.pieces) {
+    const PieceRow& row = state_->pieces.at(stored);
+    FULCRUM_ASSIGN_OR_RETURN(const at::Tensor piece, ReadStored(stored));
+    flat.narrow(0, row.flat_begin, row.flat_end - row.flat_begin).copy_(piece.reshape({-1}));
+  }
+  return flat.view(box.extent);
+}
+
+absl::StatusOr<at::Tensor> CheckpointReader::Read(std::string_view name) const {
+  const auto it = state_->sharded.find(name);
+  if (it == state_->sharded.end()) return ReadStored(name);
+  const at::ScalarType dtype = *ScalarTypeFromSafetensorsDtype(it->second.dtype);
+  at::Tensor whole = at::empty(it->second.shape, at::TensorOptions().dtype(dtype));
+  for (const ShardedTensorRows::Box& box : it->second.boxes) {
+    FULCRUM_ASSIGN_OR_RETURN(const at::Tensor values, ReadBox(box, dtype));
+    at::Tensor target = whole;
+    for (size_t d = 0; d < box.offsets.size(); ++d) {
+      target = target.narrow(static_cast<int64_t>(d), box.offsets[d], box.extent[d]);
+    }
+    target.copy_(values);
+  }
+  return whole;
+}
+
+absl::StatusOr<at::Tensor> CheckpointReader::ReadSlice(std::string_view name, int64_t dim,
+                                                       int64_t start, int64_t length) const {
+  FULCRUM_ASSIGN_OR_RETURN(const auto described, Describe(name));
+  const auto& [dtype, shape] = described;
+  if (dim < 0 || dim >= static_cast<int64_t>(shape.size()) || start < 0 || length < 0 ||
+      start + length > shape[dim]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot read elements [", start, ", ", start + length, ") along dimension ", dim, " of '",
+        std::string(name), "', of shape [", absl::StrJoin(shape, ", "), "]"));
+  }
+  const auto it = state_->sharded.find(name);
+  if (it == state_->sharded.end()) {
+    FULCRUM_ASSIGN_OR_RETURN(const at::Tensor whole, ReadStored(name));
+    return whole.narrow(dim, start, length).clone();
+  }
+  std::vector<int64_t> slice_shape = shape;
+  slice_shape[dim] = length;
+  at::Tensor slice = at::empty(slice_shape, at::TensorOptions().dtype(dtype));
+  for (const ShardedTensorRows::Box& box : it->second.boxes) {
+    // The overlap of the box with [start, start + length) along `dim`; no overlap: unread.
+    const int64_t lo = std::max(start, box.offsets[dim]);
+    const int64_t hi = std::min(start + length, box.offsets[dim] + box.extent[dim]);
+    if (lo >= hi) continue;
+    FULCRUM_ASSIGN_OR_RETURN(const at::Tensor values, ReadBox(box, dtype));
+    at::Tensor target = slice;
+    for (size_t d = 0; d < box.offsets.size(); ++d) {
+      const int64_t axis = static_cast<int64_t>(d);
+      target = axis == dim ? target.narrow(axis, lo - start, hi - lo)
+                           : target.narrow(axis, box.offsets[d], box.extent[d]);
+    }
+    target.copy_(values.narrow(dim, lo - box.offsets[dim], hi - lo));
+  }
+  return slice;
 }
 
 absl::Status CheckpointReader::VerifyAll() const {

@@ -21,7 +21,7 @@ namespace {
 // Keys of manifest.json that the writer owns; "iteration" is owned too but callers may
 // repeat it.
 constexpr std::string_view kReservedManifestKeys[] = {"format_version", "files", "tensors",
-                                                     kManifestChecksumKey};
+                                                     kPiecesKey, kManifestChecksumKey};
 
 // Puts the save directory back into a state where only committed checkpoints remain:
 // deletes the temp directories of interrupted saves and resolves interrupted re-saves.
@@ -103,8 +103,13 @@ absl::StatusOr<CheckpointWriter> CheckpointWriter::Join(FileSystem* fs, const st
   return writer;
 }
 
+std::string PieceStoredName(const std::string& piece_of, const std::string& shard_name) {
+  return absl::StrCat(piece_of, "@", shard_name);
+}
+
 absl::Status CheckpointWriter::WriteShard(
-    const std::string& shard_name, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+    const std::string& shard_name, const std::vector<std::pair<std::string, at::Tensor>>& whole,
+    const std::vector<TensorPiece>& pieces) {
   if (committed_) {
     return absl::FailedPreconditionError(
         absl::StrCat("WriteShard('", shard_name, "') after Commit of ", final_dir()));
@@ -118,6 +123,29 @@ absl::Status CheckpointWriter::WriteShard(
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint shard '", shard_name, "' was already written to ", temp_dir_));
   }
+
+  // The pieces are stored tensors under their stored names, their rows in "pieces".
+  std::vector<std::pair<std::string, at::Tensor>> tensors = whole;
+  nlohmann::json piece_rows = nlohmann::json::object();
+  for (const TensorPiece& piece : pieces) {
+    PieceRow row;
+    row.of = piece.name;
+    row.shape = piece.shape;
+    row.offsets = piece.offsets;
+    row.box = piece.box.empty() ? piece.tensor.sizes().vec() : piece.box;
+    row.flat = piece.flat;
+    row.flat_begin = piece.flat ? piece.flat_begin : 0;
+    row.flat_end = piece.flat ? piece.flat_end : piece.tensor.numel();
+    const std::string stored = PieceStoredName(piece.name, shard_name);
+    if (piece_rows.contains(stored)) {
+      return absl::InvalidArgumentError(absl::StrCat("shard '", shard_name,
+                                                     "' has two pieces of '", piece.name, "'"));
+    }
+    piece_rows[stored] = PieceRowToJson(row);
+    tensors.emplace_back(stored, piece.tensor);
+  }
+  // Rows that do not parse would fail every reader: refuse them here, naming the piece.
+  FULCRUM_RETURN_IF_ERROR(ParsePieceRows(piece_rows, absl::StrCat("shard ", shard_name)).status());
 
   const std::string file_name = absl::StrCat(shard_name, kSafetensorsSuffix);
   const std::string path = JoinPath(temp_dir_, file_name);
@@ -143,6 +171,7 @@ absl::Status CheckpointWriter::WriteShard(
       {"shard", shard_name},
       {"files", {{file_name, {{"bytes", file_bytes}}}}},
       {"tensors", std::move(table)},
+      {kPiecesKey, std::move(piece_rows)},
   };
   FULCRUM_RETURN_IF_ERROR(WriteStringToFile(
       fs_, JoinPath(temp_dir_, absl::StrCat(shard_name, kShardIndexSuffix)), index.dump(1) + "\n"));
@@ -175,6 +204,7 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
   // Merge the indexes of every shard in the temp dir: this rank's and other ranks'.
   nlohmann::json files = nlohmann::json::object();
   nlohmann::json tensors = nlohmann::json::object();
+  nlohmann::json pieces = nlohmann::json::object();
   std::map<std::string, std::string> owner;  // Tensor name -> index file, for errors.
   FULCRUM_ASSIGN_OR_RETURN(const std::vector<std::string> names, fs_->ListDir(temp_dir_));
   for (const std::string& name : names) {
@@ -209,6 +239,18 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
       }
       tensors[tensor_name] = ManifestEntryToJson(entry);
     }
+    if (const auto rows = index.find(kPiecesKey); rows != index.end()) {
+      FULCRUM_ASSIGN_OR_RETURN(const PieceRows parsed, ParsePieceRows(*rows, index_path));
+      for (const auto& [stored, row] : parsed) pieces[stored] = PieceRowToJson(row);
+    }
+  }
+  // The pieces of every sharded tensor, from all shards, must tile it: a save that lost a
+  // piece is refused here, before anything is visible (NOTE [sharded checkpoints]).
+  if (!pieces.empty()) {
+    FULCRUM_ASSIGN_OR_RETURN(const auto rows, ParseTensorRows(tensors, temp_dir_));
+    FULCRUM_ASSIGN_OR_RETURN(const PieceRows parsed, ParsePieceRows(pieces, temp_dir_));
+    const absl::Status tiled = AssemblePieces(parsed, rows, temp_dir_).status();
+    if (!tiled.ok()) return absl::FailedPreconditionError(tiled.message());
   }
   if (files.empty()) {
     return absl::FailedPreconditionError(
@@ -219,6 +261,7 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
   manifest["iteration"] = iteration_;
   manifest["files"] = std::move(files);
   manifest["tensors"] = std::move(tensors);
+  if (!pieces.empty()) manifest[kPiecesKey] = std::move(pieces);
   manifest[kManifestChecksumKey] = ManifestChecksum(manifest);  // NOTE [manifest checksum]
   FULCRUM_RETURN_IF_ERROR(
       WriteStringToFile(fs_, JoinPath(temp_dir_, kManifestFileName), manifest.dump(1) + "\n"));

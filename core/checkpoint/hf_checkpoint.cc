@@ -525,28 +525,34 @@ absl::StatusOr<HfExportResult> ExportHuggingFace(FileSystem* fs, const std::stri
 
   std::set<std::string> used;
   at::ScalarType dtype = at::kFloat;
+  // Tensors by whole name: stored whole or as pieces (NOTE [sharded checkpoints]).
+  std::map<std::string, uint64_t> bytes_of;
   for (const Mapping& map : mappings) {
-    const auto it = reader.entries().find(map.fulcrum);
-    if (it == reader.entries().end()) {
+    const auto described = reader.Describe(map.fulcrum);
+    if (!described.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           reader.dir(), " has no tensor ", map.fulcrum, ", which its config.model says a ",
           HfArchitectureName(m.architecture), " of this shape has"));
     }
-    if (it->second.shape != map.fulcrum_shape) {
+    const auto& [tensor_dtype, shape] = *described;
+    if (shape != map.fulcrum_shape) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", map.fulcrum, " in ", reader.dir(), " has shape ",
-                       ShapeText(it->second.shape), " but its config.model gives ",
+                       ShapeText(shape), " but its config.model gives ",
                        ShapeText(map.fulcrum_shape)));
     }
-    if (!IsFloating(it->second.dtype)) {
+    if (!IsFloating(tensor_dtype)) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", map.fulcrum, " has dtype ",
-                                                     c10::toString(it->second.dtype)));
+                                                     c10::toString(tensor_dtype)));
     }
-    if (map.fulcrum == "embedding.word_embeddings.weight") dtype = it->second.dtype;
+    if (map.fulcrum == "embedding.word_embeddings.weight") dtype = tensor_dtype;
     used.insert(map.fulcrum);
+    int64_t numel = 1;
+    for (const int64_t d : shape) numel *= d;
+    bytes_of[map.fulcrum] = static_cast<uint64_t>(numel) * c10::elementSize(tensor_dtype);
   }
   std::vector<std::string> unexpected;
-  for (const auto& [name, entry] : reader.entries()) {
+  for (const std::string& name : reader.names()) {
     if (used.count(name) || absl::StartsWith(name, "optimizer.") || absl::StartsWith(name, "rng.")) {
       continue;
     }
@@ -563,7 +569,7 @@ absl::StatusOr<HfExportResult> ExportHuggingFace(FileSystem* fs, const std::stri
   std::vector<std::vector<size_t>> files(1);
   uint64_t file_bytes = 0, total_bytes = 0;
   for (size_t i = 0; i < mappings.size(); ++i) {
-    const uint64_t bytes = reader.entries().at(mappings[i].fulcrum).byte_size();
+    const uint64_t bytes = bytes_of.at(mappings[i].fulcrum);
     if (options.max_shard_bytes > 0 && !files.back().empty() &&
         file_bytes + bytes > options.max_shard_bytes) {
       files.emplace_back();

@@ -1,10 +1,12 @@
 #include "core/checkpoint/manifest_json.h"
 
+#include <algorithm>
 #include <limits>
 #include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/checkpoint/checksum.h"
 #include "core/checkpoint/safetensors_header.h"
 #include "core/json_limits.h"
@@ -63,10 +65,12 @@ absl::StatusOr<std::map<std::string, TensorRow, std::less<>>> ParseTensorRows(
     const auto shape = row.find("shape");
     if (shape == row.end() || !shape->is_array()) return error("missing array field 'shape'");
     for (const nlohmann::json& dim : *shape) {
-      if (!dim.is_number_unsigned() ||
-          dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return error(absl::StrCat("shape ", shape->dump(), " must hold non-negative integers"));
-      }
+      // Parsed text holds non-negative integers as unsigned; a table built in memory (the
+      // committing writer's merge) as signed.
+      const bool ok = dim.is_number_unsigned()
+                          ? dim.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}
+                          : dim.is_number_integer() && dim.get<int64_t>() >= 0;
+      if (!ok) return error(absl::StrCat("shape ", shape->dump(), " must hold non-negative integers"));
       entry.shape.push_back(dim.get<int64_t>());
     }
 
@@ -80,6 +84,186 @@ absl::StatusOr<std::map<std::string, TensorRow, std::less<>>> ParseTensorRows(
     rows.emplace(name, std::move(entry));
   }
   return rows;
+}
+
+namespace {
+
+// The product of `dims`, or nullopt past 2^62 (no real tensor has that many elements).
+std::optional<int64_t> ElementCount(const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (const int64_t d : dims) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n) || n > (int64_t{1} << 62)) return std::nullopt;
+  }
+  return n;
+}
+
+// A non-negative integer array field of `row`, or an error message.
+std::optional<std::string> ReadIntArray(const nlohmann::json& row, const char* key,
+                                        std::vector<int64_t>* out) {
+  const auto field = row.find(key);
+  if (field == row.end() || !field->is_array()) {
+    return absl::StrCat("missing array field '", key, "'");
+  }
+  for (const nlohmann::json& v : *field) {
+    // Parsed text holds non-negative integers as unsigned, a table built in memory as signed.
+    const bool ok = v.is_number_unsigned()
+                        ? v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}
+                        : v.is_number_integer() && v.get<int64_t>() >= 0;
+    if (!ok) return absl::StrCat("'", key, "' ", field->dump(), " must hold non-negative integers");
+    out->push_back(v.get<int64_t>());
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+nlohmann::json PieceRowToJson(const PieceRow& row) {
+  nlohmann::json json = {
+      {"of", row.of}, {"shape", row.shape}, {"offsets", row.offsets}, {"box", row.box}};
+  if (row.flat) json["flat"] = {row.flat_begin, row.flat_end};
+  return json;
+}
+
+absl::StatusOr<PieceRows> ParsePieceRows(const nlohmann::json& table, const std::string& source) {
+  if (!table.is_object()) {
+    return absl::DataLossError(absl::StrCat(source, ": '", kPiecesKey,
+                                            "' must be an object, found ", table.type_name()));
+  }
+  PieceRows rows;
+  for (const auto& [name, json] : table.items()) {
+    auto error = [&, name = name](absl::string_view what) {
+      return absl::DataLossError(absl::StrCat(source, ": piece '", name, "': ", what));
+    };
+    if (!json.is_object()) return error("expected an object {of, shape, offsets, box[, flat]}");
+    PieceRow row;
+    const auto of = json.find("of");
+    if (of == json.end() || !of->is_string() || of->get<std::string>().empty()) {
+      return error("missing non-empty string field 'of'");
+    }
+    row.of = of->get<std::string>();
+    for (const auto& [key, out] : {std::pair{"shape", &row.shape}, std::pair{"offsets", &row.offsets},
+                                   std::pair{"box", &row.box}}) {
+      if (auto message = ReadIntArray(json, key, out)) return error(*message);
+    }
+    if (row.offsets.size() != row.shape.size() || row.box.size() != row.shape.size()) {
+      return error(absl::StrCat("'shape', 'offsets' and 'box' must have one length, got ",
+                                row.shape.size(), ", ", row.offsets.size(), " and ",
+                                row.box.size()));
+    }
+    for (size_t d = 0; d < row.shape.size(); ++d) {
+      if (row.offsets[d] > row.shape[d] || row.box[d] > row.shape[d] - row.offsets[d]) {
+        return error(absl::StrCat("the box at ", json["offsets"].dump(), " of extent ",
+                                  json["box"].dump(), " leaves the shape ",
+                                  json["shape"].dump(), " along dimension ", d));
+      }
+    }
+    const std::optional<int64_t> whole = ElementCount(row.shape);
+    const std::optional<int64_t> volume = ElementCount(row.box);
+    if (!whole.has_value() || !volume.has_value()) return error("the shape is too large");
+    row.flat_begin = 0;
+    row.flat_end = *volume;
+    if (const auto flat = json.find("flat"); flat != json.end()) {
+      std::vector<int64_t> range;
+      if (auto message = ReadIntArray(json, "flat", &range)) return error(*message);
+      if (range.size() != 2 || range[0] >= range[1] || range[1] > *volume) {
+        return error(absl::StrCat("'flat' ", flat->dump(), " must be [b, e) with 0 <= b < e <= ",
+                                  *volume, " (the box's elements)"));
+      }
+      row.flat = true;
+      row.flat_begin = range[0];
+      row.flat_end = range[1];
+    }
+    rows.emplace(name, std::move(row));
+  }
+  return rows;
+}
+
+absl::StatusOr<ShardedTensorTable> AssemblePieces(
+    const PieceRows& pieces, const std::map<std::string, TensorRow, std::less<>>& tensors,
+    const std::string& source) {
+  ShardedTensorTable table;
+  for (const auto& [stored, row] : pieces) {
+    auto error = [&, stored = stored](absl::string_view what) {
+      return absl::DataLossError(absl::StrCat(source, ": piece '", stored, "' of '", row.of,
+                                              "': ", what));
+    };
+    const auto tensor = tensors.find(stored);
+    if (tensor == tensors.end()) return error("no stored tensor of that name");
+    const std::vector<int64_t> stored_shape =
+        row.flat ? std::vector<int64_t>{row.flat_end - row.flat_begin} : row.box;
+    if (tensor->second.shape != stored_shape) {
+      return error(absl::StrCat("stored as shape [", absl::StrJoin(tensor->second.shape, ", "),
+                                "] but the piece is [", absl::StrJoin(stored_shape, ", "), "]"));
+    }
+    if (tensors.count(row.of) > 0) {
+      return error("the whole tensor is also stored whole");
+    }
+    ShardedTensorRows& whole = table[row.of];
+    if (whole.boxes.empty()) {
+      whole.dtype = tensor->second.dtype;
+      whole.shape = row.shape;
+    } else if (whole.dtype != tensor->second.dtype || whole.shape != row.shape) {
+      return error(absl::StrCat("its dtype ", tensor->second.dtype, " or whole shape [",
+                                absl::StrJoin(row.shape, ", "), "] differs from another piece's (",
+                                whole.dtype, " [", absl::StrJoin(whole.shape, ", "), "])"));
+    }
+    auto box = std::find_if(whole.boxes.begin(), whole.boxes.end(), [&](const auto& b) {
+      return b.offsets == row.offsets && b.extent == row.box;
+    });
+    if (box == whole.boxes.end()) {
+      whole.boxes.push_back({row.offsets, row.box, {}});
+      box = whole.boxes.end() - 1;
+    }
+    box->pieces.push_back(stored);
+  }
+  for (auto& [name, whole] : table) {
+    auto error = [&, name = name](absl::string_view what) {
+      return absl::DataLossError(absl::StrCat(source, ": sharded tensor '", name, "': ", what));
+    };
+    // Disjoint boxes whose volumes add up to the whole cover it exactly.
+    int64_t covered = 0;
+    for (size_t i = 0; i < whole.boxes.size(); ++i) {
+      const ShardedTensorRows::Box& a = whole.boxes[i];
+      covered += *ElementCount(a.extent);
+      for (size_t j = 0; j < i; ++j) {
+        const ShardedTensorRows::Box& b = whole.boxes[j];
+        bool overlap = true;
+        for (size_t d = 0; d < a.offsets.size() && overlap; ++d) {
+          overlap = a.offsets[d] < b.offsets[d] + b.extent[d] &&
+                    b.offsets[d] < a.offsets[d] + a.extent[d];
+        }
+        if (overlap && *ElementCount(a.extent) > 0 && *ElementCount(b.extent) > 0) {
+          return error(absl::StrCat("the boxes at [", absl::StrJoin(a.offsets, ", "), "] and [",
+                                    absl::StrJoin(b.offsets, ", "), "] overlap"));
+        }
+      }
+      // The flat ranges of a box, in order, must run 0, ..., volume without gap or overlap.
+      std::vector<std::string>& names = whole.boxes[i].pieces;
+      std::sort(names.begin(), names.end(), [&](const std::string& x, const std::string& y) {
+        return pieces.at(x).flat_begin < pieces.at(y).flat_begin;
+      });
+      int64_t next = 0;
+      for (const std::string& piece : names) {
+        const PieceRow& row = pieces.at(piece);
+        if (row.flat_begin != next) {
+          return error(absl::StrCat("the box at [", absl::StrJoin(a.offsets, ", "), "] has ",
+                                    row.flat_begin > next ? "no piece for" : "two pieces of",
+                                    " its elements from ", std::min(next, row.flat_begin),
+                                    " (at piece '", piece, "')"));
+        }
+        next = row.flat_end;
+      }
+      if (next != *ElementCount(a.extent)) {
+        return error(absl::StrCat("the box at [", absl::StrJoin(a.offsets, ", "),
+                                  "] has no piece for its elements from ", next));
+      }
+    }
+    if (covered != *ElementCount(whole.shape)) {
+      return error(absl::StrCat("its pieces hold ", covered, " of its ",
+                                *ElementCount(whole.shape), " elements (a piece is missing)"));
+    }
+  }
+  return table;
 }
 
 absl::StatusOr<ManifestJson> ParseManifestJson(std::string_view text, const std::string& path) {
@@ -142,6 +326,14 @@ absl::StatusOr<ManifestJson> ParseManifestJson(std::string_view text, const std:
   const auto tensors = manifest.find("tensors");
   if (tensors == manifest.end()) return error("missing object 'tensors'");
   FULCRUM_ASSIGN_OR_RETURN(parsed.tensors, ParseTensorRows(*tensors, path));
+  if (const auto pieces = manifest.find(kPiecesKey); pieces != manifest.end()) {
+    if (parsed.format_version < 3) {
+      return error(absl::StrCat("'", kPiecesKey, "' in a manifest of format_version ",
+                                parsed.format_version, " (sharded tensors came with 3)"));
+    }
+    FULCRUM_ASSIGN_OR_RETURN(parsed.pieces, ParsePieceRows(*pieces, path));
+    FULCRUM_ASSIGN_OR_RETURN(parsed.sharded, AssemblePieces(parsed.pieces, parsed.tensors, path));
+  }
   return parsed;
 }
 

@@ -282,6 +282,23 @@ void DistributedAdamW::ReleaseState(const std::vector<Unit*>& units) {
   gathered_ = false;
 }
 
+absl::StatusOr<std::vector<MomentSlice>> DistributedAdamW::MomentSlices(
+    const std::vector<Unit*>& units, ParallelContext& collectives) {
+  FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
+  AdoptWrittenState();
+  std::vector<MomentSlice> out;
+  for (const Bucket& b : buckets_) {
+    for (const Member& m : b.members) {
+      const auto [begin, end] = OwnedPart(b, m);
+      if (begin >= end) continue;
+      out.push_back({m.unit, m.param, begin - m.offset, end - m.offset,
+                     b.exp_avg.narrow(0, begin - b.shard_begin, end - begin),
+                     b.exp_avg_sq.narrow(0, begin - b.shard_begin, end - begin)});
+    }
+  }
+  return out;
+}
+
 int64_t DistributedAdamW::StateBytes(const std::vector<Unit*>& units) const {
   int64_t bytes = 0;
   for (const Bucket& b : buckets_) {

@@ -31,10 +31,12 @@
 // weights equal AdamW's bit for bit; the norm sums in another order, so its last bits (and
 // a clip factor's) may differ.
 // State residency (NOTE [optimizer state residency] in core/optimizer/optimizer.h):
-// GatherState all-gathers the moments into every Parameter (for a checkpoint's save),
-// ReleaseState drops them again; moments a checkpoint load wrote into a Parameter are
-// adopted (this rank's slice copied, the rest dropped) at the next call, so a checkpoint
-// saved at any dp, with or without this optimizer, resumes under any other.
+// GatherState all-gathers the moments into every Parameter (for a full checkpoint's
+// save), ReleaseState drops them again; a sharded save writes each rank's own slices
+// (MomentSlices, NOTE [sharded checkpoints]), gathering nothing. Moments a checkpoint load
+// wrote into a Parameter are adopted (this rank's slice copied, the rest dropped) at the
+// next call, so a checkpoint saved at any dp, with or without this optimizer, resumes
+// under any other.
 // Layer moves: before layers move (ForwardBackwardRunner::SetBeforeLayersMove) the state
 // is gathered whole into the Parameters, so a moving layer carries it as under AdamW
 // (pipeline/migration.cc); the next step finds another set of parameters, cuts a new
@@ -75,6 +77,9 @@ class DistributedAdamW final : public Optimizer {
                                            const StepRequest& request) override;
   absl::Status GatherState(const std::vector<Unit*>& units, ParallelContext& collectives) override;
   void ReleaseState(const std::vector<Unit*>& units) override;
+  bool SlicesState() const override { return true; }
+  absl::StatusOr<std::vector<MomentSlice>> MomentSlices(const std::vector<Unit*>& units,
+                                                        ParallelContext& collectives) override;
   /// The moments of the owned slices (the layout's, once built; 0 before).
   int64_t StateBytes(const std::vector<Unit*>& units) const override;
 

@@ -53,6 +53,16 @@ struct StepResult {
 StepResult FinishNorm(double local_sq, const std::vector<double>& sums, size_t dp_count,
                       ParallelContext& collectives);
 
+/// A slice of one parameter's Adam moments that this rank owns (the distributed
+/// optimizer): elements [begin, end) of the parameter's row-major elements on this rank.
+struct MomentSlice {
+  const Unit* unit = nullptr;
+  const Parameter* param = nullptr;
+  int64_t begin = 0;
+  int64_t end = 0;
+  at::Tensor exp_avg, exp_avg_sq;  // 1-D, end − begin elements: the optimizer's own state.
+};
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -77,6 +87,15 @@ class Optimizer {
   }
   /// Drops what GatherState wrote (the optimizer keeps its own slices).
   virtual void ReleaseState(const std::vector<Unit*>& units) {}
+  /// Whether the Parameters lack the moments between steps because this optimizer holds
+  /// them sliced: a sharded checkpoint then writes MomentSlices, and a full one gathers.
+  virtual bool SlicesState() const { return false; }
+  /// This rank's slices of the moments of `units`' parameters, after adopting state a load
+  /// wrote into the Parameters (SlicesState optimizers; none otherwise). Not collective.
+  virtual absl::StatusOr<std::vector<MomentSlice>> MomentSlices(const std::vector<Unit*>& units,
+                                                                ParallelContext& collectives) {
+    return std::vector<MomentSlice>{};
+  }
   /// Bytes of optimizer state (moments) this rank holds.
   virtual int64_t StateBytes(const std::vector<Unit*>& units) const = 0;
 };

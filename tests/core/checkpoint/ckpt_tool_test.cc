@@ -149,6 +149,53 @@ TEST_F(CkptToolTest, ShowPrintsOneField) {
   EXPECT_THAT(result.output, HasSubstr("no field 'nope'"));
 }
 
+// shard cuts every tensor of at least --pieces elements into that many files; list shows
+// the whole tensors with their piece counts; consolidate makes them whole again, the same
+// bits and manifest fields as the original.
+TEST_F(CkptToolTest, ShardThenConsolidateRoundTripsEveryTensor) {
+  ScopedTempDir out;
+  const std::string sharded = out.Join("sharded");
+  const std::string whole = out.Join("whole");
+  RunResult result = RunTool("shard --pieces=3 " + save_.path() + " " + sharded);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("(3 pieces)"));
+  auto reader = CheckpointReader::Open(DefaultFileSystem(), sharded);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->sharded().size(), 2u);  // the scalar step stays whole
+  EXPECT_EQ(reader->manifest()["files"].size(), 3u);
+  EXPECT_EQ(reader->iteration(), 20);
+  EXPECT_EQ(reader->manifest()["consumed_samples"], 640);
+  result = RunTool("list " + sharded);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, AllOf(HasSubstr("3 pieces"), HasSubstr("total: 3 tensors"),
+                                   HasSubstr("3 shard files (2 tensors stored as pieces)")));
+  EXPECT_THAT(result.output, Not(HasSubstr("@piece_")));
+  result = RunTool("verify " + sharded);
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+
+  result = RunTool("consolidate " + sharded + " " + whole);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  auto original = CheckpointReader::Open(DefaultFileSystem(), save_.path());
+  auto rebuilt = CheckpointReader::Open(DefaultFileSystem(), whole);
+  ASSERT_TRUE(original.ok() && rebuilt.ok());
+  EXPECT_TRUE(rebuilt->sharded().empty());
+  EXPECT_EQ(rebuilt->names(), original->names());
+  for (const std::string& name : original->names()) {
+    EXPECT_TRUE(torch::equal(*rebuilt->Read(name), *original->Read(name))) << name;
+  }
+  EXPECT_EQ(rebuilt->manifest()["config"], original->manifest()["config"]);
+
+  // Into a directory that holds something: refused (2), nothing written.
+  result = RunTool("consolidate " + sharded + " " + whole);
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("is not an empty directory"));
+  result = RunTool("shard --pieces=0 " + save_.path() + " " + out.Join("zero"));
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  result = RunTool("consolidate --pieces=2 " + sharded + " " + out.Join("x"));
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--pieces only applies to `shard`"));
+}
+
 TEST_F(CkptToolTest, WrongUsageExitsTwoAndMissingCheckpointOne) {
   EXPECT_EQ(RunTool("").exit_code, 2);
   EXPECT_EQ(RunTool("frobnicate " + save_.path()).exit_code, 2);

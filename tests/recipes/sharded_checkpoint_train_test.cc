@@ -4,11 +4,19 @@
 // under other layouts, with and without the distributed optimizer, after layers moved.
 // The format itself (tiling, checks, slice reads) is tests/core/checkpoint/
 // sharded_checkpoint_test.cc; fulcrum_ckpt's shard/consolidate, ckpt_tool_test.cc.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <iostream>
+#include <sstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -139,6 +147,106 @@ TEST(SlowShardedCheckpointTest, DistributedOptimizerSlicesResumeUnderOtherLayout
        {4, std::string(kZero) + " --tensor_model_parallel_size=2"},
        {4, " --pipeline_model_parallel_size=4"}},
       {4, std::string(kZero) + " --tensor_model_parallel_size=2"}, "sharded_zero");
+}
+
+// The pids of the processes whose command line holds `needle` and whose environment sets
+// RANK=`rank` (-1: any rank).
+std::vector<pid_t> RanksRunning(const std::string& needle, int rank) {
+  std::vector<pid_t> pids;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return pids;
+  auto read_all = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  while (dirent* entry = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
+    if (pid <= 0) continue;
+    const std::string base = "/proc/" + std::string(entry->d_name);
+    const std::string cmdline = read_all(base + "/cmdline");
+    if (cmdline.find("fulcrum_train") == std::string::npos ||
+        cmdline.find(needle) == std::string::npos) {
+      continue;
+    }
+    const std::string environ = read_all(base + "/environ");
+    if (rank < 0 || environ.find(std::string("\0RANK=") + std::to_string(rank) + '\0') !=
+                        std::string::npos) {
+      pids.push_back(pid);
+    }
+  }
+  closedir(proc);
+  return pids;
+}
+
+// Whether `dir` holds a file whose name starts with "rank_".
+bool HoldsARankFile(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return false;
+  bool found = false;
+  while (dirent* entry = readdir(d)) {
+    if (std::string(entry->d_name).rfind("rank_", 0) == 0) found = true;
+  }
+  closedir(d);
+  return found;
+}
+
+// Runs the 4-rank job `command` (saving to `save` at 10 and 20) and SIGKILLs rank `victim`
+// as soon as a rank's file of the save of iteration 20 appears, before that save commits.
+// Returns false when the kill came too late (the save of 20 committed first).
+bool KillRankDuringTheSecondSave(const std::string& command, const std::string& save,
+                                 int victim) {
+  const pid_t job = fork();
+  if (job == 0) {
+    setpgid(0, 0);
+    execl("/bin/sh", "sh", "-c", (command + " >" + save + ".log 2>&1").c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const std::string temp = save + "/.tmp_iter_0000020";
+  bool killed = false;
+  int status = 0;
+  while (waitpid(job, &status, WNOHANG) == 0) {
+    if (!killed && HoldsARankFile(temp)) {
+      for (const pid_t pid : RanksRunning(save, victim)) kill(pid, SIGKILL);
+      killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return killed && access((save + "/iter_0000020").c_str(), F_OK) != 0;
+}
+
+// NOTE [checkpoint crash safety] across ranks: a rank killed while the ranks write their
+// pieces of a sharded save — the committing rank 0, or rank 3 — leaves the previous
+// checkpoint `latest`, complete and loadable; the job resumes from it and its next save
+// clears what the killed one left.
+TEST(SlowShardedCheckpointTest, ARankKilledDuringASaveLeavesThePreviousCheckpoint) {
+  for (const int victim : {0, 3}) {
+    const std::string dir = testing::MakeTempDir("sharded_kill");
+    const std::string flags = Tiny() + std::string(kZero) +
+                              " --tensor_model_parallel_size=2 --save_interval=10 --save=";
+    std::string save;
+    bool landed = false;
+    for (int attempt = 0; attempt < 3 && !landed; ++attempt) {
+      save = dir + "/save" + std::to_string(attempt);
+      landed = KillRankDuringTheSecondSave(testing::TrainCommand(4, flags + save), save, victim);
+    }
+    ASSERT_TRUE(landed) << "three kills of rank " << victim << " came after the save committed";
+    auto reader = ckpt::CheckpointReader::Open(save);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_EQ(reader->iteration(), 10) << "rank " << victim;
+    EXPECT_TRUE(reader->VerifyAll().ok());
+    EXPECT_EQ(access((save + "/.tmp_iter_0000020").c_str(), F_OK), 0) << "the kill was mid-save";
+    const auto resumed =
+        testing::TrainRecords(4, flags + save + " --load=" + save, dir + "/resumed.jsonl");
+    ASSERT_FALSE(resumed.empty());
+    EXPECT_EQ(resumed.front()["iteration"].get<int64_t>(), 11);
+    reader = ckpt::CheckpointReader::Open(save);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_EQ(reader->iteration(), 20);
+    EXPECT_NE(access((save + "/.tmp_iter_0000020").c_str(), F_OK), 0) << "cleared by the save";
+  }
 }
 
 }  // namespace

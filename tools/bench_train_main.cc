@@ -50,6 +50,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -60,6 +61,7 @@
 
 #include "absl/strings/str_split.h"
 #include "absl/strings/match.h"
+#include "core/checkpoint/checkpoint.h"
 #include "core/data/default_corpus.h"
 #include "core/device.h"
 #include "core/data/tokenizer.h"
@@ -84,8 +86,10 @@ DEFINE_bool(memory_features, false,
             "against the run without it: optimizer bytes per rank with "
             "--use_distributed_optimizer at dp=2, the activation peak with "
             "--recompute_granularity=full at pp=2 and with --sequence_parallel at pp=2 x tp=2, "
-            "each with the iteration time. The two runs of a pair alternate, --memory_rounds "
-            "times; --layout_iters iterations each.");
+            "each with the iteration time, and the bytes a rank writes per save with "
+            "--ckpt_format=sharded against full at tp=2 x dp=2 with the distributed optimizer. "
+            "The two runs of a pair alternate, --memory_rounds times; --layout_iters iterations "
+            "each.");
 DEFINE_int32(memory_rounds, 2, "Alternating rounds per --memory_features pair.");
 DEFINE_bool(compare_reference, false,
             "Also time the same model in PyTorch eager and under torch.compile "
@@ -548,44 +552,6 @@ void Measure(const Shape& shape, std::shared_ptr<const data::IndexedDataset> cor
   std::fflush(stdout);
 }
 
-// Runs fulcrum_train under `layout` and returns the median tokens/s of its iterations
-// after the first five (start-up, first-touch allocation), or a negative value on failure.
-double LayoutTokensPerSecond(const std::string& bin_dir, const std::string& layout) {
-  int tp = 1, dp = 1;
-  if (layout != "1" && std::sscanf(layout.c_str(), "tp%ddp%d", &tp, &dp) != 2 &&
-      std::sscanf(layout.c_str(), "tp%d", &tp) != 1 && std::sscanf(layout.c_str(), "dp%d", &dp) != 1) {
-    std::fprintf(stderr, "bench_train: cannot parse layout '%s'\n", layout.c_str());
-    return -1;
-  }
-  const int n = tp * dp;
-  char metrics[] = "/tmp/fulcrum_bench_layout_XXXXXX";
-  const int fd = mkstemp(metrics);
-  if (fd < 0) return -1;
-  close(fd);
-  const std::string train = bin_dir + "/fulcrum_train --recipe=tiny --eval_interval=0 --log_interval=1000 "
-                            "--train_iters=" + std::to_string(FLAGS_layout_iters) +
-                            " --tensor_model_parallel_size=" + std::to_string(tp) +
-                            " --metrics_file=" + metrics;
-  const std::string command =
-      (n == 1 ? train
-              : bin_dir + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) +
-                    " --master_port=0 -- " + train) + " > /dev/null 2>&1";
-  const int status = std::system(command.c_str());
-  std::vector<double> rates;
-  if (status == 0) {
-    std::FILE* in = std::fopen(metrics, "r");
-    char line[4096];
-    while (in != nullptr && std::fgets(line, sizeof(line), in) != nullptr) {
-      const char* field = std::strstr(line, "\"tokens_per_second\":");
-      if (field != nullptr) rates.push_back(std::atof(field + 20));
-    }
-    if (in != nullptr) std::fclose(in);
-  }
-  std::remove(metrics);
-  if (rates.size() <= 5) return -1;
-  return Median(std::vector<double>(rates.begin() + 5, rates.end()));
-}
-
 // The loss alone: Fulcrum's cross-entropy against LibTorch's, forward+backward on logits of
 // the model's shape, each scaled by one per-token weight as the trainer does.
 void MeasureCrossEntropy(const Shape& shape) {
@@ -615,50 +581,122 @@ void MeasureCrossEntropy(const Shape& shape) {
   std::fflush(stdout);
 }
 
-// One fulcrum_train run's figures from its metrics file: the median iteration time after
-// the first five iterations, the last record's optimizer bytes (the logging rank's) and the
-// largest activation peak (pipeline runs only; 0 otherwise). ok false when it failed.
+// One fulcrum_train run's figures from its metrics file: the medians of the iteration time
+// and tokens/s after the first five iterations (start-up, first-touch allocation), the last
+// record's optimizer bytes (the logging rank's), the largest activation peak (pipeline runs
+// only; 0 otherwise) and, for a run that saved, its last checkpoint's files and save time.
+// ok false when it failed.
 struct TrainFigures {
   bool ok = false;
   double ms = 0;
+  double tokens_per_second = 0;
   double state_bytes = 0;
   double activation_peak_mb = 0;
+  double save_largest_file = 0;  // bytes: the most one rank wrote
+  double save_total_bytes = 0;
+  double save_seconds = 0;       // the committing rank's "written in" of the last save
 };
 
-TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flags) {
+// Runs the tiny recipe with `flags` on `n` ranks (--layout_iters iterations); with `save`,
+// saving every 10 iterations into a scratch directory, removed after.
+TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flags,
+                      bool save = false) {
   TrainFigures out;
-  char metrics[] = "/tmp/fulcrum_bench_memory_XXXXXX";
-  const int fd = mkstemp(metrics);
-  if (fd < 0) return out;
-  close(fd);
+  std::string work = std::filesystem::temp_directory_path().string() + "/fulcrum_bench_run_XXXXXX";
+  if (mkdtemp(work.data()) == nullptr) return out;
+  const std::string metrics = work + "/metrics.jsonl";
   const std::string train = bin_dir + "/fulcrum_train --recipe=tiny --eval_interval=0 "
                             "--log_interval=1000 --train_iters=" +
                             std::to_string(FLAGS_layout_iters) + " " + flags +
+                            (save ? " --save=" + work + "/ck --save_interval=10" : "") +
                             " --metrics_file=" + metrics;
   const std::string command =
       (n == 1 ? train
               : bin_dir + "/fulcrum_launch --nproc_per_node=" + std::to_string(n) +
-                    " --master_port=0 -- " + train) + " > /dev/null 2>&1";
+                    " --master_port=0 -- " + train) + " > " + work + "/log 2>&1";
   if (std::system(command.c_str()) == 0) {
     std::ifstream in(metrics);
     std::string line;
-    std::vector<double> ms;
+    std::vector<double> ms, rates;
     while (std::getline(in, line)) {
       const nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (r.is_discarded()) continue;
       if (r.contains("iteration_ms")) ms.push_back(r["iteration_ms"].get<double>());
+      if (r.contains("tokens_per_second")) rates.push_back(r["tokens_per_second"].get<double>());
       if (r.contains("optimizer_state_bytes")) out.state_bytes = r["optimizer_state_bytes"].get<double>();
       if (r.contains("activation_peak_mb")) {
         out.activation_peak_mb = std::max(out.activation_peak_mb, r["activation_peak_mb"].get<double>());
       }
     }
-    if (ms.size() > 5) {
+    if (ms.size() > 5 && rates.size() > 5) {
       out.ms = Median(std::vector<double>(ms.begin() + 5, ms.end()));
+      out.tokens_per_second = Median(std::vector<double>(rates.begin() + 5, rates.end()));
       out.ok = true;
     }
   }
-  std::remove(metrics);
+  if (out.ok && save) {
+    auto reader = ckpt::CheckpointReader::Open(work + "/ck");
+    std::ifstream log(work + "/log");
+    std::string line;
+    while (std::getline(log, line)) {
+      const size_t at = line.find(" written in ");
+      if (line.find("checkpoint of iteration") != std::string::npos && at != std::string::npos) {
+        out.save_seconds = std::atof(line.c_str() + at + 12);
+      }
+    }
+    out.ok = reader.ok();
+    if (out.ok) {
+      for (const auto& [file, info] : reader->manifest()["files"].items()) {
+        const double bytes = info["bytes"].get<double>();
+        out.save_largest_file = std::max(out.save_largest_file, bytes);
+        out.save_total_bytes += bytes;
+      }
+    }
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(work, ignored);
   return out;
+}
+
+// The median tokens/s of the tiny recipe under `layout` ("1", "tp2", "dp2", "tp2dp2"), or a
+// negative value on failure.
+double LayoutTokensPerSecond(const std::string& bin_dir, const std::string& layout) {
+  int tp = 1, dp = 1;
+  if (layout != "1" && std::sscanf(layout.c_str(), "tp%ddp%d", &tp, &dp) != 2 &&
+      std::sscanf(layout.c_str(), "tp%d", &tp) != 1 && std::sscanf(layout.c_str(), "dp%d", &dp) != 1) {
+    std::fprintf(stderr, "bench_train: cannot parse layout '%s'\n", layout.c_str());
+    return -1;
+  }
+  const TrainFigures f =
+      RunTrain(bin_dir, tp * dp, "--tensor_model_parallel_size=" + std::to_string(tp));
+  return f.ok ? f.tokens_per_second : -1;
+}
+
+// Sharded against full checkpoints of one run (tp=2 x dp=2, the distributed optimizer,
+// saving every 10 iterations), alternating --memory_rounds times: the most bytes one rank
+// writes, all bytes, and the save's time.
+void CompareCheckpointFormats(const std::string& bin_dir) {
+  const std::string base = "--tensor_model_parallel_size=2 --use_distributed_optimizer";
+  std::vector<double> largest[2], total[2], seconds[2];
+  for (int round = 0; round < FLAGS_memory_rounds; ++round) {
+    for (int sharded = 0; sharded < 2; ++sharded) {
+      const TrainFigures f = RunTrain(
+          bin_dir, 4, base + (sharded ? " --ckpt_format=sharded" : " --ckpt_format=full"), true);
+      if (!f.ok) {
+        std::printf("  %-34s failed\n", "tp=2 x dp=2 ZeRO --ckpt_format");
+        return;
+      }
+      largest[sharded].push_back(f.save_largest_file);
+      total[sharded].push_back(f.save_total_bytes);
+      seconds[sharded].push_back(f.save_seconds);
+    }
+  }
+  std::printf("  %-34s bytes the busiest rank writes %.0f -> %.0f (ratio %.3f) | all files %.0f "
+              "-> %.0f | save s %.3f -> %.3f\n",
+              "tp=2 x dp=2 ZeRO full -> sharded", Median(largest[0]), Median(largest[1]),
+              Median(largest[1]) / Median(largest[0]), Median(total[0]), Median(total[1]),
+              Median(seconds[0]), Median(seconds[1]));
+  std::fflush(stdout);
 }
 
 // A feature against the run without it, the two alternating --memory_rounds times: the
@@ -701,6 +739,7 @@ void MeasureMemoryFeatures(const std::string& bin_dir) {
   CompareFeature(bin_dir, "pp=2 x tp=2 --sequence_parallel", 4,
                  "--pipeline_model_parallel_size=2 --tensor_model_parallel_size=2",
                  "--sequence_parallel", false);
+  CompareCheckpointFormats(bin_dir);
 }
 
 void MeasureLayouts(const std::string& bin_dir) {

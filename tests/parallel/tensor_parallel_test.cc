@@ -105,34 +105,6 @@ TEST(TpWorker, TransformerLayerMatchesSingleProcess) {
   }
 }
 
-TEST(TpWorker, VocabParallelEmbeddingAndHeadMatchSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
-  Communicator& world = World();
-  CommTensorParallelGroup tp(&world);
-  for (bool tied : {true, false}) {
-    ModelOptions o = Options();
-    o.tie_embeddings = tied;
-    GptModel full(o);
-    GptModel sharded(o, StageSpec(), &tp);
-    at::Generator gen = MakeGenerator(4, "tp_tokens");
-    at::Tensor tokens = at::randint(o.vocab_size, {3, o.seq_length + 1}, gen,
-                                    at::TensorOptions().dtype(at::kLong));
-    ForwardContext ctx{true, 2, 8};
-    LossSum a = full.ForwardLoss(tokens, ctx);
-    LossSum b = sharded.ForwardLoss(tokens, ctx);
-    EXPECT_NEAR(a.sum.item<double>(), b.sum.item<double>(), kTolerance * a.sum.item<double>())
-        << (tied ? "tied" : "untied");
-    a.sum.backward();
-    b.sum.backward();
-    auto full_units = full.Units();
-    auto sharded_units = sharded.Units();
-    ASSERT_EQ(full_units.size(), sharded_units.size());
-    for (size_t u = 0; u < full_units.size(); ++u) {
-      ExpectShardedGradients(*sharded_units[u], *full_units[u], world.rank(), world.size());
-    }
-  }
-}
-
 TEST(TpWorker, VocabParallelCrossEntropyMatchesDense) {
   if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
   Communicator& world = World();
@@ -221,20 +193,25 @@ TEST(TpWorker, SequenceParallelLayerMatchesSingleProcess) {
   }
 }
 
-// The whole model on one stage: embedding (vocab-parallel, then reduce-scattered over the
-// sequence), layers on shards, the head gathering the sequence before its vocab-parallel
-// output layer. The loss and every gradient equal the single-process model's.
-TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+// The whole model on one stage, tied and untied, against the single-process model: the
+// loss and every gradient (slices of the sharded parameters, after the sum over the group
+// that ParallelContext::AllReduceModelParallelGradients does for the marked ones).
+// Returns, per tying, the global names of the parameters marked sequence_parallel.
+std::vector<std::vector<std::string>> ExpectModelMatchesSingleProcess(bool sequence_parallel) {
   Communicator& world = World();
   CommTensorParallelGroup tp(&world);
+  std::vector<std::vector<std::string>> marked_per_tying;
   for (bool tied : {true, false}) {
     ModelOptions o = Options();
     o.tie_embeddings = tied;
-    GptModel full(o);
-    GptModel sharded(SequenceParallel(o), StageSpec(), &tp);
-    EXPECT_EQ(sharded.local_sequence_length(), o.seq_length / world.size());
-    at::Generator gen = MakeGenerator(4, "sp_tokens");
+    o.sequence_parallel = sequence_parallel;
+    ModelOptions single = o;
+    single.sequence_parallel = false;
+    GptModel full(single);
+    GptModel sharded(o, StageSpec(), &tp);
+    EXPECT_EQ(sharded.local_sequence_length(),
+              sequence_parallel ? o.seq_length / world.size() : o.seq_length);
+    at::Generator gen = MakeGenerator(4, sequence_parallel ? "sp_tokens" : "tp_tokens");
     at::Tensor tokens = at::randint(o.vocab_size, {3, o.seq_length + 1}, gen,
                                     at::TensorOptions().dtype(at::kLong));
     ForwardContext ctx{true, 2, 8};
@@ -247,16 +224,35 @@ TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
     b.sum.backward();
     auto full_units = full.Units();
     auto sharded_units = sharded.Units();
-    ASSERT_EQ(full_units.size(), sharded_units.size());
+    EXPECT_EQ(full_units.size(), sharded_units.size());
     std::vector<std::string> marked;
-    for (size_t u = 0; u < full_units.size(); ++u) {
+    for (size_t u = 0; u < std::min(full_units.size(), sharded_units.size()); ++u) {
       for (const std::string& name :
            ExpectSequenceParallelGradients(*sharded_units[u], *full_units[u], tp)) {
         marked.push_back(sharded_units[u]->GlobalName(name));
       }
     }
+    marked_per_tying.push_back(std::move(marked));
+  }
+  return marked_per_tying;
+}
+
+// The vocab-parallel embedding and head with tensor-parallel layers: nothing is marked.
+TEST(TpWorker, VocabParallelEmbeddingAndHeadMatchSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  for (const auto& marked : ExpectModelMatchesSingleProcess(/*sequence_parallel=*/false)) {
+    EXPECT_TRUE(marked.empty());
+  }
+}
+
+// With sequence parallelism: the embedding (vocab-parallel, then reduce-scattered over the
+// sequence), layers on shards, the head gathering the sequence before its vocab-parallel
+// output layer.
+TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
+  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  for (const auto& marked : ExpectModelMatchesSingleProcess(/*sequence_parallel=*/true)) {
     // The position embeddings, 6 per layer, the final norm's two.
-    EXPECT_EQ(marked.size(), 1u + 6u * o.num_layers + 2u);
+    ASSERT_EQ(marked.size(), 1u + 6u * Options().num_layers + 2u);
     EXPECT_EQ(marked.front(), "embedding.position_embeddings.weight");
     EXPECT_EQ(marked.back(), "head.final_layernorm.bias");
   }

@@ -100,6 +100,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInputCase{"UnwritableSave", "--save=/proc/fulcrum_no_such_dir",
                      "cannot save checkpoints to /proc/fulcrum_no_such_dir (--save)"},
         BadInputCase{"KeepLastWithoutSave", "--save_keep_last=2", "--save_keep_last=2 needs --save"},
+        BadInputCase{"UnknownCkptFormat", "--ckpt_format=torch_dist",
+                     "--ckpt_format='torch_dist' is not a checkpoint format; expected sharded or full"},
         BadInputCase{"UnknownParamsDtype", "--params_dtype=fp16", "--params_dtype='fp16' is unknown"},
         // The device seam (core/device.h): refused before any work, naming the flag. This
         // machine's tests run where no GPU is visible, so cuda is refused with the count.

@@ -204,6 +204,11 @@ class DoneWork final : public CommWork {
 };
 }  // namespace
 
+std::unique_ptr<CommWork> Communicator::IAllReduce(at::Tensor& tensor, ReduceOp op) {
+  AllReduce(tensor, op);
+  return std::make_unique<DoneWork>();
+}
+
 PendingTensor Communicator::IAllToAll(const at::Tensor& input,
                                       const std::vector<int64_t>& input_splits,
                                       const std::vector<int64_t>& output_splits) {

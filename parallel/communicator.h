@@ -70,6 +70,13 @@ class Communicator {
 
   /// In place: every member ends with the reduction of all members' `tensor`.
   virtual void AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) = 0;
+  /// AllReduce that returns at once: `tensor` holds the reduction after work->Wait(), and
+  /// must be neither read nor written before. Several may be in flight; every member issues
+  /// them (and the other collectives) in the same order. The default runs the blocking
+  /// AllReduce (NCCL's is already asynchronous to the host); Gloo's runs on c10d's worker
+  /// while the caller computes — the building block of a gradient reduction overlapped
+  /// with the backward pass.
+  virtual std::unique_ptr<CommWork> IAllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   /// Every member's `input` (same shape everywhere) concatenated along dimension 0, in rank
   /// order.
   virtual at::Tensor AllGather(const at::Tensor& input) = 0;

@@ -42,6 +42,9 @@ class CommunicatorWrapper : public Communicator {
   void AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) override {
     inner_->AllReduce(tensor, op);
   }
+  std::unique_ptr<CommWork> IAllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) override {
+    return inner_->IAllReduce(tensor, op);
+  }
   at::Tensor AllGather(const at::Tensor& input) override { return inner_->AllGather(input); }
   at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) override {
     return inner_->ReduceScatter(input, op);

@@ -132,6 +132,26 @@ class GlooWork final : public CommWork {
   std::string error_;
 };
 
+// A non-blocking operation on a float32 copy of a bfloat16 tensor (Gloo has no bfloat16
+// arithmetic): Wait() rounds the result into the caller's tensor, once.
+class StagedBFloat16Work final : public CommWork {
+ public:
+  StagedBFloat16Work(std::unique_ptr<CommWork> inner, at::Tensor staged, at::Tensor target)
+      : inner_(std::move(inner)), staged_(std::move(staged)), target_(std::move(target)) {}
+
+  void Wait() override {
+    if (inner_ == nullptr) return;
+    inner_->Wait();
+    target_.copy_(staged_);
+    inner_.reset();
+  }
+
+ private:
+  std::unique_ptr<CommWork> inner_;
+  at::Tensor staged_;
+  at::Tensor target_;
+};
+
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, internal::GlooDevice device,
@@ -171,6 +191,25 @@ class GlooCommunicator final : public Communicator {
       return pg_->allreduce(tensors, options);
     });
     if (staged) tensor.copy_(target);
+  }
+
+  std::unique_ptr<CommWork> IAllReduce(at::Tensor& tensor, ReduceOp op) override {
+    constexpr const char* kOp = "all_reduce";
+    CheckUsable(kOp);
+    internal::CheckTensor(tensor, kOp, group_, "tensor", TensorPlace::kCpu);
+    const bool staged = tensor.scalar_type() == at::kBFloat16;
+    at::Tensor target = staged ? tensor.to(at::kFloat) : tensor;
+    ++collective_sequence_;
+    // The work holds the tensor until the transport is done with it.
+    std::unique_ptr<CommWork> work =
+        IssueNonBlocking(absl::StrCat("non-blocking all_reduce on ", group_), [&] {
+          std::vector<at::Tensor> tensors{target};
+          c10d::AllreduceOptions options;
+          options.reduceOp = internal::ToC10dReduceOp(op);
+          return pg_->allreduce(tensors, options);
+        });
+    if (!staged) return work;
+    return std::make_unique<StagedBFloat16Work>(std::move(work), target, tensor);
   }
 
   at::Tensor AllGather(const at::Tensor& input) override {

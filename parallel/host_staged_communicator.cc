@@ -77,6 +77,13 @@ at::Tensor HostStagedCommunicator::AllToAll(const at::Tensor& input,
   return inner().AllToAll(ToHost(input), input_splits, output_splits).to(input.device());
 }
 
+std::unique_ptr<CommWork> HostStagedCommunicator::IAllReduce(at::Tensor& tensor, ReduceOp op) {
+  if (!Staged(tensor)) return inner().IAllReduce(tensor, op);
+  at::Tensor host = ToHost(tensor);
+  std::unique_ptr<CommWork> work = inner().IAllReduce(host, op);
+  return std::make_unique<StagedWork>(std::move(work), std::move(host), tensor);
+}
+
 PendingTensor HostStagedCommunicator::IAllToAll(const at::Tensor& input,
                                                 const std::vector<int64_t>& input_splits,
                                                 const std::vector<int64_t>& output_splits) {

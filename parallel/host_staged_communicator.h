@@ -14,7 +14,7 @@
 //    input's device;
 //  - ISend: the host copy is made before ISend returns (the copy waits for the stream that
 //    produced the tensor), so the caller may reuse the tensor at once, as with any ISend;
-//  - IRecv, IAllToAll: receive into a host buffer; Wait() copies it into the device tensor.
+//  - IRecv, IAllToAll, IAllReduce: into a host buffer; Wait() copies it into the device tensor.
 // CPU tensors go straight through. Correct, not fast: every message crosses PCIe twice
 // and the device-to-host copies synchronise the stream. It is for running the multi-rank
 // paths on one GPU (tests, tools/gpu_check.sh), never for training at speed; use nccl with
@@ -45,6 +45,7 @@ class HostStagedCommunicator final : public CommunicatorWrapper {
   void Broadcast(at::Tensor& tensor, int root) override;
   at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                       const std::vector<int64_t>& output_splits) override;
+  std::unique_ptr<CommWork> IAllReduce(at::Tensor& tensor, ReduceOp op) override;
   PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                           const std::vector<int64_t>& output_splits) override;
   std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override;

@@ -47,6 +47,10 @@ at::Tensor SplitPlaneCommunicator::AllToAll(const at::Tensor& input,
   return PlaneOf(input).AllToAll(input, input_splits, output_splits);
 }
 
+std::unique_ptr<CommWork> SplitPlaneCommunicator::IAllReduce(at::Tensor& tensor, ReduceOp op) {
+  return PlaneOf(tensor).IAllReduce(tensor, op);
+}
+
 PendingTensor SplitPlaneCommunicator::IAllToAll(const at::Tensor& input,
                                                 const std::vector<int64_t>& input_splits,
                                                 const std::vector<int64_t>& output_splits) {

@@ -51,6 +51,7 @@ class SplitPlaneCommunicator final : public Communicator {
   void Broadcast(at::Tensor& tensor, int root) override;
   at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                       const std::vector<int64_t>& output_splits) override;
+  std::unique_ptr<CommWork> IAllReduce(at::Tensor& tensor, ReduceOp op) override;
   PendingTensor IAllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                           const std::vector<int64_t>& output_splits) override;
   std::unique_ptr<CommWork> ISend(const at::Tensor& tensor, int dst, int tag) override;

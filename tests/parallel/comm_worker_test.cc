@@ -6,6 +6,7 @@
 // so each of the N ranks runs the same cases in the same order against a real Gloo world.
 // Expected values are closed forms of the ranks (the all-reduce of `rank` over n ranks is
 // n(n-1)/2), so every rank checks its own result.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -98,6 +99,34 @@ TEST(CommWorker, AllReduceSumMaxMinOfRankValues) {
     EXPECT_TRUE(at::equal(sum, (index * n + 10 * n * (n - 1) / 2).to(type))) << sum;
     EXPECT_TRUE(at::equal(max, (index + 10 * (n - 1)).to(type))) << max;
     EXPECT_TRUE(at::equal(min, index.to(type))) << min;
+  }
+}
+
+// Several non-blocking all_reduces in flight at once, then a blocking collective issued
+// behind them: each ends with the bits the blocking AllReduce gives the same input (random
+// fp32 values: the order of the additions shows in the last bits), bfloat16 rounded once.
+TEST(CommWorker, NonBlockingAllReducesInFlightEqualTheBlockingOnes) {
+  SKIP_UNLESS_WORKER();
+  Communicator& comm = World();
+  const int r = comm.rank();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1000 + r);
+  std::vector<at::Tensor> pending, blocking;
+  std::vector<std::unique_ptr<CommWork>> works;
+  for (int i = 0; i < 4; ++i) {
+    const at::ScalarType type = i == 3 ? at::kBFloat16 : at::kFloat;
+    at::Tensor x = at::randn({1000 + 37 * i}, gen, Opts(at::kFloat)).to(type);
+    blocking.push_back(x.clone());
+    pending.push_back(x);
+    works.push_back(comm.IAllReduce(pending.back(), ReduceOp::kSum));
+  }
+  at::Tensor behind = at::full({3}, static_cast<double>(r), Opts(at::kDouble));
+  comm.AllReduce(behind, ReduceOp::kMax);  // issued after the four, waited first
+  EXPECT_EQ(behind[0].item<double>(), comm.size() - 1);
+  for (int i = 0; i < 4; ++i) {
+    works[i]->Wait();
+    works[i]->Wait();  // a second wait is a no-op
+    comm.AllReduce(blocking[i], ReduceOp::kSum);
+    EXPECT_TRUE(at::equal(pending[i], blocking[i])) << "in flight #" << i;
   }
 }
 

@@ -65,6 +65,11 @@ void EveryOperation(int r, Communicator& comm, const c10::Device& device, bool s
   at::Tensor x = at::arange(1, 5, opts) + 10.0 * r;
   comm.AllReduce(x);
   expect_equal(x, at::arange(1, 5, at::kFloat) * 2 + 10, "all_reduce");
+  // The non-blocking one: staged, the tensor changes only at Wait.
+  at::Tensor y = at::arange(1, 5, opts) + 10.0 * r;
+  std::unique_ptr<CommWork> reduced = comm.IAllReduce(y);
+  reduced->Wait();
+  expect_equal(y, at::arange(1, 5, at::kFloat) * 2 + 10, "iall_reduce");
   // Broadcast from rank 1.
   at::Tensor b = at::full({3}, static_cast<double>(r + 7), opts);
   comm.Broadcast(b, 1);

@@ -149,14 +149,14 @@ absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>
   // The committer creates the temporary directory; the other writers join it once it
   // exists, and the committer commits once every shard is written. Every rank passes every
   // barrier whatever fails, so an error on one rank is reported, never turned into a hang.
-  absl::Status status = absl::OkStatus();
+  absl::Status status = save.local_status;
   std::optional<ckpt::CheckpointWriter> ckpt_writer;
-  if (committer) {
+  if (committer && status.ok()) {
     auto begun = ckpt::CheckpointWriter::Begin(save.fs, save.dir, iteration);
     if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
   }
   collectives.barrier();
-  if (writer && !committer) {
+  if (writer && !committer && status.ok()) {
     auto joined = ckpt::CheckpointWriter::Join(save.fs, save.dir, iteration);
     if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
   }

@@ -76,6 +76,9 @@ struct CheckpointSave {
   /// The optimizer's moment slices when it holds the moments sliced (Optimizer::SlicesState:
   /// the units hold none); sharded saves only.
   std::optional<std::vector<MomentSlice>> moment_slices;
+  /// An error this rank met preparing the save (e.g. the optimizer could not give its
+  /// slices): the save then fails on every rank, reported, without a hang.
+  absl::Status local_status;
 };
 
 /// Saves the state of `units` (this rank's part of the model) under `roles`' duties: the

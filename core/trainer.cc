@@ -498,8 +498,15 @@ absl::Status Trainer::Save() {
   save.sharded = config_.train.sharded_checkpoints;
   const std::vector<Unit*> units = model_->Units();
   if (save.sharded && optimizer_->SlicesState()) {
-    // Each rank writes the moment slices it owns (NOTE [sharded checkpoints]).
-    FULCRUM_ASSIGN_OR_RETURN(save.moment_slices, optimizer_->MomentSlices(units, collectives()));
+    // Each rank writes the moment slices it owns (NOTE [sharded checkpoints]); a rank that
+    // cannot still takes part, so the save fails everywhere instead of hanging.
+    absl::StatusOr<std::vector<MomentSlice>> slices = optimizer_->MomentSlices(units, collectives());
+    if (slices.ok()) {
+      save.moment_slices = std::move(*slices);
+    } else {
+      save.moment_slices.emplace();
+      save.local_status = slices.status();
+    }
     return SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));
   }
   // NOTE [optimizer state residency]: a full checkpoint reads whole moments from the units.

@@ -180,7 +180,8 @@ int Verify(const ckpt::CheckpointReader& reader) {
     std::cout << "FAILED: " << status.message() << "\n";
     return kFailed;
   }
-  std::cout << "OK: " << reader.entries().size() << " tensors in "
+  std::cout << "OK: " << reader.names().size() << " tensors ("
+            << reader.entries().size() << " stored, pieces counted one by one) in "
             << reader.manifest()["files"].size() << " files match their checksums (" << reader.dir()
             << ", iteration " << reader.iteration() << ")"
             << (reader.manifest_checksummed()
@@ -298,8 +299,11 @@ absl::Status Rewrite(
                                      const std::vector<std::pair<std::string, at::Tensor>>&)>&
         write) {
   FULCRUM_ASSIGN_OR_RETURN(const ckpt::CheckpointReader reader, ckpt::CheckpointReader::Open(fs, in));
-  if (fs->FileExists(out) && (!fs->IsDirectory(out) || !fs->ListDir(out)->empty())) {
-    return absl::AlreadyExistsError(absl::StrCat(out, " exists and is not an empty directory"));
+  if (fs->FileExists(out)) {
+    const absl::StatusOr<std::vector<std::string>> listed = fs->ListDir(out);
+    if (!fs->IsDirectory(out) || !listed.ok() || !listed->empty()) {
+      return absl::AlreadyExistsError(absl::StrCat(out, " exists and is not an empty directory"));
+    }
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const std::string& name : reader.names()) {
@@ -334,7 +338,7 @@ absl::Status WritePieces(ckpt::CheckpointWriter& writer,
       piece.shape = tensor.sizes().vec();
       piece.offsets.assign(piece.shape.size(), 0);
       piece.box = piece.shape;
-      piece.flat = true;
+      piece.flat = true;  // the whole tensor is the box
       piece.flat_begin = numel * i / pieces;
       piece.flat_end = numel * (i + 1) / pieces;
       piece.tensor = flat.narrow(0, piece.flat_begin, piece.flat_end - piece.flat_begin);

@@ -61,7 +61,9 @@ struct TensorPiece {
   std::string name;              // The whole tensor's global name.
   std::vector<int64_t> shape;    // The whole tensor's shape.
   std::vector<int64_t> offsets;  // The box's first index along each dimension.
-  std::vector<int64_t> box;      // The box's extent; empty: `tensor`'s shape (no flat range).
+  /// With a flat range, the box's extent (empty for a 0-dim whole); without, unused: the
+  /// box is `tensor`'s shape.
+  std::vector<int64_t> box;
   /// With a flat range: `tensor` is 1-D, the box's elements [flat_begin, flat_end).
   bool flat = false;
   int64_t flat_begin = 0;

@@ -132,7 +132,7 @@ absl::Status CheckpointWriter::WriteShard(
     row.of = piece.name;
     row.shape = piece.shape;
     row.offsets = piece.offsets;
-    row.box = piece.box.empty() ? piece.tensor.sizes().vec() : piece.box;
+    row.box = piece.flat ? piece.box : piece.tensor.sizes().vec();
     row.flat = piece.flat;
     row.flat_begin = piece.flat ? piece.flat_begin : 0;
     row.flat_end = piece.flat ? piece.flat_end : piece.tensor.numel();
@@ -257,7 +257,9 @@ absl::Status CheckpointWriter::Commit(const nlohmann::json& manifest_fields) {
         absl::StrCat("cannot commit ", temp_dir_, ": no shard was written to it"));
   }
 
-  manifest["format_version"] = kManifestFormatVersion;
+  // Without pieces the manifest is what format 2 was: builds before sharded checkpoints
+  // read it.
+  manifest["format_version"] = pieces.empty() ? int64_t{2} : kManifestFormatVersion;
   manifest["iteration"] = iteration_;
   manifest["files"] = std::move(files);
   manifest["tensors"] = std::move(tensors);

@@ -88,6 +88,9 @@ absl::StatusOr<std::map<std::string, TensorRow, std::less<>>> ParseTensorRows(
 
 namespace {
 
+// At most this many boxes per sharded tensor (AssemblePieces compares them pairwise).
+constexpr size_t kMaxBoxesPerTensor = 4096;
+
 // The product of `dims`, or nullopt past 2^62 (no real tensor has that many elements).
 std::optional<int64_t> ElementCount(const std::vector<int64_t>& dims) {
   int64_t n = 1;
@@ -182,8 +185,14 @@ absl::StatusOr<ShardedTensorTable> AssemblePieces(
     const PieceRows& pieces, const std::map<std::string, TensorRow, std::less<>>& tensors,
     const std::string& source) {
   ShardedTensorTable table;
-  for (const auto& [stored, row] : pieces) {
-    auto error = [&, stored = stored](absl::string_view what) {
+  // Each whole tensor's boxes by (offsets, extent), to find a piece's box in log time.
+  std::map<std::string, std::map<std::pair<std::vector<int64_t>, std::vector<int64_t>>, size_t>,
+           std::less<>>
+      box_index;
+  for (const auto& entry : pieces) {
+    const std::string& stored = entry.first;
+    const PieceRow& row = entry.second;
+    auto error = [&](absl::string_view what) {
       return absl::DataLossError(absl::StrCat(source, ": piece '", stored, "' of '", row.of,
                                               "': ", what));
     };
@@ -207,14 +216,18 @@ absl::StatusOr<ShardedTensorTable> AssemblePieces(
                                 absl::StrJoin(row.shape, ", "), "] differs from another piece's (",
                                 whole.dtype, " [", absl::StrJoin(whole.shape, ", "), "])"));
     }
-    auto box = std::find_if(whole.boxes.begin(), whole.boxes.end(), [&](const auto& b) {
-      return b.offsets == row.offsets && b.extent == row.box;
-    });
-    if (box == whole.boxes.end()) {
+    auto [where, added] =
+        box_index[row.of].emplace(std::pair{row.offsets, row.box}, whole.boxes.size());
+    if (added) {
+      // The disjointness check below compares boxes pairwise: bound it (a real layout
+      // cuts a tensor into a box per tensor-parallel rank).
+      if (whole.boxes.size() >= kMaxBoxesPerTensor) {
+        return error(absl::StrCat("the whole tensor is cut into more than ", kMaxBoxesPerTensor,
+                                  " boxes"));
+      }
       whole.boxes.push_back({row.offsets, row.box, {}});
-      box = whole.boxes.end() - 1;
     }
-    box->pieces.push_back(stored);
+    whole.boxes[where->second].pieces.push_back(stored);
   }
   for (auto& [name, whole] : table) {
     auto error = [&, name = name](absl::string_view what) {
@@ -224,7 +237,9 @@ absl::StatusOr<ShardedTensorTable> AssemblePieces(
     int64_t covered = 0;
     for (size_t i = 0; i < whole.boxes.size(); ++i) {
       const ShardedTensorRows::Box& a = whole.boxes[i];
-      covered += *ElementCount(a.extent);
+      if (__builtin_add_overflow(covered, *ElementCount(a.extent), &covered)) {
+        return error("its boxes hold more elements than any tensor has");
+      }
       for (size_t j = 0; j < i; ++j) {
         const ShardedTensorRows::Box& b = whole.boxes[j];
         bool overlap = true;

@@ -149,6 +149,30 @@ TEST(SlowShardedCheckpointTest, DistributedOptimizerSlicesResumeUnderOtherLayout
       {4, std::string(kZero) + " --tensor_model_parallel_size=2"}, "sharded_zero");
 }
 
+// A 0-dim parameter (the cosine router's temperature) under the distributed optimizer: its
+// moments are one flat piece of an empty box. dp=2, tiny_moe: the sharded save equals the
+// full one and both resume to the same losses.
+TEST(SlowShardedCheckpointTest, ScalarParametersUnderTheDistributedOptimizer) {
+  const std::string dir = testing::MakeTempDir("sharded_scalar");
+  const std::string flags =
+      "--recipe=tiny_moe --moe_router=cosine --num_layers=2 --train_iters=6 --eval_interval=0 "
+      "--log_interval=10 --global_batch_size=8 --micro_batch_size=2" +
+      std::string(testing::kPastWarmup) + kZero;
+  Losses(2, flags + " --exit_interval=3 --save=" + dir + "/sharded", dir, "save_sharded");
+  Losses(2, flags + " --exit_interval=3 --ckpt_format=full --save=" + dir + "/full", dir,
+         "save_full");
+  ExpectSameTensors(dir + "/sharded", dir + "/full");
+  auto reader = ckpt::CheckpointReader::Open(dir + "/sharded");
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const auto scalar =
+      reader->sharded().find("optimizer.layers.0.mlp.router.log_inv_temperature.exp_avg");
+  ASSERT_NE(scalar, reader->sharded().end()) << "a piece of its owner";
+  EXPECT_TRUE(scalar->second.shape.empty());
+  const auto resumed = Losses(2, flags + " --load=" + dir + "/sharded", dir, "resumed_sharded");
+  EXPECT_EQ(resumed.size(), 3u);
+  EXPECT_EQ(resumed, Losses(2, flags + " --load=" + dir + "/full", dir, "resumed_full"));
+}
+
 // The pids of the processes whose command line holds `needle` and whose environment sets
 // RANK=`rank` (-1: any rank).
 std::vector<pid_t> RanksRunning(const std::string& needle, int rank) {

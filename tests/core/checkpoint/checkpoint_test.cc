@@ -103,7 +103,8 @@ TEST(CheckpointTest, RoundTripsTensorsAndManifestFields) {
     const nlohmann::json& manifest = reader->manifest();
     const nlohmann::json fields = ToyFields(20);
     for (const auto& [key, value] : fields.items()) EXPECT_EQ(manifest.at(key), value) << key;
-    EXPECT_EQ(manifest["format_version"], kManifestFormatVersion);
+    // No pieces: format 2, which builds before sharded checkpoints read.
+    EXPECT_EQ(manifest["format_version"], 2);
     const nlohmann::json& row = manifest["tensors"]["layers.0.attention.qkv.weight"];
     EXPECT_EQ(row["file"], "model.safetensors");
     EXPECT_EQ(row["dtype"], "BF16");

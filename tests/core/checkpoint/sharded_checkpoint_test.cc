@@ -97,6 +97,7 @@ TEST(ShardedCheckpointTest, PiecesFromFourWritersAssembleBitForBit) {
   EXPECT_TRUE(reader->Has("w"));
   EXPECT_FALSE(reader->Has(PieceStoredName("w", "tp0_dp0")));
   EXPECT_EQ(reader->entries().size(), 7u);  // 2 weight boxes + 4 moment ranges + step
+  EXPECT_EQ(reader->manifest()["format_version"], kManifestFormatVersion);  // 3: has pieces
   auto w = reader->Read("w");
   auto m = reader->Read("m");
   ASSERT_TRUE(w.ok() && m.ok());
@@ -177,6 +178,29 @@ TEST(ShardedCheckpointTest, APieceOutsideItsWholeIsRefusedWhenWritten) {
   const absl::Status status = writer->WriteShard("tp1", {}, {piece});
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
   EXPECT_THAT(status.message(), HasSubstr("leaves the shape [4,6] along dimension 1"));
+}
+
+// A 0-dim tensor whose optimizer state one rank owns: a flat piece [0, 1) of an empty box
+// (a scalar parameter under the distributed optimizer, e.g. the cosine router's
+// temperature).
+TEST(ShardedCheckpointTest, AScalarIsOneFlatPieceOfAnEmptyBox) {
+  ScopedTempDir dir;
+  auto writer = CheckpointWriter::Begin(fs(), dir.path(), 1);
+  ASSERT_TRUE(writer.ok());
+  TensorPiece piece;
+  piece.name = "s";
+  piece.flat = true;
+  piece.flat_begin = 0;
+  piece.flat_end = 1;
+  piece.tensor = torch::full({1}, 2.5f);
+  ASSERT_TRUE(writer->WriteShard("dp1", {}, {piece}).ok());
+  ASSERT_TRUE(writer->Commit(nlohmann::json::object()).ok());
+  auto reader = CheckpointReader::Open(fs(), dir.path());
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  auto s = reader->Read("s");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->dim(), 0);
+  EXPECT_EQ(s->item<float>(), 2.5f);
 }
 
 // A manifest whose pieces were edited after the save is refused at Open (its checksum

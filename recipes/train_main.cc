@@ -4,6 +4,7 @@
 // shrinks and resumes it when re-packing says so.
 // Exit codes: 0 success (or a rank released by a live shrink), 2 bad input (flags, files,
 // checkpoint), 1 failure while training, kRelaunchExitCode for a relaunch on fewer stages.
+#include <ATen/Context.h>
 #include <gflags/gflags.h>
 
 #include <signal.h>
@@ -271,6 +272,12 @@ int Run(int argc, char** argv) {
                       << checked.layout.ToString() << "; compute threads per process: "
                       << fulcrum::DescribeComputeThreads(checked.threads);
   }
+  // LibTorch seeds its default generators nondeterministically. Training never draws from
+  // them (NOTE [layout-independent randomness]), but user and plugin code may, and a
+  // checkpoint saves the CPU one (rng.torch_cpu): seed them from --seed, as Megatron's
+  // initialisation does, so two runs of one command draw alike. A resume then restores the
+  // saved state.
+  at::manual_seed(config->model.seed);
   auto plugins = BuildPlugins(checked, *data, *config, **controller);
   if (!plugins.ok()) return Fail(plugins.status());
 

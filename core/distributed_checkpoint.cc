@@ -90,10 +90,8 @@ void ShardedState(const CheckpointSave& save, const std::vector<Unit*>& units, C
   if (!moments_sliced) return;
   for (const MomentSlice& slice : *save.moment_slices) {
     const Parameter& p = *slice.param;
-    // As LocalStateTensors: no moments before the first step, none for a mirror.
-    if (slice.unit->optimizer_step() == 0 || !p.sharding.Saved()) continue;
-    const int64_t tp_dim =
-        p.sharding.TensorParallelSharded(slice.unit->tp_size()) ? p.sharding.tp_shard_dim : -1;
+    if (!slice.unit->SavesMomentsOf(p)) continue;
+    const int64_t tp_dim = p.sharding.TensorParallelDim(slice.unit->tp_size());
     // A parameter replicated over tensor parallelism has the same slices on every tp rank.
     if (tp_dim < 0 && slice.unit->tp_rank() != 0) continue;
     const std::string base = "optimizer." + slice.unit->GlobalName(p.name);
@@ -206,18 +204,15 @@ namespace {
 // A unit's tensor-parallel shard of a checkpoint's tensor, reading only the bytes it needs
 // when the tensor is stored as pieces (CheckpointReader::ReadSlice).
 Unit::SliceLookup ShardLookup(const ckpt::CheckpointReader& reader) {
-  return [&reader](const std::string& name, int64_t dim, int64_t index,
-                   int64_t count) -> absl::StatusOr<at::Tensor> {
-    FULCRUM_ASSIGN_OR_RETURN(const auto described, reader.Describe(name));
-    const std::vector<int64_t>& shape = described.second;
-    if (dim >= static_cast<int64_t>(shape.size()) || shape[dim] % count != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", name, " has shape [", absl::StrJoin(shape, ", "), "]; it does not split over ",
-          count, " tensor-parallel ranks along dimension ", dim));
-    }
-    const int64_t length = shape[dim] / count;
-    return reader.ReadSlice(name, dim, index * length, length);
+  Unit::SliceLookup lookup;
+  lookup.shape = [&reader](const std::string& name) -> absl::StatusOr<std::vector<int64_t>> {
+    FULCRUM_ASSIGN_OR_RETURN(auto described, reader.Describe(name));
+    return std::move(described.second);
   };
+  lookup.slice = [&reader](const std::string& name, int64_t dim, int64_t start, int64_t length) {
+    return reader.ReadSlice(name, dim, start, length);
+  };
+  return lookup;
 }
 
 // LoadCheckpoint's --finetune half: the weights alone.

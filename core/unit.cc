@@ -64,9 +64,7 @@ NamedTensors Unit::ParameterTensors() const {
 
 std::vector<Unit::LocalState> Unit::LocalStateTensors(bool expert_parallel_only,
                                                        bool with_moments) const {
-  auto split = [&](const Parameter& p) {
-    return p.sharding.TensorParallelSharded(tp_size_) ? p.sharding.tp_shard_dim : int64_t{-1};
-  };
+  auto split = [&](const Parameter& p) { return p.sharding.TensorParallelDim(tp_size_); };
   auto saved = [&](const Parameter& p) {
     return p.sharding.Saved() && (!expert_parallel_only || p.sharding.expert_parallel);
   };
@@ -80,7 +78,7 @@ std::vector<Unit::LocalState> Unit::LocalStateTensors(bool expert_parallel_only,
   if (optimizer_step_ == 0) return out;
   if (with_moments) {
     for (const auto& p : parameters_) {
-      if (!saved(p)) continue;
+      if (!saved(p) || !SavesMomentsOf(p)) continue;
       const std::string base = "optimizer." + GlobalName(p.name);
       out.push_back({base + ".exp_avg", p.exp_avg, split(p)});
       out.push_back({base + ".exp_avg_sq", p.exp_avg_sq, split(p)});
@@ -170,7 +168,7 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
 
 absl::Status Unit::LoadStateTensors(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer, const SliceLookup& slice_lookup) {
+    bool with_optimizer, const std::optional<SliceLookup>& slice_lookup) {
   absl::Status status = LoadState(lookup, with_optimizer, slice_lookup);
   if (status.ok()) StateLoaded();
   return status;
@@ -178,26 +176,35 @@ absl::Status Unit::LoadStateTensors(
 
 absl::Status Unit::LoadState(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer, const SliceLookup& slice_lookup) {
+    bool with_optimizer, const std::optional<SliceLookup>& slice_lookup) {
   auto load_into = [&](const std::string& name, const Parameter& p,
                        at::Tensor* out) -> absl::Status {
     const at::Tensor& like = p.value;
+    const int64_t dim = p.sharding.TensorParallelDim(tp_size_);
     at::Tensor t;
-    if (p.sharding.TensorParallelSharded(tp_size_) && slice_lookup) {
-      // This rank's shard alone (its size checked against the parameter below).
-      FULCRUM_ASSIGN_OR_RETURN(t, slice_lookup(name, p.sharding.tp_shard_dim, tp_rank_, tp_size_));
-    } else {
-      FULCRUM_ASSIGN_OR_RETURN(t, lookup(name));
-    }
-    if (p.sharding.TensorParallelSharded(tp_size_) && !slice_lookup) {
-      const int64_t dim = p.sharding.tp_shard_dim;
-      if (dim >= t.dim() || t.size(dim) != like.size(dim) * tp_size_) {
+    if (dim >= 0) {
+      // This rank's shard, read alone when the lookup can (a sharded checkpoint).
+      std::vector<int64_t> whole;
+      if (slice_lookup) {
+        FULCRUM_ASSIGN_OR_RETURN(whole, slice_lookup->shape(name));
+      } else {
+        FULCRUM_ASSIGN_OR_RETURN(t, lookup(name));
+        whole = t.sizes().vec();
+      }
+      if (dim >= static_cast<int64_t>(whole.size()) || whole[dim] != like.size(dim) * tp_size_) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tensor ", name, " has shape ", c10::str(t.sizes()), "; sharding it over ", tp_size_,
-            " tensor-parallel ranks along dimension ", dim, " cannot give ",
+            "tensor ", name, " has shape ", c10::str(c10::IntArrayRef(whole)), "; sharding it over ",
+            tp_size_, " tensor-parallel ranks along dimension ", dim, " cannot give ",
             c10::str(like.sizes())));
       }
-      t = ShardOf(t, dim, tp_rank_, tp_size_);
+      if (slice_lookup) {
+        FULCRUM_ASSIGN_OR_RETURN(
+            t, slice_lookup->slice(name, dim, tp_rank_ * like.size(dim), like.size(dim)));
+      } else {
+        t = ShardOf(t, dim, tp_rank_, tp_size_);
+      }
+    } else {
+      FULCRUM_ASSIGN_OR_RETURN(t, lookup(name));
     }
     if (t.sizes() != like.sizes()) {
       return absl::InvalidArgumentError(absl::StrCat(

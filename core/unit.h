@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,6 +67,11 @@ struct ShardingSpec {
 
   /// Split over a tensor-parallel group of `tp_size` ranks (each holds a slice).
   bool TensorParallelSharded(int tp_size) const { return tp_shard_dim >= 0 && tp_size > 1; }
+  /// The dimension split over a tensor-parallel group of `tp_size` ranks, -1 when every
+  /// rank holds the whole.
+  int64_t TensorParallelDim(int tp_size) const {
+    return TensorParallelSharded(tp_size) ? tp_shard_dim : -1;
+  }
   /// Whether the copy on tensor-parallel rank `tp_rank` counts in sums over the model (the
   /// gradient norm, parameter counts, per-layer gradient statistics): a slice on every
   /// rank, a replicated parameter on rank 0 only (the others hold the same), a mirror never
@@ -156,15 +162,24 @@ class Unit {
   /// with the right shape, and every buffer. With `with_optimizer`, the moments are read
   /// when the step counter is present (absent: the checkpoint predates the first step,
   /// state resets).
-  /// `slice_lookup(name, dim, index, count)`, when given, returns only the index-th of
-  /// `count` equal slices along `dim` (InvalidArgument when the whole does not split so):
-  /// a tensor-parallel shard is then read alone (a sharded checkpoint reads just its bytes).
-  using SliceLookup = std::function<absl::StatusOr<at::Tensor>(const std::string& name,
-                                                               int64_t dim, int64_t index,
-                                                               int64_t count)>;
+  /// `slice_lookup`, when given, reads a tensor-parallel shard alone (a sharded checkpoint
+  /// reads just its bytes): `shape(name)` is the whole tensor's shape, `slice(name, dim,
+  /// start, length)` the rows [start, start + length) of it along `dim`.
+  struct SliceLookup {
+    std::function<absl::StatusOr<std::vector<int64_t>>(const std::string& name)> shape;
+    std::function<absl::StatusOr<at::Tensor>(const std::string& name, int64_t dim,
+                                              int64_t start, int64_t length)>
+        slice;
+  };
   absl::Status LoadStateTensors(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer, const SliceLookup& slice_lookup = nullptr);
+      bool with_optimizer, const std::optional<SliceLookup>& slice_lookup = std::nullopt);
+
+  /// Whether a checkpoint holds Adam's moments of `p`: none before the first step, none for
+  /// a mirror (it loads its source's).
+  bool SavesMomentsOf(const Parameter& p) const {
+    return optimizer_step_ > 0 && p.sharding.Saved();
+  }
 
   /// Everything that travels with the unit when it moves to another pipeline stage (NOTE
   /// [layer migration] in core/gpt_model.h), under global names: values, gradients
@@ -248,7 +263,7 @@ class Unit {
   // LoadStateTensors without the callbacks.
   absl::Status LoadState(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer, const SliceLookup& slice_lookup);
+      bool with_optimizer, const std::optional<SliceLookup>& slice_lookup);
 
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;

@@ -14,6 +14,28 @@
 
 namespace fulcrum::ckpt {
 
+namespace {
+
+// A non-negative integer array field of `row`, or an error message.
+std::optional<std::string> ReadIntArray(const nlohmann::json& row, const char* key,
+                                        std::vector<int64_t>* out) {
+  const auto field = row.find(key);
+  if (field == row.end() || !field->is_array()) {
+    return absl::StrCat("missing array field '", key, "'");
+  }
+  for (const nlohmann::json& v : *field) {
+    // Parsed text holds non-negative integers as unsigned, a table built in memory as signed.
+    const bool ok = v.is_number_unsigned()
+                        ? v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}
+                        : v.is_number_integer() && v.get<int64_t>() >= 0;
+    if (!ok) return absl::StrCat(key, " ", field->dump(), " must hold non-negative integers");
+    out->push_back(v.get<int64_t>());
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 bool IsValidShardName(std::string_view name) {
   if (name.empty() || name.size() > 128 || name.front() == '.') return false;
   for (const char c : name) {
@@ -62,17 +84,7 @@ absl::StatusOr<std::map<std::string, TensorRow, std::less<>>> ParseTensorRows(
                                 "'; expected one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL"));
     }
 
-    const auto shape = row.find("shape");
-    if (shape == row.end() || !shape->is_array()) return error("missing array field 'shape'");
-    for (const nlohmann::json& dim : *shape) {
-      // Parsed text holds non-negative integers as unsigned; a table built in memory (the
-      // committing writer's merge) as signed.
-      const bool ok = dim.is_number_unsigned()
-                          ? dim.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}
-                          : dim.is_number_integer() && dim.get<int64_t>() >= 0;
-      if (!ok) return error(absl::StrCat("shape ", shape->dump(), " must hold non-negative integers"));
-      entry.shape.push_back(dim.get<int64_t>());
-    }
+    if (auto message = ReadIntArray(row, "shape", &entry.shape)) return error(*message);
 
     const auto xxh3 = row.find("xxh3");
     std::optional<uint64_t> checksum;
@@ -100,23 +112,6 @@ std::optional<int64_t> ElementCount(const std::vector<int64_t>& dims) {
   return n;
 }
 
-// A non-negative integer array field of `row`, or an error message.
-std::optional<std::string> ReadIntArray(const nlohmann::json& row, const char* key,
-                                        std::vector<int64_t>* out) {
-  const auto field = row.find(key);
-  if (field == row.end() || !field->is_array()) {
-    return absl::StrCat("missing array field '", key, "'");
-  }
-  for (const nlohmann::json& v : *field) {
-    // Parsed text holds non-negative integers as unsigned, a table built in memory as signed.
-    const bool ok = v.is_number_unsigned()
-                        ? v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}
-                        : v.is_number_integer() && v.get<int64_t>() >= 0;
-    if (!ok) return absl::StrCat("'", key, "' ", field->dump(), " must hold non-negative integers");
-    out->push_back(v.get<int64_t>());
-  }
-  return std::nullopt;
-}
 
 }  // namespace
 

@@ -131,6 +131,10 @@ absl::Status OptimizerOptions::Validate() const {
     return Invalid(absl::StrCat("--adam_beta2=", adam_beta2, " must be in [0, 1)"));
   }
   if (!(adam_eps > 0)) return Invalid(absl::StrCat("--adam_eps=", adam_eps, " must be > 0"));
+  if (ddp_bucket_size < 0) {
+    return Invalid(absl::StrCat("--ddp_bucket_size=", ddp_bucket_size,
+                                " must be ≥ 0 (0: the default, 25 MiB of fp32)"));
+  }
   if (!(clip_grad >= 0)) {
     return Invalid(absl::StrCat("--clip_grad=", clip_grad, " must be ≥ 0 (0 disables)"));
   }

@@ -94,6 +94,13 @@ struct OptimizerOptions {
   double clip_grad = 1.0;             // Default: 1.0. Global L2 norm; 0 disables clipping.
   bool use_distributed_optimizer = false;  // Default: false. Shard the moments over data
                                            //   parallelism (core/optimizer/distributed_adamw.h).
+  bool overlap_grad_reduce = false;   // Default: false. Start each bucket's data-parallel
+                                      //   reduction once its gradients are final, during the
+                                      //   backward (core/optimizer/overlapped_reduction.h).
+  int64_t ddp_bucket_size = 0;        // Default: 0 = 25 MiB of fp32. Elements per bucket of
+                                      //   the distributed optimizer and overlapped reduction.
+  /// The byte budget of one such bucket (gradients are fp32 masters: 4 bytes an element).
+  int64_t BucketBytes() const { return ddp_bucket_size > 0 ? 4 * ddp_bucket_size : 25 << 20; }
   absl::Status Validate() const;
 };
 

@@ -3,6 +3,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "core/linear.h"
+#include "core/status.h"
 
 namespace fulcrum {
 
@@ -229,7 +231,24 @@ at::Tensor GptModel::ForwardLayer(const TransformerLayer& layer, int64_t positio
                                   const at::Tensor& hidden, const ForwardContext& ctx) const {
   const bool recompute = options_.recompute_layers && ctx.training &&
                          (options_.recompute_num_layers == 0 || position < options_.recompute_num_layers);
+  WeightGradStore::TagScope tag(layer.layer_index());  // NOTE [weight-gradient tags]
   return recompute ? RecomputedForward(layer, hidden, ctx) : layer.Forward(hidden, ctx);
+}
+
+absl::Status GptModel::ReportFinalGradients(
+    int64_t begin, int64_t end, bool with_head, bool with_embedding,
+    const std::function<void(std::optional<int64_t> tag)>& run_weight_grads,
+    const std::function<absl::Status(const Unit&)>& report) const {
+  if (run_weight_grads) run_weight_grads(WeightGradStore::kNoTag);
+  if (with_head && head_) FULCRUM_RETURN_IF_ERROR(report(*head_));
+  for (auto it = layers_.lower_bound(end); it != layers_.lower_bound(begin);) {
+    --it;
+    if (run_weight_grads) run_weight_grads(it->first);
+    FULCRUM_RETURN_IF_ERROR(report(*it->second));
+  }
+  if (run_weight_grads) run_weight_grads(std::nullopt);
+  if (with_embedding && embedding_) FULCRUM_RETURN_IF_ERROR(report(*embedding_));
+  return absl::OkStatus();
 }
 
 at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,

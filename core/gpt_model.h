@@ -33,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -205,12 +206,28 @@ class GptModel {
   /// One layer's forward, `position` its place in its chunk (0: the chunk's first layer):
   /// recomputed in the backward when options().recompute_layers covers that place (NOTE
   /// [activation recomputation] in core/transformer_layer.h). Every layer loop calls it.
+  /// Deferred weight gradients it queues carry the layer's index as their tag (NOTE
+  /// [weight-gradient tags] in core/linear.h).
   at::Tensor ForwardLayer(const TransformerLayer& layer, int64_t position, const at::Tensor& hidden,
                           const ForwardContext& ctx) const;
   /// Runs the held layers of [begin, end) in order (one chunk: NOTE [model chunks]); they
   /// must be all of [begin, end).
   at::Tensor ForwardLayers(at::Tensor hidden, const ForwardContext& ctx, int64_t begin,
                            int64_t end) const;
+
+  /// Reports the units of one chunk — its layers in [begin, end), the head with
+  /// `with_head`, the embedding with `with_embedding` — to `report` as their gradients
+  /// become final for the iteration (NOTE [overlapped gradient reduction] in
+  /// core/optimizer/overlapped_reduction.h), in the order buckets are cut: the head, the
+  /// layers last to first, the embedding. With `run_weight_grads`, the chunk's last deferred
+  /// weight gradients are still queued: it is called to run those of one tag (the untagged
+  /// ones first, before the head: the head's and the tied embedding's), then of each layer
+  /// just before that layer is reported, then with nullopt for any left, before the
+  /// embedding. Gradients and their accumulation order are those of one Flush.
+  absl::Status ReportFinalGradients(
+      int64_t begin, int64_t end, bool with_head, bool with_embedding,
+      const std::function<void(std::optional<int64_t> tag)>& run_weight_grads,
+      const std::function<absl::Status(const Unit&)>& report) const;
 
   /// Sum of cross-entropy of head logits against labels [b, s].
   LossSum HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) const;

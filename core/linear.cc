@@ -349,6 +349,10 @@ void WeightGradStore::Push(std::function<void()> task, int64_t tag, int64_t byte
 void WeightGradStore::RunAll(std::vector<Task>& tasks, std::map<int64_t, double>* ms_by_tag,
                              kernels::DeviceTimer* timer, const std::string& key_prefix) {
   using Clock = std::chrono::steady_clock;
+  // As inside autograd's backward: the closures' operands are saved activations that
+  // require grad, and a weight gradient computed in grad mode would too (it would record
+  // a graph, and the optimizers' out= kernels refuse such tensors).
+  at::NoGradGuard no_grad;
   for (Task& task : tasks) {
     if (timer != nullptr) {
       const std::string key = key_prefix + std::to_string(task.tag);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,11 @@ struct MicroBatchPlan {
   std::function<at::Tensor(int m)> token_positions;
   /// Training: ForwardContext::epoch of every micro-batch.
   int64_t epoch = 0;
+  /// Training, optional: called with each unit of the stage as soon as its gradients are
+  /// final for the iteration — after its chunk's last weight gradients (GptModel::
+  /// ReportFinalGradients) — so an overlapped reduction can start (NOTE [overlapped
+  /// gradient reduction] in core/optimizer/overlapped_reduction.h). Its error ends the run.
+  std::function<absl::Status(const Unit&)> gradients_final;
 };
 
 /// Runs the forward and backward passes of one iteration over a pipeline of stages
@@ -73,6 +79,25 @@ class ForwardBackwardRunner {
   virtual void LoadTrace(nlohmann::json* record) const {}
 };
 
+/// A collective started and not yet finished (ParallelContext::StartAllReduceSum and
+/// StartReduceScatterSum): its tensors must not be touched until Wait returns.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  /// Blocks until the collective is done; returns its result.
+  virtual at::Tensor Wait() = 0;
+};
+
+/// A collective that was done when it was started (the blocking fallback).
+class FinishedCollective final : public PendingCollective {
+ public:
+  explicit FinishedCollective(at::Tensor result) : result_(std::move(result)) {}
+  at::Tensor Wait() override { return result_; }
+
+ private:
+  at::Tensor result_;
+};
+
 /// The collectives of the parallel layout the training loop uses. Who this rank is — its
 /// sizes, ranks, and duties — is a plain value beside it (core/rank_roles.h), and the
 /// pipeline runner is handed to the trainer directly (TrainerPlacement in core/trainer.h).
@@ -87,8 +112,12 @@ class ParallelContext {
   virtual StageSpec Stage(int64_t num_layers) const = 0;
 
   /// Sums every defined gradient of `units` over the data-parallel group, in place, and
-  /// does the model-parallel sums of AllReduceModelParallelGradients.
-  virtual void AllReduceGradients(const std::vector<Unit*>& units) = 0;
+  /// does the model-parallel sums of AllReduceModelParallelGradients. Parameters for which
+  /// `reduced` (when given) is true are left out of the data-parallel sums: an overlapped
+  /// reduction summed them already.
+  using ParameterFilter = std::function<bool(const Parameter&)>;
+  virtual void AllReduceGradients(const std::vector<Unit*>& units,
+                                  const ParameterFilter& reduced = nullptr) = 0;
   /// The model-parallel part of AllReduceGradients, in place: the gradients of parameters
   /// used on sequence shards (ShardingSpec::sequence_parallel, NOTE [sequence parallelism]
   /// in core/tensor_parallel.h) summed over the tensor-parallel group, and, with an output
@@ -97,6 +126,12 @@ class ParallelContext {
   /// optimizer (core/optimizer/distributed_adamw.h) calls it before its own data-parallel
   /// reduction: the sums commute (up to the order of the fp adds).
   virtual void AllReduceModelParallelGradients(const std::vector<Unit*>& units) = 0;
+  /// Whether AllReduceModelParallelGradients sums `p`'s gradient (a sequence-parallel
+  /// parameter under tp > 1, the tied embedding and its mirror across stages): such a
+  /// gradient is final only at the step, so an overlapped reduction leaves it to the step.
+  virtual bool SummedOverModelParallel(const Unit& unit, const Parameter& p) const {
+    return false;
+  }
   /// Sums each value over the data-parallel group, in place.
   virtual void SumOverDataParallel(std::vector<double>& values) = 0;
   /// Sums each value over the ranks that hold different parts of one model replica
@@ -143,6 +178,20 @@ class ParallelContext {
   /// rank's `input` (1-D, contiguous, on the model's device, its length a multiple of
   /// GroupSize(role)). Collective over that group; on a group of one, a copy of `input`.
   virtual at::Tensor ReduceScatterSum(GroupRole role, const at::Tensor& input) = 0;
+  /// AllReduceSum and ReduceScatterSum that return at once, the collective running while
+  /// the caller computes where the backend can (Gloo: on c10d's worker; NOTE [overlapped
+  /// gradient reduction] in core/optimizer/overlapped_reduction.h). Every rank of the group
+  /// starts them, and the other collectives on it, in the same order. `tensor` is summed in
+  /// place and Wait returns it; the reduce-scatter's input may be reused at once. The
+  /// defaults run the blocking call.
+  virtual std::unique_ptr<PendingCollective> StartAllReduceSum(GroupRole role, at::Tensor tensor) {
+    AllReduceSum(role, tensor);
+    return std::make_unique<FinishedCollective>(std::move(tensor));
+  }
+  virtual std::unique_ptr<PendingCollective> StartReduceScatterSum(GroupRole role,
+                                                                   const at::Tensor& input) {
+    return std::make_unique<FinishedCollective>(ReduceScatterSum(role, input));
+  }
   /// Every rank's `shard` (1-D, the same length and dtype on every rank) concatenated in
   /// rank order. Collective over the group of `role`; on a group of one, `shard` itself.
   virtual at::Tensor AllGather(GroupRole role, const at::Tensor& shard) = 0;
@@ -160,7 +209,8 @@ class SingleProcessContext final : public ParallelContext {
  public:
   TensorParallelGroup* tensor_parallel() override { return nullptr; }
   StageSpec Stage(int64_t num_layers) const override { return StageSpec(); }
-  void AllReduceGradients(const std::vector<Unit*>& units) override {}
+  void AllReduceGradients(const std::vector<Unit*>& units,
+                          const ParameterFilter& reduced = nullptr) override {}
   void AllReduceModelParallelGradients(const std::vector<Unit*>& units) override {}
   void SumOverDataParallel(std::vector<double>& values) override {}
   void SumOverModelParallel(std::vector<double>& values) override {}

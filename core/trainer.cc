@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -11,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "core/checkpoint/checkpoint.h"
 #include "core/distributed_checkpoint.h"
+#include "core/linear.h"
 #include "core/logging.h"
 #include "core/optimizer/adamw.h"
 #include "core/optimizer/distributed_adamw.h"
@@ -283,12 +285,22 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     PluginContext ctx = MakePluginContext(iteration);
     FULCRUM_RETURN_IF_ERROR(plugins_->BeforeIteration(ctx));
   }
+  // NOTE [overlapped gradient reduction]: the buckets are cut on the model the plugins
+  // left; each unit is reported as its gradients become final.
+  std::function<absl::Status(const Unit&)> gradients_final;
+  if (config_.optimizer.overlap_grad_reduce) {
+    FULCRUM_RETURN_IF_ERROR(optimizer_->BeginGradientReduction(model_->Units(), collectives()));
+    gradients_final = [this](const Unit& unit) {
+      return optimizer_->GradientsFinal(unit, collectives());
+    };
+  }
   double loss_sum = 0.0;
   // Each micro-batch's loss is scaled by the global token count, so accumulated (and
   // data-parallel summed) gradients are those of the mean loss over the global batch.
   ForwardBackwardRunner* pipeline = layout_.runner;
   if (pipeline != nullptr) {
     MicroBatchPlan plan;
+    plan.gradients_final = gradients_final;
     plan.count = static_cast<int>(local_micro);
     plan.first_sample = first_sample;
     plan.tokens = [&](int m) { return MicroBatch(*train_data_, plan.first_sample(m)); };
@@ -319,9 +331,30 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       ctx.epoch = epoch;
       ctx.token_positions = positions[m];
       LossSum loss = model_->ForwardLoss(tokens[m], ctx);
-      (loss.sum / total_tokens).backward();
       const at::Tensor sum = loss.sum.detach().to(at::kDouble);
       losses = losses.defined() ? losses + sum : sum;
+      if (m + 1 < local_micro || !gradients_final) {
+        (loss.sum / total_tokens).backward();
+        continue;
+      }
+      // The last micro-batch under --overlap_grad_reduce: its weight gradients deferred
+      // (NOTE [B/W split]) and run one layer at a time, last first, each layer's reduction
+      // starting after its own (NOTE [overlapped gradient reduction]).
+      WeightGradStore store;
+      {
+        WeightGradStore::Scope scope(&store);
+        (loss.sum / total_tokens).backward();
+      }
+      FULCRUM_RETURN_IF_ERROR(model_->ReportFinalGradients(
+          0, model_->options().num_layers, /*with_head=*/true, /*with_embedding=*/true,
+          [&](std::optional<int64_t> tag) {
+            if (tag.has_value()) {
+              store.FlushTag(*tag);
+            } else {
+              store.Flush();
+            }
+          },
+          gradients_final));
     }
     if (losses.defined()) loss_sum += losses.item<double>();
   }
@@ -546,8 +579,12 @@ void Trainer::HookOptimizerToLayerMoves() {
   // A moving layer takes its whole optimizer state with it (NOTE [optimizer state
   // residency]): the distributed optimizer gathers it into the Parameters first, and adopts
   // its slices of the new layout at the next step.
-  layout_.runner->SetBeforeLayersMove(
-      [this] { return optimizer_->GatherState(model_->Units(), collectives()); });
+  // An overlapped reduction's buckets would outlive the moving units: this iteration
+  // reduces at the step (nothing has started: the hook runs before any backward).
+  layout_.runner->SetBeforeLayersMove([this] {
+    optimizer_->CancelGradientReduction();
+    return optimizer_->GatherState(model_->Units(), collectives());
+  });
 }
 
 absl::Status Trainer::ChangeLayout(
@@ -640,6 +677,11 @@ absl::Status Trainer::Run() {
     record["active_ranks"] = layout_.roles.world_size;
     // This (logging) rank's Adam moments: a data-parallel slice under the distributed optimizer.
     record["optimizer_state_bytes"] = OptimizerStateBytes();
+    if (config_.optimizer.overlap_grad_reduce) {
+      // How many of this rank's gradient buckets started during the backward (NOTE
+      // [overlapped gradient reduction]); the rest ran at the step.
+      record["grad_buckets_overlapped"] = optimizer_->buckets_started_early();
+    }
     std::string extra;
     if (ForwardBackwardRunner* pipeline = layout_.runner) {
       pipeline->Metrics(&record, &extra);

@@ -209,6 +209,10 @@ std::unique_ptr<CommWork> Communicator::IAllReduce(at::Tensor& tensor, ReduceOp 
   return std::make_unique<DoneWork>();
 }
 
+PendingTensor Communicator::IReduceScatter(const at::Tensor& input, ReduceOp op) {
+  return PendingTensor{ReduceScatter(input, op), std::make_unique<DoneWork>()};
+}
+
 PendingTensor Communicator::IAllToAll(const at::Tensor& input,
                                       const std::vector<int64_t>& input_splits,
                                       const std::vector<int64_t>& output_splits) {

@@ -83,6 +83,13 @@ class Communicator {
   /// `input` has size() equal chunks along dimension 0; returns the reduction over members
   /// of chunk rank().
   virtual at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) = 0;
+  /// ReduceScatter that returns at once: the result is valid after work->Wait(); `input` may
+  /// be changed or freed meanwhile. Several may be in flight; every member issues them (and
+  /// the other collectives) in the same order. The default runs the blocking ReduceScatter.
+  /// Gloo's all-reduces a copy of `input` on c10d's worker and returns this rank's chunk of
+  /// it: (n − 1)/n more bytes than the blocking ring (NOTE [ring reduce-scatter]) but none
+  /// of the caller's time — c10d's own Gloo reduce-scatter is that same all-reduce.
+  virtual PendingTensor IReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum);
   /// In place: every member ends with root's `tensor`.
   virtual void Broadcast(at::Tensor& tensor, int root) = 0;
   /// Sends rows [Σ input_splits[:j], +input_splits[j]) of `input` (split along dim 0) to

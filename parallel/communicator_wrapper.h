@@ -49,6 +49,9 @@ class CommunicatorWrapper : public Communicator {
   at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) override {
     return inner_->ReduceScatter(input, op);
   }
+  PendingTensor IReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) override {
+    return inner_->IReduceScatter(input, op);
+  }
   void Broadcast(at::Tensor& tensor, int root) override { inner_->Broadcast(tensor, root); }
   at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                       const std::vector<int64_t>& output_splits) override {

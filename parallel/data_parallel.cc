@@ -2,7 +2,8 @@
 
 namespace fulcrum::parallel {
 
-void GradientReducer::AllReduce(const std::vector<Unit*>& units) {
+void GradientReducer::AllReduce(const std::vector<Unit*>& units,
+                                const std::function<bool(const Parameter&)>& reduced) {
   if (dp_->size() == 1) return;
   std::vector<at::Tensor> bucket;
   int64_t bucket_bytes = 0;
@@ -32,6 +33,7 @@ void GradientReducer::AllReduce(const std::vector<Unit*>& units) {
       // NOTE [parameter sharding]: which data-parallel group sums it.
       if (select_ == Select::kDense && p.sharding.ReducedOverExpertData()) continue;
       if (select_ == Select::kExpertParallel && !p.sharding.ReducedOverExpertData()) continue;
+      if (reduced && reduced(p)) continue;
       params.push_back(&p);
     }
   }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/unit.h"
@@ -30,7 +31,10 @@ class GradientReducer {
   /// Sums every defined gradient of `units` over the group, in place. Gradients are
   /// bucketed per dtype in unit and parameter order, identical on every rank (the units of a
   /// data-parallel group hold the same parameters).
-  void AllReduce(const std::vector<Unit*>& units);
+  /// Parameters for which `reduced` (when given) is true are left out: an overlapped
+  /// reduction summed them already.
+  void AllReduce(const std::vector<Unit*>& units,
+                 const std::function<bool(const Parameter&)>& reduced = nullptr);
 
  private:
   Communicator* dp_;

@@ -235,6 +235,20 @@ class GlooCommunicator final : public Communicator {
     return output;
   }
 
+  PendingTensor IReduceScatter(const at::Tensor& input, ReduceOp op) override {
+    constexpr const char* kOp = "reduce_scatter";
+    CheckUsable(kOp);
+    internal::CheckTensor(input, kOp, group_, "input", TensorPlace::kCpu);
+    internal::CheckHasRows(input, kOp, group_);
+    internal::CheckDivisible(input.size(0), size(), kOp, group_);
+    // The ring (ReduceScatter) sends and adds on the calling thread; off it, c10d's worker
+    // all-reduces a copy (the caller may reuse `input`), and this rank keeps its chunk.
+    at::Tensor whole = input.clone(at::MemoryFormat::Contiguous);
+    const int64_t rows = input.size(0) / size();
+    std::unique_ptr<CommWork> work = IAllReduce(whole, op);
+    return PendingTensor{whole.narrow(0, static_cast<int64_t>(rank_) * rows, rows), std::move(work)};
+  }
+
   at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op) override {
     constexpr const char* kOp = "reduce_scatter";
     CheckUsable(kOp);

@@ -84,6 +84,13 @@ std::unique_ptr<CommWork> HostStagedCommunicator::IAllReduce(at::Tensor& tensor,
   return std::make_unique<StagedWork>(std::move(work), std::move(host), tensor);
 }
 
+PendingTensor HostStagedCommunicator::IReduceScatter(const at::Tensor& input, ReduceOp op) {
+  if (!Staged(input)) return inner().IReduceScatter(input, op);
+  PendingTensor host = inner().IReduceScatter(ToHost(input), op);
+  at::Tensor out = at::empty_like(host.tensor, host.tensor.options().device(input.device()));
+  return PendingTensor{out, std::make_unique<StagedWork>(std::move(host.work), host.tensor, out)};
+}
+
 PendingTensor HostStagedCommunicator::IAllToAll(const at::Tensor& input,
                                                 const std::vector<int64_t>& input_splits,
                                                 const std::vector<int64_t>& output_splits) {

@@ -42,6 +42,7 @@ class HostStagedCommunicator final : public CommunicatorWrapper {
   void AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) override;
   at::Tensor AllGather(const at::Tensor& input) override;
   at::Tensor ReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) override;
+  PendingTensor IReduceScatter(const at::Tensor& input, ReduceOp op = ReduceOp::kSum) override;
   void Broadcast(at::Tensor& tensor, int root) override;
   at::Tensor AllToAll(const at::Tensor& input, const std::vector<int64_t>& input_splits,
                       const std::vector<int64_t>& output_splits) override;

@@ -94,11 +94,58 @@ Communicator& ProcessGroupContext::group(GroupKind kind) {
   TORCH_INTERNAL_ASSERT(false, "unknown group kind");
 }
 
-void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units) {
+void ProcessGroupContext::AllReduceGradients(const std::vector<Unit*>& units,
+                                             const ParameterFilter& reduced) {
   AllReduceSequenceParallelGradients(units);
-  gradient_reducer_->AllReduce(units);
-  expert_gradient_reducer_->AllReduce(units);
+  gradient_reducer_->AllReduce(units, reduced);
+  expert_gradient_reducer_->AllReduce(units, reduced);
   AllReduceTiedGradients(units);
+}
+
+bool ProcessGroupContext::SummedOverModelParallel(const Unit& unit, const Parameter& p) const {
+  return (p.sharding.sequence_parallel && config_.tp > 1) || TiedAcrossStages(unit, p);
+}
+
+bool ProcessGroupContext::TiedAcrossStages(const Unit& unit, const Parameter& p) const {
+  if (embedding_group_ == nullptr) return false;
+  // ZB-V: the embedding and the head are on one rank; its gradient is whole there.
+  if (!virtual_stages_.empty() && virtual_stages_.front().first == virtual_stages_.back().first) {
+    return false;
+  }
+  return (unit.name() == "embedding" && p.name == "word_embeddings.weight") ||
+         p.sharding.mirror_of == "embedding.word_embeddings.weight";
+}
+
+namespace {
+
+// A started collective of a communicator: its result once the work is done.
+class CommunicatorCollective final : public PendingCollective {
+ public:
+  explicit CommunicatorCollective(PendingTensor pending) : pending_(std::move(pending)) {}
+  at::Tensor Wait() override {
+    pending_.work->Wait();
+    return pending_.tensor;
+  }
+
+ private:
+  PendingTensor pending_;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingCollective> ProcessGroupContext::StartAllReduceSum(GroupRole role,
+                                                                          at::Tensor tensor) {
+  Communicator& comm = group(KindOf(role));
+  if (comm.size() == 1) return std::make_unique<FinishedCollective>(std::move(tensor));
+  std::unique_ptr<CommWork> work = comm.IAllReduce(tensor, ReduceOp::kSum);
+  return std::make_unique<CommunicatorCollective>(PendingTensor{tensor, std::move(work)});
+}
+
+std::unique_ptr<PendingCollective> ProcessGroupContext::StartReduceScatterSum(
+    GroupRole role, const at::Tensor& input) {
+  Communicator& comm = group(KindOf(role));
+  if (comm.size() == 1) return std::make_unique<FinishedCollective>(input.clone());
+  return std::make_unique<CommunicatorCollective>(comm.IReduceScatter(input, ReduceOp::kSum));
 }
 
 void ProcessGroupContext::AllReduceModelParallelGradients(const std::vector<Unit*>& units) {
@@ -133,18 +180,11 @@ void ProcessGroupContext::AllReduceSequenceParallelGradients(const std::vector<U
 }
 
 void ProcessGroupContext::AllReduceTiedGradients(const std::vector<Unit*>& units) {
-  if (embedding_group_ == nullptr) return;
-  // ZB-V: the embedding and the head are on one rank; its gradient is whole there.
-  if (!virtual_stages_.empty() && virtual_stages_.front().first == virtual_stages_.back().first) {
-    return;
-  }
   // Tied output weight across stages: the embedding (first stage) and its mirror (last
   // stage) each hold part of the gradient; both take the sum, so both take the same step.
   for (Unit* unit : units) {
     for (Parameter& p : unit->parameters()) {
-      const bool tied = (unit->name() == "embedding" && p.name == "word_embeddings.weight") ||
-                        p.sharding.mirror_of == "embedding.word_embeddings.weight";
-      if (!tied) continue;
+      if (!TiedAcrossStages(*unit, p)) continue;
       at::Tensor& g = p.value.mutable_grad();
       if (!g.defined()) g = at::zeros_like(p.value);
       embedding_group_->AllReduce(g, ReduceOp::kSum);

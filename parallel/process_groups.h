@@ -55,7 +55,9 @@ class ProcessGroupContext final : public ParallelContext {
   void SetVirtualStages(std::vector<std::pair<int, int>> owners) {
     virtual_stages_ = std::move(owners);
   }
-  void AllReduceGradients(const std::vector<Unit*>& units) override;
+  void AllReduceGradients(const std::vector<Unit*>& units,
+                          const ParameterFilter& reduced = nullptr) override;
+  bool SummedOverModelParallel(const Unit& unit, const Parameter& p) const override;
   void AllReduceModelParallelGradients(const std::vector<Unit*>& units) override;
   void SumOverDataParallel(std::vector<double>& values) override;
   void SumOverModelParallel(std::vector<double>& values) override;
@@ -67,6 +69,9 @@ class ProcessGroupContext final : public ParallelContext {
   int GroupRank(GroupRole role) override { return group(KindOf(role)).rank(); }
   int GroupSize(GroupRole role) override { return group(KindOf(role)).size(); }
   at::Tensor ReduceScatterSum(GroupRole role, const at::Tensor& input) override;
+  std::unique_ptr<PendingCollective> StartAllReduceSum(GroupRole role, at::Tensor tensor) override;
+  std::unique_ptr<PendingCollective> StartReduceScatterSum(GroupRole role,
+                                                           const at::Tensor& input) override;
   at::Tensor AllGather(GroupRole role, const at::Tensor& shard) override;
   Communicator* communicator(GroupRole role) override { return &group(KindOf(role)); }
 
@@ -78,6 +83,9 @@ class ProcessGroupContext final : public ParallelContext {
   // The two parts of AllReduceModelParallelGradients.
   void AllReduceSequenceParallelGradients(const std::vector<Unit*>& units);
   void AllReduceTiedGradients(const std::vector<Unit*>& units);
+  // Whether `p` is the tied word embedding (first stage) or its mirror (last stage) whose
+  // gradients AllReduceTiedGradients sums.
+  bool TiedAcrossStages(const Unit& unit, const Parameter& p) const;
 
   ParallelConfig config_;
   RankCoords coords_;

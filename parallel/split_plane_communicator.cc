@@ -37,6 +37,10 @@ at::Tensor SplitPlaneCommunicator::ReduceScatter(const at::Tensor& input, Reduce
   return PlaneOf(input).ReduceScatter(input, op);
 }
 
+PendingTensor SplitPlaneCommunicator::IReduceScatter(const at::Tensor& input, ReduceOp op) {
+  return PlaneOf(input).IReduceScatter(input, op);
+}
+
 void SplitPlaneCommunicator::Broadcast(at::Tensor& tensor, int root) {
   PlaneOf(tensor).Broadcast(tensor, root);
 }

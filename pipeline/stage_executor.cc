@@ -382,10 +382,8 @@ absl::Status StageExecutor::Forward(RunContext& run, int mb, int chunk, ActionTi
     const int64_t layer_live_before = run.meter.live();
     const std::string key = run.time_layers ? LayerKey('F', run.action, layer_index) : "";
     if (run.time_layers) run.timer->Start(key);
-    {
-      WeightGradStore::TagScope tag(layer_index);  // NOTE [weight-gradient tags]
-      hidden = model.ForwardLayer(*layer, layer_index - chunk_begin, hidden, ctx);
-    }
+    // NOTE [weight-gradient tags]: ForwardLayer tags the layer's deferred weight gradients.
+    hidden = model.ForwardLayer(*layer, layer_index - chunk_begin, hidden, ctx);
     if (run.time_layers) {
       run.timer->Stop(key);
       run.intervals.push_back({run.action, layer_index, key});
@@ -495,8 +493,12 @@ absl::Status StageExecutor::Backward(RunContext& run, int mb, int chunk, bool sp
   }
   run.meter.Release(state.meter_key);
   run.in_flight.erase(it);
-  // After the chunk's last fused BW its weight gradients are final: its outgoing layers leave.
-  if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, chunk, timing));
+  // After the chunk's last fused BW its weight gradients are final: its outgoing layers
+  // leave, and the others' reductions may start.
+  if (last_action) {
+    FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, nullptr, chunk, timing));
+    FULCRUM_RETURN_IF_ERROR(ReportFinalGradients(run, nullptr, chunk));
+  }
   return absl::OkStatus();
 }
 
@@ -512,7 +514,13 @@ absl::Status StageExecutor::Weight(RunContext& run, int mb, int chunk, bool last
   // NOTE [early migration]: each moving layer's last weight gradients first, then off.
   if (last_action) FULCRUM_RETURN_IF_ERROR(SendOutgoingLayers(run, &store, chunk, timing));
   // NOTE [per-layer timing]: per tag into the timer; CollectLayerTimes reads them back.
-  store.Flush(nullptr, run.time_layers ? run.timer.get() : nullptr, WeightKeyPrefix(run.action));
+  if (last_action && run.plan.gradients_final) {
+    // NOTE [overlapped gradient reduction]: one layer's weight gradients at a time, each
+    // layer's reduction free to start after its own.
+    FULCRUM_RETURN_IF_ERROR(ReportFinalGradients(run, &store, chunk));
+  } else {
+    store.Flush(nullptr, run.time_layers ? run.timer.get() : nullptr, WeightKeyPrefix(run.action));
+  }
   run.meter.Release(it->second->meter_key);
   run.in_flight.erase(it);
   return absl::OkStatus();
@@ -532,6 +540,26 @@ absl::Status StageExecutor::SendOutgoingLayers(RunContext& run, WeightGradStore*
     timing.migration_ms += SinceRunStart() - t0;
   }
   return absl::OkStatus();
+}
+
+absl::Status StageExecutor::ReportFinalGradients(RunContext& run, WeightGradStore* store,
+                                                 int chunk) {
+  if (!run.plan.gradients_final) return absl::OkStatus();
+  const auto [begin, end] = run.model.chunk_range(chunk);
+  kernels::DeviceTimer* timer = run.time_layers ? run.timer.get() : nullptr;
+  const std::string prefix = WeightKeyPrefix(run.action);
+  std::function<void(std::optional<int64_t>)> run_weight_grads;
+  if (store != nullptr) {
+    run_weight_grads = [&](std::optional<int64_t> tag) {
+      if (tag.has_value()) {
+        store->FlushTag(*tag, nullptr, timer, prefix);
+      } else {
+        store->Flush(nullptr, timer, prefix);
+      }
+    };
+  }
+  return run.model.ReportFinalGradients(begin, end, run.last(chunk), run.first(chunk),
+                                        run_weight_grads, run.plan.gradients_final);
 }
 
 void StageExecutor::OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot) {

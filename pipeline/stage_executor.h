@@ -268,6 +268,10 @@ class StageExecutor {
   /// fused BW or a forward-only chunk's last F).
   absl::Status SendOutgoingLayers(RunContext& run, WeightGradStore* store, int chunk,
                                   ActionTiming& timing);
+  // At a chunk's last backward action: reports its units' gradients final to the plan's
+  // gradients_final, first running `store`'s (the last W's) weight gradients one unit at a
+  // time when given (NOTE [overlapped gradient reduction]). Nothing without the callback.
+  absl::Status ReportFinalGradients(RunContext& run, WeightGradStore* store, int chunk);
   // Times slot `slot`'s backward from now (the backward reached its output).
   static void OpenBackwardInterval(RunContext& run, InFlight& state, size_t slot);
   // The run's one Collect: fills every action's and the result's per-layer times, and on

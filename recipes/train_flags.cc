@@ -90,6 +90,15 @@ DEFINE_bool(use_distributed_optimizer, false,
             "Shard the Adam moments over the data-parallel group (the expert-data-parallel "
             "group for experts; ZeRO-1): gradients reduce-scattered, updated weights "
             "all-gathered. Not yet with the prune, freeze and early_exit plugins.");
+DEFINE_bool(overlap_grad_reduce, false,
+            "Start each bucket's data-parallel gradient reduction as soon as its gradients are "
+            "final (after a layer's last weight-gradient pass), while the backward goes on; "
+            "the step waits only for what is in flight. Buckets are cut last layer first. "
+            "Gloo runs them on its worker thread; NCCL's communicator has no non-blocking "
+            "forms yet (there they are issued early as its ordinary collectives).");
+DEFINE_int64(ddp_bucket_size, 0,
+             "Elements per gradient bucket of --use_distributed_optimizer and "
+             "--overlap_grad_reduce (0: 25 MiB of fp32). Smaller buckets start sooner.");
 // Batches and iterations.
 DEFINE_int64(micro_batch_size, 8, "Samples per forward/backward.");
 DEFINE_int64(global_batch_size, 16, "Samples per optimizer step (accumulated micro-batches).");
@@ -261,7 +270,8 @@ cli::HelpSpec TrainHelpSpec() {
       {"Training",
        {"train_iters", "micro_batch_size", "global_batch_size", "lr", "min_lr",
         "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1",
-        "adam_beta2", "adam_eps", "clip_grad", "use_distributed_optimizer", "exit_interval",
+        "adam_beta2", "adam_eps", "clip_grad", "use_distributed_optimizer", "overlap_grad_reduce",
+        "ddp_bucket_size", "exit_interval",
         "eval_interval", "eval_iters", "recompute_granularity", "recompute_num_layers"}},
       {"Data", {"data_path", "split", "tokenizer_model", "vocab_size"}},
       {"Parallel",
@@ -676,6 +686,8 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   o.adam_eps = FLAGS_adam_eps;
   o.clip_grad = FLAGS_clip_grad;
   o.use_distributed_optimizer = FLAGS_use_distributed_optimizer;
+  o.overlap_grad_reduce = FLAGS_overlap_grad_reduce;
+  o.ddp_bucket_size = FLAGS_ddp_bucket_size;
 
   LrScheduleOptions& s = c.schedule;
   s.lr = FLAGS_lr;

@@ -101,6 +101,72 @@ StepResult FinishNorm(double local_sq, const std::vector<double>& sums, size_t d
   return result;
 }
 
+absl::Status AdamW::BeginGradientReduction(const std::vector<Unit*>& units,
+                                           ParallelContext& collectives) {
+  using GroupRole = ParallelContext::GroupRole;
+  std::vector<OverlappedReduction::Bucket> buckets;
+  for (const GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
+    if (collectives.GroupSize(group) == 1) continue;
+    const bool experts = group == GroupRole::kExpertData;
+    auto candidate = [&](const Unit& unit, const Parameter& p) {
+      return p.sharding.ReducedOverExpertData() == experts &&
+             !collectives.SummedOverModelParallel(unit, p);
+    };
+    // A parameter trains if it does on some rank of the group (as GradientReducer's
+    // presence agreement): every rank then cuts the same buckets.
+    std::vector<const Parameter*> candidates;
+    for (Unit* unit : units) {
+      for (const Parameter& p : unit->parameters()) {
+        if (candidate(*unit, p)) candidates.push_back(&p);
+      }
+    }
+    if (candidates.empty()) continue;
+    at::Tensor trains = at::zeros({static_cast<int64_t>(candidates.size())}, at::kFloat);
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      trains.data_ptr<float>()[i] = candidates[i]->value.requires_grad() ? 1.0f : 0.0f;
+    }
+    at::Tensor on_device = trains.to(candidates.front()->value.device());
+    collectives.AllReduceSum(group, on_device);
+    trains = on_device.cpu();
+    std::set<const Parameter*> taken;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (trains.data_ptr<float>()[i] > 0) taken.insert(candidates[i]);
+    }
+    std::vector<OverlappedReduction::Bucket> cut = OverlappedReduction::Cut(
+        units, group, [&](const Unit&, const Parameter& p) { return taken.count(&p) > 0; },
+        nullptr, options_.BucketBytes());
+    for (OverlappedReduction::Bucket& b : cut) {
+      b.presence = true;
+      buckets.push_back(std::move(b));
+    }
+  }
+  if (!buckets.empty()) overlap_.Begin(std::move(buckets));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::set<const Parameter*>> AdamW::FinishOverlappedReduction(
+    ParallelContext& collectives) {
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<at::Tensor> sums, overlap_.Finish(collectives));
+  std::set<const Parameter*> reduced;
+  at::NoGradGuard no_grad;
+  const std::vector<OverlappedReduction::Bucket>& buckets = overlap_.buckets();
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const OverlappedReduction::Bucket& b = buckets[i];
+    const at::Tensor counts = sums[i].narrow(0, b.size, static_cast<int64_t>(b.members.size()))
+                                  .to(at::kFloat).cpu();
+    for (size_t j = 0; j < b.members.size(); ++j) {
+      Parameter& p = *b.members[j].param;
+      reduced.insert(&p);
+      // No rank had it: it stays undefined everywhere (as GradientReducer leaves it).
+      if (counts.data_ptr<float>()[j] == 0) continue;
+      at::Tensor& g = p.value.mutable_grad();
+      if (!g.defined()) g = at::zeros_like(p.value);
+      g.copy_(sums[i].narrow(0, b.members[j].offset, g.numel()).view_as(g));
+    }
+  }
+  return reduced;
+}
+
 absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
                                                 ParallelContext& collectives,
                                                 const StepRequest& request) {
@@ -109,7 +175,13 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   const size_t dp_count = request.data_parallel_sums.size();
   std::vector<double> sums = request.data_parallel_sums;
   sums.insert(sums.end(), request.job_sums.begin(), request.job_sums.end());
-  collectives.AllReduceGradients(units);
+  if (overlap_.active()) {
+    FULCRUM_ASSIGN_OR_RETURN(const std::set<const Parameter*> reduced,
+                             FinishOverlappedReduction(collectives));
+    collectives.AllReduceGradients(units, [&](const Parameter& p) { return reduced.count(&p) > 0; });
+  } else {
+    collectives.AllReduceGradients(units);
+  }
   collectives.SumOverDataParallel(sums);
   if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated

@@ -5,6 +5,7 @@
 // data-parallel replica holds and updates the whole state (core/optimizer/optimizer.h).
 #pragma once
 
+#include <set>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -65,11 +66,21 @@ class AdamW final : public Optimizer {
   void Update(at::Tensor value, const at::Tensor& grad, at::Tensor exp_avg,
               at::Tensor exp_avg_sq, int64_t step, double lr, bool decays) const;
 
+  /// Cuts buckets of the parameters that train on some rank of their data-parallel group
+  /// (one small sum agrees on them), each with presence flags (NOTE [overlapped gradient
+  /// reduction]); nothing on groups of one.
+  absl::Status BeginGradientReduction(const std::vector<Unit*>& units,
+                                      ParallelContext& collectives) override;
+
   int64_t StateBytes(const std::vector<Unit*>& units) const override;
 
   const OptimizerOptions& options() const { return options_; }
 
  private:
+  // Waits for the overlapped reduction and writes its sums into the gradients (defining
+  // those some other rank had); returns the parameters it summed.
+  absl::StatusOr<std::set<const Parameter*>> FinishOverlappedReduction(ParallelContext& collectives);
+
   OptimizerOptions options_;
   Kernel kernel_ = Kernel::kAuto;
 };

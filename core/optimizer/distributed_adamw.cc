@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/optimizer/overlapped_reduction.h"
 #include "core/status.h"
 
 namespace fulcrum {
@@ -48,48 +49,45 @@ absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
   }
   signature_ = std::move(signature);
   expert_device_.reset();
+  for (Unit* unit : units) {
+    for (const Parameter& p : unit->parameters()) {
+      if (!p.value.is_contiguous()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--use_distributed_optimizer: parameter ", unit->GlobalName(p.name),
+            " is not contiguous; the optimizer updates it through a flat view"));
+      }
+    }
+  }
+  // Last unit first, the parameters the model-parallel sums change in trailing buckets
+  // (NOTE [overlapped gradient reduction]): the order gradients become final.
+  auto at_step = [&](const Unit& unit, const Parameter& p) {
+    return collectives.SummedOverModelParallel(unit, p);
+  };
   for (GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
     const int n = collectives.GroupSize(group);
     const int r = collectives.GroupRank(group);
-    Bucket bucket;
-    int64_t bytes = 0;
-    auto flush = [&] {
-      if (bucket.members.empty()) return;
-      bucket.size = (bucket.size + n - 1) / n * n;
+    auto of_group = [&](const Unit&, const Parameter& p) {
+      return p.sharding.ReducedOverExpertData() == (group == GroupRole::kExpertData);
+    };
+    for (OverlappedReduction::Bucket& cut :
+         OverlappedReduction::Cut(units, group, of_group, at_step, bucket_bytes_, n)) {
+      Bucket bucket;
+      bucket.group = group;
+      bucket.dtype = cut.dtype;
+      bucket.device = cut.device;
+      bucket.at_step = cut.at_step;
+      for (const OverlappedReduction::Member& m : cut.members) {
+        bucket.members.push_back({m.unit, m.param, m.offset});
+      }
+      bucket.size = cut.size;
       bucket.shard_size = bucket.size / n;
       bucket.shard_begin = r * bucket.shard_size;
       const auto options = at::TensorOptions().dtype(bucket.dtype).device(bucket.device);
       bucket.exp_avg = at::zeros({bucket.shard_size}, options);
       bucket.exp_avg_sq = at::zeros({bucket.shard_size}, options);
+      if (group == GroupRole::kExpertData) expert_device_ = bucket.device;
       buckets_.push_back(std::move(bucket));
-      bucket = Bucket();
-      bytes = 0;
-    };
-    for (Unit* unit : units) {
-      for (Parameter& p : unit->parameters()) {
-        if (p.sharding.ReducedOverExpertData() != (group == GroupRole::kExpertData)) continue;
-        if (!p.value.is_contiguous()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "--use_distributed_optimizer: parameter ", unit->GlobalName(p.name),
-              " is not contiguous; the optimizer updates it through a flat view"));
-        }
-        if (!bucket.members.empty() &&
-            (bucket.dtype != p.value.scalar_type() || bucket.device != p.value.device())) {
-          flush();
-        }
-        if (bucket.members.empty()) {
-          if (group == GroupRole::kExpertData) expert_device_ = p.value.device();
-          bucket.group = group;
-          bucket.dtype = p.value.scalar_type();
-          bucket.device = p.value.device();
-        }
-        bucket.members.push_back({unit, &p, bucket.size});
-        bucket.size += p.value.numel();
-        bytes += p.value.numel() * static_cast<int64_t>(p.value.element_size());
-        if (bytes >= bucket_bytes_) flush();
-      }
     }
-    flush();
   }
   for (Unit* unit : units) steps_[unit] = unit->optimizer_step();
   return absl::OkStatus();
@@ -119,6 +117,26 @@ void DistributedAdamW::AdoptWrittenState() {
   }
   for (auto& [unit, step] : steps_) step = unit->optimizer_step();
   gathered_ = false;
+}
+
+absl::Status DistributedAdamW::BeginGradientReduction(const std::vector<Unit*>& units,
+                                                      ParallelContext& collectives) {
+  FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
+  AdoptWrittenState();
+  std::vector<OverlappedReduction::Bucket> buckets;
+  for (const Bucket& b : buckets_) {
+    OverlappedReduction::Bucket cut;
+    cut.group = b.group;
+    cut.dtype = b.dtype;
+    cut.device = b.device;
+    for (const Member& m : b.members) cut.members.push_back({m.unit, m.param, m.offset});
+    cut.size = b.size;
+    cut.scatter = true;
+    cut.at_step = b.at_step;
+    buckets.push_back(std::move(cut));
+  }
+  overlap_.Begin(std::move(buckets));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Unit*>& units,
@@ -152,9 +170,13 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
     }
   }
 
-  // Each bucket's gradients, summed over its group: this rank's slice only.
+  // Each bucket's gradients, summed over its group: this rank's slice only — those that
+  // started during the backward are waited for (NOTE [overlapped gradient reduction]).
   std::vector<at::Tensor> grad_slices(buckets_.size());
-  for (size_t i = 0; i < buckets_.size(); ++i) {
+  if (overlap_.active()) {
+    FULCRUM_ASSIGN_OR_RETURN(grad_slices, overlap_.Finish(collectives));
+  }
+  for (size_t i = 0; i < buckets_.size() && !grad_slices[i].defined(); ++i) {
     const Bucket& b = buckets_[i];
     at::Tensor flat = at::zeros({b.size}, at::TensorOptions().dtype(b.dtype).device(b.device));
     for (const Member& m : b.members) {

@@ -4,7 +4,9 @@
 // group — so a rank holds 1/dp of the optimizer state instead of all of it.
 //
 // NOTE [distributed optimizer]
-// Layout. A rank's parameters, in unit and parameter order, are cut into buckets of whole
+// Layout. A rank's parameters, last unit first (NOTE [overlapped gradient reduction]: the
+// order gradients become final; the ones the model-parallel sums change in trailing
+// buckets), are cut into buckets of whole
 // parameters (up to a byte budget, one group and dtype per bucket), each padded to a
 // multiple of the group's size n; rank r owns the r-th n-th of every bucket (Megatron's
 // per-bucket sharding: no rank waits on one large shard, and a bucket's reduction and
@@ -16,7 +18,8 @@
 //      the tied embedding's over the first and last stage (before, not after, the
 //      data-parallel sum: the sums commute);
 //   2. per bucket, the gradients flattened (zeros where a rank has none) and
-//      reduce-scattered: each rank gets the sum of its own slice only;
+//      reduce-scattered: each rank gets the sum of its own slice only (with
+//      --overlap_grad_reduce, the buckets started during the backward are waited for);
 //   3. the plugins' after-reduce hook (which therefore must not read whole gradients:
 //      Plugin::ReadsWholeGradients plugins are refused with this optimizer);
 //   4. the global norm from the owned slices, summed over the data-parallel group (dense)
@@ -45,7 +48,7 @@
 // before the state exchange (Trainer::GatherOptimizerState), and the survivors' next step
 // cuts the layout of their new model.
 // Not yet: plugins that read whole gradients (refused), the fused kernel on a device (the
-// per-tensor kernel runs everywhere), overlapping the reduction with the backward, a gather
+// per-tensor kernel runs everywhere), a gather
 // of only the moving layers (all of a stage's state is made whole).
 //
 // Not thread-safe; every call but StateBytes is collective.
@@ -66,17 +69,19 @@ namespace fulcrum {
 
 class DistributedAdamW final : public Optimizer {
  public:
-  /// `bucket_bytes`: the byte budget of one bucket (Megatron's default, 40M parameters, is
-  /// larger; 25 MB is our gradient reducer's).
-  explicit DistributedAdamW(const OptimizerOptions& options,
-                            int64_t bucket_bytes = 25 * 1024 * 1024)
-      : adamw_(options), bucket_bytes_(bucket_bytes) {}
+  /// `bucket_bytes`: the byte budget of one bucket; 0: options.BucketBytes() (25 MiB by
+  /// default, our gradient reducer's; Megatron's default, 40M parameters, is larger).
+  explicit DistributedAdamW(const OptimizerOptions& options, int64_t bucket_bytes = 0)
+      : adamw_(options), bucket_bytes_(bucket_bytes > 0 ? bucket_bytes : options.BucketBytes()) {}
 
   absl::StatusOr<StepResult> ReduceAndStep(const std::vector<Unit*>& units,
                                            ParallelContext& collectives,
                                            const StepRequest& request) override;
   absl::Status GatherState(const std::vector<Unit*>& units, ParallelContext& collectives) override;
   void ReleaseState(const std::vector<Unit*>& units) override;
+  /// Overlaps the reduce-scatter of its own buckets (NOTE [overlapped gradient reduction]).
+  absl::Status BeginGradientReduction(const std::vector<Unit*>& units,
+                                      ParallelContext& collectives) override;
   bool SlicesState() const override { return true; }
   absl::StatusOr<std::vector<MomentSlice>> MomentSlices(const std::vector<Unit*>& units,
                                                         ParallelContext& collectives) override;
@@ -101,6 +106,7 @@ class DistributedAdamW final : public Optimizer {
     int64_t size = 0;         // padded: a multiple of the group's size
     int64_t shard_begin = 0;  // this rank's slice [shard_begin, shard_begin + shard_size)
     int64_t shard_size = 0;
+    bool at_step = false;  // reduced only at the step (OverlappedReduction::Bucket::at_step)
     at::Tensor exp_avg, exp_avg_sq;  // fp32 moments of the slice
   };
 

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/optimizer/overlapped_reduction.h"
 #include "core/parallel_context.h"
 #include "core/unit.h"
 
@@ -73,6 +74,28 @@ class Optimizer {
                                                    ParallelContext& collectives,
                                                    const StepRequest& request) = 0;
 
+  // NOTE [overlapped gradient reduction] (core/optimizer/overlapped_reduction.h).
+
+  /// Starts this iteration's overlapped gradient reduction (--overlap_grad_reduce), after
+  /// the iteration's plugins changed the model and before its backward passes: buckets
+  /// whose gradients GradientsFinal reports final start reducing at once, and ReduceAndStep
+  /// waits for them. Collective over the data-parallel groups. The default does nothing:
+  /// ReduceAndStep reduces everything itself.
+  virtual absl::Status BeginGradientReduction(const std::vector<Unit*>& units,
+                                              ParallelContext& collectives) {
+    return absl::OkStatus();
+  }
+  /// `unit`'s gradients are final for this iteration: the buckets this completes start.
+  /// A no-op without BeginGradientReduction.
+  absl::Status GradientsFinal(const Unit& unit, ParallelContext& collectives) {
+    return overlap_.UnitFinal(unit, collectives);
+  }
+  /// Drops this iteration's overlapped reduction (layers are about to move: nothing has
+  /// started yet); ReduceAndStep then reduces everything itself.
+  void CancelGradientReduction() { overlap_.Cancel(); }
+  /// The overlapped reduction's buckets started before the last step (tests, metrics).
+  int buckets_started_early() const { return overlap_.started_early(); }
+
   // NOTE [optimizer state residency]: every Parameter's exp_avg/exp_avg_sq (core/unit.h) is
   // where checkpoints, layer moves and plugins find a parameter's whole optimizer state. An
   // optimizer that keeps the state elsewhere (the distributed optimizer: a slice per
@@ -98,6 +121,9 @@ class Optimizer {
   }
   /// Bytes of optimizer state (moments) this rank holds.
   virtual int64_t StateBytes(const std::vector<Unit*>& units) const = 0;
+
+ protected:
+  OverlappedReduction overlap_;
 };
 
 }  // namespace fulcrum

@@ -130,6 +130,38 @@ TEST(CommWorker, NonBlockingAllReducesInFlightEqualTheBlockingOnes) {
   }
 }
 
+// Non-blocking reduce-scatters in flight, their inputs overwritten at once (the call keeps
+// its own copy): each returns this rank's chunk of the blocking all_reduce of the original
+// input, bit for bit (Gloo's is that all_reduce, run on c10d's worker), bfloat16 included;
+// at two ranks also the ring ReduceScatter's bits (both add x_r + x_other).
+TEST(CommWorker, NonBlockingReduceScattersReturnThisRanksChunkOfTheSum) {
+  SKIP_UNLESS_WORKER();
+  Communicator& comm = World();
+  const int n = comm.size();
+  const int r = comm.rank();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(2000 + r);
+  std::vector<at::Tensor> originals;
+  std::vector<PendingTensor> pending;
+  for (int i = 0; i < 3; ++i) {
+    const at::ScalarType type = i == 2 ? at::kBFloat16 : at::kFloat;
+    at::Tensor x = at::randn({n * (500 + 13 * i)}, gen, Opts(at::kFloat)).to(type);
+    originals.push_back(x.clone());
+    pending.push_back(comm.IReduceScatter(x, ReduceOp::kSum));
+    x.fill_(1e6);  // the collective works on its own copy
+  }
+  for (int i = 0; i < 3; ++i) {
+    pending[i].work->Wait();
+    const int64_t rows = originals[i].size(0) / n;
+    at::Tensor whole = originals[i].clone();
+    comm.AllReduce(whole, ReduceOp::kSum);
+    EXPECT_TRUE(at::equal(pending[i].tensor, whole.narrow(0, r * rows, rows))) << "#" << i;
+    if (n == 2) {
+      EXPECT_TRUE(at::equal(pending[i].tensor, comm.ReduceScatter(originals[i], ReduceOp::kSum)))
+          << "#" << i;
+    }
+  }
+}
+
 TEST(CommWorker, AllGatherConcatenatesRowsInRankOrder) {
   SKIP_UNLESS_WORKER();
   Communicator& comm = World();

@@ -401,6 +401,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   stats.iteration_ms = MillisecondsSince(start);
   stats.tokens_per_second = total_tokens / (stats.iteration_ms / 1000.0);
   stats.stop_requested = stop_requested;
+  stats.grad_reduce_ms = step.reduce_ms;
   return stats;
 }
 
@@ -671,6 +672,7 @@ absl::Status Trainer::Run() {
                              {"grad_norm", stats.grad_norm},
                              {"tokens_per_second", stats.tokens_per_second},
                              {"iteration_ms", stats.iteration_ms},
+                             {"grad_reduce_ms", stats.grad_reduce_ms},
                              {"consumed_samples", consumed_samples_}};
     // The layout the iteration ran on: re-packing (dynamic/repack.h) shrinks it.
     record["pipeline_size"] = layout_.roles.pp_size;

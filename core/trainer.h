@@ -65,6 +65,9 @@ struct IterationStats {
   double grad_norm = 0;    // Global L2 norm before clipping.
   double iteration_ms = 0;
   double tokens_per_second = 0;
+  /// Wall time the step spent on the data-parallel gradient reduction: all of it, or with
+  /// --overlap_grad_reduce what was left to wait for (StepResult::reduce_ms).
+  double grad_reduce_ms = 0;
   /// A stop was requested on some rank before this iteration's reductions (every rank sees
   /// the same value; NOTE [graceful stop]).
   bool stop_requested = false;

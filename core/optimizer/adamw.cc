@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <string>
@@ -172,6 +173,7 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
                                                 const StepRequest& request) {
   // The job's sums ride along (NOTE [graceful stop]): summed over data parallelism with the
   // data-parallel ones, then over the model-parallel ranks with the gradient norm.
+  const auto start = std::chrono::steady_clock::now();
   const size_t dp_count = request.data_parallel_sums.size();
   std::vector<double> sums = request.data_parallel_sums;
   sums.insert(sums.end(), request.job_sums.begin(), request.job_sums.end());
@@ -182,6 +184,8 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   } else {
     collectives.AllReduceGradients(units);
   }
+  const double reduce_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   collectives.SumOverDataParallel(sums);
   if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
@@ -190,6 +194,7 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   collectives.SumOverExpertParallel(expert_sq);
   StepResult result =
       FinishNorm(GradSquaredSum(units, false) + expert_sq[0], sums, dp_count, collectives);
+  result.reduce_ms = reduce_ms;
   if (!std::isfinite(result.grad_norm)) return result;
   const double clip = ClipFactor(result.grad_norm);
   if (clip < 1.0) ScaleGradients(units, clip);

@@ -1,6 +1,7 @@
 #include "core/optimizer/distributed_adamw.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <utility>
 
@@ -144,6 +145,7 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
                                                            const StepRequest& request) {
   FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
   AdoptWrittenState();
+  const auto start = std::chrono::steady_clock::now();
   collectives.AllReduceModelParallelGradients(units);
 
   // Which parameters have a gradient on some rank of their group (as GradientReducer
@@ -191,6 +193,8 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
     }
     grad_slices[i] = collectives.ReduceScatterSum(b.group, flat);
   }
+  const double reduce_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
 
   // The norm from the owned slices (NOTE [parameter sharding]: slices of tensor-parallel
@@ -226,6 +230,7 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   }
   collectives.SumOverExpertParallel(expert_sq);
   StepResult result = FinishNorm(dense_sq + expert_sq[0], sums, dp_count, collectives);
+  result.reduce_ms = reduce_ms;
   if (!std::isfinite(result.grad_norm)) return result;
   const double clip = adamw_.ClipFactor(result.grad_norm);
   if (clip < 1.0) {

@@ -42,6 +42,10 @@ struct StepResult {
   /// False when the norm was not finite: then nothing was updated and the gradients are
   /// left as they were, for the caller to report with what it knows (the loss).
   bool stepped = false;
+  /// Wall time from the step's start to the end of its data-parallel gradient reduction
+  /// (the model-parallel sums included): with an overlapped reduction, waiting for what
+  /// was in flight and running what was left (NOTE [overlapped gradient reduction]).
+  double reduce_ms = 0;
   /// StepRequest's sums, summed.
   std::vector<double> data_parallel_sums;
   std::vector<double> job_sums;

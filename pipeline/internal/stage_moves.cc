@@ -17,6 +17,7 @@ absl::Status StageMoves::Begin(const std::vector<PlannedMove>& moves, Clock::tim
     return absl::FailedPreconditionError("StageExecutor::Run: FinishMoves was not called after the last run");
   }
   run_start_ = run_start;
+  departed_.clear();  // a run that failed before Finish
   outgoing_.clear();
   incoming_.clear();
   const int stage = pp_->rank();
@@ -57,7 +58,8 @@ absl::Status StageMoves::Send(GptModel& model, const PlannedMove& move, RunMeter
                              StartSendUnit(*pp_, move.to_rank, *layer, UnitTag(move.layer)));
     timing.bytes = send.bytes();
     sends_.push_back({std::move(send), result.migrations.size()});
-  }  // The layer is gone; its state travels as copies.
+    departed_.push_back(std::move(layer));  // its state travels as copies; freed at Finish
+  }
   timing.end_ms = SinceRunStart();
   result.migrations.push_back(timing);
   return absl::OkStatus();
@@ -83,6 +85,7 @@ absl::Status StageMoves::Finish(GptModel& model,
 
 absl::Status StageMoves::FinishTransfers(GptModel& model, StageRunResult& result) {
   active_ = false;
+  departed_.clear();  // after the run: nothing of it references them any more
   std::vector<PendingReceive> incoming = std::exchange(incoming_, {});
   for (PendingReceive& pending : incoming) {
     const PlannedMove& move = pending.move;

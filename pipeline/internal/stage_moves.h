@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -77,6 +78,11 @@ class StageMoves {
   std::vector<PlannedMove> outgoing_;
   std::vector<PendingReceive> incoming_;
   std::vector<PendingSend> sends_;
+  // The layers sent this run, kept until Finish: the run's deferred weight gradients may
+  // still hold activations whose autograd graph references their parameters, and the
+  // parameters must not be freed under the run's activation meter (they were allocated
+  // before it: c10 warns of a free of unknown size).
+  std::vector<std::unique_ptr<TransformerLayer>> departed_;
   bool active_ = false;  // Begin called, Finish not yet.
 };
 

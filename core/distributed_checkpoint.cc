@@ -94,10 +94,9 @@ void ShardedState(const CheckpointSave& save, const std::vector<Unit*>& units, C
     const int64_t tp_dim = p.sharding.TensorParallelDim(slice.unit->tp_size());
     // A parameter replicated over tensor parallelism has the same slices on every tp rank.
     if (tp_dim < 0 && slice.unit->tp_rank() != 0) continue;
-    const std::string base = "optimizer." + slice.unit->GlobalName(p.name);
-    for (const auto& [suffix, values] :
-         {std::pair{".exp_avg", slice.exp_avg}, std::pair{".exp_avg_sq", slice.exp_avg_sq}}) {
-      ckpt::TensorPiece piece = TensorParallelBox(base + suffix, p.value.detach(), tp_dim,
+    const std::string base = "optimizer." + slice.unit->GlobalName(p.name) + ".";
+    for (const auto& [slot, values] : slice.state) {
+      ckpt::TensorPiece piece = TensorParallelBox(base + slot, p.value.detach(), tp_dim,
                                                   slice.unit->tp_rank(), slice.unit->tp_size());
       piece.box = p.value.sizes().vec();
       piece.flat = true;
@@ -232,7 +231,7 @@ absl::StatusOr<LoadedCheckpoint> LoadWeightsOnly(const ckpt::CheckpointReader& r
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {
     absl::Status status =
-        unit->LoadStateTensors(lookup, /*with_optimizer=*/false, ShardLookup(reader));
+        unit->LoadStateTensors(lookup, /*optimizer_slots=*/{}, ShardLookup(reader));
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat(source, " (--finetune): ", status.message()));
     }
@@ -282,7 +281,7 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const ckpt::CheckpointReader& re
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {
     FULCRUM_RETURN_IF_ERROR(
-        unit->LoadStateTensors(lookup, /*with_optimizer=*/true, ShardLookup(reader)));
+        unit->LoadStateTensors(lookup, load.optimizer_slots, ShardLookup(reader)));
     // The tensors must agree with the manifest: no unit has taken more steps than the run.
     if (unit->optimizer_step() > saved.iteration) {
       return absl::DataLossError(absl::StrCat(

@@ -98,6 +98,8 @@ struct CheckpointLoad {
   DataIdentity data;
   int64_t data_max_token = 0;  // The largest token id of the run's data.
   bool log_warnings = true;    // The logging rank logs the checks' warnings.
+  /// The optimizer's state slots a resume reads for every parameter (Optimizer::StateSlots).
+  std::vector<std::string> optimizer_slots;
 };
 
 /// Where a load leaves training.

@@ -180,7 +180,7 @@ class Plugin : public LayerCustomizer {
   /// (NOTE [activation recomputation] in core/transformer_layer.h).
   virtual bool SupportsRecompute() const { return false; }
   /// True when AfterBackward reads or edits whole reduced gradients, or the plugin edits
-  /// the Adam moments (Parameter::exp_avg): --use_distributed_optimizer refuses it.
+  /// the optimizer state (Parameter::optimizer_state): --use_distributed_optimizer refuses it.
   virtual bool ReadsWholeGradients() const { return false; }
   /// True when the plugin works on sequence-parallel layers (NOTE [sequence parallelism] in
   /// core/tensor_parallel.h): between the tensor-parallel regions a layer holds only its

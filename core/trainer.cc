@@ -559,6 +559,7 @@ absl::Status Trainer::Load(const std::string& path) {
 
 absl::Status Trainer::Load(const ckpt::CheckpointReader& reader) {
   CheckpointLoad load;
+  load.optimizer_slots = optimizer_->StateSlots();
   load.config = &config_;
   load.data = {config_.data_path, corpus_documents_, corpus_tokens_};
   load.data_max_token = corpus_max_token_;

@@ -1,5 +1,7 @@
 #include "core/unit.h"
 
+#include <set>
+
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "core/tensor_parallel.h"
@@ -35,7 +37,7 @@ at::Tensor& Unit::AddParameter(const std::string& local_name, at::Tensor init,
   at::Tensor value = init.to(params_device_, params_dtype_).contiguous().detach();
   value.set_requires_grad(true);
   parameters_.push_back(Parameter{local_name, std::move(value), weight_decay,
-                                 ShardingSpec{tp_shard_dim, mirror_of, expert_parallel}, {}, {}});
+                                 ShardingSpec{tp_shard_dim, mirror_of, expert_parallel}, {}});
   return parameters_.back().value;
 }
 
@@ -79,9 +81,10 @@ std::vector<Unit::LocalState> Unit::LocalStateTensors(bool expert_parallel_only,
   if (with_moments) {
     for (const auto& p : parameters_) {
       if (!saved(p) || !SavesMomentsOf(p)) continue;
-      const std::string base = "optimizer." + GlobalName(p.name);
-      out.push_back({base + ".exp_avg", p.exp_avg, split(p)});
-      out.push_back({base + ".exp_avg_sq", p.exp_avg_sq, split(p)});
+      const std::string base = "optimizer." + GlobalName(p.name) + ".";
+      for (const auto& [slot, tensor] : p.optimizer_state) {
+        if (tensor.defined()) out.push_back({base + slot, tensor, split(p)});
+      }
     }
   }
   if (expert_parallel_only) return out;
@@ -147,19 +150,34 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
     // Migrations may carry a wider dtype than the parameter's; state takes the parameter's.
     auto own = [&p](const at::Tensor& t) { return t.to(p.value.options(), false, /*copy=*/true); };
     p.value.mutable_grad() = grad ? own(*grad) : at::Tensor();
+    // Every slot of its optimizer state that came with it, whatever the optimizer's.
+    p.optimizer_state.clear();
     if (step != nullptr) {
-      const at::Tensor* m = find("optimizer." + name + ".exp_avg");
-      const at::Tensor* v = find("optimizer." + name + ".exp_avg_sq");
-      if (m == nullptr || v == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("migrated unit ", name_, " lacks the Adam moments of ", name));
+      const std::string prefix = "optimizer." + name + ".";
+      for (auto it = tensors.lower_bound(prefix);
+           it != tensors.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+        const std::string slot = it->first.substr(prefix.size());
+        if (slot.find('.') != std::string::npos) continue;  // another parameter's ("<name>.x.y")
+        FULCRUM_RETURN_IF_ERROR(check_shape(it->first, it->second, p.value));
+        p.optimizer_state[slot] = own(it->second);
       }
-      FULCRUM_RETURN_IF_ERROR(check_shape(name, *m, p.value));
-      FULCRUM_RETURN_IF_ERROR(check_shape(name, *v, p.value));
-      p.exp_avg = own(*m);
-      p.exp_avg_sq = own(*v);
-    } else {
-      p.exp_avg = p.exp_avg_sq = at::Tensor();
+      if (p.optimizer_state.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("migrated unit ", name_, " lacks the optimizer state of ", name));
+      }
+    }
+  }
+  // Every parameter carries the same slots (the sender's optimizer gave each the same).
+  std::set<std::string> slots;
+  for (const auto& p : parameters_) {
+    for (const auto& [slot, tensor] : p.optimizer_state) slots.insert(slot);
+  }
+  for (const auto& p : parameters_) {
+    for (const std::string& slot : slots) {
+      if (p.optimizer_state.count(slot) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("migrated unit ", name_, " lacks ",
+                                                       "optimizer.", GlobalName(p.name), ".", slot));
+      }
     }
   }
   StateLoaded();
@@ -168,15 +186,17 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
 
 absl::Status Unit::LoadStateTensors(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer, const std::optional<SliceLookup>& slice_lookup) {
-  absl::Status status = LoadState(lookup, with_optimizer, slice_lookup);
+    const std::vector<std::string>& optimizer_slots,
+    const std::optional<SliceLookup>& slice_lookup) {
+  absl::Status status = LoadState(lookup, optimizer_slots, slice_lookup);
   if (status.ok()) StateLoaded();
   return status;
 }
 
 absl::Status Unit::LoadState(
     const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-    bool with_optimizer, const std::optional<SliceLookup>& slice_lookup) {
+    const std::vector<std::string>& optimizer_slots,
+    const std::optional<SliceLookup>& slice_lookup) {
   auto load_into = [&](const std::string& name, const Parameter& p,
                        at::Tensor* out) -> absl::Status {
     const at::Tensor& like = p.value;
@@ -236,20 +256,22 @@ absl::Status Unit::LoadState(
     }
     buffer.copy_(t);
   }
-  if (!with_optimizer) return absl::OkStatus();
+  if (optimizer_slots.empty()) return absl::OkStatus();
   auto step = lookup("optimizer." + name_ + ".step");
   if (!step.ok()) {
     if (!absl::IsNotFound(step.status())) return step.status();
     // A checkpoint saved before the first optimizer step has no optimizer state.
     optimizer_step_ = 0;
-    for (auto& p : parameters_) p.exp_avg = p.exp_avg_sq = at::Tensor();
+    for (auto& p : parameters_) p.optimizer_state.clear();
     return absl::OkStatus();
   }
   optimizer_step_ = step->item<int64_t>();
   for (auto& p : parameters_) {
-    const std::string base = "optimizer." + stored_name(p);
-    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg", p, &p.exp_avg));
-    FULCRUM_RETURN_IF_ERROR(load_into(base + ".exp_avg_sq", p, &p.exp_avg_sq));
+    const std::string base = "optimizer." + stored_name(p) + ".";
+    p.optimizer_state.clear();
+    for (const std::string& slot : optimizer_slots) {
+      FULCRUM_RETURN_IF_ERROR(load_into(base + slot, p, &p.optimizer_state[slot]));
+    }
   }
   return absl::OkStatus();
 }

@@ -5,9 +5,9 @@
 // on its own without touching any other unit.
 //
 // Global names: a parameter `self_attention.linear_qkv.weight` of unit `layers.3` is
-// `layers.3.self_attention.linear_qkv.weight`; its Adam moments are
-// `optimizer.layers.3.self_attention.linear_qkv.weight.exp_avg` / `.exp_avg_sq`, and the
-// unit's step counter is `optimizer.layers.3.step`.
+// `layers.3.self_attention.linear_qkv.weight`; each tensor of its optimizer state is
+// `optimizer.layers.3.self_attention.linear_qkv.weight.<slot>` (AdamW's slots: `exp_avg`,
+// `exp_avg_sq`), and the unit's step counter is `optimizer.layers.3.step`.
 //
 // NOTE [parameter identity]
 // A parameter's `value` tensor is created once, in the unit's constructor, and never
@@ -91,8 +91,21 @@ struct Parameter {
   at::Tensor value;      // fp32 leaf tensor with requires_grad; its .grad() is the gradient.
   bool weight_decay;     // False for biases and norm parameters (no decoupled decay).
   ShardingSpec sharding; // NOTE [parameter sharding].
-  at::Tensor exp_avg;    // fp32 first moment; undefined before the first optimizer step.
-  at::Tensor exp_avg_sq; // fp32 second moment; undefined before the first optimizer step.
+  /// The optimizer's state of this parameter (NOTE [optimizer state residency] in
+  /// core/optimizer/optimizer.h): tensors of its shape, each under the name the optimizer
+  /// gives it (Optimizer::StateSlots(); AdamW: its two moments) — also the last part of its
+  /// checkpoint name. Empty before the first step; an undefined tensor counts as absent.
+  /// Checkpoints, layer moves, re-packing and plugins treat every slot alike: only the
+  /// optimizer knows what one means.
+  std::map<std::string, at::Tensor> optimizer_state;
+
+  /// The state of `slot`, created (undefined) when absent, for the optimizer to fill.
+  at::Tensor& OptimizerState(const std::string& slot) { return optimizer_state[slot]; }
+  /// The state of `slot`, or an undefined tensor.
+  at::Tensor OptimizerState(const std::string& slot) const {
+    auto it = optimizer_state.find(slot);
+    return it == optimizer_state.end() ? at::Tensor() : it->second;
+  }
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -159,7 +172,8 @@ class Unit {
   /// Restores what StateTensors(gather) produced: full tensors, of which this rank keeps its
   /// shard. `lookup(global_name)` returns the tensor, a
   /// NotFound error when it is absent, or another error. Every parameter must be present
-  /// with the right shape, and every buffer. With `with_optimizer`, the moments are read
+  /// with the right shape, and every buffer. With `optimizer_slots` (the optimizer's
+  /// Optimizer::StateSlots(); empty: the weights alone), each parameter's state is read
   /// when the step counter is present (absent: the checkpoint predates the first step,
   /// state resets).
   /// `slice_lookup`, when given, reads a tensor-parallel shard alone (a sharded checkpoint
@@ -173,7 +187,8 @@ class Unit {
   };
   absl::Status LoadStateTensors(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer, const std::optional<SliceLookup>& slice_lookup = std::nullopt);
+      const std::vector<std::string>& optimizer_slots,
+      const std::optional<SliceLookup>& slice_lookup = std::nullopt);
 
   /// Whether a checkpoint holds Adam's moments of `p`: none before the first step, none for
   /// a mirror (it loads its source's).
@@ -263,7 +278,8 @@ class Unit {
   // LoadStateTensors without the callbacks.
   absl::Status LoadState(
       const std::function<absl::StatusOr<at::Tensor>(const std::string&)>& lookup,
-      bool with_optimizer, const std::optional<SliceLookup>& slice_lookup);
+      const std::vector<std::string>& optimizer_slots,
+      const std::optional<SliceLookup>& slice_lookup);
 
   int64_t optimizer_step_ = 0;
   at::ScalarType params_dtype_ = at::kFloat;

@@ -108,18 +108,24 @@ absl::Status UnitReceive::Finish(Unit& shell) {
   payload_work->Wait();
   bytes_ = Bytes(header_) + Bytes(blob) + Bytes(payload);
 
-  // The names the shell expects: its parameters with their gradients and Adam moments,
+  // The names the shell expects: its parameters with their gradients and the slots of
+  // their optimizer state (whatever the optimizer names them: "optimizer.<name>.<slot>"),
   // and whatever else it migrates (buffers, a block's step state). Shapes come with the
   // names; LoadMigrationTensors checks them against the shell's.
   std::set<std::string> expected;
+  std::set<std::string> state_prefixes;
   for (const Parameter& p : shell.parameters()) {
     const std::string name = shell.GlobalName(p.name);
-    for (const std::string& key : {name, name + ".grad", "optimizer." + name + ".exp_avg",
-                                   "optimizer." + name + ".exp_avg_sq"}) {
-      expected.insert(key);
-    }
+    expected.insert(name);
+    expected.insert(name + ".grad");
+    state_prefixes.insert("optimizer." + name + ".");
   }
   for (const auto& [name, tensor] : shell.MigrationTensors()) expected.insert(name);
+  auto is_expected = [&](const std::string& key) {
+    if (expected.count(key) > 0) return true;
+    const size_t dot = key.rfind('.');
+    return dot != std::string::npos && state_prefixes.count(key.substr(0, dot + 1)) > 0;
+  };
   std::map<std::string, at::Tensor> tensors;
   const std::string names(reinterpret_cast<const char*>(blob.data_ptr<uint8_t>()), names_bytes);
   int64_t offset = 0;
@@ -134,7 +140,7 @@ absl::Status UnitReceive::Finish(Unit& shell) {
       shape.push_back(d);
       count *= d;
     }
-    if (!well_formed || expected.count(parts.first) == 0 || offset + count > numel) {
+    if (!well_formed || !is_expected(parts.first) || offset + count > numel) {
       return absl::DataLossError(absl::StrCat("migration from stage ", src_, " into ", shell.name(),
                                               ": unexpected tensor ", line));
     }

@@ -220,11 +220,18 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
     for (const Parameter& p : unit->parameters()) {
       if (p.sharding.Saved()) continue;  // not a mirror (NOTE [parameter sharding])
       const std::string name = unit->GlobalName(p.name);
-      for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
-        const std::string prefix = *suffix == '\0' ? "" : "optimizer.";
-        auto source = received.find(prefix + p.sharding.mirror_of + suffix);
-        if (source != received.end()) received[prefix + name + suffix] = source->second;
+      if (auto value = received.find(p.sharding.mirror_of); value != received.end()) {
+        received[name] = value->second;
       }
+      // Every slot of the source's optimizer state ("optimizer.<source>.<slot>").
+      const std::string source = "optimizer." + p.sharding.mirror_of + ".";
+      std::vector<std::pair<std::string, at::Tensor>> slots;
+      for (auto it = received.lower_bound(source);
+           it != received.end() && it->first.compare(0, source.size(), source) == 0; ++it) {
+        const std::string slot = it->first.substr(source.size());
+        if (slot.find('.') == std::string::npos) slots.emplace_back(slot, it->second);
+      }
+      for (auto& [slot, tensor] : slots) received["optimizer." + name + "." + slot] = tensor;
     }
     if (absl::Status s = unit->LoadMigrationTensors(received); !s.ok()) {
       return absl::DataLossError(absl::StrCat("shrink: loading ", unit->name(), ": ", s.message()));

@@ -397,8 +397,10 @@ class PrunePlugin final : public Plugin {
         const at::Tensor keep = mask.to(w.scalar_type());
         w.mul_(keep);
         if (Parameter* p = layer->FindParameter(LinearSlotName(kSlots[i]))) {
-          if (p->exp_avg.defined()) p->exp_avg.mul_(keep);
-          if (p->exp_avg_sq.defined()) p->exp_avg_sq.mul_(keep);
+          // Every slot of the optimizer's state is per element of the weight.
+          for (auto& [slot, state] : p->optimizer_state) {
+            if (state.defined()) state.mul_(keep);
+          }
         }
         masks[i] = mask;
       }

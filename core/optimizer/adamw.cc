@@ -238,9 +238,11 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
       const at::Tensor& grad = p.value.grad();
       // A frozen parameter is never updated, even if a gradient reached it.
       if (!grad.defined() || !p.value.requires_grad()) continue;
-      if (!p.exp_avg.defined()) {
-        p.exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
-        p.exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
+      at::Tensor& exp_avg = p.OptimizerState(kExpAvg);
+      at::Tensor& exp_avg_sq = p.OptimizerState(kExpAvgSq);
+      if (!exp_avg.defined() || !exp_avg_sq.defined()) {
+        exp_avg = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
+        exp_avg_sq = at::zeros_like(p.value, at::MemoryFormat::Contiguous);
       }
       const bool decays = p.weight_decay && options_.weight_decay != 0.0;
       const bool fuse = kernel_ == Kernel::kFused ||
@@ -251,11 +253,11 @@ void AdamW::Step(const std::vector<Unit*>& units, double lr) const {
             fused[{step, decays, p.value.device().str(), p.value.scalar_type()}];
         group.params.push_back(p.value);
         group.grads.push_back(grad);
-        group.exp_avgs.push_back(p.exp_avg);
-        group.exp_avg_sqs.push_back(p.exp_avg_sq);
+        group.exp_avgs.push_back(exp_avg);
+        group.exp_avg_sqs.push_back(exp_avg_sq);
         continue;
       }
-      Update(p.value, grad, p.exp_avg, p.exp_avg_sq, step, lr, decays);
+      Update(p.value, grad, exp_avg, exp_avg_sq, step, lr, decays);
     }
   }
   for (auto& [key, group] : fused) {
@@ -297,8 +299,8 @@ int64_t AdamW::StateBytes(const std::vector<Unit*>& units) const {
   int64_t bytes = 0;
   for (Unit* unit : units) {
     for (const Parameter& p : unit->parameters()) {
-      for (const at::Tensor* t : {&p.exp_avg, &p.exp_avg_sq}) {
-        if (t->defined()) bytes += t->numel() * static_cast<int64_t>(t->element_size());
+      for (const auto& [slot, t] : p.optimizer_state) {
+        if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
       }
     }
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <set>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -73,6 +74,11 @@ class AdamW final : public Optimizer {
                                       ParallelContext& collectives) override;
 
   int64_t StateBytes(const std::vector<Unit*>& units) const override;
+
+  /// AdamW's state per parameter (Parameter::optimizer_state): the first and second moments.
+  static constexpr const char* kExpAvg = "exp_avg";
+  static constexpr const char* kExpAvgSq = "exp_avg_sq";
+  std::vector<std::string> StateSlots() const override { return {kExpAvg, kExpAvgSq}; }
 
   const OptimizerOptions& options() const { return options_; }
 

@@ -100,20 +100,22 @@ void DistributedAdamW::AdoptWrittenState() {
     for (const Member& m : b.members) {
       Parameter& p = *m.param;
       const auto [begin, end] = OwnedPart(b, m);
-      const bool written = p.exp_avg.defined() && p.exp_avg_sq.defined();
+      const at::Tensor exp_avg = p.OptimizerState(AdamW::kExpAvg);
+      const at::Tensor exp_avg_sq = p.OptimizerState(AdamW::kExpAvgSq);
+      const bool written = exp_avg.defined() && exp_avg_sq.defined();
       const bool reset = !written && m.unit->optimizer_step() == 0 && steps_[m.unit] > 0;
       if (begin < end && (written || reset)) {
         at::Tensor mine = b.exp_avg.narrow(0, begin - b.shard_begin, end - begin);
         at::Tensor mine_sq = b.exp_avg_sq.narrow(0, begin - b.shard_begin, end - begin);
         if (written) {
-          mine.copy_(p.exp_avg.reshape({-1}).narrow(0, begin - m.offset, end - begin));
-          mine_sq.copy_(p.exp_avg_sq.reshape({-1}).narrow(0, begin - m.offset, end - begin));
+          mine.copy_(exp_avg.reshape({-1}).narrow(0, begin - m.offset, end - begin));
+          mine_sq.copy_(exp_avg_sq.reshape({-1}).narrow(0, begin - m.offset, end - begin));
         } else {
           mine.zero_();
           mine_sq.zero_();
         }
       }
-      p.exp_avg = p.exp_avg_sq = at::Tensor();
+      p.optimizer_state.clear();
     }
   }
   for (auto& [unit, step] : steps_) step = unit->optimizer_step();
@@ -294,8 +296,10 @@ absl::Status DistributedAdamW::GatherState(const std::vector<Unit*>& units,
     for (const Member& m : b.members) {
       Parameter& p = *m.param;
       const int64_t numel = p.value.numel();
-      p.exp_avg = exp_avg.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
-      p.exp_avg_sq = exp_avg_sq.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
+      p.OptimizerState(AdamW::kExpAvg) =
+          exp_avg.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
+      p.OptimizerState(AdamW::kExpAvgSq) =
+          exp_avg_sq.narrow(0, m.offset, numel).view(p.value.sizes()).clone();
     }
   }
   gathered_ = true;
@@ -304,7 +308,7 @@ absl::Status DistributedAdamW::GatherState(const std::vector<Unit*>& units,
 
 void DistributedAdamW::ReleaseState(const std::vector<Unit*>& units) {
   for (const Bucket& b : buckets_) {
-    for (const Member& m : b.members) m.param->exp_avg = m.param->exp_avg_sq = at::Tensor();
+    for (const Member& m : b.members) m.param->optimizer_state.clear();
   }
   gathered_ = false;
 }
@@ -318,9 +322,10 @@ absl::StatusOr<std::vector<MomentSlice>> DistributedAdamW::MomentSlices(
     for (const Member& m : b.members) {
       const auto [begin, end] = OwnedPart(b, m);
       if (begin >= end) continue;
-      out.push_back({m.unit, m.param, begin - m.offset, end - m.offset,
-                     b.exp_avg.narrow(0, begin - b.shard_begin, end - begin),
-                     b.exp_avg_sq.narrow(0, begin - b.shard_begin, end - begin)});
+      MomentSlice slice{m.unit, m.param, begin - m.offset, end - m.offset, {}};
+      slice.state = {{AdamW::kExpAvg, b.exp_avg.narrow(0, begin - b.shard_begin, end - begin)},
+                     {AdamW::kExpAvgSq, b.exp_avg_sq.narrow(0, begin - b.shard_begin, end - begin)}};
+      out.push_back(std::move(slice));
     }
   }
   return out;

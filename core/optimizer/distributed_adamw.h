@@ -87,6 +87,7 @@ class DistributedAdamW final : public Optimizer {
                                                         ParallelContext& collectives) override;
   /// The moments of the owned slices (the layout's, once built; 0 before).
   int64_t StateBytes(const std::vector<Unit*>& units) const override;
+  std::vector<std::string> StateSlots() const override { return adamw_.StateSlots(); }
 
   /// The number of buckets of the current layout (tests).
   size_t num_buckets() const { return buckets_.size(); }

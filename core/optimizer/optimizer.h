@@ -65,7 +65,9 @@ struct MomentSlice {
   const Parameter* param = nullptr;
   int64_t begin = 0;
   int64_t end = 0;
-  at::Tensor exp_avg, exp_avg_sq;  // 1-D, end − begin elements: the optimizer's own state.
+  /// The optimizer's own state of the slice, by slot (StateSlots): 1-D, end − begin
+  /// elements each.
+  std::vector<std::pair<std::string, at::Tensor>> state;
 };
 
 class Optimizer {
@@ -100,7 +102,11 @@ class Optimizer {
   /// The overlapped reduction's buckets started before the last step (tests, metrics).
   int buckets_started_early() const { return overlap_.started_early(); }
 
-  // NOTE [optimizer state residency]: every Parameter's exp_avg/exp_avg_sq (core/unit.h) is
+  /// The names of the state tensors it keeps per parameter (Parameter::optimizer_state), in
+  /// checkpoint order: what a resume reads for each parameter.
+  virtual std::vector<std::string> StateSlots() const = 0;
+
+  // NOTE [optimizer state residency]: every Parameter's optimizer_state (core/unit.h) is
   // where checkpoints, layer moves and plugins find a parameter's whole optimizer state. An
   // optimizer that keeps the state elsewhere (the distributed optimizer: a slice per
   // data-parallel rank) makes it whole there on GatherState and takes it back (keeping its

@@ -178,8 +178,8 @@ TEST(MigrationTest, MigrationTensorsCarryGradientsAndAdamState) {
   TransformerLayer layer(o, 2);
   layer.set_optimizer_step(3);
   for (Parameter& p : layer.parameters()) {
-    p.exp_avg = at::full_like(p.value, 0.5);
-    p.exp_avg_sq = at::full_like(p.value, 0.25);
+    p.OptimizerState("exp_avg") = at::full_like(p.value, 0.5);
+    p.OptimizerState("exp_avg_sq") = at::full_like(p.value, 0.25);
     p.value.mutable_grad() = at::full_like(p.value, -1.0);
   }
   std::map<std::string, at::Tensor> wire;
@@ -193,7 +193,7 @@ TEST(MigrationTest, MigrationTensorsCarryGradientsAndAdamState) {
     const Parameter& q = shell.parameters()[i];
     EXPECT_TRUE(at::equal(p.value, q.value)) << p.name;
     EXPECT_TRUE(at::equal(p.value.grad(), q.value.grad())) << p.name;
-    EXPECT_TRUE(at::equal(p.exp_avg_sq, q.exp_avg_sq)) << p.name;
+    EXPECT_TRUE(at::equal(p.OptimizerState("exp_avg_sq"), q.OptimizerState("exp_avg_sq"))) << p.name;
   }
   wire.erase("optimizer.layers.2.mlp.linear_fc1.weight.exp_avg");
   absl::Status status = shell.LoadMigrationTensors(wire);
@@ -235,7 +235,7 @@ TEST(MirrorTest, TiedHeadOnAnotherStageMirrorsTheWordEmbeddings) {
     if (it == saved.end()) return absl::NotFoundError(name);
     return it->second;
   };
-  ASSERT_TRUE(last.head()->LoadStateTensors(lookup, true).ok());
+  ASSERT_TRUE(last.head()->LoadStateTensors(lookup, AdamW(OptimizerOptions()).StateSlots()).ok());
   EXPECT_TRUE(at::equal(mirror->value, at::full_like(mirror->value, 0.5)));
 }
 

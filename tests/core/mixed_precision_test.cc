@@ -126,8 +126,8 @@ TEST(MixedPrecisionTest, ActivationsAreBf16AndEverythingElseFp32) {
   AdamW(OptimizerOptions()).Step(model.Units(), 1e-3);
   for (Unit* unit : model.Units()) {
     for (const Parameter& p : unit->parameters()) {
-      EXPECT_EQ(p.exp_avg.scalar_type(), at::kFloat) << unit->GlobalName(p.name);
-      EXPECT_EQ(p.exp_avg_sq.scalar_type(), at::kFloat) << unit->GlobalName(p.name);
+      EXPECT_EQ(p.OptimizerState("exp_avg").scalar_type(), at::kFloat) << unit->GlobalName(p.name);
+      EXPECT_EQ(p.OptimizerState("exp_avg_sq").scalar_type(), at::kFloat) << unit->GlobalName(p.name);
       EXPECT_EQ(p.value.scalar_type(), at::kFloat) << unit->GlobalName(p.name);
     }
   }
@@ -202,7 +202,7 @@ TEST(MixedPrecisionTest, OneStepIsTheFp32AdamWUpdateOfTheBf16Gradients) {
       EXPECT_EQ(p.value.scalar_type(), at::kFloat);
       EXPECT_TRUE(at::equal(p.value, w)) << unit->GlobalName(p.name) << ": max |diff| "
                                          << testing::MaxAbsDiff(p.value, w);
-      EXPECT_TRUE(at::equal(p.exp_avg, m)) << unit->GlobalName(p.name);
+      EXPECT_TRUE(at::equal(p.OptimizerState("exp_avg"), m)) << unit->GlobalName(p.name);
     }
   }
 }
@@ -328,7 +328,7 @@ TEST(MixedPrecisionTest, Bf16ResumeIsBitIdentical) {
     for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
       EXPECT_EQ(b[u]->parameters()[p].value.scalar_type(), at::kFloat);
       EXPECT_TRUE(at::equal(a[u]->parameters()[p].value, b[u]->parameters()[p].value));
-      EXPECT_TRUE(at::equal(a[u]->parameters()[p].exp_avg, b[u]->parameters()[p].exp_avg));
+      EXPECT_TRUE(at::equal(a[u]->parameters()[p].OptimizerState("exp_avg"), b[u]->parameters()[p].OptimizerState("exp_avg")));
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <thread>
 
+#include "core/optimizer/adamw.h"
 #include "core/gpt_model.h"
 #include "core/linear.h"
 #include "core/random.h"
@@ -270,8 +271,8 @@ TEST(UnitTest, StateRoundTripsThroughGlobalNames) {
   for (Unit* unit : source.Units()) {
     unit->set_optimizer_step(5);
     for (Parameter& p : unit->parameters()) {
-      p.exp_avg = at::full_like(p.value, 0.5);
-      p.exp_avg_sq = at::full_like(p.value, 0.25);
+      p.OptimizerState("exp_avg") = at::full_like(p.value, 0.5);
+      p.OptimizerState("exp_avg_sq") = at::full_like(p.value, 0.25);
     }
   }
   std::map<std::string, at::Tensor> saved;
@@ -289,19 +290,19 @@ TEST(UnitTest, StateRoundTripsThroughGlobalNames) {
     if (it == saved.end()) return absl::NotFoundError(name);
     return it->second;
   };
-  for (Unit* unit : target.Units()) ASSERT_TRUE(unit->LoadStateTensors(lookup, true).ok());
+  for (Unit* unit : target.Units()) ASSERT_TRUE(unit->LoadStateTensors(lookup, AdamW(OptimizerOptions()).StateSlots()).ok());
   auto s = source.Units();
   auto t = target.Units();
   for (size_t u = 0; u < s.size(); ++u) {
     EXPECT_EQ(t[u]->optimizer_step(), 5);
     for (size_t p = 0; p < s[u]->parameters().size(); ++p) {
       EXPECT_TRUE(at::equal(s[u]->parameters()[p].value, t[u]->parameters()[p].value));
-      EXPECT_TRUE(at::equal(t[u]->parameters()[p].exp_avg_sq, at::full_like(t[u]->parameters()[p].value, 0.25)));
+      EXPECT_TRUE(at::equal(t[u]->parameters()[p].OptimizerState("exp_avg_sq"), at::full_like(t[u]->parameters()[p].value, 0.25)));
     }
   }
   // A missing parameter is an error naming it.
   saved.erase("layers.0.input_layernorm.bias");
-  absl::Status status = target.layers().at(0)->LoadStateTensors(lookup, true);
+  absl::Status status = target.layers().at(0)->LoadStateTensors(lookup, AdamW(OptimizerOptions()).StateSlots());
   EXPECT_FALSE(status.ok());
   EXPECT_NE(status.message().find("layers.0.input_layernorm.bias"), std::string::npos);
 }

@@ -79,8 +79,8 @@ TEST(AdamWTest, TwoStepsMatchHandComputedUpdate) {
   const at::Tensor w = unit.parameters()[0].value;
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(w[i].item<double>(), w_ref[i].p, 1e-6) << i;
   EXPECT_NEAR(unit.parameters()[1].value[0].item<double>(), b_ref.p, 1e-6);
-  EXPECT_NEAR(unit.parameters()[0].exp_avg[2].item<double>(), w_ref[2].m, 1e-6);
-  EXPECT_NEAR(unit.parameters()[0].exp_avg_sq[2].item<double>(), w_ref[2].v, 1e-6);
+  EXPECT_NEAR(unit.parameters()[0].OptimizerState("exp_avg")[2].item<double>(), w_ref[2].m, 1e-6);
+  EXPECT_NEAR(unit.parameters()[0].OptimizerState("exp_avg_sq")[2].item<double>(), w_ref[2].v, 1e-6);
 }
 
 // First step, no decay: m̂ = g, v̂ = g², so every weight moves by lr·g/(|g|+eps) ≈ lr·sign(g).
@@ -101,7 +101,7 @@ TEST(AdamWTest, ParametersWithoutGradientsAreLeftAlone) {
   unit.parameters()[0].value.mutable_grad() = at::tensor({1.0f, 1.0f, 1.0f});
   AdamW(OptimizerOptions()).Step({&unit}, 0.1);
   EXPECT_FLOAT_EQ(unit.parameters()[1].value[0].item<float>(), 0.25f);
-  EXPECT_FALSE(unit.parameters()[1].exp_avg.defined());
+  EXPECT_FALSE(unit.parameters()[1].OptimizerState("exp_avg").defined());
 }
 
 TEST(AdamWTest, GradNormAndClipping) {
@@ -187,15 +187,15 @@ TEST(AdamWTest, FusedMatchesPerTensor) {
       const Parameter& a = per_tensor[l]->parameters()[i];
       const Parameter& b = fused[l]->parameters()[i];
       worst = std::max(worst, (a.value - b.value).abs().max().item<double>());
-      if (a.exp_avg.defined() || b.exp_avg.defined()) {
-        ASSERT_TRUE(a.exp_avg.defined() && b.exp_avg.defined()) << a.name;
-        worst = std::max(worst, (a.exp_avg - b.exp_avg).abs().max().item<double>());
-        worst = std::max(worst, (a.exp_avg_sq - b.exp_avg_sq).abs().max().item<double>());
+      if (a.OptimizerState("exp_avg").defined() || b.OptimizerState("exp_avg").defined()) {
+        ASSERT_TRUE(a.OptimizerState("exp_avg").defined() && b.OptimizerState("exp_avg").defined()) << a.name;
+        worst = std::max(worst, (a.OptimizerState("exp_avg") - b.OptimizerState("exp_avg")).abs().max().item<double>());
+        worst = std::max(worst, (a.OptimizerState("exp_avg_sq") - b.OptimizerState("exp_avg_sq")).abs().max().item<double>());
       }
     }
     // The frozen parameter and the one without a gradient did not move, in either.
     torch::manual_seed(11);
-    EXPECT_FALSE(fused[l]->parameters()[3].exp_avg.defined());
+    EXPECT_FALSE(fused[l]->parameters()[3].OptimizerState("exp_avg").defined());
   }
   // The update happened: the weights are far from where the same seed started them.
   {
@@ -293,31 +293,31 @@ TEST(DistributedAdamWTest, OneRankStepsAsAdamWBitForBit) {
   }
   EXPECT_GT(distributed.num_buckets(), 2u) << "a 1 KiB budget cuts the 4.7 KiB of weights";
   // The moments the whole: no Parameter holds them until GatherState.
-  EXPECT_FALSE(sharded[0]->parameters()[0].exp_avg.defined());
+  EXPECT_FALSE(sharded[0]->parameters()[0].OptimizerState("exp_avg").defined());
   EXPECT_EQ(distributed.StateBytes(units), 2 * 2 * (33 * 17 + 17 + 5 + 4) * 4);
   ASSERT_TRUE(distributed.GatherState(units, one).ok());
   for (int l = 0; l < 2; ++l) {
     for (size_t i : {0, 1}) {
       const Parameter& a = reference[l]->parameters()[i];
       const Parameter& b = sharded[l]->parameters()[i];
-      ASSERT_TRUE(b.exp_avg.defined());
-      EXPECT_TRUE(at::equal(a.exp_avg, b.exp_avg)) << a.name;
-      EXPECT_TRUE(at::equal(a.exp_avg_sq, b.exp_avg_sq)) << a.name;
+      ASSERT_TRUE(b.OptimizerState("exp_avg").defined());
+      EXPECT_TRUE(at::equal(a.OptimizerState("exp_avg"), b.OptimizerState("exp_avg"))) << a.name;
+      EXPECT_TRUE(at::equal(a.OptimizerState("exp_avg_sq"), b.OptimizerState("exp_avg_sq"))) << a.name;
     }
     // Never stepped: zeros, where AdamW never made moments at all.
-    EXPECT_FALSE(reference[l]->parameters()[3].exp_avg.defined());
-    EXPECT_EQ(sharded[l]->parameters()[3].exp_avg.abs().sum().item<double>(), 0.0);
+    EXPECT_FALSE(reference[l]->parameters()[3].OptimizerState("exp_avg").defined());
+    EXPECT_EQ(sharded[l]->parameters()[3].OptimizerState("exp_avg").abs().sum().item<double>(), 0.0);
   }
   distributed.ReleaseState(units);
-  EXPECT_FALSE(sharded[1]->parameters()[0].exp_avg_sq.defined());
+  EXPECT_FALSE(sharded[1]->parameters()[0].OptimizerState("exp_avg_sq").defined());
   // A load writes whole moments into the Parameters: here the reference's, scaled, into
   // both; the next step must start from them.
   for (int l = 0; l < 2; ++l) {
     for (size_t i : {0, 1}) {
       Parameter& a = reference[l]->parameters()[i];
-      a.exp_avg.mul_(0.5);
-      sharded[l]->parameters()[i].exp_avg = a.exp_avg.clone();
-      sharded[l]->parameters()[i].exp_avg_sq = a.exp_avg_sq.clone();
+      a.OptimizerState("exp_avg").mul_(0.5);
+      sharded[l]->parameters()[i].OptimizerState("exp_avg") = a.OptimizerState("exp_avg").clone();
+      sharded[l]->parameters()[i].OptimizerState("exp_avg_sq") = a.OptimizerState("exp_avg_sq").clone();
     }
   }
   grads(reference, 7);
@@ -327,7 +327,7 @@ TEST(DistributedAdamWTest, OneRankStepsAsAdamWBitForBit) {
   ASSERT_TRUE(adamw.ReduceAndStep(ref_units, one, request).ok());
   ASSERT_TRUE(distributed.ReduceAndStep(units, one, request).ok());
   expect_same("after adopting written moments");
-  EXPECT_FALSE(sharded[0]->parameters()[0].exp_avg.defined()) << "adopted, then dropped";
+  EXPECT_FALSE(sharded[0]->parameters()[0].OptimizerState("exp_avg").defined()) << "adopted, then dropped";
 }
 
 // Layers that leave and arrive after GatherState (what the pipeline runner's hook does
@@ -355,8 +355,8 @@ TEST(DistributedAdamWTest, ReSlicesAfterLayersMoveWithTheirGatheredState) {
   c.set_optimizer_step(b.optimizer_step());
   for (size_t i = 0; i < 2; ++i) {
     c.parameters()[i].value.data().copy_(b.parameters()[i].value);
-    c.parameters()[i].exp_avg = b.parameters()[i].exp_avg.clone();
-    c.parameters()[i].exp_avg_sq = b.parameters()[i].exp_avg_sq.clone();
+    c.parameters()[i].OptimizerState("exp_avg") = b.parameters()[i].OptimizerState("exp_avg").clone();
+    c.parameters()[i].OptimizerState("exp_avg_sq") = b.parameters()[i].OptimizerState("exp_avg_sq").clone();
   }
   for (Unit* u : std::vector<Unit*>{&ref_a, &ref_b, &a, &c}) SetGrads(*u, {4, 5, -6}, {0.25});
   ASSERT_TRUE(adamw.ReduceAndStep({&ref_a, &ref_b}, one, request).ok());

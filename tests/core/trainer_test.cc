@@ -92,7 +92,7 @@ TEST(TrainerTest, ResumeIsBitIdentical) {
   for (size_t u = 0; u < a.size(); ++u) {
     for (size_t p = 0; p < a[u]->parameters().size(); ++p) {
       EXPECT_TRUE(at::equal(a[u]->parameters()[p].value, b[u]->parameters()[p].value));
-      EXPECT_TRUE(at::equal(a[u]->parameters()[p].exp_avg_sq, b[u]->parameters()[p].exp_avg_sq));
+      EXPECT_TRUE(at::equal(a[u]->parameters()[p].OptimizerState("exp_avg_sq"), b[u]->parameters()[p].OptimizerState("exp_avg_sq")));
     }
   }
 }

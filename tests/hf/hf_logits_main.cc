@@ -255,12 +255,9 @@ absl::Status Run() {
   auto lookup = [&reader](const std::string& name) { return reader.Read(name); };
   for (Unit* unit : units) {
     // Parameters only: the comparison starts the optimizer afresh, as hf_reference.py does.
-    FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*with_optimizer=*/false));
+    FULCRUM_RETURN_IF_ERROR(unit->LoadStateTensors(lookup, /*optimizer_slots=*/{}));
     unit->set_optimizer_step(0);
-    for (Parameter& p : unit->parameters()) {
-      p.exp_avg = at::Tensor();
-      p.exp_avg_sq = at::Tensor();
-    }
+    for (Parameter& p : unit->parameters()) p.optimizer_state.clear();
   }
   // Every tensor of the checkpoint's model must have been read: one the model does not
   // have (a bias the importer wrote for a model without biases) would otherwise be ignored.

@@ -138,7 +138,7 @@ std::vector<double> MoeLosses(const TrainerConfig& config,
   for (Unit* unit : (*trainer)->model().Units()) {
     for (const Parameter& p : unit->parameters()) {
       EXPECT_EQ(p.value.scalar_type(), at::kFloat) << unit->GlobalName(p.name);
-      EXPECT_EQ(p.exp_avg.scalar_type(), at::kFloat) << unit->GlobalName(p.name);
+      EXPECT_EQ(p.OptimizerState("exp_avg").scalar_type(), at::kFloat) << unit->GlobalName(p.name);
     }
   }
   return losses;

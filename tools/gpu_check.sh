@@ -166,7 +166,8 @@ fi
 # --- one short training run per feature ------------------------------------------------
 # The figures of a run: its iterations, last loss and layers moved; with a reference run's
 # log as $2, also the largest |loss difference| over the iterations both logged, and the
-# check fails (exit 1) past $loss_tolerance; with $3 = moves it fails if no layer moved.
+# check fails (exit 1) past $loss_tolerance; with $3 = moves it fails if no layer moved,
+# with $3 = overlap if no gradient bucket started its reduction before the step.
 loss_tolerance=1e-3
 loss_of() {
   python3 - "$1" "${2:-}" "$loss_tolerance" "${3:-}" <<'PY'
@@ -188,6 +189,11 @@ if any("layers_moved" in r for r in rows_of(sys.argv[1])):
     text += "; layers moved %d" % moved
 if sys.argv[4] == "moves" and moved == 0:
     print(text + "; no layer moved"); sys.exit(1)
+if sys.argv[4] == "overlap":
+    early = sum(r.get("grad_buckets_overlapped", 0) for r in rows_of(sys.argv[1]))
+    text += "; gradient buckets started early %d" % early
+    if early == 0:
+        print(text + "; none overlapped"); sys.exit(1)
 if sys.argv[2]:
     ref = losses(sys.argv[2])
     common = [i for i in mine if i in ref and mine[i] is not None and ref[i] is not None]
@@ -273,6 +279,13 @@ train_check train_zbv_moves 1 "$(two_rank_train tiny_moe) --num_layers=8 --pipel
 train_check train_dp_zero 1 "$(two_rank_train tiny) --use_distributed_optimizer" train_dense
 train_check train_zero_moves 1 "$(two_rank_train tiny) --pipeline_model_parallel_size=2 --use_distributed_optimizer --rebalance_script='3:1->1;6:2,2'" train_dense moves
 train_check train_recompute 1 "$train --bf16 --recompute_granularity=full" train_bf16
+# Sequence parallelism (norms and dropouts on sequence slices, NOTE [sequence parallelism]),
+# and the data-parallel reduction overlapped with the backward pass, replicated and
+# distributed optimizer (NOTE [overlapped gradient reduction]): small buckets, so several
+# start early; each fails unless one did.
+train_check train_tp_sp 1 "$(two_rank_train tiny) --tensor_model_parallel_size=2 --sequence_parallel" train_dense
+train_check train_dp_overlap 1 "$(two_rank_train tiny) --overlap_grad_reduce --ddp_bucket_size=20000" train_dense overlap
+train_check train_zero_overlap 1 "$(two_rank_train tiny) --use_distributed_optimizer --overlap_grad_reduce --ddp_bucket_size=20000" train_dense overlap
 train_check train_pp_moe_recompute 1 "$(two_rank_train tiny_moe) --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1 --recompute_granularity=full" train_moe
 
 # --- the report ------------------------------------------------------------------------

@@ -90,7 +90,8 @@ TEST(DeviceCheckScriptTest, QuickRunReportsEveryCheckAndMarksDeviceOnesNotRun) {
         "train_plugin_prune", "train_plugin_sparse_attention", "train_resume", "train_pp",
         "train_tp", "train_dp", "train_ep", "train_migration", "train_moe8", "train_zbv_moves",
         "train_freeze_scheduled", "train_pp_frozen", "train_dp_zero", "train_zero_moves",
-        "train_recompute", "train_pp_moe_recompute", "two_ranks"}) {
+        "train_recompute", "train_pp_moe_recompute", "train_tp_sp", "train_dp_overlap",
+        "train_zero_overlap", "two_ranks"}) {
     EXPECT_EQ(names.count(expected), 1u) << expected;
   }
   EXPECT_EQ(report["summary"]["fail"].get<int>(), 0);

@@ -94,7 +94,7 @@ void ShardedState(const CheckpointSave& save, const std::vector<Unit*>& units, C
     const int64_t tp_dim = p.sharding.TensorParallelDim(slice.unit->tp_size());
     // A parameter replicated over tensor parallelism has the same slices on every tp rank.
     if (tp_dim < 0 && slice.unit->tp_rank() != 0) continue;
-    const std::string base = "optimizer." + slice.unit->GlobalName(p.name) + ".";
+    const std::string base = OptimizerStatePrefix(slice.unit->GlobalName(p.name));
     for (const auto& [slot, values] : slice.state) {
       ckpt::TensorPiece piece = TensorParallelBox(base + slot, p.value.detach(), tp_dim,
                                                   slice.unit->tp_rank(), slice.unit->tp_size());

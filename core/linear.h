@@ -64,6 +64,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,16 @@ class WeightGradStore {
   /// queued in their order. Timed as Flush.
   void FlushTag(int64_t tag, std::map<int64_t, double>* ms_by_tag = nullptr,
                 kernels::DeviceTimer* timer = nullptr, const std::string& key_prefix = "");
+  /// FlushTag(*tag, ...) with a tag, Flush(...) without: what a caller walking the layers
+  /// runs at each step (GptModel::ReportFinalGradients).
+  void Run(std::optional<int64_t> tag, std::map<int64_t, double>* ms_by_tag = nullptr,
+           kernels::DeviceTimer* timer = nullptr, const std::string& key_prefix = "") {
+    if (tag.has_value()) {
+      FlushTag(*tag, ms_by_tag, timer, key_prefix);
+    } else {
+      Flush(ms_by_tag, timer, key_prefix);
+    }
+  }
   size_t size() const { return tasks_.size(); }
   bool empty() const { return tasks_.empty(); }
   /// Bytes the queued computations keep alive (sum of their Push `bytes`).

@@ -195,6 +195,11 @@ class ParallelContext {
   /// Every rank's `shard` (1-D, the same length and dtype on every rank) concatenated in
   /// rank order. Collective over the group of `role`; on a group of one, `shard` itself.
   virtual at::Tensor AllGather(GroupRole role, const at::Tensor& shard) = 0;
+  /// Whether each of `mine` holds on some rank of the group of `role` (which parameters
+  /// have a gradient, or train, anywhere in it): one sum of 0/1 flags over the group on
+  /// `device` (where its communicator works), read back to the host once. Collective over
+  /// that group; `mine` has the same length on every rank.
+  std::vector<bool> AnyRank(GroupRole role, const std::vector<bool>& mine, c10::Device device);
   /// This rank's communicator of group `role`, for libraries that communicate themselves
   /// (NOTE [plugin doors]). Never null; valid until the layout changes.
   virtual parallel::Communicator* communicator(GroupRole role) = 0;

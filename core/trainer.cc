@@ -347,13 +347,7 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
       }
       FULCRUM_RETURN_IF_ERROR(model_->ReportFinalGradients(
           0, model_->options().num_layers, /*with_head=*/true, /*with_embedding=*/true,
-          [&](std::optional<int64_t> tag) {
-            if (tag.has_value()) {
-              store.FlushTag(*tag);
-            } else {
-              store.Flush();
-            }
-          },
+          [&](std::optional<int64_t> tag) { store.Run(tag); },
           gradients_final));
     }
     if (losses.defined()) loss_sum += losses.item<double>();

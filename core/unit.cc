@@ -8,6 +8,20 @@
 
 namespace fulcrum {
 
+std::string OptimizerStatePrefix(const std::string& param) { return "optimizer." + param + "."; }
+
+std::map<std::string, at::Tensor> OptimizerSlotsIn(const std::map<std::string, at::Tensor>& tensors,
+                                                   const std::string& param) {
+  const std::string prefix = OptimizerStatePrefix(param);
+  std::map<std::string, at::Tensor> slots;
+  for (auto it = tensors.lower_bound(prefix);
+       it != tensors.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+    std::string slot = it->first.substr(prefix.size());
+    if (slot.find('.') == std::string::npos) slots.emplace(std::move(slot), it->second);
+  }
+  return slots;
+}
+
 Unit::Unit(std::string name, int tp_rank, int tp_size)
     : name_(std::move(name)), tp_rank_(tp_rank), tp_size_(tp_size) {}
 Unit::~Unit() = default;
@@ -81,7 +95,7 @@ std::vector<Unit::LocalState> Unit::LocalStateTensors(bool expert_parallel_only,
   if (with_moments) {
     for (const auto& p : parameters_) {
       if (!saved(p) || !SavesMomentsOf(p)) continue;
-      const std::string base = "optimizer." + GlobalName(p.name) + ".";
+      const std::string base = OptimizerStatePrefix(GlobalName(p.name));
       for (const auto& [slot, tensor] : p.optimizer_state) {
         if (tensor.defined()) out.push_back({base + slot, tensor, split(p)});
       }
@@ -153,13 +167,9 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
     // Every slot of its optimizer state that came with it, whatever the optimizer's.
     p.optimizer_state.clear();
     if (step != nullptr) {
-      const std::string prefix = "optimizer." + name + ".";
-      for (auto it = tensors.lower_bound(prefix);
-           it != tensors.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
-        const std::string slot = it->first.substr(prefix.size());
-        if (slot.find('.') != std::string::npos) continue;  // another parameter's ("<name>.x.y")
-        FULCRUM_RETURN_IF_ERROR(check_shape(it->first, it->second, p.value));
-        p.optimizer_state[slot] = own(it->second);
+      for (const auto& [slot, tensor] : OptimizerSlotsIn(tensors, name)) {
+        FULCRUM_RETURN_IF_ERROR(check_shape(OptimizerStatePrefix(name) + slot, tensor, p.value));
+        p.optimizer_state[slot] = own(tensor);
       }
       if (p.optimizer_state.empty()) {
         return absl::InvalidArgumentError(
@@ -176,7 +186,7 @@ absl::Status Unit::LoadMigrationTensors(const std::map<std::string, at::Tensor>&
     for (const std::string& slot : slots) {
       if (p.optimizer_state.count(slot) == 0) {
         return absl::InvalidArgumentError(absl::StrCat("migrated unit ", name_, " lacks ",
-                                                       "optimizer.", GlobalName(p.name), ".", slot));
+                                                       OptimizerStatePrefix(GlobalName(p.name)), slot));
       }
     }
   }
@@ -267,7 +277,7 @@ absl::Status Unit::LoadState(
   }
   optimizer_step_ = step->item<int64_t>();
   for (auto& p : parameters_) {
-    const std::string base = "optimizer." + stored_name(p) + ".";
+    const std::string base = OptimizerStatePrefix(stored_name(p));
     p.optimizer_state.clear();
     for (const std::string& slot : optimizer_slots) {
       FULCRUM_RETURN_IF_ERROR(load_into(base + slot, p, &p.optimizer_state[slot]));

@@ -110,6 +110,14 @@ struct Parameter {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+/// "optimizer.<param>.": the prefix of the names of parameter `param`'s optimizer state
+/// (its global name; each slot is the prefix + the slot's name).
+std::string OptimizerStatePrefix(const std::string& param);
+/// The slots of `param`'s optimizer state among `tensors` (named as above), by slot name.
+/// A slot's name has no dot, so another parameter whose name extends `param`'s is not read.
+std::map<std::string, at::Tensor> OptimizerSlotsIn(const std::map<std::string, at::Tensor>& tensors,
+                                                   const std::string& param);
+
 class Unit {
  public:
   /// `tp_rank`/`tp_size`: this rank's place in the tensor-parallel group, which decides the

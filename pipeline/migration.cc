@@ -118,7 +118,7 @@ absl::Status UnitReceive::Finish(Unit& shell) {
     const std::string name = shell.GlobalName(p.name);
     expected.insert(name);
     expected.insert(name + ".grad");
-    state_prefixes.insert("optimizer." + name + ".");
+    state_prefixes.insert(OptimizerStatePrefix(name));
   }
   for (const auto& [name, tensor] : shell.MigrationTensors()) expected.insert(name);
   auto is_expected = [&](const std::string& key) {

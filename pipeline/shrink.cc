@@ -223,15 +223,10 @@ absl::Status ExchangeState(parallel::Communicator& world, const ShrinkPlan& plan
       if (auto value = received.find(p.sharding.mirror_of); value != received.end()) {
         received[name] = value->second;
       }
-      // Every slot of the source's optimizer state ("optimizer.<source>.<slot>").
-      const std::string source = "optimizer." + p.sharding.mirror_of + ".";
-      std::vector<std::pair<std::string, at::Tensor>> slots;
-      for (auto it = received.lower_bound(source);
-           it != received.end() && it->first.compare(0, source.size(), source) == 0; ++it) {
-        const std::string slot = it->first.substr(source.size());
-        if (slot.find('.') == std::string::npos) slots.emplace_back(slot, it->second);
+      // Every slot of the source's optimizer state.
+      for (auto& [slot, tensor] : OptimizerSlotsIn(received, p.sharding.mirror_of)) {
+        received[OptimizerStatePrefix(name) + slot] = tensor;
       }
-      for (auto& [slot, tensor] : slots) received["optimizer." + name + "." + slot] = tensor;
     }
     if (absl::Status s = unit->LoadMigrationTensors(received); !s.ok()) {
       return absl::DataLossError(absl::StrCat("shrink: loading ", unit->name(), ": ", s.message()));

@@ -550,13 +550,7 @@ absl::Status StageExecutor::ReportFinalGradients(RunContext& run, WeightGradStor
   const std::string prefix = WeightKeyPrefix(run.action);
   std::function<void(std::optional<int64_t>)> run_weight_grads;
   if (store != nullptr) {
-    run_weight_grads = [&](std::optional<int64_t> tag) {
-      if (tag.has_value()) {
-        store->FlushTag(*tag, nullptr, timer, prefix);
-      } else {
-        store->Flush(nullptr, timer, prefix);
-      }
-    };
+    run_weight_grads = [&](std::optional<int64_t> tag) { store->Run(tag, nullptr, timer, prefix); };
   }
   return run.model.ReportFinalGradients(begin, end, run.last(chunk), run.first(chunk),
                                         run_weight_grads, run.plan.gradients_final);

@@ -122,16 +122,13 @@ absl::Status AdamW::BeginGradientReduction(const std::vector<Unit*>& units,
       }
     }
     if (candidates.empty()) continue;
-    at::Tensor trains = at::zeros({static_cast<int64_t>(candidates.size())}, at::kFloat);
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      trains.data_ptr<float>()[i] = candidates[i]->value.requires_grad() ? 1.0f : 0.0f;
-    }
-    at::Tensor on_device = trains.to(candidates.front()->value.device());
-    collectives.AllReduceSum(group, on_device);
-    trains = on_device.cpu();
+    std::vector<bool> mine(candidates.size());
+    for (size_t i = 0; i < candidates.size(); ++i) mine[i] = candidates[i]->value.requires_grad();
+    const std::vector<bool> trains =
+        collectives.AnyRank(group, mine, candidates.front()->value.device());
     std::set<const Parameter*> taken;
     for (size_t i = 0; i < candidates.size(); ++i) {
-      if (trains.data_ptr<float>()[i] > 0) taken.insert(candidates[i]);
+      if (trains[i]) taken.insert(candidates[i]);
     }
     std::vector<OverlappedReduction::Bucket> cut = OverlappedReduction::Cut(
         units, group, [&](const Unit&, const Parameter& p) { return taken.count(&p) > 0; },

@@ -73,20 +73,14 @@ absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
     for (OverlappedReduction::Bucket& cut :
          OverlappedReduction::Cut(units, group, of_group, at_step, bucket_bytes_, n)) {
       Bucket bucket;
-      bucket.group = group;
-      bucket.dtype = cut.dtype;
-      bucket.device = cut.device;
-      bucket.at_step = cut.at_step;
-      for (const OverlappedReduction::Member& m : cut.members) {
-        bucket.members.push_back({m.unit, m.param, m.offset});
-      }
-      bucket.size = cut.size;
-      bucket.shard_size = bucket.size / n;
+      bucket.cut = std::move(cut);
+      bucket.cut.scatter = true;
+      bucket.shard_size = bucket.cut.size / n;
       bucket.shard_begin = r * bucket.shard_size;
-      const auto options = at::TensorOptions().dtype(bucket.dtype).device(bucket.device);
+      const auto options = at::TensorOptions().dtype(bucket.cut.dtype).device(bucket.cut.device);
       bucket.exp_avg = at::zeros({bucket.shard_size}, options);
       bucket.exp_avg_sq = at::zeros({bucket.shard_size}, options);
-      if (group == GroupRole::kExpertData) expert_device_ = bucket.device;
+      if (group == GroupRole::kExpertData) expert_device_ = bucket.cut.device;
       buckets_.push_back(std::move(bucket));
     }
   }
@@ -97,7 +91,7 @@ absl::Status DistributedAdamW::EnsureLayout(const std::vector<Unit*>& units,
 void DistributedAdamW::AdoptWrittenState() {
   at::NoGradGuard no_grad;
   for (Bucket& b : buckets_) {
-    for (const Member& m : b.members) {
+    for (const Member& m : b.cut.members) {
       Parameter& p = *m.param;
       const auto [begin, end] = OwnedPart(b, m);
       const at::Tensor exp_avg = p.OptimizerState(AdamW::kExpAvg);
@@ -122,23 +116,18 @@ void DistributedAdamW::AdoptWrittenState() {
   gathered_ = false;
 }
 
+std::vector<OverlappedReduction::Bucket> DistributedAdamW::Reductions() const {
+  std::vector<OverlappedReduction::Bucket> reductions;
+  reductions.reserve(buckets_.size());
+  for (const Bucket& b : buckets_) reductions.push_back(b.cut);
+  return reductions;
+}
+
 absl::Status DistributedAdamW::BeginGradientReduction(const std::vector<Unit*>& units,
                                                       ParallelContext& collectives) {
   FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
   AdoptWrittenState();
-  std::vector<OverlappedReduction::Bucket> buckets;
-  for (const Bucket& b : buckets_) {
-    OverlappedReduction::Bucket cut;
-    cut.group = b.group;
-    cut.dtype = b.dtype;
-    cut.device = b.device;
-    for (const Member& m : b.members) cut.members.push_back({m.unit, m.param, m.offset});
-    cut.size = b.size;
-    cut.scatter = true;
-    cut.at_step = b.at_step;
-    buckets.push_back(std::move(cut));
-  }
-  overlap_.Begin(std::move(buckets));
+  overlap_.Begin(Reductions());
   return absl::OkStatus();
 }
 
@@ -156,45 +145,24 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   for (GroupRole group : {GroupRole::kData, GroupRole::kExpertData}) {
     std::vector<std::pair<size_t, size_t>> where;
     for (size_t i = 0; i < buckets_.size(); ++i) {
-      if (buckets_[i].group != group) continue;
-      present[i].assign(buckets_[i].members.size(), false);
-      for (size_t j = 0; j < buckets_[i].members.size(); ++j) where.emplace_back(i, j);
+      if (buckets_[i].cut.group != group) continue;
+      present[i].assign(buckets_[i].cut.members.size(), false);
+      for (size_t j = 0; j < buckets_[i].cut.members.size(); ++j) where.emplace_back(i, j);
     }
     if (where.empty()) continue;
-    at::Tensor flags = at::zeros({static_cast<int64_t>(where.size())}, at::kFloat);
+    std::vector<bool> mine(where.size());
     for (size_t k = 0; k < where.size(); ++k) {
-      const Member& m = buckets_[where[k].first].members[where[k].second];
-      flags.data_ptr<float>()[k] = m.param->value.grad().defined() ? 1.0f : 0.0f;
+      mine[k] = buckets_[where[k].first].cut.members[where[k].second].param->value.grad().defined();
     }
-    at::Tensor on_device = flags.to(buckets_[where.front().first].device);
-    collectives.AllReduceSum(group, on_device);
-    flags = on_device.cpu();
-    for (size_t k = 0; k < where.size(); ++k) {
-      present[where[k].first][where[k].second] = flags.data_ptr<float>()[k] > 0;
-    }
+    const std::vector<bool> any =
+        collectives.AnyRank(group, mine, buckets_[where.front().first].cut.device);
+    for (size_t k = 0; k < where.size(); ++k) present[where[k].first][where[k].second] = any[k];
   }
 
   // Each bucket's gradients, summed over its group: this rank's slice only — those that
   // started during the backward are waited for (NOTE [overlapped gradient reduction]).
-  std::vector<at::Tensor> grad_slices(buckets_.size());
-  if (overlap_.active()) {
-    FULCRUM_ASSIGN_OR_RETURN(grad_slices, overlap_.Finish(collectives));
-  }
-  for (size_t i = 0; i < buckets_.size() && !grad_slices[i].defined(); ++i) {
-    const Bucket& b = buckets_[i];
-    at::Tensor flat = at::zeros({b.size}, at::TensorOptions().dtype(b.dtype).device(b.device));
-    for (const Member& m : b.members) {
-      const at::Tensor& g = m.param->value.grad();
-      if (!g.defined()) continue;
-      if (g.scalar_type() != b.dtype) {
-        return absl::InternalError(absl::StrCat(
-            "--use_distributed_optimizer: the gradient of ", m.unit->GlobalName(m.param->name),
-            " is ", c10::toString(g.scalar_type()), ", its parameter ", c10::toString(b.dtype)));
-      }
-      flat.narrow(0, m.offset, g.numel()).copy_(g.reshape({-1}));
-    }
-    grad_slices[i] = collectives.ReduceScatterSum(b.group, flat);
-  }
+  if (!overlap_.active()) overlap_.Begin(Reductions());  // nothing started early: all now
+  FULCRUM_ASSIGN_OR_RETURN(std::vector<at::Tensor> grad_slices, overlap_.Finish(collectives));
   const double reduce_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
@@ -204,15 +172,15 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   std::vector<at::Tensor> dense_pieces, expert_pieces;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const Bucket& b = buckets_[i];
-    for (size_t j = 0; j < b.members.size(); ++j) {
-      const Member& m = b.members[j];
+    for (size_t j = 0; j < b.cut.members.size(); ++j) {
+      const Member& m = b.cut.members[j];
       if (!present[i][j] || !m.param->sharding.CountedOn(m.unit->tp_rank(), m.unit->tp_size())) {
         continue;
       }
       const auto [begin, end] = OwnedPart(b, m);
       if (begin >= end) continue;
       at::Tensor piece = grad_slices[i].narrow(0, begin - b.shard_begin, end - begin);
-      (b.group == GroupRole::kExpertData ? expert_pieces : dense_pieces).push_back(piece);
+      (b.cut.group == GroupRole::kExpertData ? expert_pieces : dense_pieces).push_back(piece);
     }
   }
   const size_t dp_count = request.data_parallel_sums.size();
@@ -247,8 +215,8 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   const OptimizerOptions& o = adamw_.options();
   for (size_t i = 0; i < buckets_.size(); ++i) {
     Bucket& b = buckets_[i];
-    for (size_t j = 0; j < b.members.size(); ++j) {
-      const Member& m = b.members[j];
+    for (size_t j = 0; j < b.cut.members.size(); ++j) {
+      const Member& m = b.cut.members[j];
       Parameter& p = *m.param;
       if (!present[i][j] || !p.value.requires_grad()) continue;
       const auto [begin, end] = OwnedPart(b, m);
@@ -261,8 +229,8 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
                     p.weight_decay && o.weight_decay != 0.0);
     }
     // Every rank's updated slice into every rank's weights.
-    at::Tensor slice = at::zeros({b.shard_size}, at::TensorOptions().dtype(b.dtype).device(b.device));
-    for (const Member& m : b.members) {
+    at::Tensor slice = at::zeros({b.shard_size}, at::TensorOptions().dtype(b.cut.dtype).device(b.cut.device));
+    for (const Member& m : b.cut.members) {
       const auto [begin, end] = OwnedPart(b, m);
       if (begin >= end) continue;
       slice.narrow(0, begin - b.shard_begin, end - begin)
@@ -270,9 +238,9 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
     }
     // Only the members that took a step: the others are equal on every rank already, and
     // copying over them would bump their version counters for nothing.
-    const at::Tensor whole = collectives.AllGather(b.group, slice);
-    for (size_t j = 0; j < b.members.size(); ++j) {
-      const Member& m = b.members[j];
+    const at::Tensor whole = collectives.AllGather(b.cut.group, slice);
+    for (size_t j = 0; j < b.cut.members.size(); ++j) {
+      const Member& m = b.cut.members[j];
       if (!present[i][j] || !m.param->value.requires_grad()) continue;
       const int64_t numel = m.param->value.numel();
       m.param->value.view({-1}).copy_(whole.narrow(0, m.offset, numel));
@@ -291,9 +259,9 @@ absl::Status DistributedAdamW::GatherState(const std::vector<Unit*>& units,
   FULCRUM_RETURN_IF_ERROR(EnsureLayout(units, collectives));
   AdoptWrittenState();
   for (const Bucket& b : buckets_) {
-    const at::Tensor exp_avg = collectives.AllGather(b.group, b.exp_avg);
-    const at::Tensor exp_avg_sq = collectives.AllGather(b.group, b.exp_avg_sq);
-    for (const Member& m : b.members) {
+    const at::Tensor exp_avg = collectives.AllGather(b.cut.group, b.exp_avg);
+    const at::Tensor exp_avg_sq = collectives.AllGather(b.cut.group, b.exp_avg_sq);
+    for (const Member& m : b.cut.members) {
       Parameter& p = *m.param;
       const int64_t numel = p.value.numel();
       p.OptimizerState(AdamW::kExpAvg) =
@@ -308,7 +276,7 @@ absl::Status DistributedAdamW::GatherState(const std::vector<Unit*>& units,
 
 void DistributedAdamW::ReleaseState(const std::vector<Unit*>& units) {
   for (const Bucket& b : buckets_) {
-    for (const Member& m : b.members) m.param->optimizer_state.clear();
+    for (const Member& m : b.cut.members) m.param->optimizer_state.clear();
   }
   gathered_ = false;
 }
@@ -319,7 +287,7 @@ absl::StatusOr<std::vector<MomentSlice>> DistributedAdamW::MomentSlices(
   AdoptWrittenState();
   std::vector<MomentSlice> out;
   for (const Bucket& b : buckets_) {
-    for (const Member& m : b.members) {
+    for (const Member& m : b.cut.members) {
       const auto [begin, end] = OwnedPart(b, m);
       if (begin >= end) continue;
       MomentSlice slice{m.unit, m.param, begin - m.offset, end - m.offset, {}};

@@ -64,6 +64,7 @@
 
 #include "core/optimizer/adamw.h"
 #include "core/optimizer/optimizer.h"
+#include "core/optimizer/overlapped_reduction.h"
 
 namespace fulcrum {
 
@@ -93,22 +94,14 @@ class DistributedAdamW final : public Optimizer {
   size_t num_buckets() const { return buckets_.size(); }
 
  private:
-  // One parameter inside a bucket: elements [offset, offset + numel) of the bucket.
-  struct Member {
-    Unit* unit;
-    Parameter* param;
-    int64_t offset;
-  };
+  using Member = OverlappedReduction::Member;
+  // One bucket of the layout: what it reduces (`cut`, a reduce-scatter, padded to a multiple
+  // of the group's size), this rank's slice of it and the fp32 moments of that slice.
   struct Bucket {
-    ParallelContext::GroupRole group;
-    at::ScalarType dtype;
-    c10::Device device = c10::Device(c10::kCPU);
-    std::vector<Member> members;
-    int64_t size = 0;         // padded: a multiple of the group's size
+    OverlappedReduction::Bucket cut;
     int64_t shard_begin = 0;  // this rank's slice [shard_begin, shard_begin + shard_size)
     int64_t shard_size = 0;
-    bool at_step = false;  // reduced only at the step (OverlappedReduction::Bucket::at_step)
-    at::Tensor exp_avg, exp_avg_sq;  // fp32 moments of the slice
+    at::Tensor exp_avg, exp_avg_sq;
   };
 
   // Builds the layout on first use, and again for a changed set of parameters (layers
@@ -120,6 +113,8 @@ class DistributedAdamW final : public Optimizer {
   // The part of member `m` inside bucket `b`'s owned slice: [begin, end) in bucket
   // coordinates, empty when begin ≥ end.
   static std::pair<int64_t, int64_t> OwnedPart(const Bucket& b, const Member& m);
+  // The buckets' reductions, for OverlappedReduction::Begin.
+  std::vector<OverlappedReduction::Bucket> Reductions() const;
 
   AdamW adamw_;
   int64_t bucket_bytes_;

@@ -76,7 +76,7 @@ absl::StatusOr<at::Tensor> OverlappedReduction::Flatten(const Bucket& bucket) co
     if (!g.defined()) continue;
     if (g.scalar_type() != bucket.dtype) {
       return absl::InternalError(absl::StrCat(
-          "--overlap_grad_reduce: the gradient of ", m.unit->GlobalName(m.param->name), " is ",
+          "the data-parallel gradient reduction: the gradient of ", m.unit->GlobalName(m.param->name), " is ",
           c10::toString(g.scalar_type()), ", its bucket ", c10::toString(bucket.dtype)));
     }
     flat.narrow(0, m.offset, g.numel()).copy_(g.reshape({-1}));

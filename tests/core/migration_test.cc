@@ -201,6 +201,24 @@ TEST(MigrationTest, MigrationTensorsCarryGradientsAndAdamState) {
   EXPECT_NE(status.message().find("layers.2.mlp.linear_fc1.weight"), std::string::npos) << status;
 }
 
+// A parameter's slots are the names one dot past its prefix: a parameter whose name extends
+// it ("w.extra") and the unit's step counter are not its slots.
+TEST(MigrationTest, OptimizerSlotsInReadsOneParametersSlotsOnly) {
+  const at::Tensor a = at::ones({1}), b = at::zeros({1}), c = at::full({1}, 2.0);
+  const std::map<std::string, at::Tensor> tensors = {{"optimizer.layers.1.w.exp_avg", a},
+                                                     {"optimizer.layers.1.w.momentum", b},
+                                                     {"optimizer.layers.1.w.extra.exp_avg", c},
+                                                     {"optimizer.layers.1.step", c},
+                                                     {"optimizer.layers.1.wide.exp_avg", c},
+                                                     {"layers.1.w", c}};
+  EXPECT_EQ(OptimizerStatePrefix("layers.1.w"), "optimizer.layers.1.w.");
+  const std::map<std::string, at::Tensor> slots = OptimizerSlotsIn(tensors, "layers.1.w");
+  ASSERT_EQ(slots.size(), 2u);
+  EXPECT_TRUE(slots.at("exp_avg").is_same(a));
+  EXPECT_TRUE(slots.at("momentum").is_same(b));
+  EXPECT_TRUE(OptimizerSlotsIn(tensors, "layers.2.w").empty());
+}
+
 }  // namespace
 }  // namespace fulcrum
 

@@ -321,6 +321,20 @@ double Bottleneck(const BalanceProblem& problem, const Placement& placement) {
   return StageEvaluator(problem).Bottleneck(placement);
 }
 
+double LargestChunk(const BalanceProblem& problem, const Placement& placement) {
+  const std::vector<double> costs = StageCosts(problem, placement);
+  return costs.empty() ? 0.0 : *std::max_element(costs.begin(), costs.end());
+}
+
+bool IsVShape(const BalanceProblem& problem) {
+  const int p = problem.num_stages;
+  if (problem.chunk_rank.size() != 2 * static_cast<size_t>(p)) return false;
+  for (int k = 0; k < 2 * p; ++k) {
+    if (problem.chunk_rank[k] != (k < p ? k : 2 * p - 1 - k)) return false;
+  }
+  return true;
+}
+
 double Imbalance(const BalanceProblem& problem, const Placement& placement) {
   const std::vector<double> costs = RankCosts(problem, placement);
   if (costs.empty()) return 0.0;

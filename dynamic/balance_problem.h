@@ -182,6 +182,11 @@ std::vector<double> RankCosts(const BalanceProblem& problem, const Placement& pl
 std::vector<double> RankMemories(const BalanceProblem& problem, const Placement& placement);
 /// The largest rank cost: what the pipeline's iteration time follows.
 double Bottleneck(const BalanceProblem& problem, const Placement& placement);
+/// The largest (virtual) stage cost: with chunks, the costliest chunk (ZB-V's first
+/// criterion, NOTE [partition under chunks] in partition.h); Bottleneck without.
+double LargestChunk(const BalanceProblem& problem, const Placement& placement);
+/// ZB-V's V shape: 2p virtual stages, rank r holding virtual r and 2p−1−r.
+bool IsVShape(const BalanceProblem& problem);
 /// (max − min) / mean of the rank costs; 0 when the mean is 0. DESIGN.md's ΔL.
 double Imbalance(const BalanceProblem& problem, const Placement& placement);
 /// Σ_{u<v} |L_u − L_v| over all pairs of ranks (DynMo (Wahib et al., SC'25) §3.3's φ).

@@ -185,7 +185,17 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
   // must only not make things worse.
   const double before = Bottleneck(*problem, current);
   const double proposed = Bottleneck(*problem, *proposal);
-  const double gain = before > 0 ? (before - proposed) / before : 0.0;
+  const double gain = Gain(*problem, current, *proposal);
+  // "bottleneck a → b" from the current placement to `to`, and the largest chunk where the
+  // gain is judged on it.
+  auto change = [&](const Placement& to, bool percent) {
+    std::string out = FormatChange(before, Bottleneck(*problem, to), decision.unit, percent);
+    if (JudgesLargestChunk(*problem)) {
+      absl::StrAppend(&out, ", largest chunk ", FormatNumber(LargestChunk(*problem, current), decision.unit),
+                      " → ", FormatCost(LargestChunk(*problem, to), decision.unit));
+    }
+    return out;
+  };
   std::string capped;
   Placement step = *proposal;
   if (options_.max_moves > 0 && LayersMoved(current, *proposal) > options_.max_moves) {
@@ -197,8 +207,8 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
   const double after = Bottleneck(*problem, step);
   const bool for_memory = !FitsMemory(*problem, current) && FitsMemory(*problem, step);
   const bool apply =
-      step != current &&
-      (for_memory || (proposed < before && gain >= options_.min_gain && after <= before));
+      step != current && (for_memory || (gain > 0 && gain >= options_.min_gain &&
+                                         Gain(*problem, current, step) >= 0 && after <= before));
   const Placement& chosen = apply ? step : current;
   decision.predicted_before = before;
   decision.predicted_after = apply ? after : before;
@@ -209,7 +219,7 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
     decision.target = ToLayerRanges(step);
     decision.note =
         absl::StrCat(name(), ": ", ranges, " → ", FormatPlacement(step), "; ",
-                     FormatChange(before, after, decision.unit, /*percent=*/true), capped,
+                     change(step, /*percent=*/true), capped,
                      for_memory ? "; to fit --rebalance_memory_budget_mb" : "", forced);
     return decision;
   }
@@ -219,23 +229,37 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
     return keep(absl::StrCat("already balanced (bottleneck ", FormatCost(before, decision.unit),
                              ")", over, forced));
   }
-  if (proposed < before && gain >= options_.min_gain) {  // Worth it; the capped step is not.
+  if (gain > 0 && gain >= options_.min_gain) {  // Worth it; the capped step is not.
     const std::string why =
         step == current
             ? absl::StrCat("no step within --rebalance_max_moves=", options_.max_moves,
                            " fits --rebalance_memory_budget_mb")
             : absl::StrCat("the step within --rebalance_max_moves=", options_.max_moves, ", ",
                            FormatPlacement(step), ", would raise the ",
-                           FormatChange(before, after, decision.unit, /*percent=*/false));
+                           change(step, /*percent=*/false));
     return keep(absl::StrCat(FormatPlacement(*proposal), " would take the ",
-                             FormatChange(before, proposed, decision.unit, /*percent=*/true),
+                             change(*proposal, /*percent=*/true),
                              " but ", why, over, forced));
   }
   return keep(absl::StrFormat("%s %.1f%% < --rebalance_min_gain %g%% (%s: %s)%s%s",
                               options_.algorithm == "partition" ? "best gain" : "gain", 100 * gain,
                               100 * options_.min_gain, FormatPlacement(*proposal),
-                              FormatChange(before, proposed, decision.unit, /*percent=*/false),
+                              change(*proposal, /*percent=*/false),
                               over, forced));
+}
+
+bool BalancingRebalancer::JudgesLargestChunk(const BalanceProblem& problem) const {
+  return options_.algorithm == "partition" && IsVShape(problem);
+}
+
+double BalancingRebalancer::Gain(const BalanceProblem& problem, const Placement& from,
+                                 const Placement& to) const {
+  auto fall = [](double a, double b) { return a > 0 ? (a - b) / a : 0.0; };
+  if (JudgesLargestChunk(problem)) {
+    const double a = LargestChunk(problem, from), b = LargestChunk(problem, to);
+    if (a != b) return fall(a, b);
+  }
+  return fall(Bottleneck(problem, from), Bottleneck(problem, to));
 }
 
 void BalancingRebalancer::OnModelChanged(int64_t iteration, const std::string& reason) {

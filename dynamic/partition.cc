@@ -447,15 +447,6 @@ class ChunkSearch {
   Placement fewest_;
 };
 
-bool IsVShape(const StageEvaluator& evaluator) {
-  const int p = evaluator.num_stages();
-  if (evaluator.num_virtual_stages() != 2 * p) return false;
-  for (int k = 0; k < 2 * p; ++k) {
-    if (evaluator.RankOf(k) != (k < p ? k : 2 * p - 1 - k)) return false;
-  }
-  return true;
-}
-
 absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
                                           const StageEvaluator& evaluator,
                                           const Placement* current, PartitionReport* report) {
@@ -474,7 +465,7 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
         num_layers, evaluator.num_virtual_stages(), p, problem.memory_budget, least_memory));
   };
 
-  if (IsVShape(evaluator)) {
+  if (IsVShape(problem)) {
     const VShapeDp dp(evaluator);
     // A rank's totals in ascending virtual order: front chunk (r), then back (2p−1−r).
     auto rank_cost = [&](int, int front, StageRange a, int back, StageRange b) {

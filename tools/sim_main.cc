@@ -67,11 +67,15 @@ DEFINE_int32(microbatches, 0,
              "Micro-batches per iteration (0: 4 per stage for a case or --schedules, the trace's "
              "for a trace; both at --stages when given).");
 DEFINE_string(schedule, "", "Schedule: 1f1b, zbh1, zbh2, zbv (empty: zbh1 for cases, the trace's).");
+DEFINE_int64(case_layers, 0,
+             "Transformer layers of a case's model (0: the case's own, 32 or 48; with --schedules, "
+             "4 per stage, so that each of 2 virtual stages has layers to move).");
 DEFINE_bool(schedules, false,
             "Instead of --case/--trace: compare 1F1B, ZB-H1, interleaved 1F1B and ZB-H1 (2 chunks "
             "per stage) and ZB-V at unit costs and at the dense GPT's costs, with the layers spread uniformly "
             "over the virtual stages (not balanced), at 16 and 24 stages (or --stages), "
-            "--microbatches (0: 4 per stage).");
+            "--microbatches (0: 4 per stage). With --case, then each case's dynamic costs under "
+            "1F1B, ZB-H1, interleaved 1F1B and ZB-V, uniform and balanced (Partition, Diffusion).");
 DEFINE_int32(rebalance_interval, 1, "Balancers decide every this many iterations (and after a change).");
 DEFINE_double(rebalance_min_gain, 0.05, "Balancers' minimum predicted gain (hysteresis).");
 DEFINE_int32(rebalance_window, 3, "Balancers' median window of measured iterations.");
@@ -256,11 +260,14 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
 //   S_total = S_bal × S_dyn = T(best static, dense) / T(best balancer, dynamic)
 // and the bound of S_bal, T(best static) / T(oracle) (NOTE [oracle placement] in
 // dynamic/simulation.cc), beside DynMo's figure and the name of the one it compares to.
-int RunCases(std::string* out) {
+// The cases' options from the flags; the measured inputs (--moe_metrics,
+// --early_exit_metrics) read here: a bad one is a usage error naming it.
+absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
   options.num_stages = FLAGS_stages;
   options.num_microbatches = FLAGS_microbatches;
+  options.layers = FLAGS_case_layers;
   if (!FLAGS_schedule.empty()) options.schedule = FLAGS_schedule;
   options.shape.device_tflops = FLAGS_device_tflops;
   options.shape.vocab = FLAGS_vocab;
@@ -271,8 +278,7 @@ int RunCases(std::string* out) {
   if (!FLAGS_moe_metrics.empty()) {
     absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExpertImbalance(FLAGS_moe_metrics);
     if (!rows.ok()) {
-      std::fprintf(stderr, "--moe_metrics: %s\n", std::string(rows.status().message()).c_str());
-      return kUsageError;
+      return absl::InvalidArgumentError(absl::StrCat("--moe_metrics: ", rows.status().message()));
     }
     options.expert_imbalance = *std::move(rows);
     options.expert_imbalance_source = FLAGS_moe_metrics;
@@ -285,8 +291,8 @@ int RunCases(std::string* out) {
   if (!FLAGS_early_exit_metrics.empty()) {
     absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExitFractions(FLAGS_early_exit_metrics);
     if (!rows.ok()) {
-      std::fprintf(stderr, "--early_exit_metrics: %s\n", std::string(rows.status().message()).c_str());
-      return kUsageError;
+      return absl::InvalidArgumentError(
+          absl::StrCat("--early_exit_metrics: ", rows.status().message()));
     }
     options.exit_fractions = *std::move(rows);
     options.exit_fractions_source = FLAGS_early_exit_metrics;
@@ -296,26 +302,42 @@ int RunCases(std::string* out) {
         "fulcrum_train --recipe=tiny --num_layers=8 --plugins=early_exit "
         "--early_exit_threshold=0.5 (80 iterations; tools/internal/sim_measured.cc)";
   }
-  std::vector<std::string> names;
-  if (FLAGS_case == "all") {
-    names = sim::CaseNames();
-  } else {
-    names = absl::StrSplit(FLAGS_case, ',');
+  return options;
+}
+
+std::vector<std::string> CaseNamesFromFlag() {
+  if (FLAGS_case == "all") return sim::CaseNames();
+  return absl::StrSplit(FLAGS_case, ',');
+}
+
+// A case built and, where measured, its scenario checked: InvalidArgument naming it
+// otherwise (a usage error, found before any work).
+absl::StatusOr<sim::NamedCase> CheckedCase(const std::string& name, const sim::CaseOptions& options) {
+  absl::StatusOr<sim::NamedCase> made = sim::MakeCase(name, options);
+  if (!made.ok() || !made->measured) return made;
+  if (absl::Status st = CheckScenario(made->scenario); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrFormat("--case=%s at %d stages: %s", name,
+                                                      made->scenario.num_stages, st.message()));
   }
+  return made;
+}
+
+int RunCases(std::string* out) {
+  absl::StatusOr<sim::CaseOptions> made_options = CaseOptionsFromFlags();
+  if (!made_options.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(made_options.status().message()).c_str());
+    return kUsageError;
+  }
+  const sim::CaseOptions& options = *made_options;
+  const std::vector<std::string> names = CaseNamesFromFlag();
   // Every case is built and checked before any is simulated: a bad name or layout is a
   // usage error, found before the work.
   std::vector<sim::NamedCase> cases;
   for (const std::string& name : names) {
-    absl::StatusOr<sim::NamedCase> made = sim::MakeCase(name, options);
+    absl::StatusOr<sim::NamedCase> made = CheckedCase(name, options);
     if (!made.ok()) {
       std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
       return kUsageError;
-    }
-    if (made->measured) {
-      if (absl::Status st = CheckScenario(made->scenario); !st.ok()) {
-        std::fprintf(stderr, "--case=%s: %s\n", name.c_str(), std::string(st.message()).c_str());
-        return kUsageError;
-      }
     }
     cases.push_back(*std::move(made));
   }
@@ -568,6 +590,8 @@ ScheduleFigures Figures(const pipeline::Schedule& schedule,
   return f;
 }
 
+int RunScheduleCases(const std::vector<int>& stage_counts);
+
 int RunSchedules() {
   sim::GptShape shape;
   shape.device_tflops = FLAGS_device_tflops;
@@ -640,6 +664,82 @@ int RunSchedules() {
                   100 * d.bubble, d.activations);
     }
   }
+  return FLAGS_case.empty() ? 0 : RunScheduleCases(stage_counts);
+}
+
+// --schedules --case=NAMES. NOTE [schedules under dynamism]: each named case's dynamic
+// costs under the four schedules — 1F1B, ZB-H1 (one chunk per stage), interleaved 1F1B
+// and ZB-V (two) — each run uniform (Megatron's split, over the virtual stages where there
+// are two) and balanced by Partition and Diffusion on measured time, the balancers moving
+// layers between chunks as fulcrum_train does (NOTE [simulation under chunks]). The model
+// has 4 layers per stage unless --case_layers says otherwise: at the cases' own 2 per
+// stage, a 2-chunk schedule has one layer per virtual stage and nothing to move.
+int RunScheduleCases(const std::vector<int>& stage_counts) {
+  absl::StatusOr<sim::CaseOptions> made_options = CaseOptionsFromFlags();
+  if (!made_options.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(made_options.status().message()).c_str());
+    return kUsageError;
+  }
+  const std::vector<ScheduleRow> rows = {{"1F1B", "1f1b", 1},
+                                         {"ZB-H1", "zbh1", 1},
+                                         {"interleaved 1F1B", "1f1b", 2},
+                                         {"ZB-V", "zbv", 2}};
+  const std::vector<dynamic::Strategy> standard = dynamic::StandardStrategies();
+  const std::vector<dynamic::Strategy> strategies = {standard[0], standard[2], standard[3]};
+  // Built and checked before any is simulated: a bad name is a usage error.
+  std::vector<std::pair<int, sim::NamedCase>> cases;
+  for (const std::string& name : CaseNamesFromFlag()) {
+    for (int p : stage_counts) {
+      sim::CaseOptions options = *made_options;
+      options.num_stages = p;
+      if (options.layers == 0) options.layers = 4 * p;
+      absl::StatusOr<sim::NamedCase> made = CheckedCase(name, options);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
+        return kUsageError;
+      }
+      cases.emplace_back(p, *std::move(made));
+    }
+  }
+  std::printf("\nThe cases under each schedule (SIMULATED; %lld iterations; total time of the run, "
+              "mean bubble, layers moved; 'balanced/uniform': the better balancer's time over "
+              "the uniform split's):\n",
+              static_cast<long long>(made_options->iterations));
+  for (const auto& [p, c] : cases) {
+    if (!c.measured) {
+      std::printf("\n== %s: %s\n", c.name.c_str(), c.why_not.c_str());
+      continue;
+    }
+    std::printf("\n== %s at %d stages: %lld layers, %d micro-batches. Costs: %s\n", c.name.c_str(), p,
+                static_cast<long long>(c.scenario.costs(1).num_layers()), c.scenario.num_microbatches,
+                c.provenance.c_str());
+    std::printf("  %-17s %2s | %-22s | %-32s | %-32s | %s\n", "schedule", "v", "uniform: ms bubble",
+                "partition by time: ms bubble moved", "diffusion by time: ms bubble moved",
+                "balanced/uniform");
+    for (const ScheduleRow& row : rows) {
+      dynamic::Scenario s = c.scenario;
+      s.schedule = row.name;
+      s.num_chunks = row.chunks;
+      std::vector<SimulatedRun> runs;
+      for (const dynamic::Strategy& strategy : strategies) {
+        absl::StatusOr<SimulatedRun> run = dynamic::SimulateRun(s, strategy, Options());
+        if (!run.ok()) {
+          std::fprintf(stderr, "%s, %s, %s: %s\n", c.name.c_str(), row.label.c_str(),
+                       strategy.name.c_str(), std::string(run.status().message()).c_str());
+          return 1;
+        }
+        runs.push_back(*std::move(run));
+      }
+      const double best = std::min(runs[1].total_ms, runs[2].total_ms);
+      std::printf("  %-17s %2d | %10.1f %7.2f%%   | %10.1f %7.2f%% %6lld     | %10.1f %7.2f%% %6lld     | "
+                  "%.3f\n",
+                  row.label.c_str(), row.chunks, runs[0].total_ms, 100 * runs[0].mean_bubble_ratio,
+                  runs[1].total_ms, 100 * runs[1].mean_bubble_ratio,
+                  static_cast<long long>(runs[1].layers_moved), runs[2].total_ms,
+                  100 * runs[2].mean_bubble_ratio, static_cast<long long>(runs[2].layers_moved),
+                  best / runs[0].total_ms);
+    }
+  }
   return 0;
 }
 
@@ -655,6 +755,7 @@ absl::Status CheckFlags() {
     if (value < 0) return bad(flag, value, "an integer >= 0 (0: the case's or the trace's)");
   }
   for (const auto& [flag, value] : {std::pair{"vocab", FLAGS_vocab},
+                                    std::pair{"case_layers", FLAGS_case_layers},
                                     std::pair{"scale_layers", FLAGS_scale_layers},
                                     std::pair{"scale_hidden", FLAGS_scale_hidden},
                                     std::pair{"trace_hidden", FLAGS_trace_hidden},
@@ -712,15 +813,17 @@ int main(int argc, char** argv) {
       "  fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)\n"
       "  fulcrum_sim --trace=run.jsonl --trace_hidden=128 --trace_seq=128 --scale_layers=48 \\\n"
       "      --scale_hidden=1024 --stages=24          a trace scaled up\n"
-      "  fulcrum_sim --schedules                      1F1B, ZB-H1, interleaved 1F1B, ZB-V side by side\n\n"
-      "Give exactly one of --case, --trace and --schedules. --stages without --microbatches\n"
+      "  fulcrum_sim --schedules                      1F1B, ZB-H1, interleaved 1F1B, ZB-V side by side\n"
+      "  fulcrum_sim --schedules --case=moe,freezing  ...and the cases under each, balanced and not\n\n"
+      "Give exactly one of --case, --trace and --schedules (--schedules may name cases too).\n"
+      "--stages without --microbatches\n"
       "also sets the micro-batch count: 4 per stage for a case (and --schedules), the trace's\n"
       "micro-batches per stage (rounded up) for a trace.\n"
       "Exit status: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or\n"
       "the write of --output failed.\n";
   help.groups = {
       {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
-                            "strategies", "iterations"}},
+                            "strategies", "iterations", "case_layers"}},
       {"Pipeline", {"stages", "microbatches", "schedule"}},
       {"Balancers", {"rebalance_interval", "rebalance_min_gain", "rebalance_window"}},
       {"Network and device",
@@ -734,9 +837,10 @@ int main(int argc, char** argv) {
     return *exit_code;
   }
 
-  if (FLAGS_schedules + !FLAGS_case.empty() + !FLAGS_trace.empty() != 1) {
+  if (FLAGS_schedules + (!FLAGS_case.empty() && !FLAGS_schedules) + !FLAGS_trace.empty() != 1) {
     std::fprintf(stderr,
-                 "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules\n");
+                 "fulcrum_sim: give exactly one of --case=NAMES|all, --trace=PATH and --schedules "
+                 "(--schedules may name cases too)\n");
     return fulcrum::kUsageError;
   }
   if (absl::Status s = fulcrum::CheckFlags(); !s.ok()) {

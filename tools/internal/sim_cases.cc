@@ -202,10 +202,10 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
   GptShape shape = o.shape;
   auto dense_layer = std::make_shared<DenseLayer>(DenseLayerCosts(shape));
   if (name == "moe" || name == "mod") {
-    shape.layers = 32;
+    shape.layers = o.layers > 0 ? o.layers : 32;
     out.scenario = Base(name, 16, o, shape.layers);
   } else {
-    shape.layers = 48;
+    shape.layers = o.layers > 0 ? o.layers : 48;
     out.scenario = Base(name, 24, o, shape.layers);
   }
   const dynamic::IterationCosts dense = DenseCosts(shape);
@@ -281,16 +281,20 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     out.dynmo = "2.23x (idle ~40%, 40 layers)";
     out.versus_dense = true;
     out.dynmo_compares = "S_total";
+    // DynMo freezes 40 of 48 layers; other layer counts freeze the same share.
+    const int64_t frozen_max = layers * 40 / 48;
     out.provenance = absl::StrFormat(
-        "front-to-back freezing of 40 of 48 layers between 20%% and 80%% of the run; a frozen "
+        "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a frozen "
         "layer runs its forward only (%.2fx the dense layer, fulcrum_bench_dynamism; the "
         "FLOP model's F share is %.2f)",
-        kFrozenRatio, dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
+        frozen_max, layers, kFrozenRatio,
+        dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
     const int64_t iterations = o.iterations;
-    auto frozen_at = [iterations](int64_t i) -> int64_t {
+    auto frozen_at = [iterations, frozen_max](int64_t i) -> int64_t {
       const double start = 0.2 * iterations, end = 0.8 * iterations;
       if (i < start) return 0;
-      return std::min<int64_t>(40, std::llround(40.0 * (i - start) / (end - start)));
+      return std::min<int64_t>(
+          frozen_max, std::llround(static_cast<double>(frozen_max) * (i - start) / (end - start)));
     };
     out.scenario.costs = [dense, frozen_at](int64_t i) {
       dynamic::IterationCosts c = dense;
@@ -336,7 +340,7 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
         "a layer computes only the tokens that reach it (DynMo's load: tokens reaching the layer / "
         "all tokens): the fraction per layer and iteration as our early_exit plugin counted it in ",
         o.exit_fractions_source, " (", rows->size(), " iterations x ", rows->front().size(),
-        " layers; layer l takes measured layer l x ", rows->front().size(), " / 48); the exit "
+        " layers; layer l takes measured layer l x ", rows->front().size(), " / ", layers, "); the exit "
         "heads' own cost is not counted");
     out.scenario.costs = [dense, rows, layers](int64_t i) {
       dynamic::IterationCosts c = dense;

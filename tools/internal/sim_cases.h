@@ -63,6 +63,10 @@ struct CaseOptions {
   /// not on the built scenario, so that the default micro-batch count follows it.
   int num_stages = 0;
   int num_microbatches = 0;  ///< 0: 4 per stage (DynMo: "4 micro-batches per GPU").
+  /// Transformer layers of the case's model; 0: the case's own (32 for moe and mod, 48 for
+  /// the others). Each case's per-layer behaviour is defined for any count (freezing freezes
+  /// the first 5/6 of them, as 40 of 48).
+  int64_t layers = 0;
   std::string schedule = "zbh1";
   dynamic::NetworkOptions network;  ///< p2p_bytes is set from the shape.
   /// MoE: per layer and iteration, max/mean tokens over the experts, as our router produced

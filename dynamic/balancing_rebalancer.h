@@ -22,9 +22,10 @@
 // current placement over the budget is left for one that fits, whatever the gain (the
 // budget is what the user said a stage can hold).
 // The gain is measured on what the algorithm minimises first: the bottleneck rank, except
-// for Partition under ZB-V's V shape, which minimises the largest chunk first (NOTE
-// [partition under chunks] in partition.h); there the gain is the largest chunk's fall,
-// or the bottleneck's when the largest chunk stays. Judged on the bottleneck alone, its
+// for Partition under chunks (ZB-V, interleaved), which minimises the largest chunk first
+// (NOTE [partition under chunks] in partition.h); there the gain is the largest chunk's
+// fall, or the bottleneck's when the largest chunk stays, and a step that raises the
+// bottleneck rank is not applied. Judged on the bottleneck alone, its
 // proposals could gain "−11%" while evening the chunks, and were applied only when the
 // noise made the bottleneck fall too. Measured (fulcrum_sim --schedules --case=moe, ZB-V,
 // 4 layers per stage, 100 iterations): judged on the bottleneck, 0.3% faster than the even

@@ -331,6 +331,9 @@ class ChunkSearch {
 
   bool cut() const { return nodes_ >= kMaxNodes; }
   int64_t steps() const { return nodes_; }
+  // Only placements whose every chunk's StageCost is ≤ `limit` (kInf: all), in MinMax with
+  // `cost_bound` and in FewestMoves.
+  void set_chunk_limit(double limit) { chunk_limit_ = limit; }
 
  private:
   template <typename Cost, typename Mem>
@@ -349,7 +352,8 @@ class ChunkSearch {
     const int rank = evaluator_.RankOf(k);
     for (const int64_t end : Ends(k, begin, [&](StageRange range) {
            return (*totals)[rank] + cost(k, range) < best_ &&
-                  (*memory)[rank] + mem(k, range) <= budget;
+                  (*memory)[rank] + mem(k, range) <= budget &&
+                  (!cost_bound_ || evaluator_.StageCost(k, range) <= chunk_limit_);
          })) {
       const StageRange range{begin, end};
       // From 0: 0 + c is c exactly, so a rank's total is RankCosts' bit for bit.
@@ -379,7 +383,8 @@ class ChunkSearch {
     }
     const int rank = evaluator_.RankOf(k);
     for (const int64_t end : Ends(k, begin, [&](StageRange range) {
-           return (*totals)[rank] + evaluator_.StageCost(k, range) <= bound_ &&
+           const double chunk = evaluator_.StageCost(k, range);
+           return (*totals)[rank] + chunk <= bound_ && chunk <= chunk_limit_ &&
                   (*memory)[rank] + evaluator_.ChunkMemory(k, range) <= evaluator_.memory_budget();
          })) {
       const StageRange range{begin, end};
@@ -438,6 +443,7 @@ class ChunkSearch {
   int64_t num_layers_ = 0;
   std::vector<int> last_chunk_;  // Per rank: its last virtual stage.
   bool cost_bound_ = false;
+  double chunk_limit_ = kInf;
   int64_t nodes_ = 0;
   double best_ = kInf;
   Placement* best_placement_ = nullptr;
@@ -500,17 +506,17 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
         moves);
   }
 
-  // Interleaved (or any other map): start from the per-chunk optimum, which bounds the
-  // answer: its largest chunk C ≤ the optimum B* (every placement's largest rank holds at
-  // least its largest chunk), and a rank holds v chunks, so its bottleneck ≤ v·C ≤ v·B*.
+  // Interleaved (or any other map): the per-chunk optimum C (the least largest chunk of
+  // any placement) is the first criterion; a placement reaching it with the fewest moves
+  // starts the search for the least bottleneck rank among those reaching it.
   const int num_virtual = evaluator.num_virtual_stages();
   Placement incumbent;
   double incumbent_value = kInf;
+  const double chunk_optimum = MinMaxOverPlacements(
+      num_virtual, num_layers,
+      [&](int k, StageRange range) { return evaluator.StageCost(k, range); },
+      [](int, StageRange) { return true; });
   {
-    const double chunk_optimum = MinMaxOverPlacements(
-        num_virtual, num_layers,
-        [&](int k, StageRange range) { return evaluator.StageCost(k, range); },
-        [](int, StageRange) { return true; });
     // Two lower bounds on the optimum: its largest rank holds at least its largest chunk,
     // and at least the average rank cost.
     const double total = evaluator.StageCost(0, {0, num_layers}) +
@@ -537,11 +543,24 @@ absl::StatusOr<Placement> PartitionChunks(const BalanceProblem& problem,
   ChunkSearch search(evaluator, reference);
   Placement found;
   std::vector<double> zeros(p, 0.0);
-  double bottleneck = search.MinMax(
-      [&](int k, StageRange range) { return evaluator.StageCost(k, range); }, zeros,
-      [&](int k, StageRange range) { return evaluator.ChunkMemory(k, range); }, pinned,
-      problem.memory_budget, incumbent_value, &found, /*cost_bound=*/true);
-  report->search_steps = search.steps();
+  auto least_bottleneck = [&] {
+    return search.MinMax(
+        [&](int k, StageRange range) { return evaluator.StageCost(k, range); }, zeros,
+        [&](int k, StageRange range) { return evaluator.ChunkMemory(k, range); }, pinned,
+        problem.memory_budget, incumbent_value, &found, /*cost_bound=*/true);
+  };
+  // NOTE [partition under chunks]: the largest chunk first — the per-chunk optimum — where
+  // a placement reaching it fits the memory budget; the bottleneck rank among those.
+  search.set_chunk_limit(chunk_optimum);
+  double bottleneck = least_bottleneck();
+  int64_t earlier_steps = 0;
+  if (found.empty() && incumbent.empty() && !search.cut()) {
+    // None reaching the per-chunk optimum fits: the bottleneck rank alone.
+    earlier_steps = search.steps();
+    search.set_chunk_limit(kInf);
+    bottleneck = least_bottleneck();
+  }
+  report->search_steps = earlier_steps + search.steps();
   report->exact = !search.cut();
   if (found.empty()) {
     if (!incumbent.empty()) {

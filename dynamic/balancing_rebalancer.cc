@@ -249,7 +249,7 @@ RebalanceDecision BalancingRebalancer::Plan(int64_t iteration,
 }
 
 bool BalancingRebalancer::JudgesLargestChunk(const BalanceProblem& problem) const {
-  return options_.algorithm == "partition" && problem.num_virtual_stages() > problem.num_stages;
+  return problem.num_virtual_stages() > problem.num_stages;
 }
 
 double BalancingRebalancer::Gain(const BalanceProblem& problem, const Placement& from,

@@ -21,16 +21,16 @@
 // nothing, and the placement would stall there for good. The one exception is memory: a
 // current placement over the budget is left for one that fits, whatever the gain (the
 // budget is what the user said a stage can hold).
-// The gain is measured on what the algorithm minimises first: the bottleneck rank, except
-// for Partition under chunks (ZB-V, interleaved), which minimises the largest chunk first
-// (NOTE [partition under chunks] in partition.h); there the gain is the largest chunk's
-// fall, or the bottleneck's when the largest chunk stays, and a step that raises the
-// bottleneck rank is not applied. Judged on the bottleneck alone, its
+// The gain is measured on what the algorithms even first: the bottleneck rank, except
+// under chunks (ZB-V, interleaved), where both even the chunks (NOTE [partition under
+// chunks] in partition.h, NOTE [diffusion under chunks] in diffusion.h); there the gain is
+// the largest chunk's fall, or the bottleneck's when the largest chunk stays, and a step
+// that raises the bottleneck rank is not applied. Judged on the bottleneck alone, its
 // proposals could gain "−11%" while evening the chunks, and were applied only when the
 // noise made the bottleneck fall too. Measured (fulcrum_sim --schedules --case=moe, ZB-V,
 // 4 layers per stage, 100 iterations): judged on the bottleneck, 0.3% faster than the even
-// split at 16 stages and 0.6% slower at 24; judged on what it optimises, 0.9% faster at 16
-// and +0.01% at 24 (the migrations' 0.9 s of 147 s eat a 0.6% gain; the oracle's bound is
+// split at 16 stages and 0.6% slower at 24; judged on what it optimises, 0.7% faster at 16
+// and 0.04% at 24 (the migrations' 0.9 s of 147 s eat a 0.6% gain; the oracle's bound is
 // 10%: these MoE loads change every iteration, so a placement fitted to the last ones
 // predicts the next poorly).
 //
@@ -132,7 +132,8 @@ class BalancingRebalancer final : public pipeline::Rebalancer {
  private:
   // The balancer's proposal for `problem` from `current`, capped by max_moves.
   absl::StatusOr<Placement> Propose(const BalanceProblem& problem, const Placement& current) const;
-  // Whether gains are judged on the largest chunk first (NOTE [rebalance hysteresis]).
+  // Whether gains are judged on the largest chunk first: under chunks (NOTE [rebalance
+  // hysteresis]).
   bool JudgesLargestChunk(const BalanceProblem& problem) const;
   // The relative fall, from `from` to `to`, of what the algorithm minimises (> 0: better).
   double Gain(const BalanceProblem& problem, const Placement& from, const Placement& to) const;

@@ -28,10 +28,10 @@ class Diffuser {
     bounds_.reserve(num_stages_ + 1);
     bounds_.push_back(0);
     for (const StageRange& range : current) bounds_.push_back(range.end);
-    loads_ = evaluator_.RankCosts(current);  // StageCosts without chunks.
+    loads_ = evaluator_.StageCosts(current);  // Per virtual stage: NOTE [diffusion under chunks].
     potential_ = PotentialOfLoads(loads_);
     const double total = std::accumulate(loads_.begin(), loads_.end(), 0.0);
-    tolerance_ = kRelativeTolerance * problem.num_stages * total;
+    tolerance_ = kRelativeTolerance * num_stages_ * total;
   }
 
   double potential() const { return potential_; }
@@ -51,7 +51,6 @@ class Diffuser {
     std::stable_sort(pairs.begin(), pairs.end(), [&](int a, int b) { return gaps[a] > gaps[b]; });
     int accepted = 0;
     for (int u : pairs) {
-      // Two chunks of one rank have one load: NOTE [diffusion under chunks].
       if (Load(u) == Load(u + 1)) continue;
       const int heavy = Load(u) > Load(u + 1) ? u : u + 1;
       const int light = heavy == u ? u + 1 : u;
@@ -87,8 +86,8 @@ class Diffuser {
 
  private:
   StageRange Range(int s) const { return {bounds_[s], bounds_[s + 1]}; }
-  // The load of (virtual) stage s's rank.
-  double Load(int s) const { return loads_[evaluator_.RankOf(s)]; }
+  // The load of (virtual) stage s.
+  double Load(int s) const { return loads_[s]; }
 
   // The bounds after one unit moves from `source` to `sink` along the stages between them
   // (NOTE [zero-cost layers travel with a neighbour]): every boundary on the path shifts
@@ -133,8 +132,8 @@ class Diffuser {
     return true;
   }
 
-  // Evaluate with chunks: every rank's load anew (a rank's chunks may lie on and off the
-  // path); false if a rank whose memory grows would go over the budget.
+  // Evaluate with chunks: the virtual stages' loads; false if a rank whose memory grows
+  // would go over the budget (a rank's chunks may lie on and off the path).
   bool EvaluateChunks(const std::vector<int64_t>& bounds, std::vector<double>* loads) const {
     Placement next(num_stages_);
     for (int s = 0; s < num_stages_; ++s) next[s] = {bounds[s], bounds[s + 1]};
@@ -143,7 +142,7 @@ class Diffuser {
     for (size_t r = 0; r < after.size(); ++r) {
       if (after[r] > before[r] && !(after[r] <= evaluator_.memory_budget())) return false;
     }
-    *loads = evaluator_.RankCosts(next);
+    *loads = evaluator_.StageCosts(next);
     return true;
   }
 
@@ -167,7 +166,7 @@ class Diffuser {
   int num_stages_ = 0;
   std::vector<double> layer_cost_;
   std::vector<int64_t> bounds_;  // p·v + 1 entries: 0, end of (virtual) stage 0, ..., L.
-  std::vector<double> loads_;    // Every rank's cost (RankCosts).
+  std::vector<double> loads_;    // Every (virtual) stage's cost (StageCosts).
   double potential_ = 0;         // PotentialOfLoads(loads_).
   double tolerance_ = 0;
 };

@@ -6,18 +6,7 @@
 # benchmark: the first GPU run of issue 28's memory features (recomputation, sequence
 # parallelism, the distributed optimizer, the overlapped gradient reduction).
 set -uo pipefail
-t0=$SECONDS
-root=$PWD
-out=${OUT:-/tmp/out}
-mkdir -p /work "$out"
-[[ -e /work/main ]] || ln -s "$root" /work/main
-[[ -e build ]] || ln -s .gpubuild build
-site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-echo "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())')"
-nv=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | paste -sd:)
-export LD_LIBRARY_PATH="$site/torch/lib:$nv:/usr/local/cuda/lib64:/tmp/fulcrum-prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-mkdir -p /tmp/fulcrum-prefix && for f in .gpubundle/*.deb; do dpkg -x "$f" /tmp/fulcrum-prefix; done
-nvidia-smi -L
+source docs/gpu-runs/device_env.sh
 ldd build/bin/fulcrum_train | grep -E "not found" && echo "MISSING LIBRARIES"
 tools/gpu_check.sh --quick --no-build --build-dir /work/main/build --check-timeout 150 "$out/chk"
 rc=$?

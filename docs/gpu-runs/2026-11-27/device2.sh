@@ -1,19 +1,9 @@
 #!/usr/bin/env bash
 # Call 2 (after ../2026-11-26c/stage.sh): where the one-GPU step's time goes now, for issue
 # 23's MFU goal — a Kineto profile of 3 Fulcrum steps of the benchmark model (bf16), summed
-# per kernel and per host op (tools/op_profile_summary.py). No code changed since call 1.
+# per kernel and per host op (tools/op_profile_summary.py), on the binaries of 7a66555.
 set -uo pipefail
-t0=$SECONDS
-root=$PWD
-out=${OUT:-/tmp/out}
-mkdir -p /work "$out"
-[[ -e /work/main ]] || ln -s "$root" /work/main
-[[ -e build ]] || ln -s .gpubuild build
-site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-nv=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | paste -sd:)
-export LD_LIBRARY_PATH="$site/torch/lib:$nv:/usr/local/cuda/lib64:/tmp/fulcrum-prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-mkdir -p /tmp/fulcrum-prefix && for f in .gpubundle/*.deb; do dpkg -x "$f" /tmp/fulcrum-prefix; done
-nvidia-smi -L
+source docs/gpu-runs/device_env.sh
 timeout 300 build/bin/fulcrum_bench_train --device=cuda --bf16 --quick --profile_trace="$out/prof" \
   > "$out/bench_train.txt" 2>&1
 echo "bench rc=$? at $((SECONDS - t0)) s"; grep -E "^  fulcrum " "$out/bench_train.txt"

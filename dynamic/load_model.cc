@@ -281,6 +281,20 @@ absl::Status ValidateLoads(const std::vector<StageLoad>& loads) {
           std::pair{"peak_in_flight", static_cast<double>(load.peak_in_flight)}}) {
       if (absl::Status st = CheckScalar(s, field, value); !st.ok()) return st;
     }
+    // The chunks' action totals: one per chunk, or none (a load made without a timeline).
+    const auto chunks = static_cast<int64_t>(load.chunk_ranges.size());
+    for (const auto& [field, values] : {std::pair{"chunk_forward_ms", &load.chunk_forward_ms},
+                                        std::pair{"chunk_backward_ms", &load.chunk_backward_ms},
+                                        std::pair{"chunk_weight_ms", &load.chunk_weight_ms}}) {
+      if (!values->empty() && static_cast<int64_t>(values->size()) != chunks) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("stage %d's load has %d %s; expected one per chunk (%d) or none", s,
+                            values->size(), field, chunks));
+      }
+      for (double v : *values) {
+        if (absl::Status st = CheckScalar(s, field, v); !st.ok()) return st;
+      }
+    }
   }
   return absl::OkStatus();
 }

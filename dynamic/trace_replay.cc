@@ -25,19 +25,42 @@ absl::Status FiniteNonNegative(const char* field, double value) {
   return absl::OkStatus();
 }
 
+// The ranges a load's per-layer vectors follow: its range, or its chunks' in chunk order.
+pipeline::LayerRanges HeldRanges(const pipeline::StageLoad& load) {
+  if (!load.chunk_ranges.empty()) return load.chunk_ranges;
+  return {{load.layer_begin, load.layer_end}};
+}
+
+int64_t LayersOf(const std::vector<pipeline::StageLoad>& loads) {
+  int64_t layers = 0;
+  for (const pipeline::StageLoad& load : loads) {
+    for (const auto& [begin, end] : HeldRanges(load)) layers = std::max(layers, end);
+  }
+  return layers;
+}
+
 // The per-layer vectors the replay indexes (CostsFromTraceLine): one entry per layer of the
 // stage's range; the optional ones may also be empty. ValidateLoads lets the times be empty
-// (a load without a per-layer measurement), which a replay cannot use.
+// (a load without a per-layer measurement), which a replay cannot use; with chunks the
+// replay needs each chunk's action totals too.
 absl::Status CheckReplayable(const pipeline::StageLoad& load) {
-  const size_t n = static_cast<size_t>(load.layer_end - load.layer_begin);
+  size_t n = 0;
+  for (const auto& [begin, end] : HeldRanges(load)) n += static_cast<size_t>(end - begin);
+  if (!load.chunk_ranges.empty() &&
+      (load.chunk_forward_ms.empty() || load.chunk_backward_ms.empty() ||
+       load.chunk_weight_ms.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stage ", load.stage, "'s load has chunks but no chunk_forward_ms/chunk_backward_ms/"
+        "chunk_weight_ms; a replay needs each chunk's action times (a trace written before "
+        "2026-11-27 lacks them: record it again)"));
+  }
   for (const auto& [field, values] : {std::pair{"layer_forward_ms", &load.layer_forward_ms},
                                       std::pair{"layer_backward_ms", &load.layer_backward_ms},
                                       std::pair{"layer_weight_ms", &load.layer_weight_ms}}) {
     if (values->size() != n) {
       return absl::InvalidArgumentError(absl::StrCat(
           "stage ", load.stage, "'s load has ", values->size(), " ", field,
-          "; a replay needs one per layer of its range [", load.layer_begin, ",", load.layer_end,
-          ")"));
+          "; a replay needs one per layer of its ranges (", n, ")"));
     }
   }
   if (!load.layer_block_load.empty() && load.layer_block_load.size() != n) {
@@ -54,20 +77,21 @@ absl::Status CheckReplayable(const pipeline::StageLoad& load) {
   return absl::OkStatus();
 }
 
-// `what` ("ran_on", "decision") of `j`: a placement of the loads' layers over their stages.
+// `what` ("ran_on", "decision") of `j`: a placement of the line's layers over its (virtual)
+// stages.
 absl::StatusOr<Placement> PlacementField(const nlohmann::json& j, const char* what,
-                                         const std::vector<pipeline::StageLoad>& loads) {
+                                         const TraceLine& line) {
   if (!j.contains(what)) return absl::InvalidArgumentError(absl::StrCat("no '", what, "'"));
   absl::StatusOr<pipeline::LayerRanges> ranges = pipeline::RangesFromJson(j.at(what));
   if (!ranges.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("'", what, "': ", ranges.status().message()));
   }
-  if (absl::Status s = pipeline::ValidateRanges(*ranges, loads.back().layer_end,
-                                                static_cast<int>(loads.size()));
-      !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("'", what, "' is not a placement of the loads' ",
-                                                   loads.back().layer_end, " layers over ",
-                                                   loads.size(), " stages: ", s.message()));
+  const int stages = static_cast<int>(line.loads.size()) * line.num_chunks;
+  if (absl::Status s = pipeline::ValidateRanges(*ranges, line.num_layers, stages); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", what, "' is not a placement of the loads' ", line.num_layers,
+                     " layers over ", stages, line.num_chunks > 1 ? " virtual" : "", " stages: ",
+                     s.message()));
   }
   return ToPlacement(*ranges);
 }
@@ -143,16 +167,26 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
   for (const pipeline::StageLoad& load : line.loads) {
     if (absl::Status s = CheckReplayable(load); !s.ok()) return s;
   }
-  absl::StatusOr<Placement> ran_on = PlacementField(j, "ran_on", line.loads);
+  // ValidateLoads checked that every load has chunks or none, and that they form a placement.
+  line.num_chunks = std::max<int>(1, static_cast<int>(line.loads[0].chunk_ranges.size()));
+  for (const pipeline::StageLoad& load : line.loads) {
+    if (!load.chunk_ranges.empty() && static_cast<int>(load.chunk_ranges.size()) != line.num_chunks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stage ", load.stage, " has ", load.chunk_ranges.size(), " chunks and stage 0 ",
+          line.num_chunks, "; every rank holds the same number of chunks"));
+    }
+  }
+  line.num_layers = LayersOf(line.loads);
+  absl::StatusOr<Placement> ran_on = PlacementField(j, "ran_on", line);
   if (!ran_on.ok()) return ran_on.status();
-  absl::StatusOr<Placement> decision = PlacementField(j, "decision", line.loads);
+  absl::StatusOr<Placement> decision = PlacementField(j, "decision", line);
   if (!decision.ok()) return decision.status();
   line.ran_on = *std::move(ran_on);
   line.decision = *std::move(decision);
-  if (line.frozen_prefix < 0 || line.frozen_prefix > line.loads.back().layer_end) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "frozen_prefix = ", line.frozen_prefix, "; expected 0..", line.loads.back().layer_end,
-        " (the model's layers)"));
+  if (line.frozen_prefix < 0 || line.frozen_prefix > line.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("frozen_prefix = ", line.frozen_prefix,
+                                                   "; expected 0..", line.num_layers,
+                                                   " (the model's layers)"));
   }
   return line;
 }
@@ -181,10 +215,11 @@ absl::StatusOr<LoadTrace> ParseLoadTrace(std::string_view text_view, std::string
         return bad(absl::StrCat("iteration ", line->iteration, " after ",
                                 trace.lines.back().iteration, " (one run, in order, expected)"));
       }
-      if (line->loads.size() != first.loads.size() ||
-          line->loads.back().layer_end != first.loads.back().layer_end ||
-          line->schedule != first.schedule || line->microbatches != first.microbatches) {
-        return bad("the stages, layers, schedule or micro-batches changed within the trace");
+      if (line->loads.size() != first.loads.size() || line->num_layers != first.num_layers ||
+          line->num_chunks != first.num_chunks || line->schedule != first.schedule ||
+          line->microbatches != first.microbatches) {
+        return bad(
+            "the stages, chunks, layers, schedule or micro-batches changed within the trace");
       }
     }
     trace.lines.push_back(*std::move(line));
@@ -204,7 +239,7 @@ absl::StatusOr<LoadTrace> ReadLoadTrace(const std::string& path) {
 
 IterationCosts CostsFromTraceLine(const TraceLine& line) {
   const double m = std::max(1, line.microbatches);
-  const int64_t layers = line.loads.back().layer_end;
+  const int64_t layers = line.num_layers;
   IterationCosts c;
   c.forward.assign(layers, 0.0);
   c.backward.assign(layers, 0.0);
@@ -213,34 +248,62 @@ IterationCosts CostsFromTraceLine(const TraceLine& line) {
   c.state_bytes.assign(layers, 0.0);
   c.block_load.assign(layers, 0.0);
   for (const pipeline::StageLoad& load : line.loads) {
-    for (int64_t l = load.layer_begin; l < load.layer_end; ++l) {
-      const size_t k = static_cast<size_t>(l - load.layer_begin);
-      c.forward[l] = load.layer_forward_ms[k] / m;
-      c.backward[l] = load.layer_backward_ms[k] / m;
-      c.weight[l] = load.layer_weight_ms[k] / m;
-      if (!load.layer_parameters.empty()) c.parameters[l] = load.layer_parameters[k];
-      if (!load.layer_state_bytes.empty()) c.state_bytes[l] = static_cast<double>(load.layer_state_bytes[k]);
-      if (!load.layer_block_load.empty()) c.block_load[l] = load.layer_block_load[k];
+    size_t k = 0;  // Index into the load's per-layer vectors (its ranges' layers in order).
+    for (const auto& [begin, end] : HeldRanges(load)) {
+      for (int64_t l = begin; l < end; ++l, ++k) {
+        c.forward[l] = load.layer_forward_ms[k] / m;
+        c.backward[l] = load.layer_backward_ms[k] / m;
+        c.weight[l] = load.layer_weight_ms[k] / m;
+        if (!load.layer_parameters.empty()) c.parameters[l] = load.layer_parameters[k];
+        if (!load.layer_state_bytes.empty()) {
+          c.state_bytes[l] = static_cast<double>(load.layer_state_bytes[k]);
+        }
+        if (!load.layer_block_load.empty()) c.block_load[l] = load.layer_block_load[k];
+      }
     }
   }
-  // Pinned time: the stage totals (of the stage as it ran) minus its layers, per kind.
-  auto pinned = [&](int s, double* f, double* b, double* w) {
-    const pipeline::StageLoad& load = line.loads[s];
+  // Pinned time of virtual stage v (a stage with one chunk per rank): the totals of the
+  // stage or chunk as it ran minus its layers, per kind.
+  const std::vector<int> chunk_rank = pipeline::ChunkRanks(line.loads);
+  auto pinned = [&](int v, double* f, double* b, double* w) {
+    double total_f = 0, total_b = 0, total_w = 0;
+    if (chunk_rank.empty()) {
+      const pipeline::StageLoad& load = line.loads[v];
+      total_f = load.forward_ms;
+      total_b = load.backward_ms;
+      total_w = load.weight_ms;
+    } else {
+      // Virtual stage v is its rank's chunk `chunk`: the rank's chunks run in model order.
+      const int rank = chunk_rank[v];
+      const int chunk = static_cast<int>(std::count(chunk_rank.begin(), chunk_rank.begin() + v, rank));
+      const pipeline::StageLoad& load = line.loads[rank];
+      total_f = load.chunk_forward_ms[chunk];
+      total_b = load.chunk_backward_ms[chunk];
+      total_w = load.chunk_weight_ms[chunk];
+    }
     double lf = 0, lb = 0, lw = 0;
-    for (int64_t l = line.ran_on[s].begin; l < line.ran_on[s].end; ++l) {
+    for (int64_t l = line.ran_on[v].begin; l < line.ran_on[v].end; ++l) {
       lf += c.forward[l] * m;
       lb += c.backward[l] * m;
       lw += c.weight[l] * m;
     }
-    *f = std::max(0.0, load.forward_ms - lf) / m;
-    *b = std::max(0.0, load.backward_ms - lb) / m;
-    *w = std::max(0.0, load.weight_ms - lw) / m;
+    *f = std::max(0.0, total_f - lf) / m;
+    *b = std::max(0.0, total_b - lb) / m;
+    *w = std::max(0.0, total_w - lw) / m;
   };
-  const int p = static_cast<int>(line.loads.size());
+  const int last = static_cast<int>(line.ran_on.size()) - 1;
   pinned(0, &c.first_forward, &c.first_backward, &c.first_weight);
-  if (p > 1) pinned(p - 1, &c.last_forward, &c.last_backward, &c.last_weight);
-  c.first_parameters = line.loads.front().pinned_parameters;
-  if (p > 1) c.last_parameters = line.loads.back().pinned_parameters;
+  if (last > 0) pinned(last, &c.last_forward, &c.last_backward, &c.last_weight);
+  const int first_rank = chunk_rank.empty() ? 0 : chunk_rank.front();
+  const int last_rank = chunk_rank.empty() ? static_cast<int>(line.loads.size()) - 1 : chunk_rank.back();
+  if (first_rank == last_rank) {
+    // One rank holds the embedding and the head (ZB-V, or one stage): its pinned parameters
+    // are both; the simulator adds first and last, so they go to the first.
+    c.first_parameters = line.loads[first_rank].pinned_parameters;
+  } else {
+    c.first_parameters = line.loads[first_rank].pinned_parameters;
+    c.last_parameters = line.loads[last_rank].pinned_parameters;
+  }
   c.model_changed = !line.model_changed.empty();
   for (const std::string& reason : line.model_changed) {
     c.change_reason += (c.change_reason.empty() ? "" : "; ") + reason;
@@ -260,6 +323,7 @@ Scenario ScenarioFromTrace(const LoadTrace& trace, const std::string& name) {
   s.schedule = trace.lines[0].schedule;
   s.iterations = static_cast<int64_t>(trace.lines.size());
   s.initial_placement = trace.lines[0].ran_on;
+  s.num_chunks = trace.num_chunks();
   auto costs = std::make_shared<std::vector<IterationCosts>>();
   for (const TraceLine& line : trace.lines) costs->push_back(CostsFromTraceLine(line));
   s.costs = [costs](int64_t i) { return (*costs)[static_cast<size_t>(i - 1)]; };

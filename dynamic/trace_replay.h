@@ -7,6 +7,23 @@
 // [pinned time] in dynamic/load_model.h), parameters, state bytes, plugin loads — and keeps
 // the loads themselves, so SimulateRun hands them verbatim to the same balancer (NOTE
 // [simulated loads] in dynamic/simulation.h) and reaches the live run's decisions.
+// With virtual pipeline stages (interleaved 1F1B, ZB-V) the placements have a range per
+// virtual stage, and what is no layer's is taken per chunk (the chunk's action totals minus
+// its layers): the embedding's from the first virtual stage's chunk, the head's and the
+// loss's from the last one's — under ZB-V both on rank 0, which its rank totals alone could
+// not split.
+//
+// NOTE [simulated hand-over]
+// A replay models no transfer time unless asked (fulcrum_sim --p2p_bytes; its default for a
+// trace is 0), because between two processes on one host the hand-over is already inside
+// the measured action times: the producing action posts its send (the copy into the
+// socket runs there), and the consumer's wait ends when that action ends — measured from
+// the timelines of real pp=2 runs (tools/handover_latency.py: median −0.06 ms, 90th
+// percentile +0.005 ms, within the ranks' clock offset). Charging a transfer on top, as
+// the validation table did before 2026-11-27 (512 KiB at 1 GB/s + 300 µs, from the
+// collectives' bandwidth), counted 0.8 ms of idle per hand-over that the run never waited: that was the
+// bubble's over-prediction (+12% to +49%); without it the bubble is within 5% on every
+// run of tools/validate_sim.sh. Across hosts the transfer is real: give --p2p_* then.
 //
 // NOTE [trace scaling]
 // ScaleTrace maps a trace of L layers and hidden size h onto a model of L' layers and hidden
@@ -47,15 +64,18 @@ struct TraceLine {
   int64_t frozen_prefix = 0;
   double pipeline_ms = 0, bubble_ratio = 0, iteration_ms = 0;  ///< Measured.
   std::vector<double> stage_ms;
+  /// Model chunks per rank (virtual pipeline stages): ran_on and decision then hold one
+  /// range per virtual stage, and each load its chunks' ranges and action totals.
+  int num_chunks = 1;
+  int64_t num_layers = 0;  ///< Of the model.
 };
 
 /// A whole trace: its lines in iteration order.
 struct LoadTrace {
   std::vector<TraceLine> lines;
   int num_stages() const { return lines.empty() ? 0 : static_cast<int>(lines[0].loads.size()); }
-  int64_t num_layers() const {
-    return lines.empty() || lines[0].loads.empty() ? 0 : lines[0].loads.back().layer_end;
-  }
+  int64_t num_layers() const { return lines.empty() ? 0 : lines[0].num_layers; }
+  int num_chunks() const { return lines.empty() ? 1 : lines[0].num_chunks; }
 };
 
 /// Parses the text of a --load_trace file; `name` (the path) starts every message.

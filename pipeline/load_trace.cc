@@ -52,7 +52,7 @@ absl::Status Read(const nlohmann::json& object, const char* name, T* out) {
 }  // namespace
 
 nlohmann::json StageLoadToJson(const StageLoad& load) {
-  return {{"stage", load.stage},
+  nlohmann::json out = {{"stage", load.stage},
           {"layer_begin", load.layer_begin},
           {"layer_end", load.layer_end},
           {"layer_forward_ms", load.layer_forward_ms},
@@ -73,6 +73,13 @@ nlohmann::json StageLoadToJson(const StageLoad& load) {
           {"peak_activation_bytes", load.peak_activation_bytes},
           {"layer_activation_bytes", load.layer_activation_bytes},
           {"peak_in_flight", load.peak_in_flight}};
+  if (!load.chunk_ranges.empty()) {  // Only with chunks (older readers see no new field).
+    out["chunk_ranges"] = RangesToJson(load.chunk_ranges);
+    out["chunk_forward_ms"] = load.chunk_forward_ms;
+    out["chunk_backward_ms"] = load.chunk_backward_ms;
+    out["chunk_weight_ms"] = load.chunk_weight_ms;
+  }
+  return out;
 }
 
 absl::StatusOr<StageLoad> StageLoadFromJson(const nlohmann::json& o) {
@@ -97,6 +104,20 @@ absl::StatusOr<StageLoad> StageLoadFromJson(const nlohmann::json& o) {
                          Read(o, "layer_activation_bytes", &l.layer_activation_bytes),
                          Read(o, "peak_in_flight", &l.peak_in_flight)}) {
     if (!s.ok()) return s;
+  }
+  // With chunks only: the rank's chunks and their action totals (all four or none).
+  if (o.contains("chunk_ranges")) {
+    absl::StatusOr<LayerRanges> chunks = RangesFromJson(o.at("chunk_ranges"));
+    if (!chunks.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("load trace: stage load field 'chunk_ranges': ", chunks.status().message()));
+    }
+    l.chunk_ranges = *std::move(chunks);
+    for (absl::Status s : {Read(o, "chunk_forward_ms", &l.chunk_forward_ms),
+                           Read(o, "chunk_backward_ms", &l.chunk_backward_ms),
+                           Read(o, "chunk_weight_ms", &l.chunk_weight_ms)}) {
+      if (!s.ok()) return s;
+    }
   }
   return l;
 }

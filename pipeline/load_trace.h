@@ -7,11 +7,14 @@
 // [when the plan is made] in pipeline/rebalancer.h), so the line describing iteration i is
 // written at the end of iteration i+1, and the last iteration of a run has no line. A line:
 //   {"iteration": i, "plan_iteration": i+1, "schedule": "zbh1", "microbatches": m,
-//    "ran_on": [[0,4],[4,8]],            the placement iteration i ran on
+//    "ran_on": [[0,4],[4,8]],            the placement iteration i ran on (with chunks, a
+//                                        range per virtual stage, in model order)
 //    "loads": [StageLoad...],            Plan(i+1)'s input verbatim (StageLoadToJson): the
 //                                        ranges after i's moves, per-layer F/B/W ms summed
 //                                        over the micro-batches, plugin loads (block_load),
-//                                        parameters, state and activation bytes
+//                                        parameters, state and activation bytes; with
+//                                        chunks also each rank's chunk_ranges and its
+//                                        chunks' F/B/W totals (chunk_forward_ms, ...)
 //    "decision": [[0,3],[3,8]],          the placement Plan(i+1) chose
 //    "model_changed": ["pruned to 52%"],  OnModelChanged(i) calls, when there were any
 //    "frozen_prefix": 6,                 layers frozen front to back in iteration i, when

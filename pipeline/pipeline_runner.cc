@@ -115,21 +115,29 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
   // and its state, block load and parameters (where it is now); zero elsewhere, so the
   // column sums over stages are the per-layer values.
   const int64_t layers = stage.options().num_layers;
-  const int64_t width = kFixedColumns + kPerLayer * layers;
+  // With chunks, three more columns per chunk after the layers': its F, B and W totals.
+  const int64_t chunks = schedule.num_chunks > 1 ? schedule.num_chunks : 0;
+  const int64_t width = kFixedColumns + kPerLayer * layers + 3 * chunks;
   at::Tensor mine = at::zeros({width}, at::kDouble);
   double* m = mine.data_ptr<double>();
   auto layer_column = [&](int64_t layer, LayerColumn c) { return kFixedColumns + c * layers + layer; };
+  // kind 0: F, 1: B (or fused BW), 2: W.
+  auto chunk_column = [&](int64_t chunk, int kind) {
+    return kFixedColumns + kPerLayer * layers + 3 * chunk + kind;
+  };
   m[kBegin] = static_cast<double>(stage.layer_begin());
   m[kEnd] = static_cast<double>(stage.layer_end());
   if (has_run_) {
     for (const ActionTiming& t : last_run_.timings) {
       const double ms = t.end_ms - t.start_ms - t.wait_ms - t.migration_ms;
+      int kind = 0;
       switch (t.action.kind) {
-        case ActionKind::kForward: m[kForward] += ms; break;
+        case ActionKind::kForward: m[kForward] += ms; kind = 0; break;
         case ActionKind::kBackward:
-        case ActionKind::kBackwardInput: m[kBackward] += ms; break;
-        case ActionKind::kBackwardWeight: m[kWeight] += ms; break;
+        case ActionKind::kBackwardInput: m[kBackward] += ms; kind = 1; break;
+        case ActionKind::kBackwardWeight: m[kWeight] += ms; kind = 2; break;
       }
+      if (chunks > 0) m[chunk_column(t.action.chunk, kind)] += ms;
     }
     m[kWait] = last_run_.wait_ms;
     m[kTotal] = last_run_.total_ms;
@@ -203,6 +211,11 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
         load.chunk_ranges.push_back(virtual_ranges[VirtualStageOf(schedule, s, c)]);
       }
       held = load.chunk_ranges;
+      for (int c = 0; c < schedule.num_chunks; ++c) {
+        load.chunk_forward_ms.push_back(r[chunk_column(c, 0)]);
+        load.chunk_backward_ms.push_back(r[chunk_column(c, 1)]);
+        load.chunk_weight_ms.push_back(r[chunk_column(c, 2)]);
+      }
     }
     for (const auto& [held_begin, held_end] : held) {
       for (int64_t l = held_begin; l < held_end; ++l) {

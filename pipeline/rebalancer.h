@@ -91,6 +91,13 @@ struct StageLoad {
   double weight_ms = 0;                   // W actions.
   double wait_ms = 0;                     // Blocked on neighbours inside the run.
   double total_ms = 0;                    // The stage's run, first action to last send.
+  /// With chunks: each chunk's F, B (or fused BW) and W action time, in chunk order (as
+  /// chunk_ranges), so that what is no layer's — the embedding, the head and the loss — can
+  /// be told apart per chunk when one rank holds both ends of the model (ZB-V); a replay
+  /// needs them (dynamic/trace_replay.h). Empty with one chunk per rank.
+  std::vector<double> chunk_forward_ms;
+  std::vector<double> chunk_backward_ms;
+  std::vector<double> chunk_weight_ms;
 
   // Memory in bytes. State: what the units the stage holds now keep between iterations —
   // parameter values and buffers, one gradient per trainable parameter, and the two fp32

@@ -9,7 +9,10 @@
 // buffer that nccl-tests calls size: the tensor all_reduce'd, all_gather's output,
 // reduce_scatter's input, the all_to_all input. algbw = size / time;
 // busbw = algbw * 2(n-1)/n for all_reduce and algbw * (n-1)/n for the others: the bytes
-// each rank's link must carry, comparable with the link's bandwidth.
+// each rank's link must carry, comparable with the link's bandwidth. --ops=p2p (not in the
+// default list) times a ping-pong between rank pairs and reports one way: half a round
+// trip, algbw = busbw = size / that time — what the simulator's --p2p_bandwidth_gbps and
+// --p2p_latency_us describe.
 #include <gflags/gflags.h>
 
 #include <algorithm>
@@ -27,7 +30,8 @@
 #include "recipes/cli.h"
 
 DEFINE_string(backend, "gloo", "Communication backend: gloo (CPU tensors) or nccl (GPU).");
-DEFINE_string(ops, "all_reduce,all_gather,reduce_scatter,all_to_all", "Operations to time.");
+DEFINE_string(ops, "all_reduce,all_gather,reduce_scatter,all_to_all",
+              "Operations to time; also p2p (a ping-pong between rank pairs, one way reported).");
 DEFINE_int64(min_bytes, 8, "Smallest per-rank buffer, in bytes.");
 DEFINE_int64(max_bytes, 64 << 20, "Largest per-rank buffer, in bytes.");
 DEFINE_int32(step_factor, 4, "Each size is this many times the previous one.");
@@ -46,6 +50,7 @@ using Clock = std::chrono::steady_clock;
 struct Op {
   std::string name;
   double bus_factor;  // busbw / algbw for n ranks.
+  int transfers = 1;  // A call's time is divided by this (p2p: a round trip is two).
 };
 
 // One call of `op` on the per-rank buffer (nccl-tests' "size").
@@ -57,6 +62,19 @@ void RunOnce(Communicator& comm, const std::string& op, at::Tensor& buffer) {
     comm.AllGather(buffer.narrow(0, 0, buffer.size(0) / comm.size()));
   } else if (op == "reduce_scatter") {
     comm.ReduceScatter(buffer);
+  } else if (op == "p2p") {
+    // A ping-pong between ranks 2k and 2k+1 (an odd last rank sits out): one call is a
+    // round trip, two one-way transfers of the buffer — the hand-over of an activation or a
+    // gradient between two pipeline stages (fulcrum_sim's --p2p_* flags model one).
+    const int peer = comm.rank() ^ 1;
+    if (peer >= comm.size()) return;
+    if (comm.rank() % 2 == 0) {
+      comm.Send(buffer, peer, /*tag=*/0);
+      comm.Recv(buffer, peer, /*tag=*/1);
+    } else {
+      comm.Recv(buffer, peer, /*tag=*/0);
+      comm.Send(buffer, peer, /*tag=*/1);
+    }
   } else {
     comm.AllToAll(buffer, {}, {});
   }
@@ -92,9 +110,15 @@ int Run() {
       ops.push_back({op, 2.0 * (n - 1) / n});
     } else if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all") {
       ops.push_back({op, double(n - 1) / n});
+    } else if (op == "p2p") {
+      if (n < 2) {
+        FULCRUM_LOG(ERROR) << "--ops=p2p needs at least 2 ranks";
+        return 2;
+      }
+      ops.push_back({op, 1.0, /*transfers=*/2});
     } else {
       FULCRUM_LOG(ERROR) << "unknown operation '" << op
-                         << "'; expected all_reduce, all_gather, reduce_scatter, all_to_all";
+                         << "'; expected all_reduce, all_gather, reduce_scatter, all_to_all, p2p";
       return 2;
     }
   }
@@ -121,7 +145,8 @@ int Run() {
       comm.Barrier();
       const auto start = Clock::now();
       for (int i = 0; i < iters; ++i) RunOnce(comm, op.name, buffer);
-      const double seconds = std::chrono::duration<double>(Clock::now() - start).count() / iters;
+      const double seconds =
+          std::chrono::duration<double>(Clock::now() - start).count() / iters / op.transfers;
       at::Tensor slowest =
           at::full({1}, seconds, at::TensorOptions().dtype(at::kDouble).device(device));
       comm.AllReduce(slowest, parallel::ReduceOp::kMax);

@@ -42,6 +42,34 @@ TEST(BenchMoeTest, RejectsAnUnknownTable) {
   EXPECT_THAT(out, ::testing::HasSubstr("--tables takes 'layer' and/or 'dispatch'"));
 }
 
+// --ops=p2p: a ping-pong between two real processes over Gloo, one row per size with a
+// positive one-way time; one rank has no peer and is refused before any work.
+TEST(BenchCommTest, PointToPointTimesOneWayBetweenRankPairs) {
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(kBin + "/fulcrum_launch --nproc_per_node=2 --master_port=0 -- " +
+                                    kBin + "/fulcrum_bench_comm --ops=p2p --min_bytes=1024 "
+                                           "--max_bytes=4096 --step_factor=4 --iters=3 --warmup=1",
+                                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("# p2p"));
+  int rows = 0;
+  const std::regex row(R"(\] +([0-9]+) +([0-9]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)
+)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), row); it != std::sregex_iterator();
+       ++it) {
+    ++rows;
+    EXPECT_GT(std::stod((*it)[3]), 0.0) << out;
+  }
+  EXPECT_EQ(rows, 2) << out;  // 1024 and 4096 bytes.
+  EXPECT_EQ(testing::RunCommand(kBin + "/fulcrum_launch --nproc_per_node=1 --master_port=0 -- " +
+                                    kBin + "/fulcrum_bench_comm --ops=p2p",
+                                &out),
+            2)
+      << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("--ops=p2p needs at least 2 ranks"));
+}
+
 // The references run on the venv's torch (tools/setup.sh), the LibTorch this build uses,
 // and torch.compile builds its C++ with the machine's g++ and Python.h (python3-dev, also
 // from tools/setup.sh). Only a build against a LibTorch outside a venv (FULCRUM_TORCH_DIR)

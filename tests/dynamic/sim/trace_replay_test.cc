@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -70,6 +71,43 @@ TEST(TraceReplayTest, CostsAndPinnedTimesFromAHandWrittenTrace) {
   // Stage 1 is the bottleneck: busy 2 × (6 + 8 + 3) = 34; stage 0 waits for it.
   EXPECT_DOUBLE_EQ(run->iterations[0].stage_busy_ms[1], 34);
   EXPECT_GE(run->iterations[0].makespan_ms, 34 + 3);
+}
+
+// Under ZB-V rank 0 holds the embedding (virtual stage 0) and the head (virtual stage 3):
+// its totals alone cannot say which is which, its chunks' totals can.
+TEST(TraceReplayTest, ChunkedTraceSplitsThePinnedTimeByChunk) {
+  absl::StatusOr<LoadTrace> trace =
+      ReadLoadTrace(Write("chunks", {HandChunkTraceLine(1), HandChunkTraceLine(2)}));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  EXPECT_EQ(trace->num_stages(), 2);
+  EXPECT_EQ(trace->num_chunks(), 2);
+  EXPECT_EQ(trace->num_layers(), 4);
+  EXPECT_EQ(trace->lines[0].ran_on, (Placement{{0, 1}, {1, 2}, {2, 3}, {3, 4}}));
+  // The chunk fields travel through the JSON.
+  EXPECT_EQ(trace->lines[0].loads[0].chunk_ranges,
+            (pipeline::LayerRanges{{0, 1}, {3, 4}}));
+  EXPECT_EQ(trace->lines[0].loads[0].chunk_forward_ms, (std::vector<double>{6, 8}));
+  const IterationCosts c = CostsFromTraceLine(trace->lines[0]);
+  EXPECT_EQ(c.forward, (std::vector<double>{2, 1, 2, 1}));  // Per micro-batch, in layer order.
+  EXPECT_EQ(c.backward, (std::vector<double>{4, 2, 4, 2}));
+  EXPECT_EQ(c.weight, (std::vector<double>{3, 1, 2, 1}));
+  EXPECT_EQ(c.block_load, (std::vector<double>{0, 0, 7, 0}));
+  EXPECT_DOUBLE_EQ(c.first_forward, 1);   // Chunk 0 of rank 0: (6 - 4) / 2.
+  EXPECT_DOUBLE_EQ(c.first_backward, 0);  // (8 - 8) / 2.
+  EXPECT_DOUBLE_EQ(c.last_forward, 3);    // Chunk 1 of rank 0: (8 - 2) / 2.
+  EXPECT_DOUBLE_EQ(c.last_backward, 2);   // (8 - 4) / 2.
+  EXPECT_DOUBLE_EQ(c.last_weight, 0);
+  EXPECT_DOUBLE_EQ(c.first_parameters + c.last_parameters, 110);  // Both on rank 0.
+  // The scenario runs the same V: four virtual stages, the head's time on the last.
+  const Scenario s = ScenarioFromTrace(*trace, "chunks");
+  EXPECT_EQ(s.num_chunks, 2);
+  absl::StatusOr<SimulatedRun> run = SimulateRun(s, {"none", "none", BalanceBy::kTime, false}, {});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->iterations[0].placement, trace->lines[0].ran_on);
+  // Rank 0 is busy with its chunks' F, B and W per micro-batch: chunk 0 (2+1) + 4 + 3,
+  // chunk 1 (1+3) + (2+2) + 1 = 19, twice; rank 1: (1 + 2 + 1) + (2 + 4 + 2) = 12, twice.
+  EXPECT_DOUBLE_EQ(run->iterations[0].stage_busy_ms[0], 38);
+  EXPECT_DOUBLE_EQ(run->iterations[0].stage_busy_ms[1], 24);
 }
 
 TEST(TraceReplayTest, RefusesBadTracesNamingTheLine) {
@@ -141,17 +179,63 @@ TEST(TraceReplayTest, ParseRefusesMalformedLinesNamingThem) {
       {"a fractional frozen prefix", [](nlohmann::json* j) { (*j)["frozen_prefix"] = 0.5; },
        "'frozen_prefix': 0.5 is not an integer"},
   };
-  for (const Case& c : cases) {
-    nlohmann::json line = HandTraceLine(2);
+  const std::vector<Case> chunk_cases = {
+      {"chunks without their times",
+       [](nlohmann::json* j) {
+         for (nlohmann::json& load : (*j)["loads"]) {
+           load["chunk_forward_ms"] = load["chunk_backward_ms"] = load["chunk_weight_ms"] =
+               nlohmann::json::array();
+         }
+       },
+       "no chunk_forward_ms"},
+      {"one chunk's times missing",
+       [](nlohmann::json* j) { (*j)["loads"][0]["chunk_backward_ms"] = nlohmann::json::array(); },
+       "no chunk_forward_ms/chunk_backward_ms"},
+      {"ranks with different chunk counts",
+       [](nlohmann::json* j) {
+         nlohmann::json& a = (*j)["loads"][0];
+         a["chunk_ranges"] = {{0, 1}, {3, 4}, {4, 5}};
+         a["chunk_forward_ms"] = {6, 8, 1};
+         a["chunk_backward_ms"] = {8, 8, 1};
+         a["chunk_weight_ms"] = {6, 2, 1};
+         for (const char* f : {"layer_forward_ms", "layer_backward_ms", "layer_weight_ms",
+                               "layer_parameters", "layer_state_bytes", "layer_block_load"}) {
+           a[f].push_back(1);
+         }
+       },
+       "every rank holds the same number of chunks"},
+      {"a chunk time too few", [](nlohmann::json* j) { (*j)["loads"][1]["chunk_weight_ms"] = {1}; },
+       "1 chunk_weight_ms; expected one per chunk (2)"},
+      {"a negative chunk time",
+       [](nlohmann::json* j) { (*j)["loads"][0]["chunk_backward_ms"] = {8, -1}; },
+       "chunk_backward_ms = -1"},
+      {"ran_on of the ranks, not the virtual stages",
+       [](nlohmann::json* j) { (*j)["ran_on"] = {{0, 2}, {2, 4}}; },
+       "over 4 virtual stages"},
+      {"chunk ranges missing on one rank", [](nlohmann::json* j) { (*j)["loads"][1].erase("chunk_ranges"); },
+       "no chunk_ranges while others have"},
+  };
+  for (const auto& [first, base, list] :
+       {std::tuple{HandTraceLine(1), HandTraceLine(2), &cases},
+        std::tuple{HandChunkTraceLine(1), HandChunkTraceLine(2), &chunk_cases}}) {
+   for (const Case& c : *list) {
+    nlohmann::json line = base;
     c.edit(&line);
-    const std::string text = HandTraceLine(1).dump() + "\n" + line.dump() + "\n";
+    const std::string text = first.dump() + "\n" + line.dump() + "\n";
     absl::StatusOr<LoadTrace> trace = ParseLoadTrace(text, "t.jsonl");
     ASSERT_FALSE(trace.ok()) << c.what;
     EXPECT_EQ(trace.status().code(), absl::StatusCode::kInvalidArgument) << c.what;
     const std::string message(trace.status().message());
     EXPECT_EQ(message.rfind("t.jsonl:2: ", 0), 0u) << c.what << ": " << message;
     EXPECT_NE(message.find(c.message), std::string::npos) << c.what << ": " << message;
+   }
   }
+  // A change of layout within a trace is refused: a one-chunk line after a chunked one.
+  absl::StatusOr<LoadTrace> mixed =
+      ParseLoadTrace(HandChunkTraceLine(1).dump() + "\n" + HandTraceLine(2).dump(), "t");
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_NE(std::string(mixed.status().message()).find("chunks"), std::string::npos)
+      << mixed.status();
   // The unbroken text parses; blank lines are skipped; no lines at all is an error.
   EXPECT_TRUE(ParseLoadTrace(HandTraceLine(1).dump() + "\n\n" + HandTraceLine(2).dump(), "t").ok());
   EXPECT_FALSE(ParseLoadTrace("\n  \n", "t").ok());
@@ -199,25 +283,25 @@ TEST(TraceReplayTest, AFrozenPrefixRunsItsStagesForwardOnly) {
   EXPECT_DOUBLE_EQ(before->iterations[0].stage_busy_ms[0], 20) << "F 3, B 4, W 3 per micro-batch";
 }
 
-// A real run: fulcrum_train on two processes, heavy MoE layers on stage 0, Partition by
+// A real run: fulcrum_train on two processes, heavy MoE layers on one rank, Partition by
 // measured time, --load_trace. Replayed through the same balancer with the same options,
 // every iteration runs on the placement the live run ran on and plans what it planned.
-TEST(SlowTraceReplayTest, ReplayOfALiveRunReachesItsPlacements) {
-  const std::string trace_path = TempPath("live_trace.jsonl");
+void ExpectReplayReachesTheLivePlacements(const std::string& name, const std::string& flags) {
+  const std::string trace_path = TempPath(name + "_trace.jsonl");
   std::remove(trace_path.c_str());
   const std::string bin = FULCRUM_BIN_DIR;
   const std::string command =
       bin + "/fulcrum_launch --nproc_per_node=2 --master_port=0 -- " + bin +
-      "/fulcrum_train --recipe=tiny_moe --num_layers=8 --moe_layer_freq=[1,1,1,1,0,0,0,0] "
-      "--train_iters=8 --eval_interval=0 --log_interval=100 --pipeline_model_parallel_size=2 "
-      "--pipeline_schedule=zbh1 --rebalancer=partition --load_trace=" + trace_path;
+      "/fulcrum_train --recipe=tiny_moe --num_layers=8 --train_iters=8 --eval_interval=0 "
+      "--log_interval=100 --pipeline_model_parallel_size=2 --rebalancer=partition " + flags +
+      " --load_trace=" + trace_path;
   std::string output;
   ASSERT_EQ(testing::RunCommand(command, &output), 0) << output;
   absl::StatusOr<LoadTrace> trace = ReadLoadTrace(trace_path);
   ASSERT_TRUE(trace.ok()) << trace.status();
   ASSERT_EQ(trace->lines.size(), 7u);  // Iterations 1..7: the 8th is never gathered.
   EXPECT_EQ(trace->lines[0].iteration, 1);
-  // The live run moved layers (heavy stage 0), so the replay has something to reproduce.
+  // The live run moved layers (a heavy rank), so the replay has something to reproduce.
   bool moved = false;
   for (const TraceLine& line : trace->lines) moved |= line.ran_on != line.decision;
   ASSERT_TRUE(moved) << "the live run never moved a layer:\n" << output;
@@ -239,6 +323,18 @@ TEST(SlowTraceReplayTest, ReplayOfALiveRunReachesItsPlacements) {
     }
   }
   std::remove(trace_path.c_str());
+}
+
+TEST(SlowTraceReplayTest, ReplayOfALiveRunReachesItsPlacements) {
+  ExpectReplayReachesTheLivePlacements(
+      "zbh1", "--moe_layer_freq=[1,1,1,1,0,0,0,0] --pipeline_schedule=zbh1");
+}
+
+// The same under ZB-V: placements of four virtual stages, rank 0 holding the first and the
+// last (its MoE layers make it the heavy one), chunk-local moves included.
+TEST(SlowTraceReplayTest, ReplayOfAZeroBubbleVRunReachesItsPlacements) {
+  ExpectReplayReachesTheLivePlacements(
+      "zbv", "--moe_layer_freq=[1,1,0,0,0,0,1,1] --pipeline_schedule=zbv");
 }
 
 }  // namespace

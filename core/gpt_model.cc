@@ -247,7 +247,12 @@ absl::Status GptModel::ReportFinalGradients(
     FULCRUM_RETURN_IF_ERROR(report(*it->second));
   }
   if (run_weight_grads) run_weight_grads(std::nullopt);
-  if (with_embedding && embedding_) FULCRUM_RETURN_IF_ERROR(report(*embedding_));
+  if (with_embedding && embedding_) {
+    // NOTE [tied head on the embedding's rank]: the head's last W ran before this chunk's
+    // (ZB-V: the head's chunk finishes its backward first).
+    FoldTiedHeadGradient();
+    FULCRUM_RETURN_IF_ERROR(report(*embedding_));
+  }
   return absl::OkStatus();
 }
 
@@ -264,9 +269,31 @@ at::Tensor GptModel::ForwardLayers(at::Tensor hidden, const ForwardContext& ctx,
 
 LossSum GptModel::HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) const {
   TORCH_CHECK(head_, "this stage holds no head");
-  at::Tensor losses = head_->TokenLosses(
-      hidden, embedding_ ? embedding_->word_embeddings() : at::Tensor(), labels.t());  // [s, b]
+  at::Tensor tied;
+  if (embedding_ && options_.tie_embeddings) {
+    tied = embedding_->word_embeddings();
+    if (num_chunks() > 1) {  // NOTE [tied head on the embedding's rank]
+      if (!tied_head_weight_.defined()) {
+        tied_head_weight_ = tied.detach().requires_grad_(tied.requires_grad());
+      }
+      tied = tied_head_weight_;
+    }
+  }
+  at::Tensor losses = head_->TokenLosses(hidden, tied, labels.t());  // [s, b]
   return LossSum{losses.sum(), losses.numel()};
+}
+
+void GptModel::FoldTiedHeadGradient() const {
+  if (!tied_head_weight_.defined()) return;
+  const at::Tensor head_grad = tied_head_weight_.grad();
+  tied_head_weight_ = at::Tensor();
+  if (!head_grad.defined()) return;  // No backward ran (an evaluation).
+  at::Tensor& grad = const_cast<at::Tensor&>(embedding_->word_embeddings()).mutable_grad();
+  if (grad.defined()) {
+    grad.add_(head_grad);  // Σ embedding + Σ head, as the all-reduce of a mirror forms it.
+  } else {
+    grad = head_grad;  // The embedding's input side is frozen (NOTE [frozen prefix]).
+  }
 }
 
 bool GptModel::needs_token_positions() const {
@@ -313,6 +340,7 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> GatherChunkRanges(
 
 void GptModel::ZeroGrad() {
   for (Unit* unit : Units()) unit->ZeroGrad();
+  tied_head_weight_ = at::Tensor();  // An unfolded handle's gradient goes with the rest.
 }
 
 }  // namespace fulcrum

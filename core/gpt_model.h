@@ -234,6 +234,20 @@ class GptModel {
 
   void ZeroGrad();
 
+  /// NOTE [tied head on the embedding's rank]
+  /// With chunks, one rank may hold both the word embeddings (its first chunk) and the tied
+  /// head (its last) — ZB-V's rank 0. Their gradients then meet in one tensor, and the
+  /// order in which the schedule runs the embedding's B and the head's W of the micro-
+  /// batches would decide its rounding: two orders of one V (a cost-aware one, built from
+  /// measured times, and the unit one) would train different bits. So the head's GEMM
+  /// there takes a second handle of the same storage, whose gradient gathers the head's
+  /// micro-batches alone, and FoldTiedHeadGradient adds it to the embedding's once both
+  /// are final: Σ embedding + Σ head, the sum a pipeline with the two on different ranks
+  /// forms (mirror, then the all-reduce), so ZB-V trains the bits 1F1B at pp = 2 does, in
+  /// any order. Called by the executor before the embedding's gradient is reported and at
+  /// the end of every run; a no-op elsewhere (no chunks, untied, or not both here).
+  void FoldTiedHeadGradient() const;
+
  private:
   // layer_begin_/layer_end_ from the held layers (NOTE [layer migration]).
   void UpdateRange();
@@ -250,6 +264,9 @@ class GptModel {
   std::unique_ptr<Embedding> embedding_;
   std::map<int64_t, std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Head> head_;
+  // NOTE [tied head on the embedding's rank]: the head's handle of the word embeddings
+  // (their storage, a gradient of its own) until the next fold; undefined otherwise.
+  mutable at::Tensor tied_head_weight_;
 };
 
 }  // namespace fulcrum

@@ -352,6 +352,8 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
     }
     if (losses.defined()) loss_sum += losses.item<double>();
   }
+  // NOTE [tied head on the embedding's rank] (a no-op unless one stage runs both chunks).
+  model_->FoldTiedHeadGradient();
   // The units are read only now: a pipeline run may have moved layers between stages
   // (NOTE [layer migration]), and the optimizer step runs on the new layout.
   const std::vector<Unit*> units = model_->Units();

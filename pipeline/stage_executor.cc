@@ -242,6 +242,8 @@ absl::StatusOr<StageRunResult> StageExecutor::Run(GptModel& model, const Schedul
     return absl::InternalError(absl::StrCat("stage ", stage, ": ", run.in_flight.size(),
                                             " micro-batches still in flight after the schedule"));
   }
+  // NOTE [tied head on the embedding's rank]: every head W of the run is done.
+  model.FoldTiedHeadGradient();
   run.result.total_ms = SinceRunStart();
   run.result.peak_activation_bytes = run.meter.peak();
   FULCRUM_RETURN_IF_ERROR(CollectTimes(run));

@@ -128,6 +128,24 @@ TEST_F(SlowVirtualPipelineResumeTest, StraightRunsAgree) {
   EXPECT_EQ(interleaved, onef1b);
 }
 
+// NOTE [tied head on the embedding's rank] (core/gpt_model.h): under ZB-V rank 0 holds the
+// embedding and the tied head, and gathers the head's gradient apart, adding it to the
+// embedding's once both are final — the sum 1F1B forms across its two ranks. So with the
+// word embeddings tied, ZB-V trains 1F1B's bits (before, the two gradients met in one
+// tensor in the schedule's order and the losses differed in their last bits).
+TEST_F(SlowVirtualPipelineResumeTest, TiedEmbeddingsTrainTheBitsOf1f1b) {
+  std::string tied = Common();
+  const std::string untie = " --untie_embeddings_and_output_weights";
+  tied.erase(tied.find(untie), untie.size());
+  std::string output;
+  const auto zbv = testing::LossesOf(
+      testing::TrainRecords(2, tied + kZbv, *dir_ + "/tied_zbv.jsonl", &output));
+  ASSERT_EQ(zbv.size(), static_cast<size_t>(kIterations)) << output;
+  const auto onef1b = testing::LossesOf(
+      testing::TrainRecords(2, tied + kOneF1B, *dir_ + "/tied_1f1b.jsonl", &output));
+  EXPECT_EQ(zbv, onef1b);
+}
+
 // The manifest's placement lists every chunk's range in layer order (not a rank's span from
 // its first chunk's begin to its last chunk's end, which overlaps the other rank's and which
 // --load refused: "stages must hold contiguous, non-empty ranges in order from layer 0").

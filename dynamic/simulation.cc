@@ -11,6 +11,7 @@
 #include "dynamic/load_model.h"
 #include "dynamic/partition.h"
 #include "dynamic/stage_costs.h"
+#include "pipeline/measured_order.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::dynamic {
@@ -185,6 +186,10 @@ std::vector<pipeline::StageLoad> SimulatedChunkLoads(const IterationCosts& costs
       load.forward_ms += m * c.forward;
       load.backward_ms += m * (c.backward_input + (fused ? c.backward_weight : 0.0));
       load.weight_ms += fused ? 0.0 : m * c.backward_weight;
+      // The chunk's own totals, as GatherLoads reports them (chunk order = model order).
+      load.chunk_forward_ms.push_back(m * c.forward);
+      load.chunk_backward_ms.push_back(m * (c.backward_input + (fused ? c.backward_weight : 0.0)));
+      load.chunk_weight_ms.push_back(fused ? 0.0 : m * c.backward_weight);
     }
   }
   if (timeline != nullptr) {
@@ -296,7 +301,11 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
   absl::StatusOr<pipeline::Schedule> made = pipeline::MakeSchedule(
       scenario.schedule, scenario.num_stages, scenario.num_microbatches, scenario.num_chunks);
   if (!made.ok()) return made.status();
-  const pipeline::Schedule schedule = *std::move(made);
+  pipeline::Schedule schedule = *std::move(made);
+  // NOTE [ZB-V at measured costs]: rebuilt from the loads Plan(i) is handed, as the runner
+  // rebuilds it from the loads it gathers.
+  const bool measured_order = scenario.schedule == "zbv" && scenario.measured_zbv_order;
+  pipeline::MeasuredVOrder order;
   // NOTE [forward-only stages]: iteration i runs `schedule` with the stages that lie in its
   // frozen prefix forward only, as the runner makes it from the same ranges.
   auto schedule_on = [&schedule](const IterationCosts& costs, const Placement& placement) {
@@ -370,6 +379,9 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
                              &previous_timeline);
     } else {
       loads = SimulatedLoads(costs, schedule_on(costs, current), current, current, nullptr);
+    }
+    if (measured_order && order.Observe(loads, scenario.num_microbatches)) {
+      schedule = order.Build(scenario.num_stages, scenario.num_microbatches);
     }
     const auto decide_start = Clock::now();
     pipeline::RebalanceDecision decision;

@@ -111,6 +111,10 @@ struct Scenario {
   /// Model chunks per stage (--virtual_pipeline_model_parallel_size): 1, or v > 1 for an
   /// interleaved schedule; ZB-V sets its own 2 (MakeSchedule). NOTE [simulation under chunks].
   int num_chunks = 1;
+  /// Under zbv, the V's order from the measured chunk costs, rebuilt from each iteration's
+  /// loads by the rule fulcrum_train follows (pipeline::MeasuredVOrder; NOTE [ZB-V at
+  /// measured costs]); false: the unit-cost order throughout (--zbv_order=unit).
+  bool measured_zbv_order = true;
   int64_t iterations = 10;      ///< Iterations 1..iterations.
   double tokens_per_iteration = 0;  ///< For tokens/s; 0: iterations/s only.
   /// The costs of iteration i (1-based). Must give the same layer count every iteration.

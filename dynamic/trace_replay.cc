@@ -115,6 +115,14 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
     }
     line.microbatches = *microbatches;
     line.rebalancer = j.value("rebalancer", std::string());
+    if (j.contains("zbv_order")) {
+      const std::string order = j.at("zbv_order").get<std::string>();
+      if (order != "measured" && order != "unit") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'zbv_order' is '", order, "'; expected measured or unit"));
+      }
+      line.measured_zbv_order = order == "measured";
+    }
     const nlohmann::json& measured = j.at("measured");
     if (!measured.is_object()) return absl::InvalidArgumentError("'measured' is not an object");
     line.pipeline_ms = measured.value("pipeline_ms", 0.0);
@@ -217,6 +225,7 @@ absl::StatusOr<LoadTrace> ParseLoadTrace(std::string_view text_view, std::string
       }
       if (line->loads.size() != first.loads.size() || line->num_layers != first.num_layers ||
           line->num_chunks != first.num_chunks || line->schedule != first.schedule ||
+          line->measured_zbv_order != first.measured_zbv_order ||
           line->microbatches != first.microbatches) {
         return bad(
             "the stages, chunks, layers, schedule or micro-batches changed within the trace");
@@ -324,6 +333,7 @@ Scenario ScenarioFromTrace(const LoadTrace& trace, const std::string& name) {
   s.iterations = static_cast<int64_t>(trace.lines.size());
   s.initial_placement = trace.lines[0].ran_on;
   s.num_chunks = trace.num_chunks();
+  s.measured_zbv_order = trace.lines[0].measured_zbv_order;
   auto costs = std::make_shared<std::vector<IterationCosts>>();
   for (const TraceLine& line : trace.lines) costs->push_back(CostsFromTraceLine(line));
   s.costs = [costs](int64_t i) { return (*costs)[static_cast<size_t>(i - 1)]; };

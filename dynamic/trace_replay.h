@@ -68,6 +68,9 @@ struct TraceLine {
   /// range per virtual stage, and each load its chunks' ranges and action totals.
   int num_chunks = 1;
   int64_t num_layers = 0;  ///< Of the model.
+  /// zbv only: the run built the V's order from measured costs ("zbv_order": "measured";
+  /// NOTE [ZB-V at measured costs]). Traces without the field ran the unit order.
+  bool measured_zbv_order = false;
 };
 
 /// A whole trace: its lines in iteration order.

@@ -7,6 +7,8 @@
 // [when the plan is made] in pipeline/rebalancer.h), so the line describing iteration i is
 // written at the end of iteration i+1, and the last iteration of a run has no line. A line:
 //   {"iteration": i, "plan_iteration": i+1, "schedule": "zbh1", "microbatches": m,
+//    "zbv_order": "measured",            zbv only: the V's order (NOTE [ZB-V at measured
+//                                        costs] in pipeline/measured_order.h)
 //    "ran_on": [[0,4],[4,8]],            the placement iteration i ran on (with chunks, a
 //                                        range per virtual stage, in model order)
 //    "loads": [StageLoad...],            Plan(i+1)'s input verbatim (StageLoadToJson): the

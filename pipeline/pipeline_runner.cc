@@ -365,6 +365,8 @@ absl::StatusOr<const Schedule*> PipelineRunner::ScheduleFor(const std::string& n
   if (it == schedules_.end()) {
     FULCRUM_ASSIGN_OR_RETURN(Schedule schedule,
                              MakeSchedule(name, pp_->size(), microbatches, num_chunks_));
+    // NOTE [ZB-V at measured costs]: the V's order from the measured costs, once there are.
+    if (name == "zbv" && measured_zbv_order_) schedule = zbv_order_.Build(pp_->size(), microbatches);
     // NOTE [forward-only stages]: the frozen prefix's stages run no backward.
     schedule = WithForwardOnlyPrefix(std::move(schedule), forward_only);
     FULCRUM_RETURN_IF_ERROR(ValidateSchedule(schedule));
@@ -384,14 +386,33 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
                                                                double loss_scale) {
   // NOTE [forward-only stages]: every rank has the same ranges and frozen prefix, so the
   // same schedule.
-  FULCRUM_ASSIGN_OR_RETURN(
-      const Schedule* schedule,
-      ScheduleFor(schedule_name_, plan.count,
-                  ForwardOnlyVirtualStages(ranges_, stage.frozen_prefix())));
+  const int forward_only = ForwardOnlyVirtualStages(ranges_, stage.frozen_prefix());
+  FULCRUM_ASSIGN_OR_RETURN(const Schedule* schedule,
+                           ScheduleFor(schedule_name_, plan.count, forward_only));
   // What the previous Run ran on and measured, for its load-trace line.
   metrics_.StartRun(ran_on_, plan.count, frozen_prefix_);
   frozen_prefix_ = stage.frozen_prefix();
   FULCRUM_ASSIGN_OR_RETURN(last_moves_, PlanMoves(stage, *schedule, iteration));
+  // NOTE [ZB-V at measured costs]: the loads just gathered (the same on every rank) may
+  // move the V's costs; then this iteration already runs the order built at the new ones.
+  if (schedule_name_ == "zbv" && measured_zbv_order_ &&
+      zbv_order_.Observe(last_loads_, plan.count)) {
+    for (auto it = schedules_.begin(); it != schedules_.end();) {
+      it = std::get<0>(it->first) == "zbv" ? schedules_.erase(it) : std::next(it);
+    }
+    FULCRUM_ASSIGN_OR_RETURN(schedule, ScheduleFor(schedule_name_, plan.count, forward_only));
+    if (pp_->rank() == 0) {
+      const ActionCosts& c = *zbv_order_.costs();
+      const bool unit =
+          schedule->stages ==
+          WithForwardOnlyPrefix(ZeroBubbleV(pp_->size(), plan.count), forward_only).stages;
+      FULCRUM_LOG(INFO) << "iteration " << iteration << ": zbv order rebuilt at the measured "
+                        << "chunk costs F " << c.forward << " ms, B " << c.backward_input
+                        << " ms, W " << c.backward_weight << " ms: "
+                        << (unit ? "the unit-cost order is the faster there, kept"
+                                 : "the order built at those costs");
+    }
+  }
   // Every rank sees the same plan, so every rank runs the hook when the placement changes
   // (this stage may send and receive nothing).
   if (before_moves_ && ranges_ != ran_on_) FULCRUM_RETURN_IF_ERROR(before_moves_());
@@ -450,6 +471,7 @@ void PipelineRunner::LoadTrace(nlohmann::json* record) const {
   r["iteration"] = last_iteration_ - 1;
   r["plan_iteration"] = last_iteration_;
   r["schedule"] = schedule_name_;
+  if (schedule_name_ == "zbv") r["zbv_order"] = measured_zbv_order_ ? "measured" : "unit";
   r["rebalancer"] = rebalancer_->name();
   r["loads"] = std::move(loads);
   r["decision"] = RangesToJson(ranges_);

@@ -31,6 +31,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -40,6 +41,7 @@
 
 #include "core/parallel_context.h"
 #include "parallel/communicator.h"
+#include "pipeline/measured_order.h"
 #include "pipeline/pipeline_metrics.h"
 #include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
@@ -109,6 +111,13 @@ class PipelineRunner final : public ForwardBackwardRunner {
     model_changes_.emplace_back(iteration, reason);
   }
 
+  /// NOTE [ZB-V at measured costs] (pipeline/measured_order.h): under zbv, whether the order
+  /// is rebuilt from the measured chunk costs (the default, --zbv_order=measured) or stays
+  /// the unit-cost one (--zbv_order=unit). Set before the first Run.
+  void set_measured_zbv_order(bool measured) { measured_zbv_order_ = measured; }
+  /// The costs the current zbv order was built for; nullopt: the unit order.
+  const std::optional<ActionCosts>& zbv_order_costs() const { return zbv_order_.costs(); }
+
   /// The last Run's per-action timings on this stage (with its migrations).
   const StageRunResult& last_run() const { return last_run_; }
   /// What the rebalancer was given at the start of the last Run (one StageLoad per stage).
@@ -153,6 +162,8 @@ class PipelineRunner final : public ForwardBackwardRunner {
   TimelineRecorder* timeline_ = nullptr;
   int64_t flush_every_ = 50;
   std::map<std::tuple<std::string, int, int>, Schedule> schedules_;  // (name, m, forward_only)
+  bool measured_zbv_order_ = true;
+  MeasuredVOrder zbv_order_;  // NOTE [ZB-V at measured costs]
   StageRunResult last_run_;
   bool has_run_ = false;  // last_run_ holds a training run's measurements.
   std::vector<StageLoad> last_loads_;

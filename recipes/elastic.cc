@@ -55,6 +55,7 @@ absl::StatusOr<ForwardBackwardRunner*> ElasticController::InstallRunner(
                                            &context.group(parallel::GroupKind::kData)},
       one_stage ? 1 : options_.num_chunks);
   runner->set_layer_timing(options_.layer_timing);
+  runner->set_measured_zbv_order(options_.measured_zbv_order);
   if (!timeline_path.empty()) {
     timeline_ = std::make_unique<pipeline::TimelineRecorder>(&context.world(), timeline_path,
                                                              context.coords().pp);

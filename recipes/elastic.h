@@ -42,6 +42,9 @@ struct ElasticOptions {
   int64_t micro_batch_size = 1;
   /// --layer_timing: whether the runner times each layer (StageExecutor::set_layer_timing).
   bool layer_timing = true;
+  /// --zbv_order=measured: the V's order from the measured costs
+  /// (PipelineRunner::set_measured_zbv_order).
+  bool measured_zbv_order = true;
   /// A fresh rebalancer for each runner (the flags' --rebalancer...).
   std::function<absl::StatusOr<std::unique_ptr<pipeline::Rebalancer>>()> make_rebalancer;
   /// --timeline; empty: none. After a live shrink onto N stages the timeline goes on in

@@ -144,6 +144,10 @@ DEFINE_string(rebalance_script, "",
               "placement), steps separated by ';', e.g. '5:1->1;9:2,2' (in iteration 5's "
               "backward tail layer 1 goes to stage 1; in 9's, two layers per stage).");
 // Balancing (dynamic/).
+DEFINE_string(zbv_order, "measured",
+              "With --pipeline_schedule=zbv: measured (rebuild the V's order from the measured "
+              "chunk F/B/W costs, as the zero-bubble authors build theirs from profiled ones; "
+              "the same losses) or unit (the order for equal F, B and W).");
 DEFINE_bool(layer_timing, true,
             "Pipeline runs: time every layer's F, B and W (events on a GPU, read once per "
             "iteration; the balancers' loads). false: only each schedule action is timed "
@@ -284,7 +288,7 @@ cli::HelpSpec TrainHelpSpec() {
         "balance_by",
         "rebalance_window", "rebalance_interval", "rebalance_min_gain", "rebalance_max_moves",
         "rebalance_memory_budget_mb", "diffusion_max_rounds", "rebalance_script",
-        "layer_timing"}},
+        "layer_timing", "zbv_order"}},
       {"Re-packing (fewer pipeline stages when the work shrinks)",
        {"repack", "repack_min_stages", "repack_interval", "repack_max_slowdown", "repack_script",
         "repack_via_checkpoint", "on_release_command"}},
@@ -453,6 +457,10 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
     if (auto played = script->Placements(ranges); !played.ok()) {
       return Invalid(std::string(played.status().message()));
     }
+  }
+  if (FLAGS_zbv_order != "measured" && FLAGS_zbv_order != "unit") {
+    return Invalid(absl::StrCat("--zbv_order='", FLAGS_zbv_order,
+                                "' is unknown; expected measured or unit"));
   }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
   if (chunks > 1) {
@@ -732,5 +740,6 @@ bool AllowUnchecksummedManifestFlag() { return FLAGS_allow_unchecksummed_manifes
 std::string PluginsFlag() { return FLAGS_plugins; }
 std::string DeviceFlag() { return FLAGS_device; }
 bool LayerTimingFlag() { return FLAGS_layer_timing; }
+bool MeasuredZbvOrderFlag() { return FLAGS_zbv_order == "measured"; }
 
 }  // namespace fulcrum

@@ -85,5 +85,7 @@ std::string PluginsFlag();
 std::string DeviceFlag();
 /// --layer_timing: whether pipeline runs time each layer (StageExecutor::set_layer_timing).
 bool LayerTimingFlag();
+/// --zbv_order=measured (NOTE [ZB-V at measured costs] in pipeline/measured_order.h).
+bool MeasuredZbvOrderFlag();
 
 }  // namespace fulcrum

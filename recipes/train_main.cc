@@ -199,6 +199,7 @@ fulcrum::ElasticOptions ElasticOptionsOf(const Checked& c, const fulcrum::Traine
   options.schedule = fulcrum::PipelineScheduleFlag();
   options.num_chunks = c.num_chunks;
   options.layer_timing = fulcrum::LayerTimingFlag();
+  options.measured_zbv_order = fulcrum::MeasuredZbvOrderFlag();
   options.micro_batch_size = config.train.micro_batch_size;
   options.make_rebalancer = fulcrum::RebalancerFromFlags;
   options.timeline = fulcrum::TimelineFlag();

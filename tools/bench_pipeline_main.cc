@@ -9,7 +9,8 @@
 // (binaries next to this one), so every micro-batch holds the same tokens whatever M is.
 // Two names run virtual pipeline stages (two model chunks per rank): "interleaved" is
 // Megatron's interleaved 1F1B (--pipeline_schedule=1f1b --virtual_pipeline_model_parallel_size=2;
-// Megatron's rule: M a multiple of PP) and "zbv" is ZB-V (--pipeline_schedule=zbv); the
+// Megatron's rule: M a multiple of PP) and "zbv" is ZB-V (--pipeline_schedule=zbv; "zbv-unit"
+// adds --zbv_order=unit); the
 // recipe's layers must split into 2·PP chunks (a run fulcrum_train refuses for that is a
 // failed row, not the end of the benchmark).
 // From the metrics file it drops the first --skip_iters iterations (start-up) and prints
@@ -70,7 +71,8 @@
 DEFINE_string(pp, "2,4", "Pipeline sizes (processes per run), comma-separated; each >= 2.");
 DEFINE_string(schedules, "1f1b,zbh1,interleaved,zbv",
               "Pipeline schedules, comma-separated (1f1b, zbh1, zbh2; interleaved = interleaved "
-              "1F1B with 2 chunks per stage; zbv). The ratio columns need 1f1b.");
+              "1F1B with 2 chunks per stage; zbv, its order from the measured costs; zbv-unit, "
+              "the unit-cost order). The ratio columns need 1f1b.");
 DEFINE_string(microbatches, "4,8,16", "Micro-batches per iteration, comma-separated; each >= 1.");
 DEFINE_int32(micro_batch_size, 1,
              "Sequences per micro-batch, the same for every count (--global_batch_size is "
@@ -124,7 +126,7 @@ struct ScheduleSpec {
 
 ScheduleSpec SpecOf(const std::string& name) {
   if (name == "interleaved") return {"1f1b", 2};
-  if (name == "zbv") return {"zbv", 2};
+  if (name == "zbv" || name == "zbv-unit") return {"zbv", 2};
   return {name, 1};
 }
 
@@ -133,6 +135,9 @@ std::string TrainScheduleFlags(const std::string& name) {
   std::string flags = " --pipeline_schedule=" + spec.pipeline_schedule;
   // zbv sets its own two chunks; interleaved 1F1B is 1f1b with the virtual-stage flag.
   if (name == "interleaved") flags += " --virtual_pipeline_model_parallel_size=2";
+  // "zbv" runs the order built from the measured costs (the default), "zbv-unit" the
+  // unit-cost one (NOTE [ZB-V at measured costs]).
+  if (name == "zbv-unit") flags += " --zbv_order=unit";
   return flags;
 }
 

@@ -101,6 +101,30 @@ TEST_F(SlowVirtualPipelineTrainTest, InterleavedFourStages) {
   ExpectRanges(records, nlohmann::json::parse("[[0,1],[1,2],[2,3],[3,4],[4,5],[5,6],[6,7],[7,8]]"));
 }
 
+// NOTE [ZB-V at measured costs]: the V's order rebuilt from the measured chunk costs (the
+// default) trains the bits of the unit-cost order — word embeddings tied (NOTE [tied head
+// on the embedding's rank]) — and the run says it rebuilt the order. That the order built
+// at such costs differs from the unit one is MeasuredVOrderTest's.
+TEST(SlowZbvOrderTest, MeasuredCostsTrainTheUnitOrdersBits) {
+  const std::string flags =
+      "--recipe=tiny --num_layers=8 --train_iters=8 --eval_interval=4 --log_interval=1 "
+      "--global_batch_size=16 --micro_batch_size=2 --pipeline_model_parallel_size=2 "
+      "--pipeline_schedule=zbv";
+  const std::string dir = testing::MakeTempDir("zbv_order");
+  std::string measured_output, unit_output;
+  const auto measured = testing::TrainRecords(2, flags, dir + "/measured.jsonl", &measured_output);
+  const auto unit =
+      testing::TrainRecords(2, flags + " --zbv_order=unit", dir + "/unit.jsonl", &unit_output);
+  ASSERT_EQ(measured.size(), 8u) << measured_output;
+  EXPECT_EQ(testing::LossesOf(measured), testing::LossesOf(unit));
+  EXPECT_EQ(testing::ValidLossesOf(measured), testing::ValidLossesOf(unit));
+  EXPECT_EQ(testing::ValidLossesOf(measured).size(), 2u);
+  // It ran another order than the unit one (the order at costs, not the unit one kept).
+  EXPECT_NE(measured_output.find("the order built at those costs"), std::string::npos)
+      << measured_output;
+  EXPECT_EQ(unit_output.find("zbv order rebuilt"), std::string::npos) << unit_output;
+}
+
 // Each mistake exits non-zero with a message naming the flag (refused before any work).
 TEST(VirtualPipelineFlagsTest, MistakesAreRefusedNamingTheFlag) {
   struct Case {
@@ -135,6 +159,8 @@ TEST(VirtualPipelineFlagsTest, MistakesAreRefusedNamingTheFlag) {
       {2, "--pipeline_model_parallel_size=2 --pipeline_schedule=zbv "
           "--pipeline_initial_partition=params",
        "needs --pipeline_initial_partition=uniform"},
+      {1, "--pipeline_schedule=zbv --zbv_order=fast",
+       "--zbv_order='fast' is unknown; expected measured or unit"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flags);

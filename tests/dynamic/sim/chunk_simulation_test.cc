@@ -39,6 +39,42 @@ TEST(ChunkSimulationTest, ZbvPlacesPerVirtualStageAndTimesEachChunksRange) {
   EXPECT_EQ(ChunkRanksOf(*schedule), VShapeChunkRanks(2));
 }
 
+// NOTE [ZB-V at measured costs]: from the second iteration the simulated V runs the order
+// built at the costs its loads report, as fulcrum_train does (--zbv_order=measured); with B
+// dearer and W cheaper than F that order is faster than the unit one.
+TEST(ChunkSimulationTest, ZbvRunsTheOrderBuiltAtTheMeasuredCosts) {
+  Scenario s;
+  s.name = "zbv at B = 1.2 F, W = 0.7 F";
+  s.num_stages = 2;
+  s.num_microbatches = 8;
+  s.schedule = "zbv";
+  s.num_chunks = 2;
+  s.iterations = 3;
+  s.costs = [](int64_t) {
+    IterationCosts c;
+    c.forward.assign(8, 1.0);
+    c.backward.assign(8, 1.2);
+    c.weight.assign(8, 0.7);
+    return c;
+  };
+  const absl::StatusOr<SimulatedRun> measured = SimulateRun(s, kUniform, {});
+  s.measured_zbv_order = false;
+  const absl::StatusOr<SimulatedRun> unit = SimulateRun(s, kUniform, {});
+  ASSERT_TRUE(measured.ok()) << measured.status();
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  // Iteration 1 has no measurement: both run the unit order.
+  EXPECT_EQ(measured->iterations[0].makespan_ms, unit->iterations[0].makespan_ms);
+  // Then the order at F 2, B 2.4, W 1.4 per chunk action (two layers per chunk) —
+  // pipeline::ZeroBubbleVAt's — on the same per-chunk costs.
+  const pipeline::Schedule at_costs = pipeline::ZeroBubbleVAt(2, 8, 2.0, 2.4, 1.4, 0);
+  const std::vector<pipeline::ActionCosts> chunk_costs(4, pipeline::ActionCosts{2.0, 2.4, 1.4});
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_DOUBLE_EQ(measured->iterations[i].makespan_ms,
+                     pipeline::Simulate(at_costs, chunk_costs).makespan);
+    EXPECT_LT(measured->iterations[i].makespan_ms, unit->iterations[i].makespan_ms);
+  }
+}
+
 TEST(ChunkSimulationTest, BalancedRanksAreNeverBusierAndFasterWithManyMicroBatches) {
   // Random per-layer costs, ZB-V and interleaved 1F1B (v = 2), migration free. From the
   // first decision on, no rank is busier than the uniform run's busiest rank (what the

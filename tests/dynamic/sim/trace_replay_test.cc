@@ -98,9 +98,16 @@ TEST(TraceReplayTest, ChunkedTraceSplitsThePinnedTimeByChunk) {
   EXPECT_DOUBLE_EQ(c.last_backward, 2);   // (8 - 4) / 2.
   EXPECT_DOUBLE_EQ(c.last_weight, 0);
   EXPECT_DOUBLE_EQ(c.first_parameters + c.last_parameters, 110);  // Both on rank 0.
-  // The scenario runs the same V: four virtual stages, the head's time on the last.
+  // The scenario runs the same V: four virtual stages, the head's time on the last; a trace
+  // without "zbv_order" ran the unit order (written before the measured one existed).
   const Scenario s = ScenarioFromTrace(*trace, "chunks");
   EXPECT_EQ(s.num_chunks, 2);
+  EXPECT_FALSE(s.measured_zbv_order);
+  nlohmann::json measured1 = HandChunkTraceLine(1), measured2 = HandChunkTraceLine(2);
+  measured1["zbv_order"] = measured2["zbv_order"] = "measured";
+  absl::StatusOr<LoadTrace> measured = ReadLoadTrace(Write("chunks_measured", {measured1, measured2}));
+  ASSERT_TRUE(measured.ok()) << measured.status();
+  EXPECT_TRUE(ScenarioFromTrace(*measured, "measured").measured_zbv_order);
   absl::StatusOr<SimulatedRun> run = SimulateRun(s, {"none", "none", BalanceBy::kTime, false}, {});
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_EQ(run->iterations[0].placement, trace->lines[0].ran_on);
@@ -212,6 +219,10 @@ TEST(TraceReplayTest, ParseRefusesMalformedLinesNamingThem) {
       {"ran_on of the ranks, not the virtual stages",
        [](nlohmann::json* j) { (*j)["ran_on"] = {{0, 2}, {2, 4}}; },
        "over 4 virtual stages"},
+      {"an unknown zbv order", [](nlohmann::json* j) { (*j)["zbv_order"] = "fast"; },
+       "'zbv_order' is 'fast'; expected measured or unit"},
+      {"the order changing within the trace",
+       [](nlohmann::json* j) { (*j)["zbv_order"] = "measured"; }, "changed within the trace"},
       {"chunk ranges missing on one rank", [](nlohmann::json* j) { (*j)["loads"][1].erase("chunk_ranges"); },
        "no chunk_ranges while others have"},
   };

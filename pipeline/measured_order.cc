@@ -1,0 +1,80 @@
+#include "pipeline/measured_order.h"
+
+#include <cmath>
+
+namespace fulcrum::pipeline {
+
+std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, int microbatches) {
+  if (microbatches < 1) return std::nullopt;
+  double forward = 0, backward = 0, weight = 0;
+  int chunks = 0;
+  for (const StageLoad& load : loads) {
+    if (load.chunk_ranges.empty() || load.chunk_forward_ms.size() != load.chunk_ranges.size() ||
+        load.chunk_backward_ms.size() != load.chunk_ranges.size() ||
+        load.chunk_weight_ms.size() != load.chunk_ranges.size()) {
+      return std::nullopt;
+    }
+    for (size_t c = 0; c < load.chunk_ranges.size(); ++c) {
+      forward += load.chunk_forward_ms[c];
+      backward += load.chunk_backward_ms[c];
+      weight += load.chunk_weight_ms[c];
+      ++chunks;
+    }
+  }
+  if (chunks == 0) return std::nullopt;
+  const double actions = static_cast<double>(chunks) * microbatches;
+  ActionCosts mean;
+  mean.forward = forward / actions;
+  mean.backward_input = backward / actions;
+  mean.backward_weight = weight / actions;
+  for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
+    if (!std::isfinite(c) || c <= 0) return std::nullopt;
+  }
+  return mean;
+}
+
+bool MeasuredVOrder::Observe(const std::vector<StageLoad>& loads, int microbatches) {
+  const std::optional<ActionCosts> mean = MeanChunkCosts(loads, microbatches);
+  if (!mean) return false;  // Keep the order there is.
+  if (costs_) {
+    auto near = [](double now, double built) {
+      return std::abs(now - built) <= kRebuildTolerance * built;
+    };
+    if (near(mean->forward, costs_->forward) &&
+        near(mean->backward_input, costs_->backward_input) &&
+        near(mean->backward_weight, costs_->backward_weight)) {
+      return false;
+    }
+  }
+  costs_ = mean;
+  // Each virtual stage's own costs (model order), for choosing between the candidates.
+  virtual_costs_.clear();
+  const std::vector<int> ranks = ChunkRanks(loads);
+  std::vector<int> next_chunk(loads.size(), 0);
+  for (int rank : ranks) {
+    const StageLoad& load = loads[static_cast<size_t>(rank)];
+    const size_t c = static_cast<size_t>(next_chunk[static_cast<size_t>(rank)]++);
+    ActionCosts cost;
+    cost.forward = load.chunk_forward_ms[c] / microbatches;
+    cost.backward_input = load.chunk_backward_ms[c] / microbatches;
+    cost.backward_weight = load.chunk_weight_ms[c] / microbatches;
+    virtual_costs_.push_back(cost);
+  }
+  return true;
+}
+
+Schedule MeasuredVOrder::Build(int num_stages, int microbatches) const {
+  Schedule unit = ZeroBubbleV(num_stages, microbatches);
+  if (!costs_) return unit;
+  Schedule at = ZeroBubbleVAt(num_stages, microbatches, costs_->forward, costs_->backward_input,
+                              costs_->backward_weight, 0);
+  // The unit order is a candidate too: the greedy is a heuristic, and at few micro-batches
+  // on unequal chunks (rank 0 holds the embedding and the head) the unit order can be the
+  // faster one. Each is timed on every virtual stage's own measured costs (on the mean
+  // ones when those do not fit this layout); ties keep the order built at the costs.
+  std::vector<ActionCosts> costs(static_cast<size_t>(num_stages), *costs_);
+  if (virtual_costs_.size() == 2 * static_cast<size_t>(num_stages)) costs = virtual_costs_;
+  return Simulate(unit, costs).makespan < Simulate(at, costs).makespan ? unit : at;
+}
+
+}  // namespace fulcrum::pipeline

@@ -22,8 +22,8 @@
 // percentile +0.005 ms, within the ranks' clock offset). Charging a transfer on top, as
 // the validation table did before 2026-11-27 (512 KiB at 1 GB/s + 300 µs, from the
 // collectives' bandwidth), counted 0.8 ms of idle per hand-over that the run never waited: that was the
-// bubble's over-prediction (+12% to +49%); without it the bubble is within 5% on every
-// run of tools/validate_sim.sh. Across hosts the transfer is real: give --p2p_* then.
+// bubble's over-prediction (+12% to +49%); without it the bubble is within 10% (−3% to
+// +9%) on every run of tools/validate_sim.sh. Across hosts the transfer is real: give --p2p_* then.
 //
 // NOTE [trace scaling]
 // ScaleTrace maps a trace of L layers and hidden size h onto a model of L' layers and hidden

@@ -55,6 +55,13 @@ class ProcessGroupContext final : public ParallelContext {
   void SetVirtualStages(std::vector<std::pair<int, int>> owners) {
     virtual_stages_ = std::move(owners);
   }
+  /// The rank (pipeline stage) of each virtual stage in model order; empty with one chunk
+  /// per stage (BalanceProblem::chunk_rank's form).
+  std::vector<int> VirtualStageRanks() const {
+    std::vector<int> ranks;
+    for (const auto& [stage, chunk] : virtual_stages_) ranks.push_back(stage);
+    return ranks;
+  }
   void AllReduceGradients(const std::vector<Unit*>& units,
                           const ParameterFilter& reduced = nullptr) override;
   bool SummedOverModelParallel(const Unit& unit, const Parameter& p) const override;

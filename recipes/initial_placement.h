@@ -19,8 +19,12 @@ namespace fulcrum {
 /// as this rank builds it (`customizer`, may be null: the plugins' blocks; `tp` shards;
 /// layers are built one at a time, uninitialised, to be counted), the embedding pinned on
 /// the first stage and the final norm and LM head on the last. Every rank computes the same
-/// placement.
+/// placement. With virtual pipeline stages `chunk_rank` gives the rank of each (model
+/// order; BalanceProblem::chunk_rank) and the placement has one range per virtual stage,
+/// balanced as the Partition balancer balances chunks (NOTE [partition under chunks]); a
+/// tied output weight on the embedding's own rank (ZB-V) is no second copy.
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParameterBalancedPlacement(
-    const ModelOptions& model, LayerCustomizer* customizer, TensorParallelGroup* tp, int stages);
+    const ModelOptions& model, LayerCustomizer* customizer, TensorParallelGroup* tp, int stages,
+    const std::vector<int>& chunk_rank = {});
 
 }  // namespace fulcrum

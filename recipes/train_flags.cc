@@ -464,12 +464,9 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
   }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
   if (chunks > 1) {
-    // The parameter-balanced start and re-packing place one range per stage; layer moves
-    // (--rebalancer, --rebalance_script) work on the virtual stages (NOTE [early migration]).
-    if (FLAGS_pipeline_initial_partition != "uniform") {
-      return Invalid("--pipeline_initial_partition=params places one range per stage; with "
-                     "virtual pipeline stages it needs --pipeline_initial_partition=uniform");
-    }
+    // Re-packing places one range per stage; layer moves (--rebalancer,
+    // --rebalance_script) and the parameter-balanced start work on the virtual stages
+    // (NOTE [early migration]).
     if (FLAGS_repack != "off" || !FLAGS_repack_script.empty()) {
       return Invalid("--repack re-places one range per stage; it does not support virtual "
                      "pipeline stages (--virtual_pipeline_model_parallel_size > 1, zbv) yet");

@@ -227,9 +227,11 @@ absl::StatusOr<std::shared_ptr<fulcrum::PluginSet>> BuildPlugins(
   if (c.layout.pp > 1 && fulcrum::InitialPartitionByParamsFlag()) {
     // The layer shells measured below are built for the layout (the experts this rank holds).
     FULCRUM_RETURN_IF_ERROR(plugins->OnLayout(parallel));
+    // With virtual stages (set by the controller) one range per virtual stage.
     FULCRUM_ASSIGN_OR_RETURN(auto placement, fulcrum::ParameterBalancedPlacement(
                                                  config.model, plugins.get(),
-                                                 parallel->tensor_parallel(), c.layout.pp));
+                                                 parallel->tensor_parallel(), c.layout.pp,
+                                                 parallel->VirtualStageRanks()));
     if (logging) {
       FULCRUM_LOG(INFO) << "initial placement balancing parameters (--pipeline_initial_partition="
                            "params): "

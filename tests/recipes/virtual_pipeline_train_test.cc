@@ -101,6 +101,36 @@ TEST_F(SlowVirtualPipelineTrainTest, InterleavedFourStages) {
   ExpectRanges(records, nlohmann::json::parse("[[0,1],[1,2],[2,3],[3,4],[4,5],[5,6],[6,7],[7,8]]"));
 }
 
+// --pipeline_initial_partition=params under virtual stages: one range per virtual stage,
+// balanced on parameters as Partition balances chunks. tiny_moe with MoE layers 0 and 1
+// (each several dense layers' parameters): under ZB-V each MoE layer gets a chunk of its
+// own — [0,1) on rank 0 with the embedding, [1,2) on rank 1 — and the six dense layers
+// split 3 / 3 ([2,5) on rank 1, [5,8) on rank 0 with the final norm; the tied output weight
+// is the embedding's own, no second copy). The losses are one process's.
+TEST(SlowVirtualPipelineParamsTest, ZeroBubbleVStartsParameterBalanced) {
+  const std::string model =
+      "--recipe=tiny_moe --num_layers=8 --moe_layer_freq=[1,1,0,0,0,0,0,0] --train_iters=4 "
+      "--eval_interval=0 --log_interval=1 --global_batch_size=8 --micro_batch_size=2" +
+      std::string(testing::kPastWarmup);
+  const std::string dir = testing::MakeTempDir("vp_params");
+  std::string output;
+  const auto single = testing::TrainRecords(1, model, dir + "/single.jsonl", &output);
+  ASSERT_EQ(single.size(), 4u) << output;
+  const auto zbv = testing::TrainRecords(
+      2,
+      model + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbv "
+              "--pipeline_initial_partition=params",
+      dir + "/zbv.jsonl", &output);
+  ASSERT_EQ(zbv.size(), 4u) << output;
+  EXPECT_EQ(zbv.front()["stage_ranges"], nlohmann::json::parse("[[0,1],[1,2],[2,5],[5,8]]"))
+      << output;
+  EXPECT_EQ(zbv.front()["stage_range_ranks"], nlohmann::json::parse("[0,1,1,0]"));
+  const std::vector<double> losses = testing::LossesOf(zbv);
+  EXPECT_EQ(losses.front(), testing::LossesOf(single).front());
+  EXPECT_LE(testing::MaxRelativeDifference(losses, testing::LossesOf(single)),
+            testing::kLayoutTolerance);
+}
+
 // NOTE [ZB-V at measured costs]: the V's order rebuilt from the measured chunk costs (the
 // default) trains the bits of the unit-cost order — word embeddings tied (NOTE [tied head
 // on the embedding's rank]) — and the run says it rebuilt the order. That the order built
@@ -156,9 +186,6 @@ TEST(VirtualPipelineFlagsTest, MistakesAreRefusedNamingTheFlag) {
       // must place all p·v of them, and re-packing is still refused.
       {2, "--pipeline_model_parallel_size=2 --pipeline_schedule=zbv --rebalance_script=2:4,4",
        "gives 2 layer counts for 4 stages"},
-      {2, "--pipeline_model_parallel_size=2 --pipeline_schedule=zbv "
-          "--pipeline_initial_partition=params",
-       "needs --pipeline_initial_partition=uniform"},
       {1, "--pipeline_schedule=zbv --zbv_order=fast",
        "--zbv_order='fast' is unknown; expected measured or unit"},
   };

@@ -273,8 +273,17 @@ LossSum GptModel::HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) c
   if (embedding_ && options_.tie_embeddings) {
     tied = embedding_->word_embeddings();
     if (num_chunks() > 1) {  // NOTE [tied head on the embedding's rank]
-      if (!tied_head_weight_.defined()) {
-        tied_head_weight_ = tied.detach().requires_grad_(tied.requires_grad());
+      // One handle for the whole training run (a fresh one per iteration would leave a
+      // stale bf16 compute copy behind on a GPU each time: core/linear.cc keys them by the
+      // tensor); made again only when the embedding's storage changed.
+      if (!tied_head_weight_.defined() || tied_head_weight_.data_ptr() != tied.data_ptr() ||
+          !tied_head_weight_.sizes().equals(tied.sizes()) ||
+          tied_head_weight_.scalar_type() != tied.scalar_type() ||
+          tied_head_weight_.device() != tied.device()) {
+        tied_head_weight_ = tied.detach();
+      }
+      if (tied_head_weight_.requires_grad() != tied.requires_grad()) {
+        tied_head_weight_.requires_grad_(tied.requires_grad());
       }
       tied = tied_head_weight_;
     }
@@ -286,8 +295,8 @@ LossSum GptModel::HeadLoss(const at::Tensor& hidden, const at::Tensor& labels) c
 void GptModel::FoldTiedHeadGradient() const {
   if (!tied_head_weight_.defined()) return;
   const at::Tensor head_grad = tied_head_weight_.grad();
-  tied_head_weight_ = at::Tensor();
-  if (!head_grad.defined()) return;  // No backward ran (an evaluation).
+  if (!head_grad.defined()) return;  // No backward ran since the last fold (an evaluation).
+  tied_head_weight_.mutable_grad() = at::Tensor();  // The next run gathers afresh.
   at::Tensor& grad = const_cast<at::Tensor&>(embedding_->word_embeddings()).mutable_grad();
   if (grad.defined()) {
     grad.add_(head_grad);  // Σ embedding + Σ head, as the all-reduce of a mirror forms it.
@@ -340,7 +349,8 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> GatherChunkRanges(
 
 void GptModel::ZeroGrad() {
   for (Unit* unit : Units()) unit->ZeroGrad();
-  tied_head_weight_ = at::Tensor();  // An unfolded handle's gradient goes with the rest.
+  // An unfolded head gradient goes with the rest (the handle stays).
+  if (tied_head_weight_.defined()) tied_head_weight_.mutable_grad() = at::Tensor();
 }
 
 }  // namespace fulcrum

@@ -245,7 +245,10 @@ class GptModel {
   /// are final: Σ embedding + Σ head, the sum a pipeline with the two on different ranks
   /// forms (mirror, then the all-reduce), so ZB-V trains the bits 1F1B at pp = 2 does, in
   /// any order. Called by the executor before the embedding's gradient is reported and at
-  /// the end of every run; a no-op elsewhere (no chunks, untied, or not both here).
+  /// the end of every run; a no-op elsewhere (no chunks, untied, or not both here). The
+  /// cost: during a run that rank holds a second vocab/tp × h gradient (the one a pipeline
+  /// with the two on different ranks keeps on its mirror), which the balancers' memory
+  /// model does not count yet.
   void FoldTiedHeadGradient() const;
 
  private:
@@ -265,7 +268,8 @@ class GptModel {
   std::map<int64_t, std::unique_ptr<TransformerLayer>> layers_;
   std::unique_ptr<Head> head_;
   // NOTE [tied head on the embedding's rank]: the head's handle of the word embeddings
-  // (their storage, a gradient of its own) until the next fold; undefined otherwise.
+  // (their storage and version counter, a gradient of its own, folded and cleared after
+  // every run); undefined without chunks or tying.
   mutable at::Tensor tied_head_weight_;
 };
 

@@ -369,7 +369,12 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     // Plan(i) with what iteration i-1 measured (NOTE [simulated loads]).
     std::vector<pipeline::StageLoad> loads;
     if (strategy.oracle) {
-      // No balancer: nothing to hand over.
+      // No balancer: nothing to hand over, but the V's order is rebuilt from what the last
+      // iteration measured, as for every other strategy.
+      if (measured_order && i > 1) {
+        loads = SimulatedLoads(previous, previous_schedule, previous_ran_on, current,
+                               &previous_timeline);
+      }
     } else if (i > 1 && !previous.recorded_loads.empty() &&
                previous.recorded_ran_on == previous_ran_on &&
                PlacementOf(previous.recorded_loads) == current) {

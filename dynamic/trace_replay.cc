@@ -51,8 +51,7 @@ absl::Status CheckReplayable(const pipeline::StageLoad& load) {
        load.chunk_weight_ms.empty())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "stage ", load.stage, "'s load has chunks but no chunk_forward_ms/chunk_backward_ms/"
-        "chunk_weight_ms; a replay needs each chunk's action times (a trace written before "
-        "2026-11-27 lacks them: record it again)"));
+        "chunk_weight_ms; a replay needs each chunk's action times"));
   }
   for (const auto& [field, values] : {std::pair{"layer_forward_ms", &load.layer_forward_ms},
                                       std::pair{"layer_backward_ms", &load.layer_backward_ms},

@@ -409,8 +409,8 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
       FULCRUM_LOG(INFO) << "iteration " << iteration << ": zbv order rebuilt at the measured "
                         << "chunk costs F " << c.forward << " ms, B " << c.backward_input
                         << " ms, W " << c.backward_weight << " ms: "
-                        << (unit ? "the unit-cost order is the faster there, kept"
-                                 : "the order built at those costs");
+                        << (unit ? "the unit-cost order's lists (kept, or the same)"
+                                 : "an order other than the unit-cost one");
     }
   }
   // Every rank sees the same plan, so every rank runs the hook when the placement changes

@@ -30,12 +30,18 @@ run() {  # name, description, schedule label, flags...
     echo "validate_sim: the run '$name' failed; see $work/$name.log" >&2
     exit 1
   fi
-  "$bin/fulcrum_sim" --trace="$work/$name.trace" >"$work/$name.sim" 2>&1
-  local balancer
-  balancer=$(grep -o "live rebalancer '[a-z]*'" "$work/$name.sim" | sed "s/.*'\(.*\)'/\1/")
-  local agree mean
-  agree=$(grep -o "agree in [0-9]* of [0-9]*" "$work/$name.sim" | sed 's/agree in //')
-  mean=$(grep "mean over iterations" "$work/$name.sim")
+  if ! "$bin/fulcrum_sim" --trace="$work/$name.trace" >"$work/$name.sim" 2>&1; then
+    echo "validate_sim: fulcrum_sim failed on the trace of '$name'; see $work/$name.sim" >&2
+    exit 1
+  fi
+  local balancer agree mean
+  balancer=$(grep -o "live rebalancer '[a-z]*'" "$work/$name.sim" | sed "s/.*'\(.*\)'/\1/" || true)
+  agree=$(grep -o "agree in [0-9]* of [0-9]*" "$work/$name.sim" | sed 's/agree in //' || true)
+  mean=$(grep "mean over iterations" "$work/$name.sim" || true)
+  if [ -z "$mean" ]; then
+    echo "validate_sim: no validation of '$name' in $work/$name.sim (no strategy like the live one?)" >&2
+    exit 1
+  fi
   # "pipeline P predicted / M measured ms (+x%); bubble p / m (+y%)"
   echo "$mean" | sed -E "s#.*pipeline ([0-9.]+) predicted / ([0-9.]+) measured ms \(([-+0-9.]+%)\); bubble ([0-9.]+) / ([0-9.]+) \(([-+0-9.]+%)\)#| $what | $label | $balancer | $agree | \1 / \2 (\3) | \4 / \5 (\6) |#"
 }

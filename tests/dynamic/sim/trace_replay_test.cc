@@ -297,7 +297,8 @@ TEST(TraceReplayTest, AFrozenPrefixRunsItsStagesForwardOnly) {
 // A real run: fulcrum_train on two processes, heavy MoE layers on one rank, Partition by
 // measured time, --load_trace. Replayed through the same balancer with the same options,
 // every iteration runs on the placement the live run ran on and plans what it planned.
-void ExpectReplayReachesTheLivePlacements(const std::string& name, const std::string& flags) {
+void ExpectReplayReachesTheLivePlacements(const std::string& name, const std::string& flags,
+                                          const BalancerOptions& options = {}) {
   const std::string trace_path = TempPath(name + "_trace.jsonl");
   std::remove(trace_path.c_str());
   const std::string bin = FULCRUM_BIN_DIR;
@@ -319,7 +320,7 @@ void ExpectReplayReachesTheLivePlacements(const std::string& name, const std::st
 
   const Scenario s = ScenarioFromTrace(*trace, "live");
   absl::StatusOr<SimulatedRun> run =
-      SimulateRun(s, {"partition", "partition", BalanceBy::kTime, false}, BalancerOptions{});
+      SimulateRun(s, {"partition", "partition", BalanceBy::kTime, false}, options);
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->iterations.size(), trace->lines.size());
   // Line k describes iteration k: the placement it ran on, and Plan(k+1)'s decision — the
@@ -342,10 +343,16 @@ TEST(SlowTraceReplayTest, ReplayOfALiveRunReachesItsPlacements) {
 }
 
 // The same under ZB-V: placements of four virtual stages, rank 0 holding the first and the
-// last (its MoE layers make it the heavy one), chunk-local moves included.
+// last (its MoE layers make it the heavy one), chunk-local moves included. Partition judges
+// a V on its largest chunk, where this layout's best gain is near the default 5% hysteresis
+// (3.9% measured on a loaded machine: no move, nothing to replay), so both the live run and
+// the replay take any gain.
 TEST(SlowTraceReplayTest, ReplayOfAZeroBubbleVRunReachesItsPlacements) {
+  BalancerOptions any_gain;
+  any_gain.min_gain = 0;
   ExpectReplayReachesTheLivePlacements(
-      "zbv", "--moe_layer_freq=[1,1,0,0,0,0,1,1] --pipeline_schedule=zbv");
+      "zbv", "--moe_layer_freq=[1,1,0,0,0,0,1,1] --pipeline_schedule=zbv --rebalance_min_gain=0",
+      any_gain);
 }
 
 }  // namespace

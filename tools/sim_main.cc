@@ -50,12 +50,13 @@ DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, f
 DEFINE_string(trace, "", "Replay a fulcrum_train --load_trace file instead of a case.");
 DEFINE_string(moe_metrics, "",
               "fulcrum_train --metrics_file of a MoE run whose expert_tokens give the MoE case's "
-              "per-layer token imbalance (default: the run recorded in "
-              "tools/internal/sim_measured.cc).");
+              "per-layer token imbalance (default: tools/profiles/moe.jsonl, compiled in).");
 DEFINE_string(early_exit_metrics, "",
               "fulcrum_train --metrics_file of a --plugins=early_exit run whose per-layer token "
-              "counts give the early-exit case (default: the run recorded in "
-              "tools/internal/sim_measured.cc).");
+              "counts give the early-exit case (default: tools/profiles/early_exit.jsonl).");
+DEFINE_string(prune_metrics, "",
+              "fulcrum_train --metrics_file of a --plugins=prune run whose per-layer densities at "
+              "each pruning step give the pruning case (default: tools/profiles/prune.jsonl).");
 DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
               "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
@@ -264,7 +265,7 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
 // and the bound of S_bal, T(best static) / T(oracle) (NOTE [oracle placement] in
 // dynamic/simulation.cc), beside DynMo's figure and the name of the one it compares to.
 // The cases' options from the flags; the measured inputs (--moe_metrics,
-// --early_exit_metrics) read here: a bad one is a usage error naming it.
+// --early_exit_metrics, --prune_metrics) read here: a bad one is a usage error naming it.
 absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
@@ -278,6 +279,7 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   options.network.p2p_latency_us = FLAGS_p2p_latency_us;
   options.network.migration_bandwidth_gbps = FLAGS_migration_bandwidth_gbps;
   options.network.migration_latency_us = FLAGS_migration_latency_us;
+  // Each measured input from its flag's file, else the profile compiled in.
   if (!FLAGS_moe_metrics.empty()) {
     absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExpertImbalance(FLAGS_moe_metrics);
     if (!rows.ok()) {
@@ -286,10 +288,8 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
     options.expert_imbalance = *std::move(rows);
     options.expert_imbalance_source = FLAGS_moe_metrics;
   } else {
-    options.expert_imbalance = sim::MeasuredExpertImbalance();
-    options.expert_imbalance_source =
-        "fulcrum_train --recipe=tiny_moe --moe_layer_freq=1 --moe_capacity_factor=0 (60 "
-        "iterations; tools/internal/sim_measured.cc)";
+    options.expert_imbalance = sim::MeasuredExpertImbalance().value;
+    options.expert_imbalance_source = sim::MeasuredExpertImbalance().source;
   }
   if (!FLAGS_early_exit_metrics.empty()) {
     absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExitFractions(FLAGS_early_exit_metrics);
@@ -300,10 +300,19 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
     options.exit_fractions = *std::move(rows);
     options.exit_fractions_source = FLAGS_early_exit_metrics;
   } else {
-    options.exit_fractions = sim::MeasuredExitFractions();
-    options.exit_fractions_source =
-        "fulcrum_train --recipe=tiny --num_layers=8 --plugins=early_exit "
-        "--early_exit_threshold=0.5 (80 iterations; tools/internal/sim_measured.cc)";
+    options.exit_fractions = sim::MeasuredExitFractions().value;
+    options.exit_fractions_source = sim::MeasuredExitFractions().source;
+  }
+  if (!FLAGS_prune_metrics.empty()) {
+    absl::StatusOr<sim::PruneProfile> profile = sim::LoadPruneProfile(FLAGS_prune_metrics);
+    if (!profile.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--prune_metrics: ", profile.status().message()));
+    }
+    options.prune_profile = *std::move(profile);
+    options.prune_profile_source = FLAGS_prune_metrics;
+  } else {
+    options.prune_profile = sim::MeasuredPruneProfile().value;
+    options.prune_profile_source = sim::MeasuredPruneProfile().source;
   }
   return options;
 }
@@ -323,6 +332,60 @@ absl::StatusOr<sim::NamedCase> CheckedCase(const std::string& name, const sim::C
                                                       made->scenario.num_stages, st.message()));
   }
   return made;
+}
+
+// A run's iterations [phase.first, phase.last]: their summed time and mean bubble.
+struct PhaseSlice {
+  double ms = 0;
+  double bubble = 0;
+};
+
+PhaseSlice Slice(const SimulatedRun& run, const sim::CasePhase& phase) {
+  PhaseSlice slice;
+  int64_t count = 0;
+  for (const dynamic::SimulatedIteration& it : run.iterations) {
+    if (it.iteration < phase.first || it.iteration > phase.last) continue;
+    slice.ms += it.iteration_ms;
+    slice.bubble += it.bubble_ratio;
+    ++count;
+  }
+  if (count > 0) slice.bubble /= static_cast<double>(count);
+  return slice;
+}
+
+// The per-phase rows of a case (NOTE [three numbers], per phase): each phase's best static
+// and best time-balanced run are chosen on the phase's own iterations (so a phase row may
+// name other strategies than the whole run's), the balanced runs as they ran through the
+// phases before (their placement on entering a phase is what the phase before left), the
+// oracle's iterations the bound; `dense_per_iteration` the dense model's best static time.
+std::vector<std::string> PhaseRows(const sim::NamedCase& c, const std::vector<SimulatedRun>& runs,
+                                   const SimulatedRun& oracle, double dense_per_iteration) {
+  std::vector<std::string> rows;
+  for (const sim::CasePhase& phase : c.phases) {
+    std::optional<PhaseSlice> fixed, balanced;
+    for (const SimulatedRun& r : runs) {
+      const bool is_static = r.strategy.rfind("uniform", 0) == 0 || r.strategy.rfind("params", 0) == 0;
+      if (!is_static && r.strategy.find("by time") == std::string::npos) continue;
+      const PhaseSlice slice = Slice(r, phase);
+      std::optional<PhaseSlice>& best = is_static ? fixed : balanced;
+      if (!best || slice.ms < best->ms) best = slice;
+    }
+    if (!fixed || !balanced || balanced->ms <= 0) continue;
+    const PhaseSlice bound = Slice(oracle, phase);
+    const double n = static_cast<double>(phase.last - phase.first + 1);
+    std::string s_dyn = "  -  ", s_total = "  -  ";
+    if (dense_per_iteration > 0) {
+      s_dyn = absl::StrFormat("%5.2fx", dense_per_iteration * n / fixed->ms);
+      s_total = absl::StrFormat("%5.2fx", dense_per_iteration * n / balanced->ms);
+    }
+    rows.push_back(absl::StrFormat(
+        "  %-15s idle %4.1f%% -> %4.1f%% (oracle %4.1f%%)  S_bal %5.2fx (bound %5.2fx)  S_dyn %s  "
+        "S_total %s  (iterations %lld-%lld)",
+        phase.label, 100 * fixed->bubble, 100 * balanced->bubble, 100 * bound.bubble,
+        fixed->ms / balanced->ms, fixed->ms / bound.ms, s_dyn, s_total,
+        static_cast<long long>(phase.first), static_cast<long long>(phase.last)));
+  }
+  return rows;
 }
 
 int RunCases(std::string* out) {
@@ -428,6 +491,10 @@ int RunCases(std::string* out) {
                 "= bytes / bandwidth)\n",
                 fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
                 balanced->migration_ms);
+    const double iterations = static_cast<double>(fixed->iterations.size());
+    for (std::string& row : PhaseRows(c, *runs, *oracle, iterations > 0 ? dense_static / iterations : 0)) {
+      table.push_back(std::move(row));
+    }
   }
   std::printf(
       "\nDynMo table (SIMULATED; idle = mean idle fraction of the stages, best static -> best "
@@ -436,7 +503,8 @@ int RunCases(std::string* out) {
       "T(dynamic, best static): the dynamism's own saving; S_total = S_bal x S_dyn; tok/s/GPU "
       "of the balanced run on the GPUs it keeps; ovh = decision time measured + migration "
       "bytes / bandwidth, of the balanced run's time; 'compare' names which of ours DynMo's "
-      "figure measures):\n");
+      "figure measures; the indented rows below a case are its phases, the same runs' "
+      "iterations in each, best static and best balanced chosen per phase):\n");
   for (const std::string& row : table) std::printf("  %s\n", row.c_str());
   std::printf("(%.1f s)\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return 0;
@@ -827,7 +895,7 @@ int main(int argc, char** argv) {
       "the write of --output failed.\n";
   help.groups = {
       {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
-                            "strategies", "iterations", "case_layers"}},
+                            "prune_metrics", "strategies", "iterations", "case_layers"}},
       {"Pipeline", {"stages", "microbatches", "schedule"}},
       {"Balancers", {"rebalance_interval", "rebalance_min_gain", "rebalance_window"}},
       {"Network and device",

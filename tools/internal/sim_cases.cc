@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +46,44 @@ double PruningSparsity(double real_iteration) {
   if (real_iteration < 3000) return 0;
   const double step = std::min(4.0, std::floor((real_iteration - 3000) / 1000));
   return 0.9 * (1 - std::pow(1 - step / 4, 3));
+}
+
+// The mean over columns (layers) of the lag-1 autocorrelation of rows[t][column] over t:
+// how much of one iteration's load the next keeps (1: all, 0: none), what a balancer acting
+// on the loads it measured can follow.
+double MeanLag1Autocorrelation(const std::vector<std::vector<double>>& rows) {
+  if (rows.size() < 3) return 0;
+  double sum = 0;
+  size_t columns = rows.front().size();
+  for (const auto& row : rows) columns = std::min(columns, row.size());
+  for (size_t c = 0; c < columns; ++c) {
+    double mean = 0;
+    for (const auto& row : rows) mean += row[c];
+    mean /= static_cast<double>(rows.size());
+    double lagged = 0, variance = 0;
+    for (size_t t = 0; t < rows.size(); ++t) {
+      variance += (rows[t][c] - mean) * (rows[t][c] - mean);
+      if (t + 1 < rows.size()) lagged += (rows[t][c] - mean) * (rows[t + 1][c] - mean);
+    }
+    sum += variance > 0 ? lagged / variance : 0;
+  }
+  return columns > 0 ? sum / static_cast<double>(columns) : 0;
+}
+
+// The phases of iterations 1..iterations: each maximal run of iterations with the same
+// label(i); a label that comes back later starts a second phase of that name.
+template <typename Label>
+std::vector<CasePhase> PhasesOf(int64_t iterations, Label label) {
+  std::vector<CasePhase> phases;
+  for (int64_t i = 1; i <= iterations; ++i) {
+    std::string name = label(i);
+    if (phases.empty() || phases.back().label != name) {
+      phases.push_back({std::move(name), i, i});
+    } else {
+      phases.back().last = i;
+    }
+  }
+  return phases;
 }
 
 // One layer's costs from the dense split, the parts scaled.
@@ -118,6 +159,11 @@ dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& optio
 absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open the MoE metrics file '", path, "'"));
+  return ParseExpertImbalance(in, path);
+}
+
+absl::StatusOr<std::vector<std::vector<double>>> ParseExpertImbalance(std::istream& in,
+                                                                      const std::string& path) {
   std::vector<std::vector<double>> rows;
   std::string text;
   for (int number = 1; std::getline(in, text); ++number) {
@@ -160,6 +206,11 @@ absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::
 absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open the early-exit metrics file '", path, "'"));
+  return ParseExitFractions(in, path);
+}
+
+absl::StatusOr<std::vector<std::vector<double>>> ParseExitFractions(std::istream& in,
+                                                                    const std::string& path) {
   std::vector<std::vector<double>> rows;
   std::string text;
   for (int number = 1; std::getline(in, text); ++number) {
@@ -196,6 +247,129 @@ absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::st
   return rows;
 }
 
+std::vector<double> PruneProfile::DensityAt(double model_sparsity) const {
+  const size_t layers = num_layers();
+  std::vector<double> out(layers, 1.0);
+  if (empty() || model_sparsity <= 0) return out;
+  if (model_sparsity >= sparsity.back()) return density.back();
+  // Between step k−1 (or sparsity 0, every layer dense) and step k.
+  size_t k = 0;
+  while (sparsity[k] < model_sparsity) ++k;
+  const double s0 = k == 0 ? 0.0 : sparsity[k - 1];
+  const double t = sparsity[k] > s0 ? (model_sparsity - s0) / (sparsity[k] - s0) : 1.0;
+  for (size_t l = 0; l < layers; ++l) {
+    const double d0 = k == 0 ? 1.0 : density[k - 1][l];
+    out[l] = d0 + t * (density[k][l] - d0);
+  }
+  return out;
+}
+
+std::pair<double, double> PruneProfile::SparsitySpread() const {
+  if (empty()) return {0.0, 0.0};
+  const auto [lo, hi] = std::minmax_element(density.back().begin(), density.back().end());
+  return {1.0 - *hi, 1.0 - *lo};
+}
+
+absl::StatusOr<PruneProfile> LoadPruneProfile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open the pruning metrics file '", path, "'"));
+  return ParsePruneProfile(in, path);
+}
+
+absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::string& path) {
+  PruneProfile profile;
+  std::string text;
+  for (int number = 1; std::getline(in, text); ++number) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("prune_target_sparsity")) continue;
+    const auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", what));
+    };
+    if (!j.contains("sparsity") || !j["sparsity"].is_number() || !j.contains("prune_layer_density") ||
+        !j["prune_layer_density"].is_object()) {
+      return bad("a pruning step without \"sparsity\" and \"prune_layer_density\"");
+    }
+    const double sparsity = j["sparsity"].get<double>();
+    if (!std::isfinite(sparsity) || sparsity < 0 || sparsity >= 1) {
+      return bad(absl::StrCat("sparsity ", j["sparsity"].dump(), " is not in [0, 1)"));
+    }
+    if (!profile.empty() && sparsity < profile.sparsity.back()) {
+      return bad(absl::StrCat("sparsity ", sparsity, " falls below the step before's ",
+                              profile.sparsity.back(), " (masks only grow)"));
+    }
+    std::vector<std::pair<int, double>> per_layer;
+    for (const auto& [name, value] : j["prune_layer_density"].items()) {
+      if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0 ||
+          value.get<double>() > 1) {
+        return bad(absl::StrCat("prune_layer_density '", name, "' holds ", value.dump(),
+                                "; expected a kept fraction in [0, 1]"));
+      }
+      const size_t dot = name.rfind('.');
+      per_layer.emplace_back(dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1),
+                             value.get<double>());
+    }
+    if (per_layer.empty()) continue;
+    std::sort(per_layer.begin(), per_layer.end());
+    std::vector<double> row;
+    for (const auto& [layer, kept] : per_layer) row.push_back(kept);
+    if (!profile.empty() && row.size() != profile.num_layers()) {
+      return bad(absl::StrCat(row.size(), " layers where the steps before had ", profile.num_layers()));
+    }
+    if (sparsity <= 0) continue;  // A step at sparsity 0 pruned nothing.
+    profile.sparsity.push_back(sparsity);
+    profile.density.push_back(std::move(row));
+  }
+  if (profile.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", path, "' holds no pruning step (a fulcrum_train --plugins=prune --metrics_file)"));
+  }
+  return profile;
+}
+
+namespace {
+
+// The profile tools/profiles/<name>.jsonl, parsed by `parse`; its "source" line says what
+// made it. A compiled-in profile that does not parse is a build defect: abort naming it.
+template <typename T, typename Parse>
+Measured<T> ParseEmbedded(const char* name, Parse parse) {
+  const std::string_view text = EmbeddedProfile(name);
+  const std::string where = absl::StrCat("tools/profiles/", name, ".jsonl");
+  std::istringstream in{std::string(text)};
+  std::string first;
+  std::getline(in, first);
+  const nlohmann::json head = nlohmann::json::parse(first, nullptr, false);
+  std::istringstream all{std::string(text)};
+  absl::StatusOr<T> value = parse(all, where);
+  if (text.empty() || !value.ok() || !head.is_object() || !head.contains("source") ||
+      !head["source"].is_string()) {
+    std::fprintf(stderr, "fulcrum_sim: the compiled-in %s is broken: %s\n", where.c_str(),
+                 text.empty() ? "missing" : value.ok() ? "no \"source\" first line"
+                                                       : std::string(value.status().message()).c_str());
+    std::abort();
+  }
+  return {*std::move(value), absl::StrCat(head["source"].get<std::string>(), " (", where, ")")};
+}
+
+}  // namespace
+
+const Measured<std::vector<std::vector<double>>>& MeasuredExpertImbalance() {
+  static const auto* measured = new Measured<std::vector<std::vector<double>>>(
+      ParseEmbedded<std::vector<std::vector<double>>>("moe", ParseExpertImbalance));
+  return *measured;
+}
+
+const Measured<std::vector<std::vector<double>>>& MeasuredExitFractions() {
+  static const auto* measured = new Measured<std::vector<std::vector<double>>>(
+      ParseEmbedded<std::vector<std::vector<double>>>("early_exit", ParseExitFractions));
+  return *measured;
+}
+
+const Measured<PruneProfile>& MeasuredPruneProfile() {
+  static const auto* measured =
+      new Measured<PruneProfile>(ParseEmbedded<PruneProfile>("prune", ParsePruneProfile));
+  return *measured;
+}
+
 absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o) {
   NamedCase out;
   out.name = name;
@@ -225,7 +399,9 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
         "layer's MLP time = 2 x (max/mean tokens per expert) x dense MLP, the ratio per layer and "
         "iteration from our router: ", o.expert_imbalance_source, " (", rows->size(),
         " iterations x ", rows->front().size(),
-        " layers; layer l replays measured layer l mod ", rows->front().size(),
+        " layers, lag-1 autocorrelation of a layer's imbalance ",
+        absl::StrFormat("%.2f", MeanLag1Autocorrelation(*rows)),
+        "; layer l replays measured layer l mod ", rows->front().size(),
         ", each further copy 7 iterations later)");
     // Layer l replays measured layer l % C, the copies (l / C) shifted by 7 iterations each
     // so that they are not in lockstep (a run of our tiny model has C = 4 MoE layers).
@@ -259,17 +435,31 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     out.dynmo = "up to 3.18x; re-packing 8 -> 5.8 GPUs";
     out.versus_dense = true;
     out.dynmo_compares = "S_total";
-    out.provenance =
-        "global magnitude pruning on DynMo's schedule (0, 52, 79, 89, 90% at real iterations "
-        "3000..7000 of 10 000); every layer's GEMMs at the global sparsity (per-layer sparsity "
-        "of a trained model not measured: uniform), time ratio interpolated from "
-        "fulcrum_bench_dynamism (50/80/90% -> 1.01/0.60/0.42x); attention scores and the LM "
-        "head not pruned";
-    out.scenario.costs = [dense, dense_layer, layers, real_per_sim](int64_t i) {
+    if (o.prune_profile.empty()) {
+      out.measured = false;
+      out.why_not =
+          "not measured: give --prune_metrics=PATH, the --metrics_file of a fulcrum_train "
+          "--plugins=prune run (its per-layer densities at each pruning step)";
+      return out;
+    }
+    auto profile = std::make_shared<PruneProfile>(o.prune_profile);
+    const auto [least, most] = profile->SparsitySpread();
+    out.provenance = absl::StrFormat(
+        "global magnitude pruning on DynMo's schedule (0, 52, 79, 89, 90%% at real iterations "
+        "3000..7000 of 10 000); each layer's GEMMs at the sparsity global pruning gave that "
+        "layer in %s (%d layers; layer l takes measured layer l x %d / %d; at %.0f%% overall the "
+        "layers hold %.1f%%..%.1f%%), time ratio interpolated from fulcrum_bench_dynamism "
+        "(50/80/90%% -> 1.01/0.60/0.42x); attention scores and the LM head not pruned",
+        o.prune_profile_source, profile->num_layers(), profile->num_layers(), layers,
+        100 * profile->sparsity.back(), 100 * least, 100 * most);
+    out.scenario.costs = [dense, dense_layer, layers, real_per_sim, profile](int64_t i) {
       dynamic::IterationCosts c = dense;
       const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
-      const double ratio = PrunedRatio(sparsity);
-      for (int64_t l = 0; l < layers; ++l) SetLayer(&c, l, *dense_layer, ratio, 1.0, 1.0);
+      const std::vector<double> density = profile->DensityAt(sparsity);
+      for (int64_t l = 0; l < layers; ++l) {
+        const double kept = density[static_cast<size_t>(l) * density.size() / static_cast<size_t>(layers)];
+        SetLayer(&c, l, *dense_layer, PrunedRatio(1.0 - kept), 1.0, 1.0);
+      }
       const double next = PruningSparsity(static_cast<double>(i + 1) * real_per_sim);
       if (next != sparsity) {
         c.model_changed = true;
@@ -277,6 +467,10 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       }
       return c;
     };
+    out.phases = PhasesOf(o.iterations, [real_per_sim](int64_t i) {
+      const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
+      return sparsity == 0 ? std::string("dense") : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
+    });
   } else if (name == "freezing") {
     out.dynmo = "2.23x (idle ~40%, 40 layers)";
     out.versus_dense = true;
@@ -306,6 +500,12 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       }
       return c;
     };
+    out.phases = PhasesOf(o.iterations, [frozen_at, frozen_max](int64_t i) {
+      const int64_t frozen = frozen_at(i);
+      return frozen == 0 ? std::string("none frozen")
+             : frozen == frozen_max ? absl::StrCat(frozen_max, " frozen")
+                                    : std::string("freezing");
+    });
   } else if (name == "sparse_attention") {
     out.dynmo = "2.71-4.02x vs dense (4x dense bubble)";
     out.versus_dense = true;
@@ -336,20 +536,27 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       return out;
     }
     auto rows = std::make_shared<std::vector<std::vector<double>>>(o.exit_fractions);
+    double last_layer = 0;  // The mean fraction of the tokens that reach the last layer.
+    for (const auto& row : *rows) last_layer += row.back() / static_cast<double>(rows->size());
     out.provenance = absl::StrCat(
         "a layer computes only the tokens that reach it (DynMo's load: tokens reaching the layer / "
         "all tokens): the fraction per layer and iteration as our early_exit plugin counted it in ",
         o.exit_fractions_source, " (", rows->size(), " iterations x ", rows->front().size(),
-        " layers; layer l takes measured layer l x ", rows->front().size(), " / ", layers, "); the exit "
-        "heads' own cost is not counted");
-    out.scenario.costs = [dense, rows, layers](int64_t i) {
+        " layers, ", absl::StrFormat("%.0f%%", 100 * last_layer),
+        " of the tokens reach the last layer on average; layer l takes measured layer l x ",
+        rows->front().size(), " / ", layers, "); an exit head after every layer but the last, as in "
+        "that run (CALM), each the LM head's F, B and W on the tokens still active there (the "
+        "head's cost: see --vocab)");
+    out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
       dynamic::IterationCosts c = dense;
       const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
       for (int64_t l = 0; l < layers; ++l) {
         const double f = row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)];
-        c.forward[l] *= f;
-        c.backward[l] *= f;
-        c.weight[l] *= f;
+        // The exit head after layer l runs on the tokens that computed layer l.
+        const double head = l + 1 < layers ? dense_layer->head_f * f : 0.0;
+        c.forward[l] = c.forward[l] * f + head;
+        c.backward[l] = c.backward[l] * f + head;
+        c.weight[l] = c.weight[l] * f + head;
       }
       return c;
     };

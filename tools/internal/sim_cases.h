@@ -16,7 +16,10 @@
 #pragma once
 
 #include <cstdint>
+#include <istream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dynamic/simulation.h"
@@ -55,6 +58,25 @@ DenseLayer DenseLayerCosts(const GptShape& shape);
 /// The dense model's costs (every layer DenseLayerCosts; head on the last stage).
 dynamic::IterationCosts DenseCosts(const GptShape& shape);
 
+/// The per-layer sparsity that global magnitude pruning produced, as our `prune` plugin
+/// measured it at each pruning step of a run (LoadPruneProfile).
+struct PruneProfile {
+  /// The whole model's sparsity after each step, ascending.
+  std::vector<double> sparsity;
+  /// Per step, per layer (in layer order): the fraction of the layer's prunable weights kept.
+  std::vector<std::vector<double>> density;
+
+  bool empty() const { return sparsity.empty(); }
+  size_t num_layers() const { return density.empty() ? 0 : density.front().size(); }
+  /// Per layer, the kept fraction when the whole model is pruned to `model_sparsity`: linear
+  /// between the measured steps around it (every layer 1 at sparsity 0), the last step's
+  /// beyond the last. So the mean over layers follows 1 − model_sparsity (the plugin prunes
+  /// the same four weights in every layer, so layers weigh alike).
+  std::vector<double> DensityAt(double model_sparsity) const;
+  /// Over the layers at the last step: the smallest and largest sparsity.
+  std::pair<double, double> SparsitySpread() const;
+};
+
 /// What a named case is built from.
 struct CaseOptions {
   GptShape shape;
@@ -78,6 +100,19 @@ struct CaseOptions {
   /// as our early_exit plugin counted them (LoadExitFractions). Empty: not measured.
   std::vector<std::vector<double>> exit_fractions;
   std::string exit_fractions_source;
+  /// Pruning: the per-layer sparsity of global magnitude pruning, measured
+  /// (LoadPruneProfile). Empty: the pruning case cannot be built and says so.
+  PruneProfile prune_profile;
+  std::string prune_profile_source;
+};
+
+/// A stretch of a case's run in which its dynamism holds still (pruning at one sparsity,
+/// freezing at its final depth), for the per-phase rows of the DynMo table: simulated
+/// iterations [first, last], 1-based, inclusive.
+struct CasePhase {
+  std::string label;  ///< E.g. "52% pruned".
+  int64_t first = 1;
+  int64_t last = 1;
 };
 
 /// A case: its scenario, DynMo's published figures beside it, and where the costs come from;
@@ -97,6 +132,9 @@ struct NamedCase {
   /// figures, what their idle fractions give) or "S_total" (the others include the
   /// dynamism's own savings).
   std::string dynmo_compares = "S_bal";
+  /// The case's phases, in order, covering every simulated iteration; empty for a case
+  /// whose dynamism never holds still (MoE, early exit) or never changes (MoD).
+  std::vector<CasePhase> phases;
 };
 
 /// "moe, pruning, freezing, sparse_attention, early_exit, mod".
@@ -115,15 +153,40 @@ dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& optio
 /// iteration): rows by iteration, one entry per MoE layer. InvalidArgument/NotFound naming the
 /// file when it holds none.
 absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path);
+/// The same from `in`, `source` naming it in errors.
+absl::StatusOr<std::vector<std::vector<double>>> ParseExpertImbalance(std::istream& in,
+                                                                      const std::string& source);
 
 /// Per iteration and layer, the tokens a layer computed over the tokens that entered the
 /// model ("early_exit_tokens": per layer [computed, seen, exited]) from a fulcrum_train
 /// metrics file of an early-exit run. InvalidArgument/NotFound naming the file.
 absl::StatusOr<std::vector<std::vector<double>>> LoadExitFractions(const std::string& path);
+absl::StatusOr<std::vector<std::vector<double>>> ParseExitFractions(std::istream& in,
+                                                                    const std::string& source);
 
-/// What our runs measured (tools/internal/sim_measured.cc says which runs): the defaults of
-/// --moe_metrics and --early_exit_metrics, as LoadExpertImbalance / LoadExitFractions give them.
-const std::vector<std::vector<double>>& MeasuredExpertImbalance();
-const std::vector<std::vector<double>>& MeasuredExitFractions();
+/// The pruning steps of a fulcrum_train --plugins=prune metrics file: the records that hold
+/// "prune_target_sparsity" (a step ran), their "sparsity" and "prune_layer_density".
+/// InvalidArgument naming the file and line for a density outside [0, 1], steps whose
+/// sparsity falls, or layer counts that differ; NotFound/InvalidArgument when it holds none.
+absl::StatusOr<PruneProfile> LoadPruneProfile(const std::string& path);
+absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::string& source);
+
+/// The text of tools/profiles/<name>.jsonl as compiled into the binary
+/// (tools/profiles/embed_profiles.cmake), or empty when there is none.
+std::string_view EmbeddedProfile(std::string_view name);
+
+/// A measured input with what made it: the first line's "source" of its profile.
+template <typename T>
+struct Measured {
+  T value;
+  std::string source;
+};
+
+/// What our runs measured (tools/profiles/, made by tools/profiles/make_profiles.sh): the
+/// defaults of --moe_metrics, --early_exit_metrics and --prune_metrics. Parsed once; a
+/// profile that does not parse is a build defect and aborts with its error.
+const Measured<std::vector<std::vector<double>>>& MeasuredExpertImbalance();
+const Measured<std::vector<std::vector<double>>>& MeasuredExitFractions();
+const Measured<PruneProfile>& MeasuredPruneProfile();
 
 }  // namespace fulcrum::sim

@@ -23,6 +23,8 @@
 namespace fulcrum {
 namespace {
 
+using ::testing::HasSubstr;
+
 const std::string kSim = std::string(FULCRUM_BIN_DIR) + "/fulcrum_sim";
 
 std::string Temp(const std::string& name) {
@@ -237,7 +239,6 @@ TEST(SimCliTest, StagesRescalesTheImpliedMicrobatchCount) {
     EXPECT_EQ(testing::RunCommand(kSim + " " + args, &output), 0) << args << "\n" << output;
     return output;
   };
-  using ::testing::HasSubstr;
   // The cases' own layouts: 24 stages (pruning) and 16 (mod), 4 micro-batches per stage.
   std::string out = stage_lines("--case=pruning,mod --iterations=3");
   EXPECT_THAT(out, HasSubstr("24 stages, 48 layers, 96 micro-batches"));
@@ -263,6 +264,43 @@ TEST(SimCliTest, MetricsWithAStringForACountExitTwo) {
   std::ofstream(exits) << "{\"iteration\":1,\"early_exit_tokens\":{\"layers.0\":[\"x\",2,0]}}\n";
   ExpectRefusedInOneLine("--case=moe --moe_metrics=" + moe, moe + ":1: expert_tokens");
   ExpectRefusedInOneLine("--case=early_exit --early_exit_metrics=" + exits, exits + ":1: early_exit_tokens");
+  const std::string prune = Temp("prune.jsonl");
+  std::ofstream(prune) << "{\"iteration\":1,\"sparsity\":0.5,\"prune_target_sparsity\":0.5,"
+                          "\"prune_layer_density\":{\"layers.0\":\"half\"}}\n";
+  ExpectRefusedInOneLine("--case=pruning --prune_metrics=" + prune, prune + ":1: prune_layer_density");
+}
+
+// The pruning and freezing cases print one row per phase under their own (issue 25: per
+// phase and end to end), each with the three numbers; a pruning run from --prune_metrics
+// replaces the compiled-in profile and says so.
+TEST(SimCliTest, PhasedCasesPrintARowPerPhase) {
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kSim + " --case=pruning,freezing --iterations=20", &output), 0) << output;
+  const size_t table = output.find("DynMo table");
+  ASSERT_NE(table, std::string::npos) << output;
+  const std::string rows = output.substr(table);
+  for (const char* phase : {"dense", "52% pruned", "79% pruned", "89% pruned", "90% pruned",
+                            "none frozen", "freezing", "40 frozen"}) {
+    const size_t at = rows.find(std::string("\n    ") + phase + " ");
+    ASSERT_NE(at, std::string::npos) << phase << "\n" << rows;
+    const std::string line = rows.substr(at + 1, rows.find('\n', at + 1) - at - 1);
+    for (const char* field : {"idle", "S_bal", "(bound", "S_dyn", "S_total", "(iterations"}) {
+      EXPECT_THAT(line, HasSubstr(field)) << phase;
+    }
+  }
+  // The phase rows come after their case's row, in order.
+  EXPECT_LT(rows.find("\n  pruning "), rows.find("\n    dense ")) << rows;
+  EXPECT_LT(rows.find("\n    52% pruned"), rows.find("\n    90% pruned")) << rows;
+  EXPECT_LT(rows.find("\n    90% pruned"), rows.find("\n  freezing ")) << rows;
+  EXPECT_THAT(output, HasSubstr("tools/profiles/prune.jsonl"));
+
+  const std::string prune = Temp("two_layers.jsonl");
+  std::ofstream(prune) << "{\"iteration\":3,\"sparsity\":0.9,\"prune_target_sparsity\":0.9,"
+                          "\"prune_layer_density\":{\"layers.0\":0.2,\"layers.1\":0.0}}\n";
+  ASSERT_EQ(testing::RunCommand(kSim + " --case=pruning --iterations=10 --prune_metrics=" + prune, &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr(prune + " (2 layers;"));
+  EXPECT_THAT(output, HasSubstr("80.0%..100.0%"));
 }
 
 TEST(SimCliTest, OutputIsNeverAnInput) {

@@ -1,0 +1,172 @@
+// fulcrum_sim's named cases (tools/internal/sim_cases.h) built from measured profiles: the
+// pruning profile's parser and interpolation, the pruning case's per-layer costs from it (not
+// one sparsity for every layer), its phases, and the profiles compiled into the binary.
+#include "tools/internal/sim_cases.h"
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fulcrum::sim {
+namespace {
+
+// Two pruning steps of a 2-layer model: layer 0 kept 60% then 20%, layer 1 40% then 0%.
+constexpr char kTwoSteps[] =
+    R"({"source":"hand-written"}
+{"iteration":1,"sparsity":0.0,"prune_layer_density":{"layers.0":1.0,"layers.1":1.0}}
+{"iteration":2,"sparsity":0.0,"prune_target_sparsity":0.0,"prune_layer_density":{"layers.0":1.0,"layers.1":1.0}}
+{"iteration":3,"sparsity":0.5,"prune_target_sparsity":0.5,"prune_layer_density":{"layers.1":0.4,"layers.0":0.6}}
+{"iteration":4,"sparsity":0.5,"prune_layer_density":{"layers.0":0.6,"layers.1":0.4}}
+{"iteration":5,"sparsity":0.9,"prune_target_sparsity":0.9,"prune_layer_density":{"layers.0":0.2,"layers.1":0.0}}
+)";
+
+absl::StatusOr<PruneProfile> Parse(const std::string& text) {
+  std::istringstream in(text);
+  return ParsePruneProfile(in, "p.jsonl");
+}
+
+TEST(PruneProfileTest, KeepsTheStepsThatPrunedInLayerOrder) {
+  absl::StatusOr<PruneProfile> profile = Parse(kTwoSteps);
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  EXPECT_THAT(profile->sparsity, ::testing::ElementsAre(0.5, 0.9));
+  ASSERT_EQ(profile->density.size(), 2u);
+  EXPECT_THAT(profile->density[0], ::testing::ElementsAre(0.6, 0.4));  // layers.0 first
+  EXPECT_THAT(profile->density[1], ::testing::ElementsAre(0.2, 0.0));
+  EXPECT_EQ(profile->SparsitySpread(), std::make_pair(0.8, 1.0));
+}
+
+TEST(PruneProfileTest, DensityIsLinearBetweenStepsFromDenseAtZero) {
+  const PruneProfile profile = *Parse(kTwoSteps);
+  EXPECT_THAT(profile.DensityAt(0.0), ::testing::ElementsAre(1.0, 1.0));
+  // Half way from dense to the first step, then half way between the steps.
+  EXPECT_THAT(profile.DensityAt(0.25), ::testing::Pointwise(::testing::DoubleNear(1e-12),
+                                                            std::vector<double>{0.8, 0.7}));
+  EXPECT_THAT(profile.DensityAt(0.5), ::testing::ElementsAre(0.6, 0.4));
+  EXPECT_THAT(profile.DensityAt(0.7), ::testing::Pointwise(::testing::DoubleNear(1e-12),
+                                                           std::vector<double>{0.4, 0.2}));
+  EXPECT_THAT(profile.DensityAt(0.95), ::testing::ElementsAre(0.2, 0.0));
+  // The mean kept fraction follows 1 − sparsity wherever the steps do.
+  for (double s : {0.1, 0.3, 0.5, 0.6, 0.9}) {
+    const std::vector<double> d = profile.DensityAt(s);
+    EXPECT_NEAR((d[0] + d[1]) / 2, 1 - s, 1e-12) << s;
+  }
+}
+
+TEST(PruneProfileTest, BadInputIsRefusedNamingTheLine) {
+  const auto error = [](const std::string& text) {
+    absl::StatusOr<PruneProfile> p = Parse(text);
+    return p.ok() ? std::string("parsed") : std::string(p.status().message());
+  };
+  EXPECT_THAT(error(R"({"iteration":3,"sparsity":0.5,"prune_target_sparsity":0.5,"prune_layer_density":{"layers.0":1.5}})"),
+              ::testing::HasSubstr("p.jsonl:1: prune_layer_density 'layers.0' holds 1.5"));
+  EXPECT_THAT(error(R"({"sparsity":0.5,"prune_target_sparsity":0.5,"prune_layer_density":{"layers.0":0.5}}
+{"sparsity":0.4,"prune_target_sparsity":0.4,"prune_layer_density":{"layers.0":0.6}})"),
+              ::testing::HasSubstr("p.jsonl:2: sparsity 0.4 falls below"));
+  EXPECT_THAT(error(R"({"sparsity":0.5,"prune_target_sparsity":0.5,"prune_layer_density":{"layers.0":0.5}}
+{"sparsity":0.6,"prune_target_sparsity":0.6,"prune_layer_density":{"layers.0":0.4,"layers.1":0.4}})"),
+              ::testing::HasSubstr("p.jsonl:2: 2 layers where the steps before had 1"));
+  EXPECT_THAT(error(R"({"sparsity":0.5,"prune_target_sparsity":"x"})"),
+              ::testing::HasSubstr("p.jsonl:1: a pruning step without"));
+  EXPECT_THAT(error(R"({"iteration":1,"loss":3.0})"), ::testing::HasSubstr("holds no pruning step"));
+}
+
+// The case's layer l runs at the sparsity the profile gives measured layer l × M / L: with
+// a profile whose two layers differ, the 48-layer model's two halves differ, each by the
+// pruned-time curve at its own sparsity, and attention scores stay dense.
+TEST(PruningCaseTest, EachLayerRunsAtItsMeasuredSparsity) {
+  CaseOptions options;
+  options.iterations = 100;
+  options.prune_profile = *Parse(kTwoSteps);
+  options.prune_profile_source = "hand-written";
+  absl::StatusOr<NamedCase> c = MakeCase("pruning", options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->measured);
+  const DenseLayer d = DenseLayerCosts(options.shape);
+  // Iteration 80 is in the last phase (real iteration 8000, 90% pruned): layer 0..23 keep
+  // 20% (80% sparse: 0.60x), layers 24..47 keep 0% (100% sparse, beyond the curve: 0.42x).
+  const dynamic::IterationCosts costs = c->scenario.costs(80);
+  ASSERT_EQ(costs.num_layers(), 48);
+  const auto forward = [&](double ratio) {
+    return d.attention_gemm_f * ratio + d.scores_f + d.mlp_f * ratio;
+  };
+  EXPECT_NEAR(costs.forward[0], forward(0.60), 1e-9 * forward(1));
+  EXPECT_NEAR(costs.forward[23], forward(0.60), 1e-9 * forward(1));
+  EXPECT_NEAR(costs.forward[24], forward(0.42), 1e-9 * forward(1));
+  EXPECT_NEAR(costs.forward[47], forward(0.42), 1e-9 * forward(1));
+  EXPECT_GT(costs.forward[0], costs.forward[47]) << "the layers differ as the profile does";
+  // Dense before the first step (real iteration 3000).
+  EXPECT_NEAR(c->scenario.costs(30).forward[47], d.f(), 1e-9 * d.f());
+  EXPECT_THAT(c->provenance, ::testing::HasSubstr("80.0%..100.0%"));
+}
+
+TEST(PruningCaseTest, PhasesFollowDynmosSchedule) {
+  CaseOptions options;
+  options.iterations = 100;
+  options.prune_profile = *Parse(kTwoSteps);
+  const NamedCase c = *MakeCase("pruning", options);
+  // Real iteration 100 i: 0% until 3999, then 52, 79, 89 and 90% from 4000, 5000, 6000, 7000.
+  ASSERT_EQ(c.phases.size(), 5u);
+  const std::vector<std::string> labels = {"dense", "52% pruned", "79% pruned", "89% pruned",
+                                           "90% pruned"};
+  const std::vector<std::pair<int64_t, int64_t>> spans = {{1, 39}, {40, 49}, {50, 59}, {60, 69},
+                                                          {70, 100}};
+  for (size_t k = 0; k < labels.size(); ++k) {
+    EXPECT_EQ(c.phases[k].label, labels[k]);
+    EXPECT_EQ(std::make_pair(c.phases[k].first, c.phases[k].last), spans[k]) << labels[k];
+  }
+}
+
+TEST(PruningCaseTest, WithoutAProfileTheCaseSaysSo) {
+  const NamedCase c = *MakeCase("pruning", CaseOptions{});
+  EXPECT_FALSE(c.measured);
+  EXPECT_THAT(c.why_not, ::testing::HasSubstr("--prune_metrics"));
+}
+
+// Early exit: a layer computes the tokens that reach it, and the exit head after it (every
+// layer but the last, as CALM and our plugin's default) runs the LM head on those tokens.
+TEST(EarlyExitCaseTest, LayersComputeTheTokensThatReachThemPlusTheirExitHead) {
+  CaseOptions options;
+  options.layers = 4;
+  options.exit_fractions = {{1.0, 0.5}};  // measured layer 1 sees half of the tokens
+  options.exit_fractions_source = "hand-written";
+  const NamedCase c = *MakeCase("early_exit", options);
+  ASSERT_TRUE(c.measured);
+  const DenseLayer d = DenseLayerCosts(options.shape);
+  const dynamic::IterationCosts costs = c.scenario.costs(1);
+  ASSERT_EQ(costs.num_layers(), 4);
+  // Layers 0, 1 take measured layer 0 (all tokens), layers 2, 3 measured layer 1 (half).
+  EXPECT_NEAR(costs.forward[0], d.f() + d.head_f, 1e-9 * d.f());
+  EXPECT_NEAR(costs.backward[1], d.b() + d.head_f, 1e-9 * d.f());
+  EXPECT_NEAR(costs.weight[2], 0.5 * (d.w() + d.head_f), 1e-9 * d.f());
+  EXPECT_NEAR(costs.forward[3], 0.5 * d.f(), 1e-9 * d.f()) << "no exit head after the last layer";
+  EXPECT_NEAR(costs.last_forward, d.head_f, 1e-9 * d.f()) << "the model's own head is unchanged";
+  EXPECT_THAT(c.provenance, ::testing::HasSubstr("50% of the tokens reach the last layer"));
+}
+
+// The profiles compiled into fulcrum_sim (tools/profiles/*.jsonl) parse, say which run made
+// them, and hold what their runs were asked for.
+TEST(MeasuredProfilesTest, CompiledInProfilesParseWithTheirCommands) {
+  const Measured<PruneProfile>& prune = MeasuredPruneProfile();
+  EXPECT_THAT(prune.source, ::testing::HasSubstr("--plugins=prune"));
+  EXPECT_EQ(prune.value.num_layers(), 8u);
+  ASSERT_EQ(prune.value.sparsity.size(), 4u);  // 52, 79, 89 and 90%
+  EXPECT_NEAR(prune.value.sparsity.back(), 0.9, 1e-3);
+  const auto [least, most] = prune.value.SparsitySpread();
+  EXPECT_LT(least, most) << "global pruning left the layers at different sparsities";
+
+  const Measured<std::vector<std::vector<double>>>& moe = MeasuredExpertImbalance();
+  EXPECT_THAT(moe.source, ::testing::HasSubstr("--recipe=tiny_moe"));
+  EXPECT_EQ(moe.value.size(), 300u);
+  EXPECT_EQ(moe.value.front().size(), 8u);
+
+  const Measured<std::vector<std::vector<double>>>& exits = MeasuredExitFractions();
+  EXPECT_THAT(exits.source, ::testing::HasSubstr("--plugins=early_exit"));
+  EXPECT_FALSE(exits.value.empty());
+}
+
+}  // namespace
+}  // namespace fulcrum::sim

@@ -37,6 +37,9 @@
 
 DEFINE_string(o, "", "The SVG file to write (required).");
 DEFINE_string(title, "", "Title (default: the input file names).");
+DEFINE_int64(max_points, 1000,
+             "The most points a run's pipeline charts draw; a longer run is drawn in buckets of "
+             "consecutive iterations (NOTE [long runs]). Must be >= 1.");
 
 namespace fulcrum {
 namespace {
@@ -66,18 +69,72 @@ std::string Escape(const std::string& text) {
 
 std::string Color(int stage) { return absl::StrFormat("hsl(%d,55%%,62%%)", (stage * 137) % 360); }
 
+// NOTE [long runs]
+// A simulation of DynMo's 10 000 iterations has one point per iteration and stage per
+// strategy: drawn one by one, an SVG of hundreds of megabytes. Above --max_points points a
+// run's pipeline charts are drawn in buckets of k = ceil(points / max_points) consecutive
+// points: a bucket's load and bubble are its points' means, its placement the one its last
+// point ran on, and it carries a decision (re-packing) marker when any of its points moved
+// layers (changed the stage count); bands of consecutive buckets on the same placement are one
+// rect (data-iteration its first iteration, data-last its last). The chart says "k
+// iterations per point". Runs at or under the limit are drawn point by point, as before.
+struct Drawn {
+  std::vector<StagePoint> points;
+  int64_t last = 0;       // The run's last iteration.
+  int64_t per_point = 1;  // Iterations (points) per drawn point.
+};
+
+Drawn Bucketed(const std::vector<StagePoint>& points, int64_t max_points) {
+  Drawn drawn;
+  drawn.last = points.back().iteration;
+  const int64_t n = static_cast<int64_t>(points.size());
+  if (n <= max_points) {
+    drawn.points = points;
+    return drawn;
+  }
+  drawn.per_point = (n + max_points - 1) / max_points;
+  for (int64_t begin = 0; begin < n; begin += drawn.per_point) {
+    const int64_t end = std::min(n, begin + drawn.per_point);
+    StagePoint bucket = points[end - 1];
+    bucket.iteration = points[begin].iteration;
+    bucket.bubble = 0;
+    std::fill(bucket.stage_ms.begin(), bucket.stage_ms.end(), 0.0);
+    std::vector<int64_t> counts(bucket.stage_ms.size(), 0);
+    for (int64_t i = begin; i < end; ++i) {
+      const StagePoint& p = points[i];
+      bucket.bubble += p.bubble / static_cast<double>(end - begin);
+      bucket.decision = bucket.decision || p.decision;
+      bucket.repack = bucket.repack || p.repack;
+      for (size_t st = 0; st < p.stage_ms.size() && st < counts.size(); ++st) {
+        bucket.stage_ms[st] += p.stage_ms[st];
+        ++counts[st];
+      }
+    }
+    for (size_t st = 0; st < counts.size(); ++st) {
+      if (counts[st] > 0) bucket.stage_ms[st] /= static_cast<double>(counts[st]);
+    }
+    drawn.points.push_back(std::move(bucket));
+  }
+  return drawn;
+}
+
 // The three pipeline charts of `s` at horizontal offset x0, from kTop; appended to `svg`.
 // Returns the y below them.
 double StageCharts(const Series& s, double x0, double width, std::string* out) {
   std::string& svg = *out;
-  const int64_t first = s.stages.front().iteration, last = s.stages.back().iteration;
+  const Drawn drawn = Bucketed(s.stages, FLAGS_max_points);
+  const std::vector<StagePoint>& points = drawn.points;
+  const int64_t first = points.front().iteration, last = drawn.last;
   const double span = std::max<int64_t>(1, last - first + 1);
   const double dx = width / span;
   auto x_of = [&](int64_t it) { return x0 + (static_cast<double>(it - first)) * dx; };
+  // The iterations point k stands for: up to the next point's (the run's end for the last).
+  auto end_of = [&](size_t k) { return k + 1 < points.size() ? points[k + 1].iteration : last + 1; };
+  const double step = dx * static_cast<double>(drawn.per_point);  // A point's width.
   int64_t layers = 1;
   size_t stages = 1;
   double max_ms = 0;
-  for (const StagePoint& p : s.stages) {
+  for (const StagePoint& p : points) {
     if (!p.ranges.empty()) layers = std::max(layers, p.ranges.back().second);
     // Load lines are per rank: with chunks the ranges outnumber the ranks.
     stages = std::max(stages, p.ranks.empty()
@@ -89,9 +146,28 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
   const double top1 = kTop, h1 = 220, top2 = top1 + h1 + 40, h2 = 150, top3 = top2 + h2 + 40, h3 = 100;
   absl::StrAppendFormat(&svg,
                         "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">layers on stages (layer 0 at the "
-                        "top; %d layers)</text>\n",
-                        x0, top1 - 6, layers);
-  for (const StagePoint& p : s.stages) {
+                        "top; %d layers)%s</text>\n",
+                        x0, top1 - 6, layers,
+                        drawn.per_point > 1
+                            ? absl::StrFormat("; %d iterations per point", drawn.per_point)
+                            : std::string());
+  for (size_t k = 0; k < points.size(); ++k) {
+    const StagePoint& p = points[k];
+    // Bucketed (NOTE [long runs]): a placement held by consecutive points is one band, drawn
+    // at the first of them.
+    if (drawn.per_point > 1 && k > 0 && points[k - 1].ranges == p.ranges &&
+        points[k - 1].ranks == p.ranks) {
+      continue;
+    }
+    size_t run_end = k + 1;
+    while (drawn.per_point > 1 && run_end < points.size() && points[run_end].ranges == p.ranges &&
+           points[run_end].ranks == p.ranks) {
+      ++run_end;
+    }
+    const int64_t band_last = end_of(run_end - 1) - 1;
+    const double band_width = drawn.per_point > 1 ? dx * static_cast<double>(band_last + 1 - p.iteration) : dx;
+    const std::string band_last_attribute =
+        drawn.per_point > 1 ? absl::StrFormat(" data-last=\"%d\"", band_last) : std::string();
     std::vector<int> chunks_seen;  // Per rank: its ranges drawn so far in this point.
     for (size_t st = 0; st < p.ranges.size(); ++st) {
       const auto [b, e] = p.ranges[st];
@@ -110,10 +186,10 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
       }
       absl::StrAppendFormat(
           &svg,
-          "<rect class=\"range\" data-iteration=\"%d\" data-stage=\"%d\"%s data-begin=\"%d\" "
+          "<rect class=\"range\" data-iteration=\"%d\"%s data-stage=\"%d\"%s data-begin=\"%d\" "
           "data-end=\"%d\" x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"/>\n",
-          p.iteration, st, chunk_attributes, b, e, x_of(p.iteration), top1 + h1 * b / layers, dx,
-          h1 * (e - b) / layers, Color(colour));
+          p.iteration, band_last_attribute, st, chunk_attributes, b, e, x_of(p.iteration),
+          top1 + h1 * b / layers, band_width, h1 * (e - b) / layers, Color(colour));
     }
   }
   absl::StrAppendFormat(&svg,
@@ -123,9 +199,9 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
                               "stroke=\"#ccc\"/>\n", x0, top2, width, h2);
   for (size_t st = 0; st < stages; ++st) {
     std::vector<std::string> xy, values;
-    for (const StagePoint& p : s.stages) {
+    for (const StagePoint& p : points) {
       if (st >= p.stage_ms.size()) continue;
-      xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + dx / 2,
+      xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + step / 2,
                                    top2 + h2 - h2 * p.stage_ms[st] / max_ms));
       values.push_back(absl::StrFormat("%g", p.stage_ms[st]));
     }
@@ -140,22 +216,22 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
   absl::StrAppendFormat(&svg, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
                               "stroke=\"#ccc\"/>\n", x0, top3, width, h3);
   std::vector<std::string> xy, values;
-  for (const StagePoint& p : s.stages) {
-    xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + dx / 2, top3 + h3 - h3 * p.bubble));
+  for (const StagePoint& p : points) {
+    xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + step / 2, top3 + h3 - h3 * p.bubble));
     values.push_back(absl::StrFormat("%g", p.bubble));
   }
   absl::StrAppendFormat(&svg,
                         "<polyline class=\"bubble\" data-values=\"%s\" points=\"%s\" fill=\"none\" "
                         "stroke=\"black\" stroke-width=\"1.5\"/>\n",
                         absl::StrJoin(values, " "), absl::StrJoin(xy, " "));
-  for (const StagePoint& p : s.stages) {
+  for (const StagePoint& p : points) {
     if (!p.decision && !p.repack) continue;
     absl::StrAppendFormat(
         &svg,
         "<line class=\"%s\" data-iteration=\"%d\" x1=\"%.2f\" y1=\"%.1f\" x2=\"%.2f\" y2=\"%.1f\" "
         "stroke=\"%s\" stroke-dasharray=\"4,3\"><title>iteration %d: %s</title></line>\n",
-        p.repack ? "repack" : "decision", p.iteration, x_of(p.iteration) + dx, top1,
-        x_of(p.iteration) + dx, top3 + h3, p.repack ? "red" : "#2563eb", p.iteration,
+        p.repack ? "repack" : "decision", p.iteration, x_of(p.iteration) + step, top1,
+        x_of(p.iteration) + step, top3 + h3, p.repack ? "red" : "#2563eb", p.iteration,
         p.repack ? "re-packed" : "layers moved");
   }
   absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">iteration %d</text>\n", x0,
@@ -283,9 +359,14 @@ int main(int argc, char** argv) {
       "Exit status: 0 written, 2 bad flags or unreadable input (one line, before anything is\n"
       "written), 1 the SVG could not be written. The SVG is written atomically and never onto\n"
       "an input.\n";
-  help.groups = {{"Output", {"o", "title"}}};
+  help.groups = {{"Output", {"o", "title", "max_points"}}};
   if (std::optional<int> exit_code = fulcrum::cli::ParseCommandLine(&argc, &argv, help)) {
     return *exit_code;
+  }
+  if (FLAGS_max_points < 1) {
+    std::fprintf(stderr, "fulcrum_plot: --max_points=%lld must be >= 1\n",
+                 static_cast<long long>(FLAGS_max_points));
+    return fulcrum::kUsageError;
   }
   if (argc < 2 || FLAGS_o.empty()) {
     std::fprintf(stderr, "fulcrum_plot: give one or more input files and -o OUT.svg\n");

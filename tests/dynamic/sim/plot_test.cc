@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -137,6 +138,70 @@ TEST(PlotTest, DrawsStaticAndBalancedRunsSideBySide) {
 }
 
 const std::string kPlot = std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot";
+
+// NOTE [long runs]: 250 iterations drawn at --max_points=50 are 50 points of 5 iterations:
+// a point's load and bubble are its iterations' means (not one iteration's), a placement held
+// by consecutive points is one band spanning them, and the one move is still marked.
+TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
+  const std::string run = Temp("long.jsonl");
+  {
+    std::ofstream f(run);
+    for (int i = 1; i <= 250; ++i) {
+      const bool moved = i == 101;
+      f << "{\"iteration\":" << i << ",\"stage_ranges\":" << (i <= 100 ? "[[0,4],[4,8]]" : "[[0,3],[3,8]]")
+        << ",\"stage_ms\":[" << i << ",10],\"bubble_ratio\":" << (i % 5 == 0 ? 0.5 : 0.0)
+        << ",\"layers_moved\":" << (moved ? 1 : 0) << "}\n";
+    }
+  }
+  const std::string svg_path = Temp("long.svg");
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(kPlot + " " + run + " --max_points=50 -o " + svg_path, &output), 0)
+      << output;
+  std::ifstream in(svg_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_NE(text.str().find("5 iterations per point"), std::string::npos);
+  const std::vector<Element> tags = ParseTags(text.str());
+  std::vector<const Element*> ranges, loads, bubbles, decisions;
+  for (const Element& e : tags) {
+    const auto cls = e.attributes.find("class");
+    if (cls == e.attributes.end()) continue;
+    if (cls->second == "range") ranges.push_back(&e);
+    if (cls->second == "load") loads.push_back(&e);
+    if (cls->second == "bubble") bubbles.push_back(&e);
+    if (cls->second == "decision") decisions.push_back(&e);
+  }
+  // Two placements × two stages: iterations 1-100 and 101-250.
+  ASSERT_EQ(ranges.size(), 4u);
+  EXPECT_EQ(ranges[0]->attributes.at("data-iteration"), "1");
+  EXPECT_EQ(ranges[0]->attributes.at("data-last"), "100");
+  EXPECT_EQ(ranges[2]->attributes.at("data-iteration"), "101");
+  EXPECT_EQ(ranges[2]->attributes.at("data-last"), "250");
+  EXPECT_EQ(ranges[2]->attributes.at("data-end"), "3");
+  // The bands tile the 420-pixel column: 100 and 150 of 250 iterations.
+  EXPECT_NEAR(std::stod(ranges[0]->attributes.at("width")), 420.0 * 100 / 250, 1e-6);
+  EXPECT_NEAR(std::stod(ranges[2]->attributes.at("width")), 420.0 * 150 / 250, 1e-6);
+  ASSERT_EQ(loads.size(), 2u);
+  std::istringstream values(loads[0]->attributes.at("data-values"));
+  std::vector<double> means{std::istream_iterator<double>(values), std::istream_iterator<double>()};
+  ASSERT_EQ(means.size(), 50u);
+  for (size_t k = 0; k < means.size(); ++k) EXPECT_EQ(means[k], 5.0 * k + 3) << k;  // mean of 5k+1..5k+5
+  ASSERT_EQ(bubbles.size(), 1u);
+  EXPECT_EQ(bubbles[0]->attributes.at("data-values").substr(0, 7), "0.1 0.1");  // one 0.5 in five
+  ASSERT_EQ(decisions.size(), 1u);
+  EXPECT_EQ(decisions[0]->attributes.at("data-iteration"), "101");
+  // At or under the limit, every iteration is its own point (the default limit is 1000).
+  ASSERT_EQ(testing::RunCommand(kPlot + " " + run + " -o " + svg_path, &output), 0) << output;
+  std::ifstream again(svg_path);
+  std::stringstream full;
+  full << again.rdbuf();
+  size_t bands = 0;
+  for (size_t at = 0; (at = full.str().find("class=\"range\"", at)) != std::string::npos; ++at) ++bands;
+  EXPECT_EQ(bands, 500u);
+  EXPECT_EQ(full.str().find("iterations per point"), std::string::npos);
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + run + " --max_points=0 -o " + svg_path, &output), 2);
+  EXPECT_NE(output.find("--max_points=0"), std::string::npos) << output;
+}
 
 std::string Slurp(const std::string& path) {
   std::ifstream in(path);

@@ -4,7 +4,7 @@
 // --load_trace, through the schedules and the balancers fulcrum_train uses
 // (dynamic/simulation.h).
 //
-//   fulcrum_sim --case=all                       the DynMo table: six cases, 16-24 stages
+//   fulcrum_sim --case=all                       the DynMo table: its six cases, 16-24 stages
 //   fulcrum_sim --case=pruning --per_iteration   one case, iteration by iteration
 //   fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)
 //   fulcrum_sim --trace=run.jsonl --scale_layers=48 --scale_hidden=1024 --stages=24
@@ -46,7 +46,8 @@
 #include "tools/internal/sim_cases.h"
 
 DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
-              "sparse_attention, early_exit, mod (DynMo's six, at DynMo's scale).");
+              "freezing_free, sparse_attention, early_exit, mod (DynMo's six at DynMo's scale; "
+              "freezing_free counts a frozen layer free, as DynMo's load model does).");
 DEFINE_string(trace, "", "Replay a fulcrum_train --load_trace file instead of a case.");
 DEFINE_string(moe_metrics, "",
               "fulcrum_train --metrics_file of a MoE run whose expert_tokens give the MoE case's "
@@ -880,7 +881,7 @@ int main(int argc, char** argv) {
   help.usage =
       "fulcrum_sim: the pipeline simulator at scales our machines cannot run. Every figure it\n"
       "prints is SIMULATED (per-layer costs of a named case or of a fulcrum_train --load_trace).\n\n"
-      "  fulcrum_sim --case=all                       the DynMo table: six cases, 16-24 stages\n"
+      "  fulcrum_sim --case=all                       the DynMo table: its six cases, 16-24 stages\n"
       "  fulcrum_sim --case=pruning --per_iteration   one case, iteration by iteration\n"
       "  fulcrum_sim --trace=run.jsonl                replay a run (and compare with what it measured)\n"
       "  fulcrum_sim --trace=run.jsonl --trace_hidden=128 --trace_seq=128 --scale_layers=48 \\\n"

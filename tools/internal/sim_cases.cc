@@ -143,7 +143,7 @@ dynamic::IterationCosts DenseCosts(const GptShape& shape) {
 }
 
 std::vector<std::string> CaseNames() {
-  return {"moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"};
+  return {"moe", "pruning", "freezing", "freezing_free", "sparse_attention", "early_exit", "mod"};
 }
 
 dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& options) {
@@ -471,18 +471,26 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
       return sparsity == 0 ? std::string("dense") : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
     });
-  } else if (name == "freezing") {
+  } else if (name == "freezing" || name == "freezing_free") {
     out.dynmo = "2.23x (idle ~40%, 40 layers)";
     out.versus_dense = true;
     out.dynmo_compares = "S_total";
-    // DynMo freezes 40 of 48 layers; other layer counts freeze the same share.
+    // DynMo freezes 40 of 48 layers; other layer counts freeze the same share. Its load model
+    // counts a frozen layer as free (freezing_free); ours runs its forward (freezing).
+    const bool free = name == "freezing_free";
     const int64_t frozen_max = layers * 40 / 48;
-    out.provenance = absl::StrFormat(
-        "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a frozen "
-        "layer runs its forward only (%.2fx the dense layer, fulcrum_bench_dynamism; the "
-        "FLOP model's F share is %.2f)",
-        frozen_max, layers, kFrozenRatio,
-        dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
+    out.provenance =
+        free ? absl::StrFormat(
+                   "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
+                   "frozen layer costs nothing (DynMo's load model; ours runs its forward: the "
+                   "freezing case)",
+                   frozen_max, layers)
+             : absl::StrFormat(
+                   "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
+                   "frozen layer runs its forward only (%.2fx the dense layer, "
+                   "fulcrum_bench_dynamism; the FLOP model's F share is %.2f)",
+                   frozen_max, layers, kFrozenRatio,
+                   dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
     const int64_t iterations = o.iterations;
     auto frozen_at = [iterations, frozen_max](int64_t i) -> int64_t {
       const double start = 0.2 * iterations, end = 0.8 * iterations;
@@ -490,9 +498,12 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       return std::min<int64_t>(
           frozen_max, std::llround(static_cast<double>(frozen_max) * (i - start) / (end - start)));
     };
-    out.scenario.costs = [dense, frozen_at](int64_t i) {
+    out.scenario.costs = [dense, frozen_at, free](int64_t i) {
       dynamic::IterationCosts c = dense;
-      for (int64_t l = 0; l < frozen_at(i); ++l) c.backward[l] = c.weight[l] = 0;
+      for (int64_t l = 0; l < frozen_at(i); ++l) {
+        c.backward[l] = c.weight[l] = 0;
+        if (free) c.forward[l] = 0;
+      }
       c.frozen_prefix = frozen_at(i);  // stages wholly frozen run forward only
       if (frozen_at(i + 1) != frozen_at(i)) {
         c.model_changed = true;

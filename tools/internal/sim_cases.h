@@ -137,7 +137,8 @@ struct NamedCase {
   std::vector<CasePhase> phases;
 };
 
-/// "moe, pruning, freezing, sparse_attention, early_exit, mod".
+/// "moe, pruning, freezing, freezing_free, sparse_attention, early_exit, mod": DynMo's six,
+/// freezing twice (a frozen layer's forward counted, as we run it; free, as DynMo counts it).
 std::vector<std::string> CaseNames();
 
 /// The case `name` (one of CaseNames) built from `options`; InvalidArgument listing the names

@@ -147,6 +147,29 @@ TEST(EarlyExitCaseTest, LayersComputeTheTokensThatReachThemPlusTheirExitHead) {
   EXPECT_THAT(c.provenance, ::testing::HasSubstr("50% of the tokens reach the last layer"));
 }
 
+// Freezing front to back: a frozen layer runs its forward only (freezing) or costs nothing
+// (freezing_free, DynMo's load model); layers not yet frozen stay dense.
+TEST(FreezingCaseTest, FrozenLayersRunForwardOnlyOrNothing) {
+  CaseOptions options;
+  options.iterations = 100;
+  const DenseLayer d = DenseLayerCosts(options.shape);
+  const NamedCase ours = *MakeCase("freezing", options);
+  const NamedCase free = *MakeCase("freezing_free", options);
+  // Iteration 90: all 40 of 48 frozen (from 80% of the run).
+  const dynamic::IterationCosts a = ours.scenario.costs(90), b = free.scenario.costs(90);
+  EXPECT_EQ(a.frozen_prefix, 40);
+  EXPECT_EQ(b.frozen_prefix, 40);
+  EXPECT_NEAR(a.forward[39], d.f(), 1e-9 * d.f());
+  EXPECT_EQ(a.backward[39], 0);
+  EXPECT_EQ(a.weight[39], 0);
+  EXPECT_EQ(b.forward[39], 0);
+  EXPECT_EQ(b.backward[39] + b.weight[39], 0);
+  for (const auto* c : {&a, &b}) {
+    EXPECT_NEAR(c->forward[40] + c->backward[40] + c->weight[40], d.f() + d.b() + d.w(), 1e-9 * d.f());
+  }
+  EXPECT_THAT(free.provenance, ::testing::HasSubstr("costs nothing"));
+}
+
 // The profiles compiled into fulcrum_sim (tools/profiles/*.jsonl) parse, say which run made
 // them, and hold what their runs were asked for.
 TEST(MeasuredProfilesTest, CompiledInProfilesParseWithTheirCommands) {

@@ -1,6 +1,6 @@
-// fulcrum_sim through its binary: --case=all prints the six-case table (early exit and MoE
-// from the measured behaviour built in), every figure labelled simulated; bad flags and bad
-// traces exit 2 with one line naming the value, before any work; --output is written only
+// fulcrum_sim through its binary: --case=all prints the DynMo table (DynMo's six cases,
+// freezing twice; every case from the measured profiles built in), every figure labelled
+// simulated; bad flags and bad traces exit 2 with one line naming the value, before any work; --output is written only
 // by a run that succeeded, and never onto an input.
 #include <unistd.h>
 
@@ -55,13 +55,14 @@ void ExpectRefusedInOneLine(const std::string& args, const std::string& expected
   EXPECT_NE(output.find(expected), std::string::npos) << args << "\n" << output;
 }
 
-TEST(SimCliTest, CaseAllPrintsTheSixCaseTable) {
+TEST(SimCliTest, CaseAllPrintsTheDynmoTable) {
   std::string output;
   ASSERT_EQ(testing::RunCommand(kSim + " --case=all --iterations=10 --repack", &output), 0) << output;
   EXPECT_NE(output.find("SIMULATED"), std::string::npos) << output;
   const size_t table = output.find("DynMo table");
   ASSERT_NE(table, std::string::npos) << output;
-  for (const char* name : {"moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"}) {
+  for (const char* name :
+       {"moe", "pruning", "freezing", "freezing_free", "sparse_attention", "early_exit", "mod"}) {
     const size_t row = output.find(std::string("\n  ") + name + " ", table);
     ASSERT_NE(row, std::string::npos) << name << "\n" << output;
     const std::string line = output.substr(row + 3, output.find('\n', row + 3) - row - 3);

@@ -73,49 +73,70 @@ std::string Color(int stage) { return absl::StrFormat("hsl(%d,55%%,62%%)", (stag
 // A simulation of DynMo's 10 000 iterations has one point per iteration and stage per
 // strategy: drawn one by one, an SVG of hundreds of megabytes. Above --max_points points a
 // run's pipeline charts are drawn in buckets of k = ceil(points / max_points) consecutive
-// points: a bucket's load and bubble are its points' means, its placement the one its last
-// point ran on, and it carries a decision (re-packing) marker when any of its points moved
-// layers (changed the stage count); bands of consecutive buckets on the same placement are one
-// rect (data-iteration its first iteration, data-last its last). The chart says "k
-// iterations per point". Runs at or under the limit are drawn point by point, as before.
+// points: a bucket's load and bubble are its points' means (a stage's over the points that
+// had it), its placement the one its first point ran on (a move inside it shows from the next
+// bucket on, where its marker stands, at the bucket's end), and it carries a decision
+// (re-packing) marker when any of its points moved layers (changed the stage count). Bands of
+// consecutive buckets on the same placement are one rect (data-iteration its first iteration,
+// data-last its last). A bucket spans the iterations from its first point to the next
+// bucket's, so a file that records every n-th iteration draws to scale. The chart says "k
+// recorded iterations per point". Runs at or under the limit are drawn point by point.
 struct Drawn {
   std::vector<StagePoint> points;
   int64_t last = 0;       // The run's last iteration.
-  int64_t per_point = 1;  // Iterations (points) per drawn point.
+  int64_t per_point = 1;  // Recorded points per drawn point.
 };
+
+// One drawn point: the mean of points [begin, end) (NOTE [long runs]).
+StagePoint Bucket(const std::vector<StagePoint>& points, size_t begin, size_t end) {
+  StagePoint bucket = points[begin];
+  size_t stages = 0;
+  for (size_t i = begin; i < end; ++i) stages = std::max(stages, points[i].stage_ms.size());
+  bucket.stage_ms.assign(stages, 0.0);
+  bucket.bubble = 0;
+  std::vector<int64_t> counts(stages, 0);
+  for (size_t i = begin; i < end; ++i) {
+    const StagePoint& p = points[i];
+    bucket.bubble += p.bubble / static_cast<double>(end - begin);
+    bucket.decision = bucket.decision || p.decision;
+    bucket.repack = bucket.repack || p.repack;
+    for (size_t st = 0; st < p.stage_ms.size(); ++st) {
+      bucket.stage_ms[st] += p.stage_ms[st];
+      ++counts[st];
+    }
+  }
+  for (size_t st = 0; st < stages; ++st) {
+    if (counts[st] > 0) bucket.stage_ms[st] /= static_cast<double>(counts[st]);
+  }
+  return bucket;
+}
 
 Drawn Bucketed(const std::vector<StagePoint>& points, int64_t max_points) {
   Drawn drawn;
   drawn.last = points.back().iteration;
-  const int64_t n = static_cast<int64_t>(points.size());
-  if (n <= max_points) {
+  const size_t n = points.size();
+  if (static_cast<int64_t>(n) <= max_points) {
     drawn.points = points;
     return drawn;
   }
-  drawn.per_point = (n + max_points - 1) / max_points;
-  for (int64_t begin = 0; begin < n; begin += drawn.per_point) {
-    const int64_t end = std::min(n, begin + drawn.per_point);
-    StagePoint bucket = points[end - 1];
-    bucket.iteration = points[begin].iteration;
-    bucket.bubble = 0;
-    std::fill(bucket.stage_ms.begin(), bucket.stage_ms.end(), 0.0);
-    std::vector<int64_t> counts(bucket.stage_ms.size(), 0);
-    for (int64_t i = begin; i < end; ++i) {
-      const StagePoint& p = points[i];
-      bucket.bubble += p.bubble / static_cast<double>(end - begin);
-      bucket.decision = bucket.decision || p.decision;
-      bucket.repack = bucket.repack || p.repack;
-      for (size_t st = 0; st < p.stage_ms.size() && st < counts.size(); ++st) {
-        bucket.stage_ms[st] += p.stage_ms[st];
-        ++counts[st];
-      }
-    }
-    for (size_t st = 0; st < counts.size(); ++st) {
-      if (counts[st] > 0) bucket.stage_ms[st] /= static_cast<double>(counts[st]);
-    }
-    drawn.points.push_back(std::move(bucket));
+  drawn.per_point = (static_cast<int64_t>(n) + max_points - 1) / max_points;
+  const size_t k = static_cast<size_t>(drawn.per_point);
+  for (size_t begin = 0; begin < n; begin += k) {
+    drawn.points.push_back(Bucket(points, begin, std::min(n, begin + k)));
   }
   return drawn;
+}
+
+// The end of the run of points from `k` on that hold points[k]'s placement: merged into one
+// band when bucketed (NOTE [long runs]), else k + 1.
+size_t BandEnd(const Drawn& drawn, size_t k) {
+  const std::vector<StagePoint>& points = drawn.points;
+  size_t end = k + 1;
+  while (drawn.per_point > 1 && end < points.size() && points[end].ranges == points[k].ranges &&
+         points[end].ranks == points[k].ranks) {
+    ++end;
+  }
+  return end;
 }
 
 // The three pipeline charts of `s` at horizontal offset x0, from kTop; appended to `svg`.
@@ -128,9 +149,12 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
   const double span = std::max<int64_t>(1, last - first + 1);
   const double dx = width / span;
   auto x_of = [&](int64_t it) { return x0 + (static_cast<double>(it - first)) * dx; };
-  // The iterations point k stands for: up to the next point's (the run's end for the last).
-  auto end_of = [&](size_t k) { return k + 1 < points.size() ? points[k + 1].iteration : last + 1; };
-  const double step = dx * static_cast<double>(drawn.per_point);  // A point's width.
+  // The iterations point k stands for end where the next point's begin (the run's end for
+  // the last); its width on the axis.
+  auto end_of = [&](size_t k) {
+    return k + 1 < points.size() ? points[k + 1].iteration : last + 1;
+  };
+  auto width_of = [&](size_t k) { return x_of(end_of(k)) - x_of(points[k].iteration); };
   int64_t layers = 1;
   size_t stages = 1;
   double max_ms = 0;
@@ -149,23 +173,13 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
                         "top; %d layers)%s</text>\n",
                         x0, top1 - 6, layers,
                         drawn.per_point > 1
-                            ? absl::StrFormat("; %d iterations per point", drawn.per_point)
+                            ? absl::StrFormat("; %d recorded iterations per point", drawn.per_point)
                             : std::string());
-  for (size_t k = 0; k < points.size(); ++k) {
+  for (size_t k = 0; k < points.size(); k = BandEnd(drawn, k)) {
     const StagePoint& p = points[k];
-    // Bucketed (NOTE [long runs]): a placement held by consecutive points is one band, drawn
-    // at the first of them.
-    if (drawn.per_point > 1 && k > 0 && points[k - 1].ranges == p.ranges &&
-        points[k - 1].ranks == p.ranks) {
-      continue;
-    }
-    size_t run_end = k + 1;
-    while (drawn.per_point > 1 && run_end < points.size() && points[run_end].ranges == p.ranges &&
-           points[run_end].ranks == p.ranks) {
-      ++run_end;
-    }
-    const int64_t band_last = end_of(run_end - 1) - 1;
-    const double band_width = drawn.per_point > 1 ? dx * static_cast<double>(band_last + 1 - p.iteration) : dx;
+    const size_t band_end = BandEnd(drawn, k);
+    const int64_t band_last = end_of(band_end - 1) - 1;
+    const double band_width = drawn.per_point > 1 ? x_of(band_last + 1) - x_of(p.iteration) : dx;
     const std::string band_last_attribute =
         drawn.per_point > 1 ? absl::StrFormat(" data-last=\"%d\"", band_last) : std::string();
     std::vector<int> chunks_seen;  // Per rank: its ranges drawn so far in this point.
@@ -199,9 +213,10 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
                               "stroke=\"#ccc\"/>\n", x0, top2, width, h2);
   for (size_t st = 0; st < stages; ++st) {
     std::vector<std::string> xy, values;
-    for (const StagePoint& p : points) {
+    for (size_t k = 0; k < points.size(); ++k) {
+      const StagePoint& p = points[k];
       if (st >= p.stage_ms.size()) continue;
-      xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + step / 2,
+      xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + width_of(k) / 2,
                                    top2 + h2 - h2 * p.stage_ms[st] / max_ms));
       values.push_back(absl::StrFormat("%g", p.stage_ms[st]));
     }
@@ -216,22 +231,25 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
   absl::StrAppendFormat(&svg, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
                               "stroke=\"#ccc\"/>\n", x0, top3, width, h3);
   std::vector<std::string> xy, values;
-  for (const StagePoint& p : points) {
-    xy.push_back(absl::StrFormat("%.2f,%.2f", x_of(p.iteration) + step / 2, top3 + h3 - h3 * p.bubble));
-    values.push_back(absl::StrFormat("%g", p.bubble));
+  for (size_t k = 0; k < points.size(); ++k) {
+    const double mid = x_of(points[k].iteration) + width_of(k) / 2;
+    xy.push_back(absl::StrFormat("%.2f,%.2f", mid, top3 + h3 - h3 * points[k].bubble));
+    values.push_back(absl::StrFormat("%g", points[k].bubble));
   }
   absl::StrAppendFormat(&svg,
                         "<polyline class=\"bubble\" data-values=\"%s\" points=\"%s\" fill=\"none\" "
                         "stroke=\"black\" stroke-width=\"1.5\"/>\n",
                         absl::StrJoin(values, " "), absl::StrJoin(xy, " "));
-  for (const StagePoint& p : points) {
+  for (size_t k = 0; k < points.size(); ++k) {
+    const StagePoint& p = points[k];
     if (!p.decision && !p.repack) continue;
+    const double at = x_of(p.iteration) + width_of(k);  // the end of the point's iterations
     absl::StrAppendFormat(
         &svg,
         "<line class=\"%s\" data-iteration=\"%d\" x1=\"%.2f\" y1=\"%.1f\" x2=\"%.2f\" y2=\"%.1f\" "
         "stroke=\"%s\" stroke-dasharray=\"4,3\"><title>iteration %d: %s</title></line>\n",
-        p.repack ? "repack" : "decision", p.iteration, x_of(p.iteration) + step, top1,
-        x_of(p.iteration) + step, top3 + h3, p.repack ? "red" : "#2563eb", p.iteration,
+        p.repack ? "repack" : "decision", p.iteration, at, top1, at, top3 + h3,
+        p.repack ? "red" : "#2563eb", p.iteration,
         p.repack ? "re-packed" : "layers moved");
   }
   absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">iteration %d</text>\n", x0,

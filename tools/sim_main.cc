@@ -224,12 +224,20 @@ void PrintRuns(const std::vector<SimulatedRun>& runs, double tokens_per_iteratio
   }
 }
 
+// A static placement (uniform, params), or a balancer deciding on measured times.
+bool IsStatic(const SimulatedRun& r) {
+  return r.strategy.rfind("uniform", 0) == 0 || r.strategy.rfind("params", 0) == 0;
+}
+bool BalancesByTime(const SimulatedRun& r) {
+  return r.strategy.find("by time") != std::string::npos;
+}
+
 const SimulatedRun* Best(const std::vector<SimulatedRun>& runs, bool is_static) {
   const SimulatedRun* best = nullptr;
   for (const SimulatedRun& r : runs) {
-    const bool r_static = r.strategy.rfind("uniform", 0) == 0 || r.strategy.rfind("params", 0) == 0;
+    const bool r_static = IsStatic(r);
     if (r_static != is_static) continue;
-    if (!is_static && r.strategy.find("by time") == std::string::npos) continue;
+    if (!is_static && !BalancesByTime(r)) continue;
     if (best == nullptr || r.total_ms < best->total_ms) best = &r;
   }
   return best;
@@ -307,7 +315,8 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   if (!FLAGS_prune_metrics.empty()) {
     absl::StatusOr<sim::PruneProfile> profile = sim::LoadPruneProfile(FLAGS_prune_metrics);
     if (!profile.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--prune_metrics: ", profile.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--prune_metrics: ", profile.status().message()));
     }
     options.prune_profile = *std::move(profile);
     options.prune_profile_source = FLAGS_prune_metrics;
@@ -335,25 +344,6 @@ absl::StatusOr<sim::NamedCase> CheckedCase(const std::string& name, const sim::C
   return made;
 }
 
-// A run's iterations [phase.first, phase.last]: their summed time and mean bubble.
-struct PhaseSlice {
-  double ms = 0;
-  double bubble = 0;
-};
-
-PhaseSlice Slice(const SimulatedRun& run, const sim::CasePhase& phase) {
-  PhaseSlice slice;
-  int64_t count = 0;
-  for (const dynamic::SimulatedIteration& it : run.iterations) {
-    if (it.iteration < phase.first || it.iteration > phase.last) continue;
-    slice.ms += it.iteration_ms;
-    slice.bubble += it.bubble_ratio;
-    ++count;
-  }
-  if (count > 0) slice.bubble /= static_cast<double>(count);
-  return slice;
-}
-
 // The per-phase rows of a case (NOTE [three numbers], per phase): each phase's best static
 // and best time-balanced run are chosen on the phase's own iterations (so a phase row may
 // name other strategies than the whole run's), the balanced runs as they ran through the
@@ -363,16 +353,16 @@ std::vector<std::string> PhaseRows(const sim::NamedCase& c, const std::vector<Si
                                    const SimulatedRun& oracle, double dense_per_iteration) {
   std::vector<std::string> rows;
   for (const sim::CasePhase& phase : c.phases) {
-    std::optional<PhaseSlice> fixed, balanced;
+    std::optional<sim::PhaseSlice> fixed, balanced;
     for (const SimulatedRun& r : runs) {
-      const bool is_static = r.strategy.rfind("uniform", 0) == 0 || r.strategy.rfind("params", 0) == 0;
-      if (!is_static && r.strategy.find("by time") == std::string::npos) continue;
-      const PhaseSlice slice = Slice(r, phase);
-      std::optional<PhaseSlice>& best = is_static ? fixed : balanced;
+      const bool is_static = IsStatic(r);
+      if (!is_static && !BalancesByTime(r)) continue;
+      const sim::PhaseSlice slice = sim::SliceOf(r, phase);
+      std::optional<sim::PhaseSlice>& best = is_static ? fixed : balanced;
       if (!best || slice.ms < best->ms) best = slice;
     }
     if (!fixed || !balanced || balanced->ms <= 0) continue;
-    const PhaseSlice bound = Slice(oracle, phase);
+    const sim::PhaseSlice bound = sim::SliceOf(oracle, phase);
     const double n = static_cast<double>(phase.last - phase.first + 1);
     std::string s_dyn = "  -  ", s_total = "  -  ";
     if (dense_per_iteration > 0) {
@@ -493,7 +483,8 @@ int RunCases(std::string* out) {
                 fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
                 balanced->migration_ms);
     const double iterations = static_cast<double>(fixed->iterations.size());
-    for (std::string& row : PhaseRows(c, *runs, *oracle, iterations > 0 ? dense_static / iterations : 0)) {
+    const double dense_per_iteration = iterations > 0 ? dense_static / iterations : 0;
+    for (std::string& row : PhaseRows(c, *runs, *oracle, dense_per_iteration)) {
       table.push_back(std::move(row));
     }
   }

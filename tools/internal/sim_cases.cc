@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -247,6 +248,18 @@ absl::StatusOr<std::vector<std::vector<double>>> ParseExitFractions(std::istream
   return rows;
 }
 
+PhaseSlice SliceOf(const dynamic::SimulatedRun& run, const CasePhase& phase) {
+  PhaseSlice slice;
+  for (const dynamic::SimulatedIteration& it : run.iterations) {
+    if (it.iteration < phase.first || it.iteration > phase.last) continue;
+    slice.ms += it.iteration_ms;
+    slice.bubble += it.bubble_ratio;
+    ++slice.iterations;
+  }
+  if (slice.iterations > 0) slice.bubble /= static_cast<double>(slice.iterations);
+  return slice;
+}
+
 std::vector<double> PruneProfile::DensityAt(double model_sparsity) const {
   const size_t layers = num_layers();
   std::vector<double> out(layers, 1.0);
@@ -272,7 +285,9 @@ std::pair<double, double> PruneProfile::SparsitySpread() const {
 
 absl::StatusOr<PruneProfile> LoadPruneProfile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open the pruning metrics file '", path, "'"));
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open the pruning metrics file '", path, "'"));
+  }
   return ParsePruneProfile(in, path);
 }
 
@@ -285,13 +300,17 @@ absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::stri
     const auto bad = [&](const std::string& what) {
       return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", what));
     };
-    if (!j.contains("sparsity") || !j["sparsity"].is_number() || !j.contains("prune_layer_density") ||
+    if (!j["prune_target_sparsity"].is_number() || !j.contains("prune_layer_density") ||
         !j["prune_layer_density"].is_object()) {
-      return bad("a pruning step without \"sparsity\" and \"prune_layer_density\"");
+      return bad("a pruning step needs a numeric \"prune_target_sparsity\" and a "
+                 "\"prune_layer_density\" object");
     }
-    const double sparsity = j["sparsity"].get<double>();
+    // Keyed on the schedule's target (the measured sparsity is within one weight of it), so
+    // the case, which asks for the same schedule, gets each step's densities exactly.
+    const double sparsity = j["prune_target_sparsity"].get<double>();
     if (!std::isfinite(sparsity) || sparsity < 0 || sparsity >= 1) {
-      return bad(absl::StrCat("sparsity ", j["sparsity"].dump(), " is not in [0, 1)"));
+      return bad(absl::StrCat("prune_target_sparsity ", j["prune_target_sparsity"].dump(),
+                              " is not in [0, 1)"));
     }
     if (!profile.empty() && sparsity < profile.sparsity.back()) {
       return bad(absl::StrCat("sparsity ", sparsity, " falls below the step before's ",
@@ -304,16 +323,25 @@ absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::stri
         return bad(absl::StrCat("prune_layer_density '", name, "' holds ", value.dump(),
                                 "; expected a kept fraction in [0, 1]"));
       }
+      int layer = -1;
       const size_t dot = name.rfind('.');
-      per_layer.emplace_back(dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1),
-                             value.get<double>());
+      if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(dot + 1), &layer) ||
+          layer < 0) {
+        return bad(absl::StrCat("prune_layer_density '", name, "' is not a layer ('layers.<i>')"));
+      }
+      per_layer.emplace_back(layer, value.get<double>());
     }
     if (per_layer.empty()) continue;
     std::sort(per_layer.begin(), per_layer.end());
     std::vector<double> row;
     for (const auto& [layer, kept] : per_layer) row.push_back(kept);
+    if (per_layer.back().first != static_cast<int>(row.size()) - 1) {
+      return bad(absl::StrCat("prune_layer_density names layers up to ", per_layer.back().first,
+                              " but holds ", row.size(), " (one entry per layer from 0)"));
+    }
     if (!profile.empty() && row.size() != profile.num_layers()) {
-      return bad(absl::StrCat(row.size(), " layers where the steps before had ", profile.num_layers()));
+      return bad(absl::StrCat(row.size(), " layers where the steps before had ",
+                              profile.num_layers()));
     }
     if (sparsity <= 0) continue;  // A step at sparsity 0 pruned nothing.
     profile.sparsity.push_back(sparsity);
@@ -457,7 +485,8 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
       const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
       const std::vector<double> density = profile->DensityAt(sparsity);
       for (int64_t l = 0; l < layers; ++l) {
-        const double kept = density[static_cast<size_t>(l) * density.size() / static_cast<size_t>(layers)];
+        const size_t measured = static_cast<size_t>(l) * density.size() / static_cast<size_t>(layers);
+        const double kept = density[measured];
         SetLayer(&c, l, *dense_layer, PrunedRatio(1.0 - kept), 1.0, 1.0);
       }
       const double next = PruningSparsity(static_cast<double>(i + 1) * real_per_sim);
@@ -469,7 +498,8 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     };
     out.phases = PhasesOf(o.iterations, [real_per_sim](int64_t i) {
       const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
-      return sparsity == 0 ? std::string("dense") : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
+      return sparsity == 0 ? std::string("dense")
+                           : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
     });
   } else if (name == "freezing" || name == "freezing_free") {
     out.dynmo = "2.23x (idle ~40%, 40 layers)";

@@ -137,6 +137,14 @@ struct NamedCase {
   std::vector<CasePhase> phases;
 };
 
+/// A run's iterations in `phase`: their summed time, mean bubble and count.
+struct PhaseSlice {
+  double ms = 0;
+  double bubble = 0;
+  int64_t iterations = 0;
+};
+PhaseSlice SliceOf(const dynamic::SimulatedRun& run, const CasePhase& phase);
+
 /// "moe, pruning, freezing, freezing_free, sparse_attention, early_exit, mod": DynMo's six,
 /// freezing twice (a frozen layer's forward counted, as we run it; free, as DynMo counts it).
 std::vector<std::string> CaseNames();

@@ -141,16 +141,17 @@ const std::string kPlot = std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot";
 
 // NOTE [long runs]: 250 iterations drawn at --max_points=50 are 50 points of 5 iterations:
 // a point's load and bubble are its iterations' means (not one iteration's), a placement held
-// by consecutive points is one band spanning them, and the one move is still marked.
+// by consecutive points is one band spanning them, and a move inside a bucket (at the end of
+// iteration 103) shows from the next bucket on, its marker at the end of its own bucket.
 TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
   const std::string run = Temp("long.jsonl");
   {
     std::ofstream f(run);
     for (int i = 1; i <= 250; ++i) {
-      const bool moved = i == 101;
-      f << "{\"iteration\":" << i << ",\"stage_ranges\":" << (i <= 100 ? "[[0,4],[4,8]]" : "[[0,3],[3,8]]")
-        << ",\"stage_ms\":[" << i << ",10],\"bubble_ratio\":" << (i % 5 == 0 ? 0.5 : 0.0)
-        << ",\"layers_moved\":" << (moved ? 1 : 0) << "}\n";
+      f << "{\"iteration\":" << i << ",\"stage_ranges\":"
+        << (i <= 103 ? "[[0,4],[4,8]]" : "[[0,3],[3,8]]") << ",\"stage_ms\":[" << i
+        << ",10],\"bubble_ratio\":" << (i % 5 == 0 ? 0.5 : 0.0)
+        << ",\"layers_moved\":" << (i == 103 ? 1 : 0) << "}\n";
     }
   }
   const std::string svg_path = Temp("long.svg");
@@ -160,7 +161,7 @@ TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
   std::ifstream in(svg_path);
   std::stringstream text;
   text << in.rdbuf();
-  EXPECT_NE(text.str().find("5 iterations per point"), std::string::npos);
+  EXPECT_NE(text.str().find("5 recorded iterations per point"), std::string::npos);
   const std::vector<Element> tags = ParseTags(text.str());
   std::vector<const Element*> ranges, loads, bubbles, decisions;
   for (const Element& e : tags) {
@@ -171,25 +172,29 @@ TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
     if (cls->second == "bubble") bubbles.push_back(&e);
     if (cls->second == "decision") decisions.push_back(&e);
   }
-  // Two placements × two stages: iterations 1-100 and 101-250.
+  // Two placements × two stages: buckets 1-105 (the move's bucket on the placement it began
+  // on) and 106-250.
   ASSERT_EQ(ranges.size(), 4u);
   EXPECT_EQ(ranges[0]->attributes.at("data-iteration"), "1");
-  EXPECT_EQ(ranges[0]->attributes.at("data-last"), "100");
-  EXPECT_EQ(ranges[2]->attributes.at("data-iteration"), "101");
+  EXPECT_EQ(ranges[0]->attributes.at("data-last"), "105");
+  EXPECT_EQ(ranges[2]->attributes.at("data-iteration"), "106");
   EXPECT_EQ(ranges[2]->attributes.at("data-last"), "250");
   EXPECT_EQ(ranges[2]->attributes.at("data-end"), "3");
-  // The bands tile the 420-pixel column: 100 and 150 of 250 iterations.
-  EXPECT_NEAR(std::stod(ranges[0]->attributes.at("width")), 420.0 * 100 / 250, 1e-6);
-  EXPECT_NEAR(std::stod(ranges[2]->attributes.at("width")), 420.0 * 150 / 250, 1e-6);
+  // The bands tile the 420-pixel column (from x = 40): 105 and 145 of 250 iterations.
+  const double dx = 420.0 / 250;
+  EXPECT_NEAR(std::stod(ranges[0]->attributes.at("width")), 105 * dx, 1e-6);
+  EXPECT_NEAR(std::stod(ranges[2]->attributes.at("x")), 40 + 105 * dx, 0.01);
+  EXPECT_NEAR(std::stod(ranges[2]->attributes.at("width")), 145 * dx, 1e-6);
   ASSERT_EQ(loads.size(), 2u);
   std::istringstream values(loads[0]->attributes.at("data-values"));
   std::vector<double> means{std::istream_iterator<double>(values), std::istream_iterator<double>()};
   ASSERT_EQ(means.size(), 50u);
-  for (size_t k = 0; k < means.size(); ++k) EXPECT_EQ(means[k], 5.0 * k + 3) << k;  // mean of 5k+1..5k+5
+  for (size_t k = 0; k < means.size(); ++k) EXPECT_EQ(means[k], 5.0 * k + 3) << k;  // 5k+1..5k+5
   ASSERT_EQ(bubbles.size(), 1u);
   EXPECT_EQ(bubbles[0]->attributes.at("data-values").substr(0, 7), "0.1 0.1");  // one 0.5 in five
   ASSERT_EQ(decisions.size(), 1u);
   EXPECT_EQ(decisions[0]->attributes.at("data-iteration"), "101");
+  EXPECT_NEAR(std::stod(decisions[0]->attributes.at("x1")), 40 + 105 * dx, 0.01);
   // At or under the limit, every iteration is its own point (the default limit is 1000).
   ASSERT_EQ(testing::RunCommand(kPlot + " " + run + " -o " + svg_path, &output), 0) << output;
   std::ifstream again(svg_path);

@@ -1,7 +1,7 @@
 // fulcrum_sim through its binary: --case=all prints the DynMo table (DynMo's six cases,
 // freezing twice; every case from the measured profiles built in), every figure labelled
-// simulated; bad flags and bad traces exit 2 with one line naming the value, before any work; --output is written only
-// by a run that succeeded, and never onto an input.
+// simulated; bad flags and bad traces exit 2 with one line naming the value, before any
+// work; --output is written only by a run that succeeded, and never onto an input.
 #include <unistd.h>
 
 #include <algorithm>

@@ -263,6 +263,25 @@ absl::Status CheckScenario(const dynamic::Scenario& s) {
   return absl::OkStatus();
 }
 
+// A measured input of the cases: loaded from `path` when the flag `flag` gives one (an error
+// names the flag), else the profile compiled in (parsed only then); `*source` says which.
+template <typename T, typename Load>
+absl::Status MeasuredInput(const char* flag, const std::string& path, Load load,
+                           const sim::Measured<T>& (*compiled)(), T* value, std::string* source) {
+  if (path.empty()) {
+    *value = compiled().value;
+    *source = compiled().source;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<T> loaded = load(path);
+  if (!loaded.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", loaded.status().message()));
+  }
+  *value = *std::move(loaded);
+  *source = path;
+  return absl::OkStatus();
+}
+
 // NOTE [three numbers]
 // DynMo's table mixes two kinds of figure (issue 25): its MoE and MoD speedups are what
 // balancing alone gains on the same dynamic model (their idle fractions give them:
@@ -289,40 +308,23 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   options.network.migration_bandwidth_gbps = FLAGS_migration_bandwidth_gbps;
   options.network.migration_latency_us = FLAGS_migration_latency_us;
   // Each measured input from its flag's file, else the profile compiled in.
-  if (!FLAGS_moe_metrics.empty()) {
-    absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExpertImbalance(FLAGS_moe_metrics);
-    if (!rows.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--moe_metrics: ", rows.status().message()));
-    }
-    options.expert_imbalance = *std::move(rows);
-    options.expert_imbalance_source = FLAGS_moe_metrics;
-  } else {
-    options.expert_imbalance = sim::MeasuredExpertImbalance().value;
-    options.expert_imbalance_source = sim::MeasuredExpertImbalance().source;
+  if (absl::Status s = MeasuredInput("--moe_metrics", FLAGS_moe_metrics, sim::LoadExpertImbalance,
+                                     sim::MeasuredExpertImbalance, &options.expert_imbalance,
+                                     &options.expert_imbalance_source);
+      !s.ok()) {
+    return s;
   }
-  if (!FLAGS_early_exit_metrics.empty()) {
-    absl::StatusOr<std::vector<std::vector<double>>> rows = sim::LoadExitFractions(FLAGS_early_exit_metrics);
-    if (!rows.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--early_exit_metrics: ", rows.status().message()));
-    }
-    options.exit_fractions = *std::move(rows);
-    options.exit_fractions_source = FLAGS_early_exit_metrics;
-  } else {
-    options.exit_fractions = sim::MeasuredExitFractions().value;
-    options.exit_fractions_source = sim::MeasuredExitFractions().source;
+  if (absl::Status s = MeasuredInput("--early_exit_metrics", FLAGS_early_exit_metrics,
+                                     sim::LoadExitFractions, sim::MeasuredExitFractions,
+                                     &options.exit_fractions, &options.exit_fractions_source);
+      !s.ok()) {
+    return s;
   }
-  if (!FLAGS_prune_metrics.empty()) {
-    absl::StatusOr<sim::PruneProfile> profile = sim::LoadPruneProfile(FLAGS_prune_metrics);
-    if (!profile.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--prune_metrics: ", profile.status().message()));
-    }
-    options.prune_profile = *std::move(profile);
-    options.prune_profile_source = FLAGS_prune_metrics;
-  } else {
-    options.prune_profile = sim::MeasuredPruneProfile().value;
-    options.prune_profile_source = sim::MeasuredPruneProfile().source;
+  if (absl::Status s = MeasuredInput("--prune_metrics", FLAGS_prune_metrics, sim::LoadPruneProfile,
+                                     sim::MeasuredPruneProfile, &options.prune_profile,
+                                     &options.prune_profile_source);
+      !s.ok()) {
+    return s;
   }
   return options;
 }

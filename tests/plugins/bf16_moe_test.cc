@@ -144,15 +144,28 @@ std::vector<double> MoeLosses(const TrainerConfig& config,
   return losses;
 }
 
+// The mean of a[i] − b[i] over the iterations from `from` on: how far, on average, one loss
+// curve lags the other.
+double MeanLag(const std::vector<double>& a, const std::vector<double>& b, size_t from) {
+  double sum = 0;
+  for (size_t i = from; i < a.size(); ++i) sum += a[i] - b[i];
+  return sum / static_cast<double>(a.size() - from);
+}
+
 // A 2-layer MoE GPT (4 experts, top-2, aux and z losses) trained 20 iterations in bf16
-// tracks its fp32 loss curve; the same run with bf16 masters does not. Measured here (losses
-// near 4): bf16 over fp32 masters 1.12e-3 at most; with the masters (experts' and router's
-// included) rounded to bf16 after every step 2.39e-3. The tolerance sits between, 1.4×
-// above the first and 1.5× below the second; the runs are deterministic on the CPU. (The
-// dense model's is 1e-3, tests/core/mixed_precision_test.cc: routing adds its own bf16
-// sensitivity through the experts' outputs.) A router computing in bf16 (the variant of
-// RouterComputesInFp32FromBf16Tokens) measured 2.48e-3 here: also caught.
-constexpr double kMoeTrackTolerance = 1.6e-3;
+// tracks its fp32 loss curve; the same run with bf16 masters does not. bf16 compute over
+// fp32 masters scatters the loss around the fp32 curve, both ways, by as much as the CPU's
+// bf16 GEMMs round (max |Δ| 1.12e-3 on an AVX2 CPU, 2.49e-3 on an AMX Xeon, losses near 4);
+// masters rounded to bf16 after every step lose every update below half a bf16 step, so that
+// run learns more slowly and its loss lags the fp32 curve, growing over the run (2.39e-3 at
+// most). So the test looks at the lag, the mean of bf16 − fp32 over iterations 11-20:
+// measured on the AMX Xeon -1.5e-4 with fp32 masters, +1.38e-3 with bf16 masters. The bound,
+// 6e-4, sits 4× above the first and 2.3× below the second; the scatter is bounded apart, by
+// 2× the larger measured maximum. The runs are deterministic on the CPU. (The dense model's
+// bound is 1e-3, tests/core/mixed_precision_test.cc; a router computing in bf16 is
+// RouterComputesInFp32FromBf16Tokens' broken variant.)
+constexpr double kMoeLagTolerance = 6e-4;
+constexpr double kMoeScatterTolerance = 5e-3;
 
 TEST(Bf16MoeTest, Bf16MoeGptTracksTheFp32LossCurve) {
   TrainerConfig config = testing::SmallTrainerConfig();
@@ -165,13 +178,19 @@ TEST(Bf16MoeTest, Bf16MoeGptTracksTheFp32LossCurve) {
   config.model = Bf16(config.model);
   const std::vector<double> bf16 = MoeLosses(config, corpus, 20);
   const std::vector<double> broken = MoeLosses(config, corpus, 20, /*round_masters_to_bf16=*/true);
-  const double tracked = testing::MaxAbsDiff(bf16, fp32);
-  const double parted = testing::MaxAbsDiff(broken, fp32);
-  std::cout << "MoE bf16 vs fp32: max |Δloss| over 20 iterations " << tracked
-            << "; with bf16 masters " << parted << " (first loss " << fp32.front() << ", last "
-            << fp32.back() << " / " << bf16.back() << " / " << broken.back() << ")" << std::endl;
-  EXPECT_LE(tracked, kMoeTrackTolerance);
-  EXPECT_GT(parted, kMoeTrackTolerance) << "the tolerance must catch bf16 masters";
+  ASSERT_EQ(bf16.size(), 20u);
+  ASSERT_EQ(broken.size(), 20u);
+  const double scatter = testing::MaxAbsDiff(bf16, fp32);
+  const double lag = MeanLag(bf16, fp32, 10);
+  const double broken_lag = MeanLag(broken, fp32, 10);
+  std::cout << "MoE bf16 vs fp32 over 20 iterations: max |Δloss| " << scatter
+            << ", mean lag over the last 10 " << lag << "; with bf16 masters: max |Δloss| "
+            << testing::MaxAbsDiff(broken, fp32) << ", mean lag " << broken_lag << " (first loss "
+            << fp32.front() << ", last " << fp32.back() << " / " << bf16.back() << " / "
+            << broken.back() << ")" << std::endl;
+  EXPECT_LE(std::abs(lag), kMoeLagTolerance);
+  EXPECT_LE(scatter, kMoeScatterTolerance);
+  EXPECT_GT(broken_lag, kMoeLagTolerance) << "the lag must catch bf16 masters";
   EXPECT_LT(bf16.back(), bf16.front()) << "it learns";
 }
 

@@ -29,8 +29,7 @@ constexpr double kBf16VsFp32Tolerance = 3e-3;
 // weight gradients are summed in another order, and the bf16 activations that follow turn
 // a last-bit difference into a larger one. Measured: the first iteration bit-identical
 // (same loads; loads equal through iteration 2, then routing choices start to differ),
-// then 5.2e-4 at most over 20; bound 2e-3, as for bf16 across pipeline stages
-// (parallel_train_test.cc).
+// then 5.2e-4 at most over 20; bound 2e-3.
 constexpr double kBf16LayoutTolerance = 2e-3;
 
 TEST(SlowBf16MoeTrainTest, ExpertParallelTwoFollowsOneProcessBf16) {

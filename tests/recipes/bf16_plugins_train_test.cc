@@ -20,14 +20,16 @@ namespace {
 
 const std::string kCommon =
     "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=4 --global_batch_size=16 "
-    "--micro_batch_size=4" + std::string(testing::kPastWarmup);
+    "--micro_batch_size=4 --lr=1e-3" + std::string(testing::kPastWarmup);
 
-// The relative loss difference of a bf16 run from its fp32 run, any of the 12 iterations.
-// Measured (fp32 masters, bf16 compute): the dense tiny recipe 3.23e-3 (iteration 6, at the
-// end of the warm-up's largest steps); with freeze 8.4e-5, early_exit 4.3e-4, mod 1.34e-3,
-// prune 3.23e-3, sparse_attention 3.19e-3. So no plugin adds error beyond bf16's own; the
-// bound is 1.5× the dense figure.
-constexpr double kBf16Tolerance = 5e-3;
+// The relative loss difference of a bf16 run from its fp32 run, any of the 12 iterations,
+// at --lr=1e-3: the recipe's 3e-3 after a two-iteration warm-up spikes the gradient norm to
+// 40 at iteration 6, and how far a spike carries bf16's rounding depends on the CPU's bf16
+// GEMMs (3.2e-3 on an AVX2 CPU, 6.9e-3 on an AMX Xeon for the dense model). Measured at
+// 1e-3 on the AMX Xeon: dense 3.9e-5, freeze 5.5e-5, early_exit 1.0e-4, mod 8.8e-5, prune
+// 1.8e-4, sparse_attention 5.7e-5 — no plugin adds error beyond bf16's own by more than
+// 5×; the bound is 1e-3.
+constexpr double kBf16Tolerance = 1e-3;
 
 struct PluginCase {
   std::string name;   // the test's name and the metrics files'

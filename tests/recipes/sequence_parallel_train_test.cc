@@ -23,10 +23,12 @@ using ::testing::HasSubstr;
 
 constexpr char kSequenceParallel[] = " --tensor_model_parallel_size=2 --sequence_parallel";
 
+// The dense comparisons run in fp64 (testing::kFp64: tensor parallelism's fp32 rounding
+// depends on the CPU's GEMM kernels).
 std::string Tiny(int iters) {
   return "--recipe=tiny --train_iters=" + std::to_string(iters) +
          " --eval_interval=0 --log_interval=10 --global_batch_size=16 --micro_batch_size=4" +
-         std::string(testing::kPastWarmup);
+         std::string(testing::kPastWarmup) + testing::kFp64;
 }
 
 std::vector<nlohmann::json> Train(int n, const std::string& args, const std::string& dir,
@@ -35,11 +37,11 @@ std::vector<nlohmann::json> Train(int n, const std::string& args, const std::str
 }
 
 void ExpectClose(const std::vector<double>& got, const std::vector<double>& want,
-                 const std::string& what) {
+                 const std::string& what, double tolerance = testing::kFp64LayoutTolerance) {
   ASSERT_EQ(got.size(), want.size()) << what;
   const double worst = testing::MaxRelativeDifference(got, want);
   std::cout << what << ": max relative loss difference " << worst << std::endl;
-  EXPECT_LE(worst, testing::kLayoutTolerance) << what;
+  EXPECT_LE(worst, tolerance) << what;
 }
 
 // Dropout at both sites: a rank that drew a mask of its own rows' shape instead of its rows
@@ -84,7 +86,8 @@ TEST(SlowSequenceParallelTest, PipelineStagesMoveLayersBitForBit) {
 }
 
 // MoE layers (tiny_moe): the block sees the whole sequence as without sequence
-// parallelism, so the curves agree at the layout tolerance (5.2e-8 measured).
+// parallelism, so the curves agree at the fp32 layout tolerance (5.2e-8 measured; MoE
+// models run in fp32 only).
 TEST(SlowSequenceParallelTest, MoeLayersFollowTensorParallelism) {
   const std::string dir = testing::MakeTempDir("sp_moe");
   const std::string flags =
@@ -92,7 +95,7 @@ TEST(SlowSequenceParallelTest, MoeLayersFollowTensorParallelism) {
       "--global_batch_size=16 --micro_batch_size=2" + std::string(testing::kPastWarmup);
   const auto plain = testing::LossesOf(Train(2, flags + " --tensor_model_parallel_size=2", dir, "tp2"));
   ExpectClose(testing::LossesOf(Train(2, flags + kSequenceParallel, dir, "sp")), plain,
-              "tiny_moe tp2 sequence-parallel vs tp2");
+              "tiny_moe tp2 sequence-parallel vs tp2", testing::kLayoutTolerance);
 }
 
 // Issue 28's closing command, less --overlap_grad_reduce (not built): tp=2 × dp=2 with

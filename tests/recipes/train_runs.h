@@ -72,6 +72,19 @@ inline std::vector<double> ValidLossesOf(const std::vector<nlohmann::json>& reco
 /// except MoE's dropless capacity, which pads to another size).
 inline constexpr double kLayoutTolerance = 5e-6;
 
+/// Tensor parallelism splits every GEMM's reduction in two, and how far that moves an fp32
+/// run depends on the CPU's GEMM kernels: the tiny recipe under tp=2 for 20 iterations past
+/// the warm-up parts from one process by 2.5e-6 on an AVX2 CPU but by 1.6e-5 on an
+/// AVX-512/AMX Xeon, as far as weight decay's whole effect. So the comparisons that involve
+/// tensor or sequence parallelism run in fp64 (kFp64) and hold to kFp64LayoutTolerance: on
+/// that Xeon tp=2, tp=2×dp=2 and pp=2×tp=2 then part from one process by 7e-15 at most
+/// (one thread per process, as ctest runs them; 4.4e-10 when the one-process run used two
+/// threads, whose reductions split too, and the gradient spike of iteration 6 — grad norm
+/// 40 — amplified that ~1000×). 1e-8 leaves that room and is 2800× below what dropping
+/// weight decay does (2.8e-5), so a layout bug of a part in a million fails it.
+inline constexpr char kFp64[] = " --params_dtype=fp64";
+inline constexpr double kFp64LayoutTolerance = 1e-8;
+
 /// Appended to a short test run's flags so it leaves the learning-rate warm-up after
 /// iteration 2 and decays to min_lr by the last iteration: the recipes' 20-iteration warm-up
 /// would keep a <= 20-iteration run at a tiny learning rate where weight decay and min_lr

@@ -44,7 +44,8 @@
 // the band's), on this rank's heads; the metrics record counts every layer's blocks, score
 // entries and the dense attention's entries over the iteration's training forwards and the
 // whole model (every stage and tensor-parallel shard; this data-parallel replica's micro-
-// batches). The counts are a small fp64 buffer of the layer ("sparse_attention.counts"), so
+// batches): sparse_attention_blocks and sparse_attention_layer_density per layer (score
+// entries computed over the dense attention's), sparse_attention_density over the model. The counts are a small fp64 buffer of the layer ("sparse_attention.counts"), so
 // a layer that migrates after its forward, before the metrics, brings them along (they are
 // checkpointed too, harmlessly). Attention dropout is not supported (refused).
 #include <ATen/ATen.h>
@@ -398,13 +399,18 @@ class SparseAttentionPlugin final : public Plugin {
     }
     ctx.SumOverModel(counts);
     nlohmann::json blocks = nlohmann::json::object();
+    nlohmann::json layer_density = nlohmann::json::object();
     double entries = 0, dense = 0;
     for (int64_t l = 0; l < layers; ++l) {
-      blocks[absl::StrCat("layers.", l)] = static_cast<int64_t>(counts[l]);
+      const std::string key = absl::StrCat("layers.", l);
+      blocks[key] = static_cast<int64_t>(counts[l]);
+      const double layer_dense = counts[2 * layers + l];
+      layer_density[key] = layer_dense > 0 ? counts[layers + l] / layer_dense : 0.0;
       entries += counts[layers + l];
-      dense += counts[2 * layers + l];
+      dense += layer_dense;
     }
     (*record)["sparse_attention_blocks"] = blocks;
+    (*record)["sparse_attention_layer_density"] = std::move(layer_density);
     const double density = dense > 0 ? entries / dense : 0.0;
     (*record)["sparse_attention_density"] = density;
     absl::StrAppend(log_line, absl::StrFormat(" | attn density %.3f", density));

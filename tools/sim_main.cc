@@ -58,6 +58,10 @@ DEFINE_string(early_exit_metrics, "",
 DEFINE_string(prune_metrics, "",
               "fulcrum_train --metrics_file of a --plugins=prune run whose per-layer densities at "
               "each pruning step give the pruning case (default: tools/profiles/prune.jsonl).");
+DEFINE_string(sparse_attention_metrics, "",
+              "fulcrum_train --metrics_file of a --plugins=sparse_attention run whose per-layer "
+              "score densities give the sparse-attention case (default: "
+              "tools/profiles/sparse_attention.jsonl).");
 DEFINE_string(strategies, "", "Strategies to compare, comma-separated names (default: all six: "
               "uniform, params, partition-time, diffusion-time, partition-params, diffusion-params).");
 DEFINE_int64(iterations, 100, "Simulated iterations per case (each case maps its schedule onto them).");
@@ -293,7 +297,8 @@ absl::Status MeasuredInput(const char* flag, const std::string& path, Load load,
 // and the bound of S_bal, T(best static) / T(oracle) (NOTE [oracle placement] in
 // dynamic/simulation.cc), beside DynMo's figure and the name of the one it compares to.
 // The cases' options from the flags; the measured inputs (--moe_metrics,
-// --early_exit_metrics, --prune_metrics) read here: a bad one is a usage error naming it.
+// --early_exit_metrics, --prune_metrics, --sparse_attention_metrics) read here: a bad one is
+// a usage error naming it.
 absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   sim::CaseOptions options;
   options.iterations = FLAGS_iterations;
@@ -323,6 +328,13 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   if (absl::Status s = MeasuredInput("--prune_metrics", FLAGS_prune_metrics, sim::LoadPruneProfile,
                                      sim::MeasuredPruneProfile, &options.prune_profile,
                                      &options.prune_profile_source);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = MeasuredInput("--sparse_attention_metrics", FLAGS_sparse_attention_metrics,
+                                     sim::LoadAttentionDensity, sim::MeasuredAttentionDensity,
+                                     &options.attention_density,
+                                     &options.attention_density_source);
       !s.ok()) {
     return s;
   }
@@ -847,7 +859,10 @@ absl::Status CheckFlags() {
   if (FLAGS_output.empty()) return absl::OkStatus();
   for (const auto& [flag, input] : {std::pair{"--trace", FLAGS_trace},
                                     std::pair{"--moe_metrics", FLAGS_moe_metrics},
-                                    std::pair{"--early_exit_metrics", FLAGS_early_exit_metrics}}) {
+                                    std::pair{"--early_exit_metrics", FLAGS_early_exit_metrics},
+                                    std::pair{"--prune_metrics", FLAGS_prune_metrics},
+                                    std::pair{"--sparse_attention_metrics",
+                                              FLAGS_sparse_attention_metrics}}) {
     // WriteFileAtomically writes OUTPUT.tmp first: that must not be an input either.
     if (!input.empty() &&
         (IsSameFile(input, FLAGS_output) || IsSameFile(input, FLAGS_output + ".tmp"))) {
@@ -889,7 +904,8 @@ int main(int argc, char** argv) {
       "the write of --output failed.\n";
   help.groups = {
       {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
-                            "prune_metrics", "strategies", "iterations", "case_layers"}},
+                            "prune_metrics", "sparse_attention_metrics", "strategies",
+                            "iterations", "case_layers"}},
       {"Pipeline", {"stages", "microbatches", "schedule"}},
       {"Balancers", {"rebalance_interval", "rebalance_min_gain", "rebalance_window"}},
       {"Network and device",

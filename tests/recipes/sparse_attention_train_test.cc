@@ -33,6 +33,16 @@ TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLo
     EXPECT_GT(r["layer_loads"]["layers.0"].get<double>(), 0);
     // 4 buckets compute well under half the dense scores (s = 128, blocks of 16).
     EXPECT_LT(r["sparse_attention_density"].get<double>(), 0.5);
+    // Every layer's own density; the layers see the same dense scores, so the model's
+    // density is their mean.
+    ASSERT_EQ(r["sparse_attention_layer_density"].size(), 4u) << r.dump();
+    double sum = 0;
+    for (const auto& [layer, density] : r["sparse_attention_layer_density"].items()) {
+      EXPECT_GT(density.get<double>(), 0) << layer;
+      EXPECT_LT(density.get<double>(), 1) << layer;
+      sum += density.get<double>();
+    }
+    EXPECT_NEAR(sum / 4, r["sparse_attention_density"].get<double>(), 1e-12);
   }
   ASSERT_NO_FATAL_FAILURE(runs.ExpectLayoutsTrainTheOneProcessLosses(
       {{"pp2", " --pipeline_model_parallel_size=2"},
@@ -42,6 +52,9 @@ TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLo
       [&](const std::string& name, const std::vector<nlohmann::json>& records) {
         for (size_t i = 0; i < records.size(); ++i) {
           EXPECT_EQ(records[i]["sparse_attention_blocks"], one[i]["sparse_attention_blocks"])
+              << name << " iteration " << i + 1;
+          EXPECT_EQ(records[i]["sparse_attention_layer_density"],
+                    one[i]["sparse_attention_layer_density"])
               << name << " iteration " << i + 1;
         }
         if (name == "pp2_migrating") {

@@ -22,12 +22,26 @@ namespace {
 // Measured by tools/fulcrum_bench_dynamism (1 thread, gpt_20m layer, seq 256 × micro-batch 4,
 // dense layer 235 ms): a pruned layer's time over the dense layer's at 50/80/90% sparsity
 // (sparse compute; below ~75% the dense kernels still win), a frozen layer's (no backward),
-// and a MoD-routed layer's at capacity 0.125; hash sparse attention with 8 buckets at seq
-// 1024 over dense attention.
+// and a MoD-routed layer's at capacity 0.125.
 constexpr double kPrunedRatio[][2] = {{0.0, 1.0}, {0.5, 1.01}, {0.8, 0.60}, {0.9, 0.42}};
 constexpr double kFrozenRatio = 0.34;
 constexpr double kModRoutedRatio = 0.15;  // Capacity 0.125 (Raposo et al.'s 12.5%).
-constexpr double kSparseAttentionRatio = 0.91;  // 8 buckets, score density 0.17.
+// A layer with hash sparse attention over the dense layer (SDPA), by the score density its
+// buckets gave, measured by `fulcrum_bench_dynamism --attention_seq=2048 --micro_batch=1
+// --buckets=2,4,8,16,32,64 --reps=5` (gpt_20m layer, one thread, F+B+W medians; 64, 32, 16,
+// 8, 4, 2 buckets in density order). Our CPU kernel computes blocks of 64 with gathers and
+// index_add: above ~10% density it is slower than dense attention. Timed while the other
+// core built, so good to about ±0.2 (a 3-repetition run gave 1.25 at 0.12, 1.62 at 0.18).
+constexpr double kSparseAttentionRatio[][2] = {{0.07, 0.85}, {0.08, 0.95}, {0.09, 0.99},
+                                               {0.12, 1.03}, {0.18, 1.38}, {0.30, 2.22}};
+
+std::string SparseAttentionCurveText() {
+  std::vector<std::string> points;
+  for (const auto& [density, ratio] : kSparseAttentionRatio) {
+    points.push_back(absl::StrFormat("%.2f -> %.2fx", density, ratio));
+  }
+  return absl::StrJoin(points, ", ");
+}
 
 double PrunedRatio(double sparsity) {
   constexpr int n = sizeof(kPrunedRatio) / sizeof(kPrunedRatio[0]);
@@ -354,6 +368,82 @@ absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::stri
   return profile;
 }
 
+absl::StatusOr<std::vector<std::vector<double>>> LoadAttentionDensity(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open the sparse-attention metrics file '", path, "'"));
+  }
+  return ParseAttentionDensity(in, path);
+}
+
+absl::StatusOr<std::vector<std::vector<double>>> ParseAttentionDensity(std::istream& in,
+                                                                       const std::string& path) {
+  std::vector<std::vector<double>> rows;
+  std::string text;
+  for (int number = 1; std::getline(in, text); ++number) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("sparse_attention_layer_density")) {
+      continue;
+    }
+    const auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", what));
+    };
+    const nlohmann::json& layers = j["sparse_attention_layer_density"];
+    if (!layers.is_object()) return bad("sparse_attention_layer_density is not an object");
+    std::vector<std::pair<int, double>> per_layer;
+    for (const auto& [name, value] : layers.items()) {
+      if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0 ||
+          value.get<double>() > 1) {
+        return bad(absl::StrCat("sparse_attention_layer_density '", name, "' holds ",
+                                value.dump(), "; expected a score density in [0, 1]"));
+      }
+      int layer = -1;
+      const size_t dot = name.rfind('.');
+      if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(dot + 1), &layer) ||
+          layer < 0) {
+        return bad(absl::StrCat("sparse_attention_layer_density '", name,
+                                "' is not a layer ('layers.<i>')"));
+      }
+      per_layer.emplace_back(layer, value.get<double>());
+    }
+    if (per_layer.empty()) continue;
+    std::sort(per_layer.begin(), per_layer.end());
+    std::vector<double> row;
+    for (const auto& [layer, density] : per_layer) row.push_back(density);
+    if (per_layer.back().first != static_cast<int>(row.size()) - 1) {
+      return bad(absl::StrCat("sparse_attention_layer_density names layers up to ",
+                              per_layer.back().first, " but holds ", row.size(),
+                              " (one entry per layer from 0)"));
+    }
+    if (!rows.empty() && row.size() != rows.front().size()) {
+      return bad(absl::StrCat(row.size(), " layers where the iterations before had ",
+                              rows.front().size()));
+    }
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", path, "' holds no sparse_attention_layer_density (a fulcrum_train "
+        "--plugins=sparse_attention --metrics_file)"));
+  }
+  return rows;
+}
+
+double SparseAttentionLayerRatio(double density) {
+  constexpr int n = sizeof(kSparseAttentionRatio) / sizeof(kSparseAttentionRatio[0]);
+  if (density <= kSparseAttentionRatio[0][0]) return kSparseAttentionRatio[0][1];
+  for (int i = 1; i < n; ++i) {
+    if (density <= kSparseAttentionRatio[i][0]) {
+      const double t = (density - kSparseAttentionRatio[i - 1][0]) /
+                       (kSparseAttentionRatio[i][0] - kSparseAttentionRatio[i - 1][0]);
+      return kSparseAttentionRatio[i - 1][1] +
+             t * (kSparseAttentionRatio[i][1] - kSparseAttentionRatio[i - 1][1]);
+    }
+  }
+  return kSparseAttentionRatio[n - 1][1];
+}
+
 namespace {
 
 // The profile tools/profiles/<name>.jsonl, parsed by `parse`; its "source" line says what
@@ -389,6 +479,12 @@ const Measured<std::vector<std::vector<double>>>& MeasuredExpertImbalance() {
 const Measured<std::vector<std::vector<double>>>& MeasuredExitFractions() {
   static const auto* measured = new Measured<std::vector<std::vector<double>>>(
       ParseEmbedded<std::vector<std::vector<double>>>("early_exit", ParseExitFractions));
+  return *measured;
+}
+
+const Measured<std::vector<std::vector<double>>>& MeasuredAttentionDensity() {
+  static const auto* measured = new Measured<std::vector<std::vector<double>>>(
+      ParseEmbedded<std::vector<std::vector<double>>>("sparse_attention", ParseAttentionDensity));
   return *measured;
 }
 
@@ -551,17 +647,42 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     out.dynmo = "2.71-4.02x vs dense (4x dense bubble)";
     out.versus_dense = true;
     out.dynmo_compares = "S_total";
+    if (o.attention_density.empty()) {
+      out.measured = false;
+      out.why_not =
+          "not measured: give --sparse_attention_metrics=PATH, the --metrics_file of a "
+          "fulcrum_train --plugins=sparse_attention run (its per-layer score densities)";
+      return out;
+    }
+    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.attention_density);
+    double lowest = 1, highest = 0, sum = 0;
+    for (const auto& row : *rows) {
+      for (const double d : row) {
+        lowest = std::min(lowest, d);
+        highest = std::max(highest, d);
+        sum += d;
+      }
+    }
+    const size_t columns = rows->front().size();
     out.provenance = absl::StrFormat(
-        "hash sparse attention, 8 buckets, in every layer: %.2fx the dense layer "
-        "(fulcrum_bench_dynamism at seq 1024; 2/4 buckets: 1.31/1.02x, i.e. not faster than "
-        "dense yet); per-layer variation of the density not measured: every layer alike",
-        kSparseAttentionRatio);
-    out.scenario.costs = [dense](int64_t) {
+        "hash sparse attention in every layer, each layer's score density per iteration as our "
+        "plugin counted it in %s (%d iterations x %d layers, densities %.3f..%.3f, mean %.3f, "
+        "lag-1 autocorrelation %.2f; layer l takes measured layer l x %d / %d, iteration i "
+        "measured iteration i mod %d), layer time ratio interpolated from "
+        "fulcrum_bench_dynamism at seq 2048 (%s)",
+        o.attention_density_source, static_cast<int>(rows->size()), static_cast<int>(columns),
+        lowest, highest, sum / static_cast<double>(rows->size() * columns),
+        MeanLag1Autocorrelation(*rows), static_cast<int>(columns), layers,
+        static_cast<int>(rows->size()), SparseAttentionCurveText());
+    out.scenario.costs = [dense, rows, layers](int64_t i) {
       dynamic::IterationCosts c = dense;
-      for (int64_t l = 0; l < c.num_layers(); ++l) {
-        c.forward[l] *= kSparseAttentionRatio;
-        c.backward[l] *= kSparseAttentionRatio;
-        c.weight[l] *= kSparseAttentionRatio;
+      const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
+      for (int64_t l = 0; l < layers; ++l) {
+        const double ratio =
+            SparseAttentionLayerRatio(row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)]);
+        c.forward[l] *= ratio;
+        c.backward[l] *= ratio;
+        c.weight[l] *= ratio;
       }
       return c;
     };

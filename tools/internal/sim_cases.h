@@ -104,6 +104,11 @@ struct CaseOptions {
   /// (LoadPruneProfile). Empty: the pruning case cannot be built and says so.
   PruneProfile prune_profile;
   std::string prune_profile_source;
+  /// Sparse attention: per iteration, per layer, the score entries computed over the dense
+  /// attention's, as our sparse_attention plugin counted them (LoadAttentionDensity). Empty:
+  /// the case cannot be built and says so.
+  std::vector<std::vector<double>> attention_density;
+  std::string attention_density_source;
 };
 
 /// A stretch of a case's run in which its dynamism holds still (pruning at one sparsity,
@@ -180,6 +185,19 @@ absl::StatusOr<std::vector<std::vector<double>>> ParseExitFractions(std::istream
 absl::StatusOr<PruneProfile> LoadPruneProfile(const std::string& path);
 absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::string& source);
 
+/// Per iteration and layer, "sparse_attention_layer_density" (score entries computed over the
+/// dense attention's) from a fulcrum_train --plugins=sparse_attention metrics file.
+/// InvalidArgument naming the file and line for a density outside [0, 1], a key that is not
+/// a layer, or layer counts that differ; NotFound/InvalidArgument when it holds none.
+absl::StatusOr<std::vector<std::vector<double>>> LoadAttentionDensity(const std::string& path);
+absl::StatusOr<std::vector<std::vector<double>>> ParseAttentionDensity(std::istream& in,
+                                                                       const std::string& source);
+
+/// A layer's time with hash sparse attention over the dense layer's at score density `d`:
+/// linear between the densities fulcrum_bench_dynamism measured (seq 2048), the nearest
+/// measured ratio outside them.
+double SparseAttentionLayerRatio(double density);
+
 /// The text of tools/profiles/<name>.jsonl as compiled into the binary
 /// (tools/profiles/embed_profiles.cmake), or empty when there is none.
 std::string_view EmbeddedProfile(std::string_view name);
@@ -192,10 +210,12 @@ struct Measured {
 };
 
 /// What our runs measured (tools/profiles/, made by tools/profiles/make_profiles.sh): the
-/// defaults of --moe_metrics, --early_exit_metrics and --prune_metrics. Parsed once; a
+/// defaults of --moe_metrics, --early_exit_metrics, --prune_metrics and
+/// --sparse_attention_metrics. Parsed once; a
 /// profile that does not parse is a build defect and aborts with its error.
 const Measured<std::vector<std::vector<double>>>& MeasuredExpertImbalance();
 const Measured<std::vector<std::vector<double>>>& MeasuredExitFractions();
 const Measured<PruneProfile>& MeasuredPruneProfile();
+const Measured<std::vector<std::vector<double>>>& MeasuredAttentionDensity();
 
 }  // namespace fulcrum::sim

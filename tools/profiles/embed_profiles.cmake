@@ -7,7 +7,7 @@
 # GCC and Clang (what Fulcrum builds with) take the concatenation of any length.
 # The profiles fulcrum_sim's cases read (tools/internal/sim_cases.cc): a clone without them
 # (e.g. a .gitignore that swallowed them) fails here, not when the simulator runs.
-foreach(required moe prune early_exit)
+foreach(required moe prune early_exit sparse_attention)
   set(found FALSE)
   foreach(path IN LISTS PROFILES)
     get_filename_component(name "${path}" NAME_WLE)

@@ -5,13 +5,14 @@
 # which). They are compiled into fulcrum_sim (tools/CMakeLists.txt embeds every
 # tools/profiles/*.jsonl), so `fulcrum_sim --case=all` needs no input files; the same files,
 # or another run's full metrics file, can be given by hand (--moe_metrics, --prune_metrics,
-# --early_exit_metrics).
+# --early_exit_metrics, --sparse_attention_metrics).
 #
-#   tools/profiles/make_profiles.sh [build-dir] [profile ...]   (default: build, all three)
+#   tools/profiles/make_profiles.sh [build-dir] [profile ...]   (default: build, all four)
 #
 # One process, two threads, on the 2-core development machine; each run's command is written
 # beside its numbers in the file's first line ("source"), so the file says what made it.
-# About 15 minutes for all three on a quiet machine (prune ~10, moe 3, early_exit 1).
+# About 20 minutes for all four on a quiet machine (prune ~10, moe 3, early_exit 1,
+# sparse_attention ~6).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD="$ROOT/build"
@@ -20,7 +21,7 @@ if [ $# -gt 0 ] && [ -d "$1" ]; then  # a build directory first, else only profi
   shift
 fi
 PROFILES=("$@")
-[ ${#PROFILES[@]} -gt 0 ] || PROFILES=(moe prune early_exit)
+[ ${#PROFILES[@]} -gt 0 ] || PROFILES=(moe prune early_exit sparse_attention)
 TRAIN="$BUILD/bin/fulcrum_train"
 [ -x "$TRAIN" ] || { echo "make_profiles: no $TRAIN (build first)" >&2; exit 1; }
 WORK="$(mktemp -d)"
@@ -69,6 +70,15 @@ for name in "${PROFILES[@]}"; do
     # 0.2: ~22%, 0.15: ~4% on this model); no token exits in the first ~30 iterations.
     early_exit) profile early_exit early_exit_tokens -- --recipe=tiny --num_layers=8 \
                     --plugins=early_exit --early_exit_threshold=0.25 --train_iters=200 ;;
-    *) echo "make_profiles: unknown profile '$name' (moe, prune, early_exit)" >&2; exit 2 ;;
+    # Sparse attention: hash sparse attention (8 buckets, blocks of 64) in every layer of an
+    # 8-layer model at DynMo's sequence length, 2048; each layer's score density per
+    # iteration.
+    sparse_attention) profile sparse_attention sparse_attention_layer_density -- --recipe=tiny \
+                          --num_layers=8 --seq_length=2048 --micro_batch_size=1 \
+                          --global_batch_size=4 --plugins=sparse_attention \
+                          --sparse_attention_buckets=8 --sparse_attention_block=64 \
+                          --train_iters=100 ;;
+    *) echo "make_profiles: unknown profile '$name' (moe, prune, early_exit, sparse_attention)" >&2
+       exit 2 ;;
   esac
 done

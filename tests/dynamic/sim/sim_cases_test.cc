@@ -1,8 +1,10 @@
 // fulcrum_sim's named cases (tools/internal/sim_cases.h) built from measured profiles: the
 // pruning profile's parser and interpolation, the pruning case's per-layer costs from it (not
-// one sparsity for every layer), its phases, and the profiles compiled into the binary.
+// one sparsity for every layer), its phases; the sparse-attention densities' parser, curve
+// and case; and the profiles compiled into the binary.
 #include "tools/internal/sim_cases.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -205,6 +207,84 @@ TEST(CasePhaseTest, SlicesOfThePhasesAddUpToTheRun) {
   EXPECT_NE(first.ms / first.iterations, last.ms / last.iterations);
 }
 
+// Two iterations of a 2-layer sparse-attention run: layer 1's density falls.
+constexpr char kTwoDensities[] =
+    R"({"source":"hand-written"}
+{"iteration":1,"loss":5.0,"sparse_attention_layer_density":{"layers.1":0.30,"layers.0":0.12}}
+{"iteration":2,"loss":4.0}
+{"iteration":3,"sparse_attention_layer_density":{"layers.0":0.12,"layers.1":0.05}}
+)";
+
+absl::StatusOr<std::vector<std::vector<double>>> ParseDensities(const std::string& text) {
+  std::istringstream in(text);
+  return ParseAttentionDensity(in, "a.jsonl");
+}
+
+TEST(AttentionDensityTest, RowsPerIterationInLayerOrder) {
+  absl::StatusOr<std::vector<std::vector<double>>> rows = ParseDensities(kTwoDensities);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 2u);  // the record without densities is no row
+  EXPECT_THAT((*rows)[0], ::testing::ElementsAre(0.12, 0.30));
+  EXPECT_THAT((*rows)[1], ::testing::ElementsAre(0.12, 0.05));
+}
+
+TEST(AttentionDensityTest, BadInputIsRefusedNamingTheLine) {
+  const auto error = [](const std::string& text) {
+    auto rows = ParseDensities(text);
+    return rows.ok() ? std::string("parsed") : std::string(rows.status().message());
+  };
+  EXPECT_THAT(error(R"({"sparse_attention_layer_density":{"layers.0":1.5}})"),
+              ::testing::HasSubstr("a.jsonl:1: sparse_attention_layer_density 'layers.0' holds 1.5"));
+  EXPECT_THAT(error(R"({"sparse_attention_layer_density":{"layers.0":0.5}}
+{"sparse_attention_layer_density":{"layers.0":0.5,"layers.1":0.5}})"),
+              ::testing::HasSubstr("a.jsonl:2: 2 layers where the iterations before had 1"));
+  EXPECT_THAT(error(R"({"sparse_attention_layer_density":{"attn":0.5}})"),
+              ::testing::HasSubstr("'attn' is not a layer"));
+  EXPECT_THAT(error(R"({"sparse_attention_layer_density":{"layers.0":0.5,"layers.2":0.5}})"),
+              ::testing::HasSubstr("names layers up to 2 but holds 2"));
+  EXPECT_THAT(error(R"({"sparse_attention_layer_density":[0.5]})"),
+              ::testing::HasSubstr("is not an object"));
+  EXPECT_THAT(error(R"({"iteration":1,"loss":3.0})"),
+              ::testing::HasSubstr("holds no sparse_attention_layer_density"));
+}
+
+// The measured curve: its points exactly, linear between neighbours, flat beyond the ends.
+TEST(AttentionDensityTest, LayerRatioFollowsTheMeasuredCurve) {
+  EXPECT_DOUBLE_EQ(SparseAttentionLayerRatio(0.12), 1.03);
+  EXPECT_DOUBLE_EQ(SparseAttentionLayerRatio(0.30), 2.22);
+  EXPECT_NEAR(SparseAttentionLayerRatio(0.15), (1.03 + 1.38) / 2, 1e-12);
+  EXPECT_DOUBLE_EQ(SparseAttentionLayerRatio(0.0), 0.85);
+  EXPECT_DOUBLE_EQ(SparseAttentionLayerRatio(1.0), 2.22);
+}
+
+// Layer l of the 48 takes measured layer l × 2 / 48, iteration i measured row (i − 1) mod 2:
+// every part of the layer (F, B, W) scales by the curve at that density.
+TEST(SparseAttentionCaseTest, EachLayerRunsAtItsMeasuredDensity) {
+  CaseOptions options;
+  options.attention_density = *ParseDensities(kTwoDensities);
+  options.attention_density_source = "hand-written";
+  absl::StatusOr<NamedCase> c = MakeCase("sparse_attention", options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->measured);
+  const DenseLayer d = DenseLayerCosts(options.shape);
+  const dynamic::IterationCosts first = c->scenario.costs(1), second = c->scenario.costs(2);
+  ASSERT_EQ(first.num_layers(), 48);
+  EXPECT_NEAR(first.forward[0], d.f() * 1.03, 1e-9 * d.f());
+  EXPECT_NEAR(first.backward[23], d.b() * 1.03, 1e-9 * d.b());
+  EXPECT_NEAR(first.weight[24], d.w() * 2.22, 1e-9 * d.w());
+  EXPECT_GT(first.forward[24], first.forward[23]) << "the layers differ as the profile does";
+  EXPECT_NEAR(second.forward[47], d.f() * SparseAttentionLayerRatio(0.05), 1e-9 * d.f());
+  // Iteration 3 replays the first row.
+  EXPECT_EQ(c->scenario.costs(3).forward, first.forward);
+  EXPECT_THAT(c->provenance, ::testing::HasSubstr("densities 0.050..0.300"));
+}
+
+TEST(SparseAttentionCaseTest, WithoutAProfileTheCaseSaysSo) {
+  const NamedCase c = *MakeCase("sparse_attention", CaseOptions{});
+  EXPECT_FALSE(c.measured);
+  EXPECT_THAT(c.why_not, ::testing::HasSubstr("--sparse_attention_metrics"));
+}
+
 // The profiles compiled into fulcrum_sim (tools/profiles/*.jsonl) parse, say which run made
 // them, and hold what their runs were asked for.
 TEST(MeasuredProfilesTest, CompiledInProfilesParseWithTheirCommands) {
@@ -230,6 +310,23 @@ TEST(MeasuredProfilesTest, CompiledInProfilesParseWithTheirCommands) {
   double last = 0;  // README: 48% of the tokens reach the last layer after iteration 50
   for (size_t i = 50; i < exits.value.size(); ++i) last += exits.value[i].back() / 150;
   EXPECT_NEAR(last, 0.48, 0.005);
+
+  const Measured<std::vector<std::vector<double>>>& attention = MeasuredAttentionDensity();
+  EXPECT_THAT(attention.source, ::testing::HasSubstr("--seq_length=2048"));
+  ASSERT_EQ(attention.value.size(), 100u);
+  EXPECT_EQ(attention.value.front().size(), 8u);
+  // What README states: densities 0.000..0.220 over the run, mean 0.126 (8 buckets).
+  double lowest = 1, highest = 0, sum = 0;
+  for (const auto& row : attention.value) {
+    for (const double d : row) {
+      lowest = std::min(lowest, d);
+      highest = std::max(highest, d);
+      sum += d;
+    }
+  }
+  EXPECT_NEAR(lowest, 0.000, 1e-3);
+  EXPECT_NEAR(highest, 0.220, 1e-3);
+  EXPECT_NEAR(sum / 800, 0.126, 1e-3);
 }
 
 }  // namespace

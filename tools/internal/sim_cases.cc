@@ -494,238 +494,309 @@ const Measured<PruneProfile>& MeasuredPruneProfile() {
   return *measured;
 }
 
-absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o) {
-  NamedCase out;
-  out.name = name;
-  GptShape shape = o.shape;
-  auto dense_layer = std::make_shared<DenseLayer>(DenseLayerCosts(shape));
-  if (name == "moe" || name == "mod") {
-    shape.layers = o.layers > 0 ? o.layers : 32;
-    out.scenario = Base(name, 16, o, shape.layers);
-  } else {
-    shape.layers = o.layers > 0 ? o.layers : 48;
-    out.scenario = Base(name, 24, o, shape.layers);
-  }
-  const dynamic::IterationCosts dense = DenseCosts(shape);
-  const int64_t layers = shape.layers;
-  const double real_per_sim = 10000.0 / static_cast<double>(o.iterations);  // DynMo: 10 000.
+namespace {
 
-  if (name == "moe") {
-    out.dynmo = "idle 25% -> 8%, 1.23x (LLaMA-MoE; 1.21x Mixtral)";
-    if (o.expert_imbalance.empty()) {
-      out.measured = false;
-      out.why_not = "no expert-token measurements given (--moe_metrics=PATH of a MoE run)";
-      return out;
-    }
-    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.expert_imbalance);
-    out.provenance = absl::StrCat(
-        "every layer MoE, 8 experts as wide as the MLP, top-2, one expert per GPU (EP 8): a "
-        "layer's MLP time = 2 x (max/mean tokens per expert) x dense MLP, the ratio per layer and "
-        "iteration from our router: ", o.expert_imbalance_source, " (", rows->size(),
-        " iterations x ", rows->front().size(),
-        " layers, lag-1 autocorrelation of a layer's imbalance ",
-        absl::StrFormat("%.2f", MeanLag1Autocorrelation(*rows)),
-        "; layer l replays measured layer l mod ", rows->front().size(),
-        ", each further copy 7 iterations later)");
-    // Layer l replays measured layer l % C, the copies (l / C) shifted by 7 iterations each
-    // so that they are not in lockstep (a run of our tiny model has C = 4 MoE layers).
-    out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
-      dynamic::IterationCosts c = dense;
-      const size_t columns = rows->front().size();
-      for (int64_t l = 0; l < layers; ++l) {
-        const size_t copy = static_cast<size_t>(l) / columns;
-        const std::vector<double>& row = (*rows)[(static_cast<size_t>(i - 1) + 7 * copy) % rows->size()];
-        SetLayer(&c, l, *dense_layer, 1.0, 1.0, 2.0 * row[static_cast<size_t>(l) % row.size()]);
-      }
-      return c;
-    };
-  } else if (name == "mod") {
-    out.dynmo = "idle 18% -> 4%, 1.17x";
-    out.versus_dense = true;  // every layer routing all tokens
-    out.provenance = absl::StrFormat(
-        "every other layer (1, 3, ...) routes 12.5%% of the tokens (Raposo et al.): %.2fx the "
-        "routed layer's time, measured by fulcrum_bench_dynamism (capacity 0.125)",
-        kModRoutedRatio);
-    out.scenario.costs = [dense](int64_t) {
-      dynamic::IterationCosts c = dense;
-      for (int64_t l = 1; l < c.num_layers(); l += 2) {
-        c.forward[l] *= kModRoutedRatio;
-        c.backward[l] *= kModRoutedRatio;
-        c.weight[l] *= kModRoutedRatio;
-      }
-      return c;
-    };
-  } else if (name == "pruning") {
-    out.dynmo = "up to 3.18x; re-packing 8 -> 5.8 GPUs";
-    out.versus_dense = true;
-    out.dynmo_compares = "S_total";
-    if (o.prune_profile.empty()) {
-      out.measured = false;
-      out.why_not =
-          "not measured: give --prune_metrics=PATH, the --metrics_file of a fulcrum_train "
-          "--plugins=prune run (its per-layer densities at each pruning step)";
-      return out;
-    }
-    auto profile = std::make_shared<PruneProfile>(o.prune_profile);
-    const auto [least, most] = profile->SparsitySpread();
-    out.provenance = absl::StrFormat(
-        "global magnitude pruning on DynMo's schedule (0, 52, 79, 89, 90%% at real iterations "
-        "3000..7000 of 10 000); each layer's GEMMs at the sparsity global pruning gave that "
-        "layer in %s (%d layers; layer l takes measured layer l x %d / %d; at %.0f%% overall the "
-        "layers hold %.1f%%..%.1f%%), time ratio interpolated from fulcrum_bench_dynamism "
-        "(50/80/90%% -> 1.01/0.60/0.42x); attention scores and the LM head not pruned",
-        o.prune_profile_source, profile->num_layers(), profile->num_layers(), layers,
-        100 * profile->sparsity.back(), 100 * least, 100 * most);
-    out.scenario.costs = [dense, dense_layer, layers, real_per_sim, profile](int64_t i) {
-      dynamic::IterationCosts c = dense;
-      const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
-      const std::vector<double> density = profile->DensityAt(sparsity);
-      for (int64_t l = 0; l < layers; ++l) {
-        const size_t measured = static_cast<size_t>(l) * density.size() / static_cast<size_t>(layers);
-        const double kept = density[measured];
-        SetLayer(&c, l, *dense_layer, PrunedRatio(1.0 - kept), 1.0, 1.0);
-      }
-      const double next = PruningSparsity(static_cast<double>(i + 1) * real_per_sim);
-      if (next != sparsity) {
-        c.model_changed = true;
-        c.change_reason = absl::StrFormat("pruned to %.1f%%", 100 * next);
-      }
-      return c;
-    };
-    out.phases = PhasesOf(o.iterations, [real_per_sim](int64_t i) {
-      const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
-      return sparsity == 0 ? std::string("dense")
-                           : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
-    });
-  } else if (name == "freezing" || name == "freezing_free") {
-    out.dynmo = "2.23x (idle ~40%, 40 layers)";
-    out.versus_dense = true;
-    out.dynmo_compares = "S_total";
-    // DynMo freezes 40 of 48 layers; other layer counts freeze the same share. Its load model
-    // counts a frozen layer as free (freezing_free); ours runs its forward (freezing).
-    const bool free = name == "freezing_free";
-    const int64_t frozen_max = layers * 40 / 48;
-    out.provenance =
-        free ? absl::StrFormat(
-                   "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
-                   "frozen layer costs nothing (DynMo's load model; ours runs its forward: the "
-                   "freezing case)",
-                   frozen_max, layers)
-             : absl::StrFormat(
-                   "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
-                   "frozen layer runs its forward only (%.2fx the dense layer, "
-                   "fulcrum_bench_dynamism; the FLOP model's F share is %.2f)",
-                   frozen_max, layers, kFrozenRatio,
-                   dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
-    const int64_t iterations = o.iterations;
-    auto frozen_at = [iterations, frozen_max](int64_t i) -> int64_t {
-      const double start = 0.2 * iterations, end = 0.8 * iterations;
-      if (i < start) return 0;
-      return std::min<int64_t>(
-          frozen_max, std::llround(static_cast<double>(frozen_max) * (i - start) / (end - start)));
-    };
-    out.scenario.costs = [dense, frozen_at, free](int64_t i) {
-      dynamic::IterationCosts c = dense;
-      for (int64_t l = 0; l < frozen_at(i); ++l) {
-        c.backward[l] = c.weight[l] = 0;
-        if (free) c.forward[l] = 0;
-      }
-      c.frozen_prefix = frozen_at(i);  // stages wholly frozen run forward only
-      if (frozen_at(i + 1) != frozen_at(i)) {
-        c.model_changed = true;
-        c.change_reason = absl::StrCat("froze layers up to ", frozen_at(i + 1));
-      }
-      return c;
-    };
-    out.phases = PhasesOf(o.iterations, [frozen_at, frozen_max](int64_t i) {
-      const int64_t frozen = frozen_at(i);
-      return frozen == 0 ? std::string("none frozen")
-             : frozen == frozen_max ? absl::StrCat(frozen_max, " frozen")
-                                    : std::string("freezing");
-    });
-  } else if (name == "sparse_attention") {
-    out.dynmo = "2.71-4.02x vs dense (4x dense bubble)";
-    out.versus_dense = true;
-    out.dynmo_compares = "S_total";
-    if (o.attention_density.empty()) {
-      out.measured = false;
-      out.why_not =
-          "not measured: give --sparse_attention_metrics=PATH, the --metrics_file of a "
-          "fulcrum_train --plugins=sparse_attention run (its per-layer score densities)";
-      return out;
-    }
-    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.attention_density);
-    double lowest = 1, highest = 0, sum = 0;
-    for (const auto& row : *rows) {
-      for (const double d : row) {
-        lowest = std::min(lowest, d);
-        highest = std::max(highest, d);
-        sum += d;
-      }
-    }
+// What every case's costs are built from: its options, the dense layer and model at the
+// case's layer count, and how many real (DynMo) iterations one simulated iteration stands for.
+struct CaseInputs {
+  const CaseOptions& o;
+  std::string name;
+  std::shared_ptr<DenseLayer> dense_layer;
+  dynamic::IterationCosts dense;
+  int64_t layers = 0;
+  double real_per_sim = 1;
+};
+
+// moe: every layer MoE, its MLP time scaled by the measured expert imbalance.
+void MoeCase(const CaseInputs& in, NamedCase* out_case) {
+  const CaseOptions& o = in.o;
+  const auto& dense_layer = in.dense_layer;
+  const dynamic::IterationCosts& dense = in.dense;
+  const int64_t layers = in.layers;
+  NamedCase& out = *out_case;
+  out.dynmo = "idle 25% -> 8%, 1.23x (LLaMA-MoE; 1.21x Mixtral)";
+  if (o.expert_imbalance.empty()) {
+    out.measured = false;
+    out.why_not = "no expert-token measurements given (--moe_metrics=PATH of a MoE run)";
+    return;
+  }
+  auto rows = std::make_shared<std::vector<std::vector<double>>>(o.expert_imbalance);
+  out.provenance = absl::StrCat(
+      "every layer MoE, 8 experts as wide as the MLP, top-2, one expert per GPU (EP 8): a "
+      "layer's MLP time = 2 x (max/mean tokens per expert) x dense MLP, the ratio per layer and "
+      "iteration from our router: ", o.expert_imbalance_source, " (", rows->size(),
+      " iterations x ", rows->front().size(),
+      " layers, lag-1 autocorrelation of a layer's imbalance ",
+      absl::StrFormat("%.2f", MeanLag1Autocorrelation(*rows)),
+      "; layer l replays measured layer l mod ", rows->front().size(),
+      ", each further copy 7 iterations later)");
+  // Layer l replays measured layer l % C, the copies (l / C) shifted by 7 iterations each
+  // so that they are not in lockstep (C = 8 in the compiled-in profile).
+  out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
+    dynamic::IterationCosts c = dense;
     const size_t columns = rows->front().size();
-    out.provenance = absl::StrFormat(
-        "hash sparse attention in every layer, each layer's score density per iteration as our "
-        "plugin counted it in %s (%d iterations x %d layers, densities %.3f..%.3f, mean %.3f, "
-        "lag-1 autocorrelation %.2f; layer l takes measured layer l x %d / %d, iteration i "
-        "measured iteration i mod %d), layer time ratio interpolated from "
-        "fulcrum_bench_dynamism at seq 2048 (%s)",
-        o.attention_density_source, static_cast<int>(rows->size()), static_cast<int>(columns),
-        lowest, highest, sum / static_cast<double>(rows->size() * columns),
-        MeanLag1Autocorrelation(*rows), static_cast<int>(columns), layers,
-        static_cast<int>(rows->size()), SparseAttentionCurveText());
-    out.scenario.costs = [dense, rows, layers](int64_t i) {
-      dynamic::IterationCosts c = dense;
-      const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
-      for (int64_t l = 0; l < layers; ++l) {
-        const double ratio =
-            SparseAttentionLayerRatio(row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)]);
-        c.forward[l] *= ratio;
-        c.backward[l] *= ratio;
-        c.weight[l] *= ratio;
-      }
-      return c;
-    };
-  } else if (name == "early_exit") {
-    out.dynmo = "4.52x vs no exit";
-    out.versus_dense = true;
-    out.dynmo_compares = "S_total";
-    if (o.exit_fractions.empty()) {
-      out.measured = false;
-      out.why_not =
-          "not measured: give --early_exit_metrics=PATH, the --metrics_file of a fulcrum_train "
-          "--plugins=early_exit run (its per-layer token counts)";
-      return out;
+    for (int64_t l = 0; l < layers; ++l) {
+      const size_t copy = static_cast<size_t>(l) / columns;
+      const std::vector<double>& row = (*rows)[(static_cast<size_t>(i - 1) + 7 * copy) % rows->size()];
+      SetLayer(&c, l, *dense_layer, 1.0, 1.0, 2.0 * row[static_cast<size_t>(l) % row.size()]);
     }
-    auto rows = std::make_shared<std::vector<std::vector<double>>>(o.exit_fractions);
-    double last_layer = 0;  // The mean fraction of the tokens that reach the last layer.
-    for (const auto& row : *rows) last_layer += row.back() / static_cast<double>(rows->size());
-    out.provenance = absl::StrCat(
-        "a layer computes only the tokens that reach it (DynMo's load: tokens reaching the layer / "
-        "all tokens): the fraction per layer and iteration as our early_exit plugin counted it in ",
-        o.exit_fractions_source, " (", rows->size(), " iterations x ", rows->front().size(),
-        " layers, ", absl::StrFormat("%.0f%%", 100 * last_layer),
-        " of the tokens reach the last layer on average; layer l takes measured layer l x ",
-        rows->front().size(), " / ", layers, "); an exit head after every layer but the last, as in "
-        "that run (CALM), each the LM head's F, B and W on the tokens still active there (the "
-        "head's cost: see --vocab)");
-    out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
-      dynamic::IterationCosts c = dense;
-      const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
-      for (int64_t l = 0; l < layers; ++l) {
-        const double f = row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)];
-        // The exit head after layer l runs on the tokens that computed layer l.
-        const double head = l + 1 < layers ? dense_layer->head_f * f : 0.0;
-        c.forward[l] = c.forward[l] * f + head;
-        c.backward[l] = c.backward[l] * f + head;
-        c.weight[l] = c.weight[l] * f + head;
-      }
-      return c;
-    };
-  } else {
+    return c;
+  };
+}
+
+// mod: every other layer routes 12.5% of the tokens.
+void ModCase(const CaseInputs& in, NamedCase* out_case) {
+  const dynamic::IterationCosts& dense = in.dense;
+  NamedCase& out = *out_case;
+  out.dynmo = "idle 18% -> 4%, 1.17x";
+  out.versus_dense = true;  // every layer routing all tokens
+  out.provenance = absl::StrFormat(
+      "every other layer (1, 3, ...) routes 12.5%% of the tokens (Raposo et al.): %.2fx the "
+      "routed layer's time, measured by fulcrum_bench_dynamism (capacity 0.125)",
+      kModRoutedRatio);
+  out.scenario.costs = [dense](int64_t) {
+    dynamic::IterationCosts c = dense;
+    for (int64_t l = 1; l < c.num_layers(); l += 2) {
+      c.forward[l] *= kModRoutedRatio;
+      c.backward[l] *= kModRoutedRatio;
+      c.weight[l] *= kModRoutedRatio;
+    }
+    return c;
+  };
+}
+
+// pruning: DynMo's schedule, each layer at the sparsity global pruning gave it.
+void PruningCase(const CaseInputs& in, NamedCase* out_case) {
+  const CaseOptions& o = in.o;
+  const auto& dense_layer = in.dense_layer;
+  const dynamic::IterationCosts& dense = in.dense;
+  const int64_t layers = in.layers;
+  const double real_per_sim = in.real_per_sim;
+  NamedCase& out = *out_case;
+  out.dynmo = "up to 3.18x; re-packing 8 -> 5.8 GPUs";
+  out.versus_dense = true;
+  out.dynmo_compares = "S_total";
+  if (o.prune_profile.empty()) {
+    out.measured = false;
+    out.why_not =
+        "not measured: give --prune_metrics=PATH, the --metrics_file of a fulcrum_train "
+        "--plugins=prune run (its per-layer densities at each pruning step)";
+    return;
+  }
+  auto profile = std::make_shared<PruneProfile>(o.prune_profile);
+  const auto [least, most] = profile->SparsitySpread();
+  out.provenance = absl::StrFormat(
+      "global magnitude pruning on DynMo's schedule (0, 52, 79, 89, 90%% at real iterations "
+      "3000..7000 of 10 000); each layer's GEMMs at the sparsity global pruning gave that "
+      "layer in %s (%d layers; layer l takes measured layer l x %d / %d; at %.0f%% overall the "
+      "layers hold %.1f%%..%.1f%%), time ratio interpolated from fulcrum_bench_dynamism "
+      "(50/80/90%% -> 1.01/0.60/0.42x); attention scores and the LM head not pruned",
+      o.prune_profile_source, profile->num_layers(), profile->num_layers(), layers,
+      100 * profile->sparsity.back(), 100 * least, 100 * most);
+  out.scenario.costs = [dense, dense_layer, layers, real_per_sim, profile](int64_t i) {
+    dynamic::IterationCosts c = dense;
+    const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
+    const std::vector<double> density = profile->DensityAt(sparsity);
+    for (int64_t l = 0; l < layers; ++l) {
+      const size_t measured = static_cast<size_t>(l) * density.size() / static_cast<size_t>(layers);
+      const double kept = density[measured];
+      SetLayer(&c, l, *dense_layer, PrunedRatio(1.0 - kept), 1.0, 1.0);
+    }
+    const double next = PruningSparsity(static_cast<double>(i + 1) * real_per_sim);
+    if (next != sparsity) {
+      c.model_changed = true;
+      c.change_reason = absl::StrFormat("pruned to %.1f%%", 100 * next);
+    }
+    return c;
+  };
+  out.phases = PhasesOf(o.iterations, [real_per_sim](int64_t i) {
+    const double sparsity = PruningSparsity(static_cast<double>(i) * real_per_sim);
+    return sparsity == 0 ? std::string("dense")
+                         : absl::StrFormat("%.0f%% pruned", 100 * sparsity);
+  });
+}
+
+// freezing and freezing_free: 40 of 48 layers frozen front to back, forward only or free.
+void FreezingCase(const CaseInputs& in, NamedCase* out_case) {
+  const CaseOptions& o = in.o;
+  const std::string& name = in.name;
+  const auto& dense_layer = in.dense_layer;
+  const dynamic::IterationCosts& dense = in.dense;
+  const int64_t layers = in.layers;
+  NamedCase& out = *out_case;
+  out.dynmo = "2.23x (idle ~40%, 40 layers)";
+  out.versus_dense = true;
+  out.dynmo_compares = "S_total";
+  // DynMo freezes 40 of 48 layers; other layer counts freeze the same share. Its load model
+  // counts a frozen layer as free (freezing_free); ours runs its forward (freezing).
+  const bool free = name == "freezing_free";
+  const int64_t frozen_max = layers * 40 / 48;
+  out.provenance =
+      free ? absl::StrFormat(
+                 "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
+                 "frozen layer costs nothing (DynMo's load model; ours runs its forward: the "
+                 "freezing case)",
+                 frozen_max, layers)
+           : absl::StrFormat(
+                 "front-to-back freezing of %d of %d layers between 20%% and 80%% of the run; a "
+                 "frozen layer runs its forward only (%.2fx the dense layer, "
+                 "fulcrum_bench_dynamism; the FLOP model's F share is %.2f)",
+                 frozen_max, layers, kFrozenRatio,
+                 dense_layer->f() / (dense_layer->f() + dense_layer->b() + dense_layer->w()));
+  const int64_t iterations = o.iterations;
+  auto frozen_at = [iterations, frozen_max](int64_t i) -> int64_t {
+    const double start = 0.2 * iterations, end = 0.8 * iterations;
+    if (i < start) return 0;
+    return std::min<int64_t>(
+        frozen_max, std::llround(static_cast<double>(frozen_max) * (i - start) / (end - start)));
+  };
+  out.scenario.costs = [dense, frozen_at, free](int64_t i) {
+    dynamic::IterationCosts c = dense;
+    for (int64_t l = 0; l < frozen_at(i); ++l) {
+      c.backward[l] = c.weight[l] = 0;
+      if (free) c.forward[l] = 0;
+    }
+    c.frozen_prefix = frozen_at(i);  // stages wholly frozen run forward only
+    if (frozen_at(i + 1) != frozen_at(i)) {
+      c.model_changed = true;
+      c.change_reason = absl::StrCat("froze layers up to ", frozen_at(i + 1));
+    }
+    return c;
+  };
+  out.phases = PhasesOf(o.iterations, [frozen_at, frozen_max](int64_t i) {
+    const int64_t frozen = frozen_at(i);
+    return frozen == 0 ? std::string("none frozen")
+           : frozen == frozen_max ? absl::StrCat(frozen_max, " frozen")
+                                  : std::string("freezing");
+  });
+}
+
+// sparse_attention: each layer at its measured score density.
+void SparseAttentionCase(const CaseInputs& in, NamedCase* out_case) {
+  const CaseOptions& o = in.o;
+  const dynamic::IterationCosts& dense = in.dense;
+  const int64_t layers = in.layers;
+  NamedCase& out = *out_case;
+  out.dynmo = "2.71-4.02x vs dense (4x dense bubble)";
+  out.versus_dense = true;
+  out.dynmo_compares = "S_total";
+  if (o.attention_density.empty()) {
+    out.measured = false;
+    out.why_not =
+        "not measured: give --sparse_attention_metrics=PATH, the --metrics_file of a "
+        "fulcrum_train --plugins=sparse_attention run (its per-layer score densities)";
+    return;
+  }
+  auto rows = std::make_shared<std::vector<std::vector<double>>>(o.attention_density);
+  double lowest = 1, highest = 0, sum = 0;
+  for (const auto& row : *rows) {
+    for (const double d : row) {
+      lowest = std::min(lowest, d);
+      highest = std::max(highest, d);
+      sum += d;
+    }
+  }
+  const size_t columns = rows->front().size();
+  out.provenance = absl::StrFormat(
+      "hash sparse attention in every layer, each layer's score density per iteration as our "
+      "plugin counted it in %s (%d iterations x %d layers, densities %.3f..%.3f, mean %.3f, "
+      "lag-1 autocorrelation %.2f; layer l takes measured layer l x %d / %d, iteration i "
+      "measured iteration i mod %d), layer time ratio interpolated from "
+      "fulcrum_bench_dynamism at seq 2048 (%s)",
+      o.attention_density_source, static_cast<int>(rows->size()), static_cast<int>(columns),
+      lowest, highest, sum / static_cast<double>(rows->size() * columns),
+      MeanLag1Autocorrelation(*rows), static_cast<int>(columns), layers,
+      static_cast<int>(rows->size()), SparseAttentionCurveText());
+  out.scenario.costs = [dense, rows, layers](int64_t i) {
+    dynamic::IterationCosts c = dense;
+    const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
+    for (int64_t l = 0; l < layers; ++l) {
+      const double ratio =
+          SparseAttentionLayerRatio(row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)]);
+      c.forward[l] *= ratio;
+      c.backward[l] *= ratio;
+      c.weight[l] *= ratio;
+    }
+    return c;
+  };
+}
+
+// early_exit: each layer on the tokens that reach it, plus its exit head.
+void EarlyExitCase(const CaseInputs& in, NamedCase* out_case) {
+  const CaseOptions& o = in.o;
+  const auto& dense_layer = in.dense_layer;
+  const dynamic::IterationCosts& dense = in.dense;
+  const int64_t layers = in.layers;
+  NamedCase& out = *out_case;
+  out.dynmo = "4.52x vs no exit";
+  out.versus_dense = true;
+  out.dynmo_compares = "S_total";
+  if (o.exit_fractions.empty()) {
+    out.measured = false;
+    out.why_not =
+        "not measured: give --early_exit_metrics=PATH, the --metrics_file of a fulcrum_train "
+        "--plugins=early_exit run (its per-layer token counts)";
+    return;
+  }
+  auto rows = std::make_shared<std::vector<std::vector<double>>>(o.exit_fractions);
+  double last_layer = 0;  // The mean fraction of the tokens that reach the last layer.
+  for (const auto& row : *rows) last_layer += row.back() / static_cast<double>(rows->size());
+  out.provenance = absl::StrCat(
+      "a layer computes only the tokens that reach it (DynMo's load: tokens reaching the layer / "
+      "all tokens): the fraction per layer and iteration as our early_exit plugin counted it in ",
+      o.exit_fractions_source, " (", rows->size(), " iterations x ", rows->front().size(),
+      " layers, ", absl::StrFormat("%.0f%%", 100 * last_layer),
+      " of the tokens reach the last layer on average; layer l takes measured layer l x ",
+      rows->front().size(), " / ", layers, "); an exit head after every layer but the last, as in "
+      "that run (CALM), each the LM head's F, B and W on the tokens still active there (the "
+      "head's cost: see --vocab)");
+  out.scenario.costs = [dense, dense_layer, rows, layers](int64_t i) {
+    dynamic::IterationCosts c = dense;
+    const std::vector<double>& row = (*rows)[static_cast<size_t>(i - 1) % rows->size()];
+    for (int64_t l = 0; l < layers; ++l) {
+      const double f = row[static_cast<size_t>(l) * row.size() / static_cast<size_t>(layers)];
+      // The exit head after layer l runs on the tokens that computed layer l.
+      const double head = l + 1 < layers ? dense_layer->head_f * f : 0.0;
+      c.forward[l] = c.forward[l] * f + head;
+      c.backward[l] = c.backward[l] * f + head;
+      c.weight[l] = c.weight[l] * f + head;
+    }
+    return c;
+  };
+}
+
+}  // namespace
+
+absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o) {
+  // Each case: its builder, stages and layers (DynMo: MoE and MoD on 16 stages with 32
+  // layers, the others on 24 with 48).
+  struct Entry {
+    const char* name;
+    void (*build)(const CaseInputs&, NamedCase*);
+    int stages;
+    int64_t layers;
+  };
+  static constexpr Entry kCases[] = {
+      {"moe", MoeCase, 16, 32},           {"pruning", PruningCase, 24, 48},
+      {"freezing", FreezingCase, 24, 48}, {"freezing_free", FreezingCase, 24, 48},
+      {"sparse_attention", SparseAttentionCase, 24, 48},
+      {"early_exit", EarlyExitCase, 24, 48}, {"mod", ModCase, 16, 32}};
+  const Entry* entry = nullptr;
+  for (const Entry& e : kCases) {
+    if (name == e.name) entry = &e;
+  }
+  if (entry == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("--case=", name, " is not a case; known: all, ",
                                                    absl::StrJoin(CaseNames(), ", ")));
   }
+  NamedCase out;
+  out.name = name;
+  GptShape shape = o.shape;
+  shape.layers = o.layers > 0 ? o.layers : entry->layers;
+  out.scenario = Base(name, entry->stages, o, shape.layers);
+  const CaseInputs in{o, name, std::make_shared<DenseLayer>(DenseLayerCosts(shape)), DenseCosts(shape),
+                      shape.layers, 10000.0 / static_cast<double>(o.iterations)};  // DynMo: 10 000.
+  entry->build(in, &out);
   return out;
 }
 

@@ -393,6 +393,90 @@ std::vector<std::string> PhaseRows(const sim::NamedCase& c, const std::vector<Si
   return rows;
 }
 
+// The time of the best static placement (uniform or by parameters) of the case's dense
+// model; 0 when neither simulates.
+double BestStaticDenseMs(const sim::NamedCase& c, const sim::CaseOptions& options) {
+  const dynamic::Scenario dense = sim::DenseScenario(c, options);
+  double best = 0;
+  for (int k : {0, 1}) {
+    absl::StatusOr<SimulatedRun> d = dynamic::SimulateRun(dense, dynamic::StandardStrategies()[k], Options());
+    if (d.ok() && (best == 0 || d->total_ms < best)) best = d->total_ms;
+  }
+  return best;
+}
+
+// One case of the DynMo table: its runs printed, its row (and its phases' rows) appended to
+// `table`. An error names the case.
+absl::Status SimulateCase(const sim::NamedCase& c, const sim::CaseOptions& options,
+                          std::string* out, std::vector<std::string>* table) {
+  const std::string& name = c.name;
+  std::printf("\n== %s\n", name.c_str());
+  if (!c.measured) {
+    std::printf("  %s\n", c.why_not.c_str());
+    table->push_back(absl::StrFormat("%-17s %-52s | DynMo: %s", name,
+                                     "NOT MEASURED YET (see above)", c.dynmo));
+    return absl::OkStatus();
+  }
+  std::printf("  %d stages, %lld layers, %d micro-batches, %s. Costs: %s\n", c.scenario.num_stages,
+              static_cast<long long>(c.scenario.costs(1).num_layers()), c.scenario.num_microbatches,
+              c.scenario.schedule.c_str(), c.provenance.c_str());
+  absl::StatusOr<std::vector<SimulatedRun>> runs = RunAll(c.scenario, out);
+  if (!runs.ok()) return absl::InternalError(absl::StrCat(name, ": ", runs.status().message()));
+  PrintRuns(*runs, c.scenario.tokens_per_iteration);
+  const SimulatedRun* fixed = Best(*runs, true);
+  const SimulatedRun* balanced = Best(*runs, false);
+  if (fixed == nullptr || balanced == nullptr) return absl::OkStatus();
+  // Issue 25's three numbers (NOTE [three numbers] above RunCases).
+  absl::StatusOr<SimulatedRun> oracle =
+      dynamic::SimulateRun(c.scenario, dynamic::OracleStrategy(), Options());
+  if (!oracle.ok()) {
+    return absl::InternalError(absl::StrCat(name, ": oracle: ", oracle.status().message()));
+  }
+  std::printf("  %-20s %10.1f ms  bubble %.3f  (each iteration on its own best placement, moved "
+              "for free: the bound of S_bal)\n",
+              "oracle", oracle->total_ms, oracle->mean_bubble_ratio);
+  const double s_bal = fixed->total_ms / balanced->total_ms;
+  const double s_bal_bound = fixed->total_ms / oracle->total_ms;
+  std::string s_dyn = "  -  ", s_total = "  -  ";
+  const double dense_static = c.versus_dense ? BestStaticDenseMs(c, options) : 0;
+  if (dense_static > 0) {
+    s_dyn = absl::StrFormat("%5.2fx", dense_static / fixed->total_ms);
+    s_total = absl::StrFormat("%5.2fx", dense_static / balanced->total_ms);
+    std::printf("  dense model, best static placement: %.1f ms\n", dense_static);
+  }
+  std::string gpus = "-";
+  double gpus_after = c.scenario.num_stages;
+  if (FLAGS_repack) {
+    const auto [mean, series] = Repack(c.scenario, *balanced);
+    gpus = absl::StrFormat("%.1f", mean);
+    gpus_after = mean;
+    std::printf("  re-packed stages over iterations (the --repack=auto decision, slowdown <= %.0f%%): %s; "
+                "mean %.1f of %d\n",
+                100 * FLAGS_repack_slack, series.c_str(), mean, c.scenario.num_stages);
+  }
+  const double overhead = balanced->total_ms > 0
+                              ? 100 * (balanced->decision_ms + balanced->migration_ms) / balanced->total_ms
+                              : 0;
+  const double tokens_per_gpu =
+      c.scenario.tokens_per_iteration * balanced->iterations_per_second() / gpus_after;
+  table->push_back(absl::StrFormat(
+      "%-17s idle %4.1f%% -> %4.1f%% (oracle %4.1f%%)  S_bal %5.2fx (bound %5.2fx)  S_dyn %s  "
+      "S_total %s  GPUs %2d -> %-4s %7.0f tok/s/GPU  ovh %4.2f%% | DynMo: %s -- compare: %s",
+      name, 100 * fixed->mean_bubble_ratio, 100 * balanced->mean_bubble_ratio,
+      100 * oracle->mean_bubble_ratio, s_bal, s_bal_bound, s_dyn, s_total,
+      c.scenario.num_stages, gpus, tokens_per_gpu, overhead, c.dynmo, c.dynmo_compares));
+  std::printf("  best static: %s; best balanced: %s (decisions %.1f ms measured, migration %.1f ms "
+              "= bytes / bandwidth)\n",
+              fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
+              balanced->migration_ms);
+  const double iterations = static_cast<double>(fixed->iterations.size());
+  const double dense_per_iteration = iterations > 0 ? dense_static / iterations : 0;
+  for (std::string& row : PhaseRows(c, *runs, *oracle, dense_per_iteration)) {
+    table->push_back(std::move(row));
+  }
+  return absl::OkStatus();
+}
+
 int RunCases(std::string* out) {
   absl::StatusOr<sim::CaseOptions> made_options = CaseOptionsFromFlags();
   if (!made_options.ok()) {
@@ -423,83 +507,10 @@ int RunCases(std::string* out) {
               static_cast<long long>(options.iterations), options.schedule.c_str(),
               options.shape.device_tflops, options.network.p2p_bandwidth_gbps,
               options.network.p2p_latency_us, options.network.migration_bandwidth_gbps);
-  for (sim::NamedCase& c : cases) {
-    const std::string& name = c.name;
-    std::printf("\n== %s\n", name.c_str());
-    if (!c.measured) {
-      std::printf("  %s\n", c.why_not.c_str());
-      table.push_back(absl::StrFormat("%-17s %-52s | DynMo: %s", name, "NOT MEASURED YET (see above)",
-                                      c.dynmo));
-      continue;
-    }
-    std::printf("  %d stages, %lld layers, %d micro-batches, %s. Costs: %s\n", c.scenario.num_stages,
-                static_cast<long long>(c.scenario.costs(1).num_layers()), c.scenario.num_microbatches,
-                c.scenario.schedule.c_str(), c.provenance.c_str());
-    absl::StatusOr<std::vector<SimulatedRun>> runs = RunAll(c.scenario, out);
-    if (!runs.ok()) {
-      std::fprintf(stderr, "%s: %s\n", name.c_str(), std::string(runs.status().message()).c_str());
+  for (const sim::NamedCase& c : cases) {
+    if (absl::Status s = SimulateCase(c, options, out, &table); !s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
       return 1;
-    }
-    PrintRuns(*runs, c.scenario.tokens_per_iteration);
-    const SimulatedRun* fixed = Best(*runs, true);
-    const SimulatedRun* balanced = Best(*runs, false);
-    if (fixed == nullptr || balanced == nullptr) continue;
-    // Issue 25's three numbers (NOTE [three numbers] above RunCases).
-    absl::StatusOr<SimulatedRun> oracle =
-        dynamic::SimulateRun(c.scenario, dynamic::OracleStrategy(), Options());
-    if (!oracle.ok()) {
-      std::fprintf(stderr, "%s: oracle: %s\n", name.c_str(), std::string(oracle.status().message()).c_str());
-      return 1;
-    }
-    std::printf("  %-20s %10.1f ms  bubble %.3f  (each iteration on its own best placement, moved "
-                "for free: the bound of S_bal)\n",
-                "oracle", oracle->total_ms, oracle->mean_bubble_ratio);
-    const double s_bal = fixed->total_ms / balanced->total_ms;
-    const double s_bal_bound = fixed->total_ms / oracle->total_ms;
-    std::string s_dyn = "  -  ", s_total = "  -  ";
-    double dense_static = 0;  // The best static placement of the dense model.
-    if (c.versus_dense) {
-      const dynamic::Scenario dense = sim::DenseScenario(c, options);
-      for (int k : {0, 1}) {
-        absl::StatusOr<SimulatedRun> d =
-            dynamic::SimulateRun(dense, dynamic::StandardStrategies()[k], Options());
-        if (d.ok() && (dense_static == 0 || d->total_ms < dense_static)) dense_static = d->total_ms;
-      }
-      if (dense_static > 0) {
-        s_dyn = absl::StrFormat("%5.2fx", dense_static / fixed->total_ms);
-        s_total = absl::StrFormat("%5.2fx", dense_static / balanced->total_ms);
-        std::printf("  dense model, best static placement: %.1f ms\n", dense_static);
-      }
-    }
-    std::string gpus = "-";
-    double gpus_after = c.scenario.num_stages;
-    if (FLAGS_repack) {
-      const auto [mean, series] = Repack(c.scenario, *balanced);
-      gpus = absl::StrFormat("%.1f", mean);
-      gpus_after = mean;
-      std::printf("  re-packed stages over iterations (the --repack=auto decision, slowdown <= %.0f%%): %s; "
-                  "mean %.1f of %d\n",
-                  100 * FLAGS_repack_slack, series.c_str(), mean, c.scenario.num_stages);
-    }
-    const double overhead = balanced->total_ms > 0
-                                ? 100 * (balanced->decision_ms + balanced->migration_ms) / balanced->total_ms
-                                : 0;
-    const double tokens_per_gpu =
-        c.scenario.tokens_per_iteration * balanced->iterations_per_second() / gpus_after;
-    table.push_back(absl::StrFormat(
-        "%-17s idle %4.1f%% -> %4.1f%% (oracle %4.1f%%)  S_bal %5.2fx (bound %5.2fx)  S_dyn %s  "
-        "S_total %s  GPUs %2d -> %-4s %7.0f tok/s/GPU  ovh %4.2f%% | DynMo: %s -- compare: %s",
-        name, 100 * fixed->mean_bubble_ratio, 100 * balanced->mean_bubble_ratio,
-        100 * oracle->mean_bubble_ratio, s_bal, s_bal_bound, s_dyn, s_total,
-        c.scenario.num_stages, gpus, tokens_per_gpu, overhead, c.dynmo, c.dynmo_compares));
-    std::printf("  best static: %s; best balanced: %s (decisions %.1f ms measured, migration %.1f ms "
-                "= bytes / bandwidth)\n",
-                fixed->strategy.c_str(), balanced->strategy.c_str(), balanced->decision_ms,
-                balanced->migration_ms);
-    const double iterations = static_cast<double>(fixed->iterations.size());
-    const double dense_per_iteration = iterations > 0 ? dense_static / iterations : 0;
-    for (std::string& row : PhaseRows(c, *runs, *oracle, dense_per_iteration)) {
-      table.push_back(std::move(row));
     }
   }
   std::printf(

@@ -175,9 +175,9 @@ double StageCharts(const Series& s, double x0, double width, std::string* out) {
                         drawn.per_point > 1
                             ? absl::StrFormat("; %d recorded iterations per point", drawn.per_point)
                             : std::string());
-  for (size_t k = 0; k < points.size(); k = BandEnd(drawn, k)) {
+  for (size_t k = 0, band_end = 0; k < points.size(); k = band_end) {
     const StagePoint& p = points[k];
-    const size_t band_end = BandEnd(drawn, k);
+    band_end = BandEnd(drawn, k);
     const int64_t band_last = end_of(band_end - 1) - 1;
     const double band_width = drawn.per_point > 1 ? x_of(band_last + 1) - x_of(p.iteration) : dx;
     const std::string band_last_attribute =

@@ -45,13 +45,18 @@
 #include "recipes/cli.h"
 #include "tools/internal/sim_cases.h"
 
-DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, pruning, freezing, "
-              "freezing_free, sparse_attention, early_exit, mod (DynMo's six at DynMo's scale; "
-              "freezing_free counts a frozen layer free, as DynMo's load model does).");
+DEFINE_string(case, "", "Named cases, comma-separated, or 'all': moe, moe_calibrated, pruning, "
+              "freezing, freezing_free, sparse_attention, early_exit, mod (DynMo's six at DynMo's "
+              "scale; moe_calibrated scales the measured expert imbalance until the best static "
+              "placement idles 25%, DynMo's figure; freezing_free counts a frozen layer free, as "
+              "DynMo's load model does).");
 DEFINE_string(trace, "", "Replay a fulcrum_train --load_trace file instead of a case.");
 DEFINE_string(moe_metrics, "",
               "fulcrum_train --metrics_file of a MoE run whose expert_tokens give the MoE case's "
               "per-layer token imbalance (default: tools/profiles/moe.jsonl, compiled in).");
+DEFINE_double(moe_amplitude, 1.0,
+              "The moe case's imbalance scaled: each layer's max/mean expert load r becomes "
+              "1 + K (r - 1) (1: as measured).");
 DEFINE_string(early_exit_metrics, "",
               "fulcrum_train --metrics_file of a --plugins=early_exit run whose per-layer token "
               "counts give the early-exit case (default: tools/profiles/early_exit.jsonl).");
@@ -305,6 +310,7 @@ absl::StatusOr<sim::CaseOptions> CaseOptionsFromFlags() {
   options.num_stages = FLAGS_stages;
   options.num_microbatches = FLAGS_microbatches;
   options.layers = FLAGS_case_layers;
+  options.moe_amplitude = FLAGS_moe_amplitude;
   if (!FLAGS_schedule.empty()) options.schedule = FLAGS_schedule;
   options.shape.device_tflops = FLAGS_device_tflops;
   options.shape.vocab = FLAGS_vocab;
@@ -839,6 +845,9 @@ absl::Status CheckFlags() {
     return absl::InvalidArgumentError(absl::StrFormat("--%s=%g: expected %s", flag, value, expected));
   };
   if (FLAGS_iterations < 3) return bad("iterations", FLAGS_iterations, "an integer >= 3");
+  if (!(std::isfinite(FLAGS_moe_amplitude) && FLAGS_moe_amplitude >= 0)) {
+    return bad("moe_amplitude", FLAGS_moe_amplitude, "a finite value >= 0");
+  }
   for (const auto& [flag, value] :
        {std::pair{"stages", FLAGS_stages}, std::pair{"microbatches", FLAGS_microbatches}}) {
     if (value < 0) return bad(flag, value, "an integer >= 0 (0: the case's or the trace's)");
@@ -914,7 +923,8 @@ int main(int argc, char** argv) {
       "Exit status: 0 done, 2 bad flags or inputs (one line, before any work), 1 a simulation or\n"
       "the write of --output failed.\n";
   help.groups = {
-      {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "early_exit_metrics",
+      {"What to simulate", {"case", "trace", "schedules", "moe_metrics", "moe_amplitude",
+                            "early_exit_metrics",
                             "prune_metrics", "sparse_attention_metrics", "strategies",
                             "iterations", "case_layers"}},
       {"Pipeline", {"stages", "microbatches", "schedule"}},

@@ -158,7 +158,8 @@ dynamic::IterationCosts DenseCosts(const GptShape& shape) {
 }
 
 std::vector<std::string> CaseNames() {
-  return {"moe", "pruning", "freezing", "freezing_free", "sparse_attention", "early_exit", "mod"};
+  return {"moe",           "moe_calibrated",   "pruning",    "freezing",
+          "freezing_free", "sparse_attention", "early_exit", "mod"};
 }
 
 dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& options) {
@@ -505,6 +506,7 @@ struct CaseInputs {
   dynamic::IterationCosts dense;
   int64_t layers = 0;
   double real_per_sim = 1;
+  int stages = 0;  ///< The case's own stage count (Base overrides it with --stages).
 };
 
 // moe: every layer MoE, its MLP time scaled by the measured expert imbalance.
@@ -521,10 +523,18 @@ void MoeCase(const CaseInputs& in, NamedCase* out_case) {
     return;
   }
   auto rows = std::make_shared<std::vector<std::vector<double>>>(o.expert_imbalance);
+  if (o.moe_amplitude != 1) {
+    for (auto& row : *rows) {
+      for (double& r : row) r = 1 + o.moe_amplitude * (r - 1);
+    }
+  }
   out.provenance = absl::StrCat(
       "every layer MoE, 8 experts as wide as the MLP, top-2, one expert per GPU (EP 8): a "
       "layer's MLP time = 2 x (max/mean tokens per expert) x dense MLP, the ratio per layer and "
-      "iteration from our router: ", o.expert_imbalance_source, " (", rows->size(),
+      "iteration from our router",
+      o.moe_amplitude != 1 ? absl::StrFormat(" with its excess over 1 scaled by %.3g", o.moe_amplitude)
+                           : std::string(),
+      ": ", o.expert_imbalance_source, " (", rows->size(),
       " iterations x ", rows->front().size(),
       " layers, lag-1 autocorrelation of a layer's imbalance ",
       absl::StrFormat("%.2f", MeanLag1Autocorrelation(*rows)),
@@ -542,6 +552,79 @@ void MoeCase(const CaseInputs& in, NamedCase* out_case) {
     }
     return c;
   };
+}
+
+// The mean idle fraction of the MoE case's stages under its best static placement (the
+// faster of uniform and by-parameters, as the DynMo table picks it) when each layer's
+// imbalance is scaled by `amplitude`.
+absl::StatusOr<double> MoeStaticIdle(const CaseInputs& in, double amplitude) {
+  CaseOptions scaled = in.o;
+  scaled.moe_amplitude = amplitude;
+  const CaseInputs with{scaled,    in.name,         in.dense_layer, in.dense,
+                        in.layers, in.real_per_sim, in.stages};
+  NamedCase c;
+  c.scenario = Base("moe", in.stages, scaled, in.layers);
+  MoeCase(with, &c);
+  double best_ms = 0, idle = 0;
+  for (int k : {0, 1}) {  // StandardStrategies: uniform, params
+    absl::StatusOr<dynamic::SimulatedRun> run = dynamic::SimulateRun(
+        c.scenario, dynamic::StandardStrategies()[k], dynamic::BalancerOptions{});
+    if (!run.ok()) return run.status();
+    if (best_ms == 0 || run->total_ms < best_ms) {
+      best_ms = run->total_ms;
+      idle = run->mean_bubble_ratio;
+    }
+  }
+  return idle;
+}
+
+// moe_calibrated: the moe case with each layer's imbalance excess scaled (r -> 1 + k (r - 1))
+// so that the best static placement idles kMoeTargetIdle, DynMo's static idle for LLaMA-MoE;
+// k by bisection (idle grows with k). When the model idles more without any imbalance (the LM
+// head's floor), k = 0 and the provenance says so.
+constexpr double kMoeTargetIdle = 0.25;
+
+void MoeCalibratedCase(const CaseInputs& in, NamedCase* out_case) {
+  NamedCase& out = *out_case;
+  if (in.o.expert_imbalance.empty()) {
+    MoeCase(in, out_case);
+    return;
+  }
+  absl::StatusOr<double> floor = MoeStaticIdle(in, 0.0);
+  double lo = 0, hi = 1;
+  std::string why;
+  if (!floor.ok()) {
+    out.measured = false;
+    out.why_not = absl::StrCat("the calibration's simulation failed: ", floor.status().message());
+    return;
+  }
+  if (*floor >= kMoeTargetIdle) {
+    hi = 0;
+    why = absl::StrFormat("; the model idles %.1f%% with no imbalance at all, so k = 0", 100 * *floor);
+  } else {
+    // Widen until the idle passes the target, then halve the bracket 30 times.
+    for (absl::StatusOr<double> idle = MoeStaticIdle(in, hi); idle.ok() && *idle < kMoeTargetIdle && hi < 64;
+         idle = MoeStaticIdle(in, hi)) {
+      lo = hi;
+      hi *= 2;
+    }
+    for (int step = 0; step < 30; ++step) {
+      const double mid = (lo + hi) / 2;
+      absl::StatusOr<double> idle = MoeStaticIdle(in, mid);
+      if (!idle.ok()) break;
+      (*idle < kMoeTargetIdle ? lo : hi) = mid;
+    }
+  }
+  CaseOptions scaled = in.o;
+  scaled.moe_amplitude = hi;
+  const CaseInputs with{scaled,    in.name,         in.dense_layer, in.dense,
+                        in.layers, in.real_per_sim, in.stages};
+  MoeCase(with, &out);
+  out.provenance = absl::StrCat(
+      out.provenance, absl::StrFormat("; calibrated: k = %.3f, the scale at which the best "
+                                      "static placement idles %.0f%% (DynMo's LLaMA-MoE)",
+                                      hi, 100 * kMoeTargetIdle),
+      why);
 }
 
 // mod: every other layer routes 12.5% of the tokens.
@@ -777,7 +860,8 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
     int64_t layers;
   };
   static constexpr Entry kCases[] = {
-      {"moe", MoeCase, 16, 32},           {"pruning", PruningCase, 24, 48},
+      {"moe", MoeCase, 16, 32},           {"moe_calibrated", MoeCalibratedCase, 16, 32},
+      {"pruning", PruningCase, 24, 48},
       {"freezing", FreezingCase, 24, 48}, {"freezing_free", FreezingCase, 24, 48},
       {"sparse_attention", SparseAttentionCase, 24, 48},
       {"early_exit", EarlyExitCase, 24, 48}, {"mod", ModCase, 16, 32}};
@@ -794,8 +878,13 @@ absl::StatusOr<NamedCase> MakeCase(const std::string& name, const CaseOptions& o
   GptShape shape = o.shape;
   shape.layers = o.layers > 0 ? o.layers : entry->layers;
   out.scenario = Base(name, entry->stages, o, shape.layers);
-  const CaseInputs in{o, name, std::make_shared<DenseLayer>(DenseLayerCosts(shape)), DenseCosts(shape),
-                      shape.layers, 10000.0 / static_cast<double>(o.iterations)};  // DynMo: 10 000.
+  const CaseInputs in{o,
+                      name,
+                      std::make_shared<DenseLayer>(DenseLayerCosts(shape)),
+                      DenseCosts(shape),
+                      shape.layers,
+                      10000.0 / static_cast<double>(o.iterations),  // DynMo: 10 000.
+                      entry->stages};
   entry->build(in, &out);
   return out;
 }

@@ -96,6 +96,9 @@ struct CaseOptions {
   /// built and says so.
   std::vector<std::vector<double>> expert_imbalance;
   std::string expert_imbalance_source;
+  /// MoE: each measured imbalance r becomes 1 + moe_amplitude × (r − 1) (1: as measured; the
+  /// moe_calibrated case finds the amplitude at which the best static placement idles 25%).
+  double moe_amplitude = 1.0;
   /// Early exit: per iteration, per layer, the fraction of the tokens that reach the layer,
   /// as our early_exit plugin counted them (LoadExitFractions). Empty: not measured.
   std::vector<std::vector<double>> exit_fractions;
@@ -150,8 +153,10 @@ struct PhaseSlice {
 };
 PhaseSlice SliceOf(const dynamic::SimulatedRun& run, const CasePhase& phase);
 
-/// "moe, pruning, freezing, freezing_free, sparse_attention, early_exit, mod": DynMo's six,
-/// freezing twice (a frozen layer's forward counted, as we run it; free, as DynMo counts it).
+/// "moe, moe_calibrated, pruning, freezing, freezing_free, sparse_attention, early_exit, mod":
+/// DynMo's six; MoE also with its imbalance scaled until the best static placement idles 25%
+/// (DynMo's static idle); freezing twice (a frozen layer's forward counted, as we run it; free,
+/// as DynMo counts it).
 std::vector<std::string> CaseNames();
 
 /// The case `name` (one of CaseNames) built from `options`; InvalidArgument listing the names

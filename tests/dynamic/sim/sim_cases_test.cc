@@ -285,6 +285,60 @@ TEST(SparseAttentionCaseTest, WithoutAProfileTheCaseSaysSo) {
   EXPECT_THAT(c.why_not, ::testing::HasSubstr("--sparse_attention_metrics"));
 }
 
+// --moe_amplitude scales each layer's imbalance excess: r = 1.5 at amplitude 2 is 2.0, r = 1
+// stays 1; a layer's MLP time is twice (top-2) that times the dense MLP.
+TEST(MoeCaseTest, AmplitudeScalesTheImbalanceExcess) {
+  CaseOptions options;
+  options.expert_imbalance = {{1.5, 1.0}};
+  options.expert_imbalance_source = "hand-written";
+  options.moe_amplitude = 2;
+  const NamedCase c = *MakeCase("moe", options);
+  const DenseLayer d = DenseLayerCosts(options.shape);
+  const dynamic::IterationCosts costs = c.scenario.costs(1);
+  const auto forward = [&](double mlp) { return d.attention_gemm_f + d.scores_f + d.mlp_f * mlp; };
+  EXPECT_NEAR(costs.forward[0], forward(2 * 2.0), 1e-9 * d.f());
+  EXPECT_NEAR(costs.forward[1], forward(2 * 1.0), 1e-9 * d.f());
+  EXPECT_THAT(c.provenance, ::testing::HasSubstr("scaled by 2"));
+}
+
+// The best static placement's idle, as the DynMo table picks it (the faster of uniform and
+// by-parameters).
+double BestStaticIdle(const dynamic::Scenario& s) {
+  double best_ms = 0, idle = 0;
+  for (int k : {0, 1}) {
+    absl::StatusOr<dynamic::SimulatedRun> run =
+        dynamic::SimulateRun(s, dynamic::StandardStrategies()[k], dynamic::BalancerOptions{});
+    EXPECT_TRUE(run.ok()) << run.status();
+    if (run.ok() && (best_ms == 0 || run->total_ms < best_ms)) {
+      best_ms = run->total_ms;
+      idle = run->mean_bubble_ratio;
+    }
+  }
+  return idle;
+}
+
+// moe_calibrated on the measured loads without the LM head (DynMo's load model): the scale it
+// finds makes the best static placement idle 25% (DynMo's figure), above the measured loads'
+// own idle; with the 50k-vocabulary head the model idles more than that with no imbalance at
+// all, so the scale is 0 and the case says why.
+TEST(MoeCaseTest, CalibratedToTheStaticIdleOfDynmo) {
+  CaseOptions options;  // 100 iterations, as the README's table
+  options.shape.vocab = 0;
+  options.expert_imbalance = MeasuredExpertImbalance().value;
+  options.expert_imbalance_source = "measured";
+  const NamedCase measured = *MakeCase("moe", options);
+  const NamedCase calibrated = *MakeCase("moe_calibrated", options);
+  ASSERT_TRUE(calibrated.measured) << calibrated.why_not;
+  EXPECT_NEAR(BestStaticIdle(calibrated.scenario), 0.25, 0.002);
+  EXPECT_LT(BestStaticIdle(measured.scenario), 0.25);
+  EXPECT_THAT(calibrated.provenance, ::testing::HasSubstr("calibrated: k = 1."));
+
+  options.shape.vocab = 50304;
+  const NamedCase floored = *MakeCase("moe_calibrated", options);
+  EXPECT_THAT(floored.provenance, ::testing::HasSubstr("with no imbalance at all, so k = 0"));
+  EXPECT_GT(BestStaticIdle(floored.scenario), 0.25);
+}
+
 // The profiles compiled into fulcrum_sim (tools/profiles/*.jsonl) parse, say which run made
 // them, and hold what their runs were asked for.
 TEST(MeasuredProfilesTest, CompiledInProfilesParseWithTheirCommands) {

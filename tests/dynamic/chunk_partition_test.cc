@@ -367,7 +367,9 @@ TEST(ChunkPartitionTest, InterleavedMinimisesTheLargestChunkFirst) {
   EXPECT_EQ(LargestChunk(problem, *placement), least_chunk) << FormatPlacement(*placement);
   // The rank-optimal placements all have a larger chunk: here the orders disagree.
   for (const Placement& p : AllPlacements(8, 4)) {
-    if (Bottleneck(problem, p) == least_rank) EXPECT_GT(LargestChunk(problem, p), least_chunk);
+    if (Bottleneck(problem, p) == least_rank) {
+      EXPECT_GT(LargestChunk(problem, p), least_chunk);
+    }
   }
   EXPECT_EQ(least_chunk, 7);
   EXPECT_EQ(least_rank, 13);

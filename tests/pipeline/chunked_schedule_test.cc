@@ -265,7 +265,9 @@ TEST(ZeroBubbleVTest, OrderBuiltAtTheCosts) {
     EXPECT_LT(built, h1);
     // At p = 24 the first order alone came within 0.01% of ZB-H1 (859.89 against 860); the
     // other two orders take it to 845.16.
-    if (p == 24) EXPECT_LT(built, 0.99 * h1);
+    if (p == 24) {
+      EXPECT_LT(built, 0.99 * h1);
+    }
     EXPECT_LT(built, 0.9 * unit_order);
     EXPECT_EQ(FormatSchedule(ZeroBubbleVAt(p, m, 2.5, 2.5, 2.5, 0)), FormatSchedule(ZeroBubbleV(p, m)));
   }
@@ -339,7 +341,9 @@ TEST(ChunkedSimulateTest, TimelinesRespectDependencies) {
       ASSERT_EQ(timeline.size(), schedule.stages[s].size());
       for (size_t i = 0; i < timeline.size(); ++i) {
         EXPECT_EQ(timeline[i].action, schedule.stages[s][i]);
-        if (i > 0) EXPECT_GE(timeline[i].start, timeline[i - 1].end - kTolerance);
+        if (i > 0) {
+          EXPECT_GE(timeline[i].start, timeline[i - 1].end - kTolerance);
+        }
         for (const StageAction &dep : Dependencies(schedule, s, timeline[i].action)) {
           const auto &other = result.stages[dep.stage].actions;
           auto it = std::find_if(other.begin(), other.end(),

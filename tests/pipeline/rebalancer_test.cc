@@ -74,8 +74,12 @@ TEST(ChunkRebalanceTest, LoadsGiveThePlacementInModelOrderAndTheRankMap) {
               HasSubstr("a placement of 4 ranges for 2 stages"));
   // v = 1: the loads' ranges, no map.
   std::vector<StageLoad> plain(2);
-  plain[0] = {0, 0, 3};
-  plain[1] = {1, 3, 8};
+  plain[0].stage = 0;
+  plain[0].layer_begin = 0;
+  plain[0].layer_end = 3;
+  plain[1].stage = 1;
+  plain[1].layer_begin = 3;
+  plain[1].layer_end = 8;
   EXPECT_EQ(CurrentRanges(plain), (LayerRanges{{0, 3}, {3, 8}}));
   EXPECT_TRUE(ChunkRanks(plain).empty());
 }

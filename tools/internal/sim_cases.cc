@@ -602,13 +602,13 @@ void MoeCalibratedCase(const CaseInputs& in, NamedCase* out_case) {
     hi = 0;
     why = absl::StrFormat("; the model idles %.1f%% with no imbalance at all, so k = 0", 100 * *floor);
   } else {
-    // Widen until the idle passes the target, then halve the bracket 30 times.
+    // Widen until the idle passes the target, then halve the bracket 12 times.
     for (absl::StatusOr<double> idle = MoeStaticIdle(in, hi); idle.ok() && *idle < kMoeTargetIdle && hi < 64;
          idle = MoeStaticIdle(in, hi)) {
       lo = hi;
       hi *= 2;
     }
-    for (int step = 0; step < 30; ++step) {
+    for (int step = 0; step < 12; ++step) {  // k to within 1/4096 of the bracket
       const double mid = (lo + hi) / 2;
       absl::StatusOr<double> idle = MoeStaticIdle(in, mid);
       if (!idle.ok()) break;

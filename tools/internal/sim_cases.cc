@@ -603,16 +603,20 @@ void MoeCalibratedCase(const CaseInputs& in, NamedCase* out_case) {
     why = absl::StrFormat("; the model idles %.1f%% with no imbalance at all, so k = 0", 100 * *floor);
   } else {
     // Widen until the idle passes the target, then halve the bracket 12 times.
-    for (absl::StatusOr<double> idle = MoeStaticIdle(in, hi); idle.ok() && *idle < kMoeTargetIdle && hi < 64;
-         idle = MoeStaticIdle(in, hi)) {
+    absl::StatusOr<double> idle = MoeStaticIdle(in, hi);
+    for (; idle.ok() && *idle < kMoeTargetIdle && hi < 64; idle = MoeStaticIdle(in, hi)) {
       lo = hi;
       hi *= 2;
     }
-    for (int step = 0; step < 12; ++step) {  // k to within 1/4096 of the bracket
+    if (idle.ok() && *idle < kMoeTargetIdle) {
+      why = absl::StrFormat("; not reached: even k = %.0f idles only %.1f%%", hi, 100 * *idle);
+      lo = hi;  // no bisection: report the largest scale tried
+    }
+    for (int step = 0; step < 12 && lo < hi; ++step) {  // k to within 1/4096 of the bracket
       const double mid = (lo + hi) / 2;
-      absl::StatusOr<double> idle = MoeStaticIdle(in, mid);
-      if (!idle.ok()) break;
-      (*idle < kMoeTargetIdle ? lo : hi) = mid;
+      absl::StatusOr<double> at = MoeStaticIdle(in, mid);
+      if (!at.ok()) break;
+      (*at < kMoeTargetIdle ? lo : hi) = mid;
     }
   }
   CaseOptions scaled = in.o;

@@ -333,6 +333,13 @@ TEST(MoeCaseTest, CalibratedToTheStaticIdleOfDynmo) {
   EXPECT_LT(BestStaticIdle(measured.scenario), 0.25);
   EXPECT_THAT(calibrated.provenance, ::testing::HasSubstr("calibrated: k = 1."));
 
+  // Loads without any imbalance: no scale reaches 25%, and the case says so.
+  CaseOptions even = options;
+  even.iterations = 10;
+  even.expert_imbalance = {{1.0, 1.0}};
+  EXPECT_THAT(MakeCase("moe_calibrated", even)->provenance,
+              ::testing::HasSubstr("not reached: even k = 64 idles only"));
+
   options.shape.vocab = 50304;
   const NamedCase floored = *MakeCase("moe_calibrated", options);
   EXPECT_THAT(floored.provenance, ::testing::HasSubstr("with no imbalance at all, so k = 0"));

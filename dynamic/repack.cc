@@ -4,11 +4,14 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/status.h"
 #include "dynamic/stage_costs.h"
 #include "pipeline/schedule.h"
 
@@ -39,27 +42,37 @@ absl::Status CheckScalar(double value, const char* field) {
   return absl::OkStatus();
 }
 
-// Evaluates placements of one problem: schedules by stage count are generated once.
+// Evaluates placements of one problem: schedules by rank count are generated once.
+// NOTE [re-packing under chunks]: a placement of q ≥ 2 ranks has q·v ranges, one of a
+// single rank one range, run under the schedule's one-chunk form.
 class Evaluator {
  public:
-  explicit Evaluator(const RepackProblem& problem) : problem_(problem) {}
+  explicit Evaluator(const RepackProblem& problem)
+      : problem_(problem), chunks_(ChunksPerRank(problem.schedule, problem.num_chunks)) {}
 
-  // The schedule `placement` runs: its stage count's, the stages that lie wholly in the
-  // frozen prefix forward only (NOTE [forward-only stages]).
+  int chunks() const { return chunks_; }
+  int RanksOf(const Placement& placement) const {
+    return dynamic::RanksOf(static_cast<int>(placement.size()), chunks_);
+  }
+
+  // The schedule `placement` runs: its rank count's, the virtual stages that lie wholly
+  // in the frozen prefix forward only (NOTE [forward-only stages]).
   absl::StatusOr<const pipeline::Schedule*> ScheduleFor(const Placement& placement) {
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
-    return ScheduleFor(static_cast<int>(placement.size()),
+    return ScheduleFor(RanksOf(placement),
                        pipeline::ForwardOnlyVirtualStages(ranges, problem_.frozen_prefix));
   }
 
-  // The schedule of `num_stages` stages, the first `forward_only` forward only.
-  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(int num_stages, int forward_only) {
-    const std::pair<int, int> key(num_stages, forward_only);
+  // The schedule of `num_ranks` ranks, the first `forward_only` virtual stages forward only.
+  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(int num_ranks, int forward_only) {
+    const std::pair<int, int> key(num_ranks, forward_only);
     auto it = schedules_.find(key);
     if (it == schedules_.end()) {
-      absl::StatusOr<pipeline::Schedule> made =
-          pipeline::MakeSchedule(problem_.schedule, num_stages, problem_.num_microbatches);
+      const bool one = num_ranks == 1;
+      absl::StatusOr<pipeline::Schedule> made = pipeline::MakeSchedule(
+          one ? pipeline::OneStageScheduleName(problem_.schedule) : problem_.schedule, num_ranks,
+          problem_.num_microbatches, one ? 1 : problem_.num_chunks);
       if (!made.ok()) return made.status();
       it = schedules_.emplace(key, pipeline::WithForwardOnlyPrefix(*std::move(made), forward_only))
                .first;
@@ -77,38 +90,42 @@ class Evaluator {
         .makespan;
   }
 
+  // Per rank. One chunk per rank: state + PeakInFlight × activations, computed as before
+  // chunks existed (bit for bit); with chunks each rank sums its chunks' state and holds
+  // PeakHeldBytes of their activations. The embedding's state goes with virtual stage 0,
+  // the head's with the last (ZB-V: both on rank 0).
   absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
-    const int q = static_cast<int>(placement.size());
     absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(placement);
     if (!schedule.ok()) return schedule.status();
-    std::vector<double> memory(q);
-    for (int s = 0; s < q; ++s) {
-      memory[s] = RangeSum(problem_.layer_state_bytes, placement[s]) +
-                  pipeline::PeakInFlight(**schedule, s) *
-                      RangeSum(problem_.layer_activation_bytes, placement[s]);
-      if (s == 0) memory[s] += problem_.first_stage_pinned_bytes;
-      if (s == q - 1) memory[s] += problem_.last_stage_pinned_bytes;
+    const pipeline::Schedule& sched = **schedule;
+    const int q = RanksOf(placement);
+    const std::vector<pipeline::ChunkId> layout = pipeline::VirtualStages(sched);
+    std::vector<double> memory(q, 0.0);
+    if (sched.num_chunks == 1) {
+      for (int s = 0; s < q; ++s) {
+        memory[s] = RangeSum(problem_.layer_state_bytes, placement[s]) +
+                    pipeline::PeakInFlight(sched, s) *
+                        RangeSum(problem_.layer_activation_bytes, placement[s]);
+      }
+    } else {
+      std::vector<std::vector<double>> activations(q, std::vector<double>(sched.num_chunks, 0.0));
+      for (size_t k = 0; k < placement.size(); ++k) {
+        memory[layout[k].stage] += RangeSum(problem_.layer_state_bytes, placement[k]);
+        activations[layout[k].stage][layout[k].chunk] =
+            RangeSum(problem_.layer_activation_bytes, placement[k]);
+      }
+      for (int s = 0; s < q; ++s) memory[s] += pipeline::PeakHeldBytes(sched, s, activations[s]);
     }
+    memory[layout.front().stage] += problem_.first_stage_pinned_bytes;
+    memory[layout.back().stage] += problem_.last_stage_pinned_bytes;
     return memory;
   }
 
  private:
   const RepackProblem& problem_;
-  std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (stages, forward-only)
+  const int chunks_;
+  std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (ranks, forward-only)
 };
-
-// The coarsening of `current` that cuts after the old stages in `cuts` (ascending indices
-// of old stages that end a new stage, the last old stage implied).
-Placement Coarsen(const Placement& current, const std::vector<int>& cuts) {
-  Placement out;
-  int64_t begin = current.front().begin;
-  for (int cut : cuts) {
-    out.push_back({begin, current[cut].end});
-    begin = current[cut].end;
-  }
-  out.push_back({begin, current.back().end});
-  return out;
-}
 
 // Calls `visit` with every ascending choice of k indices from [0, n), in lexicographic
 // order; stops when `visit` returns false.
@@ -129,48 +146,59 @@ void ForEachCombination(int n, int k, Visit visit) {
 
 // NOTE [re-packing by bottleneck]
 // Above kExhaustiveRepackStages the 2^(p-1) coarsenings are too many to simulate (24
-// stages: 8 million). For each stage count q, the coarsening of `current` into q groups of
-// consecutive old stages with the smallest bottleneck — the largest per-micro-batch F+B+W
-// of a group, the embedding's cost on the first group and the head's on the last — among
-// those whose every group fits the memory budget, is found exactly by dynamic programming
-// over the old stage boundaries, O(q·p²). The bottleneck is what bounds a pipeline's
-// steady state, so this is the q-stage candidate most likely to keep the predicted time;
-// it is then simulated like any other. Returns the cut indices (as Coarsen takes them), or
-// nothing when no q-grouping fits the budget.
+// stages: 8 million). For each rank count q, the grouping of the current ranks into q runs
+// of consecutive ranks with the smallest bottleneck — the largest per-micro-batch F+B+W
+// of a group, the embedding's cost on the group holding virtual stage 0 and the head's on
+// the group holding the last — among those whose every group fits the memory budget, is
+// found exactly by dynamic programming over the rank boundaries, O(q·p²). The bottleneck
+// is what bounds a pipeline's steady state, so this is the q-rank candidate most likely to
+// keep the predicted time; it is then simulated like any other. With chunks a group's
+// activations count PeakInFlight / v times (each held pair is about 1/v of the rank's
+// layers): a bound for choosing the candidate only, whose memory evaluate() then predicts
+// exactly. Returns the cut indices (as CoarsenRanks takes them), or nothing when no
+// q-grouping fits the budget.
 std::optional<std::vector<int>> LeastBottleneckCuts(const RepackProblem& problem,
-                                                    const Placement& current, int q,
+                                                    const std::vector<Placement>& rank_ranges,
+                                                    bool head_on_first, int q,
                                                     const pipeline::Schedule& schedule) {
-  const int p = static_cast<int>(current.size());
-  // prefix[i]: the per-micro-batch F+B+W and the state bytes of old stages [0, i); the
+  const int p = static_cast<int>(rank_ranges.size());
+  // prefix[i]: the per-micro-batch F+B+W and the state bytes of old ranks [0, i); the
   // activation bytes likewise (times the group's in-flight count below).
   std::vector<double> work(p + 1, 0), state(p + 1, 0), activations(p + 1, 0);
   for (int i = 0; i < p; ++i) {
-    work[i + 1] = work[i] + RangeSum(problem.layer_forward, current[i]) +
-                  RangeSum(problem.layer_backward, current[i]) +
-                  RangeSum(problem.layer_weight, current[i]);
-    state[i + 1] = state[i] + RangeSum(problem.layer_state_bytes, current[i]);
-    activations[i + 1] = activations[i] + RangeSum(problem.layer_activation_bytes, current[i]);
+    double w = 0, st = 0, act = 0;
+    for (const StageRange& range : rank_ranges[i]) {
+      w += RangeSum(problem.layer_forward, range) + RangeSum(problem.layer_backward, range) +
+           RangeSum(problem.layer_weight, range);
+      st += RangeSum(problem.layer_state_bytes, range);
+      act += RangeSum(problem.layer_activation_bytes, range);
+    }
+    work[i + 1] = work[i] + w;
+    state[i + 1] = state[i] + st;
+    activations[i + 1] = activations[i] + act;
   }
   const auto pinned_work = [](const pipeline::ActionCosts& c) {
     return c.forward + c.backward_input + c.backward_weight;
   };
-  // Group g (of q) made of old stages [i, j): its cost, or +inf when over the budget.
+  const int head_group = head_on_first ? 0 : q - 1;
+  // Group g (of q) made of old ranks [i, j): its cost, or +inf when over the budget.
   const double kInf = std::numeric_limits<double>::infinity();
   auto group_cost = [&](int g, int i, int j) {
     double memory = state[j] - state[i] +
-                    pipeline::PeakInFlight(schedule, g) * (activations[j] - activations[i]);
+                    pipeline::PeakInFlight(schedule, g) / static_cast<double>(schedule.num_chunks) *
+                        (activations[j] - activations[i]);
     double cost = work[j] - work[i];
     if (g == 0) {
       memory += problem.first_stage_pinned_bytes;
       cost += pinned_work(problem.first_stage);
     }
-    if (g == q - 1) {
+    if (g == head_group) {
       memory += problem.last_stage_pinned_bytes;
       cost += pinned_work(problem.last_stage);
     }
     return memory > problem.memory_budget ? kInf : cost;
   };
-  // best[g][j]: the least bottleneck of groups 0..g covering old stages [0, j);
+  // best[g][j]: the least bottleneck of groups 0..g covering old ranks [0, j);
   // from[g][j] the start of group g in it.
   std::vector<std::vector<double>> best(q, std::vector<double>(p + 1, kInf));
   std::vector<std::vector<int>> from(q, std::vector<int>(p + 1, -1));
@@ -187,7 +215,7 @@ std::optional<std::vector<int>> LeastBottleneckCuts(const RepackProblem& problem
   std::vector<int> cuts(q - 1);
   for (int g = q - 1, j = p; g > 0; --g) {
     j = from[g][j];
-    cuts[g - 1] = j - 1;  // old stage j-1 ends group g-1
+    cuts[g - 1] = j - 1;  // old rank j-1 ends group g-1
   }
   return cuts;
 }
@@ -210,17 +238,87 @@ absl::Status RepackOptions::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status CheckRepackSupported(const std::string& schedule, int num_chunks) {
-  // The schedule decides its chunks (ZB-V takes 2 whatever is asked): make it for one stage.
+int ChunksPerRank(const std::string& schedule, int num_chunks) {
+  // The schedule decides its chunks (ZB-V takes 2 whatever is asked): make it for two ranks
+  // (one rank would be the same; two is the smallest pipeline that has a layout).
   absl::StatusOr<pipeline::Schedule> made =
-      pipeline::MakeSchedule(schedule, 1, 1, std::max(num_chunks, 1));
-  const int chunks = made.ok() ? made->num_chunks : num_chunks;
-  if (chunks <= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "re-packing (--repack) does not support virtual pipeline stages: --pipeline_schedule=",
-      schedule, " with --virtual_pipeline_model_parallel_size=", num_chunks, " runs ", chunks,
-      " model chunks per stage, and re-packing merges one-chunk stages only; use a one-chunk "
-      "schedule (1f1b, zbh1, zbh2 without virtual stages) or drop --repack"));
+      pipeline::MakeSchedule(schedule, 2, 2, std::max(num_chunks, 1));
+  return made.ok() ? made->num_chunks : std::max(num_chunks, 1);
+}
+
+int RanksOf(int num_ranges, int chunks) {
+  return num_ranges <= 1 || chunks <= 1 ? num_ranges : num_ranges / chunks;
+}
+
+absl::StatusOr<std::vector<pipeline::ChunkId>> RepackLayout(const std::string& schedule,
+                                                           int num_ranks, int num_chunks) {
+  if (num_ranks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("repack: ", num_ranks, " ranks"));
+  }
+  std::vector<pipeline::ChunkId> identity;
+  for (int r = 0; r < num_ranks; ++r) identity.push_back({r, 0});
+  if (num_ranks == 1 || ChunksPerRank(schedule, num_chunks) == 1) return identity;
+  // The layout does not depend on the micro-batch count (NOTE [model chunks]); 2q meets
+  // interleaved 1F1B's m % q = 0.
+  absl::StatusOr<pipeline::Schedule> made =
+      pipeline::MakeSchedule(schedule, num_ranks, 2 * num_ranks, num_chunks);
+  if (!made.ok()) return made.status();
+  return pipeline::VirtualStages(*made);
+}
+
+absl::StatusOr<Placement> CoarsenRanks(const Placement& current, const std::string& schedule,
+                                       int num_chunks, const std::vector<int>& cuts) {
+  const int chunks = ChunksPerRank(schedule, num_chunks);
+  const int p = RanksOf(static_cast<int>(current.size()), chunks);
+  if (current.empty() || (chunks > 1 && p > 1 && static_cast<int>(current.size()) != p * chunks)) {
+    return absl::InvalidArgumentError(absl::StrCat("repack: ", current.size(),
+                                                   " ranges are no placement of ", chunks,
+                                                   "-chunk ranks"));
+  }
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    if (cuts[i] < 0 || cuts[i] >= p - 1 || (i > 0 && cuts[i] <= cuts[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat("repack: cut after rank ", cuts[i],
+                                                     " is out of order or range for ", p,
+                                                     " ranks"));
+    }
+  }
+  const int q = static_cast<int>(cuts.size()) + 1;
+  if (q == 1) return Placement{{current.front().begin, current.back().end}};
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> from,
+                           RepackLayout(schedule, p, num_chunks));
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> to,
+                           RepackLayout(schedule, q, num_chunks));
+  std::vector<int> group(p);  // old rank → new rank
+  for (int r = 0, g = 0; r < p; ++r) {
+    group[r] = g;
+    if (g < q - 1 && r == cuts[g]) ++g;
+  }
+  // The new virtual stage (g, c): the union of old (r, c) over group g's ranks.
+  std::map<std::pair<int, int>, StageRange> unions;
+  std::map<std::pair<int, int>, int64_t> sizes;
+  for (size_t k = 0; k < from.size(); ++k) {
+    const std::pair<int, int> key(group[from[k].stage], from[k].chunk);
+    auto [it, fresh] = unions.emplace(key, current[k]);
+    if (!fresh) {
+      it->second.begin = std::min(it->second.begin, current[k].begin);
+      it->second.end = std::max(it->second.end, current[k].end);
+    }
+    sizes[key] += current[k].end - current[k].begin;
+  }
+  Placement out;
+  for (const pipeline::ChunkId& id : to) {
+    const std::pair<int, int> key(id.stage, id.chunk);
+    const StageRange range = unions.at(key);
+    if (range.end - range.begin != sizes.at(key) ||
+        (!out.empty() && out.back().end != range.begin)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "repack: --pipeline_schedule=", schedule, "'s layout does not coarsen: merging ranks "
+          "at ", absl::StrJoin(cuts, ","), " of ", FormatPlacement(current),
+          " gives no contiguous chunk ", id.chunk, " on new rank ", id.stage));
+    }
+    out.push_back(range);
+  }
+  return out;
 }
 
 absl::Status ValidateRepackProblem(const RepackProblem& problem) {
@@ -261,11 +359,19 @@ absl::Status ValidateRepackProblem(const RepackProblem& problem) {
 
 namespace {
 
+// A placement of q ranks: one range (q = 1) or q·v (NOTE [re-packing under chunks]).
 absl::Status CheckPlacement(const RepackProblem& problem, const Placement& placement) {
-  BalanceProblem shape;
-  shape.num_stages = static_cast<int>(placement.size());
-  shape.layer_cost.assign(problem.num_layers(), 0.0);
   if (placement.empty()) return absl::InvalidArgumentError("repack: an empty placement");
+  const int chunks = ChunksPerRank(problem.schedule, problem.num_chunks);
+  const int n = static_cast<int>(placement.size());
+  if (chunks > 1 && n > 1 && (n % chunks != 0 || n < 2 * chunks)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repack: ", n, " ranges under --pipeline_schedule=", problem.schedule, " with ", chunks,
+        " chunks per rank; expected one range (one rank) or q·", chunks, " for q ≥ 2 ranks"));
+  }
+  BalanceProblem shape;
+  shape.num_stages = n;
+  shape.layer_cost.assign(problem.num_layers(), 0.0);
   return ValidatePlacement(shape, placement);
 }
 
@@ -274,9 +380,6 @@ absl::Status CheckPlacement(const RepackProblem& problem, const Placement& place
 absl::StatusOr<double> PredictIterationTime(const RepackProblem& problem,
                                             const Placement& placement) {
   if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
-  if (auto s = CheckRepackSupported(problem.schedule, problem.num_chunks); !s.ok()) {
-    return absl::FailedPreconditionError(s.message());
-  }
   if (auto s = CheckPlacement(problem, placement); !s.ok()) return s;
   Evaluator evaluator(problem);
   return evaluator.Time(placement);
@@ -293,15 +396,12 @@ absl::StatusOr<std::vector<double>> RepackStageMemory(const RepackProblem& probl
 absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Placement& current,
                                         const RepackOptions& options) {
   if (auto s = ValidateRepackProblem(problem); !s.ok()) return s;
-  if (auto s = CheckRepackSupported(problem.schedule, problem.num_chunks); !s.ok()) {
-    return absl::FailedPreconditionError(s.message());
-  }
   if (auto s = CheckPlacement(problem, current); !s.ok()) return s;
   if (auto s = options.Validate(); !s.ok()) return s;
   Evaluator evaluator(problem);
   RepackPlan plan;
   plan.placement = current;
-  const int p = static_cast<int>(current.size());
+  const int p = evaluator.RanksOf(current);
   absl::StatusOr<double> before = evaluator.Time(current);
   if (!before.ok()) return before.status();
   plan.predicted_before = *before;
@@ -312,19 +412,40 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
     plan.peak_memory = *std::max_element(memory->begin(), memory->end());
   }
   const double bound = (1.0 + options.max_slowdown) * plan.predicted_before;
+  // Each rank's ranges, and where the head is (NOTE [re-packing under chunks]).
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> layout,
+                           RepackLayout(problem.schedule, p, problem.num_chunks));
+  std::vector<Placement> rank_ranges(p);
+  for (size_t k = 0; k < layout.size(); ++k) rank_ranges[layout[k].stage].push_back(current[k]);
+  const bool head_on_first = p > 1 && layout.back().stage == 0;
+  // Rank counts the schedule cannot run (interleaved: m % q ≠ 0) are no candidates.
+  std::map<int, std::string> unrunnable;
+  auto runnable = [&](int q) {
+    absl::StatusOr<const pipeline::Schedule*> schedule = evaluator.ScheduleFor(q, 0);
+    if (!schedule.ok()) unrunnable[q] = std::string(schedule.status().message());
+    return schedule.ok();
+  };
 
   // Admissible (NOTE [re-packing decision]): fits the budget and the slowdown bound.
   absl::Status error = absl::OkStatus();
-  auto evaluate = [&](const Placement& candidate, double* time, double* peak) -> bool {
+  auto evaluate = [&](const std::vector<int>& cuts, Placement* candidate, double* time,
+                      double* peak) -> bool {
     ++plan.candidates;
-    absl::StatusOr<std::vector<double>> memory = evaluator.Memory(candidate);
+    absl::StatusOr<Placement> coarse =
+        CoarsenRanks(current, problem.schedule, problem.num_chunks, cuts);
+    if (!coarse.ok()) {
+      error = coarse.status();
+      return false;
+    }
+    *candidate = *std::move(coarse);
+    absl::StatusOr<std::vector<double>> memory = evaluator.Memory(*candidate);
     if (!memory.ok()) {
       error = memory.status();
       return false;
     }
     *peak = *std::max_element(memory->begin(), memory->end());
     if (*peak > problem.memory_budget) return false;
-    absl::StatusOr<double> t = evaluator.Time(candidate);
+    absl::StatusOr<double> t = evaluator.Time(*candidate);
     if (!t.ok()) {
       error = t.status();
       return false;
@@ -332,59 +453,65 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
     *time = *t;
     return *time <= bound;
   };
+  auto take = [&](Placement candidate, double time, double peak) {
+    plan.repack = true;
+    plan.placement = std::move(candidate);
+    plan.predicted_after = time;
+    plan.peak_memory = peak;
+  };
 
   if (p <= options.exhaustive_up_to) {
-    // Fewest stages first; within a count, the fastest, then the smallest ends (the
+    // Fewest ranks first; within a count, the fastest, then the smallest ends (the
     // combinations come in lexicographic order and only a strictly faster one replaces).
     for (int q = options.min_stages; q < p && !plan.repack; ++q) {
+      if (!runnable(q)) continue;
       ForEachCombination(p - 1, q - 1, [&](const std::vector<int>& cuts) {
-        const Placement candidate = Coarsen(current, cuts);
+        Placement candidate;
         double time = 0, peak = 0;
-        if (evaluate(candidate, &time, &peak) && (!plan.repack || time < plan.predicted_after)) {
-          plan.repack = true;
-          plan.placement = candidate;
-          plan.predicted_after = time;
-          plan.peak_memory = peak;
+        if (evaluate(cuts, &candidate, &time, &peak) &&
+            (!plan.repack || time < plan.predicted_after)) {
+          take(std::move(candidate), time, peak);
         }
         return error.ok();
       });
       if (!error.ok()) return error;
     }
   } else {
-    // NOTE [re-packing by bottleneck]: fewest stages first, one candidate per count.
+    // NOTE [re-packing by bottleneck]: fewest ranks first, one candidate per count.
     for (int q = options.min_stages; q < p && !plan.repack; ++q) {
-      // The candidate's memory bound counts every stage's in-flight micro-batches, frozen
+      if (!runnable(q)) continue;
+      // The candidate's memory bound counts every rank's in-flight micro-batches, frozen
       // ones too (conservative); evaluate() then predicts it exactly.
       absl::StatusOr<const pipeline::Schedule*> schedule = evaluator.ScheduleFor(q, 0);
       if (!schedule.ok()) return schedule.status();
-      const std::optional<std::vector<int>> cuts = LeastBottleneckCuts(problem, current, q, **schedule);
+      const std::optional<std::vector<int>> cuts =
+          LeastBottleneckCuts(problem, rank_ranges, head_on_first, q, **schedule);
       if (!cuts.has_value()) continue;
-      const Placement candidate = Coarsen(current, *cuts);
+      Placement candidate;
       double time = 0, peak = 0;
-      if (evaluate(candidate, &time, &peak)) {
-        plan.repack = true;
-        plan.placement = candidate;
-        plan.predicted_after = time;
-        plan.peak_memory = peak;
-      }
+      if (evaluate(*cuts, &candidate, &time, &peak)) take(std::move(candidate), time, peak);
       if (!error.ok()) return error;
     }
   }
   if (p > options.exhaustive_up_to) {
-    // Also first fit over adjacent pairs, leftmost first, until no merge is admissible; it
-    // wins when it reaches fewer stages (or as many, faster) than the least-bottleneck
+    // Also first fit over adjacent groups, leftmost first, until no merge is admissible; it
+    // wins when it reaches fewer ranks (or as many, faster) than the least-bottleneck
     // candidates — e.g. when those all run too slow.
+    std::vector<int> cuts(p - 1);
+    std::iota(cuts.begin(), cuts.end(), 0);
     Placement packed = current;
     double packed_time = 0, packed_peak = 0;
     bool merged = true;
-    while (merged && static_cast<int>(packed.size()) > options.min_stages) {
+    while (merged && static_cast<int>(cuts.size()) + 1 > options.min_stages) {
       merged = false;
-      for (size_t s = 0; s + 1 < packed.size(); ++s) {
-        Placement candidate = packed;
-        candidate[s].end = candidate[s + 1].end;
-        candidate.erase(candidate.begin() + static_cast<std::ptrdiff_t>(s) + 1);
+      if (!runnable(static_cast<int>(cuts.size()))) break;
+      for (size_t s = 0; s < cuts.size(); ++s) {
+        std::vector<int> fewer = cuts;
+        fewer.erase(fewer.begin() + static_cast<std::ptrdiff_t>(s));
+        Placement candidate;
         double time = 0, peak = 0;
-        if (evaluate(candidate, &time, &peak)) {
+        if (evaluate(fewer, &candidate, &time, &peak)) {
+          cuts = std::move(fewer);
           packed = std::move(candidate);
           packed_time = time;
           packed_peak = peak;
@@ -394,46 +521,50 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
         if (!error.ok()) return error;
       }
     }
-    const bool fewer = packed.size() < plan.placement.size();
-    if (packed.size() < current.size() &&
-        (fewer || (packed.size() == plan.placement.size() && packed_time < plan.predicted_after))) {
-      plan.repack = true;
-      plan.placement = std::move(packed);
-      plan.predicted_after = packed_time;
-      plan.peak_memory = packed_peak;
+    const int packed_ranks = static_cast<int>(cuts.size()) + 1;
+    const int plan_ranks = evaluator.RanksOf(plan.placement);
+    if (packed_ranks < p && (packed_ranks < plan_ranks ||
+                             (packed_ranks == plan_ranks && packed_time < plan.predicted_after))) {
+      take(std::move(packed), packed_time, packed_peak);
     }
   }
 
+  std::string refused;
+  for (const auto& [q, why] : unrunnable) {
+    absl::StrAppend(&refused, refused.empty() ? "; not on " : ", ", q, " stages: ", why);
+  }
   if (plan.repack) {
     plan.note = absl::StrFormat(
         "repack: %d → %d stages, %s → %s; predicted iteration %.4g → %.4g (%+.1f%%, allowed "
-        "%+.1f%%), peak stage memory %.4g",
-        p, static_cast<int>(plan.placement.size()), FormatPlacement(current),
+        "%+.1f%%), peak stage memory %.4g%s",
+        p, evaluator.RanksOf(plan.placement), FormatPlacement(current),
         FormatPlacement(plan.placement), plan.predicted_before, plan.predicted_after,
         100.0 * (plan.predicted_after / plan.predicted_before - 1.0), 100.0 * options.max_slowdown,
-        plan.peak_memory);
+        plan.peak_memory, refused);
   } else {
     plan.note = absl::StrFormat(
         "repack: keep %d stages; no coarsening onto ≥ %d stages fits the memory budget with a "
-        "predicted slowdown ≤ %.1f%% (%d tried)",
-        p, options.min_stages, 100.0 * options.max_slowdown, plan.candidates);
+        "predicted slowdown ≤ %.1f%% (%d tried)%s",
+        p, options.min_stages, 100.0 * options.max_slowdown, plan.candidates, refused);
   }
   return plan;
 }
 
-absl::StatusOr<Placement> EvenCoarsening(const Placement& current, int num_stages) {
-  const int p = static_cast<int>(current.size());
+absl::StatusOr<Placement> EvenCoarsening(const Placement& current, int num_stages,
+                                         const std::string& schedule, int num_chunks) {
+  const int p = RanksOf(static_cast<int>(current.size()), ChunksPerRank(schedule, num_chunks));
   if (num_stages < 1 || num_stages > p) {
     return absl::InvalidArgumentError(absl::StrCat("cannot pack ", p, " pipeline stages onto ",
                                                    num_stages, "; expected 1..", p));
   }
+  if (num_stages == p) return current;
   std::vector<int> cuts;
   int end = 0;
   for (int g = 0; g + 1 < num_stages; ++g) {
     end += p / num_stages + (g < p % num_stages ? 1 : 0);
     cuts.push_back(end - 1);
   }
-  return Coarsen(current, cuts);
+  return CoarsenRanks(current, schedule, num_chunks, cuts);
 }
 
 }  // namespace fulcrum::dynamic

@@ -28,13 +28,22 @@
 // The result is admissible, not always the fewest stages.
 //
 // NOTE [re-packing under chunks]
-// Re-packing refuses virtual pipeline stages (ZB-V, interleaved 1F1B: more than one model
-// chunk per rank): a coarsening here is a run of consecutive one-chunk stages, while under
-// chunks a rank's layers are several separate ranges and merging two ranks means merging
-// chunk by chunk (for the V: ranks r and r+1 merge virtual r with r+1 and 2p−2−r with
-// 2p−1−r, which is again a V; interleaved likewise per chunk) — not built yet. So
-// CheckRepackSupported refuses the configuration up front, naming the flags, and
-// DecideRepack / PredictIterationTime return FailedPrecondition for such a schedule.
+// With virtual pipeline stages (interleaved 1F1B, interleaved ZB-H1, ZB-V: v model chunks
+// per rank) a placement has one range per VIRTUAL stage in model order (p·v ranges) and
+// the schedule's layout says which rank holds each (pipeline/schedule.h VirtualStages).
+// Re-packing still merges *adjacent ranks*: a coarsening groups ranks 0..p-1 into q runs
+// of consecutive ranks, and the new rank g's chunk c is the union of chunk c of every rank
+// in group g. That union is one contiguous range because both layouts number a chunk's
+// ranks in model order: round-robin puts rank r's chunk c at virtual c·p + r, the V puts
+// chunk 0 at r and chunk 1 at 2p−1−r (so merging ranks r..s merges virtual stages r..s and
+// 2p−1−s..2p−1−r, which is again a V, with the turn on the new last rank). No layer
+// changes order, the embedding and the head stay on the ranks of group 0 (V) resp. the
+// first and last group (round-robin), and the surviving rank of each group is its first.
+// A pipeline packed onto one rank runs one chunk: a single range, under the schedule's
+// one-chunk form (OneStageScheduleName: zbv → zbh1).
+// What is refused: a stage count the schedule cannot run — interleaved 1F1B and ZB-H1 need
+// the micro-batches to be a multiple of the stages (m % q = 0) — is no candidate (the
+// decision's note counts it among those tried); a coarsening onto q ≥ 2 ranks keeps v.
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -46,6 +55,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "dynamic/balance_problem.h"
+#include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
 
 namespace fulcrum::dynamic {
@@ -77,8 +87,8 @@ struct RepackProblem {
 
   std::string schedule = "1f1b";  ///< --pipeline_schedule, regenerated for each stage count.
   int num_microbatches = 1;       ///< Per iteration and replica. Must be ≥ 1.
-  /// --virtual_pipeline_model_parallel_size; anything but 1, or a schedule that sets its
-  /// own chunks (zbv), is refused (NOTE [re-packing under chunks]).
+  /// --virtual_pipeline_model_parallel_size (ZB-V runs 2 whatever is asked): with v > 1
+  /// chunks a placement on p ≥ 2 ranks has p·v ranges (NOTE [re-packing under chunks]).
   int num_chunks = 1;
   /// Layers [0, frozen_prefix) are frozen: each placement's stages that lie wholly inside
   /// run forward only (NOTE [forward-only stages] in pipeline/schedule.h), as training
@@ -115,11 +125,29 @@ struct RepackPlan {
   std::string note;             ///< One line for the log: what was decided and why.
 };
 
-/// OK when re-packing can run under --pipeline_schedule=`schedule` with `num_chunks` model
-/// chunks per stage; InvalidArgument naming both flags when the schedule has more than one
-/// chunk per rank (NOTE [re-packing under chunks]). An unknown schedule is not this
-/// function's to report: OK.
-absl::Status CheckRepackSupported(const std::string& schedule, int num_chunks);
+/// Model chunks per rank that --pipeline_schedule=`schedule` runs on two or more ranks
+/// with --virtual_pipeline_model_parallel_size=`num_chunks` (ZB-V: 2 whatever is asked);
+/// `num_chunks` for a schedule that cannot be made (its error is reported elsewhere).
+int ChunksPerRank(const std::string& schedule, int num_chunks);
+
+/// The ranks a placement of `num_ranges` ranges occupies with `chunks` per rank: one range
+/// is one rank (NOTE [re-packing under chunks]), else num_ranges / chunks.
+int RanksOf(int num_ranges, int chunks);
+
+/// Rank and chunk of each virtual stage, in model order, when `num_ranks` ranks run
+/// `schedule` with `num_chunks` chunks (NOTE [re-packing under chunks]): the schedule's
+/// layout, or one range per rank when it runs one chunk (always on one rank). Errors: the
+/// schedule cannot be made for num_ranks (its generator's reason).
+absl::StatusOr<std::vector<pipeline::ChunkId>> RepackLayout(const std::string& schedule,
+                                                           int num_ranks, int num_chunks);
+
+/// `current` (laid out by RepackLayout(schedule, p, num_chunks)) coarsened onto q = cuts.size()
+/// + 1 ranks: old ranks grouped at `cuts` (ascending ranks that end a group, the last rank
+/// implied), new rank g's chunk c the union of chunk c of group g's ranks (NOTE [re-packing
+/// under chunks]). With one chunk this is the old one-range-per-stage coarsening.
+/// InvalidArgument for cuts out of order or a layout whose unions are not contiguous.
+absl::StatusOr<Placement> CoarsenRanks(const Placement& current, const std::string& schedule,
+                                       int num_chunks, const std::vector<int>& cuts);
 
 /// OK, or InvalidArgument naming the field: per-layer vectors of different lengths, a
 /// negative or non-finite cost or size, num_microbatches < 1.
@@ -131,7 +159,8 @@ absl::Status ValidateRepackProblem(const RepackProblem& problem);
 absl::StatusOr<double> PredictIterationTime(const RepackProblem& problem,
                                             const Placement& placement);
 
-/// Every stage's memory under `placement` (formula at NOTE [re-packing decision]).
+/// Every rank's memory under `placement` (formula at NOTE [re-packing decision]; with
+/// chunks a rank holds its chunks' state and PeakHeldBytes of their activations).
 absl::StatusOr<std::vector<double>> RepackStageMemory(const RepackProblem& problem,
                                                       const Placement& placement);
 
@@ -140,9 +169,12 @@ absl::StatusOr<std::vector<double>> RepackStageMemory(const RepackProblem& probl
 absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Placement& current,
                                         const RepackOptions& options);
 
-/// `current` coarsened onto `num_stages` stages for --repack_script: consecutive old stages
-/// grouped as evenly as possible (the first groups one stage more), e.g. 4 → 2: {0,1},{2,3}.
-/// InvalidArgument unless 1 ≤ num_stages ≤ current.size().
-absl::StatusOr<Placement> EvenCoarsening(const Placement& current, int num_stages);
+/// `current` coarsened onto `num_stages` ranks for --repack_script: consecutive old ranks
+/// grouped as evenly as possible (the first groups one rank more), e.g. 4 → 2: {0,1},{2,3};
+/// with chunks each group merges chunk by chunk (CoarsenRanks). InvalidArgument unless
+/// 1 ≤ num_stages ≤ the ranks `current` occupies.
+absl::StatusOr<Placement> EvenCoarsening(const Placement& current, int num_stages,
+                                         const std::string& schedule = "1f1b",
+                                         int num_chunks = 1);
 
 }  // namespace fulcrum::dynamic

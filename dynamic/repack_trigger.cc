@@ -46,7 +46,8 @@ absl::StatusOr<RepackScript> ParseRepackScript(const std::string& script) {
 
 absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline::StageLoad>& loads,
                                                      const std::string& schedule,
-                                                     int num_microbatches, double memory_budget) {
+                                                     int num_microbatches, double memory_budget,
+                                                     int num_chunks) {
   if (loads.empty()) return absl::InvalidArgumentError("repack: no stage loads");
   if (num_microbatches < 1) {
     return absl::InvalidArgumentError(
@@ -56,48 +57,86 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
   problem.schedule = schedule;
   problem.num_microbatches = num_microbatches;
   problem.memory_budget = memory_budget;
+  problem.num_chunks = num_chunks;
   const double m = num_microbatches;
   auto sum = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); };
+  // One piece per (virtual) stage: a load, or with chunks each of its chunks (NOTE
+  // [rebalancing under chunks] in pipeline/rebalancer.h: per-layer values in chunk order),
+  // with the F, B and W it ran in all, so that the remainder is what is no layer's.
+  struct Piece {
+    const pipeline::StageLoad* load;
+    int64_t begin, end;
+    size_t offset;  // into the load's per-layer vectors
+    double forward_ms, backward_ms, weight_ms;
+  };
+  std::vector<Piece> pieces;
+  for (const pipeline::StageLoad& load : loads) {
+    if (load.chunk_ranges.empty()) {
+      pieces.push_back({&load, load.layer_begin, load.layer_end, 0, load.forward_ms,
+                        load.backward_ms, load.weight_ms});
+      continue;
+    }
+    size_t offset = 0;
+    for (size_t c = 0; c < load.chunk_ranges.size(); ++c) {
+      const auto [begin, end] = load.chunk_ranges[c];
+      auto at = [&](const std::vector<double>& v) { return c < v.size() ? v[c] : 0.0; };
+      pieces.push_back({&load, begin, end, offset, at(load.chunk_forward_ms),
+                        at(load.chunk_backward_ms), at(load.chunk_weight_ms)});
+      offset += static_cast<size_t>(std::max<int64_t>(end - begin, 0));
+    }
+  }
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
   int64_t next = 0;
-  for (size_t s = 0; s < loads.size(); ++s) {
-    const pipeline::StageLoad& load = loads[s];
-    const int64_t n = load.layer_end - load.layer_begin;
-    if (load.layer_begin != next || n < 1 ||
-        static_cast<int64_t>(load.layer_forward_ms.size()) != n ||
-        static_cast<int64_t>(load.layer_backward_ms.size()) != n ||
-        static_cast<int64_t>(load.layer_weight_ms.size()) != n) {
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const Piece& piece = pieces[k];
+    const pipeline::StageLoad& load = *piece.load;
+    const int64_t n = piece.end - piece.begin;
+    const size_t held = piece.offset + static_cast<size_t>(std::max<int64_t>(n, 0));
+    if (piece.begin != next || n < 1 || load.layer_forward_ms.size() < held ||
+        load.layer_backward_ms.size() < held || load.layer_weight_ms.size() < held) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "repack: stage ", s, "'s load covers layers [", load.layer_begin, ",", load.layer_end,
+          "repack: stage ", load.stage, "'s load covers layers [", piece.begin, ",", piece.end,
           ") with ", load.layer_forward_ms.size(), " timings; expected layers from ", next));
     }
-    next = load.layer_end;
-    for (int64_t i = 0; i < n; ++i) {
+    next = piece.end;
+    double layer_f = 0, layer_b = 0, layer_w = 0;
+    for (size_t i = piece.offset; i < held; ++i) {
       problem.layer_forward.push_back(load.layer_forward_ms[i] / m);
       problem.layer_backward.push_back(load.layer_backward_ms[i] / m);
       problem.layer_weight.push_back(load.layer_weight_ms[i] / m);
+      layer_f += load.layer_forward_ms[i];
+      layer_b += load.layer_backward_ms[i];
+      layer_w += load.layer_weight_ms[i];
       problem.layer_state_bytes.push_back(
-          i < static_cast<int64_t>(load.layer_state_bytes.size())
-              ? static_cast<double>(load.layer_state_bytes[i]) : 0.0);
+          i < load.layer_state_bytes.size() ? static_cast<double>(load.layer_state_bytes[i]) : 0.0);
       problem.layer_activation_bytes.push_back(
-          i < static_cast<int64_t>(load.layer_activation_bytes.size())
+          i < load.layer_activation_bytes.size()
               ? static_cast<double>(load.layer_activation_bytes[i]) : 0.0);
     }
-    // What the stage ran besides its layers: the embedding on the first, head and loss on
-    // the last (the middle stages' remainder is transfer overhead, not counted).
+    // What the piece ran besides its layers: the embedding on the first, head and loss on
+    // the last (the middle ones' remainder is transfer overhead, not counted). One chunk
+    // per stage: the sums as a whole (the same bits as before chunks existed).
+    if (load.chunk_ranges.empty()) {
+      layer_f = sum(load.layer_forward_ms);
+      layer_b = sum(load.layer_backward_ms);
+      layer_w = sum(load.layer_weight_ms);
+    }
     pipeline::ActionCosts pinned;
-    pinned.forward = std::max(0.0, (load.forward_ms - sum(load.layer_forward_ms)) / m);
-    pinned.backward_input = std::max(0.0, (load.backward_ms - sum(load.layer_backward_ms)) / m);
-    pinned.backward_weight = std::max(0.0, (load.weight_ms - sum(load.layer_weight_ms)) / m);
+    pinned.forward = std::max(0.0, (piece.forward_ms - layer_f) / m);
+    pinned.backward_input = std::max(0.0, (piece.backward_ms - layer_b) / m);
+    pinned.backward_weight = std::max(0.0, (piece.weight_ms - layer_w) / m);
     double layer_state = 0;
     for (int64_t b : load.layer_state_bytes) layer_state += static_cast<double>(b);
     const double pinned_state = std::max(0.0, static_cast<double>(load.state_bytes()) - layer_state);
-    if (s == 0) {
+    if (k == 0) {
       problem.first_stage = pinned;
       problem.first_stage_pinned_bytes = pinned_state;
     }
-    if (s + 1 == loads.size()) {
+    if (k + 1 == pieces.size()) {
       problem.last_stage = pinned;
-      problem.last_stage_pinned_bytes = pinned_state;
+      // A rank holding both ends (ZB-V) counts its pinned state once.
+      problem.last_stage_pinned_bytes = piece.load == pieces.front().load && k > 0 ? 0.0 : pinned_state;
     }
   }
   return problem;
@@ -106,15 +145,11 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
 absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
     int64_t iteration, const pipeline::LayerRanges& current,
     const std::vector<pipeline::StageLoad>& loads, int64_t frozen_prefix) {
-  // NOTE [re-packing under chunks] in repack.h: refused before a script step or a decision.
-  if (options_.automatic || !options_.script.empty()) {
-    if (absl::Status s = CheckRepackSupported(options_.schedule, options_.num_chunks); !s.ok()) {
-      return s;
-    }
-  }
   Placement placement;
   for (const auto& [begin, end] : current) placement.push_back({begin, end});
-  const int p = static_cast<int>(placement.size());
+  // NOTE [re-packing under chunks] in repack.h: with chunks, p·v ranges on p ranks.
+  const int p = RanksOf(static_cast<int>(placement.size()),
+                        ChunksPerRank(options_.schedule, options_.num_chunks));
   if (!options_.automatic) {
     // NOTE [overdue script step]: the latest step at or before `iteration`; stage counts
     // fall from step to step, so if it asks for no fewer stages than run now, none does.
@@ -122,7 +157,8 @@ absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
     if (step == options_.script.begin()) return std::nullopt;
     --step;
     if (step->second >= p) return std::nullopt;
-    absl::StatusOr<Placement> packed = EvenCoarsening(placement, step->second);
+    absl::StatusOr<Placement> packed =
+        EvenCoarsening(placement, step->second, options_.schedule, options_.num_chunks);
     if (!packed.ok()) return packed.status();
     RepackPlan plan;
     plan.repack = true;
@@ -143,8 +179,9 @@ absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
   bool measured = false;
   for (const pipeline::StageLoad& load : loads) measured = measured || load.total_ms > 0;
   if (!measured) return std::nullopt;
-  absl::StatusOr<RepackProblem> problem = RepackProblemFromLoads(
-      loads, options_.schedule, options_.num_microbatches, options_.memory_budget);
+  absl::StatusOr<RepackProblem> problem =
+      RepackProblemFromLoads(loads, options_.schedule, options_.num_microbatches,
+                             options_.memory_budget, options_.num_chunks);
   if (!problem.ok()) return problem.status();
   problem->frozen_prefix = frozen_prefix;
   absl::StatusOr<RepackPlan> plan = DecideRepack(*problem, placement, options_.decision);

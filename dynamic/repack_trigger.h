@@ -36,10 +36,14 @@ absl::StatusOr<RepackScript> ParseRepackScript(const std::string& script);
 /// summed over `num_microbatches` micro-batches become per-micro-batch costs): each layer's
 /// F, B and W; what the first and last stage ran besides their layers (embedding; head and
 /// loss); each layer's state and activation bytes, and the first and last stage's pinned
-/// state. InvalidArgument when the loads do not cover the layers 0..L-1 in order.
+/// state. With chunks (loads carrying chunk_ranges, `num_chunks` > 1) the layers come from
+/// every rank's chunks in model order and the pinned costs from the first and last chunk's
+/// action times (a rank holding both, ZB-V's rank 0, counts its pinned state once).
+/// InvalidArgument when the loads do not cover the layers 0..L-1 in order.
 absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline::StageLoad>& loads,
                                                      const std::string& schedule,
-                                                     int num_microbatches, double memory_budget);
+                                                     int num_microbatches, double memory_budget,
+                                                     int num_chunks = 1);
 
 struct RepackTriggerOptions {
   /// --repack=auto: decide every `interval` iterations from the measured loads.
@@ -53,8 +57,8 @@ struct RepackTriggerOptions {
   /// The schedule (--pipeline_schedule), micro-batches per iteration and replica, and the
   /// memory budget in bytes (--rebalance_memory_budget_mb; infinity: none).
   std::string schedule = "1f1b";
-  /// --virtual_pipeline_model_parallel_size: re-packing refuses more than one chunk per
-  /// stage (NOTE [re-packing under chunks] in repack.h).
+  /// --virtual_pipeline_model_parallel_size: with chunks a placement has a range per
+  /// virtual stage and ranks merge chunk by chunk (NOTE [re-packing under chunks] in repack.h).
   int num_chunks = 1;
   int num_microbatches = 1;
   double memory_budget = std::numeric_limits<double>::infinity();

@@ -113,7 +113,9 @@ absl::StatusOr<std::vector<int>> RepackedStages(const Scenario& scenario, const 
       absl::StatusOr<RepackPlan> plan =
           DecideRepack(RepackProblemOf(scenario, costs), it.placement, options);
       if (!plan.ok()) return plan.status();
-      stages.push_back(static_cast<int>(plan->placement.size()));
+      // With chunks a placement has a range per virtual stage (NOTE [re-packing under chunks]).
+      stages.push_back(RanksOf(static_cast<int>(plan->placement.size()),
+                               ChunksPerRank(scenario.schedule, scenario.num_chunks)));
     } else {
       stages.push_back(stages.back());
     }

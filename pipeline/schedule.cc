@@ -1104,6 +1104,19 @@ int PeakInFlight(const Schedule& schedule, int stage) {
   return peak;
 }
 
+double PeakHeldBytes(const Schedule& schedule, int stage, const std::vector<double>& chunk_bytes) {
+  double held = 0;
+  double peak = 0;
+  for (const Action& action : schedule.stages.at(stage)) {
+    if (RunsForwardOnly(schedule, stage, action.chunk)) continue;
+    held += InFlightDelta(action.kind) * chunk_bytes.at(action.chunk);
+    peak = std::max(peak, held);
+  }
+  return peak;
+}
+
+std::string OneStageScheduleName(const std::string& name) { return name == "zbv" ? "zbh1" : name; }
+
 std::string FormatSchedule(const Schedule& schedule) {
   const bool chunks = schedule.num_chunks > 1;
   std::string out;

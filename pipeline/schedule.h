@@ -301,6 +301,17 @@ absl::Status ValidateSchedule(const Schedule& schedule);
 /// Precondition: 0 ≤ stage < schedule.stages.size() (std::out_of_range otherwise).
 int PeakInFlight(const Schedule& schedule, int stage);
 
+/// The most activation bytes `stage` holds at once when every held (micro-batch, chunk)
+/// pair of chunk c holds chunk_bytes[c] (PeakInFlight's rule of what is held, weighted):
+/// with chunks of unequal size a V's or a round-robin rank peaks below
+/// PeakInFlight × its largest chunk. Precondition: chunk_bytes has num_chunks entries.
+double PeakHeldBytes(const Schedule& schedule, int stage, const std::vector<double>& chunk_bytes);
+
+/// The schedule a pipeline packed onto ONE stage runs for --pipeline_schedule=`name`:
+/// `name` itself, but "zbv" (two chunks by construction) becomes "zbh1", its one-chunk form
+/// with the same B/W split. One stage has nothing to interleave, so it runs one chunk.
+std::string OneStageScheduleName(const std::string& name);
+
 /// A header line and one line per stage, for logs, tests and debugging:
 ///   1f1b: 2 stages, 3 micro-batches, at most 2 in flight
 ///   stage 0: F0 F1 BW0 F2 BW1 BW2

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -107,17 +108,30 @@ absl::Status Receive(parallel::Communicator& world, int src,
 absl::Status ValidateShrinkPlan(const ShrinkPlan& plan) {
   const parallel::ParallelConfig& c = plan.old_config;
   FULCRUM_RETURN_IF_ERROR(c.Validate());
+  for (const auto& [owner, ranges, what] :
+       {std::tuple{&plan.old_owner, &plan.old_ranges, "old"},
+        std::tuple{&plan.new_owner, &plan.new_ranges, "new"}}) {
+    if (!owner->empty() && owner->size() != ranges->size()) {
+      return absl::InvalidArgumentError(absl::StrCat("shrink: ", owner->size(), " ", what,
+                                                     " owners for ", ranges->size(), " ranges"));
+    }
+  }
   if (plan.old_stages() != c.pp) {
     return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(),
-                                                   " old ranges for pp=", c.pp));
+                                                   " old stages for pp=", c.pp));
   }
   if (plan.new_stages() < 1 || plan.new_stages() >= plan.old_stages()) {
     return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(), " → ",
                                                    plan.new_stages(), " stages is no shrink"));
   }
+  if (plan.old_ranges.empty() || plan.new_ranges.empty()) {
+    return absl::InvalidArgumentError("shrink: an empty placement");
+  }
   const int64_t layers = plan.old_ranges.back().second;
-  FULCRUM_RETURN_IF_ERROR(ValidateRanges(plan.old_ranges, layers, plan.old_stages()));
-  FULCRUM_RETURN_IF_ERROR(ValidateRanges(plan.new_ranges, layers, plan.new_stages()));
+  FULCRUM_RETURN_IF_ERROR(
+      ValidateRanges(plan.old_ranges, layers, static_cast<int>(plan.old_ranges.size())));
+  FULCRUM_RETURN_IF_ERROR(
+      ValidateRanges(plan.new_ranges, layers, static_cast<int>(plan.new_ranges.size())));
   for (const auto& [begin, end] : plan.new_ranges) {
     if (OwnerStage(plan.old_ranges, begin) < 0 ||
         plan.old_ranges[OwnerStage(plan.old_ranges, begin)].first != begin) {
@@ -126,12 +140,46 @@ absl::Status ValidateShrinkPlan(const ShrinkPlan& plan) {
           FormatRanges(plan.old_ranges), " (stage boundaries may only disappear)"));
     }
   }
+  // Each old stage gives its ranges to one new stage (NOTE [re-packing under chunks]).
+  std::vector<int> taken_by(plan.old_stages(), -1);
+  for (int k = 0; k < static_cast<int>(plan.new_ranges.size()); ++k) {
+    const int j = plan.NewStageOf(k);
+    for (int o = OwnerStage(plan.old_ranges, plan.new_ranges[k].first);
+         o < static_cast<int>(plan.old_ranges.size()) &&
+         plan.old_ranges[o].second <= plan.new_ranges[k].second;
+         ++o) {
+      int& taker = taken_by[plan.OldStageOf(o)];
+      if (taker >= 0 && taker != j) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "shrink: old stage ", plan.OldStageOf(o), "'s ranges go to new stages ", taker,
+            " and ", j, "; a stage merges whole"));
+      }
+      taker = j;
+    }
+  }
+  const std::vector<int> survivors = SurvivingStages(plan);
+  for (size_t j = 0; j < survivors.size(); ++j) {
+    if (survivors[j] < 0 || (j == 0 && survivors[j] != 0) || (j > 0 && survivors[j] <= survivors[j - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shrink: the new stages' first old stages are ", absl::StrJoin(survivors, ","),
+          "; they must rise from 0 (groups of consecutive stages)"));
+    }
+  }
   return absl::OkStatus();
 }
 
 std::vector<int> SurvivingStages(const ShrinkPlan& plan) {
-  std::vector<int> out;
-  for (const auto& range : plan.new_ranges) out.push_back(OwnerStage(plan.old_ranges, range.first));
+  std::vector<int> out(plan.new_stages(), -1);
+  for (int k = 0; k < static_cast<int>(plan.new_ranges.size()); ++k) {
+    const int j = plan.NewStageOf(k);
+    for (int o = OwnerStage(plan.old_ranges, plan.new_ranges[k].first);
+         o >= 0 && o < static_cast<int>(plan.old_ranges.size()) &&
+         plan.old_ranges[o].second <= plan.new_ranges[k].second;
+         ++o) {
+      const int stage = plan.OldStageOf(o);
+      if (out[j] < 0 || stage < out[j]) out[j] = stage;
+    }
+  }
   return out;
 }
 
@@ -164,7 +212,8 @@ std::vector<ShrinkTransfer> ShrinkTransfers(const ShrinkPlan& plan) {
   const parallel::ParallelConfig& c = plan.old_config;
   const std::vector<int> survivors = SurvivingStages(plan);
   const int q = plan.new_stages();
-  const int p = plan.old_stages();
+  const int old_head = plan.OldStageOf(static_cast<int>(plan.old_ranges.size()) - 1);
+  const int new_head = plan.NewStageOf(static_cast<int>(plan.new_ranges.size()) - 1);
   std::vector<ShrinkTransfer> out;
   for (int d = 0; d < c.dp(); ++d) {
     for (int t = 0; t < c.tp; ++t) {
@@ -174,13 +223,17 @@ std::vector<ShrinkTransfer> ShrinkTransfers(const ShrinkPlan& plan) {
         auto add = [&](int src_stage, std::string unit) {
           out.push_back({c.Rank(t, d, src_stage), dst, std::move(unit)});
         };
-        // The embedding: on the first stage, and on the last as the source of the tied
-        // output weight's mirror (a head on a stage of its own mirrors the word embeddings).
-        if (j == 0 || (j == q - 1 && q > 1 && plan.tie_embeddings)) add(0, "embedding");
-        for (int64_t l = plan.new_ranges[j].first; l < plan.new_ranges[j].second; ++l) {
-          add(OwnerStage(plan.old_ranges, l), absl::StrCat("layers.", l));
+        // The embedding: on the first stage, and on the head's as the source of the tied
+        // output weight's mirror when that is another stage (ZB-V's head is on stage 0).
+        if (j == 0 || (j == new_head && plan.tie_embeddings)) add(0, "embedding");
+        // Its layers in model order, chunk after chunk.
+        for (int k = 0; k < static_cast<int>(plan.new_ranges.size()); ++k) {
+          if (plan.NewStageOf(k) != j) continue;
+          for (int64_t l = plan.new_ranges[k].first; l < plan.new_ranges[k].second; ++l) {
+            add(plan.OldStageOf(OwnerStage(plan.old_ranges, l)), absl::StrCat("layers.", l));
+          }
         }
-        if (j == q - 1) add(p - 1, "head");
+        if (j == new_head) add(old_head, "head");
       }
     }
   }

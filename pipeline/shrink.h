@@ -32,6 +32,7 @@
 // Not thread-safe; ExchangeState is collective over the old world.
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -45,24 +46,42 @@
 namespace fulcrum::pipeline {
 
 /// A planned shrink: the old layout and placement, and the coarsened placement.
+/// With virtual pipeline stages (NOTE [re-packing under chunks] in dynamic/repack.h) the
+/// ranges are per virtual stage, in model order, and the owners say which stage holds
+/// each; the new stages are groups of consecutive old ones merged chunk by chunk.
 struct ShrinkPlan {
   parallel::ParallelConfig old_config;
-  LayerRanges old_ranges;  ///< One range per old stage.
-  LayerRanges new_ranges;  ///< One range per new stage: unions of consecutive old ranges.
+  LayerRanges old_ranges;  ///< One range per old (virtual) stage.
+  LayerRanges new_ranges;  ///< One per new (virtual) stage: unions of consecutive old ranges.
+  /// The stage of each old resp. new range (VirtualOwners' stages); empty: range k is on
+  /// stage k (one chunk per stage).
+  std::vector<int> old_owner;
+  std::vector<int> new_owner;
   bool tie_embeddings = true;  ///< The model's (a separate head mirrors the embedding).
 
-  int old_stages() const { return static_cast<int>(old_ranges.size()); }
-  int new_stages() const { return static_cast<int>(new_ranges.size()); }
+  int old_stages() const { return Stages(old_ranges, old_owner); }
+  int new_stages() const { return Stages(new_ranges, new_owner); }
+  /// The stage that holds (virtual) range k of the old resp. new placement.
+  int OldStageOf(int k) const { return old_owner.empty() ? k : old_owner[k]; }
+  int NewStageOf(int k) const { return new_owner.empty() ? k : new_owner[k]; }
+
+ private:
+  static int Stages(const LayerRanges& ranges, const std::vector<int>& owner) {
+    int stages = owner.empty() ? static_cast<int>(ranges.size()) : 0;
+    for (int stage : owner) stages = std::max(stages, stage + 1);
+    return stages;
+  }
 };
 
 /// OK when `plan` can be carried out live: old_config valid, old_ranges a placement over
-/// old_config.pp stages, new_ranges a coarsening of it with fewer stages. InvalidArgument
-/// naming what is wrong otherwise.
+/// old_config.pp stages, new_ranges a coarsening of it with fewer stages, owners (if any)
+/// one per range, and every new stage made of old stages no other new stage takes from, the
+/// first new stage of old stage 0. InvalidArgument naming what is wrong otherwise.
 absl::Status ValidateShrinkPlan(const ShrinkPlan& plan);
 
 /// For each new stage, the old stage whose ranks hold it after the shrink: the first old
-/// stage of its group (old stage 0 keeps the embedding and world rank 0, which hosts the
-/// rendezvous store).
+/// stage of its group — the old stages whose ranges it takes (old stage 0 keeps the
+/// embedding and world rank 0, which hosts the rendezvous store).
 std::vector<int> SurvivingStages(const ShrinkPlan& plan);
 
 /// The layout after the shrink: new_stages() stages, the same tp and dp.

@@ -43,17 +43,20 @@ TrainerLayout ElasticController::trainer_layout() {
 // must not change a loss bit.
 absl::StatusOr<ForwardBackwardRunner*> ElasticController::InstallRunner(
     parallel::ProcessGroupContext& context, const std::string& timeline_path, bool one_stage) {
-  if (context.roles().pp_size == 1 && !one_stage) return nullptr;
+  const bool single = context.roles().pp_size == 1;
+  if (single && !one_stage) return nullptr;
   FULCRUM_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Rebalancer> rebalancer,
                            options_.make_rebalancer());
   // Replicas of this stage (data- and tensor-parallel) agree on the loads, so all apply
-  // the same moves.
+  // the same moves. One stage runs one chunk, under the schedule's one-chunk form (NOTE
+  // [re-packing under chunks] in dynamic/repack.h).
   auto runner = std::make_unique<pipeline::PipelineRunner>(
-      &context.group(parallel::GroupKind::kPipeline), options_.schedule,
+      &context.group(parallel::GroupKind::kPipeline),
+      single ? pipeline::OneStageScheduleName(options_.schedule) : options_.schedule,
       options_.micro_batch_size, std::move(rebalancer),
       std::vector<parallel::Communicator*>{&context.group(parallel::GroupKind::kTensor),
                                            &context.group(parallel::GroupKind::kData)},
-      one_stage ? 1 : options_.num_chunks);
+      single ? 1 : options_.num_chunks);
   runner->set_layer_timing(options_.layer_timing);
   runner->set_measured_zbv_order(options_.measured_zbv_order);
   if (!timeline_path.empty()) {
@@ -145,7 +148,17 @@ absl::Status ElasticController::ShrinkOnce(Trainer& trainer, bool* released) {
   const RankRoles old_roles = context_->roles();
   const int old_pp = old_roles.pp_size;
   const int old_world = old_roles.world_size;
-  const int new_pp = static_cast<int>(new_ranges.size());
+  // With chunks the placement has a range per virtual stage (NOTE [re-packing under
+  // chunks] in dynamic/repack.h); the new stages take the schedule's layout.
+  const int new_pp = dynamic::RanksOf(static_cast<int>(new_ranges.size()),
+                                      dynamic::ChunksPerRank(options_.schedule, options_.num_chunks));
+  std::vector<std::pair<int, int>> new_chunks;
+  if (new_pp > 1 && static_cast<int>(new_ranges.size()) > new_pp) {
+    FULCRUM_ASSIGN_OR_RETURN(
+        const std::vector<pipeline::ChunkId> layout,
+        dynamic::RepackLayout(options_.schedule, new_pp, options_.num_chunks));
+    for (const pipeline::ChunkId& id : layout) new_chunks.emplace_back(id.stage, id.chunk);
+  }
   const int new_world = old_world / old_pp * new_pp;
   const auto shrink_start = pipeline::TimelineRecorder::Clock::now();
   // The state travels from the Parameters (the distributed optimizer's slices made whole
@@ -158,7 +171,7 @@ absl::Status ElasticController::ShrinkOnce(Trainer& trainer, bool* released) {
   const std::string timeline_path = TimelinePathAfterShrink(options_.timeline, new_pp);
   FULCRUM_ASSIGN_OR_RETURN(
       std::unique_ptr<parallel::ProcessGroupContext> shrunk,
-      ShrinkLive(*context_, trainer, old_ranges, new_ranges, options_.tie_embeddings,
+      ShrinkLive(*context_, trainer, old_ranges, new_ranges, new_chunks, options_.tie_embeddings,
                  [&](parallel::ProcessGroupContext& next) {
                    return InstallRunner(next, timeline_path, /*one_stage=*/true);
                  }));
@@ -195,7 +208,9 @@ absl::Status ElasticController::ShrinkOnce(Trainer& trainer, bool* released) {
 }
 
 absl::Status ElasticController::RequestRelaunch(const Trainer& trainer) {
-  const int stages = static_cast<int>(repack_plan_->placement.size());
+  const int stages =
+      dynamic::RanksOf(static_cast<int>(repack_plan_->placement.size()),
+                       dynamic::ChunksPerRank(options_.schedule, options_.num_chunks));
   // Global rank 0 alone writes the launcher's request (NOTE [relaunch protocol]).
   if (roles().world_rank != 0) return absl::OkStatus();
   FULCRUM_ASSIGN_OR_RETURN(

@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/logging.h"
+#include "core/status.h"
+#include "pipeline/schedule.h"
 #include "pipeline/shrink.h"
 #include "recipes/relaunch_protocol.h"
 #include "recipes/train_flags.h"
@@ -39,6 +41,9 @@ DEFINE_bool(repack_via_checkpoint, false,
 DEFINE_string(on_release_command, "",
               "Shell command (sh -c) a rank released by a live shrink runs before it exits 0, "
               "with FULCRUM_RELEASED_RANK set (e.g. to hand its GPU back to the cluster).");
+
+// recipes/train_flags.cc's: re-packing keeps the chunks per stage, not the layers per chunk.
+DECLARE_int32(num_layers_per_virtual_pipeline_stage);
 
 namespace fulcrum {
 namespace {
@@ -77,6 +82,16 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
                      "--repack=auto or a --repack_script");
     }
     return out;
+  }
+  if (FLAGS_num_layers_per_virtual_pipeline_stage > 0) {
+    // NOTE [re-packing under chunks] in dynamic/repack.h: ranks merge chunk by chunk, so a
+    // stage keeps its chunk count and the layers per chunk grow; a relaunch would instead
+    // recompute the chunks from this flag, a different schedule from the one predicted.
+    return Invalid(absl::StrCat(
+        "re-packing keeps the model chunks per stage and merges their layers, so it cannot "
+        "keep --num_layers_per_virtual_pipeline_stage=",
+        FLAGS_num_layers_per_virtual_pipeline_stage,
+        "; give the chunks per stage (--virtual_pipeline_model_parallel_size) instead"));
   }
   if (automatic && !FLAGS_repack_script.empty()) {
     return Invalid(absl::StrCat("--repack=auto and --repack_script='", FLAGS_repack_script,
@@ -143,6 +158,19 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
       config.train.global_batch_size / (config.train.micro_batch_size * layout.dp());
   t.num_microbatches = static_cast<int>(micro);
   t.schedule = PipelineScheduleFlag();
+  FULCRUM_ASSIGN_OR_RETURN(t.num_chunks, VirtualPipelineChunksFromFlags(layout.pp));
+  // A step onto a stage count the schedule cannot run (interleaved: the micro-batches a
+  // multiple of the stages) is refused now, not at the shrink (NOTE [re-packing under
+  // chunks] in dynamic/repack.h; one stage runs the one-chunk form).
+  for (const auto& [iteration, stages] : t.script) {
+    if (stages < 2 || stages >= layout.pp) continue;
+    if (auto made = pipeline::MakeSchedule(t.schedule, stages, t.num_microbatches, t.num_chunks);
+        !made.ok()) {
+      return Invalid(absl::StrCat("--repack_script: step ", iteration, ":", stages,
+                                  " cannot run --pipeline_schedule=", t.schedule, " on ", stages,
+                                  " stages: ", made.status().message()));
+    }
+  }
   auto balancing = BalancerOptionsFromFlags();
   if (!balancing.ok()) return balancing.status();
   t.memory_budget = balancing->load.memory_budget_bytes;
@@ -175,11 +203,14 @@ absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig&
 
 absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
     parallel::ProcessGroupContext& old, Trainer& trainer, const pipeline::LayerRanges& old_ranges,
-    const pipeline::LayerRanges& new_ranges, bool tie_embeddings, const RunnerFactory& make_runner) {
+    const pipeline::LayerRanges& new_ranges, const std::vector<std::pair<int, int>>& new_chunks,
+    bool tie_embeddings, const RunnerFactory& make_runner) {
   pipeline::ShrinkPlan plan;
   plan.old_config = old.config();
   plan.old_ranges = old_ranges;
   plan.new_ranges = new_ranges;
+  plan.old_owner = old.VirtualStageRanks();
+  for (const auto& [stage, chunk] : new_chunks) plan.new_owner.push_back(stage);
   plan.tie_embeddings = tie_embeddings;
   if (absl::Status s = pipeline::ValidateShrinkPlan(plan); !s.ok()) return s;
   if (pipeline::NewRank(plan, old.roles().world_rank) < 0) {
@@ -195,6 +226,7 @@ absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
   auto context = parallel::ProcessGroupContext::Create(std::move(world),
                                                        pipeline::ShrunkConfig(plan), tie_embeddings);
   if (!context.ok()) return context.status();
+  if (!new_chunks.empty()) (*context)->SetVirtualStages(new_chunks);
   (*context)->SetInitialPlacement(new_ranges);
   absl::StatusOr<ForwardBackwardRunner*> runner = make_runner(**context);
   if (!runner.ok()) return runner.status();

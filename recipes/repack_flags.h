@@ -56,13 +56,17 @@ using RunnerFactory =
     std::function<absl::StatusOr<ForwardBackwardRunner*>(parallel::ProcessGroupContext& context)>;
 
 /// Carries out a live shrink on this rank (NOTE [live shrink] in pipeline/shrink.h) from
-/// `old` (the current layout, whose stages hold `old_ranges`) onto `new_ranges`. A survivor
+/// `old` (the current layout, whose stages hold `old_ranges`) onto `new_ranges`; with
+/// virtual pipeline stages the ranges are per virtual stage, `old`'s virtual stages say
+/// where the old ones are and `new_chunks` (stage, chunk) where the new ones go (empty: one
+/// chunk per stage; NOTE [re-packing under chunks] in dynamic/repack.h). A survivor
 /// gets the new context, which `trainer` already trains on with the runner `make_runner`
 /// built on it (both must outlive the trainer); a released rank gets null, has sent its
 /// state away and should exit 0. Collective over the old world.
 absl::StatusOr<std::unique_ptr<parallel::ProcessGroupContext>> ShrinkLive(
     parallel::ProcessGroupContext& old, Trainer& trainer, const pipeline::LayerRanges& old_ranges,
-    const pipeline::LayerRanges& new_ranges, bool tie_embeddings, const RunnerFactory& make_runner);
+    const pipeline::LayerRanges& new_ranges, const std::vector<std::pair<int, int>>& new_chunks,
+    bool tie_embeddings, const RunnerFactory& make_runner);
 
 /// Tells fulcrum_launch that global rank `rank` was released on purpose (NOTE [relaunch
 /// protocol]); nothing without a launcher that asked.

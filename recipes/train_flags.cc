@@ -19,9 +19,8 @@
 #include "pipeline/schedule.h"
 #include "recipes/recipes.h"
 
-// recipes/repack_flags.cc's: re-packing is refused under virtual pipeline stages.
+// recipes/repack_flags.cc's: --repack=auto needs the per-layer times.
 DECLARE_string(repack);
-DECLARE_string(repack_script);
 
 // Model.
 DEFINE_string(recipe, "tiny", "Preset of flags (see the list above); explicit flags override it.");
@@ -463,15 +462,6 @@ absl::StatusOr<parallel::ParallelConfig> ParallelConfigFromFlags(int world_size)
                                 "' is unknown; expected measured or unit"));
   }
   FULCRUM_ASSIGN_OR_RETURN(const int chunks, VirtualPipelineChunksFromFlags(config.pp));
-  if (chunks > 1) {
-    // Re-packing places one range per stage; layer moves (--rebalancer,
-    // --rebalance_script) and the parameter-balanced start work on the virtual stages
-    // (NOTE [early migration]).
-    if (FLAGS_repack != "off" || !FLAGS_repack_script.empty()) {
-      return Invalid("--repack re-places one range per stage; it does not support virtual "
-                     "pipeline stages (--virtual_pipeline_model_parallel_size > 1, zbv) yet");
-    }
-  }
   if (config.pp > 1) {
     const int64_t micro = FLAGS_global_batch_size / std::max<int64_t>(1, FLAGS_micro_batch_size * config.dp());
     auto schedule = pipeline::MakeSchedule(FLAGS_pipeline_schedule, config.pp,

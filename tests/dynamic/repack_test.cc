@@ -588,32 +588,6 @@ TEST(RepackTriggerTest, AutomaticDecidesOnItsIntervalFromMeasuredLoads) {
 namespace fulcrum::dynamic {
 namespace {
 
-// NOTE [re-packing under chunks]: virtual pipeline stages are refused, naming the flags.
-TEST(RepackTest, VirtualPipelineStagesAreRefused) {
-  EXPECT_TRUE(CheckRepackSupported("1f1b", 1).ok());
-  EXPECT_TRUE(CheckRepackSupported("zbh1", 1).ok());
-  const absl::Status zbv = CheckRepackSupported("zbv", 1);
-  EXPECT_EQ(zbv.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(zbv.message(), AllOf(HasSubstr("--pipeline_schedule=zbv"),
-                                   HasSubstr("runs 2 model chunks per stage")));
-  EXPECT_THAT(CheckRepackSupported("1f1b", 2).message(),
-              HasSubstr("--virtual_pipeline_model_parallel_size=2"));
-
-  RepackProblem problem = Uniform(8, "zbv", 4);
-  const absl::StatusOr<RepackPlan> plan = DecideRepack(problem, UniformPlacement(8, 4), {});
-  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(PredictIterationTime(problem, UniformPlacement(8, 4)).status().code(),
-            absl::StatusCode::kFailedPrecondition);
-
-  RepackTriggerOptions options;
-  options.automatic = true;
-  options.schedule = "1f1b";
-  options.num_chunks = 2;
-  RepackTrigger trigger(options);
-  EXPECT_THAT(trigger.Check(1, {{0, 4}, {4, 8}}, {}).status().message(),
-              HasSubstr("does not support virtual pipeline stages"));
-}
-
 // NOTE [forward-only stages] in the re-packing decision: a placement's stages that lie
 // wholly in the frozen prefix are predicted forward only, as training runs them. Two
 // stages, 1F1B, m = 4, stage 0 one frozen layer of F = 3, stage 1 one layer of F = 1 and

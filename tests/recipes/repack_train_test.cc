@@ -1,7 +1,8 @@
 // Re-packing through the real binaries (dynamic/repack.h, pipeline/shrink.h,
 // recipes/relaunch_protocol.h): a forced shrink pp=4 → pp=2 after iteration 6, live and
 // through a checkpoint, pp=2×dp=2 → pp=1×dp=2 live, and live with the moe and early_exit
-// plugins, tp=2 and ep=2, each trains the losses of the run that never shrinks; the
+// plugins, tp=2 and ep=2, and under ZB-V and interleaved 1F1B (virtual stages merged chunk by
+// chunk), each trains the losses of the run that never shrinks; the
 // released ranks exit 0, the launcher exits 0 and says who was released; a checkpoint
 // written after a shrink resumes under another layout.
 #include <string>
@@ -233,6 +234,47 @@ TEST_F(SlowRepackTrainTest, Ep2Pp2ToEp2Pp1LiveKeepsTheLosses) {
                                  2, 1);
 }
 
+// Virtual pipeline stages (NOTE [re-packing under chunks] in dynamic/repack.h): 8 layers
+// on a V of 4 ranks (virtual stages 0..7 on ranks 0 1 2 3 3 2 1 0) packed onto a V of 2
+// after iteration 6 — new rank 0 takes layers 0-1 and 6-7 from old ranks 0 and 1, new rank
+// 1 layers 2-5 from ranks 2 and 3, the V's turn split between its two chunks — trains the
+// losses of the V that never shrinks, bit for bit; likewise interleaved 1F1B with 2 chunks
+// (round-robin: new rank 0 takes virtual stages 0-1 and 4-5). m = 4 micro-batches, which
+// interleaving needs on 4 and on 2 ranks. The V also through a checkpoint.
+TEST_F(SlowRepackTrainTest, ZbvPp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
+  const auto [still, live] = ExpectLiveShrinkKeepsTheLosses(
+      "zbv_pp4",
+      "--num_layers=8 --micro_batch_size=4 --pipeline_model_parallel_size=4 "
+      "--pipeline_schedule=zbv",
+      4, 2);
+  ASSERT_EQ(live.size(), static_cast<size_t>(kIterations));
+  EXPECT_EQ(live[kShrinkAfter - 1]["stage_ranges"].dump(),
+            "[[0,1],[1,2],[2,3],[3,4],[4,5],[5,6],[6,7],[7,8]]");
+  EXPECT_EQ(live[kShrinkAfter]["stage_ranges"].dump(), "[[0,2],[2,4],[4,6],[6,8]]");
+
+  // Through a checkpoint: the relaunch on 2 ranks lays the V out afresh, the same losses.
+  std::string output;
+  const std::string save = *dir_ + "/ckpt_zbv";
+  const std::vector<nlohmann::json> relaunched =
+      Train(4, "zbv_ckpt",
+            "--num_layers=8 --micro_batch_size=4 --pipeline_model_parallel_size=4 "
+            "--pipeline_schedule=zbv --repack_script=6:2 --repack_via_checkpoint --save=" + save,
+            &output);
+  ExpectShrunk(relaunched, 4, 2, 4, 2);
+  EXPECT_NE(output.find("relaunching 2 with --pipeline_model_parallel_size=2 --load=" + save),
+            std::string::npos)
+      << output;
+  ExpectSameLosses(relaunched, still);
+}
+
+TEST_F(SlowRepackTrainTest, InterleavedPp4ToPp2LiveKeepsTheLosses) {
+  ExpectLiveShrinkKeepsTheLosses("interleaved_pp4",
+                                 "--num_layers=8 --micro_batch_size=4 "
+                                 "--pipeline_model_parallel_size=4 "
+                                 "--virtual_pipeline_model_parallel_size=2",
+                                 4, 2);
+}
+
 // NOTE [overdue script step]: a pp=4 run saved after iteration 4 on four stages (as a
 // SIGTERM in the step's own iteration leaves it), resumed with --repack_script=3:2: the
 // step is past, so the resumed run re-packs after its first iteration and says why —
@@ -263,14 +305,17 @@ TEST_F(SlowRepackTrainTest, ResumedRunPastAScriptStepRepacksAtItsFirstIteration)
 }
 
 // Re-packing targets that cannot happen on the layout are refused before any work: a
-// script step onto as many stages as there are or more, and an output only written at the
-// end (--timeline). Two processes, pp=2.
+// script step onto as many stages as there are or more, an output only written at the
+// end (--timeline), and chunks given as layers per virtual stage. Two processes, pp=2.
 TEST(SlowRepackFlagsTest, TargetsThePipelineCannotReachExitTwoNamingThem) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--repack_script=2:8", "--repack_script: step 2:8 cannot happen"},
       {"--repack_script=2:2", "--repack_script: step 2:2 cannot happen"},
       {"--timeline=/proc/fulcrum_no_such_dir/t.json",
        "--timeline=/proc/fulcrum_no_such_dir/t.json cannot be written"},
+      // NOTE [re-packing under chunks]: a stage keeps its chunks, not its layers per chunk.
+      {"--repack_script=2:1 --num_layers_per_virtual_pipeline_stage=1",
+       "cannot keep --num_layers_per_virtual_pipeline_stage=1"},
   };
   for (const auto& [flags, message] : cases) {
     SCOPED_TRACE(flags);
@@ -285,6 +330,27 @@ TEST(SlowRepackFlagsTest, TargetsThePipelineCannotReachExitTwoNamingThem) {
     EXPECT_NE(output.find(message), std::string::npos) << output;
     EXPECT_EQ(output.find("iteration 1"), std::string::npos) << "no training may start: " << output;
   }
+}
+
+// NOTE [re-packing under chunks]: interleaved 1F1B needs the micro-batches to be a multiple
+// of the stages, so with m = 3 on 3 stages of 2 chunks a step onto 2 stages cannot run; it
+// is refused before any work, naming the step and the schedule's reason. Three processes.
+TEST(SlowRepackFlagsTest, AStepTheInterleavedScheduleCannotRunExitsTwo) {
+  std::string output;
+  EXPECT_EQ(testing::RunCommand(
+                testing::TrainCommand(
+                    3, "--recipe=tiny --num_layers=6 --train_iters=3 --eval_interval=0 "
+                       "--global_batch_size=24 --micro_batch_size=8 "
+                       "--pipeline_model_parallel_size=3 --virtual_pipeline_model_parallel_size=2 "
+                       "--repack_script=2:2"),
+                &output),
+            2)
+      << output;
+  EXPECT_NE(output.find("--repack_script: step 2:2 cannot run --pipeline_schedule=1f1b on 2 "
+                        "stages"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("iteration 1"), std::string::npos) << "no training may start: " << output;
 }
 
 // The re-packing flags are checked before any work: exit 2 and one line naming the value.

@@ -123,7 +123,9 @@ TEST(ChunkSimulationTest, BalancedRanksAreNeverBusierAndFasterWithManyMicroBatch
     std::printf("[ chunk sim ] m = %dp: %d of %d balanced runs slower than uniform; worst "
                 "%+.1f%%; mean time balanced/uniform %.4f\n",
                 per_stage, slower, runs, 100 * worst, mean);
-    if (per_stage == 8) EXPECT_LT(mean, 1.0);
+    if (per_stage == 8) {
+      EXPECT_LT(mean, 1.0);
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // fulcrum_sim --repack's column: the stages re-packing keeps in each simulated iteration are
 // DecideRepack's decision (fulcrum_train --repack=auto's) on that iteration's placement and
 // costs, and they do fall when layers become nearly free (a frozen prefix).
+#include <string>
 #include <vector>
 
 #include "dynamic/repack.h"
@@ -11,10 +12,15 @@
 namespace fulcrum::dynamic {
 namespace {
 
-TEST(RepackedStagesTest, AreTheLiveDecisionOnEachIterationsPlacementAndCosts) {
-  // 8 equal layers on 4 stages, ZB-H1, 8 micro-batches; from iteration 4 layers 0-5 are
-  // frozen: forward only, at 0.3 of a layer's forward, no B or W.
-  Scenario s = FixedCostScenario(std::vector<double>(8, 1.0), 4, 8, "zbh1", 6);
+// 8 equal layers on 4 stages, 8 micro-batches; from iteration 4 layers 0-5 are frozen:
+// forward only, at 0.3 of a layer's forward, no B or W. ZB-H1, and ZB-V (8 virtual stages
+// of one layer; NOTE [re-packing under chunks] in dynamic/repack.h).
+class RepackedStagesTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(RepackedStagesTest, AreTheLiveDecisionOnEachIterationsPlacementAndCosts) {
+  const std::string schedule = GetParam();
+  Scenario s = FixedCostScenario(std::vector<double>(8, 1.0), 4, 8, schedule, 6,
+                                 schedule == "zbv" ? 2 : 1);
   s.costs = [](int64_t iteration) {
     IterationCosts c = UniformKindCosts(std::vector<double>(8, 1.0), 1e6);
     if (iteration >= 4) {
@@ -37,7 +43,9 @@ TEST(RepackedStagesTest, AreTheLiveDecisionOnEachIterationsPlacementAndCosts) {
     const absl::StatusOr<RepackPlan> plan =
         DecideRepack(RepackProblemOf(s, s.costs(it.iteration)), it.placement, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_EQ((*stages)[i], static_cast<int>(plan->placement.size())) << "iteration " << it.iteration;
+    EXPECT_EQ((*stages)[i], RanksOf(static_cast<int>(plan->placement.size()),
+                                    ChunksPerRank(schedule, s.num_chunks)))
+        << "iteration " << it.iteration;
   }
   // Dense: every stage equally busy, and merging two doubles a stage's work — none packs.
   EXPECT_EQ((*stages)[0], 4);
@@ -46,6 +54,8 @@ TEST(RepackedStagesTest, AreTheLiveDecisionOnEachIterationsPlacementAndCosts) {
   EXPECT_LT((*stages)[3], 4);
   EXPECT_EQ((*stages)[5], (*stages)[3]);
 }
+
+INSTANTIATE_TEST_SUITE_P(Schedules, RepackedStagesTest, ::testing::Values("zbh1", "zbv"));
 
 }  // namespace
 }  // namespace fulcrum::dynamic

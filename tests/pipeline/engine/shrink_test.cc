@@ -99,6 +99,41 @@ TEST(ShrinkTest, TensorAndExpertParallelLayoutsShrinkLive) {
   EXPECT_EQ(ShrunkConfig(plan).ep, 2);
 }
 
+// NOTE [re-packing under chunks]: ZB-V on 4 ranks (virtual stages 0..7 on ranks
+// 0 1 2 3 3 2 1 0, one layer each) onto 2 (a V of 0 1 1 0): ranks 0 and 2 survive, each
+// new rank takes its chunks' layers from the old ranks that held them, the head stays with
+// the embedding on rank 0 (no mirror to fill).
+TEST(ShrinkTest, AVShrinksChunkByChunk) {
+  ShrinkPlan plan = Plan(4, 4, {{0, 1}, {1, 2}, {2, 3}, {3, 4}, {4, 5}, {5, 6}, {6, 7}, {7, 8}},
+                         {{0, 2}, {2, 4}, {4, 6}, {6, 8}});
+  plan.old_owner = {0, 1, 2, 3, 3, 2, 1, 0};
+  plan.new_owner = {0, 1, 1, 0};
+  ASSERT_TRUE(ValidateShrinkPlan(plan).ok()) << ValidateShrinkPlan(plan);
+  EXPECT_EQ(plan.old_stages(), 4);
+  EXPECT_EQ(plan.new_stages(), 2);
+  EXPECT_EQ(SurvivingStages(plan), (std::vector<int>{0, 2}));
+  EXPECT_EQ(NewRank(plan, 2), 1);
+  EXPECT_EQ(NewRank(plan, 3), -1);
+  std::vector<std::string> got;
+  for (const ShrinkTransfer& t : ShrinkTransfers(plan)) {
+    got.push_back(absl::StrCat(t.unit, " ", t.src, "->", t.dst));
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{
+                     "embedding 0->0", "layers.0 0->0", "layers.1 1->0", "layers.6 1->0",
+                     "layers.7 0->0", "head 0->0",  //
+                     "layers.2 2->2", "layers.3 3->2", "layers.4 3->2", "layers.5 2->2"}));
+  // Onto one rank: one range, every layer to rank 0.
+  plan.new_ranges = {{0, 8}};
+  plan.new_owner.clear();
+  ASSERT_TRUE(ValidateShrinkPlan(plan).ok()) << ValidateShrinkPlan(plan);
+  EXPECT_EQ(SurvivingStages(plan), (std::vector<int>{0}));
+  // A new rank may not take part of an old rank's chunks: old rank 1's virtual 1 and 6
+  // would go to different new ranks.
+  plan.new_ranges = {{0, 2}, {2, 4}, {4, 7}, {7, 8}};
+  plan.new_owner = {0, 1, 1, 0};
+  EXPECT_THAT(ValidateShrinkPlan(plan).message(), HasSubstr("a stage merges whole"));
+}
+
 // tp = 2, pp 2 → 1: each tensor-parallel shard moves to the survivor with the same tp rank
 // (stage 1's ranks 2 and 3 send to ranks 0 and 1), so every slice keeps its shape.
 TEST(ShrinkTest, TransfersPairTheSameTensorParallelRank) {

@@ -1,0 +1,348 @@
+// Re-packing under virtual pipeline stages (NOTE [re-packing under chunks] in
+// dynamic/repack.h): ranks merge chunk by chunk into the V's and the round-robin layout of
+// fewer ranks (placements worked out by hand), the prediction is the chunked schedule's
+// (against a direct simulation and the one-rank closed form), a rank's memory counts both
+// chunks, the decision equals a brute force over every rank grouping, interleaved
+// schedules refuse rank counts the micro-batches do not divide, and the measured chunked
+// loads become the problem in model order. The live shrink runs in
+// tests/recipes/repack_train_test.cc (SlowRepackTrainTest.ZbvPp2ToPp1...).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dynamic/repack.h"
+#include "dynamic/repack_trigger.h"
+#include "dynamic/stage_costs.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pipeline/schedule.h"
+#include "pipeline/schedule_simulator.h"
+
+namespace fulcrum::dynamic {
+namespace {
+
+using ::testing::HasSubstr;
+
+Placement Singles(int n) {
+  Placement placement;
+  for (int l = 0; l < n; ++l) placement.push_back({l, l + 1});
+  return placement;
+}
+
+// ZB-V on 4 ranks: virtual stages 0 1 2 3 4 5 6 7 on ranks 0 1 2 3 3 2 1 0. Merging ranks
+// {0,1},{2,3} merges virtual stages 0-1 and 2-3 down the V and 4-5 and 6-7 up it — the
+// bottom turn (3, 4 on rank 3) splits between the new rank 1's two chunks, it does not merge.
+TEST(RepackChunksTest, TheVMergesRanksChunkByChunk) {
+  const Placement eight = Singles(8);
+  EXPECT_EQ(*CoarsenRanks(eight, "zbv", 2, {1}), (Placement{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  // {0},{1,2,3}: rank 0 keeps virtual 0 and 7; the rest is one rank's chunks 1-3 and 4-6.
+  EXPECT_EQ(*CoarsenRanks(eight, "zbv", 2, {0}), (Placement{{0, 1}, {1, 4}, {4, 7}, {7, 8}}));
+  // {0},{1,2},{3}: a V of three.
+  EXPECT_EQ(*CoarsenRanks(eight, "zbv", 2, {0, 2}),
+            (Placement{{0, 1}, {1, 3}, {3, 4}, {4, 5}, {5, 7}, {7, 8}}));
+  // One rank runs one chunk: the whole model.
+  EXPECT_EQ(*CoarsenRanks(eight, "zbv", 2, {}), (Placement{{0, 8}}));
+  // Uneven ranges keep their layers: ranks {0,1} and {2,3} of a V of 12 layers.
+  const Placement uneven = {{0, 1}, {1, 3}, {3, 4}, {4, 5}, {5, 8}, {8, 9}, {9, 11}, {11, 12}};
+  EXPECT_EQ(*CoarsenRanks(uneven, "zbv", 1, {1}), (Placement{{0, 3}, {3, 5}, {5, 9}, {9, 12}}));
+}
+
+// Interleaved (round-robin) on 4 ranks, 2 chunks: virtual k on rank k % 4.
+TEST(RepackChunksTest, RoundRobinMergesRanksChunkByChunk) {
+  const Placement eight = Singles(8);
+  EXPECT_EQ(*CoarsenRanks(eight, "1f1b", 2, {1}), (Placement{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  EXPECT_EQ(*CoarsenRanks(eight, "1f1b", 2, {0}), (Placement{{0, 1}, {1, 4}, {4, 5}, {5, 8}}));
+  EXPECT_EQ(*CoarsenRanks(eight, "zbh1", 2, {0, 1}),
+            (Placement{{0, 1}, {1, 2}, {2, 4}, {4, 5}, {5, 6}, {6, 8}}));
+  // One chunk per rank: consecutive stages merge.
+  EXPECT_EQ(*CoarsenRanks(Singles(4), "1f1b", 1, {1}), (Placement{{0, 2}, {2, 4}}));
+  EXPECT_EQ(*EvenCoarsening(eight, 2, "zbv", 2), *CoarsenRanks(eight, "zbv", 2, {1}));
+  EXPECT_EQ(*EvenCoarsening(eight, 4, "zbv", 2), eight);
+  EXPECT_THAT(EvenCoarsening(eight, 5, "zbv", 2).status().message(),
+              HasSubstr("cannot pack 4 pipeline stages onto 5"));
+  EXPECT_THAT(CoarsenRanks(eight, "zbv", 2, {3}).status().message(), HasSubstr("cut after rank 3"));
+  EXPECT_THAT(CoarsenRanks(eight, "zbv", 2, {1, 0}).status().message(), HasSubstr("out of order"));
+  EXPECT_THAT(CoarsenRanks(Singles(7), "zbv", 2, {1}).status().message(),
+              HasSubstr("7 ranges are no placement of 2-chunk ranks"));
+}
+
+RepackProblem Random(std::mt19937& rng, int layers, const std::string& schedule, int chunks,
+                     int microbatches) {
+  std::uniform_real_distribution<double> cost(0.2, 2.0);
+  RepackProblem problem;
+  for (int l = 0; l < layers; ++l) {
+    problem.layer_forward.push_back(cost(rng));
+    problem.layer_backward.push_back(cost(rng));
+    problem.layer_weight.push_back(cost(rng));
+    problem.layer_state_bytes.push_back(std::round(100 * cost(rng)));
+    problem.layer_activation_bytes.push_back(std::round(10 * cost(rng)));
+  }
+  problem.first_stage = {cost(rng), cost(rng), cost(rng)};
+  problem.last_stage = {cost(rng), cost(rng), cost(rng)};
+  problem.first_stage_pinned_bytes = 50;
+  problem.last_stage_pinned_bytes = 70;
+  problem.p2p = 0.1;
+  problem.schedule = schedule;
+  problem.num_chunks = chunks;
+  problem.num_microbatches = microbatches;
+  return problem;
+}
+
+// A random placement of `layers` into `ranges` non-empty contiguous ranges.
+Placement RandomPlacement(std::mt19937& rng, int layers, int ranges) {
+  std::vector<int> cuts(layers - 1);
+  for (int i = 0; i < layers - 1; ++i) cuts[i] = i + 1;
+  std::shuffle(cuts.begin(), cuts.end(), rng);
+  cuts.resize(ranges - 1);
+  std::sort(cuts.begin(), cuts.end());
+  Placement placement;
+  int begin = 0;
+  for (int c : cuts) placement.push_back({begin, c}), begin = c;
+  placement.push_back({begin, layers});
+  return placement;
+}
+
+// The prediction of a chunked placement is the chunked schedule simulated on each virtual
+// stage's own costs (embedding on virtual 0, head on the last — ZB-V: both on rank 0); on
+// one rank it is the closed form m · (every layer's F + B + W + the pinned ones).
+TEST(RepackChunksTest, PredictionIsTheChunkedScheduleOnTheVirtualStagesCosts) {
+  std::mt19937 rng(7);
+  const RepackProblem problem = Random(rng, 12, "zbv", 2, 6);
+  const Placement four = {{0, 2}, {2, 6}, {6, 9}, {9, 12}};
+  const absl::StatusOr<pipeline::Schedule> v = pipeline::MakeSchedule("zbv", 2, 6, 2);
+  ASSERT_TRUE(v.ok());
+  std::vector<pipeline::ActionCosts> costs(4);
+  for (int k = 0; k < 4; ++k) {
+    costs[k].forward = RangeSum(problem.layer_forward, four[k]);
+    costs[k].backward_input = RangeSum(problem.layer_backward, four[k]);
+    costs[k].backward_weight = RangeSum(problem.layer_weight, four[k]);
+    costs[k].p2p = problem.p2p;
+  }
+  costs[0].forward += problem.first_stage.forward;
+  costs[0].backward_input += problem.first_stage.backward_input;
+  costs[0].backward_weight += problem.first_stage.backward_weight;
+  costs[3].forward += problem.last_stage.forward;
+  costs[3].backward_input += problem.last_stage.backward_input;
+  costs[3].backward_weight += problem.last_stage.backward_weight;
+  const absl::StatusOr<double> time = PredictIterationTime(problem, four);
+  ASSERT_TRUE(time.ok()) << time.status();
+  EXPECT_NEAR(*time, pipeline::Simulate(*v, costs).makespan, 1e-9);
+  // The same ranges as a one-chunk pipeline of 4 stages would be another schedule.
+  EXPECT_GT(std::abs(*time - pipeline::Simulate(*pipeline::MakeSchedule("zbh1", 4, 6), costs).makespan),
+            1e-6);
+
+  double all = 0;
+  for (int l = 0; l < 12; ++l) {
+    all += problem.layer_forward[l] + problem.layer_backward[l] + problem.layer_weight[l];
+  }
+  for (const pipeline::ActionCosts& c : {problem.first_stage, problem.last_stage}) {
+    all += c.forward + c.backward_input + c.backward_weight;
+  }
+  const absl::StatusOr<double> one = PredictIterationTime(problem, {{0, 12}});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_NEAR(*one, 6 * all, 1e-9);
+  EXPECT_THAT(PredictIterationTime(problem, {{0, 6}, {6, 12}}).status().message(),
+              HasSubstr("expected one range (one rank) or q·2 for q ≥ 2 ranks"));
+}
+
+// A V rank holds both its chunks: their state, the pinned state of both ends on rank 0,
+// and the activations it holds at its peak. With chunks of equal activation bytes b the
+// peak is PeakInFlight · b exactly; with one chunk's bytes zero it is below.
+TEST(RepackChunksTest, ARanksMemoryCountsBothChunks) {
+  RepackProblem problem;
+  problem.layer_forward.assign(8, 1.0);
+  problem.layer_backward.assign(8, 1.0);
+  problem.layer_weight.assign(8, 1.0);
+  problem.layer_state_bytes = {1, 2, 4, 8, 16, 32, 64, 128};
+  problem.layer_activation_bytes.assign(8, 5.0);
+  problem.first_stage_pinned_bytes = 1000;
+  problem.last_stage_pinned_bytes = 3000;
+  problem.schedule = "zbv";
+  problem.num_microbatches = 4;
+  const Placement four = {{0, 2}, {2, 4}, {4, 6}, {6, 8}};  // rank 0: 0-2, 6-8; rank 1: 2-6
+  const absl::StatusOr<pipeline::Schedule> v = pipeline::MakeSchedule("zbv", 2, 4, 2);
+  ASSERT_TRUE(v.ok());
+  const absl::StatusOr<std::vector<double>> memory = RepackStageMemory(problem, four);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  ASSERT_EQ(memory->size(), 2u);
+  EXPECT_DOUBLE_EQ((*memory)[0], 1 + 2 + 64 + 128 + 1000 + 3000 + pipeline::PeakInFlight(*v, 0) * 10.0);
+  EXPECT_DOUBLE_EQ((*memory)[1], 4 + 8 + 16 + 32 + pipeline::PeakInFlight(*v, 1) * 10.0);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_DOUBLE_EQ(pipeline::PeakHeldBytes(*v, s, {10, 10}), pipeline::PeakInFlight(*v, s) * 10.0);
+    EXPECT_LT(pipeline::PeakHeldBytes(*v, s, {10, 0}), pipeline::PeakInFlight(*v, s) * 10.0);
+  }
+}
+
+// Every rank grouping simulated: the admissible one with the fewest ranks, then the
+// fastest, then the first in lexicographic order of its cuts (DecideRepack's rule).
+struct Best {
+  bool found = false;
+  Placement placement;
+  double time = 0;
+};
+
+Best BruteForce(const RepackProblem& problem, const Placement& current, int p,
+                const RepackOptions& options) {
+  const double bound = (1 + options.max_slowdown) * *PredictIterationTime(problem, current);
+  Best best;
+  for (int q = options.min_stages; q < p && !best.found; ++q) {
+    std::vector<std::vector<int>> groupings;
+    for (uint32_t mask = 0; mask < (1u << (p - 1)); ++mask) {
+      if (__builtin_popcount(mask) != q - 1) continue;
+      std::vector<int> cuts;
+      for (int r = 0; r < p - 1; ++r) {
+        if (mask & (1u << r)) cuts.push_back(r);
+      }
+      groupings.push_back(cuts);
+    }
+    std::sort(groupings.begin(), groupings.end());
+    for (const std::vector<int>& cuts : groupings) {
+      const absl::StatusOr<Placement> candidate =
+          CoarsenRanks(current, problem.schedule, problem.num_chunks, cuts);
+      EXPECT_TRUE(candidate.ok()) << candidate.status();
+      const absl::StatusOr<double> time = PredictIterationTime(problem, *candidate);
+      if (!time.ok()) break;  // the schedule cannot run on q ranks
+      const absl::StatusOr<std::vector<double>> memory = RepackStageMemory(problem, *candidate);
+      if (*std::max_element(memory->begin(), memory->end()) > problem.memory_budget) continue;
+      if (*time > bound) continue;
+      if (!best.found || *time < best.time) best = {true, *candidate, *time};
+    }
+  }
+  return best;
+}
+
+TEST(RepackChunksTest, DecisionEqualsTheBruteForceOverRankGroupings) {
+  std::mt19937 rng(2029);
+  int repacked = 0, kept = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const bool v = trial % 2 == 0;
+    const int p = 3 + trial % 4;  // 3..6 ranks
+    const int layers = 2 * p + 6;
+    RepackProblem problem = Random(rng, layers, v ? "zbv" : "1f1b", 2, v ? 8 : 12);
+    const Placement current = RandomPlacement(rng, layers, 2 * p);
+    problem.memory_budget = std::uniform_real_distribution<double>(600, 2500)(rng);
+    RepackOptions options;
+    options.max_slowdown = std::uniform_real_distribution<double>(0.0, 0.6)(rng);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " " << problem.schedule << " p=" << p
+                                      << " " << FormatPlacement(current));
+    const Best expected = BruteForce(problem, current, p, options);
+    const absl::StatusOr<RepackPlan> plan = DecideRepack(problem, current, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->repack, expected.found) << plan->note;
+    if (!expected.found) {
+      ++kept;
+      continue;
+    }
+    ++repacked;
+    EXPECT_EQ(plan->placement, expected.placement) << plan->note;
+    EXPECT_EQ(plan->predicted_after, expected.time);
+    // The fast path (least bottleneck, then first fit) finds an admissible grouping too,
+    // never one with fewer ranks than the optimum.
+    options.exhaustive_up_to = 1;
+    const absl::StatusOr<RepackPlan> fast = DecideRepack(problem, current, options);
+    ASSERT_TRUE(fast.ok()) << fast.status();
+    if (fast->repack) {
+      EXPECT_GE(fast->placement.size(), expected.placement.size());
+      EXPECT_LE(fast->peak_memory, problem.memory_budget);
+      EXPECT_LE(fast->predicted_after, (1 + options.max_slowdown) * fast->predicted_before);
+    }
+  }
+  EXPECT_GT(repacked, 10);
+  EXPECT_GT(kept, 5);
+}
+
+// Interleaved schedules need m % q = 0: with m = 4 on 4 ranks, 3 ranks are no candidate
+// (the note says why) and 2 are.
+TEST(RepackChunksTest, InterleavedRefusesRankCountsTheMicroBatchesDoNotDivide) {
+  RepackProblem problem;
+  problem.layer_forward = {1, 0.1, 0.1, 0.1, 1, 0.1, 0.1, 0.1};
+  problem.layer_backward = problem.layer_forward;
+  problem.layer_weight.assign(8, 0.0);
+  problem.schedule = "1f1b";
+  problem.num_chunks = 2;
+  problem.num_microbatches = 4;
+  RepackOptions options;
+  options.min_stages = 3;
+  options.max_slowdown = 10;
+  absl::StatusOr<RepackPlan> plan = DecideRepack(problem, Singles(8), options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->repack);
+  EXPECT_THAT(plan->note, HasSubstr("not on 3 stages"));
+  options.min_stages = 2;
+  plan = DecideRepack(problem, Singles(8), options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->repack) << plan->note;
+  EXPECT_EQ(plan->placement.size(), 4u) << "two ranks of two chunks";
+}
+
+// What a ZB-V pipeline of 2 ranks measures (pipeline/rebalancer.h NOTE [rebalancing under
+// chunks]): rank 0 holds layers 0-1 and 6-7, rank 1 layers 2-5, per-layer values in chunk
+// order; rank 0's chunk 0 ran the embedding (4 ms over m = 2), its chunk 1 the head (8 ms).
+TEST(RepackChunksTest, ChunkedLoadsBecomeTheProblemInModelOrder) {
+  std::vector<pipeline::StageLoad> loads(2);
+  loads[0].stage = 0;
+  loads[0].chunk_ranges = {{0, 2}, {6, 8}};
+  loads[1].stage = 1;
+  loads[1].layer_begin = 2;
+  loads[1].layer_end = 6;
+  loads[1].chunk_ranges = {{2, 4}, {4, 6}};
+  for (pipeline::StageLoad& load : loads) {
+    for (const auto& [begin, end] : load.chunk_ranges) {
+      double f = 0;
+      for (int64_t l = begin; l < end; ++l) {
+        load.layer_forward_ms.push_back(2.0 * (l + 1));
+        load.layer_backward_ms.push_back(4.0 * (l + 1));
+        load.layer_weight_ms.push_back(0);
+        load.layer_state_bytes.push_back(100);
+        f += 2.0 * (l + 1);
+      }
+      load.chunk_forward_ms.push_back(f);
+      load.chunk_backward_ms.push_back(2 * f);
+      load.chunk_weight_ms.push_back(0);
+    }
+    load.parameter_bytes = 400;
+  }
+  loads[0].chunk_forward_ms[0] += 4;
+  loads[0].chunk_backward_ms[1] += 8;
+  loads[0].parameter_bytes += 250;
+  const absl::StatusOr<RepackProblem> problem =
+      RepackProblemFromLoads(loads, "zbv", 2, 1e9, 2);
+  ASSERT_TRUE(problem.ok()) << problem.status();
+  EXPECT_EQ(problem->layer_forward, (std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(problem->layer_backward, (std::vector<double>{2, 4, 6, 8, 10, 12, 14, 16}));
+  EXPECT_EQ(problem->first_stage.forward, 2);
+  EXPECT_EQ(problem->first_stage.backward_input, 0);
+  EXPECT_EQ(problem->last_stage.forward, 0);
+  EXPECT_EQ(problem->last_stage.backward_input, 4);
+  EXPECT_EQ(problem->first_stage_pinned_bytes, 250);
+  EXPECT_EQ(problem->last_stage_pinned_bytes, 0) << "rank 0's pinned state, counted once";
+  EXPECT_EQ(problem->num_chunks, 2);
+  // A gap in the chunks is refused.
+  loads[1].chunk_ranges[1] = {5, 6};
+  EXPECT_FALSE(RepackProblemFromLoads(loads, "zbv", 2, 1e9, 2).ok());
+}
+
+// --repack_script under ZB-V: 4 ranks onto 2 after iteration 5, chunk by chunk.
+TEST(RepackChunksTest, AScriptPacksAVOntoFewerRanks) {
+  RepackTriggerOptions options;
+  options.schedule = "zbv";
+  options.script = {{5, 2}};
+  RepackTrigger trigger(options);
+  pipeline::LayerRanges eight;
+  for (int64_t l = 0; l < 8; ++l) eight.emplace_back(l, l + 1);
+  EXPECT_FALSE(trigger.Check(4, eight, {})->has_value());
+  const absl::StatusOr<std::optional<RepackPlan>> plan = trigger.Check(5, eight, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(plan->has_value());
+  EXPECT_EQ((*plan)->placement, (Placement{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  EXPECT_THAT((*plan)->note, HasSubstr("packs 4 stages onto 2"));
+  // Packed already (4 ranges are 2 ranks): nothing more to do.
+  EXPECT_FALSE(trigger.Check(6, {{0, 2}, {2, 4}, {4, 6}, {6, 8}}, {})->has_value());
+}
+
+}  // namespace
+}  // namespace fulcrum::dynamic

@@ -305,6 +305,13 @@ void GptModel::FoldTiedHeadGradient() const {
   }
 }
 
+int64_t GptModel::TiedHeadGradientBytes() const {
+  if (!embedding_ || !head_ || !options_.tie_embeddings || num_chunks() < 2) return 0;
+  const at::Tensor& weight = embedding_->word_embeddings();
+  if (!weight.requires_grad()) return 0;  // frozen: the head's handle gathers nothing
+  return weight.numel() * static_cast<int64_t>(weight.element_size());
+}
+
 bool GptModel::needs_token_positions() const {
   for (const auto& [index, layer] : layers_) {
     if (layer->feed_forward() != nullptr && layer->feed_forward()->needs_token_positions()) return true;

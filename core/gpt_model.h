@@ -247,9 +247,14 @@ class GptModel {
   /// any order. Called by the executor before the embedding's gradient is reported and at
   /// the end of every run; a no-op elsewhere (no chunks, untied, or not both here). The
   /// cost: during a run that rank holds a second vocab/tp × h gradient (the one a pipeline
-  /// with the two on different ranks keeps on its mirror), which the balancers' memory
-  /// model does not count yet.
+  /// with the two on different ranks keeps on its mirror), counted in the stage's load by
+  /// TiedHeadGradientBytes.
   void FoldTiedHeadGradient() const;
+  /// The bytes of that second gradient on this rank (NOTE [tied head on the embedding's
+  /// rank]): the word embeddings' local size when this stage's chunks hold both ends of a
+  /// tied model and the embeddings train; 0 otherwise. The pipeline adds it to the stage's
+  /// gradient bytes, so the balancers' and re-packing's memory models count it.
+  int64_t TiedHeadGradientBytes() const;
 
  private:
   // layer_begin_/layer_end_ from the held layers (NOTE [layer migration]).

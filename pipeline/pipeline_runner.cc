@@ -155,6 +155,8 @@ std::vector<StageLoad> PipelineRunner::GatherLoads(const GptModel& stage, const 
     m[kGradientBytes] += static_cast<double>(bytes.gradients);
     m[kOptimizerBytes] += static_cast<double>(bytes.optimizer);
   }
+  // NOTE [tied head on the embedding's rank]: the head's own gradient of the embeddings.
+  m[kGradientBytes] += static_cast<double>(stage.TiedHeadGradientBytes());
   if (stage.embedding() != nullptr) m[kPinnedParameters] += TrainableParameters(*stage.embedding());
   if (stage.head() != nullptr) m[kPinnedParameters] += TrainableParameters(*stage.head());
   for (const auto& [layer, unit] : stage.layers()) {

@@ -64,6 +64,15 @@ TEST(GptModelChunksTest, ChunksRunTheirOwnLayersAndMatchTheWholeModel) {
   }
   // A chunk range the stage does not hold is refused by name.
   EXPECT_THROW(outer.ForwardLayers(h, ctx, 1, 3), c10::Error);
+
+  // NOTE [tied head on the embedding's rank]: only the rank holding both ends of the tied
+  // model keeps the head's second gradient of the embeddings, vocab × h fp32 here.
+  EXPECT_EQ(outer.TiedHeadGradientBytes(), options.vocab_size * options.hidden_size * 4);
+  EXPECT_EQ(inner.TiedHeadGradientBytes(), 0);
+  EXPECT_EQ(whole.TiedHeadGradientBytes(), 0) << "one chunk: the head uses the embeddings' own";
+  ModelOptions untied = options;
+  untied.tie_embeddings = false;
+  EXPECT_EQ(GptModel(untied, Chunks({{0, 2}, {6, 8}}, true, true)).TiedHeadGradientBytes(), 0);
 }
 
 // NOTE [frozen prefix] per chunk: with layers [0, 3) frozen, rank 0's chunk 0 = [0, 2) has

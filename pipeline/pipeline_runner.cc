@@ -399,11 +399,14 @@ absl::StatusOr<std::pair<double, int64_t>> PipelineRunner::Run(GptModel& stage, 
   // move the V's costs; then this iteration already runs the order built at the new ones.
   if (schedule_name_ == "zbv" && measured_zbv_order_ &&
       zbv_order_.Observe(last_loads_, plan.count)) {
+    const std::vector<std::vector<Action>> before = schedule->stages;
     for (auto it = schedules_.begin(); it != schedules_.end();) {
       it = std::get<0>(it->first) == "zbv" ? schedules_.erase(it) : std::next(it);
     }
     FULCRUM_ASSIGN_OR_RETURN(schedule, ScheduleFor(schedule_name_, plan.count, forward_only));
-    if (pp_->rank() == 0) {
+    // Logged when the order changes, not at every rebuild (costs move past the hysteresis
+    // often on a busy machine, mostly to the same lists).
+    if (pp_->rank() == 0 && schedule->stages != before) {
       const ActionCosts& c = *zbv_order_.costs();
       const bool unit =
           schedule->stages ==

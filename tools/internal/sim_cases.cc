@@ -172,6 +172,51 @@ dynamic::Scenario DenseScenario(const NamedCase& named, const CaseOptions& optio
   return s;
 }
 
+namespace {
+
+// The layer of a per-layer metrics key: "layers.<i>", as the units name themselves; -1 for
+// anything else.
+int LayerOfKey(const std::string& name) {
+  int layer = -1;
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(dot + 1), &layer)) return -1;
+  return layer < 0 ? -1 : layer;
+}
+
+// One metrics line's object of per-layer fractions ({"layers.<i>": value}) in layer order:
+// each value a number in [0, 1] (`meaning` says what it is, for the error), every layer from
+// 0 named once; empty for an empty object. InvalidArgument naming `field` and the key.
+absl::StatusOr<std::vector<double>> ParseLayerFractions(const nlohmann::json& layers,
+                                                        const std::string& field,
+                                                        const std::string& meaning) {
+  if (!layers.is_object()) return absl::InvalidArgumentError(field + " is not an object");
+  std::vector<std::pair<int, double>> per_layer;
+  for (const auto& [name, value] : layers.items()) {
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0 ||
+        value.get<double>() > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " '", name, "' holds ", value.dump(),
+                                                     "; expected ", meaning, " in [0, 1]"));
+    }
+    const int layer = LayerOfKey(name);
+    if (layer < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " '", name, "' is not a layer ('layers.<i>')"));
+    }
+    per_layer.emplace_back(layer, value.get<double>());
+  }
+  std::sort(per_layer.begin(), per_layer.end());
+  std::vector<double> row;
+  for (const auto& [layer, value] : per_layer) row.push_back(value);
+  if (!per_layer.empty() && per_layer.back().first != static_cast<int>(row.size()) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " names layers up to ",
+                                                   per_layer.back().first, " but holds ",
+                                                   row.size(), " (one entry per layer from 0)"));
+  }
+  return row;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<std::vector<double>>> LoadExpertImbalance(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open the MoE metrics file '", path, "'"));
@@ -202,8 +247,11 @@ absl::StatusOr<std::vector<std::vector<double>>> ParseExpertImbalance(std::istre
         max = std::max(max, t.get<double>());
       }
       const double mean = sum / static_cast<double>(tokens.size());
-      const size_t dot = name.rfind('.');
-      const int layer = dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1);
+      const int layer = LayerOfKey(name);
+      if (layer < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ":", number, ": expert_tokens '", name, "' is not a layer ('layers.<i>')"));
+      }
       if (mean > 0) per_layer.emplace_back(layer, max / mean);
     }
     if (per_layer.empty()) continue;
@@ -245,8 +293,11 @@ absl::StatusOr<std::vector<std::vector<double>>> ParseExitFractions(std::istream
             path, ":", number, ": early_exit_tokens '", name, "' holds ", counts.dump(),
             "; expected [computed, seen, exited] token counts >= 0"));
       }
-      const size_t dot = name.rfind('.');
-      const int layer = dot == std::string::npos ? 0 : std::atoi(name.c_str() + dot + 1);
+      const int layer = LayerOfKey(name);
+      if (layer < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ":", number, ": early_exit_tokens '", name, "' is not a layer ('layers.<i>')"));
+      }
       computed.emplace_back(layer, counts[0].get<double>());
       if (layer == 0) entered = counts[1].get<double>();
     }
@@ -331,36 +382,17 @@ absl::StatusOr<PruneProfile> ParsePruneProfile(std::istream& in, const std::stri
       return bad(absl::StrCat("sparsity ", sparsity, " falls below the step before's ",
                               profile.sparsity.back(), " (masks only grow)"));
     }
-    std::vector<std::pair<int, double>> per_layer;
-    for (const auto& [name, value] : j["prune_layer_density"].items()) {
-      if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0 ||
-          value.get<double>() > 1) {
-        return bad(absl::StrCat("prune_layer_density '", name, "' holds ", value.dump(),
-                                "; expected a kept fraction in [0, 1]"));
-      }
-      int layer = -1;
-      const size_t dot = name.rfind('.');
-      if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(dot + 1), &layer) ||
-          layer < 0) {
-        return bad(absl::StrCat("prune_layer_density '", name, "' is not a layer ('layers.<i>')"));
-      }
-      per_layer.emplace_back(layer, value.get<double>());
-    }
-    if (per_layer.empty()) continue;
-    std::sort(per_layer.begin(), per_layer.end());
-    std::vector<double> row;
-    for (const auto& [layer, kept] : per_layer) row.push_back(kept);
-    if (per_layer.back().first != static_cast<int>(row.size()) - 1) {
-      return bad(absl::StrCat("prune_layer_density names layers up to ", per_layer.back().first,
-                              " but holds ", row.size(), " (one entry per layer from 0)"));
-    }
-    if (!profile.empty() && row.size() != profile.num_layers()) {
-      return bad(absl::StrCat(row.size(), " layers where the steps before had ",
+    absl::StatusOr<std::vector<double>> row =
+        ParseLayerFractions(j["prune_layer_density"], "prune_layer_density", "a kept fraction");
+    if (!row.ok()) return bad(std::string(row.status().message()));
+    if (row->empty()) continue;
+    if (!profile.empty() && row->size() != profile.num_layers()) {
+      return bad(absl::StrCat(row->size(), " layers where the steps before had ",
                               profile.num_layers()));
     }
     if (sparsity <= 0) continue;  // A step at sparsity 0 pruned nothing.
     profile.sparsity.push_back(sparsity);
-    profile.density.push_back(std::move(row));
+    profile.density.push_back(*std::move(row));
   }
   if (profile.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -390,38 +422,16 @@ absl::StatusOr<std::vector<std::vector<double>>> ParseAttentionDensity(std::istr
     const auto bad = [&](const std::string& what) {
       return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", what));
     };
-    const nlohmann::json& layers = j["sparse_attention_layer_density"];
-    if (!layers.is_object()) return bad("sparse_attention_layer_density is not an object");
-    std::vector<std::pair<int, double>> per_layer;
-    for (const auto& [name, value] : layers.items()) {
-      if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0 ||
-          value.get<double>() > 1) {
-        return bad(absl::StrCat("sparse_attention_layer_density '", name, "' holds ",
-                                value.dump(), "; expected a score density in [0, 1]"));
-      }
-      int layer = -1;
-      const size_t dot = name.rfind('.');
-      if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(dot + 1), &layer) ||
-          layer < 0) {
-        return bad(absl::StrCat("sparse_attention_layer_density '", name,
-                                "' is not a layer ('layers.<i>')"));
-      }
-      per_layer.emplace_back(layer, value.get<double>());
-    }
-    if (per_layer.empty()) continue;
-    std::sort(per_layer.begin(), per_layer.end());
-    std::vector<double> row;
-    for (const auto& [layer, density] : per_layer) row.push_back(density);
-    if (per_layer.back().first != static_cast<int>(row.size()) - 1) {
-      return bad(absl::StrCat("sparse_attention_layer_density names layers up to ",
-                              per_layer.back().first, " but holds ", row.size(),
-                              " (one entry per layer from 0)"));
-    }
-    if (!rows.empty() && row.size() != rows.front().size()) {
-      return bad(absl::StrCat(row.size(), " layers where the iterations before had ",
+    absl::StatusOr<std::vector<double>> row =
+        ParseLayerFractions(j["sparse_attention_layer_density"], "sparse_attention_layer_density",
+                            "a score density");
+    if (!row.ok()) return bad(std::string(row.status().message()));
+    if (row->empty()) continue;
+    if (!rows.empty() && row->size() != rows.front().size()) {
+      return bad(absl::StrCat(row->size(), " layers where the iterations before had ",
                               rows.front().size()));
     }
-    rows.push_back(std::move(row));
+    rows.push_back(*std::move(row));
   }
   if (rows.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -51,6 +51,18 @@ class Evaluator {
       : problem_(problem), chunks_(ChunksPerRank(problem.schedule, problem.num_chunks)) {}
 
   int chunks() const { return chunks_; }
+
+  // RepackLayout for `num_ranks` ranks, made once.
+  absl::StatusOr<const std::vector<pipeline::ChunkId>*> LayoutFor(int num_ranks) {
+    auto it = layouts_.find(num_ranks);
+    if (it == layouts_.end()) {
+      absl::StatusOr<std::vector<pipeline::ChunkId>> made =
+          RepackLayout(problem_.schedule, num_ranks, problem_.num_chunks);
+      if (!made.ok()) return made.status();
+      it = layouts_.emplace(num_ranks, *std::move(made)).first;
+    }
+    return &it->second;
+  }
   int RanksOf(const Placement& placement) const {
     return dynamic::RanksOf(static_cast<int>(placement.size()), chunks_);
   }
@@ -125,7 +137,12 @@ class Evaluator {
   const RepackProblem& problem_;
   const int chunks_;
   std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (ranks, forward-only)
+  std::map<int, std::vector<pipeline::ChunkId>> layouts_;         // by rank count
 };
+
+// The most boundary choices first fit tries for one step (NOTE [re-packing under chunks]:
+// a step over rank counts the schedule cannot run removes several boundaries at once).
+constexpr int kFirstFitTries = 4096;
 
 // Calls `visit` with every ascending choice of k indices from [0, n), in lexicographic
 // order; stops when `visit` returns false.
@@ -154,8 +171,8 @@ void ForEachCombination(int n, int k, Visit visit) {
 // is what bounds a pipeline's steady state, so this is the q-rank candidate most likely to
 // keep the predicted time; it is then simulated like any other. With chunks a group's
 // activations count PeakInFlight / v times (each held pair is about 1/v of the rank's
-// layers): a bound for choosing the candidate only, whose memory evaluate() then predicts
-// exactly. Returns the cut indices (as CoarsenRanks takes them), or nothing when no
+// layers): an estimate for choosing the candidate only (PeakHeldBytes may exceed it with
+// unequal chunks), whose memory evaluate() then predicts exactly. Returns the cut indices (as CoarsenRanks takes them), or nothing when no
 // q-grouping fits the budget.
 std::optional<std::vector<int>> LeastBottleneckCuts(const RepackProblem& problem,
                                                     const std::vector<Placement>& rank_ranges,
@@ -166,16 +183,18 @@ std::optional<std::vector<int>> LeastBottleneckCuts(const RepackProblem& problem
   // activation bytes likewise (times the group's in-flight count below).
   std::vector<double> work(p + 1, 0), state(p + 1, 0), activations(p + 1, 0);
   for (int i = 0; i < p; ++i) {
-    double w = 0, st = 0, act = 0;
+    // Added to the prefix range by range, term by term: with one chunk the same sums in the
+    // same order as before chunks existed.
+    double w = work[i], st = state[i], act = activations[i];
     for (const StageRange& range : rank_ranges[i]) {
-      w += RangeSum(problem.layer_forward, range) + RangeSum(problem.layer_backward, range) +
-           RangeSum(problem.layer_weight, range);
+      w = w + RangeSum(problem.layer_forward, range) + RangeSum(problem.layer_backward, range) +
+          RangeSum(problem.layer_weight, range);
       st += RangeSum(problem.layer_state_bytes, range);
       act += RangeSum(problem.layer_activation_bytes, range);
     }
-    work[i + 1] = work[i] + w;
-    state[i + 1] = state[i] + st;
-    activations[i + 1] = activations[i] + act;
+    work[i + 1] = w;
+    state[i + 1] = st;
+    activations[i + 1] = act;
   }
   const auto pinned_work = [](const pipeline::ActionCosts& c) {
     return c.forward + c.backward_input + c.backward_weight;
@@ -266,30 +285,43 @@ absl::StatusOr<std::vector<pipeline::ChunkId>> RepackLayout(const std::string& s
   return pipeline::VirtualStages(*made);
 }
 
-absl::StatusOr<Placement> CoarsenRanks(const Placement& current, const std::string& schedule,
-                                       int num_chunks, const std::vector<int>& cuts) {
-  const int chunks = ChunksPerRank(schedule, num_chunks);
-  const int p = RanksOf(static_cast<int>(current.size()), chunks);
-  if (current.empty() || (chunks > 1 && p > 1 && static_cast<int>(current.size()) != p * chunks)) {
-    return absl::InvalidArgumentError(absl::StrCat("repack: ", current.size(),
-                                                   " ranges are no placement of ", chunks,
-                                                   "-chunk ranks"));
+namespace {
+
+// InvalidArgument unless `num_ranges` ranges can lie on ranks of `chunks` chunks: one range
+// (one rank), or q·chunks for q ≥ 2.
+absl::Status CheckRangeCount(int num_ranges, int chunks, const std::string& schedule) {
+  if (num_ranges < 1 || (chunks > 1 && num_ranges > 1 &&
+                         (num_ranges % chunks != 0 || num_ranges < 2 * chunks))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repack: ", num_ranges, " ranges under --pipeline_schedule=", schedule, " with ", chunks,
+        " chunks per rank; expected one range (one rank) or q·", chunks, " for q ≥ 2 ranks"));
+  }
+  return absl::OkStatus();
+}
+
+// CoarsenRanks with the layouts of the p old and the q new ranks given (`to` one entry for
+// one rank).
+absl::StatusOr<Placement> CoarsenLaidOut(const Placement& current,
+                                         const std::vector<pipeline::ChunkId>& from,
+                                         const std::vector<pipeline::ChunkId>& to,
+                                         const std::vector<int>& cuts) {
+  int ranks = 0;
+  for (const pipeline::ChunkId& id : from) ranks = std::max(ranks, id.stage + 1);
+  if (current.size() != from.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("repack: ", current.size(), " ranges for ",
+                                                   from.size(), " virtual stages"));
   }
   for (size_t i = 0; i < cuts.size(); ++i) {
-    if (cuts[i] < 0 || cuts[i] >= p - 1 || (i > 0 && cuts[i] <= cuts[i - 1])) {
+    if (cuts[i] < 0 || cuts[i] >= ranks - 1 || (i > 0 && cuts[i] <= cuts[i - 1])) {
       return absl::InvalidArgumentError(absl::StrCat("repack: cut after rank ", cuts[i],
-                                                     " is out of order or range for ", p,
+                                                     " is out of order or range for ", ranks,
                                                      " ranks"));
     }
   }
   const int q = static_cast<int>(cuts.size()) + 1;
   if (q == 1) return Placement{{current.front().begin, current.back().end}};
-  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> from,
-                           RepackLayout(schedule, p, num_chunks));
-  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> to,
-                           RepackLayout(schedule, q, num_chunks));
-  std::vector<int> group(p);  // old rank → new rank
-  for (int r = 0, g = 0; r < p; ++r) {
+  std::vector<int> group(ranks);  // old rank → new rank
+  for (int r = 0, g = 0; r < ranks; ++r) {
     group[r] = g;
     if (g < q - 1 && r == cuts[g]) ++g;
   }
@@ -308,17 +340,32 @@ absl::StatusOr<Placement> CoarsenRanks(const Placement& current, const std::stri
   Placement out;
   for (const pipeline::ChunkId& id : to) {
     const std::pair<int, int> key(id.stage, id.chunk);
-    const StageRange range = unions.at(key);
-    if (range.end - range.begin != sizes.at(key) ||
-        (!out.empty() && out.back().end != range.begin)) {
+    auto it = unions.find(key);
+    if (it == unions.end() || it->second.end - it->second.begin != sizes.at(key) ||
+        (!out.empty() && out.back().end != it->second.begin)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "repack: --pipeline_schedule=", schedule, "'s layout does not coarsen: merging ranks "
-          "at ", absl::StrJoin(cuts, ","), " of ", FormatPlacement(current),
+          "repack: the schedule's layout does not coarsen: merging ranks at ",
+          absl::StrJoin(cuts, ","), " of ", FormatPlacement(current),
           " gives no contiguous chunk ", id.chunk, " on new rank ", id.stage));
     }
-    out.push_back(range);
+    out.push_back(it->second);
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Placement> CoarsenRanks(const Placement& current, const std::string& schedule,
+                                       int num_chunks, const std::vector<int>& cuts) {
+  const int chunks = ChunksPerRank(schedule, num_chunks);
+  FULCRUM_RETURN_IF_ERROR(CheckRangeCount(static_cast<int>(current.size()), chunks, schedule));
+  const int p = RanksOf(static_cast<int>(current.size()), chunks);
+  const int q = static_cast<int>(cuts.size()) + 1;
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> from,
+                           RepackLayout(schedule, p, num_chunks));
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> to,
+                           RepackLayout(schedule, std::max(1, std::min(q, p)), num_chunks));
+  return CoarsenLaidOut(current, from, to, cuts);
 }
 
 absl::Status ValidateRepackProblem(const RepackProblem& problem) {
@@ -354,6 +401,10 @@ absl::Status ValidateRepackProblem(const RepackProblem& problem) {
     return absl::InvalidArgumentError(absl::StrCat(
         "repack problem: num_microbatches = ", problem.num_microbatches, " must be ≥ 1"));
   }
+  if (problem.num_chunks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repack problem: num_chunks = ", problem.num_chunks, " must be ≥ 1"));
+  }
   return absl::OkStatus();
 }
 
@@ -362,13 +413,9 @@ namespace {
 // A placement of q ranks: one range (q = 1) or q·v (NOTE [re-packing under chunks]).
 absl::Status CheckPlacement(const RepackProblem& problem, const Placement& placement) {
   if (placement.empty()) return absl::InvalidArgumentError("repack: an empty placement");
-  const int chunks = ChunksPerRank(problem.schedule, problem.num_chunks);
   const int n = static_cast<int>(placement.size());
-  if (chunks > 1 && n > 1 && (n % chunks != 0 || n < 2 * chunks)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "repack: ", n, " ranges under --pipeline_schedule=", problem.schedule, " with ", chunks,
-        " chunks per rank; expected one range (one rank) or q·", chunks, " for q ≥ 2 ranks"));
-  }
+  FULCRUM_RETURN_IF_ERROR(
+      CheckRangeCount(n, ChunksPerRank(problem.schedule, problem.num_chunks), problem.schedule));
   BalanceProblem shape;
   shape.num_stages = n;
   shape.layer_cost.assign(problem.num_layers(), 0.0);
@@ -413,8 +460,8 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
   }
   const double bound = (1.0 + options.max_slowdown) * plan.predicted_before;
   // Each rank's ranges, and where the head is (NOTE [re-packing under chunks]).
-  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> layout,
-                           RepackLayout(problem.schedule, p, problem.num_chunks));
+  FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId>* from, evaluator.LayoutFor(p));
+  const std::vector<pipeline::ChunkId>& layout = *from;
   std::vector<Placement> rank_ranges(p);
   for (size_t k = 0; k < layout.size(); ++k) rank_ranges[layout[k].stage].push_back(current[k]);
   const bool head_on_first = p > 1 && layout.back().stage == 0;
@@ -431,8 +478,13 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
   auto evaluate = [&](const std::vector<int>& cuts, Placement* candidate, double* time,
                       double* peak) -> bool {
     ++plan.candidates;
-    absl::StatusOr<Placement> coarse =
-        CoarsenRanks(current, problem.schedule, problem.num_chunks, cuts);
+    absl::StatusOr<const std::vector<pipeline::ChunkId>*> to =
+        evaluator.LayoutFor(static_cast<int>(cuts.size()) + 1);
+    if (!to.ok()) {
+      error = to.status();
+      return false;
+    }
+    absl::StatusOr<Placement> coarse = CoarsenLaidOut(current, *from, **to, cuts);
     if (!coarse.ok()) {
       error = coarse.status();
       return false;
@@ -496,30 +548,45 @@ absl::StatusOr<RepackPlan> DecideRepack(const RepackProblem& problem, const Plac
   if (p > options.exhaustive_up_to) {
     // Also first fit over adjacent groups, leftmost first, until no merge is admissible; it
     // wins when it reaches fewer ranks (or as many, faster) than the least-bottleneck
-    // candidates — e.g. when those all run too slow.
+    // candidates — e.g. when those all run too slow. A rank count the schedule cannot run
+    // (interleaved: m % q ≠ 0) is stepped over: the merge goes on to the next count it can,
+    // removing that many boundaries at once (the leftmost admissible choice).
     std::vector<int> cuts(p - 1);
     std::iota(cuts.begin(), cuts.end(), 0);
     Placement packed = current;
     double packed_time = 0, packed_peak = 0;
     bool merged = true;
-    while (merged && static_cast<int>(cuts.size()) + 1 > options.min_stages) {
+    while (merged) {
       merged = false;
-      if (!runnable(static_cast<int>(cuts.size()))) break;
-      for (size_t s = 0; s < cuts.size(); ++s) {
-        std::vector<int> fewer = cuts;
-        fewer.erase(fewer.begin() + static_cast<std::ptrdiff_t>(s));
-        Placement candidate;
-        double time = 0, peak = 0;
-        if (evaluate(fewer, &candidate, &time, &peak)) {
-          cuts = std::move(fewer);
-          packed = std::move(candidate);
-          packed_time = time;
-          packed_peak = peak;
-          merged = true;
-          break;
-        }
-        if (!error.ok()) return error;
-      }
+      const int ranks = static_cast<int>(cuts.size()) + 1;
+      int next = ranks - 1;
+      while (next >= options.min_stages && !runnable(next)) --next;
+      if (next < options.min_stages) break;
+      int tries = 0;  // a wide step (24 → 16 ranks) is tried for its first kFirstFitTries only
+      ForEachCombination(static_cast<int>(cuts.size()), ranks - next,
+                         [&](const std::vector<int>& removed) {
+                           if (++tries > kFirstFitTries) return false;
+                           std::vector<int> fewer;
+                           for (int i = 0, r = 0; i < static_cast<int>(cuts.size()); ++i) {
+                             if (r < static_cast<int>(removed.size()) && removed[r] == i) {
+                               ++r;
+                             } else {
+                               fewer.push_back(cuts[i]);
+                             }
+                           }
+                           Placement candidate;
+                           double time = 0, peak = 0;
+                           if (evaluate(fewer, &candidate, &time, &peak)) {
+                             cuts = std::move(fewer);
+                             packed = std::move(candidate);
+                             packed_time = time;
+                             packed_peak = peak;
+                             merged = true;
+                             return false;
+                           }
+                           return error.ok();
+                         });
+      if (!error.ok()) return error;
     }
     const int packed_ranks = static_cast<int>(cuts.size()) + 1;
     const int plan_ranks = evaluator.RanksOf(plan.placement);

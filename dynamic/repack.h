@@ -12,14 +12,16 @@
 //   - q ≥ min_stages,
 //   - every new stage fits the memory budget (its state, plus its per-micro-batch
 //     activations times the micro-batches the q-stage schedule keeps in flight on it, plus
-//     the embedding on the first and the head on the last stage), and
+//     the embedding on the first and the head on the last stage — under ZB-V both on rank
+//     0, NOTE [re-packing under chunks]), and
 //   - its predicted iteration time is at most (1 + max_slowdown) × the predicted time of
 //     the current placement. Both predictions come from the same model: the schedule
 //     (pipeline/schedule.h) for q resp. p stages simulated (pipeline/schedule_simulator.h)
 //     with each stage's F, B and W summed from the measured per-layer costs. With the
 //     slowdown bounded, tokens/s per rank rises by about p/q.
 // DecideRepack returns the admissible coarsening with the fewest stages, ties broken by the
-// smaller predicted time, then by the lexicographically smaller stage ends; no repack when
+// smaller predicted time, then by the lexicographically smaller cuts (the old stages that
+// end a group; with one chunk per stage the same as the smaller stage ends); no repack when
 // none is admissible. Up to kExhaustiveRepackStages current stages it tries every
 // coarsening (2^(p-1)); above, for each stage count q (fewest first) it simulates the
 // q-stage coarsening of least bottleneck (NOTE [re-packing by bottleneck] in repack.cc,
@@ -43,7 +45,9 @@
 // one-chunk form (OneStageScheduleName: zbv → zbh1).
 // What is refused: a stage count the schedule cannot run — interleaved 1F1B and ZB-H1 need
 // the micro-batches to be a multiple of the stages (m % q = 0) — is no candidate (the
-// decision's note counts it among those tried); a coarsening onto q ≥ 2 ranks keeps v.
+// decision's note lists those counts and why; first fit steps over them); a coarsening onto
+// q ≥ 2 ranks keeps v, so --num_layers_per_virtual_pipeline_stage is refused with
+// re-packing (recipes/repack_flags.cc), and a relaunch onto one rank drops the chunks.
 //
 // Pure functions; thread-safe.
 #pragma once

@@ -85,6 +85,26 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
       offset += static_cast<size_t>(std::max<int64_t>(end - begin, 0));
     }
   }
+  for (size_t s = 0; s < loads.size(); ++s) {
+    // Every per-layer value belongs to a layer the load holds (one range, or its chunks).
+    const pipeline::StageLoad& load = loads[s];
+    int64_t held = 0;
+    if (load.chunk_ranges.empty()) {
+      held = load.layer_end - load.layer_begin;
+    } else {
+      for (const auto& [begin, end] : load.chunk_ranges) held += end - begin;
+    }
+    for (const auto& [field, values] :
+         {std::pair{"layer_forward_ms", &load.layer_forward_ms},
+          std::pair{"layer_backward_ms", &load.layer_backward_ms},
+          std::pair{"layer_weight_ms", &load.layer_weight_ms}}) {
+      if (static_cast<int64_t>(values->size()) != held) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "repack: stage ", s, "'s load has ", values->size(), " ", field, " for the ", held,
+            " layers it holds"));
+      }
+    }
+  }
   std::stable_sort(pieces.begin(), pieces.end(),
                    [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
   int64_t next = 0;
@@ -93,11 +113,10 @@ absl::StatusOr<RepackProblem> RepackProblemFromLoads(const std::vector<pipeline:
     const pipeline::StageLoad& load = *piece.load;
     const int64_t n = piece.end - piece.begin;
     const size_t held = piece.offset + static_cast<size_t>(std::max<int64_t>(n, 0));
-    if (piece.begin != next || n < 1 || load.layer_forward_ms.size() < held ||
-        load.layer_backward_ms.size() < held || load.layer_weight_ms.size() < held) {
+    if (piece.begin != next || n < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "repack: stage ", load.stage, "'s load covers layers [", piece.begin, ",", piece.end,
-          ") with ", load.layer_forward_ms.size(), " timings; expected layers from ", next));
+          "repack: the loads' ranges do not cover the layers in order: [", piece.begin, ",",
+          piece.end, ") where layers from ", next, " were expected"));
     }
     next = piece.end;
     double layer_f = 0, layer_b = 0, layer_w = 0;

@@ -115,6 +115,12 @@ absl::Status ValidateShrinkPlan(const ShrinkPlan& plan) {
       return absl::InvalidArgumentError(absl::StrCat("shrink: ", owner->size(), " ", what,
                                                      " owners for ", ranges->size(), " ranges"));
     }
+    for (int stage : *owner) {
+      if (stage < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("shrink: ", what, " owner ", stage, " is no stage"));
+      }
+    }
   }
   if (plan.old_stages() != c.pp) {
     return absl::InvalidArgumentError(absl::StrCat("shrink: ", plan.old_stages(),

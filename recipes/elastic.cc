@@ -40,7 +40,8 @@ TrainerLayout ElasticController::trainer_layout() {
 
 // A pipeline shrunk onto one stage keeps a one-stage runner: the trainer's own loop scales
 // the loss by a division where the pipeline multiplies by the reciprocal, and re-packing
-// must not change a loss bit.
+// must not change a loss bit. `one_stage`: install a runner even when pp = 1 (after a
+// shrink); a run started on one stage has none.
 absl::StatusOr<ForwardBackwardRunner*> ElasticController::InstallRunner(
     parallel::ProcessGroupContext& context, const std::string& timeline_path, bool one_stage) {
   const bool single = context.roles().pp_size == 1;
@@ -213,9 +214,16 @@ absl::Status ElasticController::RequestRelaunch(const Trainer& trainer) {
                        dynamic::ChunksPerRank(options_.schedule, options_.num_chunks));
   // Global rank 0 alone writes the launcher's request (NOTE [relaunch protocol]).
   if (roles().world_rank != 0) return absl::OkStatus();
+  // One stage runs one chunk (NOTE [re-packing under chunks] in dynamic/repack.h); an
+  // interleaved schedule's --virtual_pipeline_model_parallel_size would be refused there
+  // (ZB-V's chunks come from the schedule and one stage accepts it).
+  std::vector<std::string> extra;
+  if (stages == 1 && options_.num_chunks > 1 && options_.schedule != "zbv") {
+    extra.push_back("--virtual_pipeline_model_parallel_size=1");
+  }
   FULCRUM_ASSIGN_OR_RETURN(
       std::string flags,
-      WriteRelaunchRequest(options_.layout, stages, options_.save, repack_plan_->note));
+      WriteRelaunchRequest(options_.layout, stages, options_.save, repack_plan_->note, extra));
   const parallel::ParallelConfig& layout = options_.layout;
   FULCRUM_LOG(INFO) << "re-packing through a checkpoint: iteration " << trainer.iteration()
                     << " saved in " << options_.save << "; exiting with code "

@@ -179,11 +179,12 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
 
 absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig& layout,
                                                  int num_stages, const std::string& save_dir,
-                                                 const std::string& reason) {
+                                                 const std::string& reason,
+                                                 const std::vector<std::string>& extra_args) {
   const int world_size = layout.world_size / layout.pp * num_stages;
-  const std::vector<std::string> args = {
-      absl::StrCat("--pipeline_model_parallel_size=", num_stages),
-      absl::StrCat("--load=", save_dir)};
+  std::vector<std::string> args = {absl::StrCat("--pipeline_model_parallel_size=", num_stages),
+                                   absl::StrCat("--load=", save_dir)};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
   const std::string flags = absl::StrJoin(args, " ");
   const char* path = std::getenv(kRelaunchFileEnv);
   if (path == nullptr || *path == '\0') return flags;

@@ -45,10 +45,12 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
 /// Asks the launcher to relaunch the job with `num_stages` pipeline stages, resuming from
 /// the checkpoint in `save_dir` (NOTE [relaunch protocol]). Called by global rank 0 after
 /// the checkpoint is written. Returns the flags to add to the command line (for the log,
-/// and for a relaunch by hand when no launcher asked for a request file).
+/// and for a relaunch by hand when no launcher asked for a request file). `extra_args`
+/// follow (e.g. dropping virtual stages on one stage).
 absl::StatusOr<std::string> WriteRelaunchRequest(const parallel::ParallelConfig& layout,
                                                  int num_stages, const std::string& save_dir,
-                                                 const std::string& reason);
+                                                 const std::string& reason,
+                                                 const std::vector<std::string>& extra_args = {});
 
 /// Builds the pipeline runner of a new layout for the trainer (null: the trainer's own
 /// loop); whoever supplies the factory owns the runner and keeps it alive for the trainer.

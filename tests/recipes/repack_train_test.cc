@@ -267,6 +267,27 @@ TEST_F(SlowRepackTrainTest, ZbvPp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
   ExpectSameLosses(relaunched, still);
 }
 
+// Interleaved 1F1B (2 chunks) pp=2 → 1 through a checkpoint: one stage runs one chunk, so
+// the relaunch drops the virtual stages (--virtual_pipeline_model_parallel_size=1 appended;
+// the flag alone would be refused on one stage). Untied, as in the dp test above.
+TEST_F(SlowRepackTrainTest, InterleavedPp2ToPp1ThroughACheckpointKeepsTheLosses) {
+  std::string output;
+  const std::string layout = "--micro_batch_size=4 --pipeline_model_parallel_size=2 "
+                             "--virtual_pipeline_model_parallel_size=2 "
+                             "--untie_embeddings_and_output_weights";
+  const std::vector<nlohmann::json> still = Train(2, "interleaved_pp2", layout, &output);
+  const std::string save = *dir_ + "/ckpt_interleaved_pp2";
+  const std::vector<nlohmann::json> relaunched =
+      Train(2, "interleaved_pp2_ckpt",
+            layout + " --repack_script=6:1 --repack_via_checkpoint --save=" + save, &output);
+  ExpectShrunk(relaunched, 2, 1, 2, 1);
+  EXPECT_NE(output.find("relaunching 1 with --pipeline_model_parallel_size=1 --load=" + save +
+                        " --virtual_pipeline_model_parallel_size=1"),
+            std::string::npos)
+      << output;
+  ExpectSameLosses(relaunched, still);
+}
+
 TEST_F(SlowRepackTrainTest, InterleavedPp4ToPp2LiveKeepsTheLosses) {
   ExpectLiveShrinkKeepsTheLosses("interleaved_pp4",
                                  "--num_layers=8 --micro_batch_size=4 "

@@ -207,7 +207,9 @@ absl::StatusOr<std::vector<double>> ParseLayerFractions(const nlohmann::json& la
   std::sort(per_layer.begin(), per_layer.end());
   std::vector<double> row;
   for (const auto& [layer, value] : per_layer) row.push_back(value);
-  if (!per_layer.empty() && per_layer.back().first != static_cast<int>(row.size()) - 1) {
+  bool each_once = true;  // layers 0..n-1, each once ("layers.0" and "x.0" are one layer)
+  for (size_t i = 0; i < per_layer.size(); ++i) each_once = each_once && per_layer[i].first == static_cast<int>(i);
+  if (!each_once) {
     return absl::InvalidArgumentError(absl::StrCat(field, " names layers up to ",
                                                    per_layer.back().first, " but holds ",
                                                    row.size(), " (one entry per layer from 0)"));

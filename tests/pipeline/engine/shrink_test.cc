@@ -132,6 +132,9 @@ TEST(ShrinkTest, AVShrinksChunkByChunk) {
   plan.new_ranges = {{0, 2}, {2, 4}, {4, 7}, {7, 8}};
   plan.new_owner = {0, 1, 1, 0};
   EXPECT_THAT(ValidateShrinkPlan(plan).message(), HasSubstr("a stage merges whole"));
+  plan.new_ranges = {{0, 2}, {2, 4}, {4, 6}, {6, 8}};
+  plan.new_owner = {0, -1, -1, 0};
+  EXPECT_THAT(ValidateShrinkPlan(plan).message(), HasSubstr("new owner -1 is no stage"));
 }
 
 // tp = 2, pp 2 → 1: each tensor-parallel shard moves to the survivor with the same tp rank

@@ -50,8 +50,6 @@ class Evaluator {
   explicit Evaluator(const RepackProblem& problem)
       : problem_(problem), chunks_(ChunksPerRank(problem.schedule, problem.num_chunks)) {}
 
-  int chunks() const { return chunks_; }
-
   // RepackLayout for `num_ranks` ranks, made once.
   absl::StatusOr<const std::vector<pipeline::ChunkId>*> LayoutFor(int num_ranks) {
     auto it = layouts_.find(num_ranks);

@@ -19,11 +19,13 @@ absl::StatusOr<std::unique_ptr<ElasticController>> ElasticController::Create(
   const ElasticOptions& o = controller->options_;
   const int pp = controller->context_ != nullptr ? controller->context_->roles().pp_size : 1;
   if (pp > 1 && o.num_chunks > 1) {
-    // NOTE [model chunks]: the schedule's layout (round-robin or V) cuts the model; it does
-    // not depend on the micro-batch count (2p satisfies interleaved 1F1B's m % p rule).
-    FULCRUM_ASSIGN_OR_RETURN(pipeline::Schedule layout,
-                             pipeline::MakeSchedule(o.schedule, pp, 2 * pp, o.num_chunks));
-    controller->context_->SetVirtualStages(pipeline::VirtualOwners(layout));
+    // NOTE [model chunks]: the schedule's layout (round-robin or V) cuts the model — the
+    // same layout a live shrink gives the new stages (ShrinkOnce).
+    FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::ChunkId> layout,
+                             dynamic::RepackLayout(o.schedule, pp, o.num_chunks));
+    std::vector<std::pair<int, int>> owners;
+    for (const pipeline::ChunkId& id : layout) owners.emplace_back(id.stage, id.chunk);
+    controller->context_->SetVirtualStages(std::move(owners));
   }
   if (controller->context_ != nullptr) {
     FULCRUM_RETURN_IF_ERROR(controller

@@ -14,6 +14,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -74,6 +76,12 @@ inline std::string MakeTempDir(const std::string& tag) {
   }
   temp_dir_internal::Registry::Get().Add(pattern);
   return pattern;
+}
+
+/// The whole content of the file at `path`, byte for byte ("" if it cannot be read).
+inline std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 }  // namespace fulcrum::testing

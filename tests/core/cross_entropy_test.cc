@@ -8,12 +8,12 @@
 namespace fulcrum {
 namespace {
 
-struct Result {
+struct LossResult {
   at::Tensor loss, grad;
 };
 
 // Loss [s, b] and d(Σ loss · weight)/d logits, by `fused` (ours) or LibTorch's own.
-Result LossAndGrad(const at::Tensor& logits_value, const at::Tensor& targets, const at::Tensor& weight,
+LossResult LossAndGrad(const at::Tensor& logits_value, const at::Tensor& targets, const at::Tensor& weight,
            bool fused) {
   at::Tensor logits = logits_value.clone().set_requires_grad(true);
   at::Tensor loss;
@@ -38,8 +38,8 @@ TEST(CrossEntropyTest, MatchesLogSoftmaxAndNllLoss) {
     // Per-token weights as the trainer's loss mask and scale make them, zeros included.
     at::Tensor weight = torch::rand({7, 3}).to(dtype);
     weight[2][1] = 0;
-    const Result ours = LossAndGrad(logits, targets, weight, true);
-    const Result ref = LossAndGrad(logits, targets, weight, false);
+    const LossResult ours = LossAndGrad(logits, targets, weight, true);
+    const LossResult ref = LossAndGrad(logits, targets, weight, false);
     ASSERT_EQ(ours.loss.sizes(), ref.loss.sizes());
     ASSERT_EQ(ours.grad.sizes(), logits.sizes());
     const double tol = dtype == at::kFloat ? 1e-6 : 1e-13;
@@ -57,7 +57,7 @@ TEST(CrossEntropyTest, ExtremeLogitsStayFinite) {
   at::Tensor logits = at::zeros({1, 4});
   logits[0][0] = 200;
   const at::Tensor targets = at::tensor({1}, at::kLong);
-  const Result ours = LossAndGrad(logits, targets, at::ones({1}), true);
+  const LossResult ours = LossAndGrad(logits, targets, at::ones({1}), true);
   EXPECT_NEAR(ours.loss.item<double>(), 200.0, 1e-3);
   EXPECT_TRUE(at::isfinite(ours.grad).all().item<bool>());
   EXPECT_NEAR(ours.grad[0][1].item<double>(), -1.0, 1e-6);

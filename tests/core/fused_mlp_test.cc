@@ -89,7 +89,7 @@ struct LayerRun {
 
 // One forward and backward of layer 1 on a fixed input; with `deferred`, under a
 // WeightGradStore (forward inside TagScope(1)), the W pass run afterwards by tag.
-LayerRun RunLayer(const Variant& v, bool fused, bool deferred) {
+LayerRun RunMlpLayer(const Variant& v, bool fused, bool deferred) {
   const ModelOptions o = OptionsOf(v);
   TransformerLayer layer(o, 1);
   if (!fused) SelectUnfusedMlp(layer);
@@ -153,14 +153,14 @@ std::vector<Variant> ExactVariants() {
 // in the W pass.
 TEST(FusedMlpTest, LayerEqualsTheUnfusedLayerBitForBit) {
   for (const Variant& v : ExactVariants()) {
-    const LayerRun unfused = RunLayer(v, /*fused=*/false, /*deferred=*/false);
-    const LayerRun fused = RunLayer(v, /*fused=*/true, /*deferred=*/false);
+    const LayerRun unfused = RunMlpLayer(v, /*fused=*/false, /*deferred=*/false);
+    const LayerRun fused = RunMlpLayer(v, /*fused=*/true, /*deferred=*/false);
     EXPECT_TRUE(fused.fused_node) << v.Describe() << ": the layer took the fused MLP";
     EXPECT_FALSE(unfused.fused_node) << v.Describe() << ": SetLinear keeps the unfused MLP";
     ExpectIdentical(fused, unfused, v.Describe() + ", fused backward");
 
-    const LayerRun unfused_split = RunLayer(v, /*fused=*/false, /*deferred=*/true);
-    const LayerRun fused_split = RunLayer(v, /*fused=*/true, /*deferred=*/true);
+    const LayerRun unfused_split = RunMlpLayer(v, /*fused=*/false, /*deferred=*/true);
+    const LayerRun fused_split = RunMlpLayer(v, /*fused=*/true, /*deferred=*/true);
     EXPECT_TRUE(fused_split.fused_node);
     ExpectIdentical(fused_split, unfused, v.Describe() + ", B/W split vs unfused");
     ExpectIdentical(fused_split, fused, v.Describe() + ", B/W split vs fused backward");
@@ -225,7 +225,7 @@ TEST(FusedMlpTest, FrozenWeightsGetNoGradient) {
 
 // Bytes alive after the layer's forward beyond its input and parameters: what autograd
 // keeps for the backward, plus the output.
-int64_t ForwardKeeps(const Variant& v, bool fused) {
+int64_t MlpForwardKeeps(const Variant& v, bool fused) {
   const ModelOptions o = OptionsOf(v);
   TransformerLayer layer(o, 0);
   if (!fused) SelectUnfusedMlp(layer);
@@ -247,8 +247,8 @@ int64_t ForwardKeeps(const Variant& v, bool fused) {
 // input, before and after (NOTE [fused GeLU MLP]).
 TEST(FusedMlpTest, ForwardKeepsTheSameBytes) {
   for (const Variant& v : {Variant{at::kFloat, false, true}, Variant{at::kBFloat16, true, true}}) {
-    const int64_t unfused = ForwardKeeps(v, false);
-    const int64_t fused = ForwardKeeps(v, true);
+    const int64_t unfused = MlpForwardKeeps(v, false);
+    const int64_t fused = MlpForwardKeeps(v, true);
     std::cout << v.Describe() << ": the layer's forward keeps " << unfused
               << " bytes unfused, " << fused << " fused" << std::endl;
     EXPECT_GT(unfused, 0);
@@ -261,9 +261,9 @@ TEST(FusedMlpTest, ForwardKeepsTheSameBytes) {
 TEST(FusedMlpTest, Bf16FollowsTheUnfusedLayer) {
   for (bool openai_gelu : {false, true}) {
     const Variant v{at::kBFloat16, openai_gelu, true};
-    const LayerRun unfused = RunLayer(v, false, false);
-    const LayerRun fused = RunLayer(v, true, false);
-    const LayerRun fused_split = RunLayer(v, true, true);
+    const LayerRun unfused = RunMlpLayer(v, false, false);
+    const LayerRun fused = RunMlpLayer(v, true, false);
+    const LayerRun fused_split = RunMlpLayer(v, true, true);
     EXPECT_TRUE(fused.fused_node);
     EXPECT_EQ(fused.output.scalar_type(), at::kBFloat16);
     ExpectIdentical(fused_split, fused, v.Describe() + ", B/W split vs fused backward");

@@ -60,7 +60,7 @@ at::Tensor Rotate(const at::Tensor& x, double base) {
 
 // `interleaved_groups`: the negative control's misreading, query head j using key/value head
 // j mod G instead of j / (heads/G).
-at::Tensor Reference(const TransformerLayer& layer, const ModelOptions& o, const at::Tensor& x,
+at::Tensor LlamaReference(const TransformerLayer& layer, const ModelOptions& o, const at::Tensor& x,
                      bool interleaved_groups = false) {
   std::map<std::string, at::Tensor> p;
   for (const Parameter& q : layer.parameters()) p[q.name] = q.value;
@@ -119,7 +119,7 @@ TEST_P(LlamaLayerGroupsTest, EqualsTheReferenceForwardAndBackward) {
   }
   torch::manual_seed(5);
   testing::ExpectLayerMatchesReference(
-      layer, [&](const at::Tensor& y) { return Reference(layer, o, y); },
+      layer, [&](const at::Tensor& y) { return LlamaReference(layer, o, y); },
       {o.seq_length, 2, o.hidden_size}, 1e-12);
 }
 
@@ -134,8 +134,8 @@ TEST(LlamaLayerTest, AnotherGroupAssignmentFailsTheTolerance) {
   torch::manual_seed(5);
   const at::Tensor x = torch::randn({o.seq_length, 2, o.hidden_size}, at::kDouble);
   const at::Tensor got = layer.Forward(x, ForwardContext{false});
-  EXPECT_LE((got - Reference(layer, o, x)).abs().max().item<double>(), 1e-12);
-  EXPECT_GT((got - Reference(layer, o, x, /*interleaved_groups=*/true)).abs().max().item<double>(),
+  EXPECT_LE((got - LlamaReference(layer, o, x)).abs().max().item<double>(), 1e-12);
+  EXPECT_GT((got - LlamaReference(layer, o, x, /*interleaved_groups=*/true)).abs().max().item<double>(),
             1e-4);
 }
 

@@ -69,7 +69,7 @@ at::Tensor SomePositions(int64_t s, int64_t b, uint64_t seed) {
   return index;
 }
 
-std::map<std::string, at::Tensor> Grads(TransformerLayer& layer) {
+std::map<std::string, at::Tensor> LayerGrads(TransformerLayer& layer) {
   std::map<std::string, at::Tensor> out;
   for (Parameter& p : layer.parameters()) {
     out[p.name] = p.value.grad().defined() ? p.value.grad().clone() : at::zeros_like(p.value);
@@ -112,7 +112,7 @@ TEST(ResidualAtTest, SomeTokensEqualTheDenseResidualAtThemValuesAndGradients) {
     const at::Tensor want =
         layer.Residual(x_ref, ctx).gather(0, index.unsqueeze(-1).expand({k, b, h}));
     (want * upstream).sum().backward();
-    const auto want_grads = Grads(layer);
+    const auto want_grads = LayerGrads(layer);
 
     at::Tensor x = x0.clone().requires_grad_(true);
     WeightGradStore store;
@@ -127,7 +127,7 @@ TEST(ResidualAtTest, SomeTokensEqualTheDenseResidualAtThemValuesAndGradients) {
       EXPECT_FALSE(layer.FindParameter("self_attention.linear_qkv.weight")->value.grad().defined());
       store.Flush();
     }
-    const auto got_grads = Grads(layer);
+    const auto got_grads = LayerGrads(layer);
     EXPECT_LT(MaxAbsDiff(got, want), 1e-12);
     EXPECT_LT(MaxAbsDiff(x.grad(), x_ref.grad()), 1e-12) << "input gradient: every token, as key and value";
     for (const auto& [name, g] : want_grads) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "dynamic/balance_problem.h"
@@ -13,6 +14,26 @@
 namespace fulcrum::dynamic::balance_testing {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// How many random problems PartitionTest and DiffusionTest each judge, and their seed (the
+/// same problems for both balancers).
+constexpr int kRandomProblems = 1500;
+constexpr uint64_t kSeed = 20250611;
+
+/// A problem with only per-layer costs over `num_stages` stages (no pinned costs, no memory).
+inline BalanceProblem CostsOnly(std::vector<double> costs, int num_stages) {
+  BalanceProblem problem;
+  problem.num_stages = num_stages;
+  problem.layer_cost = std::move(costs);
+  return problem;
+}
+
+/// CostsOnly over virtual stages: `chunk_rank[c]` is the rank that runs virtual stage c.
+inline BalanceProblem Chunked(std::vector<double> costs, int num_stages, std::vector<int> chunk_rank) {
+  BalanceProblem problem = CostsOnly(std::move(costs), num_stages);
+  problem.chunk_rank = std::move(chunk_rank);
+  return problem;
+}
 
 /// Every composition of num_layers into num_stages positive parts, in lexicographic order
 /// of the stage ends (end of stage 0 first): the order NOTE [partition tie-break] uses.

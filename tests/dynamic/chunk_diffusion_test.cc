@@ -23,14 +23,7 @@
 namespace fulcrum::dynamic {
 namespace {
 
-BalanceProblem Chunked(std::vector<double> costs, int num_stages, std::vector<int> chunk_rank) {
-  BalanceProblem problem;
-  problem.num_stages = num_stages;
-  problem.layer_cost = std::move(costs);
-  problem.chunk_rank = std::move(chunk_rank);
-  return problem;
-}
-
+using balance_testing::Chunked;
 // φ over the chunks' loads (NOTE [diffusion under chunks]).
 double ChunkPotential(const BalanceProblem& problem, const Placement& placement) {
   return PotentialOfLoads(StageCosts(problem, placement));

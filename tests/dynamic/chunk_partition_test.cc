@@ -26,14 +26,6 @@ namespace {
 using ::testing::HasSubstr;
 using namespace balance_testing;  // NOLINT: the shared test helpers.
 
-BalanceProblem Chunked(std::vector<double> costs, int num_stages, std::vector<int> chunk_rank) {
-  BalanceProblem problem;
-  problem.num_stages = num_stages;
-  problem.layer_cost = std::move(costs);
-  problem.chunk_rank = std::move(chunk_rank);
-  return problem;
-}
-
 TEST(ChunkBalanceProblemTest, ShapesMapVirtualStagesToRanks) {
   EXPECT_EQ(VShapeChunkRanks(3), (std::vector<int>{0, 1, 2, 2, 1, 0}));
   EXPECT_EQ(InterleavedChunkRanks(3, 2), (std::vector<int>{0, 1, 2, 0, 1, 2}));

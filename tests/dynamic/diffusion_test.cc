@@ -24,22 +24,15 @@ namespace fulcrum::dynamic {
 
 namespace {
 
+using balance_testing::CostsOnly;
+using balance_testing::kRandomProblems;
+using balance_testing::kSeed;
 using ::testing::HasSubstr;
-
-constexpr int kRandomProblems = 1500;
-constexpr uint64_t kSeed = 20250611;  // The same problems as PartitionTest's.
 
 DiffusionOptions MaxRounds(int max_rounds) {
   DiffusionOptions options;
   options.max_rounds = max_rounds;
   return options;
-}
-
-BalanceProblem CostsOnly(std::vector<double> costs, int num_stages) {
-  BalanceProblem problem;
-  problem.num_stages = num_stages;
-  problem.layer_cost = std::move(costs);
-  return problem;
 }
 
 // Unit layers placed as stages of 1, 2, ..., p layers.

@@ -30,15 +30,6 @@ namespace {
 using ::testing::HasSubstr;
 using namespace balance_testing;  // NOLINT: the shared test helpers.
 
-constexpr int kRandomProblems = 1500;
-constexpr uint64_t kSeed = 20250611;
-
-BalanceProblem CostsOnly(std::vector<double> costs, int num_stages) {
-  BalanceProblem problem;
-  problem.num_stages = num_stages;
-  problem.layer_cost = std::move(costs);
-  return problem;
-}
 
 TEST(BalanceProblemTest, MeasuresOfAPlacement) {
   BalanceProblem problem = CostsOnly({1, 2, 3, 4, 5}, 2);

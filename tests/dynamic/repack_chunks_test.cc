@@ -195,16 +195,16 @@ TEST(RepackChunksTest, ARanksMemoryCountsBothChunks) {
 
 // Every rank grouping simulated: the admissible one with the fewest ranks, then the
 // fastest, then the first in lexicographic order of its cuts (DecideRepack's rule).
-struct Best {
+struct ChunkBest {
   bool found = false;
   Placement placement;
   double time = 0;
 };
 
-Best BruteForce(const RepackProblem& problem, const Placement& current, int p,
+ChunkBest ChunkBruteForce(const RepackProblem& problem, const Placement& current, int p,
                 const RepackOptions& options) {
   const double bound = (1 + options.max_slowdown) * *PredictIterationTime(problem, current);
-  Best best;
+  ChunkBest best;
   for (int q = options.min_stages; q < p && !best.found; ++q) {
     std::vector<std::vector<int>> groupings;
     for (uint32_t mask = 0; mask < (1u << (p - 1)); ++mask) {
@@ -248,7 +248,7 @@ TEST(RepackChunksTest, DecisionEqualsTheBruteForceOverRankGroupings) {
     options.max_slowdown = std::uniform_real_distribution<double>(0.0, 0.6)(rng);
     SCOPED_TRACE(::testing::Message() << "trial " << trial << " " << problem.schedule << " p=" << p
                                       << " " << FormatPlacement(current));
-    const Best expected = BruteForce(problem, current, p, options);
+    const ChunkBest expected = ChunkBruteForce(problem, current, p, options);
     const absl::StatusOr<RepackPlan> plan = DecideRepack(problem, current, options);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ASSERT_EQ(plan->repack, expected.found) << plan->note;

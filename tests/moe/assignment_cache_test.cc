@@ -17,7 +17,7 @@ namespace fulcrum::moe {
 namespace {
 
 at::Tensor Positions(std::vector<int64_t> p) { return at::tensor(p, at::kLong); }
-at::Tensor Experts(std::vector<int64_t> e) { return at::tensor(e, at::kLong).view({-1, 2}); }
+at::Tensor ExpertPairs(std::vector<int64_t> e) { return at::tensor(e, at::kLong).view({-1, 2}); }
 
 // One step: forward in `epoch` over `positions` with the router choosing `choice`, then the
 // optimizer step on one replica. Returns what Lookup gave.
@@ -33,7 +33,7 @@ at::Tensor Step(AssignmentCache& cache, int64_t epoch, const at::Tensor& positio
 TEST(AssignmentCacheTest, EachEpochIsDecidedByThePreviousOnesChanges) {
   AssignmentCache cache(/*positions=*/10, /*k=*/2, /*threshold=*/0.3);
   const at::Tensor tokens = Positions({7, 2, 4, 9});
-  const at::Tensor first = Experts({0, 1, 2, 3, 1, 3, 0, 2});
+  const at::Tensor first = ExpertPairs({0, 1, 2, 3, 1, 3, 0, 2});
   // Epoch 0: nothing cached.
   EXPECT_TRUE(Step(cache, 0, tokens, first).eq(-1).all().item<bool>());
   EXPECT_FALSE(cache.active());
@@ -44,13 +44,13 @@ TEST(AssignmentCacheTest, EachEpochIsDecidedByThePreviousOnesChanges) {
   EXPECT_EQ(cache.last_epoch_change_fraction(), -1.0);
   at::Tensor cached = cache.Lookup(tokens);
   EXPECT_TRUE(cached.equal(first));
-  cache.Record(tokens, cached, Experts({0, 1, 3, 2, 1, 0, 0, 2}), false);
+  cache.Record(tokens, cached, ExpertPairs({0, 1, 3, 2, 1, 0, 0, 2}), false);
   EXPECT_EQ(cache.StepCounts(), (std::vector<int64_t>{1, 4, 0}));
   cache.AfterOptimizerStep(nullptr, cache.StepCounts());
-  EXPECT_TRUE(cache.Lookup(Positions({4})).equal(Experts({1, 0}))) << "the table follows";
+  EXPECT_TRUE(cache.Lookup(Positions({4})).equal(ExpertPairs({1, 0}))) << "the table follows";
   // Epoch 2: 1/4 changed < 0.3, so the cache routes; a second step of epoch 1 would not
   // have decided anything yet.
-  Step(cache, 2, tokens, Experts({0, 1, 3, 2, 1, 0, 0, 2}));
+  Step(cache, 2, tokens, ExpertPairs({0, 1, 3, 2, 1, 0, 0, 2}));
   EXPECT_TRUE(cache.active());
   EXPECT_DOUBLE_EQ(cache.last_epoch_change_fraction(), 0.25);
   // Epoch 2 changed nothing; epoch 3 routes by the cache and counts its tokens as such,
@@ -58,7 +58,7 @@ TEST(AssignmentCacheTest, EachEpochIsDecidedByThePreviousOnesChanges) {
   cache.BeginForward(3);
   EXPECT_TRUE(cache.active());
   cached = cache.Lookup(tokens);
-  cache.Record(tokens, cached, Experts({3, 2, 3, 2, 1, 2, 2, 0}), cache.active());
+  cache.Record(tokens, cached, ExpertPairs({3, 2, 3, 2, 1, 2, 2, 0}), cache.active());
   EXPECT_EQ(cache.StepCounts(), (std::vector<int64_t>{2, 4, 4}));
   cache.AfterOptimizerStep(nullptr, cache.StepCounts());
   // Epoch 4: 0.5 ≥ 0.3, back to live routing.
@@ -69,11 +69,11 @@ TEST(AssignmentCacheTest, EachEpochIsDecidedByThePreviousOnesChanges) {
 
 TEST(AssignmentCacheTest, UnseenTokensAreNotCountedAndPositionsAreChecked) {
   AssignmentCache cache(6, 2, 0.5);
-  Step(cache, 0, Positions({0, 1}), Experts({0, 1, 1, 2}));
+  Step(cache, 0, Positions({0, 1}), ExpertPairs({0, 1, 1, 2}));
   cache.BeginForward(1);
   at::Tensor cached = cache.Lookup(Positions({1, 5}));
-  EXPECT_TRUE(cached.equal(Experts({1, 2, -1, -1})));
-  cache.Record(Positions({1, 5}), cached, Experts({0, 3, 0, 3}), false);
+  EXPECT_TRUE(cached.equal(ExpertPairs({1, 2, -1, -1})));
+  cache.Record(Positions({1, 5}), cached, ExpertPairs({0, 3, 0, 3}), false);
   EXPECT_EQ(cache.StepCounts(), (std::vector<int64_t>{1, 1, 0})) << "only token 1 was met again";
   EXPECT_THROW(cache.Lookup(Positions({6})), c10::Error);
   EXPECT_THROW(cache.Lookup(Positions({-1})), c10::Error);
@@ -95,13 +95,13 @@ TEST(AssignmentCacheTest, StateLivesInUnitBuffersAndCountsStayExact) {
   const int64_t met = (int64_t{1} << 25) + 1;
   const int64_t changed = int64_t{1} << 24;
   cache.AfterOptimizerStep(nullptr, {changed, met, 0});
-  Step(cache, 5, Positions({3}), Experts({1, 0}));
+  Step(cache, 5, Positions({3}), ExpertPairs({1, 0}));
   std::map<std::string, at::Tensor> state;
   for (auto& [name, tensor] : unit.MigrationTensors()) state[name] = tensor.clone();
   ASSERT_TRUE(copy_unit.LoadMigrationTensors(state).ok());
   copy.BeginForward(6);
   EXPECT_TRUE(copy.active()) << "a fraction just under the threshold";
-  EXPECT_TRUE(copy.Lookup(Positions({3})).equal(Experts({1, 0})));
+  EXPECT_TRUE(copy.Lookup(Positions({3})).equal(ExpertPairs({1, 0})));
 }
 
 // A layer that moves mid-step takes the step's records along: the new owner ends the step

@@ -22,7 +22,7 @@ using testing::Doubles;
 using testing::ExpectNear;
 using testing::Longs;
 
-Routing ListRouting(std::vector<int64_t> tokens, std::vector<int64_t> experts,
+Routing ListedRouting(std::vector<int64_t> tokens, std::vector<int64_t> experts,
                     std::vector<double> gates, int64_t num_experts) {
   Routing r;
   r.token = at::tensor(tokens);
@@ -41,7 +41,7 @@ Routing ListRouting(std::vector<int64_t> tokens, std::vector<int64_t> experts,
 // Expert 0 fills with tokens 0 and 1, expert 1 with tokens 3 and 0, expert 2 with 4 and 1;
 // token 2 loses both choices.
 Routing HandRouting() {
-  return ListRouting({0, 1, 2, 3, 4, 0, 1, 2, 3, 4}, {0, 0, 0, 1, 2, 1, 2, 1, 0, 1},
+  return ListedRouting({0, 1, 2, 3, 4, 0, 1, 2, 3, 4}, {0, 0, 0, 1, 2, 1, 2, 1, 0, 1},
                      {.6, .7, .5, .8, .9, .25, .3, .5, .2, .1}, 3);
 }
 
@@ -232,7 +232,7 @@ TEST(DispatchTest, NoDropsKeepsEveryAssignment) {
 
 TEST(DispatchTest, EmptyExpertHasZeroRowsAndNoGradient) {
   // Expert 2 of 3 receives nobody.
-  Routing r = ListRouting({0, 1, 2, 0}, {0, 1, 0, 1}, {.5, .6, .7, .8}, 3);
+  Routing r = ListedRouting({0, 1, 2, 0}, {0, 1, 0, 1}, {.5, .6, .7, .8}, 3);
   DispatchPlan plan = MakeDispatchPlan(r, AssignSlots(r, 3, 2), 3);
   at::Tensor x = RowValuedX(3).set_requires_grad(true);
   at::Tensor buffer = Dispatch(x, plan);

@@ -48,15 +48,15 @@ using testing::SetParam;
 using testing::TakeGrads;
 using testing::TinyOptions;
 
-constexpr int64_t kExperts = 4;
-constexpr int64_t kHidden = 8;
-constexpr int64_t kFfn = 6;
+constexpr int64_t kMixtralExperts = 4;
+constexpr int64_t kMixtralHidden = 8;
+constexpr int64_t kMixtralFfn = 6;
 constexpr int64_t kTopK = 2;
 constexpr double kAuxCoeff = 0.02;  // Mixtral's router_aux_loss_coef is 0.001/0.02 in configs
 
 ModelOptions MixtralModel() {
   ModelOptions m;
-  m.hidden_size = kHidden;
+  m.hidden_size = kMixtralHidden;
   m.num_attention_heads = 2;
   m.ffn_hidden_size = 32;
   m.num_layers = 2;
@@ -68,9 +68,9 @@ ModelOptions MixtralModel() {
 
 MoeOptions MixtralOptions(const std::string& router = "mixtral") {
   MoeOptions o;
-  o.num_experts = kExperts;
+  o.num_experts = kMixtralExperts;
   o.topk = kTopK;
-  o.ffn_hidden_size = kFfn;
+  o.ffn_hidden_size = kMixtralFfn;
   o.router = router;
   o.capacity_factor = 0.0;  // dropless (moe/capacity.h): C = the largest expert load
   o.router_options.aux_loss_coeff = kAuxCoeff;
@@ -80,7 +80,7 @@ MoeOptions MixtralOptions(const std::string& router = "mixtral") {
 
 using Built = testing::BuiltMoe;
 
-Built Build(const MoeOptions& options, const ModelOptions& model, at::ScalarType dtype) {
+Built BuildMixtral(const MoeOptions& options, const ModelOptions& model, at::ScalarType dtype) {
   return testing::BuildMoe(options, model, /*layer=*/0, dtype);
 }
 
@@ -198,13 +198,13 @@ TEST(MixtralRouterTest, GatesAreTopKsForKAboveOneAndTheLossIsKTimesIt) {
 
 // The router's loss is HF's load_balancing_loss_func of its own logits, value and gradient.
 TEST(MixtralAuxLossTest, EqualsHfsFormulaByHandWithItsGradient) {
-  RouterOptions options = TinyOptions(kExperts, kHidden, kTopK);
+  RouterOptions options = TinyOptions(kMixtralExperts, kMixtralHidden, kTopK);
   options.aux_loss_coeff = kAuxCoeff;
   auto router = MakeOrDie("mixtral", options);
   testing::ToDouble(*router);
   at::Tensor& weight = testing::Param(*router, "router.weight");
   FavourExpertZero(weight);
-  const at::Tensor hidden = at::rand({16, kHidden}, at::kDouble) + 0.1;
+  const at::Tensor hidden = at::rand({16, kMixtralHidden}, at::kDouble) + 0.1;
   Routing r = router->Route(hidden, kTopK, Eval());
   ASSERT_GT(r.expert_load.max().item<int64_t>(), r.expert_load.min().item<int64_t>() + 2)
       << "unequal loads";
@@ -227,25 +227,25 @@ TEST(MixtralAuxLossTest, EqualsHfsFormulaByHandWithItsGradient) {
 // ---- The layer: SwiGLU experts without biases behind the mixtral router. -----------------
 
 TEST(MixtralLayerTest, ParametersAreInterleavedFc1AndNoBiases) {
-  Built b = Build(MixtralOptions(), MixtralModel(), at::kFloat);
+  Built b = BuildMixtral(MixtralOptions(), MixtralModel(), at::kFloat);
   ASSERT_NE(b.block, nullptr);
   std::vector<std::string> names;
   for (const Parameter& p : b.unit->parameters()) names.push_back(p.name);
-  EXPECT_EQ(names.size(), 1u + 2 * kExperts) << "router and two weights per expert";
+  EXPECT_EQ(names.size(), 1u + 2 * kMixtralExperts) << "router and two weights per expert";
   for (const std::string& name : names) {
     EXPECT_EQ(name.find(".bias"), std::string::npos) << name;
   }
   EXPECT_EQ(ParamOf(*b.unit, "mlp.experts.3.linear_fc1.weight").sizes(),
-            (std::vector<int64_t>{2 * kFfn, kHidden}));
+            (std::vector<int64_t>{2 * kMixtralFfn, kMixtralHidden}));
   EXPECT_EQ(ParamOf(*b.unit, "mlp.experts.3.linear_fc2.weight").sizes(),
-            (std::vector<int64_t>{kHidden, kFfn}));
-  EXPECT_EQ(ParamOf(*b.unit, "mlp.router.weight").sizes(), (std::vector<int64_t>{kExperts, kHidden}));
+            (std::vector<int64_t>{kMixtralHidden, kMixtralFfn}));
+  EXPECT_EQ(ParamOf(*b.unit, "mlp.router.weight").sizes(), (std::vector<int64_t>{kMixtralExperts, kMixtralHidden}));
   // With biases (SwiGLU): fc1's bias has the 2F interleaved rows.
   ModelOptions biased = MixtralModel();
   biased.add_bias_linear = true;
-  Built c = Build(MixtralOptions(), biased, at::kFloat);
-  EXPECT_EQ(ParamOf(*c.unit, "mlp.experts.0.linear_fc1.bias").sizes(), (std::vector<int64_t>{2 * kFfn}));
-  EXPECT_EQ(ParamOf(*c.unit, "mlp.experts.0.linear_fc2.bias").sizes(), (std::vector<int64_t>{kHidden}));
+  Built c = BuildMixtral(MixtralOptions(), biased, at::kFloat);
+  EXPECT_EQ(ParamOf(*c.unit, "mlp.experts.0.linear_fc1.bias").sizes(), (std::vector<int64_t>{2 * kMixtralFfn}));
+  EXPECT_EQ(ParamOf(*c.unit, "mlp.experts.0.linear_fc2.bias").sizes(), (std::vector<int64_t>{kMixtralHidden}));
 }
 
 // Output and every gradient equal the hand reference: 1e-12 relative in fp64, 1e-6 in fp32.
@@ -257,9 +257,9 @@ TEST(MixtralLayerTest, MatchesHfsBlockByHand) {
       const double tolerance = dtype == at::kDouble ? 1e-12 : 1e-6;
       MoeOptions options = MixtralOptions();
       options.per_expert_capacity = per_expert;
-      Built b = Build(options, MixtralModel(), dtype);
-      const at::Tensor x = at::randn({5, 3, kHidden}, dtype).set_requires_grad(true);  // [s, b, h]
-      const at::Tensor weight = at::randn({5, 3, kHidden}, dtype);
+      Built b = BuildMixtral(options, MixtralModel(), dtype);
+      const at::Tensor x = at::randn({5, 3, kMixtralHidden}, dtype).set_requires_grad(true);  // [s, b, h]
+      const at::Tensor weight = at::randn({5, 3, kMixtralHidden}, dtype);
       const at::Tensor out = b.block->Forward(x, ForwardContext{/*training=*/false, 1, 0});
       ASSERT_EQ(out.scalar_type(), dtype);
       (out * weight).sum().backward();
@@ -267,9 +267,9 @@ TEST(MixtralLayerTest, MatchesHfsBlockByHand) {
       x.mutable_grad() = at::Tensor();
       auto grads = TakeGrads(*b.unit);
 
-      const at::Tensor tokens = x.view({-1, kHidden});
+      const at::Tensor tokens = x.view({-1, kMixtralHidden});
       const at::Tensor expected = HandMixtral(*b.unit, tokens, kTopK, Variant::kHf);
-      EXPECT_LE(RelativeError(out.view({-1, kHidden}).detach(), expected.detach()), tolerance);
+      EXPECT_LE(RelativeError(out.view({-1, kMixtralHidden}).detach(), expected.detach()), tolerance);
       (expected.view(x.sizes()) * weight).sum().backward();
       EXPECT_LE(RelativeError(x_grad, x.grad()), tolerance * 10);
       auto expected_grads = TakeGrads(*b.unit);
@@ -285,7 +285,7 @@ TEST(MixtralLayerTest, MatchesHfsBlockByHand) {
       // Negative controls: each deliberate mistake is far outside the tolerance.
       for (Variant broken : {Variant::kNoRenormalisation, Variant::kContiguousGateUp}) {
         at::NoGradGuard no_grad;
-        EXPECT_GT(RelativeError(out.view({-1, kHidden}).detach(),
+        EXPECT_GT(RelativeError(out.view({-1, kMixtralHidden}).detach(),
                                 HandMixtral(*b.unit, tokens, kTopK, broken)),
                   1e-2)
             << "variant " << static_cast<int>(broken);
@@ -299,10 +299,10 @@ TEST(MixtralLayerTest, MatchesHfsBlockByHand) {
 // tokens is the global batch) the router's gradient from it is that formula's gradient.
 // One MoE layer: exact (NOTE [Mixtral aux loss across layers] for more).
 TEST(MixtralLayerTest, TrainingAddsHfsAuxLossForOneLayer) {
-  Built b = Build(MixtralOptions(), MixtralModel(), at::kDouble);
+  Built b = BuildMixtral(MixtralOptions(), MixtralModel(), at::kDouble);
   at::Tensor& router = ParamOf(*b.unit, "mlp.router.weight");
   FavourExpertZero(router);
-  const at::Tensor x = at::rand({4, 3, kHidden}, at::kDouble) + 0.1;
+  const at::Tensor x = at::rand({4, 3, kMixtralHidden}, at::kDouble) + 0.1;
   const int64_t t = 12;
   ForwardContext ctx{/*training=*/true, 1, 0, /*loss_scale=*/1.0 / t};
   // Times 0: the router's whole gradient comes from the auxiliary loss.
@@ -316,11 +316,11 @@ TEST(MixtralLayerTest, TrainingAddsHfsAuxLossForOneLayer) {
     if (s.name == "load_balancing_loss") reported = s.values.at(0);
     if (s.name == "expert_tokens") loads = s.values;
   }
-  ASSERT_EQ(loads.size(), static_cast<size_t>(kExperts));
+  ASSERT_EQ(loads.size(), static_cast<size_t>(kMixtralExperts));
   ASSERT_GT(*std::max_element(loads.begin(), loads.end()),
             *std::min_element(loads.begin(), loads.end()) + 2)
       << "unequal loads";
-  const at::Tensor expected = HandHfAuxLoss(at::linear(x.view({-1, kHidden}), router), kTopK) * kAuxCoeff;
+  const at::Tensor expected = HandHfAuxLoss(at::linear(x.view({-1, kMixtralHidden}), router), kTopK) * kAuxCoeff;
   EXPECT_NEAR(reported, expected.item<double>(), 1e-14);
   expected.backward();
   EXPECT_LE(RelativeError(got_grad, router.grad()), 1e-12);
@@ -329,22 +329,22 @@ TEST(MixtralLayerTest, TrainingAddsHfsAuxLossForOneLayer) {
 // The dropless capacity drops nothing even when the routing is as unequal as it gets (every
 // token's first choice is expert 0, its second expert 1).
 TEST(MixtralLayerTest, DroplessKeepsEveryToken) {
-  Built b = Build(MixtralOptions(), MixtralModel(), at::kDouble);
+  Built b = BuildMixtral(MixtralOptions(), MixtralModel(), at::kDouble);
   {
     at::NoGradGuard no_grad;
     at::Tensor& router = ParamOf(*b.unit, "mlp.router.weight");
     // Logits Σx·(1 − e/4): for x > 0 every token ranks the experts 0 > 1 > 2 > 3 (no ties).
-    for (int64_t e = 0; e < kExperts; ++e) router[e].fill_(1.0 - 0.25 * e);
+    for (int64_t e = 0; e < kMixtralExperts; ++e) router[e].fill_(1.0 - 0.25 * e);
   }
-  const at::Tensor x = at::rand({4, 3, kHidden}, at::kDouble) + 0.1;
+  const at::Tensor x = at::rand({4, 3, kMixtralHidden}, at::kDouble) + 0.1;
   const at::Tensor out = b.block->Forward(x, ForwardContext{true, 1, 0, 1.0 / 12});
   b.block->AfterOptimizerStep();
   std::map<std::string, std::vector<double>> stats;
   for (const BlockStatistic& s : b.block->Statistics()) stats[s.name] = s.values;
   EXPECT_EQ(stats["expert_tokens"], (std::vector<double>{12, 12, 0, 0}));
   EXPECT_EQ(stats["dropped_tokens"].at(0), 0);
-  EXPECT_LE(RelativeError(out.view({-1, kHidden}).detach(),
-                          HandMixtral(*b.unit, x.view({-1, kHidden}), kTopK, Variant::kHf).detach()),
+  EXPECT_LE(RelativeError(out.view({-1, kMixtralHidden}).detach(),
+                          HandMixtral(*b.unit, x.view({-1, kMixtralHidden}), kTopK, Variant::kHf).detach()),
             1e-12);
 }
 

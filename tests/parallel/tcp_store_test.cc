@@ -161,7 +161,7 @@ void RerunInANamespace(const std::string& lacking) {
 }
 
 // A loopback port that nothing listens on (bound, read, released).
-uint16_t UnusedPort() {
+uint16_t UnusedStorePort() {
   SilentListener listener;
   return listener.port();
 }
@@ -339,7 +339,7 @@ TEST(TcpStoreTest, WithinBoundsTheCallsOfAStoppedServer) {
 }
 
 TEST(TcpStoreTest, ConnectRetriesARefusedConnectionUntilItsTimeout) {
-  const uint16_t port = UnusedPort();
+  const uint16_t port = UnusedStorePort();
   std::string message;
   const Clock::duration took =
       TimeOut([&] { TcpStore::Connect("127.0.0.1", port, milliseconds(500), kLimits); }, &message);
@@ -480,7 +480,7 @@ TEST(RendezvousStoreTest, TwoRanksInThreadsShareTheStoreOnMasterAddr) {
   WorldInfo world;
   world.world_size = 2;
   world.master_addr = "127.0.0.1";
-  world.master_port = UnusedPort();
+  world.master_port = UnusedStorePort();
   absl::StatusOr<c10::intrusive_ptr<c10d::Store>> stores[2];
   std::thread rank1([&] {
     WorldInfo mine = world;

@@ -34,12 +34,12 @@ namespace {
 
 constexpr double kTolerance = 2e-5;
 
-bool IsWorker() {
+bool IsTpWorker() {
   const char* worker = std::getenv("FULCRUM_TP_WORKER");
   return worker != nullptr && std::string(worker) == "1" && std::getenv("RANK") != nullptr;
 }
 
-Communicator& World() {
+Communicator& TpWorld() {
   static std::unique_ptr<Communicator> world = [] {
     auto info = WorldInfoFromEnvironment();
     if (!info.ok()) throw CommError(std::string(info.status().message()));
@@ -80,8 +80,8 @@ void ExpectShardedGradients(const Unit& sharded, const Unit& full, int rank, int
 }
 
 TEST(TpWorker, TransformerLayerMatchesSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
-  Communicator& world = World();
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = TpWorld();
   CommTensorParallelGroup tp(&world);
   const ModelOptions options = Options();
   for (PositionEmbedding pe : {PositionEmbedding::kLearned, PositionEmbedding::kRotary}) {
@@ -106,8 +106,8 @@ TEST(TpWorker, TransformerLayerMatchesSingleProcess) {
 }
 
 TEST(TpWorker, VocabParallelCrossEntropyMatchesDense) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
-  Communicator& world = World();
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = TpWorld();
   CommTensorParallelGroup tp(&world);
   const int64_t vocab = 12 * world.size(), tokens = 10;
   at::Generator gen = MakeGenerator(5, "tp_ce");
@@ -162,8 +162,8 @@ std::vector<std::string> ExpectSequenceParallelGradients(Unit& sharded, const Un
 // summed over the group — every parameter gradient of the full layer. Dropout on (0.1 at
 // both sites): each rank keeps its rows of the whole mask.
 TEST(TpWorker, SequenceParallelLayerMatchesSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
-  Communicator& world = World();
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = TpWorld();
   CommTensorParallelGroup tp(&world);
   for (PositionEmbedding pe : {PositionEmbedding::kLearned, PositionEmbedding::kRotary}) {
     ModelOptions o = Options();
@@ -198,7 +198,7 @@ TEST(TpWorker, SequenceParallelLayerMatchesSingleProcess) {
 // that ParallelContext::AllReduceModelParallelGradients does for the marked ones).
 // Returns, per tying, the global names of the parameters marked sequence_parallel.
 std::vector<std::vector<std::string>> ExpectModelMatchesSingleProcess(bool sequence_parallel) {
-  Communicator& world = World();
+  Communicator& world = TpWorld();
   CommTensorParallelGroup tp(&world);
   std::vector<std::vector<std::string>> marked_per_tying;
   for (bool tied : {true, false}) {
@@ -239,7 +239,7 @@ std::vector<std::vector<std::string>> ExpectModelMatchesSingleProcess(bool seque
 
 // The vocab-parallel embedding and head with tensor-parallel layers: nothing is marked.
 TEST(TpWorker, VocabParallelEmbeddingAndHeadMatchSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
   for (const auto& marked : ExpectModelMatchesSingleProcess(/*sequence_parallel=*/false)) {
     EXPECT_TRUE(marked.empty());
   }
@@ -249,7 +249,7 @@ TEST(TpWorker, VocabParallelEmbeddingAndHeadMatchSingleProcess) {
 // sequence), layers on shards, the head gathering the sequence before its vocab-parallel
 // output layer.
 TEST(TpWorker, SequenceParallelModelMatchesSingleProcess) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
   for (const auto& marked : ExpectModelMatchesSingleProcess(/*sequence_parallel=*/true)) {
     // The position embeddings, 6 per layer, the final norm's two.
     ASSERT_EQ(marked.size(), 1u + 6u * Options().num_layers + 2u);
@@ -281,8 +281,8 @@ int64_t LayerForwardKeeps(const ModelOptions& o, TensorParallelGroup* tp, bool r
 }
 
 TEST(TpWorker, SequenceParallelLayerKeepsLessForTheBackward) {
-  if (!IsWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
-  Communicator& world = World();
+  if (!IsTpWorker()) GTEST_SKIP() << "runs under fulcrum_launch";
+  Communicator& world = TpWorld();
   CommTensorParallelGroup tp(&world);
   const ModelOptions o = Options();  // dropout 0.1 at both sites
   const int64_t rows_bytes = o.seq_length * 4 * o.hidden_size * 4;  // one [s, 4, h] fp32

@@ -15,10 +15,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr double kTolerance = 1e-9;
+constexpr double kChunkedTolerance = 1e-9;
 const int kStageCounts[] = {1, 2, 3, 4, 8};
 
-std::string Case(const std::string &name, int p, int m, int v = 0) {
+std::string CaseName(const std::string &name, int p, int m, int v = 0) {
   return name + " p=" + std::to_string(p) + " m=" + std::to_string(m) +
          (v > 0 ? " v=" + std::to_string(v) : "");
 }
@@ -34,7 +34,7 @@ TEST(InterleavedOneFOneBTest, PassesTheCheckerWhereMegatronRunsIt) {
   for (int p : kStageCounts) {
     for (int v : {2, 3, 4}) {
       for (int m = 1; m <= 4 * p; ++m) {
-        SCOPED_TRACE(Case("1f1b", p, m, v));
+        SCOPED_TRACE(CaseName("1f1b", p, m, v));
         absl::StatusOr<Schedule> schedule = MakeSchedule("1f1b", p, m, v);
         if (m % p != 0) {
           // Megatron-LM's rule: whole groups of p micro-batches per chunk.
@@ -106,8 +106,8 @@ TEST(InterleavedOneFOneBTest, BubbleIsOneFOneBsOverV) {
           const SimulationResult result = Simulate(OneFOneB(p, m, v), ChunkCosts(c, v));
           const double expected = (p - 1) * (c.forward + c.backward_input + c.backward_weight) / v;
           for (int s = 0; s < p; ++s) {
-            EXPECT_NEAR(result.bubble(s), expected, kTolerance)
-                << Case("1f1b", p, m, v) << " F=" << c.forward << " B=" << c.backward_input
+            EXPECT_NEAR(result.bubble(s), expected, kChunkedTolerance)
+                << CaseName("1f1b", p, m, v) << " F=" << c.forward << " B=" << c.backward_input
                 << " W=" << c.backward_weight << " stage " << s;
           }
         }
@@ -132,7 +132,7 @@ TEST(InterleavedZeroBubbleH1Test, ValidWithinMemoryAndNeverSlower) {
   for (int p : kStageCounts) {
     for (int v : {2, 3}) {
       for (int m = 1; m <= 4 * p; ++m) {
-        SCOPED_TRACE(Case("zbh1", p, m, v));
+        SCOPED_TRACE(CaseName("zbh1", p, m, v));
         absl::StatusOr<Schedule> made = MakeSchedule("zbh1", p, m, v);
         if (m % p != 0) {
           EXPECT_THAT(std::string(made.status().message()),
@@ -151,17 +151,17 @@ TEST(InterleavedZeroBubbleH1Test, ValidWithinMemoryAndNeverSlower) {
              {ActionCosts{1, 1, 1}, ActionCosts{1, 2, 1}, ActionCosts{1, 1, 0.5},
               ActionCosts{2, 1, 1}, ActionCosts{1, 1, 1, 0.25}}) {
           const SimulationResult r = Simulate(h1, ChunkCosts(c, v));
-          EXPECT_LE(r.makespan, Simulate(one_f_one_b, ChunkCosts(c, v)).makespan + kTolerance);
+          EXPECT_LE(r.makespan, Simulate(one_f_one_b, ChunkCosts(c, v)).makespan + kChunkedTolerance);
           // Interleaving sends v times as many activations: with transfer time and m = p
           // it can lose to one-chunk ZB-H1 (p = 2, m = 2, v = 2, p2p 0.25: 8 against 7.5).
           if (c.p2p == 0 || m > p) {
-            EXPECT_LE(r.makespan, Simulate(ZeroBubbleH1(p, m), c).makespan + kTolerance);
+            EXPECT_LE(r.makespan, Simulate(ZeroBubbleH1(p, m), c).makespan + kChunkedTolerance);
           }
           const double bound = (p - 1) * c.forward / v;
           for (int s = 0; s < p; ++s) {
-            EXPECT_GE(r.bubble(s), bound - kTolerance);
+            EXPECT_GE(r.bubble(s), bound - kChunkedTolerance);
             if (p <= 4 && m >= 2 * p && c.p2p == 0) {
-              EXPECT_NEAR(r.bubble(s), bound, kTolerance)
+              EXPECT_NEAR(r.bubble(s), bound, kChunkedTolerance)
                   << "F=" << c.forward << " B=" << c.backward_input << " stage " << s;
             }
           }
@@ -177,7 +177,7 @@ TEST(InterleavedZeroBubbleH1Test, ValidWithinMemoryAndNeverSlower) {
 TEST(ZeroBubbleVTest, PassesTheCheckerWithOneFOneBsMemory) {
   for (int p : kStageCounts) {
     for (int m = 1; m <= 4 * p; ++m) {
-      SCOPED_TRACE(Case("zbv", p, m));
+      SCOPED_TRACE(CaseName("zbv", p, m));
       // The V sets its own two chunks: v = 1 (not set) and v = 2 give the same
       // schedule.
       absl::StatusOr<Schedule> schedule = MakeSchedule("zbv", p, m);
@@ -233,7 +233,7 @@ TEST(ZeroBubbleVTest, OrderForTwoStages) {
 TEST(ZeroBubbleVTest, UnitCostMakespanAgainstTheBoundAndZeroBubbleH1) {
   for (int p : {2, 4, 8}) {
     for (int m : {p, 2 * p, 4 * p}) {
-      SCOPED_TRACE(Case("zbv", p, m));
+      SCOPED_TRACE(CaseName("zbv", p, m));
       const SimulationResult v = Simulate(ZeroBubbleV(p, m), ActionCosts{1, 1, 1});
       const SimulationResult h1 = Simulate(ZeroBubbleH1(p, m), ActionCosts{2, 2, 2});
       EXPECT_DOUBLE_EQ(v.makespan, 6 * m + p - 1);
@@ -253,7 +253,7 @@ TEST(ZeroBubbleVTest, OrderBuiltAtTheCosts) {
   const ActionCosts c{1.33, 1.67, 1};
   for (int p : {4, 8, 24}) {
     const int m = 4 * p;
-    SCOPED_TRACE(Case("zbv", p, m));
+    SCOPED_TRACE(CaseName("zbv", p, m));
     const Schedule at_costs = ZeroBubbleVAt(p, m, c.forward, c.backward_input, c.backward_weight, 0);
     ASSERT_TRUE(ValidateSchedule(at_costs).ok()) << ValidateSchedule(at_costs);
     for (int s = 0; s < p; ++s) EXPECT_LE(PeakInFlight(at_costs, s), 2 * p);
@@ -342,14 +342,14 @@ TEST(ChunkedSimulateTest, TimelinesRespectDependencies) {
       for (size_t i = 0; i < timeline.size(); ++i) {
         EXPECT_EQ(timeline[i].action, schedule.stages[s][i]);
         if (i > 0) {
-          EXPECT_GE(timeline[i].start, timeline[i - 1].end - kTolerance);
+          EXPECT_GE(timeline[i].start, timeline[i - 1].end - kChunkedTolerance);
         }
         for (const StageAction &dep : Dependencies(schedule, s, timeline[i].action)) {
           const auto &other = result.stages[dep.stage].actions;
           auto it = std::find_if(other.begin(), other.end(),
                                  [&](const TimedAction &t) { return t.action == dep.action; });
           ASSERT_NE(it, other.end());
-          EXPECT_GE(timeline[i].start, it->end + (dep.stage == s ? 0 : costs.p2p) - kTolerance);
+          EXPECT_GE(timeline[i].start, it->end + (dep.stage == s ? 0 : costs.p2p) - kChunkedTolerance);
         }
       }
     }

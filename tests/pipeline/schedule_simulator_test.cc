@@ -13,7 +13,7 @@
 namespace fulcrum::pipeline {
 namespace {
 
-constexpr double kTolerance = 1e-9;
+constexpr double kSimulatorTolerance = 1e-9;
 
 // Costs (T_F, T_B, T_W) that cover equal costs, the ones the issue names and unequal ones
 // on both sides of every condition below.
@@ -28,7 +28,7 @@ std::vector<ActionCosts> CostGrid() {
   return grid;
 }
 
-std::string Describe(const Schedule& schedule, const ActionCosts& c) {
+std::string DescribeRun(const Schedule& schedule, const ActionCosts& c) {
   return schedule.name + " p=" + std::to_string(schedule.num_stages) +
          " m=" + std::to_string(schedule.num_microbatches) + " F=" + std::to_string(c.forward) +
          " B=" + std::to_string(c.backward_input) + " W=" + std::to_string(c.backward_weight);
@@ -37,8 +37,8 @@ std::string Describe(const Schedule& schedule, const ActionCosts& c) {
 void ExpectEveryStageBubble(const Schedule& schedule, const ActionCosts& costs, double expected) {
   const SimulationResult result = Simulate(schedule, costs);
   for (int s = 0; s < schedule.num_stages; ++s) {
-    EXPECT_NEAR(result.bubble(s), expected, kTolerance)
-        << Describe(schedule, costs) << " stage " << s;
+    EXPECT_NEAR(result.bubble(s), expected, kSimulatorTolerance)
+        << DescribeRun(schedule, costs) << " stage " << s;
   }
 }
 
@@ -105,17 +105,17 @@ TEST(SimulateTest, TimelinesRespectOrderAndDependencies) {
         const TimedAction& timed = timeline.actions[i];
         EXPECT_EQ(timed.action, schedule.stages[s][i]);
         if (i > 0) {
-          EXPECT_GE(timed.start, timeline.actions[i - 1].end - kTolerance);
+          EXPECT_GE(timed.start, timeline.actions[i - 1].end - kSimulatorTolerance);
         }
         for (const StageAction& dep : Dependencies(schedule, s, timed.action)) {
           const auto& other = result.stages[dep.stage].actions;
           auto it = std::find_if(other.begin(), other.end(),
                                  [&](const TimedAction& t) { return t.action == dep.action; });
           ASSERT_NE(it, other.end());
-          EXPECT_GE(timed.start, it->end + (dep.stage == s ? 0 : costs.p2p) - kTolerance);
+          EXPECT_GE(timed.start, it->end + (dep.stage == s ? 0 : costs.p2p) - kSimulatorTolerance);
         }
       }
-      EXPECT_NEAR(timeline.idle, timeline.end() - timeline.busy, kTolerance);
+      EXPECT_NEAR(timeline.idle, timeline.end() - timeline.busy, kSimulatorTolerance);
     }
   }
 }
@@ -191,12 +191,12 @@ TEST(BubbleTest, ZeroBubbleH2) {
         const double internal = (p - 1) * std::max({0.0, b - f, f + b - 2 * w});
         const double bubble = (p - 1) * std::max({f, b - f, f + b - 2 * w});
         for (int s = 0; s < p; ++s) {
-          EXPECT_NEAR(result.bubble(s), bubble, kTolerance) << Describe(schedule, c);
-          EXPECT_LE(result.InternalBubble(s), internal + kTolerance) << Describe(schedule, c);
+          EXPECT_NEAR(result.bubble(s), bubble, kSimulatorTolerance) << DescribeRun(schedule, c);
+          EXPECT_LE(result.InternalBubble(s), internal + kSimulatorTolerance) << DescribeRun(schedule, c);
         }
-        EXPECT_NEAR(result.InternalBubble(0), internal, kTolerance) << Describe(schedule, c);
+        EXPECT_NEAR(result.InternalBubble(0), internal, kSimulatorTolerance) << DescribeRun(schedule, c);
         // Never worse than ZB-H1, for any costs.
-        EXPECT_LE(bubble, Simulate(ZeroBubbleH1(p, m), c).bubble(0) + kTolerance);
+        EXPECT_LE(bubble, Simulate(ZeroBubbleH1(p, m), c).bubble(0) + kSimulatorTolerance);
       }
     }
   }
@@ -207,8 +207,8 @@ TEST(BubbleTest, ZeroBubbleH2HasNoInternalBubbleWithEqualCosts) {
     for (int m = 2 * p - 1; m <= 24; ++m) {
       const SimulationResult result = Simulate(ZeroBubbleH2(p, m), ActionCosts{1, 1, 1});
       for (int s = 0; s < p; ++s) {
-        EXPECT_NEAR(result.InternalBubble(s), 0, kTolerance) << "p=" << p << " m=" << m;
-        EXPECT_NEAR(result.bubble(s), p - 1, kTolerance) << "p=" << p << " m=" << m;
+        EXPECT_NEAR(result.InternalBubble(s), 0, kSimulatorTolerance) << "p=" << p << " m=" << m;
+        EXPECT_NEAR(result.bubble(s), p - 1, kSimulatorTolerance) << "p=" << p << " m=" << m;
       }
     }
   }
@@ -228,7 +228,7 @@ std::vector<ActionCosts> ComparisonCosts() {
   return costs;
 }
 
-std::string Describe(int p, int m, const ActionCosts& c) {
+std::string DescribeRun(int p, int m, const ActionCosts& c) {
   return "p=" + std::to_string(p) + " m=" + std::to_string(m) + " F=" +
          std::to_string(c.forward) + " B=" + std::to_string(c.backward_input) +
          " W=" + std::to_string(c.backward_weight) + " p2p=" + std::to_string(c.p2p);
@@ -244,8 +244,8 @@ TEST(BubbleTest, ZeroBubbleH2NeverSlowerThanZeroBubbleH1) {
       const Schedule h1 = ZeroBubbleH1(p, m);
       const Schedule h2 = ZeroBubbleH2(p, m);
       for (const ActionCosts& c : costs) {
-        EXPECT_LE(Simulate(h2, c).makespan, Simulate(h1, c).makespan + kTolerance)
-            << Describe(p, m, c);
+        EXPECT_LE(Simulate(h2, c).makespan, Simulate(h1, c).makespan + kSimulatorTolerance)
+            << DescribeRun(p, m, c);
       }
     }
   }
@@ -266,21 +266,21 @@ TEST(BubbleTest, ZeroBubbleH2BeatsZeroBubbleH1WithEnoughMicrobatches) {
       const ActionCosts unit{1, 1, 1};
       const SimulationResult h1 = Simulate(ZeroBubbleH1(p, m), unit);
       const SimulationResult h2 = Simulate(ZeroBubbleH2(p, m), unit);
-      EXPECT_NEAR(h2.makespan, h1.makespan, kTolerance) << Describe(p, m, unit);
+      EXPECT_NEAR(h2.makespan, h1.makespan, kSimulatorTolerance) << DescribeRun(p, m, unit);
       double h1_internal = 0, h2_internal = 0;
       for (int s = 0; s < p; ++s) {
         h1_internal += h1.InternalBubble(s);
         h2_internal += h2.InternalBubble(s);
       }
-      EXPECT_NEAR(h2_internal, 0, kTolerance) << Describe(p, m, unit);
-      EXPECT_GT(h1_internal, h2_internal + 0.5) << Describe(p, m, unit);
+      EXPECT_NEAR(h2_internal, 0, kSimulatorTolerance) << DescribeRun(p, m, unit);
+      EXPECT_GT(h1_internal, h2_internal + 0.5) << DescribeRun(p, m, unit);
       for (const ActionCosts& c :
            {ActionCosts{1, 1, 1, 0.1}, ActionCosts{1, 2, 1}, ActionCosts{1, 2, 1, 0.1},
             ActionCosts{1, 1, 0.5}, ActionCosts{1, 1, 0.5, 0.1}, ActionCosts{1, 1.5, 0.7},
             ActionCosts{1, 1.5, 0.7, 0.1}}) {
         EXPECT_LT(Simulate(ZeroBubbleH2(p, m), c).makespan,
-                  Simulate(ZeroBubbleH1(p, m), c).makespan - kTolerance)
-            << Describe(p, m, c);
+                  Simulate(ZeroBubbleH1(p, m), c).makespan - kSimulatorTolerance)
+            << DescribeRun(p, m, c);
       }
     }
   }
@@ -304,10 +304,10 @@ TEST(BubbleTest, ZeroBubbleH2WithFewMicrobatches) {
            Case{8, 8, {1, 1, 1}, 31, 31},
            Case{8, 12, {1, 2, 1}, 62, 58},
        }) {
-    EXPECT_NEAR(Simulate(ZeroBubbleH1(c.p, c.m), c.costs).makespan, c.h1, kTolerance)
-        << Describe(c.p, c.m, c.costs);
-    EXPECT_NEAR(Simulate(ZeroBubbleH2(c.p, c.m), c.costs).makespan, c.h2, kTolerance)
-        << Describe(c.p, c.m, c.costs);
+    EXPECT_NEAR(Simulate(ZeroBubbleH1(c.p, c.m), c.costs).makespan, c.h1, kSimulatorTolerance)
+        << DescribeRun(c.p, c.m, c.costs);
+    EXPECT_NEAR(Simulate(ZeroBubbleH2(c.p, c.m), c.costs).makespan, c.h2, kSimulatorTolerance)
+        << DescribeRun(c.p, c.m, c.costs);
   }
 }
 

@@ -48,7 +48,7 @@ Schedule HandV() {
   return schedule;
 }
 
-void ExpectRejected(const Schedule& schedule, const std::string& message) {
+void ExpectChunkedRejected(const Schedule& schedule, const std::string& message) {
   const absl::Status status = ValidateSchedule(schedule);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(std::string(status.message()), HasSubstr(message));
@@ -138,35 +138,35 @@ TEST(VirtualStageTest, CheckerAcceptsAHandWrittenV) {
 TEST(VirtualStageTest, CheckerRejectsBadChunks) {
   Schedule schedule = HandV();
   schedule.stages[0][1] = F(0, 2);
-  ExpectRejected(schedule, "stage 0: F0.2 names chunk 2, outside 0..1 (2 chunks per stage)");
+  ExpectChunkedRejected(schedule, "stage 0: F0.2 names chunk 2, outside 0..1 (2 chunks per stage)");
 
   schedule = HandV();
   schedule.stages[1].pop_back();
-  ExpectRejected(schedule, "schedule 'hand-v': stage 1: BW0.0 is missing");
+  ExpectChunkedRejected(schedule, "schedule 'hand-v': stage 1: BW0.0 is missing");
 
   schedule = HandV();
   schedule.stages[1][3] = BW(0, 1);
-  ExpectRejected(schedule, "stage 1: BW0.1 appears twice");
+  ExpectChunkedRejected(schedule, "stage 1: BW0.1 appears twice");
 
   // The turn of the V orders two actions of one list.
   schedule = HandV();
   std::swap(schedule.stages[1][0], schedule.stages[1][1]);
-  ExpectRejected(schedule, "stage 1: F0.1 before its F0.0");
+  ExpectChunkedRejected(schedule, "stage 1: F0.1 before its F0.0");
   schedule = HandV();
   std::swap(schedule.stages[1][2], schedule.stages[1][3]);
-  ExpectRejected(schedule, "stage 1: BW0.0 before its BW0.1");
+  ExpectChunkedRejected(schedule, "stage 1: BW0.0 before its BW0.1");
 
   // Across stages: stage 0 runs the head's backward before the forward reaches it.
   schedule = HandV();
   schedule.stages[0] = {F(0, 0), BW(0, 0), F(0, 1), BW(0, 1)};
-  ExpectRejected(schedule,
+  ExpectChunkedRejected(schedule,
                  "deadlock: stage 0 is stuck at BW0.0 waiting for BW0.0 on stage 1; stage 1 is "
                  "stuck at BW0.1 waiting for BW0.1 on stage 0");
 
   // In flight counts (micro-batch, chunk) pairs.
   schedule = HandV();
   schedule.max_in_flight = 1;
-  ExpectRejected(schedule,
+  ExpectChunkedRejected(schedule,
                  "stage 0: F0.1 holds 2 chunk micro-batches in flight, above the schedule's "
                  "limit of 1");
 }
@@ -174,23 +174,23 @@ TEST(VirtualStageTest, CheckerRejectsBadChunks) {
 TEST(VirtualStageTest, CheckerRejectsABadLayout) {
   Schedule schedule = HandV();
   schedule.virtual_stages.clear();
-  ExpectRejected(schedule, "has 2 chunks per stage but no virtual_stages");
+  ExpectChunkedRejected(schedule, "has 2 chunks per stage but no virtual_stages");
 
   schedule = HandV();
   schedule.virtual_stages.pop_back();
-  ExpectRejected(schedule, "has 3 virtual stages for 2 stages × 2 chunks");
+  ExpectChunkedRejected(schedule, "has 3 virtual stages for 2 stages × 2 chunks");
 
   schedule = HandV();
   schedule.virtual_stages[3] = {0, 0};
-  ExpectRejected(schedule, "virtual stages 0 and 3 are both stage 0 chunk 0");
+  ExpectChunkedRejected(schedule, "virtual stages 0 and 3 are both stage 0 chunk 0");
 
   schedule = HandV();
   schedule.virtual_stages[2] = {2, 1};
-  ExpectRejected(schedule, "virtual stage 2 is stage 2 chunk 1, outside stages 0..1, chunks 0..1");
+  ExpectChunkedRejected(schedule, "virtual stage 2 is stage 2 chunk 1, outside stages 0..1, chunks 0..1");
 
   schedule = HandV();
   schedule.num_chunks = 0;
-  ExpectRejected(schedule, "num_chunks=0");
+  ExpectChunkedRejected(schedule, "num_chunks=0");
 }
 
 TEST(VirtualStageTest, MakeScheduleChecksTheChunkCount) {

@@ -34,8 +34,8 @@ ModelOptions Small(bool fp64 = false) {
 const StageSpec kLayersOnly{0, -1, /*has_embedding=*/false, /*has_head=*/false};
 
 // The mod flags for one test; the previous values come back at the end of the scope.
-struct Flags {
-  explicit Flags(double capacity, const std::string& causal = "predictor", double coeff = 0.01) {
+struct ModFlags {
+  explicit ModFlags(double capacity, const std::string& causal = "predictor", double coeff = 0.01) {
     FLAGS_mod_layer_freq = 2;  // layer 1 of 2 is routed
     FLAGS_mod_layers = "";
     FLAGS_mod_capacity = capacity;
@@ -97,7 +97,7 @@ void ExpectRoutedLayerMatches(const GptModel& mod, const GptModel& plain, const 
 }
 
 TEST(ModPluginTest, FullCapacityIsTheDenseLayerScaledByTheGate) {
-  Flags flags(1.0);
+  ModFlags flags(1.0);
   const ModelOptions o = Small();
   auto mod = WithMod(o);
   GptModel plain(o, kLayersOnly);
@@ -114,7 +114,7 @@ TEST(ModPluginTest, FullCapacityIsTheDenseLayerScaledByTheGate) {
 TEST(ModPluginTest, TrainingComputesTheRouterTopKOfEachSequenceAndSkipsTheRest) {
   for (const bool rope : {false, true}) {
   SCOPED_TRACE(rope ? "rotary positions" : "learned positions");
-  Flags flags(0.25);
+  ModFlags flags(0.25);
   ModelOptions o = Small();
   if (rope) o.position_embedding = PositionEmbedding::kRotary;
   auto mod = WithMod(o);
@@ -148,7 +148,7 @@ TEST(ModPluginTest, TrainingComputesTheRouterTopKOfEachSequenceAndSkipsTheRest) 
 // tokens times the router rounded to bf16, what a router computing in the activations'
 // dtype gives) picks other tokens than the top-k of fp32 logits.
 TEST(ModPluginTest, Bf16TokensAreRoutedByFp32Logits) {
-  Flags flags(0.25);
+  ModFlags flags(0.25);
   ModelOptions o = Small();
   o.device_spec.compute_dtype = at::kBFloat16;
   auto mod = WithMod(o);
@@ -184,7 +184,7 @@ TEST(ModPluginTest, EvaluationComputesTheTokensTheCausalDecisionPicks) {
   for (const std::string causal : {"aux_loss", "predictor"}) {
     SCOPED_TRACE(causal);
     SCOPED_TRACE(rope ? "rotary positions" : "learned positions");
-    Flags flags(0.25, causal);
+    ModFlags flags(0.25, causal);
     ModelOptions o = Small();
     if (rope) o.position_embedding = PositionEmbedding::kRotary;
     auto mod = WithMod(o);
@@ -211,10 +211,10 @@ TEST(ModPluginTest, EvaluationComputesTheTokensTheCausalDecisionPicks) {
 TEST(ModPluginTest, TheCausalDecisionLearnsThroughTheAuxiliaryLoss) {
   for (const std::string causal : {"aux_loss", "predictor"}) {
     SCOPED_TRACE(causal);
-    Flags flags(0.25, causal, /*coeff=*/1.0);
+    ModFlags flags(0.25, causal, /*coeff=*/1.0);
     const ModelOptions o = Small();
     auto with_aux = WithMod(o);
-    Flags no_aux(0.25, causal, /*coeff=*/0.0);
+    ModFlags no_aux(0.25, causal, /*coeff=*/0.0);
     auto without = WithMod(o);
     torch::manual_seed(4);
     const at::Tensor x = torch::randn({o.seq_length, 2, o.hidden_size});
@@ -244,7 +244,7 @@ TEST(ModPluginTest, TheCausalDecisionLearnsThroughTheAuxiliaryLoss) {
 }
 
 TEST(ModPluginTest, GradientsMatchFiniteDifferences) {
-  Flags flags(0.5, "aux_loss", 0.1);
+  ModFlags flags(0.5, "aux_loss", 0.1);
   const ModelOptions o = Small(/*fp64=*/true);
   auto mod = WithMod(o);
   TransformerLayer& layer = *mod->layers().at(1);
@@ -291,7 +291,7 @@ TEST(ModPluginTest, GradientsMatchFiniteDifferences) {
 }
 
 TEST(ModPluginTest, ALayerListRoutesExactlyThoseLayers) {
-  Flags flags(0.25);
+  ModFlags flags(0.25);
   FLAGS_mod_layers = "0";
   const ModelOptions o = Small();
   auto mod = WithMod(o);
@@ -309,21 +309,21 @@ TEST(ModPluginTest, BadFlagsAreRefusedNamingTheFlag) {
   PluginSetup setup;
   setup.model = Small();
   {
-    Flags flags(0.0);
+    ModFlags flags(0.0);
     auto status = ValidatePlugins({"mod"}, setup);
     EXPECT_NE(status.ToString().find("--mod_capacity"), std::string::npos) << status;
   }
   {
-    Flags flags(0.5, "sometimes");
+    ModFlags flags(0.5, "sometimes");
     EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("--mod_causal"), std::string::npos);
   }
   {
-    Flags flags(0.5);
+    ModFlags flags(0.5);
     FLAGS_mod_layers = "1-5";
     EXPECT_NE(ValidatePlugins({"mod"}, setup).ToString().find("--mod_layers: '1-5'"), std::string::npos);
   }
   {
-    Flags flags(0.5);
+    ModFlags flags(0.5);
     setup.model.position_embedding = PositionEmbedding::kRotary;
     EXPECT_TRUE(ValidatePlugins({"mod"}, setup).ok()) << "rotary positions work too";
   }

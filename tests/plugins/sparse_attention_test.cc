@@ -30,10 +30,10 @@ namespace {
 
 constexpr char kRotations[] = "sparse_attention.rotations";
 
-ModelOptions SmallModel() { return testing::SmallModelOf(2, 64); }  // head_dim 8
+ModelOptions SmallAttentionModel() { return testing::SmallModelOf(2, 64); }  // head_dim 8
 
-std::shared_ptr<PluginSet> Build(int64_t buckets, int64_t window, int64_t block,
-                                 const ModelOptions& model = SmallModel()) {
+std::shared_ptr<PluginSet> BuildSparse(int64_t buckets, int64_t window, int64_t block,
+                                 const ModelOptions& model = SmallAttentionModel()) {
   gflags::FlagSaver saver;
   FLAGS_sparse_attention_buckets = buckets;
   FLAGS_sparse_attention_window = window;
@@ -87,8 +87,8 @@ Inputs RandomInputs(int64_t b, int64_t heads, int64_t s, int64_t d, at::ScalarTy
 }
 
 TEST(SparseAttentionTest, OneBucketIsTheDenseCausalAttentionOfTheLayer) {
-  const ModelOptions options = SmallModel();
-  auto plugins = Build(/*buckets=*/1, /*window=*/0, /*block=*/16);
+  const ModelOptions options = SmallAttentionModel();
+  auto plugins = BuildSparse(/*buckets=*/1, /*window=*/0, /*block=*/16);
   TransformerLayer dense(options, 1);
   TransformerLayer sparse(options, 1, nullptr, true, plugins.get());
   ASSERT_NE(sparse.attention_core(), nullptr);
@@ -117,7 +117,7 @@ TEST(SparseAttentionTest, ManyBucketsAreTheDenseAttentionUnderTheBucketMask) {
   for (const auto& [buckets, window, block] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
            {4, 0, 8}, {4, 5, 8}, {3, 0, 16}, {8, 2, 7}, {2, 0, 64}}) {
     SCOPED_TRACE(absl::StrCat("buckets ", buckets, " window ", window, " block ", block));
-    auto plugins = Build(buckets, window, block);
+    auto plugins = BuildSparse(buckets, window, block);
     Unit unit("layers.0");
     std::unique_ptr<AttentionCore> core = plugins->MakeAttentionCore(0, unit, true);
     ASSERT_NE(core, nullptr);
@@ -152,7 +152,7 @@ TEST(SparseAttentionTest, ManyBucketsAreTheDenseAttentionUnderTheBucketMask) {
 // product (rotations rounded to bf16) puts some tokens in other buckets, which changes
 // their attention far beyond bf16 rounding.
 TEST(SparseAttentionTest, Bf16TokensAreHashedAndAttendedInFp32) {
-  auto plugins = Build(/*buckets=*/8, /*window=*/0, /*block=*/8);
+  auto plugins = BuildSparse(/*buckets=*/8, /*window=*/0, /*block=*/8);
   Unit unit("layers.0");
   std::unique_ptr<AttentionCore> core = plugins->MakeAttentionCore(0, unit, true);
   const at::Tensor rotations = unit.FindBuffer(kRotations);
@@ -182,7 +182,7 @@ TEST(SparseAttentionTest, Bf16TokensAreHashedAndAttendedInFp32) {
 }
 
 TEST(SparseAttentionTest, GradientsMatchFiniteDifferencesInDouble) {
-  auto plugins = Build(/*buckets=*/4, /*window=*/2, /*block=*/4);
+  auto plugins = BuildSparse(/*buckets=*/4, /*window=*/2, /*block=*/4);
   Unit unit("layers.0");
   std::unique_ptr<AttentionCore> core = plugins->MakeAttentionCore(0, unit, true);
   Inputs in = RandomInputs(1, 2, 10, 8, at::kDouble, 5);
@@ -218,9 +218,9 @@ TEST(SparseAttentionTest, GradientsMatchFiniteDifferencesInDouble) {
 
 TEST(SparseAttentionTest, OnlyTheBlockPairsTheBucketsImplyAreComputed) {
   const int64_t s = 256, d = 16, heads = 4, block = 16, buckets = 4;
-  ModelOptions model = SmallModel();
+  ModelOptions model = SmallAttentionModel();
   model.hidden_size = heads * d;
-  auto plugins = Build(buckets, /*window=*/0, block, model);
+  auto plugins = BuildSparse(buckets, /*window=*/0, block, model);
   Unit unit("layers.0");
   std::unique_ptr<AttentionCore> core = plugins->MakeAttentionCore(0, unit, true);
   Inputs in = RandomInputs(1, heads, s, d, at::kFloat, 9);
@@ -249,7 +249,7 @@ TEST(SparseAttentionTest, OnlyTheBlockPairsTheBucketsImplyAreComputed) {
             << dense << " (" << core->Load() / dense << ")" << std::endl;
   EXPECT_LT(core->Load(), 0.3 * dense) << "4 buckets compute well under the dense scores";
   // One bucket: every causal block pair.
-  auto dense_plugins = Build(1, 0, block, model);
+  auto dense_plugins = BuildSparse(1, 0, block, model);
   Unit unit1("layers.0");
   std::unique_ptr<AttentionCore> one = dense_plugins->MakeAttentionCore(0, unit1, true);
   one->Forward(in.q, in.k, in.v, ForwardContext());
@@ -258,7 +258,7 @@ TEST(SparseAttentionTest, OnlyTheBlockPairsTheBucketsImplyAreComputed) {
 }
 
 TEST(SparseAttentionTest, AHeadHashesAlikeWhicheverTensorParallelRankHoldsIt) {
-  auto plugins = Build(/*buckets=*/4, /*window=*/0, /*block=*/8);
+  auto plugins = BuildSparse(/*buckets=*/4, /*window=*/0, /*block=*/8);
   Unit whole("layers.1", 0, 1), second_half("layers.1", 1, 2), other_layer("layers.0", 0, 1);
   Unit shell("layers.1", 1, 2);
   std::unique_ptr<AttentionCore> core_whole = plugins->MakeAttentionCore(1, whole, true);
@@ -283,7 +283,7 @@ TEST(SparseAttentionTest, AHeadHashesAlikeWhicheverTensorParallelRankHoldsIt) {
 
 TEST(SparseAttentionTest, BadFlagsAreRefusedNamingTheFlag) {
   PluginSetup setup;
-  setup.model = SmallModel();
+  setup.model = SmallAttentionModel();
   auto refused = [&](const char* flag, int64_t value) {
     gflags::FlagSaver saver;
     gflags::SetCommandLineOption(flag, std::to_string(value).c_str());

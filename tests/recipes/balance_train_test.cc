@@ -23,7 +23,7 @@ const std::string kHeavyFirst =
     "--eval_interval=0 --log_interval=4 --pipeline_model_parallel_size=2 "
     "--pipeline_schedule=zbh1";
 
-std::vector<nlohmann::json> Train(const std::string& dir, const std::string& name,
+std::vector<nlohmann::json> BalanceTrain(const std::string& dir, const std::string& name,
                                   const std::string& flags, std::string* output) {
   return testing::TrainRecords(2, kHeavyFirst + " " + flags, dir + "/" + name + ".jsonl", output);
 }
@@ -34,7 +34,7 @@ std::vector<nlohmann::json> Train(const std::string& dir, const std::string& nam
 TEST(SlowBalanceTrainTest, BalancersMoveTheHeavyLayersAndKeepTheLosses) {
   const std::string dir = testing::MakeTempDir("balance_train");
   std::string output;
-  const std::vector<nlohmann::json> still = Train(dir, "none", "--rebalancer=none", &output);
+  const std::vector<nlohmann::json> still = BalanceTrain(dir, "none", "--rebalancer=none", &output);
   ASSERT_EQ(still.size(), 12u);
   for (const auto& r : still) {
     EXPECT_EQ(r["layers_moved"], 0);
@@ -46,7 +46,7 @@ TEST(SlowBalanceTrainTest, BalancersMoveTheHeavyLayersAndKeepTheLosses) {
   for (const std::string balancer : {"partition", "diffusion"}) {
     SCOPED_TRACE(balancer);
     const std::vector<nlohmann::json> moved =
-        Train(dir, balancer, "--rebalancer=" + balancer + " --balance_by=params", &output);
+        BalanceTrain(dir, balancer, "--rebalancer=" + balancer + " --balance_by=params", &output);
     ASSERT_EQ(moved.size(), 12u);
     // The first decision, in iteration 1, gave heavy layers away from stage 0.
     EXPECT_GT(moved[0]["layers_moved"].get<int64_t>(), 0) << output;
@@ -64,7 +64,7 @@ TEST(SlowBalanceTrainTest, BalancersMoveTheHeavyLayersAndKeepTheLosses) {
   // By measured time (the default) the decision depends on this machine's timings, so only
   // the plumbing is asserted here; fulcrum_bench_balance measures what it achieves.
   const std::vector<nlohmann::json> timed =
-      Train(dir, "timed", "--rebalancer=partition --rebalance_min_gain=0", &output);
+      BalanceTrain(dir, "timed", "--rebalancer=partition --rebalance_min_gain=0", &output);
   ASSERT_EQ(timed.size(), 12u);
   for (size_t i = 0; i < timed.size(); ++i) EXPECT_EQ(timed[i]["loss"], still[i]["loss"]);
   EXPECT_TRUE(timed.back().contains("predicted_bottleneck")) << timed.back().dump();
@@ -75,7 +75,7 @@ TEST(SlowBalanceTrainTest, BalancersMoveTheHeavyLayersAndKeepTheLosses) {
 TEST(SlowBalanceTrainTest, ParameterBalancedInitialPlacementGivesTheHeavyStageFewerLayers) {
   const std::string dir = testing::MakeTempDir("balance_initial");
   std::string output;
-  const std::vector<nlohmann::json> records = Train(
+  const std::vector<nlohmann::json> records = BalanceTrain(
       dir, "params", "--pipeline_initial_partition=params --train_iters=2", &output);
   ASSERT_EQ(records.size(), 2u);
   const int64_t stage0_end = records[0]["stage_ranges"][0][1].get<int64_t>();

@@ -16,7 +16,7 @@
 namespace fulcrum {
 namespace {
 
-std::string Common() {
+std::string Bf16MoeCommon() {
   // Inside the warm-up, as the fp32 MoE layout tests (moe_train_test.cc).
   return "--recipe=tiny_moe --train_iters=20 --eval_interval=0 --log_interval=10 "
          "--global_batch_size=16 --micro_batch_size=4";
@@ -30,17 +30,17 @@ constexpr double kBf16VsFp32Tolerance = 3e-3;
 // a last-bit difference into a larger one. Measured: the first iteration bit-identical
 // (same loads; loads equal through iteration 2, then routing choices start to differ),
 // then 5.2e-4 at most over 20; bound 2e-3.
-constexpr double kBf16LayoutTolerance = 2e-3;
+constexpr double kBf16MoeLayoutTolerance = 2e-3;
 
 TEST(SlowBf16MoeTrainTest, ExpertParallelTwoFollowsOneProcessBf16) {
   const std::string dir = testing::MakeTempDir("bf16_moe_train");
   const std::vector<double> fp32 =
-      testing::LossesOf(testing::TrainRecords(1, Common(), dir + "/fp32.jsonl"));
+      testing::LossesOf(testing::TrainRecords(1, Bf16MoeCommon(), dir + "/fp32.jsonl"));
   const std::vector<nlohmann::json> single_records =
-      testing::TrainRecords(1, Common() + " --bf16", dir + "/bf16.jsonl");
+      testing::TrainRecords(1, Bf16MoeCommon() + " --bf16", dir + "/bf16.jsonl");
   const std::vector<double> single = testing::LossesOf(single_records);
   const std::vector<nlohmann::json> ep2_records = testing::TrainRecords(
-      2, Common() + " --bf16 --expert_model_parallel_size=2", dir + "/bf16_ep2.jsonl");
+      2, Bf16MoeCommon() + " --bf16 --expert_model_parallel_size=2", dir + "/bf16_ep2.jsonl");
   const std::vector<double> ep2 = testing::LossesOf(ep2_records);
   ASSERT_EQ(fp32.size(), 20u);
   ASSERT_EQ(single.size(), 20u);
@@ -53,7 +53,7 @@ TEST(SlowBf16MoeTrainTest, ExpertParallelTwoFollowsOneProcessBf16) {
             << ", last " << fp32.back() << " / " << single.back() << " / " << ep2.back() << ")"
             << std::endl;
   EXPECT_LE(tracked, kBf16VsFp32Tolerance);
-  EXPECT_LE(layout, kBf16LayoutTolerance);
+  EXPECT_LE(layout, kBf16MoeLayoutTolerance);
   EXPECT_EQ(ep2[0], single[0]) << "the first forward routes and computes the same rows";
   EXPECT_LT(ep2.back(), ep2.front()) << "it learns";
   // The first step routes the same bf16 tokens with the same fp32 router: the same loads.

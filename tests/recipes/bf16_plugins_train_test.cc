@@ -18,7 +18,7 @@
 namespace fulcrum {
 namespace {
 
-const std::string kCommon =
+const std::string kBf16PluginsCommon =
     "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=4 --global_batch_size=16 "
     "--micro_batch_size=4 --lr=1e-3" + std::string(testing::kPastWarmup);
 
@@ -42,8 +42,8 @@ class SlowBf16PluginsTrainTest : public ::testing::TestWithParam<PluginCase> {
   void RunBoth() {
     const PluginCase& c = GetParam();
     const std::string dir = testing::MakeTempDir("bf16_plugins_" + c.name);
-    fp32_ = testing::TrainRecords(1, kCommon + " " + c.flags, dir + "/fp32.jsonl");
-    bf16_ = testing::TrainRecords(1, kCommon + " " + c.flags + " --bf16", dir + "/bf16.jsonl",
+    fp32_ = testing::TrainRecords(1, kBf16PluginsCommon + " " + c.flags, dir + "/fp32.jsonl");
+    bf16_ = testing::TrainRecords(1, kBf16PluginsCommon + " " + c.flags + " --bf16", dir + "/bf16.jsonl",
                                   &bf16_output_);
     ASSERT_EQ(fp32_.size(), 12u);
     ASSERT_EQ(bf16_.size(), 12u);

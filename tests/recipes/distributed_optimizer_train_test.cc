@@ -19,9 +19,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kZero[] = " --use_distributed_optimizer";
 
-std::string Common(int iters = 20) {
+std::string ZeroCommon(int iters = 20) {
   return "--recipe=tiny --train_iters=" + std::to_string(iters) +
          " --eval_interval=0 --log_interval=10 --global_batch_size=16 --micro_batch_size=4" +
          std::string(testing::kPastWarmup);
@@ -29,20 +28,20 @@ std::string Common(int iters = 20) {
 
 // The comparisons across tensor parallelism run in fp64: its fp32 rounding depends on the
 // CPU's GEMM kernels (testing::kFp64).
-std::string Fp64Common() { return Common() + testing::kFp64; }
+std::string Fp64Common() { return ZeroCommon() + testing::kFp64; }
 
-struct TrainRun {
+struct ZeroRun {
   std::vector<double> losses;
   std::vector<double> grad_norms;
   int64_t state_bytes = 0;  // the logging rank's, at the last iteration
 };
 
-TrainRun Train(int n, const std::string& args, const std::string& dir, const std::string& name) {
+ZeroRun ZeroTrain(int n, const std::string& args, const std::string& dir, const std::string& name) {
   const std::string metrics = dir + "/" + name + ".jsonl";
   std::string output;
   const int code = testing::RunCommand(testing::TrainCommand(n, args + " --metrics_file=" + metrics), &output);
   EXPECT_EQ(code, 0) << output;
-  TrainRun run;
+  ZeroRun run;
   const auto records = testing::MetricsRecords(metrics);
   for (const auto& r : records) {
     run.losses.push_back(r["loss"].get<double>());
@@ -61,8 +60,8 @@ TrainRun Train(int n, const std::string& args, const std::string& dir, const std
 TEST(SlowDistributedOptimizerTest, DataParallelTwoEqualsTheReplicatedOptimizerBitForBit) {
   const std::string dir = testing::MakeTempDir("zero_dp2");
   for (const std::string clip : {"0", "1"}) {
-    const TrainRun replicated = Train(2, Common() + " --clip_grad=" + clip, dir, "adamw" + clip);
-    const TrainRun sharded = Train(2, Common() + " --clip_grad=" + clip + kZero, dir, "zero" + clip);
+    const ZeroRun replicated = ZeroTrain(2, ZeroCommon() + " --clip_grad=" + clip, dir, "adamw" + clip);
+    const ZeroRun sharded = ZeroTrain(2, ZeroCommon() + " --clip_grad=" + clip + testing::kZero, dir, "zero" + clip);
     ASSERT_EQ(replicated.losses.size(), 20u);
     ASSERT_EQ(sharded.losses.size(), 20u);
     EXPECT_EQ(sharded.losses, replicated.losses)
@@ -85,12 +84,12 @@ TEST(SlowDistributedOptimizerTest, DataParallelTwoEqualsTheReplicatedOptimizerBi
 // ranks follow one process within the fp64 layout tolerance, holding half the state.
 TEST(SlowDistributedOptimizerTest, TensorAndPipelineTimesDataParallelFollowOneProcess) {
   const std::string dir = testing::MakeTempDir("zero_layouts");
-  const TrainRun single = Train(1, Fp64Common(), dir, "single");
+  const ZeroRun single = ZeroTrain(1, Fp64Common(), dir, "single");
   ASSERT_EQ(single.losses.size(), 20u);
   for (const std::string parallel : {"tensor", "pipeline"}) {
     const std::string layout = " --" + parallel + "_model_parallel_size=2";
-    const TrainRun replicated = Train(4, Fp64Common() + layout, dir, "adamw_" + parallel);
-    const TrainRun sharded = Train(4, Fp64Common() + layout + kZero, dir, "zero_" + parallel);
+    const ZeroRun replicated = ZeroTrain(4, Fp64Common() + layout, dir, "adamw_" + parallel);
+    const ZeroRun sharded = ZeroTrain(4, Fp64Common() + layout + testing::kZero, dir, "zero_" + parallel);
     ASSERT_EQ(sharded.losses.size(), 20u) << layout;
     const double worst = testing::MaxRelativeDifference(sharded.losses, single.losses);
     std::cout << layout << ": max relative loss difference vs one process " << worst
@@ -111,8 +110,8 @@ TEST(SlowDistributedOptimizerTest, ExpertsShardOverTheirExpertDataParallelGroup)
       "--recipe=tiny_moe --train_iters=12 --eval_interval=0 --log_interval=10 "
       "--global_batch_size=16 --micro_batch_size=2 --expert_model_parallel_size=2" +
       std::string(testing::kPastWarmup);
-  const TrainRun replicated = Train(4, moe, dir, "adamw");
-  const TrainRun sharded = Train(4, moe + kZero, dir, "zero");
+  const ZeroRun replicated = ZeroTrain(4, moe, dir, "adamw");
+  const ZeroRun sharded = ZeroTrain(4, moe + testing::kZero, dir, "zero");
   ASSERT_EQ(sharded.losses.size(), 12u);
   const double worst = testing::MaxRelativeDifference(sharded.losses, replicated.losses);
   std::cout << "tiny_moe ep=2 dp=4: max relative difference " << worst << "; state "
@@ -128,7 +127,7 @@ TEST(SlowDistributedOptimizerTest, ExpertsShardOverTheirExpertDataParallelGroup)
 // iterations 11–20 follow the uninterrupted one-process run.
 TEST(SlowDistributedOptimizerTest, CheckpointsCrossOptimizersAndLayouts) {
   const std::string dir = testing::MakeTempDir("zero_ckpt");
-  const TrainRun single = Train(1, Fp64Common(), dir, "single");
+  const ZeroRun single = ZeroTrain(1, Fp64Common(), dir, "single");
   ASSERT_EQ(single.losses.size(), 20u);
   const std::vector<double> expected(single.losses.begin() + 10, single.losses.end());
   struct Case {
@@ -137,8 +136,8 @@ TEST(SlowDistributedOptimizerTest, CheckpointsCrossOptimizersAndLayouts) {
     int load_n;
     std::string load;
   };
-  for (const Case& c : {Case{2, kZero, 1, ""}, Case{1, "", 2, kZero},
-                        Case{4, std::string(kZero) + " --tensor_model_parallel_size=2", 2, kZero}}) {
+  for (const Case& c : {Case{2, testing::kZero, 1, ""}, Case{1, "", 2, testing::kZero},
+                        Case{4, std::string(testing::kZero) + " --tensor_model_parallel_size=2", 2, testing::kZero}}) {
     const std::string ckpt = testing::MakeTempDir("zero_ckpt_run");
     std::string output;
     ASSERT_EQ(testing::RunCommand(testing::TrainCommand(c.save_n, Fp64Common() + c.save + " --save=" + ckpt +
@@ -146,7 +145,7 @@ TEST(SlowDistributedOptimizerTest, CheckpointsCrossOptimizersAndLayouts) {
                                   &output),
               0)
         << output;
-    const TrainRun resumed = Train(c.load_n, Fp64Common() + c.load + " --load=" + ckpt, ckpt, "resumed");
+    const ZeroRun resumed = ZeroTrain(c.load_n, Fp64Common() + c.load + " --load=" + ckpt, ckpt, "resumed");
     ASSERT_EQ(resumed.losses.size(), 10u);
     const double worst = testing::MaxRelativeDifference(resumed.losses, expected);
     std::cout << c.save_n << " procs '" << c.save << "' -> " << c.load_n << " procs '" << c.load
@@ -161,9 +160,9 @@ TEST(SlowDistributedOptimizerTest, CheckpointsCrossOptimizersAndLayouts) {
 std::vector<nlohmann::json> ExpectMovesFollowTheReplicatedOptimizer(const std::string& moves,
                                                                      const std::string& dir,
                                                                      size_t iters,
-                                                                     TrainRun* sharded_run) {
-  const TrainRun replicated = Train(4, moves, dir, "adamw");
-  const TrainRun sharded = Train(4, moves + kZero, dir, "zero");
+                                                                     ZeroRun* sharded_run) {
+  const ZeroRun replicated = ZeroTrain(4, moves, dir, "adamw");
+  const ZeroRun sharded = ZeroTrain(4, moves + testing::kZero, dir, "zero");
   EXPECT_EQ(sharded.losses.size(), iters);
   EXPECT_EQ(sharded.losses, replicated.losses)
       << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
@@ -187,10 +186,10 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
   const std::string dir = testing::MakeTempDir("zero_moves");
   // Untied: the tied embedding's sum is the one thing the two optimizers add in another
   // order (before, not after, the data-parallel reduction).
-  const std::string layout = Common() +
+  const std::string layout = ZeroCommon() +
                              " --clip_grad=0 --pipeline_model_parallel_size=2"
                              " --untie_embeddings_and_output_weights";
-  TrainRun sharded;
+  ZeroRun sharded;
   const auto records = ExpectMovesFollowTheReplicatedOptimizer(
       layout + " --rebalance_script='3:1->1;7:3,1'", dir, 20, &sharded);
   ASSERT_EQ(records.size(), 20u);
@@ -202,7 +201,7 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
   EXPECT_GT(bytes(2), bytes(1));
   EXPECT_LT(bytes(6), bytes(1));
   // And the same as not moving at all: a moment lost on the way would have shown.
-  const TrainRun still = Train(4, layout + kZero, dir, "zero_still");
+  const ZeroRun still = ZeroTrain(4, layout + testing::kZero, dir, "zero_still");
   EXPECT_EQ(sharded.losses, still.losses)
       << testing::MaxRelativeDifference(sharded.losses, still.losses);
 }
@@ -210,7 +209,7 @@ TEST(SlowDistributedOptimizerTest, LayerMovesCarryTheShardedStateBitForBit) {
 // The same with MoE layers (tiny_moe, 4 layers, MoE at 0 and 2): the experts' slices over
 // their expert-data-parallel group travel too.
 TEST(SlowDistributedOptimizerTest, MoeLayerMovesCarryTheShardedStateBitForBit) {
-  TrainRun sharded;
+  ZeroRun sharded;
   ExpectMovesFollowTheReplicatedOptimizer(
       "--recipe=tiny_moe --num_layers=4 --train_iters=10 --eval_interval=0 --log_interval=5 "
       "--global_batch_size=16 --micro_batch_size=2 --clip_grad=0 "
@@ -226,10 +225,10 @@ TEST(SlowDistributedOptimizerTest, MoeLayerMovesCarryTheShardedStateBitForBit) {
 // that never shrinks, bit for bit (untied embeddings, clipping off: as above).
 TEST(SlowDistributedOptimizerTest, RePackingLiveAndThroughACheckpointKeepsTheLosses) {
   const std::string dir = testing::MakeTempDir("zero_repack");
-  const std::string layout = Common(12) + kZero +
+  const std::string layout = ZeroCommon(12) + testing::kZero +
                              " --clip_grad=0 --pipeline_model_parallel_size=2"
                              " --untie_embeddings_and_output_weights";
-  const TrainRun still = Train(4, layout, dir, "still");
+  const ZeroRun still = ZeroTrain(4, layout, dir, "still");
   ASSERT_EQ(still.losses.size(), 12u);
   std::string output;
   const std::string live_metrics = dir + "/live.jsonl";
@@ -264,7 +263,7 @@ TEST(SlowDistributedOptimizerTest, RePackingLiveAndThroughACheckpointKeepsTheLos
 
 TEST(SlowDistributedOptimizerTest, RefusesPluginsThatReadWholeGradients) {
   std::string output;
-  EXPECT_NE(testing::RunCommand(testing::TrainCommand(1, Common(2) + kZero + " --plugins=prune"),
+  EXPECT_NE(testing::RunCommand(testing::TrainCommand(1, ZeroCommon(2) + testing::kZero + " --plugins=prune"),
                                 &output),
             0);
   EXPECT_THAT(output, HasSubstr("plugin 'prune' reads or edits whole reduced gradients"));

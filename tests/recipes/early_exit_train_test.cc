@@ -16,14 +16,14 @@ namespace {
 
 // The state-saturation confidence makes tokens exit within a few iterations of the tiny
 // model (the softmax one needs tens of iterations of training first).
-const std::string kCommon =
+const std::string kEarlyExitCommon =
     "--recipe=tiny --train_iters=10 --eval_interval=10 --eval_iters=1 --log_interval=5 "
     "--global_batch_size=16 --micro_batch_size=4 --plugins=early_exit "
     "--early_exit_confidence=state --early_exit_threshold=0.995" +
     std::string(testing::kPastWarmup);
 
 TEST(SlowEarlyExitTrainTest, TokensExitAndEveryLayoutTrainsTheOneProcessLosses) {
-  testing::PluginTrainRuns runs("early_exit", kCommon, 10);
+  testing::PluginTrainRuns runs("early_exit", kEarlyExitCommon, 10);
   ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
   EXPECT_NE(runs.output().find("avg exit layers"), std::string::npos) << runs.output();
   const std::vector<nlohmann::json>& one = runs.one();

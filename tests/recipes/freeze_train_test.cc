@@ -19,7 +19,7 @@
 namespace fulcrum {
 namespace {
 
-const std::string kCommon =
+const std::string kFreezeCommon =
     "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=4 --global_batch_size=16 "
     "--micro_batch_size=4 --plugins=freeze" + std::string(testing::kPastWarmup);
 // Layers 0 and 1 freeze after iteration 4's step, layer 2 after iteration 8's.
@@ -34,7 +34,7 @@ at::Tensor Read(const std::string& checkpoint, const std::string& name) {
 }
 
 TEST(SlowFreezeTrainTest, ScheduledFreezingIsExactUnderEveryLayoutAndResume) {
-  testing::PluginTrainRuns runs("freeze", kCommon + kSchedule, 12);
+  testing::PluginTrainRuns runs("freeze", kFreezeCommon + kSchedule, 12);
   ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/4));
   const std::string& output = runs.output();
   EXPECT_NE(output.find("freeze: iteration 4: froze layers 0,1"), std::string::npos) << output;
@@ -122,7 +122,7 @@ TEST(SlowFreezeTrainTest, TheGradientRuleFreezesFrontToBackWithinItsMaximum) {
   // freezes from the front until half the layers are frozen, and nothing more after.
   std::vector<nlohmann::json> records;
   ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
-      1, kCommon + " --freeze_interval=2 --freeze_threshold=100 --freeze_max_fraction=0.5",
+      1, kFreezeCommon + " --freeze_interval=2 --freeze_threshold=100 --freeze_max_fraction=0.5",
       dir + "/m.jsonl", &records, &output));
   EXPECT_NE(output.find("freeze: iteration 4: froze layers 0,1 (2 of 4 frozen"), std::string::npos)
       << output;
@@ -132,11 +132,11 @@ TEST(SlowFreezeTrainTest, TheGradientRuleFreezesFrontToBackWithinItsMaximum) {
   // A threshold no layer meets freezes nothing.
   std::vector<nlohmann::json> none;
   ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(
-      1, kCommon + " --freeze_interval=2 --freeze_threshold=0", dir + "/none.jsonl", &none,
+      1, kFreezeCommon + " --freeze_interval=2 --freeze_threshold=0", dir + "/none.jsonl", &none,
       &output));
   EXPECT_EQ(none.back()["frozen_layers"], 0);
   // Bad flags are refused before any work, naming the flag.
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --freeze_schedule=4:9"), &output), 2);
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kFreezeCommon + " --freeze_schedule=4:9"), &output), 2);
   EXPECT_NE(output.find("--freeze_schedule: '9' is not a layer"), std::string::npos) << output;
 }
 

@@ -17,14 +17,14 @@ namespace {
 
 constexpr int kIters = 12;
 
-std::string Common() {
+std::string LlamaCommon() {
   return "--recipe=llama_tiny --train_iters=12 --eval_interval=0 --log_interval=6 "
          "--global_batch_size=16 --micro_batch_size=4" +
          std::string(testing::kPastWarmup);
 }
 
 std::vector<nlohmann::json> RunLlama(int n, const std::string& flags, const std::string& metrics) {
-  return testing::TrainRecords(n, Common() + " " + flags, metrics);
+  return testing::TrainRecords(n, LlamaCommon() + " " + flags, metrics);
 }
 
 TEST(SlowLlamaTrainTest, LayoutsMatchOneProcess) {
@@ -64,14 +64,14 @@ TEST(SlowLlamaTrainTest, LayoutsMatchOneProcess) {
 
   // Nor can a run with LayerNorm's parameters: the shape check names the flag.
   std::string output;
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --normalization=LayerNorm --load=" + ckpt), &output), 2);
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, LlamaCommon() + " --normalization=LayerNorm --load=" + ckpt), &output), 2);
   EXPECT_NE(output.find("(--normalization)"), std::string::npos) << output;
 }
 
 TEST(SlowLlamaTrainTest, KeyValueHeadsMustSplitOverTensorParallelRanks) {
   std::string output;
   const int code = testing::RunCommand(
-      testing::TrainCommand(2, Common() + " --tensor_model_parallel_size=2 --num_query_groups=1"), &output);
+      testing::TrainCommand(2, LlamaCommon() + " --tensor_model_parallel_size=2 --num_query_groups=1"), &output);
   EXPECT_NE(code, 0);
   EXPECT_NE(output.find("--num_query_groups=1 is not divisible by --tensor_model_parallel_size=2"),
             std::string::npos)

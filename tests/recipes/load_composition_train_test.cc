@@ -16,14 +16,14 @@ namespace fulcrum {
 namespace {
 
 // Routed layers 1 and 3 (--mod_layer_freq=2) compute 32 of each sequence's 128 tokens.
-const std::string kCommon =
+const std::string kCompositionCommon =
     "--recipe=tiny --train_iters=8 --eval_interval=0 --log_interval=4 --global_batch_size=16 "
     "--micro_batch_size=4 --mod_capacity=0.25" + std::string(testing::kPastWarmup);
 
-std::vector<nlohmann::json> Train(const std::string& name, const std::string& flags) {
+std::vector<nlohmann::json> CompositionTrain(const std::string& name, const std::string& flags) {
   const std::string dir = testing::MakeTempDir("load_composition_" + name);
   std::string output;
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " " + flags +
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCompositionCommon + " " + flags +
                                                              " --metrics_file=" + dir + "/m.jsonl"),
                                 &output),
             0)
@@ -41,7 +41,7 @@ TEST(SlowLoadCompositionTrainTest, PruningAndMixtureOfDepthsMultiplyInEitherOrde
     SCOPED_TRACE(plugins);
     // Pruned to 70% sparsity before the first step (global magnitude: layers differ).
     const std::vector<nlohmann::json> records =
-        Train(plugins == "prune,mod" ? "prune_mod" : "mod_prune",
+        CompositionTrain(plugins == "prune,mod" ? "prune_mod" : "mod_prune",
               "--plugins=" + plugins +
                   " --prune_start_iter=0 --prune_end_iter=0 --prune_final_sparsity=0.7");
     ASSERT_EQ(records.size(), 8u);
@@ -66,7 +66,7 @@ TEST(SlowLoadCompositionTrainTest, PruningAndMixtureOfDepthsMultiplyInEitherOrde
 
 TEST(SlowLoadCompositionTrainTest, MixtureOfDepthsAndEarlyExitEachSpeakForTheirLayers) {
   const std::vector<nlohmann::json> records =
-      Train("mod_early_exit",
+      CompositionTrain("mod_early_exit",
             "--plugins=mod,early_exit --early_exit_confidence=state --early_exit_threshold=0.995");
   ASSERT_EQ(records.size(), 8u);
   const nlohmann::json& last = records.back();

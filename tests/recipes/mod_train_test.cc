@@ -14,12 +14,12 @@
 namespace fulcrum {
 namespace {
 
-const std::string kCommon =
+const std::string kModCommon =
     "--recipe=tiny --train_iters=10 --eval_interval=0 --log_interval=5 --global_batch_size=16 "
     "--micro_batch_size=4 --plugins=mod --mod_capacity=0.25" + std::string(testing::kPastWarmup);
 
 TEST(SlowModTrainTest, EveryLayoutTrainsTheOneProcessLosses) {
-  testing::PluginTrainRuns runs("mod", kCommon, 10);
+  testing::PluginTrainRuns runs("mod", kModCommon, 10);
   ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
   EXPECT_NE(runs.output().find("mod tokens 0.250"), std::string::npos) << runs.output();
   const std::vector<nlohmann::json>& one = runs.one();

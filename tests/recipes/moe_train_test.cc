@@ -23,7 +23,7 @@ namespace {
 
 // Expert-weight gradients are summed in another order when tokens come from several
 // ranks (train_runs.h).
-constexpr double kRelativeTolerance = testing::kLayoutTolerance;
+constexpr double kMoeRelativeTolerance = testing::kLayoutTolerance;
 
 class SlowMoeTrainTest : public ::testing::Test {
  protected:
@@ -126,7 +126,7 @@ TEST_F(SlowMoeTrainTest, SingleProcessLearnsAndReportsExpertTokens) {
 
 TEST_F(SlowMoeTrainTest, ExpertParallelTwo) {
   const std::string metrics = *dir_ + "/ep2.jsonl";
-  ExpectMatches(2, "--expert_model_parallel_size=2", "ep2", SingleLosses(), kRelativeTolerance);
+  ExpectMatches(2, "--expert_model_parallel_size=2", "ep2", SingleLosses(), kMoeRelativeTolerance);
   // The same tokens meet the same experts: identical loads every iteration.
   const std::vector<nlohmann::json> records = testing::MetricsRecords(metrics);
   ASSERT_EQ(records.size(), single_->size());
@@ -138,7 +138,7 @@ TEST_F(SlowMoeTrainTest, ExpertParallelTwo) {
 
 TEST_F(SlowMoeTrainTest, ExpertParallelFourAndHierarchicalAllToAll) {
   const std::vector<double> flat = ExpectMatches(4, "--expert_model_parallel_size=4", "ep4",
-                                                 SingleLosses(), kRelativeTolerance);
+                                                 SingleLosses(), kMoeRelativeTolerance);
   // Two "nodes" of two ranks: the two-level exchange moves every element where the flat
   // one does, so the losses are bit-identical.
   ExpectMatches(4, "--expert_model_parallel_size=4 --moe_hierarchical_a2a_node_size=2",
@@ -147,18 +147,18 @@ TEST_F(SlowMoeTrainTest, ExpertParallelFourAndHierarchicalAllToAll) {
 
 TEST_F(SlowMoeTrainTest, OverlappedAllToAllGivesTheSameCurve) {
   ExpectMatches(2, "--expert_model_parallel_size=2 --moe_a2a_overlap_degree=3", "ep2_overlap3",
-                SingleLosses(), kRelativeTolerance);
+                SingleLosses(), kMoeRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, ExpertTimesTensorParallel) {
   ExpectMatches(4, "--expert_model_parallel_size=2 --tensor_model_parallel_size=2", "ep2tp2",
-                SingleLosses(), kRelativeTolerance);
+                SingleLosses(), kMoeRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, ExpertTimesPipelineParallel) {
   ExpectMatches(4, "--expert_model_parallel_size=2 --pipeline_model_parallel_size=2 "
                    "--pipeline_schedule=zbh1",
-                "ep2pp2", SingleLosses(), kRelativeTolerance);
+                "ep2pp2", SingleLosses(), kMoeRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, MovingMoeLayersKeepsTheLossCurveBitIdentical) {
@@ -215,7 +215,7 @@ TEST_F(SlowMoeTrainTest, MixtralMoeAgreesOverExpertAndTensorParallel) {
        std::vector<std::tuple<int, std::string, std::string>>{
            {2, "--expert_model_parallel_size=2", "mixtral_ep2"},
            {4, "--expert_model_parallel_size=2 --tensor_model_parallel_size=2", "mixtral_ep2tp2"}}) {
-    ExpectMatches(n, mixtral + " " + layout, name, losses, kRelativeTolerance);
+    ExpectMatches(n, mixtral + " " + layout, name, losses, kMoeRelativeTolerance);
     const std::vector<nlohmann::json> parallel = testing::MetricsRecords(*dir_ + "/" + name + ".jsonl");
     ASSERT_EQ(parallel.size(), records.size());
     for (size_t i = 0; i < records.size(); ++i) {
@@ -243,15 +243,15 @@ TEST_F(SlowMoeTrainTest, MixtralMoeAgreesOverExpertAndTensorParallel) {
   const double worst = testing::MaxRelativeDifference(
       resumed, std::vector<double>(losses.begin() + 10, losses.end()));
   std::cout << "mixtral ep=2 x tp=2 -> 1 resume: max relative difference " << worst << std::endl;
-  EXPECT_LE(worst, kRelativeTolerance);
+  EXPECT_LE(worst, kMoeRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, PerExpertCapacitySendsVariableSizeBuffers) {
   // Same tokens kept as the padded layout, so the same curve: in one process, and at ep=2
   // where the all-to-all exchanges counts first and then ragged buffers.
-  ExpectMatches(1, "--moe_per_expert_capacity", "ragged_single", SingleLosses(), kRelativeTolerance);
+  ExpectMatches(1, "--moe_per_expert_capacity", "ragged_single", SingleLosses(), kMoeRelativeTolerance);
   ExpectMatches(2, "--moe_per_expert_capacity --expert_model_parallel_size=2", "ragged_ep2",
-                SingleLosses(), kRelativeTolerance);
+                SingleLosses(), kMoeRelativeTolerance);
 }
 
 TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {
@@ -273,7 +273,7 @@ TEST_F(SlowMoeTrainTest, CheckpointSavedAtExpertParallelTwoResumesAtOne) {
   const double worst =
       testing::MaxRelativeDifference(resumed, std::vector<double>(all.begin() + 10, all.end()));
   std::cout << "ep=2 -> ep=1 resume: max relative difference " << worst << std::endl;
-  EXPECT_LE(worst, kRelativeTolerance);
+  EXPECT_LE(worst, kMoeRelativeTolerance);
   // Another MoE shape is refused, naming the flag.
   EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --num_experts=4 --load=" + ckpt), &output), 2)
       << output;
@@ -324,12 +324,12 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsAgreeOverLayoutsMovesAndResumes) {
     }
   }
   const std::vector<double> losses = testing::LossesOf(records);
-  ExpectMatches(2, cache + " --expert_model_parallel_size=2", "cache_ep2", losses, kRelativeTolerance);
+  ExpectMatches(2, cache + " --expert_model_parallel_size=2", "cache_ep2", losses, kMoeRelativeTolerance);
 
   const std::vector<nlohmann::json> pp2 = ExpectMovesChangeNothing(
       cache + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1", "9:2->0;14:2->1",
       "cache_pp2", {"loss", "assignment_cache"});
-  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(pp2), losses), kRelativeTolerance);
+  EXPECT_LE(testing::MaxRelativeDifference(testing::LossesOf(pp2), losses), kMoeRelativeTolerance);
 
   // Saved at step 10 (epoch 1, the table full of epoch 0 and 1 choices), resumed to 20.
   const std::string ckpt = testing::MakeTempDir("moe_cache_ckpt");
@@ -397,7 +397,7 @@ TEST_F(SlowMoeTrainTest, CachedAssignmentsSurviveDocumentReshuffles) {
   const double worst = testing::MaxRelativeDifference(testing::LossesOf(runs[0]), testing::LossesOf(runs[1]));
   std::cout << "cached assignments, two documents, ep=2 vs 1: max relative difference " << worst
             << std::endl;
-  EXPECT_LE(worst, kRelativeTolerance);
+  EXPECT_LE(worst, kMoeRelativeTolerance);
 }
 
 TEST(MoeFlagsTest, BadExpertLayoutsAreRefusedBeforeAnyWork) {

@@ -19,31 +19,30 @@ namespace {
 
 // Small buckets: the tiny model's 14 of them (at pp = 1) start one by one.
 constexpr char kOverlap[] = " --overlap_grad_reduce --ddp_bucket_size=20000";
-constexpr char kZero[] = " --use_distributed_optimizer";
 
 // Untied, clipping off: the tied embedding's two gradient parts are the one sum the
 // deferred last weight gradients add in another order (NOTE [overlapped gradient
 // reduction]), and the norm sums slices in another order under the distributed optimizer.
-std::string Common(int iters = 12) {
+std::string OverlapCommon(int iters = 12) {
   return "--recipe=tiny --train_iters=" + std::to_string(iters) +
          " --eval_interval=0 --log_interval=4 --global_batch_size=16 --micro_batch_size=4"
          " --clip_grad=0 --untie_embeddings_and_output_weights" +
          std::string(testing::kPastWarmup);
 }
 
-struct TrainRun {
+struct OverlapRun {
   std::vector<double> losses;
   std::vector<int64_t> overlapped;  // grad_buckets_overlapped per iteration (-1: absent)
   std::vector<nlohmann::json> records;
 };
 
-TrainRun Train(int n, const std::string& args, const std::string& dir, const std::string& name) {
+OverlapRun OverlapTrain(int n, const std::string& args, const std::string& dir, const std::string& name) {
   const std::string metrics = dir + "/" + name + ".jsonl";
   std::string output;
   const int code =
       testing::RunCommand(testing::TrainCommand(n, args + " --metrics_file=" + metrics), &output);
   EXPECT_EQ(code, 0) << output;
-  TrainRun run;
+  OverlapRun run;
   run.records = testing::MetricsRecords(metrics);
   for (const auto& r : run.records) {
     run.losses.push_back(r["loss"].get<double>());
@@ -59,10 +58,10 @@ TrainRun Train(int n, const std::string& args, const std::string& dir, const std
 // distributed optimizer — and every bucket but the embedding's started early.
 TEST(SlowOverlapGradReduceTest, DataParallelTwoEqualsTheBlockingReductionBitForBit) {
   const std::string dir = testing::MakeTempDir("overlap_dp2");
-  for (const std::string optimizer : {"", kZero}) {
-    const TrainRun blocking = Train(2, Common() + optimizer, dir, "blocking" + std::to_string(optimizer.size()));
-    const TrainRun overlapped =
-        Train(2, Common() + optimizer + kOverlap, dir, "overlap" + std::to_string(optimizer.size()));
+  for (const std::string optimizer : {"", testing::kZero}) {
+    const OverlapRun blocking = OverlapTrain(2, OverlapCommon() + optimizer, dir, "blocking" + std::to_string(optimizer.size()));
+    const OverlapRun overlapped =
+        OverlapTrain(2, OverlapCommon() + optimizer + kOverlap, dir, "overlap" + std::to_string(optimizer.size()));
     ASSERT_EQ(blocking.losses.size(), 12u) << optimizer;
     EXPECT_EQ(overlapped.losses, blocking.losses)
         << optimizer << ": " << testing::MaxRelativeDifference(overlapped.losses, blocking.losses);
@@ -81,13 +80,13 @@ TEST(SlowOverlapGradReduceTest, DataParallelTwoEqualsTheBlockingReductionBitForB
 // reduction's under the same plan bit for bit, and the layers did move.
 TEST(SlowOverlapGradReduceTest, PipelineWithLayerMovesEqualsTheBlockingReductionBitForBit) {
   const std::string dir = testing::MakeTempDir("overlap_moves");
-  const std::string layout = Common() +
+  const std::string layout = OverlapCommon() +
                              " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1"
                              " --rebalance_script='3:1->1;7:3,1'";
-  for (const std::string optimizer : {"", kZero}) {
+  for (const std::string optimizer : {"", testing::kZero}) {
     const std::string tag = std::to_string(optimizer.size());
-    const TrainRun blocking = Train(4, layout + optimizer, dir, "blocking" + tag);
-    const TrainRun overlapped = Train(4, layout + optimizer + kOverlap, dir, "overlap" + tag);
+    const OverlapRun blocking = OverlapTrain(4, layout + optimizer, dir, "blocking" + tag);
+    const OverlapRun overlapped = OverlapTrain(4, layout + optimizer + kOverlap, dir, "overlap" + tag);
     ASSERT_EQ(overlapped.records.size(), 12u) << optimizer;
     EXPECT_EQ(overlapped.losses, blocking.losses)
         << optimizer << ": " << testing::MaxRelativeDifference(overlapped.losses, blocking.losses);
@@ -107,9 +106,9 @@ TEST(SlowOverlapGradReduceTest, PipelineWithLayerMovesEqualsTheBlockingReduction
 // buckets once frozen on every rank; the losses equal the blocking reduction's.
 TEST(SlowOverlapGradReduceTest, FrozenLayersEqualTheBlockingReductionBitForBit) {
   const std::string dir = testing::MakeTempDir("overlap_freeze");
-  const std::string args = Common() + " --plugins=freeze --freeze_schedule='4:0-1;8:2'";
-  const TrainRun blocking = Train(2, args, dir, "blocking");
-  const TrainRun overlapped = Train(2, args + kOverlap, dir, "overlap");
+  const std::string args = OverlapCommon() + " --plugins=freeze --freeze_schedule='4:0-1;8:2'";
+  const OverlapRun blocking = OverlapTrain(2, args, dir, "blocking");
+  const OverlapRun overlapped = OverlapTrain(2, args + kOverlap, dir, "overlap");
   ASSERT_EQ(overlapped.losses.size(), 12u);
   EXPECT_EQ(overlapped.losses, blocking.losses)
       << testing::MaxRelativeDifference(overlapped.losses, blocking.losses);
@@ -127,10 +126,10 @@ TEST(SlowOverlapGradReduceTest, AllMemoryFeaturesTogetherFollowOneProcessAndResu
   const std::string base = "--recipe=tiny --eval_interval=0 --log_interval=10" +
                            std::string(testing::kPastWarmup) + " --lr_decay_iters=30" +
                            testing::kFp64;
-  const TrainRun single = Train(1, base + " --train_iters=30", dir, "single");
+  const OverlapRun single = OverlapTrain(1, base + " --train_iters=30", dir, "single");
   ASSERT_EQ(single.losses.size(), 30u);
   const std::string ckpt = dir + "/ck";
-  const TrainRun four = Train(4, base + " --tensor_model_parallel_size=2 --sequence_parallel"
+  const OverlapRun four = OverlapTrain(4, base + " --tensor_model_parallel_size=2 --sequence_parallel"
                                  " --use_distributed_optimizer --overlap_grad_reduce"
                                  " --ddp_bucket_size=20000 --recompute_granularity=full"
                                  " --save=" + ckpt + " --save_interval=10 --train_iters=20",
@@ -140,7 +139,7 @@ TEST(SlowOverlapGradReduceTest, AllMemoryFeaturesTogetherFollowOneProcessAndResu
   const std::vector<double> first20(single.losses.begin(), single.losses.begin() + 20);
   const double worst = testing::MaxRelativeDifference(four.losses, first20);
   EXPECT_LE(worst, testing::kFp64LayoutTolerance);
-  const TrainRun resumed = Train(1, base + " --load=" + ckpt + " --train_iters=30", dir, "resumed");
+  const OverlapRun resumed = OverlapTrain(1, base + " --load=" + ckpt + " --train_iters=30", dir, "resumed");
   ASSERT_EQ(resumed.losses.size(), 10u);
   const std::vector<double> last10(single.losses.begin() + 20, single.losses.end());
   const double worst_resumed = testing::MaxRelativeDifference(resumed.losses, last10);

@@ -21,8 +21,8 @@
 namespace fulcrum {
 namespace {
 
-constexpr int kIterations = 12;
-const std::string kCommon =
+constexpr int kCombinationIterations = 12;
+const std::string kCombinationCommon =
     "--train_iters=12 --eval_interval=4 --eval_iters=1 --log_interval=4 --global_batch_size=16 "
     "--micro_batch_size=4 --freeze_schedule=3:0" +
     std::string(testing::kPastWarmup);
@@ -101,7 +101,7 @@ const std::vector<Combination>& Combinations() {
   return *all;
 }
 
-std::vector<nlohmann::json> Train(const std::string& dir, const std::string& tag, int n,
+std::vector<nlohmann::json> CombinationTrain(const std::string& dir, const std::string& tag, int n,
                                   const std::string& flags) {
   std::string output;
   std::vector<nlohmann::json> records =
@@ -115,13 +115,13 @@ class SlowPluginCombinationTest : public ::testing::TestWithParam<Combination> {
 TEST_P(SlowPluginCombinationTest, TrainsFreezesEvaluatesAndAgreesAtTwoStages) {
   const Combination& c = GetParam();
   const std::string dir = testing::MakeTempDir("plugins_" + c.name);
-  const std::string flags = c.flags + " " + kCommon;
-  const std::vector<nlohmann::json> one = Train(dir, "one", 1, flags);
-  const std::vector<nlohmann::json> two = Train(dir, "pp2", 2, flags + kPipeline);
-  ASSERT_EQ(one.size(), size_t{kIterations});
-  ASSERT_EQ(two.size(), size_t{kIterations});
+  const std::string flags = c.flags + " " + kCombinationCommon;
+  const std::vector<nlohmann::json> one = CombinationTrain(dir, "one", 1, flags);
+  const std::vector<nlohmann::json> two = CombinationTrain(dir, "pp2", 2, flags + kPipeline);
+  ASSERT_EQ(one.size(), size_t{kCombinationIterations});
+  ASSERT_EQ(two.size(), size_t{kCombinationIterations});
   for (const auto* run : {&one, &two}) {
-    for (int i = 0; i < kIterations; ++i) {
+    for (int i = 0; i < kCombinationIterations; ++i) {
       const nlohmann::json& r = (*run)[i];
       EXPECT_EQ(r["frozen_layers"], i + 1 < 3 ? 0 : 1) << "iteration " << i + 1;
       EXPECT_EQ(r.contains("valid_loss"), (i + 1) % 4 == 0) << "iteration " << i + 1;
@@ -155,11 +155,11 @@ INSTANTIATE_TEST_SUITE_P(EveryPluginAndDocumentedCombination, SlowPluginCombinat
 // testing::kLayoutTolerance, so the layout tests would catch such a layout.
 TEST(SlowLayoutToleranceTest, ALayoutWithoutWeightDecayFailsTheComparison) {
   const std::string dir = testing::MakeTempDir("layout_negative_control");
-  const std::string flags = "--recipe=tiny --plugins=freeze " + kCommon;
-  const std::vector<nlohmann::json> one = Train(dir, "one", 1, flags);
+  const std::string flags = "--recipe=tiny --plugins=freeze " + kCombinationCommon;
+  const std::vector<nlohmann::json> one = CombinationTrain(dir, "one", 1, flags);
   const std::vector<nlohmann::json> broken =
-      Train(dir, "pp2_no_decay", 2, flags + kPipeline + " --weight_decay=0");
-  ASSERT_EQ(broken.size(), size_t{kIterations});
+      CombinationTrain(dir, "pp2_no_decay", 2, flags + kPipeline + " --weight_decay=0");
+  ASSERT_EQ(broken.size(), size_t{kCombinationIterations});
   const double train = testing::MaxRelativeDifference(testing::LossesOf(broken), testing::LossesOf(one));
   const double valid =
       testing::MaxRelativeDifference(testing::ValidLossesOf(broken), testing::ValidLossesOf(one));

@@ -18,7 +18,7 @@ namespace fulcrum {
 namespace {
 
 // Pruning steps at 4 (target 0), 6 (0.7875) and 8 (0.9): Zhu & Gupta's cubic schedule.
-const std::string kCommon =
+const std::string kPruneCommon =
     "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=2 --global_batch_size=16 "
     "--micro_batch_size=4 --plugins=prune --prune_start_iter=4 --prune_end_iter=8 "
     "--prune_interval=2 --prune_final_sparsity=0.9" +
@@ -47,7 +47,7 @@ std::vector<at::Tensor> Zeros(const std::string& checkpoint, int64_t* count, int
 }
 
 TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughResume) {
-  testing::PluginTrainRuns runs("prune", kCommon, 12);
+  testing::PluginTrainRuns runs("prune", kPruneCommon, 12);
   ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/2));
   EXPECT_NE(runs.output().find("prune: iteration 6: "), std::string::npos) << runs.output();
   EXPECT_NE(runs.output().find("prune: iteration 8: "), std::string::npos) << runs.output();
@@ -79,7 +79,7 @@ TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughR
   // Sparse products train what the dense products of the masked weights train.
   std::string output;
   std::vector<nlohmann::json> dense;
-  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(1, kCommon + " --prune_sparse_compute=false",
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(1, kPruneCommon + " --prune_sparse_compute=false",
                                                   runs.dir() + "/dense.jsonl", &dense, &output));
   const double worst =
       testing::MaxRelativeDifference(testing::LossesOf(dense), testing::LossesOf(one));
@@ -92,7 +92,7 @@ TEST(SlowPruneTrainTest, TheScheduleIsMetExactlyAndPrunedWeightsStayZeroThroughR
 // and back in 9's — pruned again at 8 while away — trains bit for bit as it does staying put.
 TEST(SlowPruneTrainTest, APrunedLayerThatMigratesKeepsItsMasksAndTheLosses) {
   const std::string dir = testing::MakeTempDir("prune_migrate");
-  const std::string pp2 = kCommon + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
+  const std::string pp2 = kPruneCommon + " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1";
   std::string output;
   std::vector<nlohmann::json> still, moved;
   ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(2, pp2, dir + "/still.jsonl", &still, &output));

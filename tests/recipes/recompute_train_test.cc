@@ -18,23 +18,23 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Common() {
+std::string RecomputeCommon() {
   return "--recipe=tiny --train_iters=10 --eval_interval=0 --log_interval=5 "
          "--global_batch_size=16 --micro_batch_size=4 --hidden_dropout=0.1 "
          "--attention_dropout=0.1" +
          std::string(testing::kPastWarmup);
 }
 
-std::vector<nlohmann::json> Train(int n, const std::string& args, const std::string& dir,
+std::vector<nlohmann::json> RecomputeTrain(int n, const std::string& args, const std::string& dir,
                                   const std::string& name) {
   return testing::TrainRecords(n, args, dir + "/" + name + ".jsonl");
 }
 
 TEST(SlowRecomputeTrainTest, OneProcessTrainsTheSameLossesBitForBit) {
   const std::string dir = testing::MakeTempDir("recompute_one");
-  const auto plain = Train(1, Common(), dir, "plain");
-  const auto again = Train(1, Common() + " --recompute_granularity=full", dir, "full");
-  const auto selective = Train(1, Common() + " --recompute_granularity=selective", dir, "selective");
+  const auto plain = RecomputeTrain(1, RecomputeCommon(), dir, "plain");
+  const auto again = RecomputeTrain(1, RecomputeCommon() + " --recompute_granularity=full", dir, "full");
+  const auto selective = RecomputeTrain(1, RecomputeCommon() + " --recompute_granularity=selective", dir, "selective");
   ASSERT_EQ(plain.size(), 10u);
   EXPECT_EQ(testing::LossesOf(again), testing::LossesOf(plain));
   EXPECT_EQ(testing::LossesOf(selective), testing::LossesOf(plain));
@@ -47,13 +47,13 @@ TEST(SlowRecomputeTrainTest, OneProcessTrainsTheSameLossesBitForBit) {
 // between the plain run and full.
 TEST(SlowRecomputeTrainTest, PipelineWithTheSplitAndMovesTrainsTheSameLossesAtALowerPeak) {
   const std::string dir = testing::MakeTempDir("recompute_pp2");
-  const std::string layout = Common() +
+  const std::string layout = RecomputeCommon() +
                              " --pipeline_model_parallel_size=2 --pipeline_schedule=zbh1"
                              " --rebalance_script='4:1->1'";
-  const auto plain = Train(2, layout, dir, "plain");
-  const auto one = Train(2, layout + " --recompute_granularity=full --recompute_num_layers=1", dir, "one");
-  const auto all = Train(2, layout + " --recompute_granularity=full", dir, "all");
-  const auto selective = Train(2, layout + " --recompute_granularity=selective", dir, "selective");
+  const auto plain = RecomputeTrain(2, layout, dir, "plain");
+  const auto one = RecomputeTrain(2, layout + " --recompute_granularity=full --recompute_num_layers=1", dir, "one");
+  const auto all = RecomputeTrain(2, layout + " --recompute_granularity=full", dir, "all");
+  const auto selective = RecomputeTrain(2, layout + " --recompute_granularity=selective", dir, "selective");
   ASSERT_EQ(plain.size(), 10u);
   EXPECT_EQ(testing::LossesOf(one), testing::LossesOf(plain));
   EXPECT_EQ(testing::LossesOf(all), testing::LossesOf(plain));
@@ -83,8 +83,8 @@ TEST(SlowRecomputeTrainTest, MoeLayersRecordTheirLoadsOnce) {
       "--recipe=tiny_moe --train_iters=8 --eval_interval=0 --log_interval=4 "
       "--global_batch_size=16 --micro_batch_size=4 --pipeline_model_parallel_size=2 "
       "--pipeline_schedule=zbh1" + std::string(testing::kPastWarmup);
-  const auto plain = Train(2, layout, dir, "plain");
-  const auto again = Train(2, layout + " --recompute_granularity=full", dir, "full");
+  const auto plain = RecomputeTrain(2, layout, dir, "plain");
+  const auto again = RecomputeTrain(2, layout + " --recompute_granularity=full", dir, "full");
   ASSERT_EQ(plain.size(), 8u);
   ASSERT_EQ(again.size(), 8u);
   int compared = 0;

@@ -19,10 +19,10 @@
 namespace fulcrum {
 namespace {
 
-constexpr int kIterations = 12;
+constexpr int kRepackIterations = 12;
 constexpr int kShrinkAfter = 6;
 
-std::string Common() {
+std::string RepackCommon() {
   return "--recipe=tiny --train_iters=12 --eval_interval=0 --log_interval=3";
 }
 
@@ -38,13 +38,13 @@ class SlowRepackTrainTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { dir_ = new std::string(testing::MakeTempDir("repack_train")); }
 
-  // Trains under `n` processes with `flags` (after Common(), whose flags they may override:
+  // Trains under `n` processes with `flags` (after RepackCommon(), whose flags they may override:
   // the last value of a flag counts); the metrics records.
   std::vector<nlohmann::json> Train(int n, const std::string& name, const std::string& flags,
                                     std::string* output) {
     const std::string metrics = *dir_ + "/" + name + ".jsonl";
     const int code = testing::RunCommand(
-        testing::TrainCommand(n, Common() + " " + flags + " --metrics_file=" + metrics), output);
+        testing::TrainCommand(n, RepackCommon() + " " + flags + " --metrics_file=" + metrics), output);
     EXPECT_EQ(code, 0) << *output;
     return testing::MetricsRecords(metrics);
   }
@@ -52,8 +52,8 @@ class SlowRepackTrainTest : public ::testing::Test {
   // The shrink happened after iteration kShrinkAfter: the layout fields change there.
   static void ExpectShrunk(const std::vector<nlohmann::json>& records, int pp_before,
                            int pp_after, int ranks_before, int ranks_after) {
-    ASSERT_EQ(records.size(), static_cast<size_t>(kIterations)) << "one record per iteration";
-    for (int i = 0; i < kIterations; ++i) {
+    ASSERT_EQ(records.size(), static_cast<size_t>(kRepackIterations)) << "one record per iteration";
+    for (int i = 0; i < kRepackIterations; ++i) {
       SCOPED_TRACE(::testing::Message() << "iteration " << i + 1);
       EXPECT_EQ(records[i]["iteration"], i + 1);
       const bool before = i < kShrinkAfter;
@@ -101,7 +101,7 @@ TEST_F(SlowRepackTrainTest, Pp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
   std::string output;
   const std::vector<nlohmann::json> still =
       Train(4, "pp4", "--pipeline_model_parallel_size=4", &output);
-  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+  ASSERT_EQ(still.size(), static_cast<size_t>(kRepackIterations));
 
   // Live: ranks 1 and 3 (stages 1 and 3) hand their layers and the head over and exit 0.
   const std::string trace = *dir_ + "/pp4_live_trace.jsonl";
@@ -153,13 +153,13 @@ TEST_F(SlowRepackTrainTest, Pp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
   // on pp=4) and of iteration 12 (on pp=2) both load into one process.
   const std::vector<nlohmann::json> resumed =
       Train(1, "resumed_single", "--load=" + save + "/iter_0000006", &output);
-  ASSERT_EQ(resumed.size(), static_cast<size_t>(kIterations - kShrinkAfter)) << output;
+  ASSERT_EQ(resumed.size(), static_cast<size_t>(kRepackIterations - kShrinkAfter)) << output;
   for (size_t i = 0; i < resumed.size(); ++i) {
     // One process sums in another order than a pipeline: equal to rounding.
     EXPECT_NEAR(resumed[i]["loss"].get<double>(), still[i + kShrinkAfter]["loss"].get<double>(),
                 1e-5 * still[i + kShrinkAfter]["loss"].get<double>());
   }
-  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, Common() + " --train_iters=13 --load=" +
+  EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, RepackCommon() + " --train_iters=13 --load=" +
                                                              save + "/iter_0000012"),
                                 &output),
             0)
@@ -174,7 +174,7 @@ TEST_F(SlowRepackTrainTest, Pp2TimesDp2ToPp1TimesDp2ShrinksEveryReplicaAlike) {
   const std::string layout = "--pipeline_model_parallel_size=2 --global_batch_size=16 "
                              "--micro_batch_size=4 --untie_embeddings_and_output_weights";
   const std::vector<nlohmann::json> still = Train(4, "pp2dp2", layout, &output);
-  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+  ASSERT_EQ(still.size(), static_cast<size_t>(kRepackIterations));
   const std::vector<nlohmann::json> live =
       Train(4, "pp2dp2_live", layout + " --repack_script=6:1", &output);
   ExpectShrunk(live, 2, 1, 4, 2);
@@ -207,9 +207,9 @@ TEST_F(SlowRepackTrainTest, EarlyExitPp4ToPp2LiveKeepsTheLosses) {
       "--early_exit_layers=0,2 --early_exit_confidence=state --early_exit_threshold=0.99 "
       "--lr_warmup_iters=2",
       4, 2);
-  ASSERT_EQ(still.size(), static_cast<size_t>(kIterations));
+  ASSERT_EQ(still.size(), static_cast<size_t>(kRepackIterations));
   EXPECT_LT(still.back()["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";
-  for (int i = kShrinkAfter; i < kIterations; ++i) {
+  for (int i = kShrinkAfter; i < kRepackIterations; ++i) {
     EXPECT_EQ(live[i]["early_exit_tokens"], still[i]["early_exit_tokens"]) << "iteration " << i + 1;
   }
 }
@@ -247,7 +247,7 @@ TEST_F(SlowRepackTrainTest, ZbvPp4ToPp2LiveAndThroughACheckpointKeepTheLosses) {
       "--num_layers=8 --micro_batch_size=4 --pipeline_model_parallel_size=4 "
       "--pipeline_schedule=zbv",
       4, 2);
-  ASSERT_EQ(live.size(), static_cast<size_t>(kIterations));
+  ASSERT_EQ(live.size(), static_cast<size_t>(kRepackIterations));
   EXPECT_EQ(live[kShrinkAfter - 1]["stage_ranges"].dump(),
             "[[0,1],[1,2],[2,3],[3,4],[4,5],[5,6],[6,7],[7,8]]");
   EXPECT_EQ(live[kShrinkAfter]["stage_ranges"].dump(), "[[0,2],[2,4],[4,6],[6,8]]");

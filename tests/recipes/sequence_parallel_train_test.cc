@@ -25,13 +25,13 @@ constexpr char kSequenceParallel[] = " --tensor_model_parallel_size=2 --sequence
 
 // The dense comparisons run in fp64 (testing::kFp64: tensor parallelism's fp32 rounding
 // depends on the CPU's GEMM kernels).
-std::string Tiny(int iters) {
+std::string SequenceParallelTiny(int iters) {
   return "--recipe=tiny --train_iters=" + std::to_string(iters) +
          " --eval_interval=0 --log_interval=10 --global_batch_size=16 --micro_batch_size=4" +
          std::string(testing::kPastWarmup) + testing::kFp64;
 }
 
-std::vector<nlohmann::json> Train(int n, const std::string& args, const std::string& dir,
+std::vector<nlohmann::json> SequenceParallelTrain(int n, const std::string& args, const std::string& dir,
                                   const std::string& name) {
   return testing::TrainRecords(n, args, dir + "/" + name + ".jsonl");
 }
@@ -49,10 +49,10 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 // gradients 6% (both measured by breaking the code, 2026-11-27).
 TEST(SlowSequenceParallelTest, TensorParallelTwoFollowsOneProcessWithDropout) {
   const std::string dir = testing::MakeTempDir("sp_tp2");
-  const std::string flags = Tiny(20) + " --hidden_dropout=0.1 --attention_dropout=0.1";
-  const auto one = testing::LossesOf(Train(1, flags, dir, "one"));
-  const auto plain = testing::LossesOf(Train(2, flags + " --tensor_model_parallel_size=2", dir, "tp2"));
-  const auto records = Train(2, flags + kSequenceParallel, dir, "sp");
+  const std::string flags = SequenceParallelTiny(20) + " --hidden_dropout=0.1 --attention_dropout=0.1";
+  const auto one = testing::LossesOf(SequenceParallelTrain(1, flags, dir, "one"));
+  const auto plain = testing::LossesOf(SequenceParallelTrain(2, flags + " --tensor_model_parallel_size=2", dir, "tp2"));
+  const auto records = SequenceParallelTrain(2, flags + kSequenceParallel, dir, "sp");
   const auto sequence = testing::LossesOf(records);
   ASSERT_EQ(sequence.size(), 20u);
   ExpectClose(sequence, one, "tp2 sequence-parallel vs one process");
@@ -68,20 +68,20 @@ TEST(SlowSequenceParallelTest, TensorParallelTwoFollowsOneProcessWithDropout) {
 // 9e-4 away, pp=2 × tp=2 without sequence parallelism 9e-3).
 TEST(SlowSequenceParallelTest, PipelineStagesMoveLayersBitForBit) {
   const std::string dir = testing::MakeTempDir("sp_moves");
-  const std::string flags = Tiny(20) + " --untie_embeddings_and_output_weights";
+  const std::string flags = SequenceParallelTiny(20) + " --untie_embeddings_and_output_weights";
   const std::string layout = flags + kSequenceParallel + " --pipeline_model_parallel_size=2";
   const auto moved =
-      Train(4, layout + " --clip_grad=0 --rebalance_script='3:1->1;7:3,1'", dir, "moved");
-  const auto still = Train(4, layout + " --clip_grad=0", dir, "still");
+      SequenceParallelTrain(4, layout + " --clip_grad=0 --rebalance_script='3:1->1;7:3,1'", dir, "moved");
+  const auto still = SequenceParallelTrain(4, layout + " --clip_grad=0", dir, "still");
   ASSERT_EQ(moved.size(), 20u);
   EXPECT_EQ(moved.back()["layers_moved"].get<int64_t>(), 3);
   EXPECT_EQ(moved[2]["stage_ranges"].dump(), "[[0,1],[1,4]]");
   EXPECT_EQ(moved.back()["stage_ranges"].dump(), "[[0,3],[3,4]]");
   EXPECT_EQ(testing::LossesOf(moved), testing::LossesOf(still));
-  ExpectClose(testing::LossesOf(Train(4, Tiny(20) + kSequenceParallel +
+  ExpectClose(testing::LossesOf(SequenceParallelTrain(4, SequenceParallelTiny(20) + kSequenceParallel +
                                              " --pipeline_model_parallel_size=2",
                                          dir, "tied")),
-              testing::LossesOf(Train(1, Tiny(20), dir, "one")),
+              testing::LossesOf(SequenceParallelTrain(1, SequenceParallelTiny(20), dir, "one")),
               "pp2 x tp2 sequence-parallel vs one process");
 }
 
@@ -93,8 +93,8 @@ TEST(SlowSequenceParallelTest, MoeLayersFollowTensorParallelism) {
   const std::string flags =
       "--recipe=tiny_moe --num_layers=4 --train_iters=10 --eval_interval=0 --log_interval=5 "
       "--global_batch_size=16 --micro_batch_size=2" + std::string(testing::kPastWarmup);
-  const auto plain = testing::LossesOf(Train(2, flags + " --tensor_model_parallel_size=2", dir, "tp2"));
-  ExpectClose(testing::LossesOf(Train(2, flags + kSequenceParallel, dir, "sp")), plain,
+  const auto plain = testing::LossesOf(SequenceParallelTrain(2, flags + " --tensor_model_parallel_size=2", dir, "tp2"));
+  ExpectClose(testing::LossesOf(SequenceParallelTrain(2, flags + kSequenceParallel, dir, "sp")), plain,
               "tiny_moe tp2 sequence-parallel vs tp2", testing::kLayoutTolerance);
 }
 
@@ -106,16 +106,16 @@ TEST(SlowSequenceParallelTest, MoeLayersFollowTensorParallelism) {
 // that follow amplify any rounding difference, tensor parallelism's alone to 2e-3).
 TEST(SlowSequenceParallelTest, CheckpointResumesInOneProcess) {
   const std::string dir = testing::MakeTempDir("sp_resume");
-  const std::string flags = Tiny(20) + " --lr_decay_iters=30 --save_interval=10";
-  const std::string resume = Tiny(30) + " --lr_decay_iters=30";
-  const auto one_a = Train(1, flags + " --save=" + dir + "/one_ck", dir, "one_a");
-  const auto one_b = Train(1, resume + " --load=" + dir + "/one_ck", dir, "one_b");
-  const auto sp_a = Train(4,
+  const std::string flags = SequenceParallelTiny(20) + " --lr_decay_iters=30 --save_interval=10";
+  const std::string resume = SequenceParallelTiny(30) + " --lr_decay_iters=30";
+  const auto one_a = SequenceParallelTrain(1, flags + " --save=" + dir + "/one_ck", dir, "one_a");
+  const auto one_b = SequenceParallelTrain(1, resume + " --load=" + dir + "/one_ck", dir, "one_b");
+  const auto sp_a = SequenceParallelTrain(4,
                           flags + kSequenceParallel +
                               " --use_distributed_optimizer --recompute_granularity=full --save=" +
                               dir + "/sp_ck",
                           dir, "sp_a");
-  const auto sp_b = Train(1, resume + " --load=" + dir + "/sp_ck", dir, "sp_b");
+  const auto sp_b = SequenceParallelTrain(1, resume + " --load=" + dir + "/sp_ck", dir, "sp_b");
   ASSERT_EQ(one_b.size(), 10u);
   ASSERT_FALSE(sp_b.empty());
   EXPECT_EQ(sp_b.front()["iteration"].get<int64_t>(), 21);
@@ -127,13 +127,13 @@ TEST(SlowSequenceParallelTest, CheckpointResumesInOneProcess) {
 
 TEST(SlowSequenceParallelTest, RefusesWhatItCannotSplit) {
   std::string output;
-  EXPECT_NE(testing::RunCommand(testing::TrainCommand(1, Tiny(2) + " --sequence_parallel"), &output), 0);
+  EXPECT_NE(testing::RunCommand(testing::TrainCommand(1, SequenceParallelTiny(2) + " --sequence_parallel"), &output), 0);
   EXPECT_THAT(output, HasSubstr("--sequence_parallel needs --tensor_model_parallel_size > 1"));
-  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, Tiny(2) + kSequenceParallel + " --seq_length=127"),
+  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, SequenceParallelTiny(2) + kSequenceParallel + " --seq_length=127"),
                                 &output),
             0);
   EXPECT_THAT(output, HasSubstr("--seq_length=127 is not a multiple of --tensor_model_parallel_size=2"));
-  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, Tiny(2) + kSequenceParallel + " --plugins=prune"),
+  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, SequenceParallelTiny(2) + kSequenceParallel + " --plugins=prune"),
                                 &output),
             0);
   EXPECT_THAT(output, HasSubstr("plugin 'prune' does not support sequence-parallel layers"));

@@ -32,15 +32,14 @@ namespace {
 
 // Three layers move: one in iteration 3, two back in 7; the save at 10 comes after both.
 constexpr char kMoves[] = " --rebalance_script='3:1->1;7:3,1'";
-constexpr char kZero[] = " --use_distributed_optimizer";
 
-std::string Tiny() {
+std::string ShardedTiny() {
   return "--recipe=tiny --train_iters=20 --eval_interval=0 --log_interval=10 "
          "--global_batch_size=16 --micro_batch_size=4" +
          std::string(testing::kPastWarmup);
 }
 
-std::vector<double> Losses(int n, const std::string& flags, const std::string& dir,
+std::vector<double> ShardedLosses(int n, const std::string& flags, const std::string& dir,
                            const std::string& name) {
   return testing::LossesOf(testing::TrainRecords(n, flags, dir + "/" + name + ".jsonl"));
 }
@@ -84,8 +83,8 @@ void SaveShardedAndResume(int n, const std::string& layout, const std::vector<Re
                           const Resume& twin, const std::string& tag) {
   const std::string dir = testing::MakeTempDir(tag);
   // fp64: tensor parallelism's fp32 rounding depends on the CPU (testing::kFp64).
-  const std::string tiny = Tiny() + testing::kFp64;
-  const std::vector<double> one = Losses(1, tiny, dir, "one");
+  const std::string tiny = ShardedTiny() + testing::kFp64;
+  const std::vector<double> one = ShardedLosses(1, tiny, dir, "one");
   ASSERT_EQ(one.size(), 20u);
   const std::vector<double> expected(one.begin() + 10, one.end());
   const std::string sharded = dir + "/sharded";
@@ -94,7 +93,7 @@ void SaveShardedAndResume(int n, const std::string& layout, const std::vector<Re
       n, tiny + layout + kMoves + " --exit_interval=10 --save=" + sharded, dir + "/save.jsonl");
   ASSERT_EQ(saved.size(), 10u);
   EXPECT_EQ(saved.back()["layers_moved"].get<int64_t>(), 3);
-  Losses(n, tiny + layout + kMoves + " --exit_interval=10 --ckpt_format=full --save=" + full,
+  ShardedLosses(n, tiny + layout + kMoves + " --exit_interval=10 --ckpt_format=full --save=" + full,
          dir, "save_full");
 
   auto reader = ckpt::CheckpointReader::Open(sharded);
@@ -116,15 +115,15 @@ void SaveShardedAndResume(int n, const std::string& layout, const std::vector<Re
   for (size_t i = 0; i < resumes.size(); ++i) {
     const Resume& r = resumes[i];
     const std::vector<double> resumed =
-        Losses(r.n, tiny + r.flags + " --load=" + sharded, dir, "resumed_" + std::to_string(i));
+        ShardedLosses(r.n, tiny + r.flags + " --load=" + sharded, dir, "resumed_" + std::to_string(i));
     ASSERT_EQ(resumed.size(), 10u) << r.flags;
     const double worst = testing::MaxRelativeDifference(resumed, expected);
     std::cout << tag << " -> " << r.n << " procs '" << r.flags << "': max relative difference "
               << worst << "\n";
     EXPECT_LE(worst, testing::kFp64LayoutTolerance) << r.flags;
   }
-  EXPECT_EQ(Losses(twin.n, tiny + twin.flags + " --load=" + sharded, dir, "twin_sharded"),
-            Losses(twin.n, tiny + twin.flags + " --load=" + full, dir, "twin_full"))
+  EXPECT_EQ(ShardedLosses(twin.n, tiny + twin.flags + " --load=" + sharded, dir, "twin_sharded"),
+            ShardedLosses(twin.n, tiny + twin.flags + " --load=" + full, dir, "twin_full"))
       << "the same state, loaded from pieces or whole, trains the same";
 }
 
@@ -143,11 +142,11 @@ TEST(SlowShardedCheckpointTest, Tp2Pp2AfterMovesResumesUnderOtherLayouts) {
 // with it, and under pp=4.
 TEST(SlowShardedCheckpointTest, DistributedOptimizerSlicesResumeUnderOtherLayouts) {
   SaveShardedAndResume(
-      4, std::string(kZero) + " --pipeline_model_parallel_size=2",
+      4, std::string(testing::kZero) + " --pipeline_model_parallel_size=2",
       {{1, ""},
-       {4, std::string(kZero) + " --tensor_model_parallel_size=2"},
+       {4, std::string(testing::kZero) + " --tensor_model_parallel_size=2"},
        {4, " --pipeline_model_parallel_size=4"}},
-      {4, std::string(kZero) + " --tensor_model_parallel_size=2"}, "sharded_zero");
+      {4, std::string(testing::kZero) + " --tensor_model_parallel_size=2"}, "sharded_zero");
 }
 
 // A 0-dim parameter (the cosine router's temperature) under the distributed optimizer: its
@@ -158,9 +157,9 @@ TEST(SlowShardedCheckpointTest, ScalarParametersUnderTheDistributedOptimizer) {
   const std::string flags =
       "--recipe=tiny_moe --moe_router=cosine --num_layers=2 --train_iters=6 --eval_interval=0 "
       "--log_interval=10 --global_batch_size=8 --micro_batch_size=2" +
-      std::string(testing::kPastWarmup) + kZero;
-  Losses(2, flags + " --exit_interval=3 --save=" + dir + "/sharded", dir, "save_sharded");
-  Losses(2, flags + " --exit_interval=3 --ckpt_format=full --save=" + dir + "/full", dir,
+      std::string(testing::kPastWarmup) + testing::kZero;
+  ShardedLosses(2, flags + " --exit_interval=3 --save=" + dir + "/sharded", dir, "save_sharded");
+  ShardedLosses(2, flags + " --exit_interval=3 --ckpt_format=full --save=" + dir + "/full", dir,
          "save_full");
   ExpectSameTensors(dir + "/sharded", dir + "/full");
   auto reader = ckpt::CheckpointReader::Open(dir + "/sharded");
@@ -169,9 +168,9 @@ TEST(SlowShardedCheckpointTest, ScalarParametersUnderTheDistributedOptimizer) {
       reader->sharded().find("optimizer.layers.0.mlp.router.log_inv_temperature.exp_avg");
   ASSERT_NE(scalar, reader->sharded().end()) << "a piece of its owner";
   EXPECT_TRUE(scalar->second.shape.empty());
-  const auto resumed = Losses(2, flags + " --load=" + dir + "/sharded", dir, "resumed_sharded");
+  const auto resumed = ShardedLosses(2, flags + " --load=" + dir + "/sharded", dir, "resumed_sharded");
   EXPECT_EQ(resumed.size(), 3u);
-  EXPECT_EQ(resumed, Losses(2, flags + " --load=" + dir + "/full", dir, "resumed_full"));
+  EXPECT_EQ(resumed, ShardedLosses(2, flags + " --load=" + dir + "/full", dir, "resumed_full"));
 }
 
 // The pids of the processes whose command line holds `needle` and whose environment sets
@@ -249,7 +248,7 @@ bool KillRankDuringTheSecondSave(const std::string& command, const std::string& 
 TEST(SlowShardedCheckpointTest, ARankKilledDuringASaveLeavesThePreviousCheckpoint) {
   for (const int victim : {0, 3}) {
     const std::string dir = testing::MakeTempDir("sharded_kill");
-    const std::string flags = Tiny() + std::string(kZero) +
+    const std::string flags = ShardedTiny() + std::string(testing::kZero) +
                               " --tensor_model_parallel_size=2 --save_interval=10 --save=";
     std::string save;
     bool landed = false;

@@ -14,13 +14,13 @@
 namespace fulcrum {
 namespace {
 
-const std::string kCommon =
+const std::string kSparseAttentionCommon =
     "--recipe=tiny --train_iters=10 --eval_interval=0 --log_interval=5 --global_batch_size=16 "
     "--micro_batch_size=4 --plugins=sparse_attention --sparse_attention_buckets=4 "
     "--sparse_attention_block=16";  // inside the warm-up: train_runs.h
 
 TEST(SlowSparseAttentionTrainTest, PipelineAndTensorParallelTrainTheOneProcessLosses) {
-  testing::PluginTrainRuns runs("sparse_attention", kCommon, 10);
+  testing::PluginTrainRuns runs("sparse_attention", kSparseAttentionCommon, 10);
   ASSERT_NO_FATAL_FAILURE(runs.RunOneProcess(/*save_interval=*/5));
   EXPECT_NE(runs.output().find("attn density"), std::string::npos) << runs.output();
   const std::vector<nlohmann::json>& one = runs.one();

@@ -21,7 +21,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-const std::string kCommon =
+const std::string kTensorBoardCommon =
     "--recipe=tiny --log_interval=10 --global_batch_size=8 --micro_batch_size=2 --eval_iters=1";
 
 // Runs the check script on (dir, metrics); its output, after asserting it passed.
@@ -49,7 +49,7 @@ TEST(SlowTensorBoardTest, OneProcessWritesEveryMetricWithValidation) {
   const std::string dir = testing::MakeTempDir("tensorboard_one");
   const std::string metrics = dir + "/metrics.jsonl";
   std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --train_iters=6 "
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(1, kTensorBoardCommon + " --train_iters=6 "
                                                       "--eval_interval=3 --metrics_file=" + metrics +
                                                       " --tensorboard_dir=" + dir + "/tb"),
                                 &output),
@@ -70,7 +70,7 @@ TEST(SlowTensorBoardTest, PipelineRunWritesEachStagesLoadAndBubble) {
   const std::string dir = testing::MakeTempDir("tensorboard_pp");
   const std::string metrics = dir + "/metrics.jsonl";
   std::string output;
-  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, kCommon + " --train_iters=4 "
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, kTensorBoardCommon + " --train_iters=4 "
                                                       "--eval_interval=2 "
                                                       "--pipeline_model_parallel_size=2 "
                                                       "--metrics_file=" + metrics +
@@ -91,7 +91,7 @@ TEST(SlowTensorBoardTest, PipelineRunWritesEachStagesLoadAndBubble) {
 TEST(SlowTensorBoardTest, AResumedRunAddsAFileAndItsIterationsReplaceTheOldOnes) {
   const std::string dir = testing::MakeTempDir("tensorboard_resume");
   const std::string metrics = dir + "/metrics.jsonl";
-  const std::string run = kCommon + " --train_iters=8 --eval_interval=0 --metrics_file=" + metrics +
+  const std::string run = kTensorBoardCommon + " --train_iters=8 --eval_interval=0 --metrics_file=" + metrics +
                           " --tensorboard_dir=" + dir + "/tb";
   std::string output;
   // Saved at 4 and stopped at 6; resumed from 4, so 5 and 6 are trained (and timed) twice.
@@ -124,7 +124,7 @@ TEST(TensorBoardFlagTest, ADirectoryThatCannotBeOneExitsTwoWithOneLine) {
   ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), file, "x").ok());
   for (const std::string& bad : {file, file + "/tb"}) {
     std::string output;
-    EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kCommon + " --train_iters=2 "
+    EXPECT_EQ(testing::RunCommand(testing::TrainCommand(1, kTensorBoardCommon + " --train_iters=2 "
                                                         "--tensorboard_dir=" + bad),
                                   &output),
               2)

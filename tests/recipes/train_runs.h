@@ -91,6 +91,9 @@ inline constexpr double kFp64LayoutTolerance = 1e-8;
 /// barely act.
 inline constexpr char kPastWarmup[] = " --lr_warmup_iters=2";
 
+/// The distributed optimizer (ZeRO-1: AdamW state sharded over data parallelism).
+inline constexpr char kZero[] = " --use_distributed_optimizer";
+
 /// The largest |a[i] − b[i]| / |b[i]| over the common length.
 /// The tiny recipe at 8 layers (two per virtual stage at pp = 2, v = 2), 8 micro-batches of
 /// 2, evaluated at the half: what the virtual-pipeline tests train for `iterations`.

@@ -21,9 +21,9 @@
 namespace fulcrum {
 namespace {
 
-constexpr int kIterations = 12;
+constexpr int kMovesIterations = 12;
 
-std::string Common() { return testing::EightLayerTinyFlags(kIterations); }
+std::string MovesCommon() { return testing::EightLayerTinyFlags(kMovesIterations); }
 
 // One step per iteration, each a placement of the 4 virtual stages (the even split is
 // 2,2,2,2). Under ZB-V (virtual 0,3 on rank 0; 1,2 on rank 1) the step moves:
@@ -68,8 +68,8 @@ class SlowVirtualPipelineMovesTest : public ::testing::Test {
     dir_ = new std::string(testing::MakeTempDir("virtual_pipeline_moves"));
     std::string output;
     single_ = new std::vector<nlohmann::json>(
-        testing::TrainRecords(1, Common(), *dir_ + "/single.jsonl", &output));
-    ASSERT_EQ(single_->size(), static_cast<size_t>(kIterations)) << output;
+        testing::TrainRecords(1, MovesCommon(), *dir_ + "/single.jsonl", &output));
+    ASSERT_EQ(single_->size(), static_cast<size_t>(kMovesIterations)) << output;
   }
 
   // Runs `layout` on 2 ranks without moves and with the script; checks the moves happened
@@ -77,12 +77,12 @@ class SlowVirtualPipelineMovesTest : public ::testing::Test {
   void ExpectMovesKeepTheLosses(const std::string& layout, const std::string& name) {
     std::string output;
     const std::vector<nlohmann::json> still =
-        testing::TrainRecords(2, Common() + " " + layout, *dir_ + "/" + name + "_still.jsonl", &output);
-    ASSERT_EQ(still.size(), static_cast<size_t>(kIterations)) << output;
+        testing::TrainRecords(2, MovesCommon() + " " + layout, *dir_ + "/" + name + "_still.jsonl", &output);
+    ASSERT_EQ(still.size(), static_cast<size_t>(kMovesIterations)) << output;
     const std::vector<nlohmann::json> moved = testing::TrainRecords(
-        2, Common() + " " + layout + " " + Script(), *dir_ + "/" + name + ".jsonl", &output);
-    ASSERT_EQ(moved.size(), static_cast<size_t>(kIterations)) << output;
-    for (int i = 0; i < kIterations; ++i) {
+        2, MovesCommon() + " " + layout + " " + Script(), *dir_ + "/" + name + ".jsonl", &output);
+    ASSERT_EQ(moved.size(), static_cast<size_t>(kMovesIterations)) << output;
+    for (int i = 0; i < kMovesIterations; ++i) {
       SCOPED_TRACE("iteration " + std::to_string(i + 1));
       EXPECT_EQ(moved[i]["stage_ranges"], RangesOf(kSteps[i])) << moved[i].dump();
       EXPECT_GT(moved[i]["layers_moved"].get<int64_t>(), 0) << moved[i].dump();
@@ -94,7 +94,7 @@ class SlowVirtualPipelineMovesTest : public ::testing::Test {
     const std::vector<double> single = testing::LossesOf(*single_);
     EXPECT_EQ(losses.front(), single.front()) << name << ": the first loss, before any step";
     const double worst = testing::MaxRelativeDifference(losses, single);
-    std::cout << name << ": max relative loss difference vs one process over " << kIterations
+    std::cout << name << ": max relative loss difference vs one process over " << kMovesIterations
               << " iterations: " << worst << std::endl;
     EXPECT_LE(worst, testing::kLayoutTolerance) << name;
     EXPECT_EQ(testing::ValidLossesOf(moved), testing::ValidLossesOf(still))

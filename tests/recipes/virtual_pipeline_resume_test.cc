@@ -37,12 +37,12 @@
 namespace fulcrum {
 namespace {
 
-constexpr int kIterations = 8;
+constexpr int kResumeIterations = 8;
 constexpr int kSaveAt = 4;
 
-std::string Common() {
+std::string ResumeCommon() {
   return "--recipe=tiny --num_layers=8 --seq_length=32 --train_iters=" +
-         std::to_string(kIterations) +
+         std::to_string(kResumeIterations) +
          " --eval_interval=0 --log_interval=4 --global_batch_size=8 --micro_batch_size=2"
          " --clip_grad=0 --untie_embeddings_and_output_weights" +
          std::string(testing::kPastWarmup);
@@ -73,10 +73,10 @@ class SlowVirtualPipelineResumeTest : public ::testing::Test {
     std::string output;
     std::vector<nlohmann::json> records = testing::TrainRecords(
         n,
-        Common() + layout + " --save=" + *dir_ + "/" + name + "_ckpt --save_interval=" +
+        ResumeCommon() + layout + " --save=" + *dir_ + "/" + name + "_ckpt --save_interval=" +
             std::to_string(kSaveAt),
         *dir_ + "/" + name + ".jsonl", &output);
-    EXPECT_EQ(records.size(), static_cast<size_t>(kIterations)) << output;
+    EXPECT_EQ(records.size(), static_cast<size_t>(kResumeIterations)) << output;
     return done[name] = std::move(records);
   }
 
@@ -86,7 +86,7 @@ class SlowVirtualPipelineResumeTest : public ::testing::Test {
                                     const std::string& from_layout, const std::string& to,
                                     int n, const std::string& layout) {
     const std::vector<nlohmann::json>& straight = Straight(from, from_n, from_layout);
-    ASSERT_EQ(straight.size(), static_cast<size_t>(kIterations));
+    ASSERT_EQ(straight.size(), static_cast<size_t>(kResumeIterations));
     std::string output;
     const std::string metrics = *dir_ + "/" + from + "_to_" + to + ".jsonl";
     // Each pipeline rank computes on one thread; one process would take two and reduce the
@@ -94,13 +94,13 @@ class SlowVirtualPipelineResumeTest : public ::testing::Test {
     // still equal), so the one-process resume runs on one thread too.
     EXPECT_EQ(testing::RunCommand(
                   std::string(n == 1 ? "OMP_NUM_THREADS=1 " : "") +
-                      testing::TrainCommand(n, Common() + layout + " --load=" + Checkpoint(from) +
+                      testing::TrainCommand(n, ResumeCommon() + layout + " --load=" + Checkpoint(from) +
                                                    " --metrics_file=" + metrics),
                   &output),
               0)
         << output;
     const std::vector<nlohmann::json> resumed = testing::MetricsRecords(metrics);
-    ASSERT_EQ(resumed.size(), static_cast<size_t>(kIterations - kSaveAt)) << output;
+    ASSERT_EQ(resumed.size(), static_cast<size_t>(kResumeIterations - kSaveAt)) << output;
     for (size_t i = 0; i < resumed.size(); ++i) {
       EXPECT_EQ(resumed[i]["iteration"], straight[kSaveAt + i]["iteration"]);
       EXPECT_EQ(resumed[i]["loss"].get<double>(), straight[kSaveAt + i]["loss"].get<double>())
@@ -134,13 +134,13 @@ TEST_F(SlowVirtualPipelineResumeTest, StraightRunsAgree) {
 // word embeddings tied, ZB-V trains 1F1B's bits (before, the two gradients met in one
 // tensor in the schedule's order and the losses differed in their last bits).
 TEST_F(SlowVirtualPipelineResumeTest, TiedEmbeddingsTrainTheBitsOf1f1b) {
-  std::string tied = Common();
+  std::string tied = ResumeCommon();
   const std::string untie = " --untie_embeddings_and_output_weights";
   tied.erase(tied.find(untie), untie.size());
   std::string output;
   const auto zbv = testing::LossesOf(
       testing::TrainRecords(2, tied + kZbv, *dir_ + "/tied_zbv.jsonl", &output));
-  ASSERT_EQ(zbv.size(), static_cast<size_t>(kIterations)) << output;
+  ASSERT_EQ(zbv.size(), static_cast<size_t>(kResumeIterations)) << output;
   const auto onef1b = testing::LossesOf(
       testing::TrainRecords(2, tied + kOneF1B, *dir_ + "/tied_1f1b.jsonl", &output));
   EXPECT_EQ(zbv, onef1b);
@@ -152,7 +152,7 @@ TEST_F(SlowVirtualPipelineResumeTest, TiedEmbeddingsTrainTheBitsOf1f1b) {
 TEST_F(SlowVirtualPipelineResumeTest, ChunkedCheckpointRecordsEveryChunksRange) {
   for (const auto& [name, layout] : {std::pair<std::string, std::string>{"zbv", kZbv},
                                      {"interleaved", kInterleaved}}) {
-    ASSERT_EQ(Straight(name, 2, layout).size(), static_cast<size_t>(kIterations));
+    ASSERT_EQ(Straight(name, 2, layout).size(), static_cast<size_t>(kResumeIterations));
     std::ifstream in(Checkpoint(name) + "/manifest.json");
     const nlohmann::json manifest = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     ASSERT_TRUE(manifest.is_object()) << name;

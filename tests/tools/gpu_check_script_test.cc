@@ -20,7 +20,7 @@ namespace {
 using ::testing::HasSubstr;
 
 const std::string kSource = FULCRUM_SOURCE_DIR;
-const std::string kBin = FULCRUM_BIN_DIR;
+const std::string kGpuCheckBin = FULCRUM_BIN_DIR;
 
 std::string TempDir(const std::string& name) { return testing::MakeTempDir(name); }
 
@@ -65,7 +65,7 @@ TEST(DeviceCheckScriptTest, QuickRunReportsEveryCheckAndMarksDeviceOnesNotRun) {
   const std::string dir = TempDir("gpu_check");
   std::string out;
   ASSERT_EQ(testing::RunCommand(kSource + "/tools/gpu_check.sh --quick --no-build --build-dir " +
-                                    kBin + "/.. " + dir,
+                                    kGpuCheckBin + "/.. " + dir,
                                 &out),
             0)
       << out;

@@ -37,7 +37,7 @@ NamedTensors State(float value) {
 }
 
 // Two shards, like two pipeline ranks, so a crash can fall between them.
-absl::Status Save(FileSystem* fs, const std::string& save_dir, int64_t iteration,
+absl::Status SaveThrough(FileSystem* fs, const std::string& save_dir, int64_t iteration,
                   const NamedTensors& state) {
   absl::StatusOr<CheckpointWriter> writer = CheckpointWriter::Begin(fs, save_dir, iteration);
   if (!writer.ok()) return writer.status();
@@ -73,17 +73,17 @@ int64_t ExpectLoadableCheckpoint(const std::string& save_dir, int64_t iteration,
   return reader->iteration();
 }
 
-// The number of mutating file-system operations of Save(iteration) over a save directory
+// The number of mutating file-system operations of SaveThrough(iteration) over a save directory
 // holding one checkpoint of iteration 10, the starting state of every crash test.
 int64_t CountOps(int64_t iteration) {
   ScopedTempDir scratch;
-  EXPECT_TRUE(Save(DefaultFileSystem(), scratch.path(), 10, State(1)).ok());
+  EXPECT_TRUE(SaveThrough(DefaultFileSystem(), scratch.path(), 10, State(1)).ok());
   FaultInjectionFileSystem counter(DefaultFileSystem());
-  EXPECT_TRUE(Save(&counter, scratch.path(), iteration, State(2)).ok());
+  EXPECT_TRUE(SaveThrough(&counter, scratch.path(), iteration, State(2)).ok());
   return counter.op_count();
 }
 
-// Runs Save(iteration, State(2)) in a child process through `configure`d fault injection.
+// Runs SaveThrough(iteration, State(2)) in a child process through `configure`d fault injection.
 // Returns true if the child was killed, false if it finished the save.
 bool SaveInChild(const std::string& save_dir, int64_t iteration,
                  const std::function<void(FaultInjectionFileSystem&)>& configure) {
@@ -92,7 +92,7 @@ bool SaveInChild(const std::string& save_dir, int64_t iteration,
   if (pid == 0) {
     FaultInjectionFileSystem faulty(DefaultFileSystem());
     configure(faulty);
-    const absl::Status status = Save(&faulty, save_dir, iteration, state);
+    const absl::Status status = SaveThrough(&faulty, save_dir, iteration, state);
     ::_exit(status.ok() ? 0 : 3);
   }
   EXPECT_GT(pid, 0);
@@ -109,7 +109,7 @@ bool SaveInChild(const std::string& save_dir, int64_t iteration,
 
 // After any crash, a plain save must succeed and win.
 void ExpectNextSaveSucceeds(const std::string& save_dir) {
-  ASSERT_TRUE(Save(DefaultFileSystem(), save_dir, 30, State(3)).ok());
+  ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save_dir, 30, State(3)).ok());
   absl::StatusOr<CheckpointReader> reader = CheckpointReader::Open(save_dir);
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_EQ(reader->iteration(), 30);
@@ -122,10 +122,10 @@ void ExpectNextSaveSucceeds(const std::string& save_dir) {
 
 TEST(CheckpointCrashTest, ErrorHalfwayThroughSecondSaveKeepsFirstCheckpoint) {
   ScopedTempDir save;
-  ASSERT_TRUE(Save(DefaultFileSystem(), save.path(), 10, State(1)).ok());
+  ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save.path(), 10, State(1)).ok());
   FaultInjectionFileSystem faulty(DefaultFileSystem());
   faulty.FaultAfterBytes(64 * 64 * 4 + 1000, Action::kFail);  // Into the second shard.
-  const absl::Status status = Save(&faulty, save.path(), 20, State(2));
+  const absl::Status status = SaveThrough(&faulty, save.path(), 20, State(2));
   EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("injected fault"));
   EXPECT_EQ(ExpectLoadableCheckpoint(save.path(), 10, State(1), 10, State(1)), 10);
   EXPECT_TRUE(DefaultFileSystem()->IsDirectory(save.Join(".tmp_iter_0000020")));
@@ -141,11 +141,11 @@ TEST(CheckpointCrashTest, ErrorAtEveryOperationKeepsALoadableCheckpoint) {
     for (int64_t k = 0; k < num_ops; ++k) {
       SCOPED_TRACE(absl::StrCat("iteration ", iteration, ", failing operation ", k));
       ScopedTempDir save;
-      ASSERT_TRUE(Save(DefaultFileSystem(), save.path(), 10, State(1)).ok());
+      ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save.path(), 10, State(1)).ok());
       FaultInjectionFileSystem faulty(DefaultFileSystem());
       faulty.FaultAtOp(k, Action::kFail);
       // Commit succeeds if only the final clean-up of a replaced directory fails.
-      const bool saved = Save(&faulty, save.path(), iteration, State(2)).ok();
+      const bool saved = SaveThrough(&faulty, save.path(), iteration, State(2)).ok();
       const int64_t found =
           ExpectLoadableCheckpoint(save.path(), 10, State(1), iteration, State(2));
       if (saved) {
@@ -181,7 +181,7 @@ TEST(CheckpointCrashTest, FailedWriteProbeLeavesNothingBehind) {
 // Real kills. Named Slow* because they fork (see tests/CMakeLists.txt).
 TEST(SlowCheckpointCrashTest, KillHalfwayThroughShardKeepsPreviousCheckpoint) {
   ScopedTempDir save;
-  ASSERT_TRUE(Save(DefaultFileSystem(), save.path(), 10, State(1)).ok());
+  ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save.path(), 10, State(1)).ok());
   const uint64_t half_shard = 64 * 64 * 4 / 2;
   ASSERT_TRUE(SaveInChild(save.path(), 20, [&](FaultInjectionFileSystem& faulty) {
     faulty.FaultAfterBytes(half_shard, Action::kKill);
@@ -199,7 +199,7 @@ TEST(SlowCheckpointCrashTest, KillRightBeforeLatestRenameKeepsPreviousCheckpoint
   for (const int64_t iteration : {20, 10}) {  // New iteration, then a re-save.
     SCOPED_TRACE(absl::StrCat("iteration ", iteration));
     ScopedTempDir save;
-    ASSERT_TRUE(Save(DefaultFileSystem(), save.path(), 10, State(1)).ok());
+    ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save.path(), 10, State(1)).ok());
     ASSERT_TRUE(SaveInChild(save.path(), iteration, [](FaultInjectionFileSystem& faulty) {
       faulty.FaultWhen(
           [](const Op& op) { return op.kind == "RenameFile" && absl::EndsWith(op.to, "/latest"); },
@@ -221,7 +221,7 @@ TEST(SlowCheckpointCrashTest, KillAtEveryOperationKeepsALoadableCheckpoint) {
     for (int64_t k = 0; k <= num_ops; ++k) {
       SCOPED_TRACE(absl::StrCat("iteration ", iteration, ", killed at operation ", k));
       ScopedTempDir save;
-      ASSERT_TRUE(Save(DefaultFileSystem(), save.path(), 10, State(1)).ok());
+      ASSERT_TRUE(SaveThrough(DefaultFileSystem(), save.path(), 10, State(1)).ok());
       const bool was_killed = SaveInChild(
           save.path(), iteration,
           [k](FaultInjectionFileSystem& faulty) { faulty.FaultAtOp(k, Action::kKill); });

@@ -29,8 +29,6 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Tensors = std::map<std::string, at::Tensor>;
 
-FileSystem* fs() { return DefaultFileSystem(); }
-
 // Distinct values everywhere, so any misplaced element is caught: tensor k holds
 // 1000·k + 0, 1, 2, ...
 at::Tensor Distinct(std::vector<int64_t> shape, int k) {
@@ -43,11 +41,11 @@ at::Tensor Distinct(std::vector<int64_t> shape, int k) {
 // with model.safetensors.index.json.
 void WriteHfDir(const std::string& dir, const nlohmann::json& config, const Tensors& tensors,
                 int shards = 1) {
-  ASSERT_TRUE(fs()->CreateDir(dir).ok());
-  ASSERT_TRUE(WriteStringToFile(fs(), JoinPath(dir, "config.json"), config.dump(2)).ok());
+  ASSERT_TRUE(DefaultFileSystem()->CreateDir(dir).ok());
+  ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), JoinPath(dir, "config.json"), config.dump(2)).ok());
   if (shards == 1) {
     std::vector<std::pair<std::string, at::Tensor>> list(tensors.begin(), tensors.end());
-    ASSERT_TRUE(WriteSafetensors(fs(), JoinPath(dir, "model.safetensors"), list, {{"format", "pt"}})
+    ASSERT_TRUE(WriteSafetensors(DefaultFileSystem(), JoinPath(dir, "model.safetensors"), list, {{"format", "pt"}})
                     .ok());
     return;
   }
@@ -60,21 +58,21 @@ void WriteHfDir(const std::string& dir, const nlohmann::json& config, const Tens
     weight_map[name] = absl::StrFormat("model-%05d-of-%05d.safetensors", part + 1, shards);
   }
   for (int part = 0; part < shards; ++part) {
-    ASSERT_TRUE(WriteSafetensors(fs(),
+    ASSERT_TRUE(WriteSafetensors(DefaultFileSystem(),
                                  JoinPath(dir, absl::StrFormat("model-%05d-of-%05d.safetensors",
                                                                part + 1, shards)),
                                  parts[part], {})
                     .ok());
   }
   const nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}};
-  ASSERT_TRUE(WriteStringToFile(fs(), JoinPath(dir, "model.safetensors.index.json"), index.dump())
+  ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), JoinPath(dir, "model.safetensors.index.json"), index.dump())
                   .ok());
 }
 
 // Every tensor of an exported directory (single or sharded).
 Tensors ReadHfDir(const std::string& dir) {
   Tensors out;
-  const std::vector<std::string> files = *fs()->ListDir(dir);  // Outlives the loop.
+  const std::vector<std::string> files = *DefaultFileSystem()->ListDir(dir);  // Outlives the loop.
   for (const std::string& file : files) {
     if (file.size() < 12 || file.substr(file.size() - 12) != ".safetensors") continue;
     auto reader = SafetensorsReader::Open(JoinPath(dir, file));
@@ -201,8 +199,8 @@ void ExpectRefusedAndNothingWritten(const absl::Status& status, const std::strin
                                     const ScopedTempDir& tmp, const std::string& out) {
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(std::string(status.message()), HasSubstr(mentions));
-  EXPECT_FALSE(fs()->FileExists(out)) << out << " was written";
-  const std::vector<std::string> entries = *fs()->ListDir(tmp.path());
+  EXPECT_FALSE(DefaultFileSystem()->FileExists(out)) << out << " was written";
+  const std::vector<std::string> entries = *DefaultFileSystem()->ListDir(tmp.path());
   for (const std::string& entry : entries) {
     EXPECT_EQ(entry.find("_tmp_"), std::string::npos) << "staging left behind: " << entry;
   }
@@ -212,14 +210,14 @@ TEST(HfGpt2Test, RoundTripIsExact) {
   ScopedTempDir tmp;
   const Tensors original = Gpt2Tensors();
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), original);
-  auto imported = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt"));
+  auto imported = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt"));
   ASSERT_TRUE(imported.ok()) << imported.status();
   EXPECT_EQ(imported->tensors, static_cast<int64_t>(original.size()));
-  auto exported = ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back"));
+  auto exported = ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back"));
   ASSERT_TRUE(exported.ok()) << exported.status();
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
 
-  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  const nlohmann::json config = nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/config.json")));
   EXPECT_EQ(config["architectures"][0], "GPT2LMHeadModel");
   EXPECT_EQ(config["activation_function"], "gelu_new");
   EXPECT_EQ(config["n_inner"], kF);
@@ -230,7 +228,7 @@ TEST(HfGpt2Test, RoundTripIsExact) {
 TEST(HfGpt2Test, ImportedManifestSaysImportAndHoldsTheModelConfig) {
   ScopedTempDir tmp;
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   auto reader = CheckpointReader::Open(tmp.Join("ckpt"));
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_EQ(reader->iteration(), 0);
@@ -259,7 +257,7 @@ TEST(HfGpt2Test, Conv1DTransposedAndCAttnReorderedAsTheSpecSays) {
   ScopedTempDir tmp;
   const Tensors hf = Gpt2Tensors();
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), hf);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   const at::Tensor c_attn = hf.at("transformer.h.1.attn.c_attn.weight");  // [in, out]
   const at::Tensor c_bias = hf.at("transformer.h.1.attn.c_attn.bias");
   const at::Tensor qkv = Imported(tmp.Join("ckpt"), "layers.1.self_attention.linear_qkv.weight");
@@ -288,8 +286,8 @@ TEST(HfGpt2Test, HubNamingWithoutPrefixAndMaskBuffersImport) {
   Tensors hub = Gpt2Tensors(/*prefix=*/"");
   hub["h.0.attn.bias"] = at::ones({1, 1, kS, kS});  // Causal mask saved by old transformers.
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), hub);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
-  ASSERT_TRUE(ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back")).ok());
   ExpectSameTensors(Gpt2Tensors(), ReadHfDir(tmp.Join("back")));  // Written with the prefix.
 }
 
@@ -297,14 +295,14 @@ TEST(HfLlamaTest, ShardedRoundTripIsExact) {
   ScopedTempDir tmp;
   const Tensors original = LlamaTensors(/*mixtral=*/false);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), original, /*shards=*/3);
-  auto imported = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt"));
+  auto imported = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt"));
   ASSERT_TRUE(imported.ok()) << imported.status();
   EXPECT_EQ(imported->model.architecture, HfArchitecture::kLlama);
   EXPECT_EQ(imported->model.rotary_base, 500000.0);
-  auto exported = ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back"));
+  auto exported = ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back"));
   ASSERT_TRUE(exported.ok()) << exported.status();
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
-  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  const nlohmann::json config = nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/config.json")));
   EXPECT_EQ(config["num_key_value_heads"], kLG);
   EXPECT_EQ(config["tie_word_embeddings"], false);
   EXPECT_EQ(config["rope_theta"], 500000.0);
@@ -315,7 +313,7 @@ TEST(HfLlamaTest, GroupedQkvAndSwiGluRowsAsTheSpecSays) {
   ScopedTempDir tmp;
   const Tensors hf = LlamaTensors(/*mixtral=*/false);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), hf);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   const at::Tensor qkv = Imported(tmp.Join("ckpt"), "layers.0.self_attention.linear_qkv.weight");
   const at::Tensor q = hf.at("model.layers.0.self_attn.q_proj.weight");
   const at::Tensor k = hf.at("model.layers.0.self_attn.k_proj.weight");
@@ -359,12 +357,12 @@ TEST(HfLlamaTest, Bfloat16StaysBfloat16) {
   Tensors original = LlamaTensors(/*mixtral=*/false);
   for (auto& [name, t] : original) t = t.to(at::kBFloat16);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), original);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   EXPECT_EQ(Imported(tmp.Join("ckpt"), "layers.0.mlp.linear_fc1.weight").scalar_type(),
             at::kBFloat16);
-  ASSERT_TRUE(ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back")).ok());
+  ASSERT_TRUE(ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back")).ok());
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
-  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  const nlohmann::json config = nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/config.json")));
   EXPECT_EQ(config["dtype"], "bfloat16");
 }
 
@@ -372,10 +370,10 @@ TEST(HfLlamaTest, TiedEmbeddingsHaveNoHeadWeight) {
   ScopedTempDir tmp;
   const Tensors original = LlamaTensors(/*mixtral=*/false, /*tied=*/true);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(/*tied=*/true), original);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   auto reader = CheckpointReader::Open(tmp.Join("ckpt"));
   EXPECT_FALSE(reader->Has("head.output_layer.weight"));
-  ASSERT_TRUE(ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back")).ok());
+  ASSERT_TRUE(ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back")).ok());
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
 }
 
@@ -383,7 +381,7 @@ TEST(HfMixtralTest, RoundTripIsExactAndExpertsInterleaved) {
   ScopedTempDir tmp;
   const Tensors original = LlamaTensors(/*mixtral=*/true);
   WriteHfDir(tmp.Join("hf"), MixtralConfig(), original, /*shards=*/2);
-  auto imported = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt"));
+  auto imported = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt"));
   ASSERT_TRUE(imported.ok()) << imported.status();
   const at::Tensor fc1 = Imported(tmp.Join("ckpt"), "layers.1.mlp.experts.2.linear_fc1.weight");
   const std::string x = "model.layers.1.block_sparse_moe.experts.2.";
@@ -399,10 +397,10 @@ TEST(HfMixtralTest, RoundTripIsExactAndExpertsInterleaved) {
   EXPECT_EQ(ff["moe_layer_freq"], "1");
   EXPECT_EQ(ff["moe_router"], "mixtral");
 
-  auto exported = ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back"));
+  auto exported = ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back"));
   ASSERT_TRUE(exported.ok()) << exported.status();
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
-  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  const nlohmann::json config = nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/config.json")));
   EXPECT_EQ(config["num_local_experts"], kExperts);
   EXPECT_EQ(config["num_experts_per_tok"], 2);  // From the imported config.
   EXPECT_EQ(config["router_aux_loss_coef"], 0.02);
@@ -429,8 +427,8 @@ TEST(HfMixtralTest, FusedExpertsOfTransformersV5ImportAlike) {
   }
   WriteHfDir(tmp.Join("a"), MixtralConfig(), legacy);
   WriteHfDir(tmp.Join("b"), MixtralConfig(), fused);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("a"), tmp.Join("ca")).ok());
-  auto imported = ImportHuggingFace(fs(), tmp.Join("b"), tmp.Join("cb"));
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("a"), tmp.Join("ca")).ok());
+  auto imported = ImportHuggingFace(DefaultFileSystem(), tmp.Join("b"), tmp.Join("cb"));
   ASSERT_TRUE(imported.ok()) << imported.status();
   auto a = CheckpointReader::Open(tmp.Join("ca"));
   auto b = CheckpointReader::Open(tmp.Join("cb"));
@@ -444,22 +442,22 @@ TEST(HfExportTest, ShardsAboveMaxShardSizeWithAnIndexThatReimports) {
   ScopedTempDir tmp;
   const Tensors original = LlamaTensors(/*mixtral=*/false);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), original);
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).ok());
   HfExportOptions options;
   options.max_shard_bytes = 2000;
-  auto exported = ExportHuggingFace(fs(), tmp.Join("ckpt"), tmp.Join("back"), options);
+  auto exported = ExportHuggingFace(DefaultFileSystem(), tmp.Join("ckpt"), tmp.Join("back"), options);
   ASSERT_TRUE(exported.ok()) << exported.status();
   EXPECT_GT(exported->files.size(), 3u);
-  EXPECT_TRUE(fs()->FileExists(tmp.Join("back/model.safetensors.index.json")));
-  EXPECT_FALSE(fs()->FileExists(tmp.Join("back/model.safetensors")));
-  EXPECT_TRUE(fs()->FileExists(tmp.Join("back/model-00001-of-" +
+  EXPECT_TRUE(DefaultFileSystem()->FileExists(tmp.Join("back/model.safetensors.index.json")));
+  EXPECT_FALSE(DefaultFileSystem()->FileExists(tmp.Join("back/model.safetensors")));
+  EXPECT_TRUE(DefaultFileSystem()->FileExists(tmp.Join("back/model-00001-of-" +
                                          absl::StrFormat("%05d", exported->files.size() - 2) +
                                          ".safetensors")));
   ExpectSameTensors(original, ReadHfDir(tmp.Join("back")));
   const nlohmann::json index =
-      nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/model.safetensors.index.json")));
+      nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/model.safetensors.index.json")));
   EXPECT_EQ(index["weight_map"].size(), original.size());
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("back"), tmp.Join("again")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("back"), tmp.Join("again")).ok());
 }
 
 // Writes the GPT-2 Hugging Face directory into tmp/hf and imports it into tmp/imported;
@@ -467,7 +465,7 @@ TEST(HfExportTest, ShardsAboveMaxShardSizeWithAnIndexThatReimports) {
 void ImportGpt2(const ScopedTempDir& tmp, std::vector<std::pair<std::string, at::Tensor>>* state,
                 nlohmann::json* model) {
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
-  ASSERT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("imported")).ok());
+  ASSERT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("imported")).ok());
   auto imported = CheckpointReader::Open(tmp.Join("imported"));
   ASSERT_TRUE(imported.ok()) << imported.status();
   for (const std::string& name : imported->names()) {
@@ -490,13 +488,13 @@ TEST(HfExportTest, TrainedGpt2StyleCheckpointExportsWithPlainGelu) {
                             "openai_gelu"}) {
     model.erase(field);
   }
-  auto writer = CheckpointWriter::Begin(fs(), tmp.Join("trained"), 5);
+  auto writer = CheckpointWriter::Begin(DefaultFileSystem(), tmp.Join("trained"), 5);
   ASSERT_TRUE(writer.ok());
   ASSERT_TRUE(writer->WriteShard("rank_00000", state).ok());
   ASSERT_TRUE(writer->Commit({{"config", {{"model", model}, {"feed_forward", nlohmann::json::object()}}}}).ok());
-  auto exported = ExportHuggingFace(fs(), tmp.Join("trained"), tmp.Join("back"));
+  auto exported = ExportHuggingFace(DefaultFileSystem(), tmp.Join("trained"), tmp.Join("back"));
   ASSERT_TRUE(exported.ok()) << exported.status();
-  const nlohmann::json config = nlohmann::json::parse(*fs()->ReadFile(tmp.Join("back/config.json")));
+  const nlohmann::json config = nlohmann::json::parse(*DefaultFileSystem()->ReadFile(tmp.Join("back/config.json")));
   EXPECT_EQ(config["activation_function"], "gelu");
   ExpectSameTensors(Gpt2Tensors(), ReadHfDir(tmp.Join("back")));  // Optimizer, rng skipped.
 }
@@ -507,11 +505,11 @@ TEST(HfExportTest, ModelWithNoHfArchitectureIsRefusedNamingTheReason) {
   nlohmann::json model;
   ASSERT_NO_FATAL_FAILURE(ImportGpt2(tmp, &state, &model));
   model["position_embedding_type"] = "rope";  // LayerNorm + rope: neither GPT-2 nor Llama.
-  auto writer = CheckpointWriter::Begin(fs(), tmp.Join("odd"), 1);
+  auto writer = CheckpointWriter::Begin(DefaultFileSystem(), tmp.Join("odd"), 1);
   ASSERT_TRUE(writer->WriteShard("rank_00000", state).ok());
   ASSERT_TRUE(writer->Commit({{"config", {{"model", model}}}}).ok());
   ExpectRefusedAndNothingWritten(
-      ExportHuggingFace(fs(), tmp.Join("odd"), tmp.Join("back")).status(),
+      ExportHuggingFace(DefaultFileSystem(), tmp.Join("odd"), tmp.Join("back")).status(),
       "position_embedding_type=rope", tmp, tmp.Join("back"));
 }
 
@@ -533,7 +531,7 @@ TEST_P(HfBadConfigTest, RefusedNamingTheField) {
   nlohmann::json config = c.llama ? LlamaConfig() : Gpt2Config();
   config[c.field] = c.value;
   WriteHfDir(tmp.Join("hf"), config, c.llama ? LlamaTensors(false) : Gpt2Tensors());
-  const absl::Status status = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).status();
+  const absl::Status status = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   ExpectRefusedAndNothingWritten(status, c.mentions, tmp, tmp.Join("ckpt"));
 }
@@ -569,20 +567,20 @@ TEST(HfBadInputTest, MixtralRouterJitterAndTooManyExpertsPerToken) {
   nlohmann::json jitter = MixtralConfig();
   jitter["router_jitter_noise"] = 0.01;
   WriteHfDir(tmp.Join("a"), jitter, LlamaTensors(/*mixtral=*/true));
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("a"), tmp.Join("ca")).status(),
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("a"), tmp.Join("ca")).status(),
                                  "router_jitter_noise=0.01", tmp, tmp.Join("ca"));
   nlohmann::json topk = MixtralConfig();
   topk["num_experts_per_tok"] = kExperts + 1;
   WriteHfDir(tmp.Join("b"), topk, LlamaTensors(/*mixtral=*/true));
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("b"), tmp.Join("cb")).status(),
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("b"), tmp.Join("cb")).status(),
                                  "num_experts_per_tok=4", tmp, tmp.Join("cb"));
 }
 
 TEST(HfBadInputTest, MissingShardFile) {
   ScopedTempDir tmp;
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), LlamaTensors(false), /*shards=*/2);
-  ASSERT_TRUE(fs()->DeleteRecursively(tmp.Join("hf/model-00002-of-00002.safetensors")).ok());
-  const absl::Status status = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).status();
+  ASSERT_TRUE(DefaultFileSystem()->DeleteRecursively(tmp.Join("hf/model-00002-of-00002.safetensors")).ok());
+  const absl::Status status = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
   ExpectRefusedAndNothingWritten(status, "model-00002-of-00002.safetensors", tmp, tmp.Join("ckpt"));
 }
@@ -592,9 +590,9 @@ TEST(HfBadInputTest, TensorShapeDisagreesWithConfig) {
   Tensors t = LlamaTensors(false);
   t["model.layers.1.mlp.up_proj.weight"] = Distinct({kLF + 1, kLH}, 99);
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), t);
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).status(),
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).status(),
                                  "model.layers.1.mlp.up_proj.weight", tmp, tmp.Join("ckpt"));
-  const absl::Status status = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("ckpt")).status();
+  const absl::Status status = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("ckpt")).status();
   EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("[13, 16]"), HasSubstr("[12, 16]")));
 }
 
@@ -603,36 +601,36 @@ TEST(HfBadInputTest, MissingAndUnexpectedTensors) {
   Tensors missing = LlamaTensors(false);
   missing.erase("model.layers.0.self_attn.k_proj.weight");
   WriteHfDir(tmp.Join("a"), LlamaConfig(), missing);
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("a"), tmp.Join("ca")).status(),
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("a"), tmp.Join("ca")).status(),
                                  "model.layers.0.self_attn.k_proj.weight", tmp, tmp.Join("ca"));
   Tensors extra = LlamaTensors(false);
   extra["model.layers.2.input_layernorm.weight"] = Distinct({kLH}, 77);  // A third layer.
   WriteHfDir(tmp.Join("b"), LlamaConfig(), extra);
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("b"), tmp.Join("cb")).status(),
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("b"), tmp.Join("cb")).status(),
                                  "model.layers.2.input_layernorm.weight", tmp, tmp.Join("cb"));
 }
 
 TEST(HfBadInputTest, NoWeightsOrNoConfig) {
   ScopedTempDir tmp;
-  ASSERT_TRUE(fs()->CreateDir(tmp.Join("hf")).ok());
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("c")).status(),
+  ASSERT_TRUE(DefaultFileSystem()->CreateDir(tmp.Join("hf")).ok());
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("c")).status(),
                                  "config.json", tmp, tmp.Join("c"));
-  ASSERT_TRUE(WriteStringToFile(fs(), tmp.Join("hf/config.json"), LlamaConfig().dump()).ok());
-  ExpectRefusedAndNothingWritten(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("c")).status(),
+  ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), tmp.Join("hf/config.json"), LlamaConfig().dump()).ok());
+  ExpectRefusedAndNothingWritten(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("c")).status(),
                                  "neither model.safetensors", tmp, tmp.Join("c"));
 }
 
 TEST(HfBadInputTest, OutputDirectoryMustBeNewOrEmpty) {
   ScopedTempDir tmp;
   WriteHfDir(tmp.Join("hf"), Gpt2Config(), Gpt2Tensors());
-  ASSERT_TRUE(fs()->CreateDir(tmp.Join("out")).ok());
-  ASSERT_TRUE(WriteStringToFile(fs(), tmp.Join("out/keep.txt"), "mine").ok());
-  const absl::Status status = ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("out")).status();
+  ASSERT_TRUE(DefaultFileSystem()->CreateDir(tmp.Join("out")).ok());
+  ASSERT_TRUE(WriteStringToFile(DefaultFileSystem(), tmp.Join("out/keep.txt"), "mine").ok());
+  const absl::Status status = ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("out")).status();
   EXPECT_THAT(std::string(status.message()), HasSubstr("is not empty"));
-  EXPECT_EQ(*fs()->ListDir(tmp.Join("out")), std::vector<std::string>{"keep.txt"});
+  EXPECT_EQ(*DefaultFileSystem()->ListDir(tmp.Join("out")), std::vector<std::string>{"keep.txt"});
   // An empty directory is fine.
-  ASSERT_TRUE(fs()->CreateDir(tmp.Join("empty")).ok());
-  EXPECT_TRUE(ImportHuggingFace(fs(), tmp.Join("hf"), tmp.Join("empty")).ok());
+  ASSERT_TRUE(DefaultFileSystem()->CreateDir(tmp.Join("empty")).ok());
+  EXPECT_TRUE(ImportHuggingFace(DefaultFileSystem(), tmp.Join("hf"), tmp.Join("empty")).ok());
 }
 
 // ----- The command line: what tests/hf/ (transformers' side) relies on.
@@ -642,7 +640,7 @@ struct ToolResult {
   std::string output;
 };
 
-ToolResult RunTool(const std::string& args) {
+ToolResult RunHfTool(const std::string& args) {
   ToolResult r;
   r.exit_code = fulcrum::testing::RunCommand(
       std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt " + args + " 2>&1", &r.output);
@@ -650,28 +648,28 @@ ToolResult RunTool(const std::string& args) {
 }
 
 TEST(HfToolTest, ImportExportExitCodes) {
-  ASSERT_TRUE(fs()->FileExists(std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt"));
+  ASSERT_TRUE(DefaultFileSystem()->FileExists(std::string(FULCRUM_BIN_DIR) + "/fulcrum_ckpt"));
   ScopedTempDir tmp;
   WriteHfDir(tmp.Join("hf"), LlamaConfig(), LlamaTensors(false));
-  ToolResult r = RunTool("import-hf " + tmp.Join("hf") + " " + tmp.Join("ckpt"));
+  ToolResult r = RunHfTool("import-hf " + tmp.Join("hf") + " " + tmp.Join("ckpt"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, AllOf(HasSubstr("imported LlamaForCausalLM"), HasSubstr("--finetune"),
                               HasSubstr("--num_query_groups=2")));
-  r = RunTool("export-hf " + tmp.Join("ckpt") + " " + tmp.Join("back") + " --max_shard_size=1KB");
+  r = RunHfTool("export-hf " + tmp.Join("ckpt") + " " + tmp.Join("back") + " --max_shard_size=1KB");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(fs()->FileExists(tmp.Join("back/model.safetensors.index.json")));
+  EXPECT_TRUE(DefaultFileSystem()->FileExists(tmp.Join("back/model.safetensors.index.json")));
 
   nlohmann::json bad = LlamaConfig();
   bad["rope_scaling"] = {{"type", "dynamic"}, {"factor", 4.0}};
   WriteHfDir(tmp.Join("bad"), bad, LlamaTensors(false));
-  r = RunTool("import-hf " + tmp.Join("bad") + " " + tmp.Join("ckpt2"));
+  r = RunHfTool("import-hf " + tmp.Join("bad") + " " + tmp.Join("ckpt2"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("rope_scaling"));
-  EXPECT_FALSE(fs()->FileExists(tmp.Join("ckpt2")));
-  r = RunTool("export-hf " + tmp.Join("ckpt") + " " + tmp.Join("back2") + " --max_shard_size=lots");
+  EXPECT_FALSE(DefaultFileSystem()->FileExists(tmp.Join("ckpt2")));
+  r = RunHfTool("export-hf " + tmp.Join("ckpt") + " " + tmp.Join("back2") + " --max_shard_size=lots");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--max_shard_size='lots'"));
-  r = RunTool("import-hf " + tmp.Join("hf"));
+  r = RunHfTool("import-hf " + tmp.Join("hf"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
 }
 

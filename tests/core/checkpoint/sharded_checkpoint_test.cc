@@ -21,8 +21,6 @@ using ::fulcrum::testing_util::ScopedTempDir;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-FileSystem* fs() { return DefaultFileSystem(); }
-
 // The box of `whole` at `offsets` with `extent`, as a contiguous tensor.
 at::Tensor BoxOf(const at::Tensor& whole, const std::vector<int64_t>& offsets,
                  const std::vector<int64_t>& extent) {
@@ -65,7 +63,7 @@ struct ToySave {
 
   absl::Status Write(const std::string& dir, int64_t iteration, const std::string& skip = "",
                      bool overlap = false) {
-    auto writer = CheckpointWriter::Begin(fs(), dir, iteration);
+    auto writer = CheckpointWriter::Begin(DefaultFileSystem(), dir, iteration);
     if (!writer.ok()) return writer.status();
     for (int tp = 0; tp < 2; ++tp) {
       for (int dp = 0; dp < 2; ++dp) {
@@ -90,7 +88,7 @@ TEST(ShardedCheckpointTest, PiecesFromFourWritersAssembleBitForBit) {
   ScopedTempDir dir;
   ToySave save;
   ASSERT_TRUE(save.Write(dir.path(), 10).ok());
-  auto reader = CheckpointReader::Open(fs(), dir.path());
+  auto reader = CheckpointReader::Open(DefaultFileSystem(), dir.path());
   ASSERT_TRUE(reader.ok()) << reader.status();
   // The reader's names are the whole tensors, never the stored pieces.
   EXPECT_THAT(reader->names(), ElementsAre("m", "step", "w"));
@@ -128,7 +126,7 @@ TEST(ShardedCheckpointTest, ASliceReadsOnlyThePiecesItOverlaps) {
   // tp1_dp0.safetensors holds the weight box (48 bytes) and a moment range (24 bytes), in
   // either order: the 25th byte from the end is the box's.
   FlipByte(dir.Join("iter_0000010/tp1_dp0.safetensors"), -25);
-  auto reader = CheckpointReader::Open(fs(), dir.path());
+  auto reader = CheckpointReader::Open(DefaultFileSystem(), dir.path());
   ASSERT_TRUE(reader.ok());
   auto own = reader->ReadSlice("w", 1, 0, 3);
   ASSERT_TRUE(own.ok()) << own.status();
@@ -147,8 +145,8 @@ TEST(ShardedCheckpointTest, AMissingPieceFailsTheCommitAndLeavesNoCheckpoint) {
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
   EXPECT_THAT(status.message(), HasSubstr("sharded tensor 'm'"));
   EXPECT_THAT(status.message(), HasSubstr("no piece for its elements from 6"));
-  EXPECT_FALSE(fs()->FileExists(dir.Join("latest")));
-  EXPECT_FALSE(CheckpointReader::Open(fs(), dir.path()).ok());
+  EXPECT_FALSE(DefaultFileSystem()->FileExists(dir.Join("latest")));
+  EXPECT_FALSE(CheckpointReader::Open(DefaultFileSystem(), dir.path()).ok());
 }
 
 TEST(ShardedCheckpointTest, OverlappingPiecesFailTheCommit) {
@@ -161,7 +159,7 @@ TEST(ShardedCheckpointTest, OverlappingPiecesFailTheCommit) {
 
 TEST(ShardedCheckpointTest, AMissingBoxIsNamedByTheCountOfElementsHeld) {
   ScopedTempDir dir;
-  auto writer = CheckpointWriter::Begin(fs(), dir.path(), 1);
+  auto writer = CheckpointWriter::Begin(DefaultFileSystem(), dir.path(), 1);
   ASSERT_TRUE(writer.ok());
   const at::Tensor w = torch::ones({4, 6});
   ASSERT_TRUE(writer->WriteShard("tp0", {}, {BoxPiece("w", w, {0, 0}, {4, 3})}).ok());
@@ -171,7 +169,7 @@ TEST(ShardedCheckpointTest, AMissingBoxIsNamedByTheCountOfElementsHeld) {
 
 TEST(ShardedCheckpointTest, APieceOutsideItsWholeIsRefusedWhenWritten) {
   ScopedTempDir dir;
-  auto writer = CheckpointWriter::Begin(fs(), dir.path(), 1);
+  auto writer = CheckpointWriter::Begin(DefaultFileSystem(), dir.path(), 1);
   ASSERT_TRUE(writer.ok());
   TensorPiece piece = BoxPiece("w", torch::ones({4, 6}), {0, 3}, {4, 3});
   piece.offsets = {0, 4};  // 4 + 3 > 6
@@ -185,7 +183,7 @@ TEST(ShardedCheckpointTest, APieceOutsideItsWholeIsRefusedWhenWritten) {
 // temperature).
 TEST(ShardedCheckpointTest, AScalarIsOneFlatPieceOfAnEmptyBox) {
   ScopedTempDir dir;
-  auto writer = CheckpointWriter::Begin(fs(), dir.path(), 1);
+  auto writer = CheckpointWriter::Begin(DefaultFileSystem(), dir.path(), 1);
   ASSERT_TRUE(writer.ok());
   TensorPiece piece;
   piece.name = "s";
@@ -195,7 +193,7 @@ TEST(ShardedCheckpointTest, AScalarIsOneFlatPieceOfAnEmptyBox) {
   piece.tensor = torch::full({1}, 2.5f);
   ASSERT_TRUE(writer->WriteShard("dp1", {}, {piece}).ok());
   ASSERT_TRUE(writer->Commit(nlohmann::json::object()).ok());
-  auto reader = CheckpointReader::Open(fs(), dir.path());
+  auto reader = CheckpointReader::Open(DefaultFileSystem(), dir.path());
   ASSERT_TRUE(reader.ok()) << reader.status();
   auto s = reader->Read("s");
   ASSERT_TRUE(s.ok()) << s.status();
@@ -214,7 +212,7 @@ TEST(ShardedCheckpointTest, OpenChecksTheTilingOfAManifestItReads) {
   manifest["pieces"][PieceStoredName("m", "tp0_dp1")]["flat"] = {7, 12};
   manifest[kManifestChecksumKey] = ManifestChecksum(manifest);
   testing_util::WriteBytes(path, manifest.dump());
-  auto reader = CheckpointReader::Open(fs(), dir.path());
+  auto reader = CheckpointReader::Open(DefaultFileSystem(), dir.path());
   EXPECT_EQ(reader.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(reader.status().message(), HasSubstr("stored as shape [6] but the piece is [5]"));
 }

@@ -20,12 +20,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() { return fulcrum::testing::MakeTempDir("indexed"); }
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string IndexedTempDir() { return fulcrum::testing::MakeTempDir("indexed"); }
 
 void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
@@ -45,7 +40,7 @@ void WriteSmallDataset(const std::string& prefix) {
 }
 
 TEST(IndexedDatasetTest, WriterMatchesMegatronBytes) {
-  const std::string prefix = MakeTempDir() + "/small";
+  const std::string prefix = IndexedTempDir() + "/small";
   WriteSmallDataset(prefix);
 
   // The layout of megatron/core/datasets/indexed_dataset.py (_IndexWriter), little-endian.
@@ -68,14 +63,14 @@ TEST(IndexedDatasetTest, WriterMatchesMegatronBytes) {
   };
   // clang-format on
   const unsigned char expected_bin[] = {1, 0, 2, 0, 3, 0, 4, 0, 0xff, 0xff, 0, 0};
-  EXPECT_EQ(ReadBytes(prefix + ".idx"),
+  EXPECT_EQ(testing::ReadFileBytes(prefix + ".idx"),
             std::string(reinterpret_cast<const char*>(expected_idx), sizeof(expected_idx)));
-  EXPECT_EQ(ReadBytes(prefix + ".bin"),
+  EXPECT_EQ(testing::ReadFileBytes(prefix + ".bin"),
             std::string(reinterpret_cast<const char*>(expected_bin), sizeof(expected_bin)));
 }
 
 void ExpectRoundTrip(DType dtype, int64_t max_token) {
-  const std::string prefix = MakeTempDir() + "/round_trip";
+  const std::string prefix = IndexedTempDir() + "/round_trip";
   // Deterministic pseudo-random documents of 1-3 sequences of 0-40 tokens.
   uint64_t state = 42;
   auto next = [&state](uint64_t n) {
@@ -146,7 +141,7 @@ TEST(IndexedDatasetTest, BestTokenDTypeFollowsMegatron) {
 }
 
 TEST(IndexedDatasetTest, WriterRejectsTokensOutsideTheDType) {
-  const std::string prefix = MakeTempDir() + "/range";
+  const std::string prefix = IndexedTempDir() + "/range";
   auto writer = IndexedDatasetWriter::Create(prefix, DType::kUInt16);
   ASSERT_TRUE(writer.ok());
   const std::vector<int64_t> too_big = {1, 65536};
@@ -162,7 +157,7 @@ TEST(IndexedDatasetTest, WriterRejectsTokensOutsideTheDType) {
 }
 
 TEST(IndexedDatasetTest, UnfinishedWriterLeavesNoFiles) {
-  const std::string prefix = MakeTempDir() + "/unfinished";
+  const std::string prefix = IndexedTempDir() + "/unfinished";
   {
     auto writer = IndexedDatasetWriter::Create(prefix, DType::kInt32);
     ASSERT_TRUE(writer.ok());
@@ -185,9 +180,9 @@ TEST(IndexedDatasetTest, CreateFailsInMissingFolder) {
 // writer wrote, and encodes it back byte for byte; an empty index too (its zero-length
 // arrays were copied from null pointers, which UBSan reports; the fuzz corpus keeps it).
 TEST(MegatronIndexTest, ParsesAndEncodesBackTheWritersBytes) {
-  const std::string prefix = MakeTempDir() + "/parse";
+  const std::string prefix = IndexedTempDir() + "/parse";
   WriteSmallDataset(prefix);
-  const std::string idx = ReadBytes(prefix + ".idx");
+  const std::string idx = testing::ReadFileBytes(prefix + ".idx");
   const absl::StatusOr<MegatronIndex> index = ParseMegatronIndex(prefix + ".idx", idx);
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ(index->sequence_lengths.size(), 3u);
@@ -209,10 +204,10 @@ TEST(MegatronIndexTest, ParsesAndEncodesBackTheWritersBytes) {
 class CorruptionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    prefix_ = MakeTempDir() + "/corrupt";
+    prefix_ = IndexedTempDir() + "/corrupt";
     WriteSmallDataset(prefix_);
-    idx_ = ReadBytes(prefix_ + ".idx");
-    bin_ = ReadBytes(prefix_ + ".bin");
+    idx_ = testing::ReadFileBytes(prefix_ + ".idx");
+    bin_ = testing::ReadFileBytes(prefix_ + ".bin");
     ASSERT_TRUE(IndexedDataset::Open(prefix_).ok());
   }
 

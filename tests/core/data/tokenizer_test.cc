@@ -18,12 +18,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() { return fulcrum::testing::MakeTempDir("tokenizer"); }
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string TokenizerTempDir() { return fulcrum::testing::MakeTempDir("tokenizer"); }
 
 // A few hundred lines of English-like text, generated so the test needs no data files.
 std::string WriteTrainingText(const std::string& dir) {
@@ -65,7 +60,7 @@ TEST(ByteTokenizerTest, RoundTripsAnyBytes) {
 }
 
 TEST(SentencePieceTokenizerTest, TrainLoadEncodeDecode) {
-  const std::string dir = MakeTempDir();
+  const std::string dir = TokenizerTempDir();
   const std::string text_file = WriteTrainingText(dir);
   ASSERT_TRUE(SentencePieceTokenizer::Train({text_file}, 400, dir + "/spm").ok());
 
@@ -95,19 +90,19 @@ TEST(SentencePieceTokenizerTest, TrainLoadEncodeDecode) {
 }
 
 TEST(SentencePieceTokenizerTest, TrainingIsReproducible) {
-  const std::string dir = MakeTempDir();
+  const std::string dir = TokenizerTempDir();
   const std::string text_file = WriteTrainingText(dir);
   ASSERT_TRUE(SentencePieceTokenizer::Train({text_file}, 350, dir + "/a").ok());
   ASSERT_TRUE(SentencePieceTokenizer::Train({text_file}, 350, dir + "/b").ok());
   // The .model files differ only in the model_prefix they record; the pieces and their
   // scores (the .vocab listing) must be identical.
-  const std::string a = ReadBytes(dir + "/a.vocab");
+  const std::string a = testing::ReadFileBytes(dir + "/a.vocab");
   EXPECT_EQ(std::count(a.begin(), a.end(), '\n'), 350);
-  EXPECT_EQ(a, ReadBytes(dir + "/b.vocab"));
+  EXPECT_EQ(a, testing::ReadFileBytes(dir + "/b.vocab"));
 }
 
 TEST(SentencePieceTokenizerTest, TrainErrorsNameTheProblem) {
-  const std::string dir = MakeTempDir();
+  const std::string dir = TokenizerTempDir();
   const std::string text_file = WriteTrainingText(dir);
   absl::Status status = SentencePieceTokenizer::Train({text_file}, 100, dir + "/small");
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
@@ -123,7 +118,7 @@ TEST(SentencePieceTokenizerTest, TrainErrorsNameTheProblem) {
 }
 
 TEST(SentencePieceTokenizerTest, LoadErrors) {
-  const std::string dir = MakeTempDir();
+  const std::string dir = TokenizerTempDir();
   auto missing = SentencePieceTokenizer::Load(dir + "/none.model");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr(dir + "/none.model"));
@@ -145,7 +140,7 @@ TEST(MakeTokenizerTest, ChoosesByName) {
   EXPECT_THAT(MakeTokenizer("sentencepiece", "").status().message(),
               HasSubstr("--tokenizer_model"));
 
-  const std::string dir = MakeTempDir();
+  const std::string dir = TokenizerTempDir();
   ASSERT_TRUE(SentencePieceTokenizer::Train({WriteTrainingText(dir)}, 300, dir + "/t").ok());
   auto spm = MakeTokenizer("sentencepiece", dir + "/t.model");
   ASSERT_TRUE(spm.ok()) << spm.status();

@@ -10,13 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/kernels/random_tensor.h"
+
 namespace fulcrum::kernels {
 namespace {
 
-at::Tensor Random(at::IntArrayRef shape, uint64_t seed) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::Random;
 
 at::Tensor Expand(const at::Tensor& kv, int64_t per_group) {
   return per_group == 1 ? kv : kv.repeat_interleave(per_group, 1);

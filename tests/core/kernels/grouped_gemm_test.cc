@@ -6,13 +6,12 @@
 
 #include <vector>
 
+#include "tests/core/kernels/random_tensor.h"
+
 namespace fulcrum::kernels {
 namespace {
 
-at::Tensor Random(at::IntArrayRef shape, uint64_t seed) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::Random;
 
 // On one thread (how ctest runs every test here): with several, LibTorch's CPU bmm splits
 // the batch differently from the loop's GEMMs and the sums differ in their last bits (NOTE

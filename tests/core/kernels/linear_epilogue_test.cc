@@ -8,13 +8,12 @@
 
 #include "core/linear.h"
 
+#include "tests/core/kernels/random_tensor.h"
+
 namespace fulcrum::kernels {
 namespace {
 
-at::Tensor Random(at::IntArrayRef shape, uint64_t seed, at::ScalarType type = at::kFloat) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat)).to(type);
-}
+using testing::Random;
 
 double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble).cpu() - b.to(at::kDouble).cpu()).abs().max().item<double>();

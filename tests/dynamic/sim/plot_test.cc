@@ -68,13 +68,13 @@ std::vector<Element> ParseTags(const std::string& svg) {
   return out;
 }
 
-std::string Temp(const std::string& name) {
+std::string PlotTemp(const std::string& name) {
   static const std::string dir = testing::MakeTempDir("plot");  // one per test process
   return dir + "/" + name;
 }
 
 TEST(PlotTest, DrawsStaticAndBalancedRunsSideBySide) {
-  const std::string fixed = Temp("static.jsonl"), balanced = Temp("balanced.jsonl");
+  const std::string fixed = PlotTemp("static.jsonl"), balanced = PlotTemp("balanced.jsonl");
   {
     std::ofstream f(fixed);
     for (int i = 1; i <= 3; ++i) {
@@ -89,7 +89,7 @@ TEST(PlotTest, DrawsStaticAndBalancedRunsSideBySide) {
     b << "{\"iteration\":3,\"stage_ranges\":[[0,8]],\"stage_ms\":[40],\"bubble_ratio\":0.0,"
          "\"layers_moved\":2}\n";
   }
-  const std::string svg_path = Temp("out.svg");
+  const std::string svg_path = PlotTemp("out.svg");
   std::string output;
   ASSERT_EQ(testing::RunCommand(std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot " + fixed + " " +
                                     balanced + " -o " + svg_path,
@@ -144,7 +144,7 @@ const std::string kPlot = std::string(FULCRUM_BIN_DIR) + "/fulcrum_plot";
 // by consecutive points is one band spanning them, and a move inside a bucket (at the end of
 // iteration 103) shows from the next bucket on, its marker at the end of its own bucket.
 TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
-  const std::string run = Temp("long.jsonl");
+  const std::string run = PlotTemp("long.jsonl");
   {
     std::ofstream f(run);
     for (int i = 1; i <= 250; ++i) {
@@ -154,7 +154,7 @@ TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
         << ",\"layers_moved\":" << (i == 103 ? 1 : 0) << "}\n";
     }
   }
-  const std::string svg_path = Temp("long.svg");
+  const std::string svg_path = PlotTemp("long.svg");
   std::string output;
   ASSERT_EQ(testing::RunCommand(kPlot + " " + run + " --max_points=50 -o " + svg_path, &output), 0)
       << output;
@@ -208,13 +208,6 @@ TEST(PlotTest, LongRunsAreDrawnInBucketsOfIterations) {
   EXPECT_NE(output.find("--max_points=0"), std::string::npos) << output;
 }
 
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The elements of class `cls` in `tags`.
 std::vector<const Element*> OfClass(const std::vector<Element>& tags, const std::string& cls) {
   std::vector<const Element*> out;
@@ -228,17 +221,17 @@ std::vector<const Element*> OfClass(const std::vector<Element>& tags, const std:
 // A single-process run has no stage ranges: its column is the training curves. The loss the
 // writer could not represent (NaN, written as null) is a gap; validation where evaluated.
 TEST(PlotTest, DrawsTheTrainingCurvesOfASingleProcessRun) {
-  const std::string metrics = Temp("single.jsonl");
+  const std::string metrics = PlotTemp("single.jsonl");
   std::ofstream(metrics)
       << "{\"iteration\":1,\"loss\":10.5,\"lr\":0.001,\"grad_norm\":4,\"tokens_per_second\":900,"
          "\"iteration_ms\":70,\"consumed_samples\":8,\"pipeline_size\":1,\"active_ranks\":1}\n"
       << "{\"iteration\":2,\"loss\":null,\"lr\":0.002,\"grad_norm\":3,\"tokens_per_second\":1000,"
          "\"valid_loss\":9.25}\n"
       << "{\"iteration\":3,\"loss\":8,\"lr\":0.002,\"grad_norm\":2,\"tokens_per_second\":1100}\n";
-  const std::string svg_path = Temp("single.svg");
+  const std::string svg_path = PlotTemp("single.svg");
   std::string output;
   ASSERT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + svg_path, &output), 0) << output;
-  const std::vector<Element> tags = ParseTags(Slurp(svg_path));
+  const std::vector<Element> tags = ParseTags(testing::ReadFileBytes(svg_path));
   ASSERT_EQ(OfClass(tags, "series").size(), 1u);
   EXPECT_TRUE(OfClass(tags, "range").empty());
   const std::vector<std::pair<std::string, std::string>> expected = {
@@ -255,14 +248,14 @@ TEST(PlotTest, DrawsTheTrainingCurvesOfASingleProcessRun) {
 
 // A pipeline run's metrics keep the per-stage pictures and gain the training curves below.
 TEST(PlotTest, PipelineMetricsGetStageAndTrainingCharts) {
-  const std::string metrics = Temp("pp.jsonl");
+  const std::string metrics = PlotTemp("pp.jsonl");
   std::ofstream(metrics) << "{\"iteration\":1,\"loss\":3,\"stage_ranges\":[[0,2],[2,4]],"
                             "\"stage_ms\":[5,6],\"bubble_ratio\":0.2,\"layers_moved\":0}\n"
                          << "{\"iteration\":2,\"loss\":2,\"stage_ranges\":[[0,2],[2,4]],"
                             "\"stage_ms\":[5,6],\"bubble_ratio\":0.2,\"layers_moved\":0}\n";
   std::string output;
-  ASSERT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + Temp("pp.svg"), &output), 0) << output;
-  const std::vector<Element> tags = ParseTags(Slurp(Temp("pp.svg")));
+  ASSERT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + PlotTemp("pp.svg"), &output), 0) << output;
+  const std::vector<Element> tags = ParseTags(testing::ReadFileBytes(PlotTemp("pp.svg")));
   EXPECT_EQ(OfClass(tags, "range").size(), 4u);
   ASSERT_EQ(OfClass(tags, "loss").size(), 1u);
   EXPECT_EQ(OfClass(tags, "loss")[0]->attributes.at("data-values"), "3 2");
@@ -292,8 +285,8 @@ TEST(PlotTest, BadInputExitsTwoInOneLineAndWritesNothing) {
   };
   int k = 0;
   for (const auto& [line, message] : cases) {
-    const std::string input = Temp("bad" + std::to_string(k) + ".jsonl");
-    const std::string svg = Temp("bad" + std::to_string(k++) + ".svg");
+    const std::string input = PlotTemp("bad" + std::to_string(k) + ".jsonl");
+    const std::string svg = PlotTemp("bad" + std::to_string(k++) + ".svg");
     std::ofstream(input) << line << (line.empty() ? "" : "\n");
     std::remove(svg.c_str());
     std::string output;
@@ -305,29 +298,29 @@ TEST(PlotTest, BadInputExitsTwoInOneLineAndWritesNothing) {
 }
 
 TEST(PlotTest, NeverWritesOntoAnInputNorOverAGoodSvgOnFailure) {
-  const std::string metrics = Temp("input.jsonl");
+  const std::string metrics = PlotTemp("input.jsonl");
   std::ofstream(metrics) << "{\"iteration\":1,\"loss\":2.5}\n";
-  const std::string before = Slurp(metrics);
+  const std::string before = testing::ReadFileBytes(metrics);
   std::string output;
   const std::string dir = metrics.substr(0, metrics.rfind('/'));
   for (const std::string& o : {metrics, dir + "/./" + metrics.substr(metrics.rfind('/') + 1)}) {
     EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + o, &output), 2) << output;
     EXPECT_NE(output.find("refusing to overwrite"), std::string::npos) << output;
   }
-  EXPECT_EQ(Slurp(metrics), before);
+  EXPECT_EQ(testing::ReadFileBytes(metrics), before);
   // Nor onto the temporary file the atomic write starts with (-o OUT writes OUT.tmp first).
-  const std::string tmp_input = Temp("picture.svg.tmp");
+  const std::string tmp_input = PlotTemp("picture.svg.tmp");
   std::ofstream(tmp_input) << "{\"iteration\":1,\"loss\":2.5}\n";
-  EXPECT_EQ(testing::RunCommand(kPlot + " " + tmp_input + " -o " + Temp("picture.svg"), &output), 2);
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + tmp_input + " -o " + PlotTemp("picture.svg"), &output), 2);
   EXPECT_NE(output.find("refusing to overwrite"), std::string::npos) << output;
-  EXPECT_EQ(Slurp(tmp_input), "{\"iteration\":1,\"loss\":2.5}\n");
+  EXPECT_EQ(testing::ReadFileBytes(tmp_input), "{\"iteration\":1,\"loss\":2.5}\n");
 
-  const std::string svg = Temp("kept.svg"), broken = Temp("broken.jsonl");
+  const std::string svg = PlotTemp("kept.svg"), broken = PlotTemp("broken.jsonl");
   std::ofstream(svg) << "<svg>the previous picture</svg>\n";
   std::ofstream(broken) << "{\"iteration\":1,\"loss\":2.5}\n{\"iteration\":2,\"loss\":[]}\n";
   EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " " + broken + " -o " + svg, &output), 2);
-  EXPECT_EQ(Slurp(svg), "<svg>the previous picture</svg>\n");
-  EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + Temp("no/such/dir.svg"), &output), 2);
+  EXPECT_EQ(testing::ReadFileBytes(svg), "<svg>the previous picture</svg>\n");
+  EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + PlotTemp("no/such/dir.svg"), &output), 2);
   EXPECT_NE(output.find("does not exist"), std::string::npos) << output;
   EXPECT_EQ(testing::RunCommand(kPlot + " " + metrics + " -o " + dir, &output), 2);
   EXPECT_NE(output.find("is a directory"), std::string::npos) << output;

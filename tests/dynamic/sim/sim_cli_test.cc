@@ -27,24 +27,17 @@ using ::testing::HasSubstr;
 
 const std::string kSim = std::string(FULCRUM_BIN_DIR) + "/fulcrum_sim";
 
-std::string Temp(const std::string& name) {
+std::string SimTemp(const std::string& name) {
   static const std::string dir = testing::MakeTempDir("sim_cli");  // one per test process
   return dir + "/" + name;
 }
 
 // Writes `lines` (a trace of hand-written lines) to a temporary file; returns its path.
 std::string WriteTrace(const std::string& name, const std::vector<nlohmann::json>& lines) {
-  const std::string path = Temp(name);
+  const std::string path = SimTemp(name);
   std::ofstream out(path);
   for (const nlohmann::json& line : lines) out << line.dump() << "\n";
   return path;
-}
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 // Exit code 2 and exactly one line of output, which contains `expected`.
@@ -125,8 +118,8 @@ TEST(SimCliTest, SchedulesComparesTheFourSchedules) {
       << output;
   EXPECT_NE(row("ZB-V").find("%"), std::string::npos) << output;
 
-  ExpectRefusedInOneLine("--schedules --trace=" + Temp("none.jsonl"), "give exactly one of");
-  ExpectRefusedInOneLine("--schedules --output=" + Temp("schedules.jsonl"),
+  ExpectRefusedInOneLine("--schedules --trace=" + SimTemp("none.jsonl"), "give exactly one of");
+  ExpectRefusedInOneLine("--schedules --output=" + SimTemp("schedules.jsonl"),
                          "--output is not written by --schedules");
 }
 
@@ -263,12 +256,12 @@ TEST(SimCliTest, StagesRescalesTheImpliedMicrobatchCount) {
 }
 
 TEST(SimCliTest, MetricsWithAStringForACountExitTwo) {
-  const std::string moe = Temp("moe.jsonl"), exits = Temp("exits.jsonl");
+  const std::string moe = SimTemp("moe.jsonl"), exits = SimTemp("exits.jsonl");
   std::ofstream(moe) << "{\"iteration\":1,\"expert_tokens\":{\"layers.0\":[\"many\",2]}}\n";
   std::ofstream(exits) << "{\"iteration\":1,\"early_exit_tokens\":{\"layers.0\":[\"x\",2,0]}}\n";
   ExpectRefusedInOneLine("--case=moe --moe_metrics=" + moe, moe + ":1: expert_tokens");
   ExpectRefusedInOneLine("--case=early_exit --early_exit_metrics=" + exits, exits + ":1: early_exit_tokens");
-  const std::string prune = Temp("prune.jsonl");
+  const std::string prune = SimTemp("prune.jsonl");
   std::ofstream(prune) << "{\"iteration\":1,\"sparsity\":0.5,\"prune_target_sparsity\":0.5,"
                           "\"prune_layer_density\":{\"layers.0\":\"half\"}}\n";
   ExpectRefusedInOneLine("--case=pruning --prune_metrics=" + prune, prune + ":1: prune_layer_density");
@@ -298,7 +291,7 @@ TEST(SimCliTest, PhasedCasesPrintARowPerPhase) {
   EXPECT_LT(rows.find("\n    90% pruned"), rows.find("\n  freezing ")) << rows;
   EXPECT_THAT(output, HasSubstr("tools/profiles/prune.jsonl"));
 
-  const std::string prune = Temp("two_layers.jsonl");
+  const std::string prune = SimTemp("two_layers.jsonl");
   std::ofstream(prune) << "{\"iteration\":3,\"sparsity\":0.9,\"prune_target_sparsity\":0.9,"
                           "\"prune_layer_density\":{\"layers.0\":0.2,\"layers.1\":0.0}}\n";
   ASSERT_EQ(testing::RunCommand(kSim + " --case=pruning --iterations=10 --prune_metrics=" + prune, &output), 0)
@@ -309,33 +302,33 @@ TEST(SimCliTest, PhasedCasesPrintARowPerPhase) {
 
 TEST(SimCliTest, OutputIsNeverAnInput) {
   const std::string trace = WriteTrace("input.jsonl", {dynamic::HandTraceLine(1), dynamic::HandTraceLine(2)});
-  const std::string before = Slurp(trace);
+  const std::string before = testing::ReadFileBytes(trace);
   ExpectRefusedInOneLine("--trace=" + trace + " --output=" + trace, "refusing to overwrite");
   // Another spelling of the same file.
   const std::string dir = trace.substr(0, trace.rfind('/'));
   const std::string other = dir + "/./" + trace.substr(trace.rfind('/') + 1);
   ExpectRefusedInOneLine("--trace=" + trace + " --output=" + other, "refusing to overwrite");
-  EXPECT_EQ(Slurp(trace), before);
-  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + Temp("no/such/dir/out.jsonl"),
+  EXPECT_EQ(testing::ReadFileBytes(trace), before);
+  ExpectRefusedInOneLine("--trace=" + trace + " --output=" + SimTemp("no/such/dir/out.jsonl"),
                          "does not exist");
   ExpectRefusedInOneLine("--trace=" + trace + " --output=" + dir, "is a directory");
 }
 
 TEST(SimCliTest, OutputOnlyFromARunThatSucceeded) {
-  const std::string out = Temp("out.jsonl");
+  const std::string out = SimTemp("out.jsonl");
   std::ofstream(out) << "the previous run's results\n";
   nlohmann::json broken = dynamic::HandTraceLine(1);
   broken.erase("decision");
   ExpectRefusedInOneLine("--trace=" + WriteTrace("broken", {broken}) + " --output=" + out,
                          "no 'decision'");
-  EXPECT_EQ(Slurp(out), "the previous run's results\n");
+  EXPECT_EQ(testing::ReadFileBytes(out), "the previous run's results\n");
   EXPECT_FALSE(std::ifstream(out + ".tmp").good());
 
   const std::string trace = WriteTrace("good", {dynamic::HandTraceLine(1), dynamic::HandTraceLine(2)});
   std::string output;
   ASSERT_EQ(testing::RunCommand(kSim + " --trace=" + trace + " --strategies=uniform,partition-time "
                                 "--output=" + out, &output), 0) << output;
-  std::istringstream lines(Slurp(out));
+  std::istringstream lines(testing::ReadFileBytes(out));
   std::string line;
   int count = 0;
   while (std::getline(lines, line)) {

@@ -21,19 +21,10 @@ using testing::EngineModel;
 using testing::IsWorker;
 using testing::LaunchWorkers;
 using testing::RandomPlan;
-
-constexpr int64_t kMicroBatchSize = 2;
-constexpr double kLossScale = 1e-3;
-
-std::unique_ptr<parallel::Communicator> WorldFromEnvironment() {
-  auto info = parallel::WorldInfoFromEnvironment();
-  EXPECT_TRUE(info.ok()) << info.status();
-  if (!info.ok()) return nullptr;
-  auto world = parallel::CreateWorldCommunicator(*info, parallel::Backend::kGloo,
-                                                 std::chrono::seconds(120));
-  EXPECT_TRUE(world.ok()) << world.status();
-  return world.ok() ? std::move(world).value() : nullptr;
-}
+using testing::WorldFromEnvironment;
+using testing::OneProcessWorld;
+using testing::kMicroBatchSize;
+using testing::kLossScale;
 
 struct Case {
   std::string schedule;
@@ -127,13 +118,6 @@ TEST(ChunkExecutorWorker, MatchesOneProcess) {
                         Case{"1f1b", 1, false}}) {
     RunCase(pp.get(), c, microbatches);
   }
-}
-
-std::unique_ptr<parallel::Communicator> OneProcessWorld() {
-  auto comm = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
-                                                std::chrono::seconds(30));
-  EXPECT_TRUE(comm.ok()) << comm.status();
-  return comm.ok() ? std::move(comm).value() : nullptr;
 }
 
 // ZB-V on one stage: both chunks on rank 0, so every activation and gradient between them

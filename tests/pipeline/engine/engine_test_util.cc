@@ -2,10 +2,33 @@
 
 #include <unistd.h>
 
+#include <chrono>
+#include <utility>
+
+#include "gtest/gtest.h"
+#include "parallel/world_communicator.h"
+
 #include "tests/run_command.h"
 #include "tests/worker_runs.h"
 
 namespace fulcrum::pipeline::testing {
+
+std::unique_ptr<parallel::Communicator> OneProcessWorld() {
+  auto comm = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
+                                                std::chrono::seconds(30));
+  EXPECT_TRUE(comm.ok()) << comm.status();
+  return comm.ok() ? std::move(comm).value() : nullptr;
+}
+
+std::unique_ptr<parallel::Communicator> WorldFromEnvironment() {
+  auto info = parallel::WorldInfoFromEnvironment();
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return nullptr;
+  auto world = parallel::CreateWorldCommunicator(*info, parallel::Backend::kGloo,
+                                                 std::chrono::seconds(120));
+  EXPECT_TRUE(world.ok()) << world.status();
+  return world.ok() ? std::move(world).value() : nullptr;
+}
 
 std::string SelfPath() {
   std::string self(4096, '\0');

@@ -7,12 +7,18 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "core/config.h"
 #include "core/parallel_context.h"
+#include "parallel/communicator.h"
 
 namespace fulcrum::pipeline::testing {
+
+/// The micro-batch size and loss scale of the engine tests' runs.
+inline constexpr int64_t kMicroBatchSize = 2;
+inline constexpr double kLossScale = 1e-3;
 
 /// A 4-layer, 64-wide GPT over a vocabulary of 96, 16 tokens per sample, untied head.
 inline ModelOptions EngineModel() {
@@ -48,6 +54,13 @@ inline MicroBatchPlan RandomPlan(const ModelOptions& m, int count, int64_t micro
   };
   return plan;
 }
+
+/// A Gloo world of this process alone (rank 0 of 1).
+std::unique_ptr<parallel::Communicator> OneProcessWorld();
+
+/// The Gloo world of a launched worker, from RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+/// (nullptr, with a failure recorded, if the environment or the rendezvous is bad).
+std::unique_ptr<parallel::Communicator> WorldFromEnvironment();
 
 /// This test binary, for the drivers that launch it.
 std::string SelfPath();

@@ -22,9 +22,9 @@ using testing::IsWorker;
 using testing::LaunchWorkers;
 using testing::LayerParameters;
 using testing::RandomPlan;
-
-constexpr int64_t kMicroBatchSize = 2;
-constexpr double kLossScale = 1e-3;
+using testing::WorldFromEnvironment;
+using testing::kMicroBatchSize;
+using testing::kLossScale;
 
 // Remembers every Plan call's inputs and returns a fixed script of placements.
 class RecordingRebalancer final : public Rebalancer {
@@ -45,16 +45,6 @@ class RecordingRebalancer final : public Rebalancer {
   std::map<int64_t, LayerRanges> script_;
   std::vector<std::vector<StageLoad>>* seen_;
 };
-
-std::unique_ptr<parallel::Communicator> WorldFromEnvironment() {
-  auto info = parallel::WorldInfoFromEnvironment();
-  EXPECT_TRUE(info.ok()) << info.status();
-  if (!info.ok()) return nullptr;
-  auto world = parallel::CreateWorldCommunicator(*info, parallel::Backend::kGloo,
-                                                 std::chrono::seconds(120));
-  EXPECT_TRUE(world.ok()) << world.status();
-  return world.ok() ? std::move(world).value() : nullptr;
-}
 
 // Every field of `loads` as doubles, in a fixed order (to compare replicas bit for bit).
 std::vector<double> Flatten(const std::vector<StageLoad>& loads) {

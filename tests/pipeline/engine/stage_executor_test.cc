@@ -30,15 +30,8 @@ namespace {
 
 using testing::EngineModel;
 using testing::RandomPlan;
-
-constexpr int64_t kMicroBatchSize = 2;
-
-std::unique_ptr<parallel::Communicator> OneProcessWorld() {
-  auto comm = parallel::CreateWorldCommunicator(parallel::WorldInfo{}, parallel::Backend::kGloo,
-                                                std::chrono::seconds(30));
-  EXPECT_TRUE(comm.ok()) << comm.status();
-  return comm.ok() ? std::move(comm).value() : nullptr;
-}
+using testing::OneProcessWorld;
+using testing::kMicroBatchSize;
 
 Schedule MustMake(const std::string& name, int microbatches) {
   absl::StatusOr<Schedule> schedule = MakeSchedule(name, 1, microbatches);
@@ -197,7 +190,6 @@ TEST_F(PipelineExecutorTest, FusedBackwardCountsAsBackwardPerLayer) {
 TEST_F(PipelineExecutorTest, GradientsAreBitIdenticalToAPlainBackward) {
   const ModelOptions options = EngineModel();
   constexpr int kMicroBatches = 3;
-  constexpr double kLossScale = 1e-3;
   GptModel executed(options);
   ASSERT_TRUE(RunSchedule(executed, MustMake("zbh1", kMicroBatches)).ok());
 

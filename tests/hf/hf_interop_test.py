@@ -69,6 +69,7 @@ class Runner:
         self.python = args.python
         self.bin = os.path.join(args.build, "bin")
         self.work = work
+        self.server = None  # hf_reference.py serve, started on the first reference call
         self.env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
@@ -78,16 +79,39 @@ class Runner:
     def run(self, argv, expect_rc=0, what=""):
         start = time.time()
         proc = subprocess.run(argv, env=self.env, cwd=self.work, capture_output=True, text=True)
-        took = time.time() - start
-        shown = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(argv))
+        self.report(proc, time.time() - start, expect_rc, what)
+        return proc
+
+    def report(self, proc, took, expect_rc, what):
+        shown = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(proc.args))
         print(f"[{took:5.1f} s] rc={proc.returncode} {shown}", flush=True)
         if proc.returncode != expect_rc:
             raise Failure(f"{what or shown}: exit {proc.returncode}, expected {expect_rc}\n"
                           f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-        return proc
+
+    def close(self):
+        if self.server is not None:
+            self.server.stdin.close()
+            self.server.wait()
+            self.server = None
 
     def reference(self, *args, expect_rc=0, what=""):
-        proc = self.run([self.python, REFERENCE, *args], expect_rc=expect_rc, what=what)
+        """hf_reference.py ARGS, run by its fork server (NOTE [fork server] there)."""
+        if self.server is None:
+            self.server = subprocess.Popen([self.python, REFERENCE, "serve"], env=self.env,
+                                           cwd=self.work, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True)
+        start = time.time()
+        self.server.stdin.write(json.dumps({"argv": list(args)}) + "\n")
+        self.server.stdin.flush()
+        line = self.server.stdout.readline()
+        if not line:
+            raise Failure(f"hf_reference.py serve died (exit {self.server.wait()}) running "
+                          f"{' '.join(args)}")
+        reply = json.loads(line)
+        proc = subprocess.CompletedProcess([REFERENCE, *args], reply["rc"], reply["stdout"],
+                                           reply["stderr"])
+        self.report(proc, time.time() - start, expect_rc, what)
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
                 print("    " + line, flush=True)
@@ -290,6 +314,7 @@ def main():
             except Failure as e:
                 failures.append(str(e))
     finally:
+        r.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     for failure in failures:

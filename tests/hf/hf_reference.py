@@ -20,6 +20,19 @@ Everything here is offline: models are made from configs, never downloaded.
   perturb     --model DIR --out DIR --kind KIND
               a copy of a model with one deliberate conversion mistake, for the negative
               controls (the tolerance must catch each)
+  serve       (no options) the commands above, one per request, each in a process forked
+              from this one after torch and transformers were imported (NOTE [fork server])
+
+NOTE [fork server]
+Importing torch and transformers costs a new python ~5 s of CPU, and the interop test runs
+about fifty commands: that import was most of its time. `serve` imports them once, then
+reads one JSON request a line from stdin, {"argv": [...]}, forks, and runs the command in
+the child as `hf_reference.py ARGV...` would run it: a child starts from the state of a
+fresh import (the parent runs nothing else, so no cache, seed or `warning_once` memory of an
+earlier command reaches it), its file descriptors 1 and 2 go to files (so the loggers'
+handlers that hold sys.stderr are captured too), and its exit code is its own. The reply is
+one JSON line on the server's stdout: {"rc": N, "stdout": "...", "stderr": "..."}. EOF on
+stdin ends the server.
 
 NOTE [hf comparison file]
 `reference` and build/bin/fulcrum_hf_logits (tests/hf/hf_logits_main.cc) write the same
@@ -427,6 +440,52 @@ def cmd_perturb(args):
 # ---------------------------------------------------------------------------------------
 
 
+def cmd_serve(args):
+    import tempfile
+    _imports()
+    # What the commands import lazily, imported once here (transformers loads a model's
+    # module on first use).
+    import safetensors.torch  # noqa: F401
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401
+    replies = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        argv = json.loads(line)["argv"]
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(err.fileno(), 2)
+                    main(argv)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                    if not isinstance(e.code, (int, type(None))):
+                        print(e.code, file=sys.stderr)
+                except BaseException:  # noqa: B036: the child reports whatever stopped it
+                    import traceback
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            rc = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            reply = {"rc": rc, "stdout": out.read().decode("utf-8", "replace"),
+                     "stderr": err.read().decode("utf-8", "replace")}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -499,6 +558,9 @@ def main(argv=None):
                          choices=["rope_base", "conv1d_transpose", "qk_permute", "gate_up_swap",
                                   "activation", "drop_norm"])
     perturb.set_defaults(func=cmd_perturb)
+
+    serve = sub.add_parser("serve", help="run commands from stdin in forked children")
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     args.func(args)

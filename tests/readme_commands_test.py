@@ -13,6 +13,7 @@ An HTML comment right before a block (invisible on the rendered page) adapts it 
 
   append=FLAGS   appended to every command of the block that runs fulcrum_train (directly or
                  under fulcrum_launch), to shorten a long run; later gflags win
+  append_sim=FLAGS  the same for the block's fulcrum_sim commands (fewer simulated iterations)
   setup=SHELL    run (bash) in the scratch directory before the block, for input files a
                  user would bring (a corpus, a flag file)
   skip=REASON    the block is not run here; REASON must say what runs it instead
@@ -45,9 +46,9 @@ def parse_directives(text, line):
     directives = {}
     for item in shlex.split(text):
         key, sep, value = item.partition("=")
-        if not sep or key not in ("append", "setup", "skip"):
+        if not sep or key not in ("append", "append_sim", "setup", "skip"):
             sys.exit(f"README.md:{line}: readme-test: unknown directive '{item}' "
-                     "(append=, setup=, skip=)")
+                     "(append=, append_sim=, setup=, skip=)")
         directives[key] = value
     if "skip" in directives and not directives["skip"].strip():
         sys.exit(f"README.md:{line}: readme-test: skip= must say what runs the block instead")
@@ -91,8 +92,8 @@ def parse_readme(path):
     return blocks
 
 
-def runs_fulcrum_train(argv):
-    return any(os.path.basename(arg) == "fulcrum_train" for arg in argv)
+def runs(argv, binary):
+    return any(os.path.basename(arg) == binary for arg in argv)
 
 
 def run_block(block, build_dir, repo, failures):
@@ -124,11 +125,13 @@ def run_block_in(block, scratch, build_dir, repo, failures):
             failures.append(f"README.md:{block.line}: setup failed ({setup.returncode}):\n"
                             f"{setup.stdout}{setup.stderr}")
             return 0
-    appended = shlex.split(block.directives.get("append", ""))
+    appended = {"fulcrum_train": shlex.split(block.directives.get("append", "")),
+                "fulcrum_sim": shlex.split(block.directives.get("append_sim", ""))}
     ran = 0
     for line, argv in block.commands:
-        if appended and runs_fulcrum_train(argv):
-            argv = argv + appended
+        for binary, flags in appended.items():
+            if flags and runs(argv, binary):
+                argv = argv + flags
         if argv[0].startswith(COMMAND_PREFIXES[0]) and not os.path.exists(
                 os.path.join(build_dir, argv[0][len("build/"):])):
             failures.append(f"README.md:{line}: {argv[0]} is not built")

@@ -41,18 +41,11 @@ absl::Status CheckScalar(int stage, const char* field, double value) {
   return absl::OkStatus();
 }
 
-// The layers a load's per-layer vectors follow: its range, or its chunks' ranges in chunk
-// order (NOTE [rebalancing under chunks] in pipeline/rebalancer.h).
-std::vector<StageRange> RangesOf(const StageLoad& load) {
-  if (load.chunk_ranges.empty()) return {StageRange{load.layer_begin, load.layer_end}};
-  std::vector<StageRange> ranges;
-  for (const auto& [begin, end] : load.chunk_ranges) ranges.push_back({begin, end});
-  return ranges;
-}
-
 int64_t LayerCount(const StageLoad& load) {
   int64_t count = 0;
-  for (const StageRange& range : RangesOf(load)) count += std::max<int64_t>(0, range.size());
+  for (const auto& [begin, end] : pipeline::HeldRanges(load)) {
+    count += std::max<int64_t>(0, end - begin);
+  }
   return count;
 }
 
@@ -60,8 +53,8 @@ int64_t LayerCount(const StageLoad& load) {
 template <typename Visit>
 void ForEachLayer(const StageLoad& load, const Visit& visit) {
   int64_t i = 0;
-  for (const StageRange& range : RangesOf(load)) {
-    for (int64_t l = range.begin; l < range.end; ++l) visit(l, i++);
+  for (const auto& [begin, end] : pipeline::HeldRanges(load)) {
+    for (int64_t l = begin; l < end; ++l) visit(l, i++);
   }
 }
 
@@ -138,16 +131,6 @@ double Median(const std::deque<double>& values) {
   return n % 2 == 1 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
 }
 
-int64_t NumLayers(const std::vector<StageLoad>& loads) {
-  bool chunks = false;
-  for (const StageLoad& load : loads) chunks = chunks || !load.chunk_ranges.empty();
-  if (!chunks) return loads.empty() ? 0 : loads.back().layer_end;
-  int64_t end = 0;
-  for (const StageLoad& load : loads) {
-    for (const StageRange& range : RangesOf(load)) end = std::max(end, range.end);
-  }
-  return end;
-}
 
 // The rank holding the first (embedding) and the last (head) virtual stage.
 int FirstRank(const std::vector<int>& chunk_rank) {
@@ -160,7 +143,8 @@ int LastRank(const std::vector<int>& chunk_rank, int num_stages) {
 // OK when `measured_on` is null or a placement of the loads' layers over their stages.
 absl::Status CheckMeasuredOn(const std::vector<StageLoad>& loads, const Placement* measured_on) {
   if (measured_on == nullptr) return absl::OkStatus();
-  if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(*measured_on), NumLayers(loads),
+  if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(*measured_on),
+                                                pipeline::NumLayersHeld(loads),
                                                 static_cast<int>(PlacementOf(loads).size()));
       !s.ok()) {
     return absl::InvalidArgumentError(
@@ -246,7 +230,8 @@ absl::Status ValidateLoads(const std::vector<StageLoad>& loads) {
     }
   }
   const Placement placement = PlacementOf(loads);
-  if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(placement), NumLayers(loads),
+  if (absl::Status s = pipeline::ValidateRanges(ToLayerRanges(placement),
+                                                pipeline::NumLayersHeld(loads),
                                                 static_cast<int>(placement.size()));
       !s.ok()) {
     return absl::InvalidArgumentError(
@@ -312,7 +297,7 @@ absl::Status LoadModel::Observe(const std::vector<StageLoad>& loads, const Place
   if (absl::Status s = ValidateLoads(loads); !s.ok()) return s;
   if (absl::Status s = CheckMeasuredOn(loads, measured_on); !s.ok()) return s;
   const int num_stages = static_cast<int>(loads.size());
-  const int64_t num_layers = NumLayers(loads);
+  const int64_t num_layers = pipeline::NumLayersHeld(loads);
   const std::vector<int> chunk_rank = ChunkRanksOf(loads);
   if (num_stages != num_stages_ || num_layers != num_layers_ || chunk_rank != chunk_rank_) {
     Reset();
@@ -359,7 +344,7 @@ absl::StatusOr<BalanceProblem> LoadModel::Problem(const std::vector<StageLoad>& 
   if (absl::Status s = ValidateLoads(latest); !s.ok()) return s;
   if (absl::Status s = CheckMeasuredOn(latest, measured_on); !s.ok()) return s;
   const int num_stages = static_cast<int>(latest.size());
-  const int64_t num_layers = NumLayers(latest);
+  const int64_t num_layers = pipeline::NumLayersHeld(latest);
   BalanceProblem problem;
   problem.num_stages = num_stages;
   problem.chunk_rank = ChunkRanksOf(latest);

@@ -25,27 +25,15 @@ absl::Status FiniteNonNegative(const char* field, double value) {
   return absl::OkStatus();
 }
 
-// The ranges a load's per-layer vectors follow: its range, or its chunks' in chunk order.
-pipeline::LayerRanges HeldRanges(const pipeline::StageLoad& load) {
-  if (!load.chunk_ranges.empty()) return load.chunk_ranges;
-  return {{load.layer_begin, load.layer_end}};
-}
-
-int64_t LayersOf(const std::vector<pipeline::StageLoad>& loads) {
-  int64_t layers = 0;
-  for (const pipeline::StageLoad& load : loads) {
-    for (const auto& [begin, end] : HeldRanges(load)) layers = std::max(layers, end);
-  }
-  return layers;
-}
-
 // The per-layer vectors the replay indexes (CostsFromTraceLine): one entry per layer of the
 // stage's range; the optional ones may also be empty. ValidateLoads lets the times be empty
 // (a load without a per-layer measurement), which a replay cannot use; with chunks the
 // replay needs each chunk's action totals too.
 absl::Status CheckReplayable(const pipeline::StageLoad& load) {
   size_t n = 0;
-  for (const auto& [begin, end] : HeldRanges(load)) n += static_cast<size_t>(end - begin);
+  for (const auto& [begin, end] : pipeline::HeldRanges(load)) {
+    n += static_cast<size_t>(end - begin);
+  }
   if (!load.chunk_ranges.empty() &&
       (load.chunk_forward_ms.empty() || load.chunk_backward_ms.empty() ||
        load.chunk_weight_ms.empty())) {
@@ -183,7 +171,7 @@ absl::StatusOr<TraceLine> ParseLine(const nlohmann::json& j) {
           line.num_chunks, "; every rank holds the same number of chunks"));
     }
   }
-  line.num_layers = LayersOf(line.loads);
+  line.num_layers = pipeline::NumLayersHeld(line.loads);
   absl::StatusOr<Placement> ran_on = PlacementField(j, "ran_on", line);
   if (!ran_on.ok()) return ran_on.status();
   absl::StatusOr<Placement> decision = PlacementField(j, "decision", line);
@@ -257,7 +245,7 @@ IterationCosts CostsFromTraceLine(const TraceLine& line) {
   c.block_load.assign(layers, 0.0);
   for (const pipeline::StageLoad& load : line.loads) {
     size_t k = 0;  // Index into the load's per-layer vectors (its ranges' layers in order).
-    for (const auto& [begin, end] : HeldRanges(load)) {
+    for (const auto& [begin, end] : pipeline::HeldRanges(load)) {
       for (int64_t l = begin; l < end; ++l, ++k) {
         c.forward[l] = load.layer_forward_ms[k] / m;
         c.backward[l] = load.layer_backward_ms[k] / m;

@@ -205,6 +205,19 @@ std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges
   return moves;
 }
 
+LayerRanges HeldRanges(const StageLoad& load) {
+  if (!load.chunk_ranges.empty()) return load.chunk_ranges;
+  return {{load.layer_begin, load.layer_end}};
+}
+
+int64_t NumLayersHeld(const std::vector<StageLoad>& loads) {
+  int64_t layers = 0;
+  for (const StageLoad& load : loads) {
+    for (const auto& [begin, end] : HeldRanges(load)) layers = std::max(layers, end);
+  }
+  return layers;
+}
+
 LayerRanges CurrentRanges(const std::vector<StageLoad>& loads) {
   LayerRanges ranges;
   bool chunks = false;

@@ -235,6 +235,13 @@ struct PlannedMove {
 std::vector<PlannedMove> MovesBetween(const LayerRanges& from, const LayerRanges& to,
                                       const std::vector<int>& stage_rank = {});
 
+/// The layer ranges `load`'s per-layer vectors follow, in their order: its range, or with
+/// chunks its chunks' ranges in chunk order (NOTE [rebalancing under chunks]).
+LayerRanges HeldRanges(const StageLoad& load);
+/// One past the last layer any of `loads` holds: the model's layer count for every stage's
+/// load (0 for none).
+int64_t NumLayersHeld(const std::vector<StageLoad>& loads);
+
 /// The placement the loads describe, in model order: each load's range, or with chunks
 /// every load's chunk_ranges sorted by where they begin (no check).
 LayerRanges CurrentRanges(const std::vector<StageLoad>& loads);

@@ -23,7 +23,9 @@ constexpr int kFirstUnitTag = 1 << 20;
 // names bytes, payload elements, optimizer step, payload dtype (0 fp32, 1 fp64)
 constexpr int64_t kHeaderLength = 4;
 
-int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+int64_t WireBytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
 
 }  // namespace
 
@@ -79,7 +81,7 @@ absl::StatusOr<UnitSend> StartSendUnit(parallel::Communicator& pp, int dst, cons
                                 std::pair{payload, kPayloadTag}}) {
     send.buffers_.push_back(tensor);
     send.works_.push_back(pp.ISend(send.buffers_.back(), dst, tag + offset));
-    send.bytes_ += Bytes(tensor);
+    send.bytes_ += WireBytes(tensor);
   }
   return send;
 }
@@ -106,7 +108,7 @@ absl::Status UnitReceive::Finish(Unit& shell) {
   auto payload_work = pp_->IRecv(payload, src_, tag_ + kPayloadTag);
   blob_work->Wait();
   payload_work->Wait();
-  bytes_ = Bytes(header_) + Bytes(blob) + Bytes(payload);
+  bytes_ = WireBytes(header_) + WireBytes(blob) + WireBytes(payload);
 
   // The names the shell expects: its parameters with their gradients and the slots of
   // their optimizer state (whatever the optimizer names them: "optimizer.<name>.<slot>"),

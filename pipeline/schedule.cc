@@ -796,8 +796,6 @@ std::string ScheduleHelp() {
 namespace {
 
 // Tables indexed by [KindIndex(kind)][chunk · m + micro-batch].
-constexpr int kNumActionKinds = 4;
-int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
 
 // +1 for a (micro-batch, chunk) pair that starts being held, -1 for one that is released,
 // 0 otherwise (PeakInFlight's definition).

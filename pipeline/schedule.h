@@ -38,6 +38,10 @@ enum class ActionKind : uint8_t {
   kBackwardWeight,  ///< W: the queued weight gradients of this micro-batch.
 };
 
+/// How many ActionKinds there are, and a kind's index in tables indexed by kind.
+inline constexpr int kNumActionKinds = 4;
+constexpr int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
+
 /// "F", "BW", "B" or "W".
 const char* ActionKindName(ActionKind kind);
 

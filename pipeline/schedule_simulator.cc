@@ -11,9 +11,6 @@
 namespace fulcrum::pipeline {
 namespace {
 
-constexpr int kNumActionKinds = 4;
-int KindIndex(ActionKind kind) { return static_cast<int>(kind); }
-
 double Duration(const ActionCosts& costs, ActionKind kind) {
   switch (kind) {
     case ActionKind::kForward:

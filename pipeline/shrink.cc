@@ -17,9 +17,9 @@ namespace fulcrum::pipeline {
 namespace {
 
 // Tags of the three messages of one transfer; transfers run one at a time, so one set.
-constexpr int kHeaderTag = 7 << 20;
-constexpr int kNamesTag = kHeaderTag + 1;
-constexpr int kPayloadTag = kHeaderTag + 2;
+constexpr int kShrinkHeaderTag = 7 << 20;
+constexpr int kShrinkNamesTag = kShrinkHeaderTag + 1;
+constexpr int kShrinkPayloadTag = kShrinkHeaderTag + 2;
 
 int OwnerStage(const LayerRanges& ranges, int64_t layer) {
   for (size_t s = 0; s < ranges.size(); ++s) {
@@ -52,21 +52,21 @@ void Send(parallel::Communicator& world, int dst, const NamedTensors& tensors) {
       at::tensor({static_cast<int64_t>(names.size()), payload.numel()}, at::kLong);
   at::Tensor blob = at::empty({static_cast<int64_t>(names.size())}, at::kByte);
   if (!names.empty()) std::memcpy(blob.data_ptr<uint8_t>(), names.data(), names.size());
-  world.Send(header, dst, kHeaderTag);
-  if (blob.numel() > 0) world.Send(blob, dst, kNamesTag);
-  if (payload.numel() > 0) world.Send(payload, dst, kPayloadTag);
+  world.Send(header, dst, kShrinkHeaderTag);
+  if (blob.numel() > 0) world.Send(blob, dst, kShrinkNamesTag);
+  if (payload.numel() > 0) world.Send(payload, dst, kShrinkPayloadTag);
 }
 
 absl::Status Receive(parallel::Communicator& world, int src,
                      std::map<std::string, at::Tensor>* out) {
   at::Tensor header = at::empty({2}, at::kLong);
-  world.Recv(header, src, kHeaderTag);
+  world.Recv(header, src, kShrinkHeaderTag);
   const int64_t names_bytes = header[0].item<int64_t>();
   const int64_t payload_bytes = header[1].item<int64_t>();
   at::Tensor blob = at::empty({names_bytes}, at::kByte);
-  if (names_bytes > 0) world.Recv(blob, src, kNamesTag);
+  if (names_bytes > 0) world.Recv(blob, src, kShrinkNamesTag);
   at::Tensor payload = at::empty({payload_bytes}, at::kByte);
-  if (payload_bytes > 0) world.Recv(payload, src, kPayloadTag);
+  if (payload_bytes > 0) world.Recv(payload, src, kShrinkPayloadTag);
   const std::string names(reinterpret_cast<const char*>(blob.data_ptr<uint8_t>()),
                           static_cast<size_t>(names_bytes));
   int64_t offset = 0;

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "core/data/internal/unaligned.h"
 #include "core/status.h"
 
 // The format is little-endian and we read it with plain loads.
@@ -28,17 +29,9 @@ std::string BinPath(const std::string& prefix) { return prefix + ".bin"; }
 // Temporary names used until IndexedDatasetWriter::Finalize renames them into place.
 std::string PartialPath(const std::string& path) { return path + ".partial"; }
 
-bool IsKnownDTypeCode(uint8_t code) { return code >= 1 && code <= 8; }
-
 bool IsIntegerDType(DType dtype) { return dtype != DType::kFloat32 && dtype != DType::kFloat64; }
 
-// Loads a T from possibly unaligned memory.
-template <typename T>
-T LoadUnaligned(const uint8_t* p) {
-  T value;
-  std::memcpy(&value, p, sizeof(T));
-  return value;
-}
+using internal::LoadUnaligned;
 
 template <typename T>
 void ConvertTokens(const uint8_t* src, int64_t count, int64_t* out) {
@@ -230,7 +223,7 @@ int64_t IndexedDataset::MaxToken() const {
 
 absl::StatusOr<std::unique_ptr<IndexedDatasetWriter>> IndexedDatasetWriter::Create(
     const std::string& path_prefix, DType dtype) {
-  if (!IsKnownDTypeCode(static_cast<uint8_t>(dtype))) {
+  if (!IsDTypeCode(static_cast<uint8_t>(dtype))) {
     return absl::InvalidArgumentError(absl::StrCat("IndexedDatasetWriter for ", path_prefix,
                                                    ": unknown dtype code ",
                                                    static_cast<int>(dtype)));

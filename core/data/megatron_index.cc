@@ -5,6 +5,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/data/internal/unaligned.h"
 #include "core/status.h"
 
 // The format is little-endian and we read it with plain loads.
@@ -21,17 +22,11 @@ constexpr uint64_t kVersion = 1;
 constexpr int64_t kHeaderSize = kMagicSize + 8 + 1 + 8 + 8;
 static_assert(kHeaderSize == 34, "Megatron's _IndexReader documents a 34-byte header");
 
-bool IsKnownDTypeCode(uint8_t code) { return code >= 1 && code <= 8; }
-
-// Loads a T from possibly unaligned memory.
-template <typename T>
-T LoadUnaligned(const uint8_t* p) {
-  T value;
-  std::memcpy(&value, p, sizeof(T));
-  return value;
-}
+using internal::LoadUnaligned;
 
 }  // namespace
+
+bool IsDTypeCode(uint8_t code) { return code >= 1 && code <= 8; }
 
 int64_t DTypeSize(DType dtype) {
   switch (dtype) {
@@ -131,7 +126,7 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const std::string& path, std::s
         absl::StrCat(path, ": unsupported version ", version, ", expected ", kVersion));
   }
   const uint8_t dtype_code = p[17];
-  if (!IsKnownDTypeCode(dtype_code)) {
+  if (!IsDTypeCode(dtype_code)) {
     return absl::DataLossError(absl::StrCat(path, ": unknown dtype code ", dtype_code,
                                             ", expected 1..8 (Megatron's DType enum)"));
   }

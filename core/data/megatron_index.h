@@ -29,6 +29,9 @@ enum class DType : uint8_t {
   kUInt16 = 8,
 };
 
+/// Whether `code` is one of DType's values (a dtype code Megatron writes).
+bool IsDTypeCode(uint8_t code);
+
 /// Size of one element in bytes.
 int64_t DTypeSize(DType dtype);
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status.h"
 #include "dynamic/stage_costs.h"
+#include "pipeline/measured_order.h"
 #include "pipeline/schedule.h"
 
 namespace fulcrum::dynamic {
@@ -65,13 +67,37 @@ class Evaluator {
     return dynamic::RanksOf(static_cast<int>(placement.size()), chunks_);
   }
 
-  // The schedule `placement` runs: its rank count's, the virtual stages that lie wholly
-  // in the frozen prefix forward only (NOTE [forward-only stages]).
-  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(const Placement& placement) {
+  // What each (virtual) stage of `placement` runs per micro-batch.
+  std::vector<pipeline::ActionCosts> StageCosts(const Placement& placement) const {
+    return PlacementStageCosts(problem_.layer_forward, problem_.layer_backward,
+                               problem_.layer_weight, problem_.first_stage, problem_.last_stage,
+                               placement, problem_.p2p);
+  }
+
+  // The schedule `placement` (with per-stage `costs`) runs: its rank count's, the virtual
+  // stages that lie wholly in the frozen prefix forward only (NOTE [forward-only stages]).
+  // Under ZB-V at measured costs, the order the runner would build for it (NOTE [re-packing
+  // under the measured V] in repack.h).
+  absl::StatusOr<const pipeline::Schedule*> ScheduleFor(
+      const Placement& placement, const std::vector<pipeline::ActionCosts>& costs) {
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
-    return ScheduleFor(RanksOf(placement),
-                       pipeline::ForwardOnlyVirtualStages(ranges, problem_.frozen_prefix));
+    const int q = RanksOf(placement);
+    const int forward_only = pipeline::ForwardOnlyVirtualStages(ranges, problem_.frozen_prefix);
+    if (!problem_.measured_zbv_order || problem_.schedule != "zbv" || q < 2) {
+      return ScheduleFor(q, forward_only);
+    }
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* unit_whole, ScheduleFor(q, 0));
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* at, MeasuredV(q, forward_only));
+    if (at == nullptr) return ScheduleFor(q, forward_only);  // no positive mean: the unit V
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* at_whole, MeasuredV(q, 0));
+    // The runner picks on measured action times, which hold no transfer time.
+    std::vector<pipeline::ActionCosts> actions = costs;
+    for (pipeline::ActionCosts& c : actions) c.p2p = 0;
+    if (pipeline::UnitVOrderIsFaster(*unit_whole, *at_whole, actions)) {
+      return ScheduleFor(q, forward_only);
+    }
+    return at;
   }
 
   // The schedule of `num_ranks` ranks, the first `forward_only` virtual stages forward only.
@@ -90,14 +116,38 @@ class Evaluator {
     return &it->second;
   }
 
+  // ZB-V on `num_ranks` ≥ 2 ranks built at the mean chunk action there (the whole model's
+  // F, B and W — the same for every placement — over its 2q virtual stages), the first
+  // `forward_only` virtual stages forward only; nullptr when a mean is not positive.
+  absl::StatusOr<const pipeline::Schedule*> MeasuredV(int num_ranks, int forward_only) {
+    const std::pair<int, int> key(num_ranks, forward_only);
+    auto it = measured_v_.find(key);
+    if (it == measured_v_.end()) {
+      const std::vector<pipeline::ActionCosts> whole =
+          StageCosts({StageRange{0, problem_.num_layers()}});
+      std::optional<pipeline::ActionCosts> mean = pipeline::MeanActionCosts(whole);
+      std::optional<pipeline::Schedule> made;
+      if (mean.has_value()) {
+        const double chunks = 2.0 * num_ranks;
+        try {
+          made = pipeline::WithForwardOnlyPrefix(
+              pipeline::ZeroBubbleVAt(num_ranks, problem_.num_microbatches,
+                                      mean->forward / chunks, mean->backward_input / chunks,
+                                      mean->backward_weight / chunks, 0),
+              forward_only);
+        } catch (const std::invalid_argument& e) {
+          return absl::InvalidArgumentError(absl::StrCat("repack: ", e.what()));
+        }
+      }
+      it = measured_v_.emplace(key, std::move(made)).first;
+    }
+    return it->second.has_value() ? &*it->second : nullptr;
+  }
+
   absl::StatusOr<double> Time(const Placement& placement) {
-    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(placement);
-    if (!schedule.ok()) return schedule.status();
-    return pipeline::Simulate(**schedule,
-                              PlacementStageCosts(problem_.layer_forward, problem_.layer_backward,
-                                                  problem_.layer_weight, problem_.first_stage,
-                                                  problem_.last_stage, placement, problem_.p2p))
-        .makespan;
+    const std::vector<pipeline::ActionCosts> costs = StageCosts(placement);
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule, ScheduleFor(placement, costs));
+    return pipeline::Simulate(*schedule, costs).makespan;
   }
 
   // Per rank. One chunk per rank: state + PeakInFlight × activations, computed as before
@@ -105,9 +155,9 @@ class Evaluator {
   // PeakHeldBytes of their activations. The embedding's state goes with virtual stage 0,
   // the head's with the last (ZB-V: both on rank 0).
   absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
-    absl::StatusOr<const pipeline::Schedule*> schedule = ScheduleFor(placement);
-    if (!schedule.ok()) return schedule.status();
-    const pipeline::Schedule& sched = **schedule;
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule,
+                             ScheduleFor(placement, StageCosts(placement)));
+    const pipeline::Schedule& sched = *schedule;
     const int q = RanksOf(placement);
     const std::vector<pipeline::ChunkId> layout = pipeline::VirtualStages(sched);
     std::vector<double> memory(q, 0.0);
@@ -135,6 +185,7 @@ class Evaluator {
   const RepackProblem& problem_;
   const int chunks_;
   std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (ranks, forward-only)
+  std::map<std::pair<int, int>, std::optional<pipeline::Schedule>> measured_v_;  // the same
   std::map<int, std::vector<pipeline::ChunkId>> layouts_;         // by rank count
 };
 

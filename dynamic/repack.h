@@ -49,6 +49,17 @@
 // q ≥ 2 ranks keeps v, so --num_layers_per_virtual_pipeline_stage is refused with
 // re-packing (recipes/repack_flags.cc), and a relaunch onto one rank drops the chunks.
 //
+// NOTE [re-packing under the measured V]
+// ZB-V's order in training is built at the measured chunk costs (--zbv_order=measured, the
+// default; NOTE [ZB-V at measured costs] in pipeline/measured_order.h), and at B > F it is
+// much faster than the unit-cost order. So with RepackProblem::measured_zbv_order each
+// placement on q ≥ 2 ranks is predicted — time and memory — under the order the runner would
+// build for it: ZeroBubbleVAt at the mean chunk action on q ranks (the whole model's F, B and
+// W over the 2q virtual stages, the same for every placement of q ranks), or the unit-cost V
+// where that one simulates faster on the placement's own stage costs (the runner's choice,
+// pipeline::UnitVOrderIsFaster). A steady state: the runner keeps an order until the costs
+// move past its hysteresis, and starts a re-packed run on the order built at the old costs.
+//
 // Pure functions; thread-safe.
 #pragma once
 
@@ -94,6 +105,9 @@ struct RepackProblem {
   /// --virtual_pipeline_model_parallel_size (ZB-V runs 2 whatever is asked): with v > 1
   /// chunks a placement on p ≥ 2 ranks has p·v ranges (NOTE [re-packing under chunks]).
   int num_chunks = 1;
+  /// ZB-V only: predict under the order built at measured costs (NOTE [re-packing under the
+  /// measured V]); false: the unit-cost order (--zbv_order=unit). Default: false.
+  bool measured_zbv_order = false;
   /// Layers [0, frozen_prefix) are frozen: each placement's stages that lie wholly inside
   /// run forward only (NOTE [forward-only stages] in pipeline/schedule.h), as training
   /// would run them — their time and memory predicted that way. Default: none.

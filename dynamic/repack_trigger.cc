@@ -203,6 +203,7 @@ absl::StatusOr<std::optional<RepackPlan>> RepackTrigger::Check(
                              options_.memory_budget, options_.num_chunks);
   if (!problem.ok()) return problem.status();
   problem->frozen_prefix = frozen_prefix;
+  problem->measured_zbv_order = options_.measured_zbv_order;
   absl::StatusOr<RepackPlan> plan = DecideRepack(*problem, placement, options_.decision);
   if (!plan.ok()) return plan.status();
   last_note_ = absl::StrCat("after iteration ", iteration, ": ", plan->note);

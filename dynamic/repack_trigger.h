@@ -60,6 +60,9 @@ struct RepackTriggerOptions {
   /// --virtual_pipeline_model_parallel_size: with chunks a placement has a range per
   /// virtual stage and ranks merge chunk by chunk (NOTE [re-packing under chunks] in repack.h).
   int num_chunks = 1;
+  /// --zbv_order=measured: ZB-V runs the order built at measured costs, and the decision
+  /// predicts with it (RepackProblem::measured_zbv_order).
+  bool measured_zbv_order = false;
   int num_microbatches = 1;
   double memory_budget = std::numeric_limits<double>::infinity();
 };

@@ -94,6 +94,7 @@ RepackProblem RepackProblemOf(const Scenario& scenario, const IterationCosts& co
   problem.schedule = scenario.schedule;
   problem.num_microbatches = scenario.num_microbatches;
   problem.num_chunks = scenario.num_chunks;
+  problem.measured_zbv_order = scenario.measured_zbv_order;
   problem.frozen_prefix = costs.frozen_prefix;
   return problem;
 }

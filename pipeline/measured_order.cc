@@ -33,6 +33,29 @@ std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, i
   return mean;
 }
 
+std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs) {
+  if (virtual_costs.empty()) return std::nullopt;
+  ActionCosts mean;
+  for (const ActionCosts& c : virtual_costs) {
+    mean.forward += c.forward;
+    mean.backward_input += c.backward_input;
+    mean.backward_weight += c.backward_weight;
+  }
+  const double n = static_cast<double>(virtual_costs.size());
+  mean.forward /= n;
+  mean.backward_input /= n;
+  mean.backward_weight /= n;
+  for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
+    if (!std::isfinite(c) || c <= 0) return std::nullopt;
+  }
+  return mean;
+}
+
+bool UnitVOrderIsFaster(const Schedule& unit, const Schedule& at,
+                        const std::vector<ActionCosts>& virtual_costs) {
+  return Simulate(unit, virtual_costs).makespan < Simulate(at, virtual_costs).makespan;
+}
+
 bool MeasuredVOrder::Observe(const std::vector<StageLoad>& loads, int microbatches) {
   const std::optional<ActionCosts> mean = MeanChunkCosts(loads, microbatches);
   if (!mean) return false;  // Keep the order there is.
@@ -74,7 +97,7 @@ Schedule MeasuredVOrder::Build(int num_stages, int microbatches) const {
   // ones when those do not fit this layout); ties keep the order built at the costs.
   std::vector<ActionCosts> costs(static_cast<size_t>(num_stages), *costs_);
   if (virtual_costs_.size() == 2 * static_cast<size_t>(num_stages)) costs = virtual_costs_;
-  return Simulate(unit, costs).makespan < Simulate(at, costs).makespan ? unit : at;
+  return UnitVOrderIsFaster(unit, at, costs) ? unit : at;
 }
 
 }  // namespace fulcrum::pipeline

@@ -38,6 +38,18 @@ namespace fulcrum::pipeline {
 /// when a mean is not finite and positive (a run whose chunks all ran forward only).
 std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, int microbatches);
 
+/// The mean cost of one chunk action over `virtual_costs` (one per virtual stage): each of
+/// F, B and W summed and divided by the count; nullopt when a mean is not finite and
+/// positive (ZeroBubbleVAt needs all three > 0; the unit-cost order is run then).
+std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs);
+
+/// The order MeasuredVOrder keeps of two V's for the same stages and micro-batches: `at`
+/// (ZeroBubbleVAt at the mean costs) unless `unit` (ZeroBubbleV) simulates to a shorter
+/// makespan on `virtual_costs` (one per virtual stage, model order). Ties keep `at`. The
+/// re-packing decision predicts with the same rule (dynamic/repack.h).
+bool UnitVOrderIsFaster(const Schedule& unit, const Schedule& at,
+                        const std::vector<ActionCosts>& virtual_costs);
+
 /// NOTE [ZB-V at measured costs]: which costs the V is built for.
 class MeasuredVOrder {
  public:

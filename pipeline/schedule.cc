@@ -469,7 +469,20 @@ Schedule ZeroBubbleH2(int num_stages, int num_microbatches, int num_chunks) {
 
 namespace {
 
-// What one chunk action costs while the ZB-V order is built (NOTE [ZB-V]).
+// NOTE [ZB-V on a grid]
+// The greedy compares the instants at which actions end and arrive, and two paths to one
+// instant (F + B + F against F + F + B) can differ in the last bit of a double: two orders
+// built at costs that differ only in rounding could then differ (a test found two V's 3%
+// apart in makespan, built from mean costs 1e-16 apart — the runner's from its loads, the
+// re-packing decision's from its problem). So ZeroBubbleVAt first rounds F, B, W and the
+// transfer time to whole multiples of a grid, 1/kVGridSteps of the mean action
+// ((F + B + W) / 3; F, B and W at least one step), and the greedy runs on those whole
+// numbers, where every sum is exact: the order depends on the costs to within ~0.1% of an
+// action, never on their rounding. Unit costs are whole already (1024 steps each), so the
+// unit-cost order is the one it always was.
+constexpr double kVGridSteps = 1024;
+
+// What one chunk action costs while the ZB-V order is built (NOTE [ZB-V]), in grid steps.
 struct VCosts {
   double forward = 1;
   double backward_input = 1;
@@ -680,8 +693,14 @@ Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
     throw std::invalid_argument(
         absl::StrCat("zbv schedule: the transfer time must be finite and ≥ 0, got ", p2p));
   }
-  const VCosts cost{forward, backward_input, backward_weight, p2p};
-  const bool unit = forward == backward_input && backward_input == backward_weight && p2p == 0;
+  // NOTE [ZB-V on a grid]: the greedy runs on whole multiples of 1/kVGridSteps of the mean
+  // action, where every sum of times is exact.
+  const double grid = (forward + backward_input + backward_weight) / 3 / kVGridSteps;
+  auto on_grid = [grid](double c) { return std::max(1.0, std::round(c / grid)); };
+  const VCosts cost{on_grid(forward), on_grid(backward_input), on_grid(backward_weight),
+                    std::round(p2p / grid)};
+  const bool unit = cost.forward == cost.backward_input &&
+                    cost.backward_input == cost.backward_weight && cost.p2p == 0;
   // NOTE [ZB-V]: at other than unit costs the rules are also tried in two other orders, and
   // the order whose own timeline ends first wins (ties: the earlier order), as the authors
   // try a few variants of their greedy and keep the best.

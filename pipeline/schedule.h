@@ -243,7 +243,9 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
 /// time between stages, as the zero-bubble authors build theirs from profiled costs: the
 /// rules are ZeroBubbleV's, a stage deciding whenever it is free from what has ended and
 /// arrived by then; at other than unit costs the rules are also tried in two other orders
-/// and the order whose timeline ends first is kept. ZeroBubbleV is
+/// and the order whose timeline ends first is kept. The costs are first rounded to
+/// 1/1024 of the mean action (NOTE [ZB-V on a grid] in schedule.cc), so costs that differ
+/// by rounding noise build one order. ZeroBubbleV is
 /// ZeroBubbleVAt(p, m, 1, 1, 1, 0). The unit-cost order
 /// loses much of its lead once B costs more than F (p = 8, m = 32, F = 1.33, B = 1.67,
 /// W = 1: bubble 21% against ZB-H1's 10%); the order built at those costs keeps it (tests).

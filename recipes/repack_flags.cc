@@ -158,6 +158,7 @@ absl::StatusOr<RepackSettings> RepackSettingsFromFlags(const parallel::ParallelC
       config.train.global_batch_size / (config.train.micro_batch_size * layout.dp());
   t.num_microbatches = static_cast<int>(micro);
   t.schedule = PipelineScheduleFlag();
+  t.measured_zbv_order = MeasuredZbvOrderFlag();
   FULCRUM_ASSIGN_OR_RETURN(t.num_chunks, VirtualPipelineChunksFromFlags(layout.pp));
   // A step onto a stage count the schedule cannot run (interleaved: the micro-batches a
   // multiple of the stages) is refused now, not at the shrink (NOTE [re-packing under

@@ -3,8 +3,10 @@
 // fewer ranks (placements worked out by hand), the prediction is the chunked schedule's
 // (against a direct simulation and the one-rank closed form), a rank's memory counts both
 // chunks, the decision equals a brute force over every rank grouping, interleaved
-// schedules refuse rank counts the micro-batches do not divide, and the measured chunked
-// loads become the problem in model order. The live shrink runs in
+// schedules refuse rank counts the micro-batches do not divide, the measured chunked
+// loads become the problem in model order, and under --zbv_order=measured each placement is
+// predicted with the V the runner would build for it (NOTE [re-packing under the measured
+// V]). The live shrink runs in
 // tests/recipes/repack_train_test.cc (SlowRepackTrainTest.ZbvPp4ToPp2LiveAndThroughACheckpoint...,
 // ...InterleavedPp4ToPp2..., ...InterleavedPp2ToPp1ThroughACheckpoint...).
 #include <algorithm>
@@ -21,6 +23,8 @@
 #include "dynamic/stage_costs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "pipeline/measured_order.h"
+#include "pipeline/rebalancer.h"
 #include "pipeline/schedule.h"
 #include "pipeline/schedule_simulator.h"
 
@@ -365,6 +369,187 @@ TEST(RepackChunksTest, AScriptPacksAVOntoFewerRanks) {
   EXPECT_THAT((*plan)->note, HasSubstr("packs 4 stages onto 2"));
   // Packed already (4 ranges are 2 ranks): nothing more to do.
   EXPECT_FALSE(trigger.Check(6, {{0, 2}, {2, 4}, {4, 6}, {6, 8}}, {})->has_value());
+}
+
+// NOTE [re-packing under the measured V]: what a ZB-V pipeline of q ranks running
+// `placement` would measure over m micro-batches (rank r holds virtual stages r and
+// 2q-1-r): per-layer times in chunk order and each chunk's totals, the embedding in virtual
+// stage 0's and the head in the last one's — the loads the runner's MeasuredVOrder and the
+// re-packing trigger read.
+std::vector<pipeline::StageLoad> MeasuredVLoads(const RepackProblem& problem,
+                                                const Placement& placement, int m) {
+  const int q = static_cast<int>(placement.size()) / 2;
+  std::vector<pipeline::StageLoad> loads(q);
+  for (int r = 0; r < q; ++r) {
+    pipeline::StageLoad& load = loads[r];
+    load.stage = r;
+    for (const int k : {r, 2 * q - 1 - r}) {
+      load.chunk_ranges.emplace_back(placement[k].begin, placement[k].end);
+      double f = 0, b = 0, w = 0;
+      for (int64_t l = placement[k].begin; l < placement[k].end; ++l) {
+        load.layer_forward_ms.push_back(m * problem.layer_forward[l]);
+        load.layer_backward_ms.push_back(m * problem.layer_backward[l]);
+        load.layer_weight_ms.push_back(m * problem.layer_weight[l]);
+        load.layer_state_bytes.push_back(problem.layer_state_bytes[l]);
+        f += problem.layer_forward[l], b += problem.layer_backward[l], w += problem.layer_weight[l];
+      }
+      for (const pipeline::ActionCosts* pinned :
+           {k == 0 ? &problem.first_stage : nullptr,
+            k == 2 * q - 1 ? &problem.last_stage : nullptr}) {
+        if (pinned == nullptr) continue;
+        f += pinned->forward, b += pinned->backward_input, w += pinned->backward_weight;
+      }
+      load.chunk_forward_ms.push_back(m * f);
+      load.chunk_backward_ms.push_back(m * b);
+      load.chunk_weight_ms.push_back(m * w);
+      load.total_ms += m * (f + b + w);
+    }
+  }
+  return loads;
+}
+
+// A random problem with B dearer than F, as measured (NOTE [ZB-V at measured costs]: F 13.2,
+// B 16.0, W 9.4 ms per chunk): there the V built at the costs beats the unit-cost one.
+RepackProblem BDearerThanF(std::mt19937& rng, int layers, int microbatches) {
+  RepackProblem problem = Random(rng, layers, "zbv", 2, microbatches);
+  for (int l = 0; l < layers; ++l) {
+    problem.layer_backward[l] = 1.6 * problem.layer_forward[l] + 0.1 * problem.layer_backward[l];
+    problem.layer_weight[l] = 0.7 * problem.layer_forward[l];
+  }
+  return problem;
+}
+
+// Under --zbv_order=measured a placement is predicted under the order the runner builds for
+// it: the time equals the makespan of MeasuredVOrder's order (built from the loads that
+// placement would measure) on the placement's costs, never above the unit-cost order's and
+// below it on most placements at B > F; the memory follows that order's held activations.
+TEST(RepackChunksTest, UnderTheMeasuredVThePredictionIsTheOrderTheRunnerBuilds) {
+  std::mt19937 rng(31);
+  int faster = 0, trials = 0, other_memory = 0;
+  double most = 0;  // the largest unit / measured - 1
+  for (int trial = 0; trial < 30; ++trial) {
+    const int q = 2 + trial % 3;
+    const int m = (2 + trial % 2) * q;
+    const int layers = 2 * q + 5;
+    RepackProblem problem = BDearerThanF(rng, layers, m);
+    if (trial % 4 == 3) problem.frozen_prefix = 2;  // a forward-only first virtual stage
+    const Placement placement = RandomPlacement(rng, layers, 2 * q);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " q=" << q << " m=" << m << " "
+                                      << FormatPlacement(placement));
+    const absl::StatusOr<double> unit = PredictIterationTime(problem, placement);
+    const absl::StatusOr<std::vector<double>> unit_memory = RepackStageMemory(problem, placement);
+    problem.measured_zbv_order = true;
+    const absl::StatusOr<double> measured = PredictIterationTime(problem, placement);
+    const absl::StatusOr<std::vector<double>> memory = RepackStageMemory(problem, placement);
+    ASSERT_TRUE(unit.ok() && measured.ok() && unit_memory.ok() && memory.ok());
+
+    pipeline::MeasuredVOrder order;
+    ASSERT_TRUE(order.Observe(MeasuredVLoads(problem, placement, m), m));
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
+    const int forward_only = pipeline::ForwardOnlyVirtualStages(ranges, problem.frozen_prefix);
+    const pipeline::Schedule runs = pipeline::WithForwardOnlyPrefix(order.Build(q, m), forward_only);
+    const pipeline::Schedule unit_runs =
+        pipeline::WithForwardOnlyPrefix(pipeline::ZeroBubbleV(q, m), forward_only);
+    const std::vector<pipeline::ActionCosts> costs =
+        PlacementStageCosts(problem.layer_forward, problem.layer_backward, problem.layer_weight,
+                            problem.first_stage, problem.last_stage, placement, problem.p2p);
+    EXPECT_NEAR(*measured, pipeline::Simulate(runs, costs).makespan, 1e-9);
+    EXPECT_NEAR(*unit, pipeline::Simulate(unit_runs, costs).makespan, 1e-9);
+    // The runner picks between the two V's before removing the frozen stages' backward,
+    // so only without a frozen prefix is the order it runs never the slower.
+    if (problem.frozen_prefix == 0) {
+      EXPECT_LE(*measured, *unit + 1e-9);
+      faster += *measured < *unit - 1e-9;
+      most = std::max(most, *unit / *measured - 1);
+      ++trials;
+    }
+    // Memory: the held activations of the order that runs, in place of the unit order's.
+    for (int r = 0; r < q; ++r) {
+      const std::vector<double> held = {
+          RangeSum(problem.layer_activation_bytes, placement[r]),
+          RangeSum(problem.layer_activation_bytes, placement[2 * q - 1 - r])};
+      EXPECT_NEAR((*memory)[r] - (*unit_memory)[r],
+                  pipeline::PeakHeldBytes(runs, r, held) -
+                      pipeline::PeakHeldBytes(unit_runs, r, held),
+                  1e-9);
+      other_memory += std::abs((*memory)[r] - (*unit_memory)[r]) > 1e-9;
+    }
+  }
+  std::printf("[ measured V ] faster than the unit order on %d of %d placements (the unit "
+              "order up to %.1f%% slower); memory differs on %d ranks\n",
+              faster, trials, 100 * most, other_memory);
+  EXPECT_GE(faster, trials / 2) << "at B > F the V built at the costs should win on most";
+}
+
+// DecideRepack under the measured V equals the brute force over every rank grouping with the
+// same predictions, and decides otherwise than under the unit order where the orders differ.
+TEST(RepackChunksTest, UnderTheMeasuredVTheDecisionEqualsTheBruteForce) {
+  std::mt19937 rng(2031);
+  int repacked = 0, differs = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int p = 3 + trial % 4;
+    const int layers = 2 * p + 6;
+    RepackProblem problem = BDearerThanF(rng, layers, 8);
+    problem.measured_zbv_order = true;
+    if (trial % 5 == 0) problem.frozen_prefix = layers / 3;
+    const Placement current = RandomPlacement(rng, layers, 2 * p);
+    problem.memory_budget = std::uniform_real_distribution<double>(600, 2500)(rng);
+    RepackOptions options;
+    options.max_slowdown = std::uniform_real_distribution<double>(0.0, 0.6)(rng);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " p=" << p << " "
+                                      << FormatPlacement(current));
+    const ChunkBest expected = ChunkBruteForce(problem, current, p, options);
+    const absl::StatusOr<RepackPlan> plan = DecideRepack(problem, current, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_EQ(plan->repack, expected.found) << plan->note;
+    if (expected.found) {
+      ++repacked;
+      EXPECT_EQ(plan->placement, expected.placement) << plan->note;
+      EXPECT_EQ(plan->predicted_after, expected.time);
+    }
+    RepackProblem unit = problem;
+    unit.measured_zbv_order = false;
+    const absl::StatusOr<RepackPlan> unit_plan = DecideRepack(unit, current, options);
+    ASSERT_TRUE(unit_plan.ok()) << unit_plan.status();
+    differs += unit_plan->repack != plan->repack || unit_plan->placement != plan->placement;
+  }
+  std::printf("[ measured V ] %d of 24 re-packed; the unit order decided otherwise in %d\n",
+              repacked, differs);
+  EXPECT_GT(repacked, 5);
+  EXPECT_GT(differs, 0) << "the order the prediction assumes changes some decisions";
+}
+
+// The live trigger predicts under the order training runs: with --zbv_order=measured its
+// decision's times are the measured V's on the problem the loads give.
+TEST(RepackChunksTest, TheTriggerPredictsUnderTheMeasuredV) {
+  std::mt19937 rng(5);
+  RepackProblem problem = BDearerThanF(rng, 12, 12);
+  const Placement current = RandomPlacement(rng, 12, 6);
+  const std::vector<pipeline::StageLoad> loads = MeasuredVLoads(problem, current, 12);
+  pipeline::LayerRanges ranges;
+  for (const StageRange& r : current) ranges.emplace_back(r.begin, r.end);
+  for (const bool measured : {false, true}) {
+    RepackTriggerOptions options;
+    options.automatic = true;
+    options.interval = 1;
+    options.schedule = "zbv";
+    options.num_chunks = 2;
+    options.num_microbatches = 12;
+    options.measured_zbv_order = measured;
+    options.decision.max_slowdown = 10;
+    RepackTrigger trigger(options);
+    const absl::StatusOr<std::optional<RepackPlan>> plan = trigger.Check(1, ranges, loads);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(plan->has_value()) << trigger.last_note();
+    absl::StatusOr<RepackProblem> from_loads = RepackProblemFromLoads(loads, "zbv", 12, 1e300, 2);
+    ASSERT_TRUE(from_loads.ok()) << from_loads.status();
+    from_loads->measured_zbv_order = measured;
+    EXPECT_DOUBLE_EQ((*plan)->predicted_before, *PredictIterationTime(*from_loads, current));
+    from_loads->measured_zbv_order = !measured;
+    EXPECT_GT(std::abs((*plan)->predicted_before - *PredictIterationTime(*from_loads, current)), 1e-6)
+        << "the two orders predict this placement differently";
+  }
 }
 
 }  // namespace

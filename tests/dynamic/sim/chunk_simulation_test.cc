@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dynamic/repack.h"
 #include "dynamic/simulation.h"
 #include "gtest/gtest.h"
 #include "tests/dynamic/sim/sim_scenarios.h"
@@ -72,6 +73,54 @@ TEST(ChunkSimulationTest, ZbvRunsTheOrderBuiltAtTheMeasuredCosts) {
     EXPECT_DOUBLE_EQ(measured->iterations[i].makespan_ms,
                      pipeline::Simulate(at_costs, chunk_costs).makespan);
     EXPECT_LT(measured->iterations[i].makespan_ms, unit->iterations[i].makespan_ms);
+  }
+}
+
+// NOTE [re-packing under the measured V] in dynamic/repack.h: the re-packing decision
+// predicts the current placement's time as the simulated (and live) run runs it — with the
+// order built at the measured costs, or the unit-cost one under --zbv_order=unit.
+TEST(ChunkSimulationTest, TheRepackPredictionIsTheSimulatedVsMakespan) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> cost(0.5, 1.5);
+  std::vector<double> forward(16), backward(16), weight(16);
+  for (int l = 0; l < 16; ++l) {
+    forward[l] = cost(rng);
+    backward[l] = 1.5 * forward[l];
+    weight[l] = 0.6 * forward[l];
+  }
+  Scenario s;
+  s.name = "zbv, B = 1.5 F, W = 0.6 F";
+  s.num_stages = 4;
+  s.num_microbatches = 8;
+  s.schedule = "zbv";
+  s.num_chunks = 2;
+  s.iterations = 3;
+  s.costs = [=](int64_t) {
+    IterationCosts c;
+    c.forward = forward;
+    c.backward = backward;
+    c.weight = weight;
+    return c;
+  };
+  for (const bool measured : {true, false}) {
+    s.measured_zbv_order = measured;
+    const absl::StatusOr<SimulatedRun> run = SimulateRun(s, kUniform, {});
+    ASSERT_TRUE(run.ok()) << run.status();
+    for (int i = 1; i < 3; ++i) {  // iteration 1 runs the unit order: nothing measured yet
+      const SimulatedIteration& it = run->iterations[i];
+      const absl::StatusOr<double> predicted =
+          PredictIterationTime(RepackProblemOf(s, s.costs(it.iteration)), it.placement);
+      ASSERT_TRUE(predicted.ok()) << predicted.status();
+      EXPECT_NEAR(*predicted, it.makespan_ms, 1e-9 * it.makespan_ms)
+          << (measured ? "measured" : "unit") << " order, iteration " << it.iteration;
+    }
+    if (measured) {
+      RepackProblem unit = RepackProblemOf(s, s.costs(2));
+      unit.measured_zbv_order = false;
+      EXPECT_GT(*PredictIterationTime(unit, run->iterations[1].placement),
+                run->iterations[1].makespan_ms * 1.01)
+          << "the unit order's prediction would miss the measured V's time";
+    }
   }
 }
 

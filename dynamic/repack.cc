@@ -7,6 +7,7 @@
 #include <numeric>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -87,17 +88,21 @@ class Evaluator {
     if (!problem_.measured_zbv_order || problem_.schedule != "zbv" || q < 2) {
       return ScheduleFor(q, forward_only);
     }
-    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* unit_whole, ScheduleFor(q, 0));
-    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* at, MeasuredV(q, forward_only));
-    if (at == nullptr) return ScheduleFor(q, forward_only);  // no positive mean: the unit V
-    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* at_whole, MeasuredV(q, 0));
+    // The unit V's error, if any, is the schedule's reason this rank count cannot run.
+    FULCRUM_RETURN_IF_ERROR(ScheduleFor(q, 0).status());
+    FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::Schedule>* candidates, VCandidates(q));
+    if (candidates == nullptr) return ScheduleFor(q, forward_only);  // no positive mean
     // The runner picks on measured action times, which hold no transfer time.
     std::vector<pipeline::ActionCosts> actions = costs;
     for (pipeline::ActionCosts& c : actions) c.p2p = 0;
-    if (pipeline::UnitVOrderIsFaster(*unit_whole, *at_whole, actions)) {
-      return ScheduleFor(q, forward_only);
+    const size_t k = pipeline::FastestVOrder(*candidates, actions);
+    const std::tuple<int, size_t, int> key(q, k, forward_only);
+    auto it = v_prefixed_.find(key);
+    if (it == v_prefixed_.end()) {
+      it = v_prefixed_.emplace(key, pipeline::WithForwardOnlyPrefix((*candidates)[k], forward_only))
+               .first;
     }
-    return at;
+    return &it->second;
   }
 
   // The schedule of `num_ranks` ranks, the first `forward_only` virtual stages forward only.
@@ -116,30 +121,28 @@ class Evaluator {
     return &it->second;
   }
 
-  // ZB-V on `num_ranks` ≥ 2 ranks built at the mean chunk action there (the whole model's
-  // F, B and W — the same for every placement — over its 2q virtual stages), the first
-  // `forward_only` virtual stages forward only; nullptr when a mean is not positive.
-  absl::StatusOr<const pipeline::Schedule*> MeasuredV(int num_ranks, int forward_only) {
-    const std::pair<int, int> key(num_ranks, forward_only);
-    auto it = measured_v_.find(key);
-    if (it == measured_v_.end()) {
+  // The V's the runner chooses among on `num_ranks` ≥ 2 ranks (pipeline::VOrderCandidates)
+  // at the mean chunk action there: the whole model's F, B and W — the same for every
+  // placement — over its 2q virtual stages; nullptr when a mean is not positive.
+  absl::StatusOr<const std::vector<pipeline::Schedule>*> VCandidates(int num_ranks) {
+    auto it = v_candidates_.find(num_ranks);
+    if (it == v_candidates_.end()) {
       const std::vector<pipeline::ActionCosts> whole =
           StageCosts({StageRange{0, problem_.num_layers()}});
       std::optional<pipeline::ActionCosts> mean = pipeline::MeanActionCosts(whole);
-      std::optional<pipeline::Schedule> made;
+      std::optional<std::vector<pipeline::Schedule>> made;
       if (mean.has_value()) {
         const double chunks = 2.0 * num_ranks;
+        mean->forward /= chunks;
+        mean->backward_input /= chunks;
+        mean->backward_weight /= chunks;
         try {
-          made = pipeline::WithForwardOnlyPrefix(
-              pipeline::ZeroBubbleVAt(num_ranks, problem_.num_microbatches,
-                                      mean->forward / chunks, mean->backward_input / chunks,
-                                      mean->backward_weight / chunks, 0),
-              forward_only);
-        } catch (const std::invalid_argument& e) {
+          made = pipeline::VOrderCandidates(num_ranks, problem_.num_microbatches, *mean);
+        } catch (const std::exception& e) {
           return absl::InvalidArgumentError(absl::StrCat("repack: ", e.what()));
         }
       }
-      it = measured_v_.emplace(key, std::move(made)).first;
+      it = v_candidates_.emplace(num_ranks, std::move(made)).first;
     }
     return it->second.has_value() ? &*it->second : nullptr;
   }
@@ -185,7 +188,8 @@ class Evaluator {
   const RepackProblem& problem_;
   const int chunks_;
   std::map<std::pair<int, int>, pipeline::Schedule> schedules_;  // (ranks, forward-only)
-  std::map<std::pair<int, int>, std::optional<pipeline::Schedule>> measured_v_;  // the same
+  std::map<int, std::optional<std::vector<pipeline::Schedule>>> v_candidates_;  // by ranks
+  std::map<std::tuple<int, size_t, int>, pipeline::Schedule> v_prefixed_;  // (ranks, k, f-o)
   std::map<int, std::vector<pipeline::ChunkId>> layouts_;         // by rank count
 };
 

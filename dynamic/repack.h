@@ -54,11 +54,12 @@
 // default; NOTE [ZB-V at measured costs] in pipeline/measured_order.h), and at B > F it is
 // much faster than the unit-cost order. So with RepackProblem::measured_zbv_order each
 // placement on q ≥ 2 ranks is predicted — time and memory — under the order the runner would
-// build for it: ZeroBubbleVAt at the mean chunk action on q ranks (the whole model's F, B and
-// W over the 2q virtual stages, the same for every placement of q ranks), or the unit-cost V
-// where that one simulates faster on the placement's own stage costs (the runner's choice,
-// pipeline::UnitVOrderIsFaster). A steady state: the runner keeps an order until the costs
-// move past its hysteresis, and starts a re-packed run on the order built at the old costs.
+// build for it: of the greedy's orders at the mean chunk action on q ranks (the whole
+// model's F, B and W over the 2q virtual stages, the same for every placement of q ranks)
+// and the unit-cost V, the fastest on the placement's own stage costs — the runner's rule
+// (pipeline::VOrderCandidates, FastestVOrder). A steady state: the runner keeps an order
+// until the costs move past its hysteresis, and starts a re-packed run on the order built at
+// the old costs.
 //
 // Pure functions; thread-safe.
 #pragma once

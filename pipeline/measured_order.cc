@@ -1,6 +1,7 @@
 #include "pipeline/measured_order.h"
 
 #include <cmath>
+#include <limits>
 
 namespace fulcrum::pipeline {
 
@@ -51,9 +52,26 @@ std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtu
   return mean;
 }
 
-bool UnitVOrderIsFaster(const Schedule& unit, const Schedule& at,
-                        const std::vector<ActionCosts>& virtual_costs) {
-  return Simulate(unit, virtual_costs).makespan < Simulate(at, virtual_costs).makespan;
+std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const ActionCosts& mean) {
+  std::vector<Schedule> candidates =
+      ZeroBubbleVOrdersAt(num_stages, microbatches, mean.forward, mean.backward_input,
+                          mean.backward_weight, 0);
+  candidates.push_back(ZeroBubbleV(num_stages, microbatches));
+  return candidates;
+}
+
+size_t FastestVOrder(const std::vector<Schedule>& candidates,
+                     const std::vector<ActionCosts>& virtual_costs) {
+  size_t best = 0;
+  double best_makespan = std::numeric_limits<double>::infinity();
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const double makespan = Simulate(candidates[k], virtual_costs).makespan;
+    if (makespan < best_makespan) {
+      best = k;
+      best_makespan = makespan;
+    }
+  }
+  return best;
 }
 
 bool MeasuredVOrder::Observe(const std::vector<StageLoad>& loads, int microbatches) {
@@ -87,17 +105,16 @@ bool MeasuredVOrder::Observe(const std::vector<StageLoad>& loads, int microbatch
 }
 
 Schedule MeasuredVOrder::Build(int num_stages, int microbatches) const {
-  Schedule unit = ZeroBubbleV(num_stages, microbatches);
-  if (!costs_) return unit;
-  Schedule at = ZeroBubbleVAt(num_stages, microbatches, costs_->forward, costs_->backward_input,
-                              costs_->backward_weight, 0);
-  // The unit order is a candidate too: the greedy is a heuristic, and at few micro-batches
-  // on unequal chunks (rank 0 holds the embedding and the head) the unit order can be the
-  // faster one. Each is timed on every virtual stage's own measured costs (on the mean
-  // ones when those do not fit this layout); ties keep the order built at the costs.
+  if (!costs_) return ZeroBubbleV(num_stages, microbatches);
+  // The greedy is a heuristic that sees one cost per action kind: its orders under the
+  // different rule orders, and the unit order (at few micro-batches on unequal chunks — rank
+  // 0 holds the embedding and the head — it can be the faster), are each timed on every
+  // virtual stage's own measured costs (on the mean ones when those do not fit this
+  // layout); the fastest runs, ties going to the earlier candidate.
+  std::vector<Schedule> candidates = VOrderCandidates(num_stages, microbatches, *costs_);
   std::vector<ActionCosts> costs(static_cast<size_t>(num_stages), *costs_);
   if (virtual_costs_.size() == 2 * static_cast<size_t>(num_stages)) costs = virtual_costs_;
-  return UnitVOrderIsFaster(unit, at, costs) ? unit : at;
+  return std::move(candidates[FastestVOrder(candidates, costs)]);
 }
 
 }  // namespace fulcrum::pipeline

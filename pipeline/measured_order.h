@@ -8,9 +8,13 @@
 // W 9.4 ms — and then each rank waits for a gradient once per micro-batch: bubble 0.147
 // against ZB-H1's 0.073 (fulcrum_train --recipe=tiny --num_layers=8, m = 8). The zero-bubble
 // authors build their V from profiled costs; so does this: from the second measured
-// iteration on, the order is ZeroBubbleVAt at the mean cost of one chunk action of each kind
-// (the loads' per-chunk F/B/W totals over all chunks and micro-batches, identical on every
-// rank: GatherLoads), rebuilt only when one of the three has moved by more than
+// iteration on, the order is built at the mean cost of one chunk action of each kind (the
+// loads' per-chunk F/B/W totals over all chunks and micro-batches, identical on every rank:
+// GatherLoads): of the greedy's orders at those costs (one per rule order it tries,
+// ZeroBubbleVOrdersAt) and the unit order, the one whose simulated makespan on each virtual
+// stage's own measured costs is the shortest — the greedy sees one cost per kind, the
+// chunks are unequal (rank 0 holds the embedding and the head). It is rebuilt only when one
+// of the three means has moved by more than
 // kRebuildTolerance from those the current order was built for — a new order every
 // iteration would follow timing noise. The simulator predicted, on that run's trace, bubble
 // 0.035 for the order at costs against 0.137 for the unit order (ZB-H1: 0.073).
@@ -43,12 +47,16 @@ std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, i
 /// positive (ZeroBubbleVAt needs all three > 0; the unit-cost order is run then).
 std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs);
 
-/// The order MeasuredVOrder keeps of two V's for the same stages and micro-batches: `at`
-/// (ZeroBubbleVAt at the mean costs) unless `unit` (ZeroBubbleV) simulates to a shorter
-/// makespan on `virtual_costs` (one per virtual stage, model order). Ties keep `at`. The
-/// re-packing decision predicts with the same rule (dynamic/repack.h).
-bool UnitVOrderIsFaster(const Schedule& unit, const Schedule& at,
-                        const std::vector<ActionCosts>& virtual_costs);
+/// The V's MeasuredVOrder chooses among for `num_stages` × `microbatches` at `mean` (one
+/// chunk action's mean costs): the greedy's orders at those costs (ZeroBubbleVOrdersAt),
+/// then the unit-cost ZeroBubbleV.
+std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const ActionCosts& mean);
+
+/// The index of the candidate with the shortest makespan simulated on `virtual_costs` (one
+/// per virtual stage, model order); ties: the first. The re-packing decision predicts with
+/// the same rule (dynamic/repack.h). Precondition: `candidates` not empty.
+size_t FastestVOrder(const std::vector<Schedule>& candidates,
+                     const std::vector<ActionCosts>& virtual_costs);
 
 /// NOTE [ZB-V at measured costs]: which costs the V is built for.
 class MeasuredVOrder {
@@ -61,9 +69,8 @@ class MeasuredVOrder {
   bool Observe(const std::vector<StageLoad>& loads, int microbatches);
   /// The costs the order is built for; nullopt before the first measurement (unit order).
   const std::optional<ActionCosts>& costs() const { return costs_; }
-  /// ZB-V for `num_stages` × `microbatches`: without costs() ZeroBubbleV; with them
-  /// ZeroBubbleVAt at those costs, unless the unit order's simulated makespan on the
-  /// measured per-chunk costs is shorter (then that one).
+  /// ZB-V for `num_stages` × `microbatches`: without costs() ZeroBubbleV; with them the
+  /// fastest of VOrderCandidates(costs()) simulated on the measured per-chunk costs.
   Schedule Build(int num_stages, int microbatches) const;
 
  private:

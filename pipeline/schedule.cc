@@ -674,10 +674,12 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks) {
   return ZeroBubbleVAt(p, m, 1, 1, 1, 0);
 }
 
-Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
-                       double backward_input, double backward_weight, double p2p) {
-  const int p = num_stages;
-  const int m = num_microbatches;
+namespace {
+
+// The greedy's orders at these costs with their own makespans (NOTE [ZB-V]).
+std::vector<std::pair<Schedule, double>> BuildVOrders(int p, int m, double forward,
+                                                      double backward_input,
+                                                      double backward_weight, double p2p) {
   if (p < 1 || m < 1) {
     throw std::invalid_argument(absl::StrCat(
         "zbv schedule: needs at least 1 stage and 1 micro-batch, got ", p, " and ", m));
@@ -701,30 +703,51 @@ Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
                     std::round(p2p / grid)};
   const bool unit = cost.forward == cost.backward_input &&
                     cost.backward_input == cost.backward_weight && cost.p2p == 0;
-  // NOTE [ZB-V]: at other than unit costs the rules are also tried in two other orders, and
-  // the order whose own timeline ends first wins (ties: the earlier order), as the authors
-  // try a few variants of their greedy and keep the best.
+  // NOTE [ZB-V]: at other than unit costs the rules are also tried in two other orders, as
+  // the authors try a few variants of their greedy; the reserve only when none finishes.
   std::vector<VOrder> orders = {VOrder::kBackwardFirst};
   if (!unit) {
     orders.push_back(VOrder::kForwardUpFirst);
     orders.push_back(VOrder::kWeightBeforeForwardDown);
   }
-  Schedule best;
-  double best_makespan = std::numeric_limits<double>::infinity();
+  std::vector<std::pair<Schedule, double>> built;
   for (bool reserve : {false, true}) {
     for (VOrder order : orders) {
       Schedule schedule;
       double makespan = 0;
-      if (BuildZeroBubbleV(p, m, cost, reserve, order, schedule, makespan) &&
-          makespan < best_makespan) {
-        best = std::move(schedule);
-        best_makespan = makespan;
+      if (BuildZeroBubbleV(p, m, cost, reserve, order, schedule, makespan)) {
+        built.emplace_back(std::move(schedule), makespan);
       }
     }
-    if (best_makespan < std::numeric_limits<double>::infinity()) return best;
+    if (!built.empty()) return built;
   }
   throw std::logic_error(absl::StrCat("zbv schedule: the greedy order deadlocked for p=", p,
                                       ", m=", m, " even with the reserve"));
+}
+
+}  // namespace
+
+Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
+                       double backward_input, double backward_weight, double p2p) {
+  std::vector<std::pair<Schedule, double>> built =
+      BuildVOrders(num_stages, num_microbatches, forward, backward_input, backward_weight, p2p);
+  // The order whose own timeline ends first (ties: the earlier rule order).
+  size_t best = 0;
+  for (size_t k = 1; k < built.size(); ++k) {
+    if (built[k].second < built[best].second) best = k;
+  }
+  return std::move(built[best].first);
+}
+
+std::vector<Schedule> ZeroBubbleVOrdersAt(int num_stages, int num_microbatches, double forward,
+                                          double backward_input, double backward_weight,
+                                          double p2p) {
+  std::vector<Schedule> out;
+  for (auto& [schedule, makespan] :
+       BuildVOrders(num_stages, num_microbatches, forward, backward_input, backward_weight, p2p)) {
+    out.push_back(std::move(schedule));
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -253,6 +253,15 @@ Schedule ZeroBubbleV(int num_stages, int num_microbatches, int num_chunks = 2);
 Schedule ZeroBubbleVAt(int num_stages, int num_microbatches, double forward,
                        double backward_input, double backward_weight, double p2p);
 
+/// Every order ZeroBubbleVAt's greedy builds at these costs — one per rule order tried, in
+/// that order (one at unit costs) — of which ZeroBubbleVAt keeps the one whose own timeline
+/// ends first. The greedy sees only one cost per action kind; a caller that knows each
+/// virtual stage's own costs picks among these by simulating them (MeasuredVOrder,
+/// pipeline/measured_order.h). Throws as ZeroBubbleVAt.
+std::vector<Schedule> ZeroBubbleVOrdersAt(int num_stages, int num_microbatches, double forward,
+                                          double backward_input, double backward_weight,
+                                          double p2p);
+
 /// `schedule` with its first `count` virtual stages forward-only (NOTE [forward-only
 /// stages]): their B, BW and W actions removed, every other action in its place, and
 /// max_in_flight unchanged. Precondition: 0 ≤ count < p·v (the last virtual stage holds the

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dynamic/repack.h"
@@ -21,6 +22,27 @@ namespace {
 Scenario Chunked(const std::vector<double>& scale, int p, int m, const std::string& schedule,
                  int num_chunks, int64_t iterations, double state_bytes = 0) {
   return FixedCostScenario(scale, p, m, schedule, iterations, num_chunks, state_bytes);
+}
+
+// Three iterations of ZB-V (two chunks per rank) at the same per-layer F/B/W costs.
+Scenario ZbvAtCosts(const std::string& name, int p, int m, std::vector<double> forward,
+                    std::vector<double> backward, std::vector<double> weight) {
+  Scenario s;
+  s.name = name;
+  s.num_stages = p;
+  s.num_microbatches = m;
+  s.schedule = "zbv";
+  s.num_chunks = 2;
+  s.iterations = 3;
+  s.costs = [forward = std::move(forward), backward = std::move(backward),
+             weight = std::move(weight)](int64_t) {
+    IterationCosts c;
+    c.forward = forward;
+    c.backward = backward;
+    c.weight = weight;
+    return c;
+  };
+  return s;
 }
 
 TEST(ChunkSimulationTest, ZbvPlacesPerVirtualStageAndTimesEachChunksRange) {
@@ -44,20 +66,8 @@ TEST(ChunkSimulationTest, ZbvPlacesPerVirtualStageAndTimesEachChunksRange) {
 // built at the costs its loads report, as fulcrum_train does (--zbv_order=measured); with B
 // dearer and W cheaper than F that order is faster than the unit one.
 TEST(ChunkSimulationTest, ZbvRunsTheOrderBuiltAtTheMeasuredCosts) {
-  Scenario s;
-  s.name = "zbv at B = 1.2 F, W = 0.7 F";
-  s.num_stages = 2;
-  s.num_microbatches = 8;
-  s.schedule = "zbv";
-  s.num_chunks = 2;
-  s.iterations = 3;
-  s.costs = [](int64_t) {
-    IterationCosts c;
-    c.forward.assign(8, 1.0);
-    c.backward.assign(8, 1.2);
-    c.weight.assign(8, 0.7);
-    return c;
-  };
+  Scenario s = ZbvAtCosts("zbv at B = 1.2 F, W = 0.7 F", 2, 8, std::vector<double>(8, 1.0),
+                          std::vector<double>(8, 1.2), std::vector<double>(8, 0.7));
   const absl::StatusOr<SimulatedRun> measured = SimulateRun(s, kUniform, {});
   s.measured_zbv_order = false;
   const absl::StatusOr<SimulatedRun> unit = SimulateRun(s, kUniform, {});
@@ -88,20 +98,7 @@ TEST(ChunkSimulationTest, TheRepackPredictionIsTheSimulatedVsMakespan) {
     backward[l] = 1.5 * forward[l];
     weight[l] = 0.6 * forward[l];
   }
-  Scenario s;
-  s.name = "zbv, B = 1.5 F, W = 0.6 F";
-  s.num_stages = 4;
-  s.num_microbatches = 8;
-  s.schedule = "zbv";
-  s.num_chunks = 2;
-  s.iterations = 3;
-  s.costs = [=](int64_t) {
-    IterationCosts c;
-    c.forward = forward;
-    c.backward = backward;
-    c.weight = weight;
-    return c;
-  };
+  Scenario s = ZbvAtCosts("zbv, B = 1.5 F, W = 0.6 F", 4, 8, forward, backward, weight);
   for (const bool measured : {true, false}) {
     s.measured_zbv_order = measured;
     const absl::StatusOr<SimulatedRun> run = SimulateRun(s, kUniform, {});

@@ -4,6 +4,22 @@
 #include <limits>
 
 namespace fulcrum::pipeline {
+namespace {
+
+// `sum` (F, B and W totals; p2p ignored) over `count` actions, or nullopt when a mean is not
+// finite and positive: ZeroBubbleVAt needs all three > 0.
+std::optional<ActionCosts> PositiveMean(const ActionCosts& sum, double count) {
+  ActionCosts mean;
+  mean.forward = sum.forward / count;
+  mean.backward_input = sum.backward_input / count;
+  mean.backward_weight = sum.backward_weight / count;
+  for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
+    if (!std::isfinite(c) || c <= 0) return std::nullopt;
+  }
+  return mean;
+}
+
+}  // namespace
 
 std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, int microbatches) {
   if (microbatches < 1) return std::nullopt;
@@ -23,33 +39,19 @@ std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, i
     }
   }
   if (chunks == 0) return std::nullopt;
-  const double actions = static_cast<double>(chunks) * microbatches;
-  ActionCosts mean;
-  mean.forward = forward / actions;
-  mean.backward_input = backward / actions;
-  mean.backward_weight = weight / actions;
-  for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
-    if (!std::isfinite(c) || c <= 0) return std::nullopt;
-  }
-  return mean;
+  return PositiveMean(ActionCosts{forward, backward, weight},
+                      static_cast<double>(chunks) * microbatches);
 }
 
 std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs) {
   if (virtual_costs.empty()) return std::nullopt;
-  ActionCosts mean;
+  ActionCosts sum;
   for (const ActionCosts& c : virtual_costs) {
-    mean.forward += c.forward;
-    mean.backward_input += c.backward_input;
-    mean.backward_weight += c.backward_weight;
+    sum.forward += c.forward;
+    sum.backward_input += c.backward_input;
+    sum.backward_weight += c.backward_weight;
   }
-  const double n = static_cast<double>(virtual_costs.size());
-  mean.forward /= n;
-  mean.backward_input /= n;
-  mean.backward_weight /= n;
-  for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
-    if (!std::isfinite(c) || c <= 0) return std::nullopt;
-  }
-  return mean;
+  return PositiveMean(sum, static_cast<double>(virtual_costs.size()));
 }
 
 std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const ActionCosts& mean) {

@@ -75,12 +75,14 @@ class Evaluator {
                                placement, problem_.p2p);
   }
 
-  // The schedule `placement` (with per-stage `costs`) runs: its rank count's, the virtual
-  // stages that lie wholly in the frozen prefix forward only (NOTE [forward-only stages]).
-  // Under ZB-V at measured costs, the order the runner would build for it (NOTE [re-packing
-  // under the measured V] in repack.h).
+  // The schedule `placement` runs: its rank count's, the virtual stages that lie wholly in
+  // the frozen prefix forward only (NOTE [forward-only stages]). Under ZB-V at measured
+  // costs, the order the runner would build for it (NOTE [re-packing under the measured V]
+  // in repack.h), chosen on `stage_costs` (StageCosts(placement)) when the caller has them,
+  // else on StageCosts computed here — only on this path.
   absl::StatusOr<const pipeline::Schedule*> ScheduleFor(
-      const Placement& placement, const std::vector<pipeline::ActionCosts>& costs) {
+      const Placement& placement,
+      const std::vector<pipeline::ActionCosts>* stage_costs = nullptr) {
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
     const int q = RanksOf(placement);
@@ -93,7 +95,8 @@ class Evaluator {
     FULCRUM_ASSIGN_OR_RETURN(const std::vector<pipeline::Schedule>* candidates, VCandidates(q));
     if (candidates == nullptr) return ScheduleFor(q, forward_only);  // no positive mean
     // The runner picks on measured action times, which hold no transfer time.
-    std::vector<pipeline::ActionCosts> actions = costs;
+    std::vector<pipeline::ActionCosts> actions =
+        stage_costs != nullptr ? *stage_costs : StageCosts(placement);
     for (pipeline::ActionCosts& c : actions) c.p2p = 0;
     const size_t k = pipeline::FastestVOrder(*candidates, actions);
     const std::tuple<int, size_t, int> key(q, k, forward_only);
@@ -149,7 +152,7 @@ class Evaluator {
 
   absl::StatusOr<double> Time(const Placement& placement) {
     const std::vector<pipeline::ActionCosts> costs = StageCosts(placement);
-    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule, ScheduleFor(placement, costs));
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule, ScheduleFor(placement, &costs));
     return pipeline::Simulate(*schedule, costs).makespan;
   }
 
@@ -158,8 +161,7 @@ class Evaluator {
   // PeakHeldBytes of their activations. The embedding's state goes with virtual stage 0,
   // the head's with the last (ZB-V: both on rank 0).
   absl::StatusOr<std::vector<double>> Memory(const Placement& placement) {
-    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule,
-                             ScheduleFor(placement, StageCosts(placement)));
+    FULCRUM_ASSIGN_OR_RETURN(const pipeline::Schedule* schedule, ScheduleFor(placement));
     const pipeline::Schedule& sched = *schedule;
     const int q = RanksOf(placement);
     const std::vector<pipeline::ChunkId> layout = pipeline::VirtualStages(sched);

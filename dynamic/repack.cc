@@ -98,7 +98,7 @@ class Evaluator {
     std::vector<pipeline::ActionCosts> actions =
         stage_costs != nullptr ? *stage_costs : StageCosts(placement);
     for (pipeline::ActionCosts& c : actions) c.p2p = 0;
-    const size_t k = pipeline::FastestVOrder(*candidates, actions);
+    const size_t k = pipeline::FastestVOrder(*candidates, actions, forward_only);
     const std::tuple<int, size_t, int> key(q, k, forward_only);
     auto it = v_prefixed_.find(key);
     if (it == v_prefixed_.end()) {

@@ -309,11 +309,22 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
   // rebuilds it from the loads it gathers.
   const bool measured_order = scenario.schedule == "zbv" && scenario.measured_zbv_order;
   pipeline::MeasuredVOrder order;
+  std::map<int, pipeline::Schedule> v_built;  // order.Build's, by forward-only count.
   // NOTE [forward-only stages]: iteration i runs `schedule` with the stages that lie in its
-  // frozen prefix forward only, as the runner makes it from the same ranges.
-  auto schedule_on = [&schedule](const IterationCosts& costs, const Placement& placement) {
-    return pipeline::WithForwardOnlyPrefix(
-        schedule, pipeline::ForwardOnlyVirtualStages(ToLayerRanges(placement), costs.frozen_prefix));
+  // frozen prefix forward only, as the runner makes it from the same ranges; under the
+  // measured V, the order built for that prefix.
+  auto schedule_on = [&](const IterationCosts& costs, const Placement& placement) {
+    const int forward_only =
+        pipeline::ForwardOnlyVirtualStages(ToLayerRanges(placement), costs.frozen_prefix);
+    if (!measured_order) return pipeline::WithForwardOnlyPrefix(schedule, forward_only);
+    auto it = v_built.find(forward_only);
+    if (it == v_built.end()) {
+      it = v_built
+               .emplace(forward_only, order.Build(scenario.num_stages, scenario.num_microbatches,
+                                                  forward_only))
+               .first;
+    }
+    return it->second;
   };
   // NOTE [simulation under chunks]: placements have one range per virtual stage.
   const std::vector<int> chunk_rank = ChunkRanksOf(schedule);
@@ -388,9 +399,7 @@ absl::StatusOr<SimulatedRun> SimulateRun(const Scenario& scenario, const Strateg
     } else {
       loads = SimulatedLoads(costs, schedule_on(costs, current), current, current, nullptr);
     }
-    if (measured_order && order.Observe(loads, scenario.num_microbatches)) {
-      schedule = order.Build(scenario.num_stages, scenario.num_microbatches);
-    }
+    if (measured_order && order.Observe(loads, scenario.num_microbatches)) v_built.clear();
     const auto decide_start = Clock::now();
     pipeline::RebalanceDecision decision;
     if (!strategy.oracle) decision = (*rebalancer)->Plan(i, loads);

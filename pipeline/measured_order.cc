@@ -63,11 +63,17 @@ std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const A
 }
 
 size_t FastestVOrder(const std::vector<Schedule>& candidates,
-                     const std::vector<ActionCosts>& virtual_costs) {
+                     const std::vector<ActionCosts>& virtual_costs, int forward_only) {
   size_t best = 0;
   double best_makespan = std::numeric_limits<double>::infinity();
   for (size_t k = 0; k < candidates.size(); ++k) {
-    const double makespan = Simulate(candidates[k], virtual_costs).makespan;
+    // A frozen prefix removes its stages' B and W: the order that is fastest with them can
+    // be slower without (its lists wait on those stages' backward hand-offs), so each
+    // candidate is timed as it would run.
+    const double makespan =
+        forward_only == 0
+            ? Simulate(candidates[k], virtual_costs).makespan
+            : Simulate(WithForwardOnlyPrefix(candidates[k], forward_only), virtual_costs).makespan;
     if (makespan < best_makespan) {
       best = k;
       best_makespan = makespan;
@@ -106,8 +112,8 @@ bool MeasuredVOrder::Observe(const std::vector<StageLoad>& loads, int microbatch
   return true;
 }
 
-Schedule MeasuredVOrder::Build(int num_stages, int microbatches) const {
-  if (!costs_) return ZeroBubbleV(num_stages, microbatches);
+Schedule MeasuredVOrder::Build(int num_stages, int microbatches, int forward_only) const {
+  if (!costs_) return WithForwardOnlyPrefix(ZeroBubbleV(num_stages, microbatches), forward_only);
   // The greedy is a heuristic that sees one cost per action kind: its orders under the
   // different rule orders, and the unit order (at few micro-batches on unequal chunks — rank
   // 0 holds the embedding and the head — it can be the faster), are each timed on every
@@ -116,7 +122,8 @@ Schedule MeasuredVOrder::Build(int num_stages, int microbatches) const {
   std::vector<Schedule> candidates = VOrderCandidates(num_stages, microbatches, *costs_);
   std::vector<ActionCosts> costs(static_cast<size_t>(num_stages), *costs_);
   if (virtual_costs_.size() == 2 * static_cast<size_t>(num_stages)) costs = virtual_costs_;
-  return std::move(candidates[FastestVOrder(candidates, costs)]);
+  return WithForwardOnlyPrefix(
+      std::move(candidates[FastestVOrder(candidates, costs, forward_only)]), forward_only);
 }
 
 }  // namespace fulcrum::pipeline

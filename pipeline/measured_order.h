@@ -13,7 +13,9 @@
 // GatherLoads): of the greedy's orders at those costs (one per rule order it tries,
 // ZeroBubbleVOrdersAt) and the unit order, the one whose simulated makespan on each virtual
 // stage's own measured costs is the shortest — the greedy sees one cost per kind, the
-// chunks are unequal (rank 0 holds the embedding and the head). It is rebuilt only when one
+// chunks are unequal (rank 0 holds the embedding and the head) — each timed as it runs under
+// the frozen prefix (its forward-only stages without B and W: an order can be the fastest
+// with them and not without; RepackChunksTest.UnderTheMeasuredV...). It is rebuilt only when one
 // of the three means has moved by more than
 // kRebuildTolerance from those the current order was built for — a new order every
 // iteration would follow timing noise. The simulator predicted, on that run's trace, bubble
@@ -53,10 +55,12 @@ std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtu
 std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const ActionCosts& mean);
 
 /// The index of the candidate with the shortest makespan simulated on `virtual_costs` (one
-/// per virtual stage, model order); ties: the first. The re-packing decision predicts with
-/// the same rule (dynamic/repack.h). Precondition: `candidates` not empty.
+/// per virtual stage, model order) with its first `forward_only` virtual stages forward only
+/// (WithForwardOnlyPrefix: the order as it runs under a frozen prefix); ties: the first.
+/// The re-packing decision predicts with the same rule (dynamic/repack.h). Precondition:
+/// `candidates` not empty, each without forward-only stages.
 size_t FastestVOrder(const std::vector<Schedule>& candidates,
-                     const std::vector<ActionCosts>& virtual_costs);
+                     const std::vector<ActionCosts>& virtual_costs, int forward_only = 0);
 
 /// NOTE [ZB-V at measured costs]: which costs the V is built for.
 class MeasuredVOrder {
@@ -69,9 +73,11 @@ class MeasuredVOrder {
   bool Observe(const std::vector<StageLoad>& loads, int microbatches);
   /// The costs the order is built for; nullopt before the first measurement (unit order).
   const std::optional<ActionCosts>& costs() const { return costs_; }
-  /// ZB-V for `num_stages` × `microbatches`: without costs() ZeroBubbleV; with them the
-  /// fastest of VOrderCandidates(costs()) simulated on the measured per-chunk costs.
-  Schedule Build(int num_stages, int microbatches) const;
+  /// ZB-V for `num_stages` × `microbatches` with its first `forward_only` virtual stages
+  /// forward only (NOTE [forward-only stages]): without costs() ZeroBubbleV; with them the
+  /// fastest of VOrderCandidates(costs()) as each runs with that prefix (FastestVOrder) on
+  /// the measured per-chunk costs.
+  Schedule Build(int num_stages, int microbatches, int forward_only = 0) const;
 
  private:
   std::optional<ActionCosts> costs_;

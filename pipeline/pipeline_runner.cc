@@ -367,10 +367,14 @@ absl::StatusOr<const Schedule*> PipelineRunner::ScheduleFor(const std::string& n
   if (it == schedules_.end()) {
     FULCRUM_ASSIGN_OR_RETURN(Schedule schedule,
                              MakeSchedule(name, pp_->size(), microbatches, num_chunks_));
-    // NOTE [ZB-V at measured costs]: the V's order from the measured costs, once there are.
-    if (name == "zbv" && measured_zbv_order_) schedule = zbv_order_.Build(pp_->size(), microbatches);
-    // NOTE [forward-only stages]: the frozen prefix's stages run no backward.
-    schedule = WithForwardOnlyPrefix(std::move(schedule), forward_only);
+    // NOTE [forward-only stages]: the frozen prefix's stages run no backward. NOTE [ZB-V at
+    // measured costs]: the V's order from the measured costs, once there are, chosen as it
+    // runs with that prefix.
+    if (name == "zbv" && measured_zbv_order_) {
+      schedule = zbv_order_.Build(pp_->size(), microbatches, forward_only);
+    } else {
+      schedule = WithForwardOnlyPrefix(std::move(schedule), forward_only);
+    }
     FULCRUM_RETURN_IF_ERROR(ValidateSchedule(schedule));
     it = schedules_.emplace(key, std::move(schedule)).first;
   }

@@ -5,7 +5,11 @@
 // loss (no optimizer step yet) bit for bit, the rest within the layout tolerance (the
 // gradient norm is summed over the ranks in another order). The metrics name the p·v
 // ranges. The flags' mistakes are refused naming the flag.
+#include <cstdint>
+#include <fstream>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -153,6 +157,46 @@ TEST(SlowZbvOrderTest, MeasuredCostsTrainTheUnitOrdersBits) {
   // layers measure on any machine, give the V another order: MeasuredVOrderTest).
   EXPECT_NE(measured_output.find("an order other than the unit-cost one"), std::string::npos)
       << measured_output;
+  EXPECT_EQ(unit_output.find("zbv order rebuilt"), std::string::npos) << unit_output;
+}
+
+// Under a frozen prefix (layers 0-1: virtual stage 0 forward only from iteration 3) the
+// measured V is chosen as it runs with that stage's backward removed (MeasuredVOrder::Build
+// with the forward-only count) and still trains the unit order's bits; the run says it
+// rebuilt the order, and its timeline shows rank 0's chunk 0 (virtual stage 0) running B and
+// W in iterations 1-2 only, its chunk 1 (the head's) in every iteration.
+TEST(SlowZbvOrderTest, UnderAFrozenPrefixTheMeasuredOrderTrainsTheUnitOrdersBits) {
+  const std::string dir = testing::MakeTempDir("zbv_order_frozen");
+  const std::string flags =
+      "--recipe=tiny --num_layers=8 --train_iters=8 --eval_interval=0 --log_interval=1 "
+      "--global_batch_size=16 --micro_batch_size=2 --pipeline_model_parallel_size=2 "
+      "--pipeline_schedule=zbv --plugins=freeze --freeze_schedule='2:0-1'" +
+      std::string(testing::kPastWarmup);
+  std::string measured_output, unit_output;
+  const std::string timeline = dir + "/t.json";
+  const auto measured = testing::TrainRecords(2, flags + " --timeline=" + timeline,
+                                              dir + "/measured.jsonl", &measured_output);
+  const auto unit =
+      testing::TrainRecords(2, flags + " --zbv_order=unit", dir + "/unit.jsonl", &unit_output);
+  ASSERT_EQ(measured.size(), 8u) << measured_output;
+  ASSERT_EQ(unit.size(), 8u) << unit_output;
+  std::set<std::pair<int, int64_t>> backward;  // (rank 0's chunk, iteration) that ran B or W
+  std::ifstream in(timeline);
+  ASSERT_TRUE(in.good()) << timeline;
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  for (const auto& e : trace.is_object() ? trace["traceEvents"] : trace) {
+    if (!e.contains("args") || e.value("pid", -1) != 0) continue;
+    const std::string kind = e["args"].value("kind", "");
+    if (kind != "B" && kind != "W") continue;
+    backward.insert({e["args"].value("chunk", -1), e["args"].value("iteration", int64_t{0})});
+  }
+  for (int64_t i = 1; i <= 8; ++i) {
+    EXPECT_EQ(backward.count({0, i}), i <= 2 ? 1u : 0u) << "chunk 0, iteration " << i;
+    EXPECT_EQ(backward.count({1, i}), 1u) << "chunk 1, iteration " << i;
+  }
+  EXPECT_EQ(testing::LossesOf(measured), testing::LossesOf(unit));
+  EXPECT_EQ(measured.back()["frozen_prefix"], 2);
+  EXPECT_NE(measured_output.find("zbv order rebuilt"), std::string::npos) << measured_output;
   EXPECT_EQ(unit_output.find("zbv order rebuilt"), std::string::npos) << unit_output;
 }
 

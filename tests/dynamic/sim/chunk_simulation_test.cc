@@ -24,9 +24,11 @@ Scenario Chunked(const std::vector<double>& scale, int p, int m, const std::stri
   return FixedCostScenario(scale, p, m, schedule, iterations, num_chunks, state_bytes);
 }
 
-// Three iterations of ZB-V (two chunks per rank) at the same per-layer F/B/W costs.
+// Three iterations of ZB-V (two chunks per rank) at the same per-layer F/B/W costs, the
+// first `frozen_prefix` layers frozen.
 Scenario ZbvAtCosts(const std::string& name, int p, int m, std::vector<double> forward,
-                    std::vector<double> backward, std::vector<double> weight) {
+                    std::vector<double> backward, std::vector<double> weight,
+                    int64_t frozen_prefix = 0) {
   Scenario s;
   s.name = name;
   s.num_stages = p;
@@ -35,8 +37,9 @@ Scenario ZbvAtCosts(const std::string& name, int p, int m, std::vector<double> f
   s.num_chunks = 2;
   s.iterations = 3;
   s.costs = [forward = std::move(forward), backward = std::move(backward),
-             weight = std::move(weight)](int64_t) {
+             weight = std::move(weight), frozen_prefix](int64_t) {
     IterationCosts c;
+    c.frozen_prefix = frozen_prefix;
     c.forward = forward;
     c.backward = backward;
     c.weight = weight;
@@ -98,25 +101,31 @@ TEST(ChunkSimulationTest, TheRepackPredictionIsTheSimulatedVsMakespan) {
     backward[l] = 1.5 * forward[l];
     weight[l] = 0.6 * forward[l];
   }
-  Scenario s = ZbvAtCosts("zbv, B = 1.5 F, W = 0.6 F", 4, 8, forward, backward, weight);
-  for (const bool measured : {true, false}) {
-    s.measured_zbv_order = measured;
-    const absl::StatusOr<SimulatedRun> run = SimulateRun(s, kUniform, {});
-    ASSERT_TRUE(run.ok()) << run.status();
-    for (int i = 1; i < 3; ++i) {  // iteration 1 runs the unit order: nothing measured yet
-      const SimulatedIteration& it = run->iterations[i];
-      const absl::StatusOr<double> predicted =
-          PredictIterationTime(RepackProblemOf(s, s.costs(it.iteration)), it.placement);
-      ASSERT_TRUE(predicted.ok()) << predicted.status();
-      EXPECT_NEAR(*predicted, it.makespan_ms, 1e-9 * it.makespan_ms)
-          << (measured ? "measured" : "unit") << " order, iteration " << it.iteration;
-    }
-    if (measured) {
-      RepackProblem unit = RepackProblemOf(s, s.costs(2));
-      unit.measured_zbv_order = false;
-      EXPECT_GT(*PredictIterationTime(unit, run->iterations[1].placement),
-                run->iterations[1].makespan_ms * 1.01)
-          << "the unit order's prediction would miss the measured V's time";
+  // Layers [0, 5) frozen: virtual stages 0 and 1 (two layers each) run forward only, and
+  // the V is the one chosen as it runs with them so.
+  for (const int64_t frozen : {0, 5}) {
+    Scenario s = ZbvAtCosts("zbv, B = 1.5 F, W = 0.6 F", 4, 8, forward, backward, weight, frozen);
+    for (const bool measured : {true, false}) {
+      s.measured_zbv_order = measured;
+      const absl::StatusOr<SimulatedRun> run = SimulateRun(s, kUniform, {});
+      ASSERT_TRUE(run.ok()) << run.status();
+      for (int i = 1; i < 3; ++i) {  // iteration 1 runs the unit order: nothing measured yet
+        const SimulatedIteration& it = run->iterations[i];
+        const absl::StatusOr<double> predicted =
+            PredictIterationTime(RepackProblemOf(s, s.costs(it.iteration)), it.placement);
+        ASSERT_TRUE(predicted.ok()) << predicted.status();
+        EXPECT_NEAR(*predicted, it.makespan_ms, 1e-9 * it.makespan_ms)
+            << (measured ? "measured" : "unit") << " order, iteration " << it.iteration
+            << ", frozen prefix " << frozen;
+      }
+      if (measured) {
+        RepackProblem unit = RepackProblemOf(s, s.costs(2));
+        unit.measured_zbv_order = false;
+        EXPECT_GT(*PredictIterationTime(unit, run->iterations[1].placement),
+                  run->iterations[1].makespan_ms * 1.01)
+            << "the unit order's prediction would miss the measured V's time, frozen prefix "
+            << frozen;
+      }
     }
   }
 }

@@ -101,6 +101,21 @@ absl::Status ModelOptions::Validate() const {
   }
   if (vocab_size < 1) return Invalid(absl::StrCat("vocab size ", vocab_size, " must be ≥ 1"));
   if (seq_length < 1) return Invalid(absl::StrCat("--seq_length=", seq_length, " must be ≥ 1"));
+  if (max_position_embeddings < 0) {
+    return Invalid(absl::StrCat("--max_position_embeddings=", max_position_embeddings,
+                                " must be ≥ 0 (0: --seq_length)"));
+  }
+  if (max_position_embeddings > 0 && position_embedding != PositionEmbedding::kLearned) {
+    return Invalid(absl::StrCat("--max_position_embeddings=", max_position_embeddings,
+                                " sizes the learned position table; rotary positions have "
+                                "none (leave it 0)"));
+  }
+  if (seq_length > position_rows()) {
+    return Invalid(absl::StrCat("--seq_length=", seq_length, " exceeds --max_position_embeddings=",
+                                max_position_embeddings,
+                                ", the learned positions there are (raise it, or shorten the "
+                                "sequence)"));
+  }
   if (!(init_method_std > 0)) {
     return Invalid(absl::StrCat("--init_method_std=", init_method_std, " must be > 0"));
   }

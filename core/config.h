@@ -35,8 +35,13 @@ struct ModelOptions {
   int64_t num_attention_heads = 4;    // Default: 4.
   int64_t ffn_hidden_size = 512;      // Default: 512 (4 × hidden_size in the recipes).
   int64_t vocab_size = 0;             // Padded vocabulary size. Must be > 0 (set from the data).
-  int64_t seq_length = 128;           // Default: 128. Also the number of learned positions.
+  int64_t seq_length = 128;           // Default: 128. Tokens per sample.
   PositionEmbedding position_embedding = PositionEmbedding::kLearned;
+  /// Default: 0 = seq_length. Rows of the learned position table (--max_position_embeddings,
+  /// GPT-2's n_positions): a run trains at any seq_length up to it, e.g. GPT-2's 1024-row
+  /// table fine-tuned at 512 tokens (NOTE [finetune]). Learned positions only: rotary ones
+  /// have no table.
+  int64_t max_position_embeddings = 0;
   double rotary_base = 10000.0;       // Default: 10000 (RoFormer).
   bool tie_embeddings = true;         // Default: true. LM head reuses the word embeddings.
   double init_method_std = 0.02;      // Default: 0.02. Output projections get std/√(2·layers).
@@ -77,6 +82,10 @@ struct ModelOptions {
   DeviceSpec device_spec;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  /// Rows of the learned position table: max_position_embeddings, or seq_length when 0.
+  int64_t position_rows() const {
+    return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
+  }
   /// Key/value heads: num_query_groups, or num_attention_heads when it is 0.
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   /// Rows of the fused QKV weight: queries of every head plus keys and values of every group.

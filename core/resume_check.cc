@@ -21,6 +21,7 @@ constexpr std::pair<const char*, const char*> kShapeFields[] = {
     {"vocab_size", "vocab_size (--make_vocab_size_divisible_by, --tokenizer_model)"},
     {"seq_length", "seq_length"},
     {"position_embedding_type", "position_embedding_type"},
+    {"max_position_embeddings", "max_position_embeddings"},
     {"tie_embeddings", "untie_embeddings_and_output_weights"},
     {"normalization", "normalization"},
     {"swiglu", "swiglu"},
@@ -34,6 +35,12 @@ nlohmann::json DefaultShapeField(const std::string& field, const nlohmann::json&
   if (field == "swiglu") return false;
   if (field == "add_bias_linear") return true;
   if (field == "num_query_groups") return model.value("num_attention_heads", nlohmann::json());
+  // The learned table had seq_length rows; rotary positions have none (ConfigToJson's 0).
+  if (field == "max_position_embeddings") {
+    return model.value("position_embedding_type", std::string("learned_absolute")) == "rope"
+               ? nlohmann::json(0)
+               : model.value("seq_length", nlohmann::json());
+  }
   return nlohmann::json();
 }
 
@@ -148,14 +155,29 @@ absl::Status CheckFinetune(const nlohmann::json& saved_config, const TrainerConf
     const nlohmann::json value =
         theirs.contains(field) ? theirs[field] : DefaultShapeField(field, theirs);
     const nlohmann::json& our_value = mine["model"][field];
-    if (rope && std::string(field) == "seq_length") {
-      // Rotary positions have no parameters: any length loads, a longer one extrapolates.
-      if (value.is_number() && our_value.is_number() && our_value.get<double>() > value.get<double>()) {
+    if (std::string(field) == "seq_length") {
+      // Not a shape of any weight. Rotary positions have no parameters: any length loads, a
+      // longer one extrapolates. Learned ones: the table's rows (max_position_embeddings,
+      // next) must agree, and ModelOptions::Validate keeps seq_length within them.
+      if (rope && value.is_number() && our_value.is_number() &&
+          our_value.get<double>() > value.get<double>()) {
         warnings->push_back(absl::StrCat("--seq_length=", Show(our_value),
                                          " is longer than the checkpoint's ", Show(value),
                                          " (rotary positions beyond those it trained on)"));
       }
       continue;
+    }
+    if (value != our_value && std::string(field) == "max_position_embeddings" &&
+        value.is_number_integer() && value.get<int64_t>() > 0 && our_value.is_number_integer() &&
+        our_value.get<int64_t>() > 0) {
+      return refuse(absl::StrCat(
+          "the checkpoint's learned position table has ", Show(value), " rows but this run's has ",
+          Show(our_value), " (--max_position_embeddings",
+          ours.model.max_position_embeddings == 0
+              ? absl::StrCat(" unset: --seq_length=", ours.model.seq_length)
+              : std::string(),
+          "); a run at any --seq_length up to ", Show(value), " keeps the table with "
+          "--max_position_embeddings=", Show(value)));
     }
     if (value != our_value) {
       return refuse(absl::StrCat("checkpoint has ", field, "=", Show(value), " but this run has ",

@@ -58,6 +58,11 @@ nlohmann::json ConfigToJson(const TrainerConfig& c) {
                 {"vocab_size", c.model.vocab_size},
                 {"seq_length", c.model.seq_length},
                 {"position_embedding_type", PositionEmbeddingName(c.model.position_embedding)},
+                // The learned table's rows; 0: rotary positions, no table.
+                {"max_position_embeddings",
+                 c.model.position_embedding == PositionEmbedding::kLearned
+                     ? c.model.position_rows()
+                     : int64_t{0}},
                 {"rotary_base", c.model.rotary_base},
                 {"tie_embeddings", c.model.tie_embeddings},
                 {"init_method_std", c.model.init_method_std},

@@ -77,8 +77,13 @@ absl::Status CheckResume(const TrainingManifest& saved, const TrainerConfig& our
 /// 0, fresh optimizer and schedule, no data identity or position checks, any data. The
 /// model must still be the checkpoint's: the shape fields of NOTE [resume checks] (among
 /// them normalization, swiglu, num_query_groups, add_bias_linear), the MoE shape and
-/// openai_gelu are refused on a mismatch naming the flag. seq_length is a shape only with learned
-/// positions: with rope a longer run than the checkpoint's is a warning. The checkpoint
+/// openai_gelu are refused on a mismatch naming the flag. seq_length is no shape: learned
+/// positions compare the table's rows (max_position_embeddings; a checkpoint from before the
+/// field had seq_length rows), and a run may fine-tune at any seq_length up to them —
+/// GPT-2's 1024-row table at 512 tokens with --max_position_embeddings=1024
+/// --seq_length=512, the rows past the sequence untouched by the gradient (AdamW's decay
+/// still shrinks them, as Megatron's and transformers' training do); with rope a longer run
+/// than the checkpoint's is a warning. The checkpoint
 /// may be an import (hf_checkpoint.h, NOTE [imported checkpoints]), whose manifest holds
 /// the config but none of the trainer's fields, or any trained checkpoint.
 ///

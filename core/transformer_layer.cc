@@ -142,7 +142,7 @@ Embedding::Embedding(const ModelOptions& options, TensorParallelGroup* tp)
     position_embeddings_ = AddParameter(
         "position_embeddings.weight",
         NormalInit(options.seed, GlobalName("position_embeddings.weight"),
-                   {options.seq_length, h}, options.init_method_std),
+                   {options.position_rows(), h}, options.init_method_std),
         /*weight_decay=*/true);
   }
   MarkSequenceParallel(*this, regions_, {"position_embeddings.weight"});
@@ -152,7 +152,7 @@ at::Tensor Embedding::Forward(const at::Tensor& tokens, const ForwardContext& ct
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [batch, sequence], got ", tokens.sizes());
   const int64_t s = tokens.size(1);
   TORCH_CHECK(s <= options_.seq_length, "sequence of ", s, " tokens exceeds seq_length ",
-              options_.seq_length);
+              options_.seq_length);  // ≤ position_rows() (ModelOptions::Validate)
   // Batches arrive from the CPU data loader; they move to the spec's device here, at the
   // model's entry (a no-op on cpu).
   at::Tensor ids = tokens.t().to(word_embeddings_.device());  // [s, b]

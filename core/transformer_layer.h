@@ -1,9 +1,10 @@
 // The units of a GPT decoder (Megatron-core parameter names):
-//   Embedding         "embedding": word_embeddings.weight [V, h], position_embeddings.weight [S, h]
+//   Embedding         "embedding": word_embeddings.weight [V, h], position_embeddings.weight [P, h]
 //   TransformerLayer  "layers.<i>": pre-norm causal self-attention and GeLU MLP
 //   Head              "head": final_layernorm.*, output_layer.weight (untied only)
 // and, by ModelOptions, the Llama family's variants: RMSNorm (no norm biases), SwiGLU MLP,
-// grouped-query attention, no linear biases (--disable_bias_linear).
+// grouped-query attention, no linear biases (--disable_bias_linear). P is
+// ModelOptions::position_rows(): --max_position_embeddings, or --seq_length when 0.
 //
 // NOTE [QKV rows]
 // The fused QKV weight is [(heads + 2·G)·d, h] for G key/value heads (query groups), its

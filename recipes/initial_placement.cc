@@ -29,7 +29,7 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParameterBalancedPlacem
   // rank than the embedding's (pp > 1, and not ZB-V's rank 0 holding both).
   problem.first_stage_cost =
       vocab_rows * h + (model.position_embedding == PositionEmbedding::kLearned
-                            ? static_cast<double>(model.seq_length) * h
+                            ? static_cast<double>(model.position_rows()) * h
                             : 0.0);
   const int first_rank = chunk_rank.empty() ? 0 : chunk_rank.front();
   const int last_rank = chunk_rank.empty() ? stages - 1 : chunk_rank.back();

@@ -30,6 +30,10 @@ DEFINE_int64(num_attention_heads, 4, "Attention heads; must divide --hidden_size
 DEFINE_int64(ffn_hidden_size, 0, "MLP hidden size; 0 = 4 x --hidden_size.");
 DEFINE_int64(seq_length, 128, "Tokens per sample (and learned positions).");
 DEFINE_string(position_embedding_type, "learned_absolute", "learned_absolute or rope.");
+DEFINE_int64(max_position_embeddings, 0,
+             "Rows of the learned position table (0: --seq_length). A run may train at any "
+             "--seq_length up to it: fine-tune GPT-2 (1024 positions) at 512 tokens with "
+             "--max_position_embeddings=1024 --seq_length=512. Learned positions only.");
 DEFINE_double(rotary_base, 10000.0, "Base of the rotary frequencies (with rope).");
 DEFINE_bool(untie_embeddings_and_output_weights, false,
             "Give the LM head its own weight instead of the word embeddings.");
@@ -264,7 +268,7 @@ cli::HelpSpec TrainHelpSpec() {
   spec.groups = {
       {"Model",
        {"recipe", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-        "seq_length", "position_embedding_type", "rotary_base",
+        "seq_length", "position_embedding_type", "max_position_embeddings", "rotary_base",
         "untie_embeddings_and_output_weights", "init_method_std", "normalization", "norm_epsilon",
         "swiglu", "openai_gelu", "disable_bias_linear", "group_query_attention", "num_query_groups",
         "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "seed",
@@ -589,6 +593,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   m.num_attention_heads = FLAGS_num_attention_heads;
   m.ffn_hidden_size = FLAGS_ffn_hidden_size > 0 ? FLAGS_ffn_hidden_size : 4 * FLAGS_hidden_size;
   m.seq_length = FLAGS_seq_length;
+  m.max_position_embeddings = FLAGS_max_position_embeddings;
   FULCRUM_RETURN_IF_ERROR(ParsePositionEmbedding(FLAGS_position_embedding_type,
                                                  &m.position_embedding));
   m.rotary_base = FLAGS_rotary_base;

@@ -355,6 +355,7 @@ nlohmann::json FulcrumModelJson(const HfModelConfig& m) {
           {"vocab_size", m.vocab_size},
           {"seq_length", m.max_positions},
           {"position_embedding_type", gpt2 ? "learned_absolute" : "rope"},
+          {"max_position_embeddings", gpt2 ? m.max_positions : int64_t{0}},
           {"rotary_base", m.rotary_base},
           {"tie_embeddings", m.tie_embeddings},
           {"init_method_std", m.init_std},
@@ -392,6 +393,8 @@ std::vector<std::string> FulcrumFlags(const HfModelConfig& m) {
       "--make_vocab_size_divisible_by=1",
   };
   if (gpt2) {
+    // A shorter --seq_length after these fine-tunes on the same table (NOTE [finetune]).
+    flags.push_back(absl::StrCat("--max_position_embeddings=", m.max_positions));
     flags.push_back(absl::StrCat("--seq_length=", m.max_positions));
     flags.push_back("--position_embedding_type=learned_absolute");
     if (m.openai_gelu) flags.push_back("--openai_gelu");
@@ -453,6 +456,11 @@ absl::StatusOr<HfModelConfig> HfConfigFromFulcrum(const nlohmann::json& model,
   FULCRUM_ASSIGN_OR_RETURN(const std::string norm, f.String("normalization", "LayerNorm"));
   FULCRUM_ASSIGN_OR_RETURN(const std::string positions,
                            f.String("position_embedding_type", "learned_absolute"));
+  if (positions == "learned_absolute") {
+    // GPT-2's n_positions is the table's rows, which a run at a shorter seq_length keeps;
+    // checkpoints from before the field had seq_length rows.
+    FULCRUM_ASSIGN_OR_RETURN(m.max_positions, f.Positive("max_position_embeddings", m.max_positions));
+  }
   if (m.hidden_size % m.num_attention_heads != 0 ||
       m.num_attention_heads % m.num_query_groups != 0) {
     return f.Error("num_query_groups", "does not divide the heads, or the heads the hidden size");

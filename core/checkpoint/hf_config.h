@@ -68,7 +68,8 @@ absl::StatusOr<HfModelConfig> ParseHfConfig(const nlohmann::json& config,
 nlohmann::json HfConfigJson(const HfModelConfig& m, const std::string& dtype);
 
 /// ConfigToJson's "model" object for `m` (core/trainer.cc), including the fields of
-/// grouped-query attention, RMSNorm and SwiGLU; seq_length is max_positions.
+/// grouped-query attention, RMSNorm and SwiGLU; seq_length is max_positions, and so is
+/// max_position_embeddings for GPT-2's learned table (0 for rotary positions).
 nlohmann::json FulcrumModelJson(const HfModelConfig& m);
 /// The "feed_forward" shape (moe::MoeShape) of `m`: empty for dense models.
 nlohmann::json FulcrumFeedForwardJson(const HfModelConfig& m);

@@ -10,6 +10,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/hf_checkpoint.h"
 #include "core/file_system.h"
+#include "core/gpt_model.h"
 #include "core/trainer.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -251,7 +252,115 @@ TEST(FinetuneTest, RotaryModelsFinetuneAtAnotherSequenceLength) {
   ASSERT_TRUE(refused.ok());
   status = (*refused)->Load(learned.train.load);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(status.message().find("(--seq_length)"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("learned position table has 16 rows but this run's has 32"),
+            std::string::npos)
+      << status;
+  EXPECT_NE(status.message().find("(--max_position_embeddings"), std::string::npos) << status;
+}
+
+// NOTE [finetune]: a learned table of 16 rows (a checkpoint trained at 16 tokens) fine-tunes
+// at 8 tokens with --max_position_embeddings=16: the whole table loads, the run trains rows
+// 0-7 and leaves rows 8-15 as they were (no weight decay here); without the flag this run's
+// table would have 8 rows, and the load is refused saying which value keeps it.
+TEST(FinetuneTest, LearnedPositionsFinetuneAtAShorterSequenceOnTheWholeTable) {
+  TrainerConfig config = SmallTrainerConfig();  // seq_length 16
+  config.train.save = testing::MakeTempDir("finetune_shorter");
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(trainer.ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE((*trainer)->TrainIteration().ok());
+  ASSERT_TRUE((*trainer)->Save().ok());
+  const auto trained = Weights(**trainer);
+
+  TrainerConfig shorter = config;
+  shorter.train.save.clear();
+  shorter.train.load = config.train.save;
+  shorter.train.finetune = true;
+  shorter.model.seq_length = shorter.data.seq_length = 8;
+  shorter.optimizer.weight_decay = 0;
+  {
+    auto refused = Trainer::Create(shorter, SyntheticCorpus(40, 200, config.model.vocab_size));
+    ASSERT_TRUE(refused.ok()) << refused.status();
+    const absl::Status status = (*refused)->Load(shorter.train.load);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("--max_position_embeddings=16"), std::string::npos) << status;
+  }
+  shorter.model.max_position_embeddings = 16;
+  auto tuned = Trainer::Create(shorter, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(tuned.ok()) << tuned.status();
+  const absl::Status loaded = (*tuned)->Load(shorter.train.load);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  const auto after = Weights(**tuned);
+  ASSERT_EQ(after.size(), trained.size());
+  for (const auto& [name, value] : trained) EXPECT_TRUE(at::equal(after.at(name), value)) << name;
+
+  ASSERT_TRUE((*tuned)->TrainIteration().ok());
+  const at::Tensor table = Weights(**tuned).at("embedding.position_embeddings.weight");
+  const at::Tensor before = trained.at("embedding.position_embeddings.weight");
+  ASSERT_EQ(table.size(0), 16);
+  for (int64_t row = 0; row < 16; ++row) {
+    EXPECT_EQ(at::equal(table[row], before[row]), row >= 8)
+        << "row " << row << (row < 8 ? " did not train" : " changed past the sequence");
+  }
+}
+
+// What a model at 8 tokens on a 16-row table computes is what the 16-token model computes
+// at its first 8 positions (causal attention: they see nothing later), to the last bits in
+// fp64 — and only rows 0-7 of the table are read.
+TEST(FinetuneTest, AShorterSequenceComputesTheFirstPositionsOfTheLongerOne) {
+  ModelOptions whole = testing::SmallModel();  // seq_length 16: a 16-row table
+  ASSERT_TRUE(ParseParamsDtype("fp64", &whole.device_spec).ok());
+  ModelOptions shorter = whole;
+  shorter.seq_length = 8;
+  shorter.max_position_embeddings = 16;
+  ASSERT_TRUE(shorter.Validate().ok());
+  GptModel longer_model(whole), shorter_model(shorter);
+  at::manual_seed(3);
+  const at::Tensor tokens = at::randint(whole.vocab_size, {3, 17}, at::TensorOptions().dtype(at::kLong));
+  const ForwardContext ctx{false, 1, 0};
+  const at::Tensor hidden =
+      longer_model.ForwardLayers(longer_model.Embed(tokens.narrow(1, 0, 16), ctx), ctx);
+  const LossSum reference = longer_model.HeadLoss(hidden.narrow(0, 0, 8), tokens.narrow(1, 1, 8));
+  const LossSum loss = shorter_model.ForwardLoss(tokens.narrow(1, 0, 9), ctx);
+  ASSERT_EQ(loss.tokens, 24);
+  ASSERT_EQ(reference.tokens, 24);
+  const double expected = reference.sum.item<double>();
+  EXPECT_NEAR(loss.sum.item<double>(), expected, 1e-12 * std::abs(expected));
+  // Rows past the sequence are never read; row 7 is.
+  const Parameter* table = shorter_model.embedding()->FindParameter("position_embeddings.weight");
+  ASSERT_NE(table, nullptr);
+  ASSERT_EQ(table->value.size(0), 16);
+  {
+    at::NoGradGuard no_grad;
+    // Not a constant: LayerNorm removes a constant shift of a row exactly.
+    table->value.narrow(0, 8, 8).add_(at::randn({8, whole.hidden_size}, table->value.options()));
+  }
+  EXPECT_EQ(shorter_model.ForwardLoss(tokens.narrow(1, 0, 9), ctx).sum.item<double>(),
+            loss.sum.item<double>());
+  {
+    at::NoGradGuard no_grad;
+    table->value[7].add_(at::randn({whole.hidden_size}, table->value.options()));
+  }
+  EXPECT_GT(std::abs(shorter_model.ForwardLoss(tokens.narrow(1, 0, 9), ctx).sum.item<double>() -
+                     loss.sum.item<double>()),
+            1e-6);
+}
+
+TEST(FinetuneTest, MaxPositionEmbeddingsMistakesAreRefusedNamingTheFlag) {
+  ModelOptions m = testing::SmallModel();  // seq_length 16, learned positions
+  m.max_position_embeddings = 8;
+  absl::Status status = m.Validate();
+  EXPECT_NE(status.message().find("--seq_length=16 exceeds --max_position_embeddings=8"),
+            std::string::npos)
+      << status;
+  m.max_position_embeddings = -1;
+  status = m.Validate();
+  EXPECT_NE(status.message().find("--max_position_embeddings=-1 must be ≥ 0"), std::string::npos)
+      << status;
+  m.max_position_embeddings = 32;
+  EXPECT_TRUE(m.Validate().ok());
+  m.position_embedding = PositionEmbedding::kRotary;
+  status = m.Validate();
+  EXPECT_NE(status.message().find("rotary positions have none"), std::string::npos) << status;
 }
 
 TEST(FinetuneTest, DataOutsideTheCheckpointsVocabularyIsRefused) {

@@ -209,6 +209,51 @@ def check_trained(r, tokens):
                 what="the fine-tuned model against the imported one")
 
 
+def check_gpt2_shorter(r, tokens):
+    """GPT-2 (n_positions 64) fine-tuned at 32 tokens on its whole position table: the flags
+    import-hf prints keep the table (--max_position_embeddings=64), the run trains, and the
+    export still has 64 positions, loaded by transformers with Fulcrum's logits. Without
+    --max_position_embeddings the run would build a 32-row table: refused, naming the flag."""
+    hf = r.path("gpt2_shorter.hf")
+    ckpt = r.path("gpt2_shorter.imported")
+    r.reference("make", "--arch", "gpt2", "--seq", "64", "--out", hf)
+    printed = r.tool("fulcrum_ckpt", "import-hf", hf, ckpt).stdout
+    marker = " --finetune "
+    line = next((l for l in printed.splitlines() if marker in l), None)
+    if line is None:
+        raise Failure(f"import-hf printed no fulcrum_train flags:\n{printed}")
+    model_flags = line.split(marker, 1)[1].split()
+    if "--max_position_embeddings=64" not in model_flags:
+        raise Failure(f"import-hf's GPT-2 flags do not keep the 64-row table: {model_flags}")
+    train = os.path.join(r.bin, "fulcrum_train")
+    common = ["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=4", "--lr=1e-3",
+              "--eval_interval=0", "--log_interval=5", "--train_iters=5"]
+    without = [f for f in model_flags if not f.startswith("--max_position_embeddings")]
+    proc = r.run([train, f"--load={ckpt}", "--finetune", *without, *common],
+                 expect_rc=2, what="fine-tuning GPT-2 at 32 tokens without --max_position_embeddings")
+    if "--max_position_embeddings=64" not in proc.stderr + proc.stdout:
+        raise Failure("the refusal does not say which --max_position_embeddings keeps the "
+                      f"table:\n{proc.stderr}")
+    tuned = r.path("gpt2_shorter.tuned")
+    r.run([train, f"--load={ckpt}", "--finetune", *model_flags, *common, f"--save={tuned}"],
+          what="fine-tuning GPT-2 at 32 tokens on its 64-row table")
+    ours = r.path("gpt2_shorter.fulcrum.safetensors")
+    r.tool("fulcrum_hf_logits", f"--load={tuned}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
+           what="fulcrum_hf_logits on the fine-tuned GPT-2")
+    exported = r.path("gpt2_shorter.export")
+    r.tool("fulcrum_ckpt", "export-hf", tuned, exported)
+    with open(os.path.join(exported, "config.json")) as f:
+        n_positions = json.load(f).get("n_positions")
+    if n_positions != 64:
+        raise Failure(f"the fine-tuned GPT-2 exported with n_positions={n_positions}, not 64")
+    r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
+                what="the GPT-2 fine-tuned at 32 tokens, exported, loaded by transformers")
+    before = r.path("gpt2_shorter.imported.safetensors")
+    r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
+    r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
+                what="the fine-tuned GPT-2 against the imported one")
+
+
 def edit_config(hf, **changes):
     path = os.path.join(hf, "config.json")
     with open(path) as f:
@@ -305,6 +350,11 @@ def main():
         print("== trained: import, fine-tune at pp=2 (moving layers) and tp=2, export", flush=True)
         try:
             check_trained(r, tokens)
+        except Failure as e:
+            failures.append(str(e))
+        print("== gpt2 fine-tuned at 32 of its 64 positions, export", flush=True)
+        try:
+            check_gpt2_shorter(r, tokens)
         except Failure as e:
             failures.append(str(e))
         if not args.skip_bad_inputs:

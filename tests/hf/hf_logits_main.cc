@@ -96,6 +96,8 @@ absl::StatusOr<ModelOptions> ModelOptionsFromJson(const nlohmann::json& model) {
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "ffn_hidden_size", &m.ffn_hidden_size, &seen));
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "vocab_size", &m.vocab_size, &seen));
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "seq_length", &m.seq_length, &seen));
+  FULCRUM_RETURN_IF_ERROR(
+      ReadField(model, "max_position_embeddings", &m.max_position_embeddings, &seen));
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "rotary_base", &m.rotary_base, &seen));
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "tie_embeddings", &m.tie_embeddings, &seen));
   FULCRUM_RETURN_IF_ERROR(ReadField(model, "init_method_std", &m.init_method_std, &seen));

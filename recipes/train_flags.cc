@@ -28,7 +28,9 @@ DEFINE_int64(num_layers, 4, "Number of transformer layers.");
 DEFINE_int64(hidden_size, 128, "Transformer hidden size.");
 DEFINE_int64(num_attention_heads, 4, "Attention heads; must divide --hidden_size.");
 DEFINE_int64(ffn_hidden_size, 0, "MLP hidden size; 0 = 4 x --hidden_size.");
-DEFINE_int64(seq_length, 128, "Tokens per sample (and learned positions).");
+DEFINE_int64(seq_length, 128,
+             "Tokens per sample (and the learned position table's rows, unless "
+             "--max_position_embeddings).");
 DEFINE_string(position_embedding_type, "learned_absolute", "learned_absolute or rope.");
 DEFINE_int64(max_position_embeddings, 0,
              "Rows of the learned position table (0: --seq_length). A run may train at any "

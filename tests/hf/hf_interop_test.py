@@ -161,18 +161,31 @@ def check_case(r, name, tokens):
                           f"{proc.stderr}")
 
 
+def import_printing_flags(r, hf, ckpt):
+    """import-hf of `hf` into `ckpt`; the model flags of the fulcrum_train line it prints."""
+    printed = r.tool("fulcrum_ckpt", "import-hf", hf, ckpt).stdout
+    marker = " --finetune "
+    line = next((l for l in printed.splitlines() if marker in l), None)
+    if line is None:
+        raise Failure(f"import-hf printed no fulcrum_train flags:\n{printed}")
+    return line.split(marker, 1)[1].split()
+
+
+def expect_trained(r, hf, tokens, ours, what):
+    """It trained: transformers' logits of the imported `hf` are far from Fulcrum's `ours`."""
+    before = r.path(os.path.basename(hf) + ".imported.safetensors")
+    r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
+    r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
+                what=f"{what} against the imported one")
+
+
 def check_trained(r, tokens):
     """Import → fine-tune 10 iterations at pp=2 with layers migrating → 5 more at tp=2 →
     export: transformers loads the result and reproduces Fulcrum's logits of it."""
     hf = r.path("trained.hf")
     ckpt = r.path("trained.imported")
     r.reference("make", "--arch", "llama", "--layers", "4", "--out", hf)
-    printed = r.tool("fulcrum_ckpt", "import-hf", hf, ckpt).stdout
-    marker = " --finetune "
-    line = next((l for l in printed.splitlines() if marker in l), None)
-    if line is None:
-        raise Failure(f"import-hf printed no fulcrum_train flags:\n{printed}")
-    model_flags = line.split(marker, 1)[1].split()
+    model_flags = import_printing_flags(r, hf, ckpt)
     launch = [os.path.join(r.bin, "fulcrum_launch"), "--nproc_per_node=2", "--master_port=0", "--",
               os.path.join(r.bin, "fulcrum_train")]
     common = model_flags + ["--seq_length=32", "--micro_batch_size=2", "--global_batch_size=8",
@@ -202,11 +215,7 @@ def check_trained(r, tokens):
     r.tool("fulcrum_ckpt", "export-hf", tp_ckpt, exported)
     r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
                 what="the fine-tuned model exported and loaded by transformers")
-    # It trained: the imported model's logits are far from the fine-tuned one's.
-    before = r.path("trained.imported.safetensors")
-    r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
-    r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
-                what="the fine-tuned model against the imported one")
+    expect_trained(r, hf, tokens, ours, "the fine-tuned model")
 
 
 def check_gpt2_shorter(r, tokens):
@@ -217,12 +226,7 @@ def check_gpt2_shorter(r, tokens):
     hf = r.path("gpt2_shorter.hf")
     ckpt = r.path("gpt2_shorter.imported")
     r.reference("make", "--arch", "gpt2", "--seq", "64", "--out", hf)
-    printed = r.tool("fulcrum_ckpt", "import-hf", hf, ckpt).stdout
-    marker = " --finetune "
-    line = next((l for l in printed.splitlines() if marker in l), None)
-    if line is None:
-        raise Failure(f"import-hf printed no fulcrum_train flags:\n{printed}")
-    model_flags = line.split(marker, 1)[1].split()
+    model_flags = import_printing_flags(r, hf, ckpt)
     if "--max_position_embeddings=64" not in model_flags:
         raise Failure(f"import-hf's GPT-2 flags do not keep the 64-row table: {model_flags}")
     train = os.path.join(r.bin, "fulcrum_train")
@@ -248,10 +252,7 @@ def check_gpt2_shorter(r, tokens):
         raise Failure(f"the fine-tuned GPT-2 exported with n_positions={n_positions}, not 64")
     r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
                 what="the GPT-2 fine-tuned at 32 tokens, exported, loaded by transformers")
-    before = r.path("gpt2_shorter.imported.safetensors")
-    r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
-    r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
-                what="the fine-tuned GPT-2 against the imported one")
+    expect_trained(r, hf, tokens, ours, "the fine-tuned GPT-2")
 
 
 def edit_config(hf, **changes):

@@ -130,15 +130,10 @@ class Evaluator {
   absl::StatusOr<const std::vector<pipeline::Schedule>*> VCandidates(int num_ranks) {
     auto it = v_candidates_.find(num_ranks);
     if (it == v_candidates_.end()) {
-      const std::vector<pipeline::ActionCosts> whole =
-          StageCosts({StageRange{0, problem_.num_layers()}});
-      std::optional<pipeline::ActionCosts> mean = pipeline::MeanActionCosts(whole);
+      const std::optional<pipeline::ActionCosts> mean = pipeline::MeanActionCosts(
+          StageCosts({StageRange{0, problem_.num_layers()}}).front(), 2.0 * num_ranks);
       std::optional<std::vector<pipeline::Schedule>> made;
       if (mean.has_value()) {
-        const double chunks = 2.0 * num_ranks;
-        mean->forward /= chunks;
-        mean->backward_input /= chunks;
-        mean->backward_weight /= chunks;
         try {
           made = pipeline::VOrderCandidates(num_ranks, problem_.num_microbatches, *mean);
         } catch (const std::exception& e) {

@@ -4,22 +4,17 @@
 #include <limits>
 
 namespace fulcrum::pipeline {
-namespace {
 
-// `sum` (F, B and W totals; p2p ignored) over `count` actions, or nullopt when a mean is not
-// finite and positive: ZeroBubbleVAt needs all three > 0.
-std::optional<ActionCosts> PositiveMean(const ActionCosts& sum, double count) {
+std::optional<ActionCosts> MeanActionCosts(const ActionCosts& total, double actions) {
   ActionCosts mean;
-  mean.forward = sum.forward / count;
-  mean.backward_input = sum.backward_input / count;
-  mean.backward_weight = sum.backward_weight / count;
+  mean.forward = total.forward / actions;
+  mean.backward_input = total.backward_input / actions;
+  mean.backward_weight = total.backward_weight / actions;
   for (double c : {mean.forward, mean.backward_input, mean.backward_weight}) {
     if (!std::isfinite(c) || c <= 0) return std::nullopt;
   }
   return mean;
 }
-
-}  // namespace
 
 std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, int microbatches) {
   if (microbatches < 1) return std::nullopt;
@@ -39,19 +34,8 @@ std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, i
     }
   }
   if (chunks == 0) return std::nullopt;
-  return PositiveMean(ActionCosts{forward, backward, weight},
-                      static_cast<double>(chunks) * microbatches);
-}
-
-std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs) {
-  if (virtual_costs.empty()) return std::nullopt;
-  ActionCosts sum;
-  for (const ActionCosts& c : virtual_costs) {
-    sum.forward += c.forward;
-    sum.backward_input += c.backward_input;
-    sum.backward_weight += c.backward_weight;
-  }
-  return PositiveMean(sum, static_cast<double>(virtual_costs.size()));
+  return MeanActionCosts(ActionCosts{forward, backward, weight},
+                         static_cast<double>(chunks) * microbatches);
 }
 
 std::vector<Schedule> VOrderCandidates(int num_stages, int microbatches, const ActionCosts& mean) {

@@ -44,10 +44,11 @@ namespace fulcrum::pipeline {
 /// when a mean is not finite and positive (a run whose chunks all ran forward only).
 std::optional<ActionCosts> MeanChunkCosts(const std::vector<StageLoad>& loads, int microbatches);
 
-/// The mean cost of one chunk action over `virtual_costs` (one per virtual stage): each of
-/// F, B and W summed and divided by the count; nullopt when a mean is not finite and
+/// The mean cost of one chunk action from `total` (F, B and W summed over `actions` chunk
+/// actions; p2p ignored): each divided by `actions`; nullopt when a mean is not finite and
 /// positive (ZeroBubbleVAt needs all three > 0; the unit-cost order is run then).
-std::optional<ActionCosts> MeanActionCosts(const std::vector<ActionCosts>& virtual_costs);
+/// MeanChunkCosts is this on the loads' totals.
+std::optional<ActionCosts> MeanActionCosts(const ActionCosts& total, double actions);
 
 /// The V's MeasuredVOrder chooses among for `num_stages` × `microbatches` at `mean` (one
 /// chunk action's mean costs): the greedy's orders at those costs (ZeroBubbleVOrdersAt),

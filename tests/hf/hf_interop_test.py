@@ -171,12 +171,22 @@ def import_printing_flags(r, hf, ckpt):
     return line.split(marker, 1)[1].split()
 
 
-def expect_trained(r, hf, tokens, ours, what):
-    """It trained: transformers' logits of the imported `hf` are far from Fulcrum's `ours`."""
-    before = r.path(os.path.basename(hf) + ".imported.safetensors")
+def check_tuned_export(r, name, tuned, hf, tokens, what):
+    """Fulcrum's logits of the fine-tuned checkpoint `tuned`; its export-hf, loaded by
+    transformers, gives them; and they are far from transformers' logits of the imported `hf`
+    (it trained). Returns the export's directory."""
+    ours = r.path(f"{name}.fulcrum.safetensors")
+    r.tool("fulcrum_hf_logits", f"--load={tuned}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
+           what=f"fulcrum_hf_logits on {what}")
+    exported = r.path(f"{name}.export")
+    r.tool("fulcrum_ckpt", "export-hf", tuned, exported)
+    r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
+                what=f"{what}, exported and loaded by transformers")
+    before = r.path(f"{name}.imported.safetensors")
     r.reference("reference", "--tokens", tokens, "--model", hf, "--out", before, *ADAM)
     r.reference("compare", "--actual", before, "--expect", ours, "--expect_fail",
                 what=f"{what} against the imported one")
+    return exported
 
 
 def check_trained(r, tokens):
@@ -208,14 +218,7 @@ def check_trained(r, tokens):
     r.run(launch + [f"--load={pp_ckpt}", *common, "--tensor_model_parallel_size=2",
                     f"--save={tp_ckpt}"],
           what="resuming it at tp=2")
-    ours = r.path("trained.fulcrum.safetensors")
-    r.tool("fulcrum_hf_logits", f"--load={tp_ckpt}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
-           what="fulcrum_hf_logits on the fine-tuned checkpoint")
-    exported = r.path("trained.export")
-    r.tool("fulcrum_ckpt", "export-hf", tp_ckpt, exported)
-    r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
-                what="the fine-tuned model exported and loaded by transformers")
-    expect_trained(r, hf, tokens, ours, "the fine-tuned model")
+    check_tuned_export(r, "trained", tp_ckpt, hf, tokens, "the fine-tuned model")
 
 
 def check_gpt2_shorter(r, tokens):
@@ -241,18 +244,12 @@ def check_gpt2_shorter(r, tokens):
     tuned = r.path("gpt2_shorter.tuned")
     r.run([train, f"--load={ckpt}", "--finetune", *model_flags, *common, f"--save={tuned}"],
           what="fine-tuning GPT-2 at 32 tokens on its 64-row table")
-    ours = r.path("gpt2_shorter.fulcrum.safetensors")
-    r.tool("fulcrum_hf_logits", f"--load={tuned}", f"--tokens={tokens}", f"--out={ours}", *ADAM,
-           what="fulcrum_hf_logits on the fine-tuned GPT-2")
-    exported = r.path("gpt2_shorter.export")
-    r.tool("fulcrum_ckpt", "export-hf", tuned, exported)
+    exported = check_tuned_export(r, "gpt2_shorter", tuned, hf, tokens,
+                                  "the GPT-2 fine-tuned at 32 tokens")
     with open(os.path.join(exported, "config.json")) as f:
         n_positions = json.load(f).get("n_positions")
     if n_positions != 64:
         raise Failure(f"the fine-tuned GPT-2 exported with n_positions={n_positions}, not 64")
-    r.reference("check-export", "--model", exported, "--tokens", tokens, "--expect", ours,
-                what="the GPT-2 fine-tuned at 32 tokens, exported, loaded by transformers")
-    expect_trained(r, hf, tokens, ours, "the fine-tuned GPT-2")
 
 
 def edit_config(hf, **changes):

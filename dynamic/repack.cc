@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status.h"
+#include "dynamic/load_model.h"
 #include "dynamic/stage_costs.h"
 #include "pipeline/measured_order.h"
 #include "pipeline/schedule.h"
@@ -83,10 +84,9 @@ class Evaluator {
   absl::StatusOr<const pipeline::Schedule*> ScheduleFor(
       const Placement& placement,
       const std::vector<pipeline::ActionCosts>* stage_costs = nullptr) {
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
     const int q = RanksOf(placement);
-    const int forward_only = pipeline::ForwardOnlyVirtualStages(ranges, problem_.frozen_prefix);
+    const int forward_only =
+        pipeline::ForwardOnlyVirtualStages(ToLayerRanges(placement), problem_.frozen_prefix);
     if (!problem_.measured_zbv_order || problem_.schedule != "zbv" || q < 2) {
       return ScheduleFor(q, forward_only);
     }

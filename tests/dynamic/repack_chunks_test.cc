@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "dynamic/load_model.h"
 #include "dynamic/repack.h"
 #include "dynamic/repack_trigger.h"
 #include "dynamic/stage_costs.h"
@@ -447,9 +448,8 @@ TEST(RepackChunksTest, UnderTheMeasuredVThePredictionIsTheOrderTheRunnerBuilds) 
 
     pipeline::MeasuredVOrder order;
     ASSERT_TRUE(order.Observe(MeasuredVLoads(problem, placement, m), m));
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (const StageRange& r : placement) ranges.emplace_back(r.begin, r.end);
-    const int forward_only = pipeline::ForwardOnlyVirtualStages(ranges, problem.frozen_prefix);
+    const int forward_only =
+        pipeline::ForwardOnlyVirtualStages(ToLayerRanges(placement), problem.frozen_prefix);
     const pipeline::Schedule runs = order.Build(q, m, forward_only);
     const pipeline::Schedule unit_runs =
         pipeline::WithForwardOnlyPrefix(pipeline::ZeroBubbleV(q, m), forward_only);
@@ -535,8 +535,7 @@ TEST(RepackChunksTest, TheTriggerPredictsUnderTheMeasuredV) {
   RepackProblem problem = BDearerThanF(rng, 12, 12);
   const Placement current = RandomPlacement(rng, 12, 6);
   const std::vector<pipeline::StageLoad> loads = MeasuredVLoads(problem, current, 12);
-  pipeline::LayerRanges ranges;
-  for (const StageRange& r : current) ranges.emplace_back(r.begin, r.end);
+  const pipeline::LayerRanges ranges = ToLayerRanges(current);
   for (const bool measured : {false, true}) {
     RepackTriggerOptions options;
     options.automatic = true;

@@ -31,6 +31,17 @@ std::map<std::string, at::Tensor> Weights(Trainer& trainer) {
   return out;
 }
 
+// Trains a run of `config` (train.save set) for `iterations` iterations on the synthetic
+// corpus and saves it; its weights into `weights` when given.
+void TrainAndSave(const TrainerConfig& config, int iterations,
+                  std::map<std::string, at::Tensor>* weights = nullptr) {
+  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  for (int i = 0; i < iterations; ++i) ASSERT_TRUE((*trainer)->TrainIteration().ok());
+  ASSERT_TRUE((*trainer)->Save().ok());
+  if (weights != nullptr) *weights = Weights(**trainer);
+}
+
 // A model trained for 3 iterations, saved under `dir`/trained, exported to Hugging Face
 // (`dir`/hf: GPT2LMHeadModel, the architecture of today's default model) and imported back
 // (`dir`/imported). Returns the trained weights.
@@ -199,11 +210,8 @@ TEST(FinetuneTest, ArchitectureMismatchIsRefusedNamingTheFlag) {
 TEST(FinetuneTest, TrainedCheckpointLoadsWeightsOnlyOnOtherData) {
   TrainerConfig config = SmallTrainerConfig();
   config.train.save = testing::MakeTempDir("finetune_trained");
-  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
-  ASSERT_TRUE(trainer.ok());
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE((*trainer)->TrainIteration().ok());
-  ASSERT_TRUE((*trainer)->Save().ok());
-  const auto trained = Weights(**trainer);
+  std::map<std::string, at::Tensor> trained;
+  ASSERT_NO_FATAL_FAILURE(TrainAndSave(config, 4, &trained));
 
   TrainerConfig tuned = config;
   tuned.train.save.clear();
@@ -228,9 +236,7 @@ TEST(FinetuneTest, RotaryModelsFinetuneAtAnotherSequenceLength) {
   TrainerConfig config = SmallTrainerConfig();
   config.model.position_embedding = PositionEmbedding::kRotary;
   config.train.save = testing::MakeTempDir("finetune_rope");
-  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
-  ASSERT_TRUE(trainer.ok());
-  ASSERT_TRUE((*trainer)->Save().ok());
+  ASSERT_NO_FATAL_FAILURE(TrainAndSave(config, 0));
   TrainerConfig longer = config;
   longer.model.seq_length = longer.data.seq_length = 2 * config.model.seq_length;
   longer.train.load = config.train.save;
@@ -242,9 +248,7 @@ TEST(FinetuneTest, RotaryModelsFinetuneAtAnotherSequenceLength) {
 
   TrainerConfig learned = SmallTrainerConfig();
   learned.train.save = testing::MakeTempDir("finetune_learned");
-  auto base = Trainer::Create(learned, SyntheticCorpus(40, 200, learned.model.vocab_size));
-  ASSERT_TRUE(base.ok());
-  ASSERT_TRUE((*base)->Save().ok());
+  ASSERT_NO_FATAL_FAILURE(TrainAndSave(learned, 0));
   learned.model.seq_length = learned.data.seq_length = 2 * learned.model.seq_length;
   learned.train.load = learned.train.save;
   learned.train.finetune = true;
@@ -265,11 +269,8 @@ TEST(FinetuneTest, RotaryModelsFinetuneAtAnotherSequenceLength) {
 TEST(FinetuneTest, LearnedPositionsFinetuneAtAShorterSequenceOnTheWholeTable) {
   TrainerConfig config = SmallTrainerConfig();  // seq_length 16
   config.train.save = testing::MakeTempDir("finetune_shorter");
-  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
-  ASSERT_TRUE(trainer.ok());
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE((*trainer)->TrainIteration().ok());
-  ASSERT_TRUE((*trainer)->Save().ok());
-  const auto trained = Weights(**trainer);
+  std::map<std::string, at::Tensor> trained;
+  ASSERT_NO_FATAL_FAILURE(TrainAndSave(config, 3, &trained));
 
   TrainerConfig shorter = config;
   shorter.train.save.clear();
@@ -366,9 +367,7 @@ TEST(FinetuneTest, MaxPositionEmbeddingsMistakesAreRefusedNamingTheFlag) {
 TEST(FinetuneTest, DataOutsideTheCheckpointsVocabularyIsRefused) {
   TrainerConfig config = SmallTrainerConfig();  // vocab 64
   config.train.save = testing::MakeTempDir("finetune_vocab");
-  auto trainer = Trainer::Create(config, SyntheticCorpus(40, 200, config.model.vocab_size));
-  ASSERT_TRUE(trainer.ok());
-  ASSERT_TRUE((*trainer)->Save().ok());
+  ASSERT_NO_FATAL_FAILURE(TrainAndSave(config, 0));
   for (const bool finetune : {false, true}) {
     TrainerConfig wider = config;
     wider.model.vocab_size = 128;  // The run's own model fits the data...

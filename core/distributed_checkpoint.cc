@@ -108,94 +108,184 @@ void ShardedState(const CheckpointSave& save, const std::vector<Unit*>& units, C
   }
 }
 
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A copy in new CPU memory, so the model may change while it is written.
+at::Tensor Snapshot(const at::Tensor& tensor) {
+  return tensor.detach().to(tensor.options().device(at::kCPU), /*non_blocking=*/false,
+                            /*copy=*/true, at::MemoryFormat::Contiguous);
+}
+
 }  // namespace
 
-absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>& units,
-                            const RankRoles& roles, const CheckpointCollectives& collectives) {
-  const auto start = std::chrono::steady_clock::now();
+SaveInProgress::SaveInProgress() = default;
+SaveInProgress::~SaveInProgress() = default;
+
+int64_t SaveInProgress::bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, tensor] : tensors_) total += tensor.nbytes();
+  for (const ckpt::TensorPiece& piece : pieces_) total += piece.tensor.nbytes();
+  return total;
+}
+
+std::unique_ptr<SaveInProgress> StartSave(const CheckpointSave& save,
+                                          const std::vector<Unit*>& units, const RankRoles& roles,
+                                          const CheckpointCollectives& collectives) {
+  std::unique_ptr<SaveInProgress> out(new SaveInProgress());
+  out->start_ = std::chrono::steady_clock::now();
+  out->save_ = save;
+  out->save_.moment_slices.reset();  // ShardedState turns them into pieces_.
   const int64_t iteration = save.iteration;
   // Checkpoints are layout-free (invariant 4). Full: tensor-parallel shards are gathered,
   // which every rank of the group takes part in; data-parallel replicas hold the same
   // state; expert-parallel ranks hold different experts: each saves its own. Sharded: every
   // rank writes the pieces it holds, the reader assembles them.
-  const bool committer = roles.commits_checkpoint;
+  out->committer_ = roles.commits_checkpoint;
   using Part = CheckpointPart;
   const Part part = roles.checkpoint_part;
-  NamedTensors tensors;
-  std::vector<ckpt::TensorPiece> pieces;
   if (save.sharded) {
-    ShardedState(save, units, part, &tensors, &pieces);
+    ShardedState(save, units, part, &out->tensors_, &out->pieces_);
   } else if (part != Part::kNothing) {
     for (Unit* unit : units) {
       NamedTensors state =
           unit->StateTensors(collectives.gather_shard, part == Part::kExpertParallel);
-      tensors.insert(tensors.end(), state.begin(), state.end());
+      out->tensors_.insert(out->tensors_.end(), state.begin(), state.end());
     }
   }
-  const bool writer = save.sharded ? (committer || !tensors.empty() || !pieces.empty())
-                                   : roles.writes_checkpoint_shard;
-  const std::string shard_name =
+  out->writer_ = save.sharded
+                     ? (out->committer_ || !out->tensors_.empty() || !out->pieces_.empty())
+                     : roles.writes_checkpoint_shard;
+  out->shard_name_ =
       save.sharded ? absl::StrFormat("rank_%05d", roles.world_rank) : roles.checkpoint_shard_name;
-  if (committer) {
+  if (out->committer_) {
     // The default generator is not used by training itself (NOTE [layout-independent
     // randomness]) but user and plugin code may draw from it; restore it on resume.
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
-    tensors.emplace_back("rng.torch_cpu", generator.get_state());
+    out->tensors_.emplace_back("rng.torch_cpu", generator.get_state());
+  }
+  if (save.snapshot) {
+    for (auto& [name, tensor] : out->tensors_) tensor = Snapshot(tensor);
+    for (ckpt::TensorPiece& piece : out->pieces_) piece.tensor = Snapshot(piece.tensor);
   }
   // The committer creates the temporary directory; the other writers join it once it
-  // exists, and the committer commits once every shard is written. Every rank passes every
-  // barrier whatever fails, so an error on one rank is reported, never turned into a hang.
-  absl::Status status = save.local_status;
-  std::optional<ckpt::CheckpointWriter> ckpt_writer;
-  if (committer && status.ok()) {
+  // exists, and the committer commits once every shard is written (FinishSave). Every rank
+  // passes every barrier whatever fails, so an error on one rank is reported, never turned
+  // into a hang.
+  out->status_ = save.local_status;
+  if (out->committer_ && out->status_.ok()) {
     auto begun = ckpt::CheckpointWriter::Begin(save.fs, save.dir, iteration);
-    if (begun.ok()) ckpt_writer.emplace(std::move(*begun)); else status = begun.status();
+    if (begun.ok()) {
+      out->ckpt_writer_ = std::make_unique<ckpt::CheckpointWriter>(std::move(*begun));
+    } else {
+      out->status_ = begun.status();
+    }
   }
   collectives.barrier();
-  if (writer && !committer && status.ok()) {
+  if (out->writer_ && !out->committer_ && out->status_.ok()) {
     auto joined = ckpt::CheckpointWriter::Join(save.fs, save.dir, iteration);
-    if (joined.ok()) ckpt_writer.emplace(std::move(*joined)); else status = joined.status();
+    if (joined.ok()) {
+      out->ckpt_writer_ = std::make_unique<ckpt::CheckpointWriter>(std::move(*joined));
+    } else {
+      out->status_ = joined.status();
+    }
   }
-  if (writer && status.ok()) {
-    status = ckpt_writer->WriteShard(shard_name, tensors, pieces);
-  }
-  collectives.barrier();
+  out->start_seconds_ = SecondsSince(out->start_);
+  return out;
+}
+
+void SaveInProgress::Write() {
+  TORCH_INTERNAL_ASSERT(!written_, "SaveInProgress::Write called twice");
+  written_ = true;
+  if (writer_ && status_.ok()) status_ = ckpt_writer_->WriteShard(shard_name_, tensors_, pieces_);
+  // What was written is on disk: the host copy goes now, not at FinishSave.
+  tensors_.clear();
+  pieces_.clear();
+}
+
+absl::Status FinishSave(SaveInProgress& save, const CheckpointCollectives& collectives) {
+  TORCH_INTERNAL_ASSERT(save.written_, "FinishSave before SaveInProgress::Write");
+  const int64_t iteration = save.iteration();
+  absl::Status status = save.status_;
   // A writer that failed leaves its shard missing, and Commit refuses an incomplete set
   // only if it knows the set: the committer also checks every writer reported success.
   std::vector<double> failures{status.ok() ? 0.0 : 1.0};
   collectives.sum_over_job(failures);
-  if (committer && status.ok()) {
+  if (save.committer_ && status.ok()) {
     if (failures[0] > 0) {
       status = absl::InternalError(absl::StrCat("checkpoint of iteration ", iteration, ": ",
                                                 failures[0], " rank(s) failed to write their shard"));
     } else {
-      status = ckpt_writer->Commit(save.manifest_fields);
+      status = save.ckpt_writer_->Commit(save.save_.manifest_fields);
     }
     if (status.ok()) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration << " written in "
-                        << absl::StrFormat("%.2f s", seconds);
-      if (save.keep_last > 0) {
-        auto removed = ckpt::RemoveOldCheckpoints(save.fs, save.dir, save.keep_last);
+                        << absl::StrFormat("%.2f s", SecondsSince(save.start_));
+      if (save.save_.keep_last > 0) {
+        auto removed = ckpt::RemoveOldCheckpoints(save.save_.fs, save.save_.dir,
+                                                  save.save_.keep_last);
         if (!removed.ok()) {
           FULCRUM_LOG(WARNING) << "--save_keep_last: " << removed.status().message();
         } else if (!removed->empty()) {
-          FULCRUM_LOG(INFO) << "removed " << absl::StrJoin(*removed, ", ") << " (--save_keep_last="
-                            << save.keep_last << ")";
+          FULCRUM_LOG(INFO) << "removed " << absl::StrJoin(*removed, ", ")
+                            << " (--save_keep_last=" << save.save_.keep_last << ")";
         }
       }
     }
   }
-  if (committer && !status.ok() && ckpt_writer.has_value()) {
+  if (save.committer_ && !status.ok() && save.ckpt_writer_ != nullptr) {
     // A failed save leaves nothing behind; the checkpoints before it are untouched.
-    if (absl::Status aborted = ckpt_writer->Abort(); !aborted.ok()) {
-      FULCRUM_LOG(WARNING) << "could not remove " << ckpt_writer->temp_dir() << ": " << aborted;
+    if (absl::Status aborted = save.ckpt_writer_->Abort(); !aborted.ok()) {
+      FULCRUM_LOG(WARNING) << "could not remove " << save.ckpt_writer_->temp_dir() << ": "
+                           << aborted;
     }
   }
   collectives.barrier();
   return status;
+}
+
+absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>& units,
+                            const RankRoles& roles, const CheckpointCollectives& collectives) {
+  std::unique_ptr<SaveInProgress> in_progress = StartSave(save, units, roles, collectives);
+  in_progress->Write();
+  return FinishSave(*in_progress, collectives);
+}
+
+BackgroundSave::BackgroundSave(std::unique_ptr<SaveInProgress> save) : save_(std::move(save)) {
+  TORCH_INTERNAL_ASSERT(save_->save_.snapshot, "a background save must write a snapshot");
+  thread_ = std::thread([this] {
+    save_->Write();
+    written_.store(true, std::memory_order_release);
+  });
+}
+
+BackgroundSave::~BackgroundSave() {
+  Join();
+  if (!finished_) {
+    FULCRUM_LOG(WARNING) << "the background save of iteration " << save_->iteration()
+                         << " was never finished: it is not committed";
+  }
+}
+
+void BackgroundSave::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::optional<absl::Status> BackgroundSave::FinishIfWritten(
+    const CheckpointCollectives& collectives) {
+  std::vector<double> writing{written() ? 0.0 : 1.0};
+  collectives.sum_over_job(writing);
+  if (writing[0] > 0) return std::nullopt;
+  return Finish(collectives);
+}
+
+absl::Status BackgroundSave::Finish(const CheckpointCollectives& collectives) {
+  TORCH_INTERNAL_ASSERT(!finished_, "BackgroundSave::Finish called twice");
+  Join();
+  finished_ = true;
+  return FinishSave(*save_, collectives);
 }
 
 namespace {

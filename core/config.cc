@@ -209,6 +209,10 @@ absl::Status TrainOptions::Validate() const {
   if (save_keep_last > 0 && save.empty()) {
     return Invalid(absl::StrCat("--save_keep_last=", save_keep_last, " needs --save=DIR"));
   }
+  if (async_save && save.empty()) {
+    return Invalid("--async_save needs --save=DIR: it writes the checkpoints of --save in the "
+                   "background");
+  }
   if (save_interval > 0 && save.empty()) {
     return Invalid(absl::StrCat("--save_interval=", save_interval, " needs --save=DIR"));
   }

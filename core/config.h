@@ -141,6 +141,12 @@ struct TrainOptions {
   /// holds, nothing gathered (NOTE [sharded checkpoints]); false (full): each tensor-parallel
   /// group gathers whole tensors to one writer. Either loads under any layout.
   bool sharded_checkpoints = true;
+  /// Default: false. Interval saves are written in the background (NOTE [background saves]
+  /// in core/distributed_checkpoint.h): training waits only while each rank copies what it
+  /// writes into host memory, and the checkpoint is committed at the first iteration end
+  /// after every rank's write. The save that ends a Run (at train_iters, exit_interval or a
+  /// stop) is complete before Run returns. Needs `save`.
+  bool async_save = false;
   std::string metrics_file;           // Default: none. JSON lines, one per iteration.
   /// Default: none. JSON lines of each iteration's measured per-layer F/B/W, plugin loads
   /// and placement (pipeline/load_trace.h), for fulcrum_sim --trace.

@@ -116,6 +116,8 @@ absl::Status TrainerConfig::Validate() const {
   return absl::OkStatus();
 }
 
+Trainer::~Trainer() = default;
+
 Trainer::Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileSystem* fs)
     : config_(config),
       layout_(layout),
@@ -521,17 +523,17 @@ nlohmann::json Trainer::ManifestFields(
   return TrainingManifestToJson(m);
 }
 
-absl::Status Trainer::Save() {
-  const std::string& dir = config_.train.save;
-  if (dir.empty()) return absl::FailedPreconditionError("no --save directory");
+std::unique_ptr<SaveInProgress> Trainer::BeginSave(bool snapshot) {
   CheckpointSave save;
   save.fs = fs_;
-  save.dir = dir;
+  save.dir = config_.train.save;
   save.iteration = iteration_;
   save.manifest_fields = ManifestFields(GatherLayerPlacement(*model_, collectives()));
   save.keep_last = config_.train.save_keep_last;
   save.sharded = config_.train.sharded_checkpoints;
+  save.snapshot = snapshot;
   const std::vector<Unit*> units = model_->Units();
+  const CheckpointCollectives ckpt_collectives = CheckpointCollectivesOf(collectives());
   if (save.sharded && optimizer_->SlicesState()) {
     // Each rank writes the moment slices it owns (NOTE [sharded checkpoints]); a rank that
     // cannot still takes part, so the save fails everywhere instead of hanging.
@@ -542,14 +544,68 @@ absl::Status Trainer::Save() {
       save.moment_slices.emplace();
       save.local_status = slices.status();
     }
-    return SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));
+    return StartSave(save, units, layout_.roles, ckpt_collectives);
   }
   // NOTE [optimizer state residency]: a full checkpoint reads whole moments from the units.
-  FULCRUM_RETURN_IF_ERROR(optimizer_->GatherState(units, collectives()));
-  const absl::Status saved =
-      SaveCheckpoint(save, units, layout_.roles, CheckpointCollectivesOf(collectives()));
+  // Released as soon as StartSave holds them (ReleaseState drops the Parameters' references
+  // only), so the optimizer's next step takes its slices back whatever the save does.
+  save.local_status = optimizer_->GatherState(units, collectives());
+  std::unique_ptr<SaveInProgress> started = StartSave(save, units, layout_.roles, ckpt_collectives);
   optimizer_->ReleaseState(units);
-  return saved;
+  return started;
+}
+
+absl::Status Trainer::Save() {
+  if (config_.train.save.empty()) return absl::FailedPreconditionError("no --save directory");
+  FULCRUM_RETURN_IF_ERROR(FinishBackgroundSave(/*wait=*/true));
+  std::unique_ptr<SaveInProgress> save = BeginSave(/*snapshot=*/false);
+  save->Write();
+  return FinishSave(*save, CheckpointCollectivesOf(collectives()));
+}
+
+absl::Status Trainer::SaveInBackground() {
+  if (background_save_ != nullptr) {
+    // The next save came due before the last was written: training waits for it here.
+    const auto wait_start = Clock::now();
+    const int64_t previous = background_save_->save().iteration();
+    FULCRUM_RETURN_IF_ERROR(FinishBackgroundSave(/*wait=*/true));
+    if (layout_.roles.commits_checkpoint) {
+      FULCRUM_LOG(WARNING) << absl::StrFormat(
+          "the checkpoint of iteration %d was still being written when iteration %d's came "
+          "due; training waited %.2f s for it (--async_save; a longer --save_interval avoids "
+          "this)",
+          previous, iteration_, MillisecondsSince(wait_start) / 1000.0);
+    }
+  }
+  std::unique_ptr<SaveInProgress> save = BeginSave(/*snapshot=*/true);
+  if (layout_.roles.commits_checkpoint) {
+    FULCRUM_LOG(INFO) << absl::StrFormat(
+        "checkpoint of iteration %d: training waited %.2f s for its snapshot (%.1f MB on this "
+        "rank); writing it in the background (--async_save)",
+        iteration_, save->start_seconds(), static_cast<double>(save->bytes()) / 1e6);
+  }
+  background_save_ = std::make_unique<BackgroundSave>(std::move(save));
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::FinishBackgroundSave(bool wait) {
+  if (background_save_ == nullptr) return absl::OkStatus();
+  const CheckpointCollectives ckpt_collectives = CheckpointCollectivesOf(collectives());
+  absl::Status status;
+  if (wait) {
+    status = background_save_->Finish(ckpt_collectives);
+  } else {
+    std::optional<absl::Status> finished = background_save_->FinishIfWritten(ckpt_collectives);
+    if (!finished.has_value()) return absl::OkStatus();  // Some rank is still writing.
+    status = std::move(*finished);
+  }
+  const int64_t saved = background_save_->save().iteration();
+  background_save_.reset();
+  if (status.ok() && layout_.roles.commits_checkpoint) {
+    FULCRUM_LOG(INFO) << "checkpoint of iteration " << saved << " committed after iteration "
+                      << iteration_ << " (written in the background)";
+  }
+  return status;
 }
 
 absl::Status Trainer::Load(const std::string& path) {
@@ -599,6 +655,8 @@ absl::Status Trainer::ChangeLayout(
         "ChangeLayout needs a parallel context with the same data-parallel size");
   }
   FULCRUM_RETURN_IF_ERROR(ValidateLayout(layout));
+  // Run finishes its background saves before it returns: one in flight here is a bug.
+  TORCH_INTERNAL_ASSERT(background_save_ == nullptr, "ChangeLayout with a background save in flight");
   // The new layers must use the new groups only: the plugins rebuild what they built on the
   // old ones (the old model keeps its own until it goes, after `fill`).
   FULCRUM_RETURN_IF_ERROR(plugins_->OnLayout(parallel));
@@ -633,6 +691,15 @@ absl::Status Trainer::ChangeLayout(
 }
 
 absl::Status Trainer::Run() {
+  absl::Status status = RunIterations();
+  // A failure may have left a background save in flight; it is abandoned uncommitted (its
+  // temporary directory goes at the next save's Begin), never finished: the other ranks
+  // may not be there to finish it with.
+  if (!status.ok()) background_save_.reset();
+  return status;
+}
+
+absl::Status Trainer::RunIterations() {
   const TrainOptions& t = config_.train;
   const int64_t tokens_per_iteration = t.global_batch_size * config_.data.seq_length;
   // Parameters of the whole model: each rank counts what it alone holds (its shards; a
@@ -750,8 +817,12 @@ absl::Status Trainer::Run() {
     const bool exiting = t.exit_interval > 0 && iteration_ % t.exit_interval == 0;
     const bool finished = iteration_ == t.train_iters;
     const bool interval_save = t.save_interval > 0 && iteration_ % t.save_interval == 0;
-    if (!t.save.empty() && (interval_save || exiting || finished || stats.stop_requested)) {
-      FULCRUM_RETURN_IF_ERROR(Save());
+    // A background save is committed at the first iteration end after every rank wrote it.
+    FULCRUM_RETURN_IF_ERROR(FinishBackgroundSave(/*wait=*/false));
+    const bool last = exiting || finished || stats.stop_requested;
+    if (!t.save.empty() && (interval_save || last)) {
+      // The save that ends the Run is complete before it returns.
+      FULCRUM_RETURN_IF_ERROR(t.async_save && !last ? SaveInBackground() : Save());
     }
     if (stats.stop_requested && !finished) {
       stopped_ = true;
@@ -762,6 +833,7 @@ absl::Status Trainer::Run() {
       break;
     }
   }
+  FULCRUM_RETURN_IF_ERROR(FinishBackgroundSave(/*wait=*/true));
   if (ForwardBackwardRunner* runner = layout_.runner) {
     FULCRUM_RETURN_IF_ERROR(runner->Finish());
   }

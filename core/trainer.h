@@ -39,6 +39,8 @@ namespace fulcrum {
 namespace ckpt {
 class CheckpointReader;
 }  // namespace ckpt
+class BackgroundSave;   // core/distributed_checkpoint.h
+class SaveInProgress;
 
 /// Everything a training run is configured by.
 struct TrainerConfig {
@@ -88,6 +90,9 @@ struct TrainerLayout {
 
 class Trainer {
  public:
+  /// Waits for a background save still being written; it is not committed (NOTE
+  /// [background saves]).
+  ~Trainer();
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
   /// and `layout` first; nothing heavy happens before validation passes. `plugins` (may be
   /// null: none) build parts of the layers and act at fixed points of each iteration
@@ -159,7 +164,8 @@ class Trainer {
   /// split (the same batches every time, so values are comparable across evaluations).
   absl::StatusOr<double> Evaluate();
 
-  /// Writes a checkpoint of the current state into train.save.
+  /// Writes a checkpoint of the current state into train.save, complete when this returns
+  /// (after finishing a background save still in flight). Collective over the whole job.
   absl::Status Save();
 
   GptModel& model() { return *model_; }
@@ -178,6 +184,17 @@ class Trainer {
 
  private:
   Trainer(const TrainerConfig& config, const TrainerLayout& layout, FileSystem* fs);
+  /// Run's loop; Run abandons a background save it leaves in flight on failure.
+  absl::Status RunIterations();
+  /// The first phase of a save of the current state (StartSave), with the optimizer's state
+  /// where the checkpoint format reads it. Collective over the whole job.
+  std::unique_ptr<SaveInProgress> BeginSave(bool snapshot);
+  /// --async_save: snapshots the current state and writes it in the background (NOTE
+  /// [background saves]), after finishing the one still in flight. Collective.
+  absl::Status SaveInBackground();
+  /// Finishes the background save in flight, if any: with `wait`, once this rank's write
+  /// ends; without, only if every rank's write has already ended. Collective.
+  absl::Status FinishBackgroundSave(bool wait);
   int dp_rank() const { return layout_.roles.dp_rank; }
   int dp_size() const { return layout_.roles.dp_size; }
   bool is_logging_rank() const { return layout_.roles.is_logging_rank; }
@@ -227,6 +244,9 @@ class Trainer {
   std::function<bool()> stop_request_;
   std::function<std::string()> stop_reason_;
   bool stopped_ = false;
+  // --async_save: the save being written in the background; null when none is. Last, so it
+  // is destroyed (its thread joined) first.
+  std::unique_ptr<BackgroundSave> background_save_;
 };
 
 /// The configuration as JSON (recorded in checkpoint manifests and logged at start).

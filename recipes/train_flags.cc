@@ -206,6 +206,11 @@ DEFINE_int32(num_threads, 0,
 DEFINE_string(save, "", "Directory to save checkpoints into.");
 DEFINE_string(load, "", "Checkpoint directory (or one iter_XXXXXXX in it) to resume from.");
 DEFINE_int64(save_interval, 0, "Save every this many iterations (also saved at exit and end).");
+DEFINE_bool(async_save, false,
+            "Write interval checkpoints in the background: training waits only while each rank "
+            "copies its part into host memory, and the checkpoint becomes `latest` at the first "
+            "iteration end after every rank wrote it. The last save of a run completes before "
+            "it exits.");
 DEFINE_int32(save_keep_last, 0,
              "Keep only the newest this many checkpoints in --save (older ones are deleted after "
              "each save; the one `latest` names is always kept); 0 = keep all.");
@@ -307,7 +312,7 @@ cli::HelpSpec TrainHelpSpec() {
         "moe_cosine_init_temperature", "moe_cosine_min_temperature", "moe_a2a_overlap_degree",
         "moe_hierarchical_a2a_node_size", "moe_assignment_cache_threshold"}},
       {"Plugins", {"plugins"}},
-      {"Checkpoints", {"save", "load", "finetune", "save_interval", "save_keep_last",
+      {"Checkpoints", {"save", "load", "finetune", "save_interval", "async_save", "save_keep_last",
                        "ckpt_format", "allow_data_change", "allow_unchecksummed_manifest"}},
       {"Logging", {"log_interval", "metrics_file", "tensorboard_dir", "load_trace", "timeline"}},
   };
@@ -713,6 +718,7 @@ absl::StatusOr<TrainerConfig> ConfigFromFlags(int64_t vocab_size, int tp, int lo
   t.load_trace = FLAGS_load_trace;
   t.tensorboard_dir = FLAGS_tensorboard_dir;
   t.save_keep_last = FLAGS_save_keep_last;
+  t.async_save = FLAGS_async_save;
   if (FLAGS_ckpt_format != "sharded" && FLAGS_ckpt_format != "full") {
     return Invalid(absl::StrCat("--ckpt_format='", FLAGS_ckpt_format,
                                 "' is not a checkpoint format; expected sharded or full"));

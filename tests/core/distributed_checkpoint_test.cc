@@ -1,10 +1,13 @@
 // The distributed save protocol (core/distributed_checkpoint.h) on a job of two ranks played
 // by two threads over one directory: both shards reach the committed checkpoint, and one
 // rank's failed write fails the save on the committing rank, without a hang and without a
-// trace on disk.
+// trace on disk. A background save (NOTE [background saves]) writes the state of its start
+// while the model changes, and commits only once the slower rank's write has ended.
 #include <torch/torch.h>
 
+#include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -17,11 +20,14 @@
 #include "core/file_system.h"
 #include "core/gpt_model.h"
 #include "gtest/gtest.h"
+#include "tests/core/file_system_doubles.h"
 #include "tests/core/test_util.h"
 
 namespace fulcrum {
 namespace {
 
+using testing_util::GatedFileSystem;
+using testing_util::RefusingFileSystem;
 // The collectives of `size` threads: a reusable barrier and a sum that every thread joins.
 class ThreadJob {
  public:
@@ -69,22 +75,6 @@ class ThreadJob {
   int arrived_ = 0;
   int64_t generation_ = 0;
   std::vector<double> sum_;
-};
-
-// Fails the creation of every file whose path contains `needle`.
-class RefusingFileSystem : public FileSystemWrapper {
- public:
-  RefusingFileSystem(FileSystem* target, std::string needle)
-      : FileSystemWrapper(target), needle_(std::move(needle)) {}
-  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
-    if (path.find(needle_) != std::string::npos) {
-      return absl::UnavailableError(absl::StrCat("injected: cannot create ", path));
-    }
-    return target()->NewWritableFile(path);
-  }
-
- private:
-  std::string needle_;
 };
 
 // Rank `stage` of a two-stage pipeline: its roles, its part of the model.
@@ -168,6 +158,84 @@ TEST(DistributedCheckpointTest, OneRanksFailedWriteFailsTheSaveWithoutAHang) {
   auto names = DefaultFileSystem()->ListDir(dir);
   ASSERT_TRUE(names.ok()) << names.status();
   EXPECT_TRUE(names->empty()) << names->front();
+}
+
+// Every state tensor of `stage` by global name, copied.
+std::map<std::string, at::Tensor> StateOf(const GptModel& stage) {
+  std::map<std::string, at::Tensor> state;
+  for (Unit* unit : stage.Units()) {
+    for (const auto& [name, tensor] : unit->StateTensors()) state[name] = tensor.clone();
+  }
+  return state;
+}
+
+// NOTE [background saves] on two thread-ranks: rank 1's write is held back, each rank's model
+// changes right after the save starts (as training goes on), and the ranks poll while it is
+// held. The checkpoint appears only after rank 1's write, and holds the state of the start.
+TEST(DistributedCheckpointTest, ABackgroundSaveWritesItsStartAndCommitsAfterTheSlowerRank) {
+  const std::string dir = testing::MakeTempDir("background_save");
+  const ModelOptions options = testing::SmallModelOf(/*num_layers=*/4, /*seq_length=*/8);
+  GptModel stage0(options, EvenStage(options.num_layers, 2, 0));
+  GptModel stage1(options, EvenStage(options.num_layers, 2, 1));
+  GptModel* stages[2] = {&stage0, &stage1};
+  std::map<std::string, at::Tensor> at_start = StateOf(stage0);
+  at_start.merge(StateOf(stage1));
+  GatedFileSystem gated(DefaultFileSystem(), "rank_00001");
+  FileSystem* fs[2] = {DefaultFileSystem(), &gated};
+  ThreadJob job(2);
+  absl::Status status[2];
+  bool committed_while_held[2] = {true, true};
+  int polls[2] = {0, 0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      CheckpointSave save;
+      save.fs = fs[r];
+      save.dir = dir;
+      save.iteration = 3;
+      save.manifest_fields = {{"iteration", 3}};
+      save.snapshot = true;
+      const CheckpointCollectives collectives = job.Collectives();
+      BackgroundSave background(StartSave(save, stages[r]->Units(), StageRoles(r), collectives));
+      // Training goes on: every parameter and moment changes in place.
+      at::NoGradGuard no_grad;
+      for (Unit* unit : stages[r]->Units()) {
+        for (Parameter& p : unit->parameters()) {
+          p.value.fill_(42.0);
+          for (auto& [slot, moment] : p.optimizer_state) moment.fill_(42.0);
+        }
+      }
+      // While rank 1's write is held, every rank's poll says "still writing".
+      const std::optional<absl::Status> held = background.FinishIfWritten(collectives);
+      committed_while_held[r] = held.has_value() || DefaultFileSystem()->FileExists(dir + "/latest");
+      job.Barrier();  // Both looked before the gate opens.
+      if (r == 1) gated.Open();
+      std::optional<absl::Status> finished;
+      while (!(finished = background.FinishIfWritten(collectives)).has_value()) {
+        ++polls[r];
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      status[r] = *finished;
+    });
+  }
+  for (std::thread& rank : ranks) rank.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(committed_while_held[r]) << "rank " << r;
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  }
+  EXPECT_EQ(polls[0], polls[1]) << "the poll is collective: every rank finishes at the same one";
+  auto reader = ckpt::CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->iteration(), 3);
+  EXPECT_EQ(reader->manifest()["files"].size(), 2u);
+  ASSERT_GT(at_start.size(), 10u);
+  for (const auto& [name, tensor] : at_start) {
+    auto stored = reader->Read(name);
+    ASSERT_TRUE(stored.ok()) << name << ": " << stored.status();
+    EXPECT_TRUE(at::equal(*stored, tensor)) << name << " is not the state of the save's start";
+    // So a save that wrote the live state, changed since, would fail the line above.
+    EXPECT_FALSE(at::equal(tensor, at::full_like(tensor, 42.0))) << name;
+  }
 }
 
 }  // namespace

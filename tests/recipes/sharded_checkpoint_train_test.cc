@@ -2,6 +2,8 @@
 // core/checkpoint/manifest_json.h) written by real jobs: every rank writes its own pieces,
 // the tensors equal a full save of the same run bit for bit, and the checkpoint resumes
 // under other layouts, with and without the distributed optimizer, after layers moved.
+// Written in the background (--async_save), the checkpoints are those of the synchronous
+// saves, and a rank killed during a background write leaves the previous one `latest`.
 // The format itself (tiling, checks, slice reads) is tests/core/checkpoint/
 // sharded_checkpoint_test.cc; fulcrum_ckpt's shard/consolidate, ckpt_tool_test.cc.
 #include <dirent.h>
@@ -20,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/checkpoint/checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -271,6 +274,74 @@ TEST(SlowShardedCheckpointTest, ARankKilledDuringASaveLeavesThePreviousCheckpoin
     EXPECT_EQ(reader->iteration(), 20);
     EXPECT_NE(access((save + "/.tmp_iter_0000020").c_str(), F_OK), 0) << "cleared by the save";
   }
+}
+
+// NOTE [background saves] in a real job: pp=2 with layers moving, saving every 5 iterations
+// in the background. Every checkpoint equals the synchronous run's bit for bit, the saves
+// of 5, 10 and 15 were committed after training had gone on, and the one of 10 resumes to
+// the same losses.
+TEST(SlowShardedCheckpointTest, AsyncSavesOfAPipelineJobAreTheSynchronousOnes) {
+  const std::string dir = testing::MakeTempDir("async_pp2");
+  const std::string flags = ShardedTiny() + " --pipeline_model_parallel_size=2" + kMoves +
+                            " --save_interval=5 --save=";
+  std::string printed;
+  std::vector<nlohmann::json> async_records;
+  ASSERT_NO_FATAL_FAILURE(testing::RunTrainOrFail(2, flags + dir + "/async --async_save",
+                                                  dir + "/async.jsonl", &async_records, &printed));
+  ASSERT_EQ(async_records.size(), 20u);
+  EXPECT_EQ(async_records.back()["layers_moved"].get<int64_t>(), 3);
+  for (const int iteration : {5, 10, 15}) {
+    EXPECT_THAT(printed, ::testing::HasSubstr(absl::StrCat(
+                             "checkpoint of iteration ", iteration, ": training waited")));
+    EXPECT_THAT(printed, ::testing::ContainsRegex(absl::StrCat(
+                             "checkpoint of iteration ", iteration,
+                             " committed after iteration [0-9]+ \\(written in the background\\)")));
+  }
+  ShardedLosses(2, flags + dir + "/sync", dir, "sync");
+  for (const int iteration : {5, 10, 15, 20}) {
+    const std::string name = "/" + ckpt::IterationDirName(iteration);
+    ExpectSameTensors(dir + "/async" + name, dir + "/sync" + name);
+  }
+  const auto resumed = testing::TrainRecords(
+      2, ShardedTiny() + " --pipeline_model_parallel_size=2" + kMoves + " --load=" + dir +
+             "/async/iter_0000010",
+      dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 10u);
+  const std::vector<double> straight = testing::LossesOf(async_records);
+  EXPECT_EQ(testing::LossesOf(resumed), std::vector<double>(straight.begin() + 10, straight.end()));
+}
+
+// A rank killed while its background write of the interval save of 20 is in flight: the
+// committing rank 0, the one whose commit would make it `latest`.
+TEST(SlowShardedCheckpointTest, ARankKilledDuringABackgroundSaveLeavesThePreviousCheckpoint) {
+  const std::string dir = testing::MakeTempDir("async_kill");
+  const std::string flags = ShardedTiny() + " --train_iters=30 --async_save" +
+                            std::string(testing::kZero) +
+                            " --tensor_model_parallel_size=2 --save_interval=10 --save=";
+  std::string save;
+  bool landed = false;
+  for (int attempt = 0; attempt < 3 && !landed; ++attempt) {
+    save = dir + "/save" + std::to_string(attempt);
+    landed = KillRankDuringTheSecondSave(testing::TrainCommand(4, flags + save), save, 0);
+  }
+  ASSERT_TRUE(landed) << "three kills of rank 0 came after the save committed";
+  std::ifstream log(save + ".log");
+  std::stringstream printed;
+  printed << log.rdbuf();
+  // The saves of 10 and 20 are interval saves, so background ones (the kill may come before
+  // rank 0 logs the one of 20).
+  EXPECT_THAT(printed.str(), ::testing::HasSubstr("checkpoint of iteration 10: training waited"));
+  auto reader = ckpt::CheckpointReader::Open(save);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->iteration(), 10);
+  EXPECT_TRUE(reader->VerifyAll().ok());
+  const auto resumed =
+      testing::TrainRecords(4, flags + save + " --load=" + save, dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 20u);
+  EXPECT_EQ(resumed.front()["iteration"].get<int64_t>(), 11);
+  reader = ckpt::CheckpointReader::Open(save);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->iteration(), 30);
 }
 
 }  // namespace

@@ -742,7 +742,10 @@ absl::Status Trainer::RunIterations() {
                              {"tokens_per_second", stats.tokens_per_second},
                              {"iteration_ms", stats.iteration_ms},
                              {"grad_reduce_ms", stats.grad_reduce_ms},
-                             {"consumed_samples", consumed_samples_}};
+                             {"consumed_samples", consumed_samples_},
+                             // Since this Run began: the saves, evaluations and logs between
+                             // iterations included, which iteration_ms leaves out.
+                             {"elapsed_s", MillisecondsSince(run_start) / 1000.0}};
     // The layout the iteration ran on: re-packing (dynamic/repack.h) shrinks it.
     record["pipeline_size"] = layout_.roles.pp_size;
     record["active_ranks"] = layout_.roles.world_size;

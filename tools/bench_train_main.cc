@@ -70,13 +70,14 @@
 #include "core/tensor_parallel.h"
 #include "core/threads.h"
 #include "core/trainer.h"
+#include "core/usable_cores.h"
 #include "recipes/cli.h"
 #include "tools/internal/bench_util.h"
 
 DEFINE_int32(rounds, 5, "Interleaved measurement rounds per model.");
 DEFINE_int32(iters_per_round, 5, "Training iterations per round and implementation.");
 DEFINE_int32(warmup_iters, 2, "Untimed iterations of each implementation before measuring.");
-DEFINE_string(models, "tiny,gpt_20m", "Which model shapes to measure.");
+DEFINE_string(models, "tiny,gpt_20m", "Which model shapes to measure (empty: none).");
 DEFINE_string(layouts, "1,tp2,dp2,tp2dp2",
               "Parallel layouts to time with the tiny recipe: 1 (one process), tpN, dpN, tpNdpM; "
               "empty skips them.");
@@ -86,11 +87,17 @@ DEFINE_bool(memory_features, false,
             "against the run without it: optimizer bytes per rank with "
             "--use_distributed_optimizer at dp=2, the activation peak with "
             "--recompute_granularity=full at pp=2 and with --sequence_parallel at pp=2 x tp=2, "
-            "each with the iteration time, and the bytes a rank writes per save with "
-            "--ckpt_format=sharded against full at tp=2 x dp=2 with the distributed optimizer. "
+            "each with the iteration time, the bytes a rank writes per save with "
+            "--ckpt_format=sharded against full at tp=2 x dp=2 with the distributed optimizer, "
+            "and what a save every 2 iterations costs one process's training loop (an 11M-"
+            "parameter GPT) with --async_save and without. "
             "The two runs of a pair alternate, --memory_rounds times; --layout_iters iterations "
             "each.");
 DEFINE_int32(memory_rounds, 2, "Alternating rounds per --memory_features pair.");
+DEFINE_bool(save_cost, false,
+            "Only the last row of --memory_features: what a save every 2 iterations costs one "
+            "process's training loop (an 11M-parameter GPT, --layout_iters iterations), with "
+            "--async_save and without, the runs rotating --memory_rounds times.");
 DEFINE_bool(compare_reference, false,
             "Also time the same model in PyTorch eager and under torch.compile "
             "(tools/bench_train_reference.py under --reference_python), interleaved; skipped "
@@ -596,12 +603,14 @@ struct TrainFigures {
   double save_largest_file = 0;  // bytes: the most one rank wrote
   double save_total_bytes = 0;
   double save_seconds = 0;       // the committing rank's "written in" of the last save
+  std::vector<double> elapsed;   // elapsed_s of every iteration
 };
 
-// Runs the tiny recipe with `flags` on `n` ranks (--layout_iters iterations); with `save`,
-// saving every 10 iterations into a scratch directory, removed after.
+// Runs the tiny recipe with `flags` on `n` ranks (--layout_iters iterations); with a
+// `save_interval`, saving every so many iterations into a scratch directory, removed after.
 TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flags,
-                      bool save = false) {
+                      int save_interval = 0) {
+  const bool save = save_interval > 0;
   TrainFigures out;
   std::string work = std::filesystem::temp_directory_path().string() + "/fulcrum_bench_run_XXXXXX";
   if (mkdtemp(work.data()) == nullptr) return out;
@@ -609,7 +618,9 @@ TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flag
   const std::string train = bin_dir + "/fulcrum_train --recipe=tiny --eval_interval=0 "
                             "--log_interval=1000 --train_iters=" +
                             std::to_string(FLAGS_layout_iters) + " " + flags +
-                            (save ? " --save=" + work + "/ck --save_interval=10" : "") +
+                            (save ? " --save=" + work + "/ck --save_interval=" +
+                                        std::to_string(save_interval)
+                                  : "") +
                             " --metrics_file=" + metrics;
   const std::string command =
       (n == 1 ? train
@@ -618,13 +629,14 @@ TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flag
   if (std::system(command.c_str()) == 0) {
     std::ifstream in(metrics);
     std::string line;
-    std::vector<double> ms, rates, reduce;
+    std::vector<double> ms, rates, reduce, elapsed;
     while (std::getline(in, line)) {
       const nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (r.is_discarded()) continue;
       if (r.contains("iteration_ms")) ms.push_back(r["iteration_ms"].get<double>());
       if (r.contains("tokens_per_second")) rates.push_back(r["tokens_per_second"].get<double>());
       if (r.contains("grad_reduce_ms")) reduce.push_back(r["grad_reduce_ms"].get<double>());
+      if (r.contains("elapsed_s")) elapsed.push_back(r["elapsed_s"].get<double>());
       if (r.contains("optimizer_state_bytes")) out.state_bytes = r["optimizer_state_bytes"].get<double>();
       if (r.contains("activation_peak_mb")) {
         out.activation_peak_mb = std::max(out.activation_peak_mb, r["activation_peak_mb"].get<double>());
@@ -634,6 +646,7 @@ TrainFigures RunTrain(const std::string& bin_dir, int n, const std::string& flag
       out.ms = Median(std::vector<double>(ms.begin() + 5, ms.end()));
       out.tokens_per_second = Median(std::vector<double>(rates.begin() + 5, rates.end()));
       if (reduce.size() > 5) out.reduce_ms = Median(std::vector<double>(reduce.begin() + 5, reduce.end()));
+      out.elapsed = elapsed;
       out.ok = true;
     }
   }
@@ -684,7 +697,7 @@ void CompareCheckpointFormats(const std::string& bin_dir) {
   for (int round = 0; round < FLAGS_memory_rounds; ++round) {
     for (int sharded = 0; sharded < 2; ++sharded) {
       const TrainFigures f = RunTrain(
-          bin_dir, 4, base + (sharded ? " --ckpt_format=sharded" : " --ckpt_format=full"), true);
+          bin_dir, 4, base + (sharded ? " --ckpt_format=sharded" : " --ckpt_format=full"), 10);
       if (!f.ok) {
         std::printf("  %-34s failed\n", "tp=2 x dp=2 ZeRO --ckpt_format");
         return;
@@ -700,6 +713,58 @@ void CompareCheckpointFormats(const std::string& bin_dir) {
               Median(largest[1]) / Median(largest[0]), Median(total[0]), Median(total[1]),
               Median(seconds[0]), Median(seconds[1]));
   std::fflush(stdout);
+}
+
+// The loop's time of each `interval` iterations from the end of iteration 6 on: with saves
+// every `interval` iterations, each period holds one save (the one after its first
+// iteration's predecessor) and the iterations it overlaps.
+std::vector<double> SavePeriods(const std::vector<double>& elapsed, int interval) {
+  std::vector<double> periods;
+  for (size_t end = 5 + interval; end < elapsed.size(); end += interval) {
+    periods.push_back(elapsed[end] - elapsed[end - interval]);
+  }
+  return periods;
+}
+
+// What saving costs the training loop, with and without --async_save (NOTE [background
+// saves]): one process of a ~11M-parameter GPT (hidden 384, 6 layers: a 125 MB checkpoint
+// with the moments; global batch 8) saves every 2 iterations. A save's cost is the median
+// loop time of a 2-iteration period holding one save (SavePeriods, elapsed_s) less the
+// median period of the same runs without saving; the three runs rotate --memory_rounds
+// times. Once with compute threads on every core, once with one core left to the writer,
+// as on a GPU node whose host cores mostly wait.
+void CompareAsyncSave(const std::string& bin_dir) {
+  const std::string model = "--hidden_size=384 --num_layers=6 --num_attention_heads=6 "
+                            "--global_batch_size=8 --micro_batch_size=8";
+  const int interval = 2;
+  const int cores = UsableCores();
+  for (const int threads : {cores, cores - 1}) {
+    if (threads < 1) continue;
+    const std::string flags = model + " --num_threads=" + std::to_string(threads);
+    std::vector<double> periods[3];  // no saves, synchronous, background
+    for (int round = 0; round < FLAGS_memory_rounds; ++round) {
+      for (int side = 0; side < 3; ++side) {
+        const TrainFigures f = RunTrain(bin_dir, 1, flags + (side == 2 ? " --async_save" : ""),
+                                        side == 0 ? 0 : interval);
+        const std::vector<double> run = SavePeriods(f.elapsed, interval);
+        if (!f.ok || run.empty()) {
+          std::printf("  %-34s failed (or --layout_iters too small for a save)\n", "--async_save");
+          return;
+        }
+        periods[side].insert(periods[side].end(), run.begin(), run.end());
+      }
+    }
+    const double none = Median(periods[0]);
+    const double sync_ms = (Median(periods[1]) - none) * 1e3;
+    const double async_ms = (Median(periods[2]) - none) * 1e3;
+    const std::string label =
+        absl::StrCat("11M params, ", threads, " of ", cores, " cores --async_save");
+    std::printf("  %-34s what a save costs the loop: %.0f -> %.0f ms (ratio %.2f; %zu periods "
+                "of %d iterations each, %.0f ms without a save)\n",
+                label.c_str(), sync_ms, async_ms, async_ms / sync_ms, periods[1].size(), interval,
+                none * 1e3);
+    std::fflush(stdout);
+  }
 }
 
 // A feature against the run without it, the two alternating --memory_rounds times: the
@@ -765,6 +830,7 @@ void MeasureMemoryFeatures(const std::string& bin_dir) {
                  "--use_distributed_optimizer --ddp_bucket_size=200000", "--overlap_grad_reduce",
                  Figure::kReduceWait);
   CompareCheckpointFormats(bin_dir);
+  CompareAsyncSave(bin_dir);
 }
 
 void MeasureLayouts(const std::string& bin_dir) {
@@ -797,7 +863,8 @@ int main(int argc, char** argv) {
       "with --compare_reference also PyTorch eager and torch.compile; with --layouts the tiny\n"
       "recipe under parallel layouts (fulcrum_launch, built next to it); with --memory_features\n"
       "the distributed optimizer, recomputation, sequence parallelism and overlapped gradient\n"
-      "reduction against runs without.\n\n"
+      "reduction against runs without (--save_cost: only what a save costs, with --async_save and\n"
+      "without).\n\n"
       "  fulcrum_bench_train [--rounds=5] [--iters_per_round=5] [--models=tiny,gpt_20m]\n"
       "      [--layouts=1,tp2,dp2,tp2dp2] [--memory_features] [--compare_reference] [--threads=0]\n"
       "      [--device=cpu|cuda|cuda:N|auto] [--bf16] [--quick]\n\n"
@@ -806,7 +873,8 @@ int main(int argc, char** argv) {
       {"Measurements", {"models", "rounds", "iters_per_round", "warmup_iters", "quick",
                         "cross_entropy", "threads", "keep_heap", "profile_trace"}},
       {"Device", {"device", "bf16"}},
-      {"Parallel layouts", {"layouts", "layout_iters", "memory_features", "memory_rounds"}},
+      {"Parallel layouts", {"layouts", "layout_iters", "memory_features", "memory_rounds",
+                            "save_cost"}},
       {"PyTorch reference", {"compare_reference", "reference_python", "reference_script",
                              "reference_wait_policy"}},
   };
@@ -854,7 +922,7 @@ int main(int argc, char** argv) {
   fulcrum::g_reference_script = FLAGS_reference_script.empty()
                                     ? bin_dir + "/../../tools/bench_train_reference.py"
                                     : FLAGS_reference_script;
-  for (absl::string_view name : absl::StrSplit(FLAGS_models, ',')) {
+  for (absl::string_view name : absl::StrSplit(FLAGS_models, ',', absl::SkipEmpty())) {
     bool found = false;
     for (const auto& shape : fulcrum::kShapes) {
       if (shape.name == name) {
@@ -870,5 +938,6 @@ int main(int argc, char** argv) {
   }
   if (!FLAGS_layouts.empty()) fulcrum::MeasureLayouts(bin_dir);
   if (FLAGS_memory_features) fulcrum::MeasureMemoryFeatures(bin_dir);
+  if (FLAGS_save_cost && !FLAGS_memory_features) fulcrum::CompareAsyncSave(bin_dir);
   return 0;
 }

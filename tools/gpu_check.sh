@@ -189,6 +189,10 @@ if any("layers_moved" in r for r in rows_of(sys.argv[1])):
     text += "; layers moved %d" % moved
 if sys.argv[4] == "moves" and moved == 0:
     print(text + "; no layer moved"); sys.exit(1)
+if sys.argv[4] == "async":
+    if "(written in the background)" not in open(sys.argv[1], errors="replace").read():
+        print(text + "; no save was committed from the background"); sys.exit(1)
+    text += "; a save committed from the background"
 if sys.argv[4] == "overlap":
     early = sum(r.get("grad_buckets_overlapped", 0) for r in rows_of(sys.argv[1]))
     text += "; gradient buckets started early %d" % early
@@ -227,9 +231,11 @@ two_rank_train() {
     echo "$two_ranks $train_cmd --device=cuda:0 --distributed_backend=gloo"
   fi
 }
-# name, GPUs needed, command, reference check, "moves" (the last two optional): metrics go
-# to logs/NAME.jsonl, read by loss_of, compared with logs/REFERENCE.jsonl; with "moves"
-# the check fails unless a layer moved.
+# name, GPUs needed, command, reference check, what must have happened (the last two
+# optional): metrics go to logs/NAME.jsonl, read by loss_of, compared with
+# logs/REFERENCE.jsonl; the check fails with "moves" unless a layer moved, with "overlap"
+# unless a gradient bucket started early, with "async" unless a save was committed from the
+# background.
 train_check() {
   local name=$1 need=$2 command="$3 --metrics_file='$out/logs/$1.jsonl'" reference=${4:-}
   local figures=loss_of
@@ -255,6 +261,9 @@ for plugin in early_exit freeze "mod --mod_capacity=0.25" "prune --prune_start_i
 done
 train_check train_freeze_scheduled 1 "$train --plugins=freeze --freeze_schedule='3:0-1'"
 train_check train_resume 1 "$train --save='$out/ckpt' && $(train_of tiny | sed "s/--train_iters=$iters/--train_iters=$((iters + 2))/") --load='$out/ckpt'"
+# The save of iteration 2 written in the background (NOTE [background saves]): its snapshot is
+# a device-to-host copy; the losses are train_dense's, and the log must show its commit.
+train_check train_async_save 1 "$train --save='$out/ckpt_async' --save_interval=2 --async_save" train_dense async
 # Two ranks ($two_ranks_on), each against its one-process run.
 if (( gpus > 0 )); then
   record two_ranks pass 0 "" "the two-rank checks below run over $two_ranks_on"

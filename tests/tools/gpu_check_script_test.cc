@@ -87,7 +87,8 @@ TEST(DeviceCheckScriptTest, QuickRunReportsEveryCheckAndMarksDeviceOnesNotRun) {
   for (const char* expected :
        {"environment", "bundle", "build", "gpu_tests", "bench_train", "train_dense", "train_bf16",
         "train_moe", "train_plugin_early_exit", "train_plugin_freeze", "train_plugin_mod",
-        "train_plugin_prune", "train_plugin_sparse_attention", "train_resume", "train_pp",
+        "train_plugin_prune", "train_plugin_sparse_attention", "train_resume", "train_async_save",
+        "train_pp",
         "train_tp", "train_dp", "train_ep", "train_migration", "train_moe8", "train_zbv_moves",
         "train_freeze_scheduled", "train_pp_frozen", "train_dp_zero", "train_zero_moves",
         "train_recompute", "train_pp_moe_recompute", "train_tp_sp", "train_dp_overlap",

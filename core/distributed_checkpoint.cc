@@ -256,7 +256,14 @@ absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>
 BackgroundSave::BackgroundSave(std::unique_ptr<SaveInProgress> save) : save_(std::move(save)) {
   TORCH_INTERNAL_ASSERT(save_->save_.snapshot, "a background save must write a snapshot");
   thread_ = std::thread([this] {
-    save_->Write();
+    // An exception must not leave the thread (std::terminate): it fails this rank's save,
+    // which FinishSave then reports on every rank.
+    try {
+      save_->Write();
+    } catch (const std::exception& e) {
+      save_->status_ = absl::InternalError(absl::StrCat("writing the checkpoint of iteration ",
+                                                        save_->iteration(), ": ", e.what()));
+    }
     written_.store(true, std::memory_order_release);
   });
 }

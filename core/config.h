@@ -145,7 +145,8 @@ struct TrainOptions {
   /// in core/distributed_checkpoint.h): training waits only while each rank copies what it
   /// writes into host memory, and the checkpoint is committed at the first iteration end
   /// after every rank's write. The save that ends a Run (at train_iters, exit_interval or a
-  /// stop) is complete before Run returns. Needs `save`.
+  /// stop) is complete before Run returns. Needs `save`, and a FileSystem that may be used
+  /// from two threads at once (DefaultFileSystem() may).
   bool async_save = false;
   std::string metrics_file;           // Default: none. JSON lines, one per iteration.
   /// Default: none. JSON lines of each iteration's measured per-layer F/B/W, plugin loads

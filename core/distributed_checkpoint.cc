@@ -6,6 +6,7 @@
 #include <chrono>
 #include <mutex>
 #include <optional>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -166,15 +167,26 @@ std::unique_ptr<SaveInProgress> StartSave(const CheckpointSave& save,
     std::lock_guard<std::mutex> lock(generator.mutex());
     out->tensors_.emplace_back("rng.torch_cpu", generator.get_state());
   }
+  out->status_ = save.local_status;
   if (save.snapshot) {
-    for (auto& [name, tensor] : out->tensors_) tensor = Snapshot(tensor);
-    for (ckpt::TensorPiece& piece : out->pieces_) piece.tensor = Snapshot(piece.tensor);
+    // The copy is where a host runs out of memory: that fails this save on every rank
+    // (FinishSave), it does not skip the barrier below.
+    try {
+      for (auto& [name, tensor] : out->tensors_) tensor = Snapshot(tensor);
+      for (ckpt::TensorPiece& piece : out->pieces_) piece.tensor = Snapshot(piece.tensor);
+    } catch (const std::exception& e) {
+      out->tensors_.clear();
+      out->pieces_.clear();
+      if (out->status_.ok()) {
+        out->status_ = absl::ResourceExhaustedError(absl::StrCat(
+            "copying the checkpoint of iteration ", iteration, " into host memory: ", e.what()));
+      }
+    }
   }
   // The committer creates the temporary directory; the other writers join it once it
   // exists, and the committer commits once every shard is written (FinishSave). Every rank
   // passes every barrier whatever fails, so an error on one rank is reported, never turned
   // into a hang.
-  out->status_ = save.local_status;
   if (out->committer_ && out->status_.ok()) {
     auto begun = ckpt::CheckpointWriter::Begin(save.fs, save.dir, iteration);
     if (begun.ok()) {
@@ -220,6 +232,19 @@ absl::Status FinishSave(SaveInProgress& save, const CheckpointCollectives& colle
     } else {
       status = save.ckpt_writer_->Commit(save.save_.manifest_fields);
     }
+  }
+  // Every rank learns whether the checkpoint was committed: a save that failed anywhere
+  // fails everywhere, so no rank trains on into collectives the others have left.
+  std::vector<double> committed{save.committer_ && status.ok() ? 1.0 : 0.0};
+  collectives.sum_over_job(committed);
+  if (status.ok() && committed[0] == 0) {
+    status = absl::InternalError(absl::StrCat(
+        "the checkpoint of iteration ", iteration, " was not committed: ",
+        failures[0] > 0 ? absl::StrCat(failures[0], " rank(s) failed to write their shard")
+                        : std::string("its commit failed"),
+        " (the failing ranks' and the committing rank's logs say why)"));
+  }
+  if (save.committer_) {
     if (status.ok()) {
       FULCRUM_LOG(INFO) << "checkpoint of iteration " << iteration << " written in "
                         << absl::StrFormat("%.2f s", SecondsSince(save.start_));
@@ -255,17 +280,28 @@ absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>
 
 BackgroundSave::BackgroundSave(std::unique_ptr<SaveInProgress> save) : save_(std::move(save)) {
   TORCH_INTERNAL_ASSERT(save_->save_.snapshot, "a background save must write a snapshot");
-  thread_ = std::thread([this] {
-    // An exception must not leave the thread (std::terminate): it fails this rank's save,
-    // which FinishSave then reports on every rank.
-    try {
-      save_->Write();
-    } catch (const std::exception& e) {
-      save_->status_ = absl::InternalError(absl::StrCat("writing the checkpoint of iteration ",
-                                                        save_->iteration(), ": ", e.what()));
-    }
-    written_.store(true, std::memory_order_release);
-  });
+  try {
+    thread_ = std::thread([this] { WriteAndMark(); });
+  } catch (const std::system_error& e) {
+    FULCRUM_LOG(WARNING) << "cannot start a thread for the background save of iteration "
+                         << save_->iteration() << " (" << e.what() << "); writing it now";
+    WriteAndMark();
+  }
+}
+
+void BackgroundSave::WriteAndMark() {
+  // Nothing may leave the thread (std::terminate): an exception fails this rank's save,
+  // which FinishSave then fails on every rank.
+  try {
+    save_->Write();
+  } catch (const std::exception& e) {
+    save_->status_ = absl::InternalError(absl::StrCat("writing the checkpoint of iteration ",
+                                                      save_->iteration(), ": ", e.what()));
+  } catch (...) {
+    save_->status_ = absl::InternalError(absl::StrCat("writing the checkpoint of iteration ",
+                                                      save_->iteration(), ": unknown exception"));
+  }
+  written_.store(true, std::memory_order_release);
 }
 
 BackgroundSave::~BackgroundSave() {

@@ -93,7 +93,8 @@ struct CheckpointSave {
 /// prunes to keep_last) or aborts. Every rank passes every
 /// barrier whatever fails, so a failure on one rank is reported on the committing rank,
 /// never turned into a hang; a failed save leaves the earlier checkpoints untouched.
-/// Collective over the whole job. StartSave, SaveInProgress::Write and FinishSave in turn.
+/// Collective over the whole job; a save that fails returns an error on every rank. StartSave,
+/// SaveInProgress::Write and FinishSave in turn.
 absl::Status SaveCheckpoint(const CheckpointSave& save, const std::vector<Unit*>& units,
                             const RankRoles& roles, const CheckpointCollectives& collectives);
 
@@ -158,8 +159,9 @@ std::unique_ptr<SaveInProgress> StartSave(const CheckpointSave& save,
                                           const CheckpointCollectives& collectives);
 
 /// The collective last phase: after every rank's Write, the committer commits (and prunes to
-/// keep_last) if every rank succeeded, or aborts. Returns this rank's failure, or on the
-/// committer the save's. Collective over the whole job.
+/// keep_last) if every rank succeeded, or aborts. Returns this rank's own failure, the
+/// save's on the committer, and on every other rank an error saying the checkpoint was not
+/// committed: a failed save fails on every rank. Collective over the whole job.
 absl::Status FinishSave(SaveInProgress& save, const CheckpointCollectives& collectives);
 
 /// A save whose shard is written on a thread of its own while training goes on (NOTE
@@ -185,6 +187,8 @@ class BackgroundSave {
 
  private:
   void Join();
+  // The writing thread's body: Write, any exception turned into this rank's failure.
+  void WriteAndMark();
 
   std::unique_ptr<SaveInProgress> save_;
   std::atomic<bool> written_{false};

@@ -551,7 +551,8 @@ std::unique_ptr<SaveInProgress> Trainer::BeginSave(bool snapshot) {
   // only), so the optimizer's next step takes its slices back whatever the save does.
   save.local_status = optimizer_->GatherState(units, collectives());
   std::unique_ptr<SaveInProgress> started = StartSave(save, units, layout_.roles, ckpt_collectives);
-  optimizer_->ReleaseState(units);
+  // Only what was gathered is released: a refused gather may have left nothing consistent.
+  if (save.local_status.ok()) optimizer_->ReleaseState(units);
   return started;
 }
 
@@ -580,8 +581,8 @@ absl::Status Trainer::SaveInBackground() {
   std::unique_ptr<SaveInProgress> save = BeginSave(/*snapshot=*/true);
   if (layout_.roles.commits_checkpoint) {
     FULCRUM_LOG(INFO) << absl::StrFormat(
-        "checkpoint of iteration %d: training waited %.2f s for its snapshot (%.1f MB on this "
-        "rank); writing it in the background (--async_save)",
+        "checkpoint of iteration %d: training waited %.2f s to start it (the state gathered and "
+        "copied, %.1f MB on this rank); writing it in the background (--async_save)",
         iteration_, save->start_seconds(), static_cast<double>(save->bytes()) / 1e6);
   }
   background_save_ = std::make_unique<BackgroundSave>(std::move(save));
@@ -591,6 +592,7 @@ absl::Status Trainer::SaveInBackground() {
 absl::Status Trainer::FinishBackgroundSave(bool wait) {
   if (background_save_ == nullptr) return absl::OkStatus();
   const CheckpointCollectives ckpt_collectives = CheckpointCollectivesOf(collectives());
+  const auto finish_start = Clock::now();
   absl::Status status;
   if (wait) {
     status = background_save_->Finish(ckpt_collectives);
@@ -602,8 +604,10 @@ absl::Status Trainer::FinishBackgroundSave(bool wait) {
   const int64_t saved = background_save_->save().iteration();
   background_save_.reset();
   if (status.ok() && layout_.roles.commits_checkpoint) {
-    FULCRUM_LOG(INFO) << "checkpoint of iteration " << saved << " committed after iteration "
-                      << iteration_ << " (written in the background)";
+    FULCRUM_LOG(INFO) << absl::StrFormat(
+        "checkpoint of iteration %d committed after iteration %d (written in the background; "
+        "training waited %.2f s for the commit)",
+        saved, iteration_, MillisecondsSince(finish_start) / 1000.0);
   }
   return status;
 }

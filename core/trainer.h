@@ -96,7 +96,8 @@ class Trainer {
   /// Builds the model and the train/valid sample sets over `corpus`. Validates `config`
   /// and `layout` first; nothing heavy happens before validation passes. `plugins` (may be
   /// null: none) build parts of the layers and act at fixed points of each iteration
-  /// (core/plugin.h).
+  /// (core/plugin.h). With TrainOptions::async_save, `fs` is used from the background
+  /// save's thread too and must be thread-safe.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const TrainerConfig& config, std::shared_ptr<const data::IndexedDataset> corpus,
       const TrainerLayout& layout = {}, FileSystem* fs = DefaultFileSystem(),

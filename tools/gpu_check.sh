@@ -190,7 +190,7 @@ if any("layers_moved" in r for r in rows_of(sys.argv[1])):
 if sys.argv[4] == "moves" and moved == 0:
     print(text + "; no layer moved"); sys.exit(1)
 if sys.argv[4] == "async":
-    if "(written in the background)" not in open(sys.argv[1], errors="replace").read():
+    if "(written in the background;" not in open(sys.argv[1], errors="replace").read():
         print(text + "; no save was committed from the background"); sys.exit(1)
     text += "; a save committed from the background"
 if sys.argv[4] == "overlap":

@@ -104,7 +104,8 @@ TEST_P(AsyncSaveTest, TrainingGoesOnWhileASaveIsWrittenAndTheCheckpointsAreTheSy
 INSTANTIATE_TEST_SUITE_P(Formats, AsyncSaveTest,
                          ::testing::Values(AsyncVariant{"sharded", true, false},
                                            AsyncVariant{"full", false, false},
-                                           AsyncVariant{"sharded_distopt", true, true}),
+                                           AsyncVariant{"sharded_distopt", true, true},
+                                           AsyncVariant{"full_distopt", false, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A background write that fails fails the run at the next iteration end; the checkpoint

@@ -1,7 +1,7 @@
-// The distributed save protocol (core/distributed_checkpoint.h) on a job of two ranks played
-// by two threads over one directory: both shards reach the committed checkpoint, and one
-// rank's failed write fails the save on the committing rank, without a hang and without a
-// trace on disk. A background save (NOTE [background saves]) writes the state of its start
+// The distributed save protocol (core/distributed_checkpoint.h) on jobs whose ranks are
+// played by threads over one directory: every shard reaches the committed checkpoint, and
+// one rank's failed write fails the save on every rank, without a hang and without a trace
+// on disk. A background save (NOTE [background saves]) writes the state of its start
 // while the model changes, and commits only once the slower rank's write has ended.
 #include <torch/torch.h>
 
@@ -77,53 +77,51 @@ class ThreadJob {
   std::vector<double> sum_;
 };
 
-// Rank `stage` of a two-stage pipeline: its roles, its part of the model.
-RankRoles StageRoles(int stage) {
+// Rank `stage` of a pipeline of `stages`: its roles. Rank 0 commits.
+RankRoles StageRoles(int stage, int stages) {
   RankRoles roles;
   roles.world_rank = stage;
-  roles.world_size = 2;
-  roles.pp_size = 2;
+  roles.world_size = stages;
+  roles.pp_size = stages;
   roles.model_parallel_rank = stage;
-  roles.model_parallel_size = 2;
-  roles.is_logging_rank = stage == 1;
+  roles.model_parallel_size = stages;
+  roles.is_logging_rank = stage == stages - 1;
   roles.commits_checkpoint = stage == 0;
-  roles.checkpoint_shard_name = stage == 0 ? "rank_00000" : "rank_00001";
+  roles.checkpoint_shard_name = absl::StrCat("rank_0000", stage);
   return roles;
 }
 
-struct TwoRankSave {
-  absl::Status status[2];
-};
-
-// Saves iteration 3 of a two-stage model into `dir`, rank r writing through `fs[r]`.
-TwoRankSave SaveOnTwoRanks(const std::string& dir, FileSystem* fs0, FileSystem* fs1) {
-  const ModelOptions options = testing::SmallModelOf(/*num_layers=*/4, /*seq_length=*/8);
-  GptModel stage0(options, EvenStage(options.num_layers, 2, 0));
-  GptModel stage1(options, EvenStage(options.num_layers, 2, 1));
-  const GptModel* stages[2] = {&stage0, &stage1};
-  FileSystem* fs[2] = {fs0, fs1};
-  ThreadJob job(2);
-  TwoRankSave result;
+// Saves iteration 3 of a model of two layers per stage into `dir` on one thread-rank per
+// stage, rank r writing through `fs[r]`; each rank's status.
+std::vector<absl::Status> SaveOnRanks(const std::string& dir, const std::vector<FileSystem*>& fs) {
+  const int n = static_cast<int>(fs.size());
+  const ModelOptions options = testing::SmallModelOf(/*num_layers=*/2 * n, /*seq_length=*/8);
+  std::vector<std::unique_ptr<GptModel>> stages;
+  for (int r = 0; r < n; ++r) {
+    stages.push_back(std::make_unique<GptModel>(options, EvenStage(options.num_layers, n, r)));
+  }
+  ThreadJob job(n);
+  std::vector<absl::Status> status(n);
   std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < n; ++r) {
     ranks.emplace_back([&, r] {
       CheckpointSave save;
       save.fs = fs[r];
       save.dir = dir;
       save.iteration = 3;
       save.manifest_fields = {{"iteration", 3}};
-      result.status[r] = SaveCheckpoint(save, stages[r]->Units(), StageRoles(r), job.Collectives());
+      status[r] = SaveCheckpoint(save, stages[r]->Units(), StageRoles(r, n), job.Collectives());
     });
   }
   for (std::thread& rank : ranks) rank.join();
-  return result;
+  return status;
 }
 
 TEST(DistributedCheckpointTest, EveryWritersShardIsCommitted) {
   const std::string dir = testing::MakeTempDir("distributed_save");
-  const TwoRankSave saved = SaveOnTwoRanks(dir, DefaultFileSystem(), DefaultFileSystem());
-  ASSERT_TRUE(saved.status[0].ok()) << saved.status[0];
-  ASSERT_TRUE(saved.status[1].ok()) << saved.status[1];
+  const std::vector<absl::Status> saved = SaveOnRanks(dir, {DefaultFileSystem(), DefaultFileSystem()});
+  ASSERT_TRUE(saved[0].ok()) << saved[0];
+  ASSERT_TRUE(saved[1].ok()) << saved[1];
   auto reader = ckpt::CheckpointReader::Open(dir);
   ASSERT_TRUE(reader.ok()) << reader.status();
   EXPECT_EQ(reader->iteration(), 3);
@@ -143,17 +141,24 @@ TEST(DistributedCheckpointTest, EveryWritersShardIsCommitted) {
   EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), expected);
 }
 
-TEST(DistributedCheckpointTest, OneRanksFailedWriteFailsTheSaveWithoutAHang) {
+// Three ranks: rank 1's write fails. It reports its own error, the committer learns of it
+// through the sum, and rank 2, whose write succeeded, learns that nothing was committed —
+// so no rank trains on into collectives the others have left.
+TEST(DistributedCheckpointTest, OneRanksFailedWriteFailsTheSaveOnEveryRankWithoutAHang) {
   const std::string dir = testing::MakeTempDir("distributed_save_fails");
   RefusingFileSystem refusing(DefaultFileSystem(), "rank_00001");
-  const TwoRankSave saved = SaveOnTwoRanks(dir, DefaultFileSystem(), &refusing);
-  // The failing rank reports its own error; the committer learns of it through the sum.
-  ASSERT_FALSE(saved.status[1].ok());
-  EXPECT_NE(saved.status[1].message().find("injected"), std::string::npos) << saved.status[1];
-  ASSERT_FALSE(saved.status[0].ok());
-  EXPECT_NE(saved.status[0].message().find("1 rank(s) failed to write their shard"),
+  const std::vector<absl::Status> saved =
+      SaveOnRanks(dir, {DefaultFileSystem(), &refusing, DefaultFileSystem()});
+  ASSERT_FALSE(saved[1].ok());
+  EXPECT_NE(saved[1].message().find("injected"), std::string::npos) << saved[1];
+  ASSERT_FALSE(saved[0].ok());
+  EXPECT_NE(saved[0].message().find("1 rank(s) failed to write their shard"), std::string::npos)
+      << saved[0];
+  ASSERT_FALSE(saved[2].ok());
+  EXPECT_NE(saved[2].message().find("the checkpoint of iteration 3 was not committed: 1 rank(s) "
+                                    "failed to write their shard"),
             std::string::npos)
-      << saved.status[0];
+      << saved[2];
   // Nothing committed, and the aborted save removed its temporary directory.
   auto names = DefaultFileSystem()->ListDir(dir);
   ASSERT_TRUE(names.ok()) << names.status();
@@ -196,7 +201,7 @@ TEST(DistributedCheckpointTest, ABackgroundSaveWritesItsStartAndCommitsAfterTheS
       save.manifest_fields = {{"iteration", 3}};
       save.snapshot = true;
       const CheckpointCollectives collectives = job.Collectives();
-      BackgroundSave background(StartSave(save, stages[r]->Units(), StageRoles(r), collectives));
+      BackgroundSave background(StartSave(save, stages[r]->Units(), StageRoles(r, 2), collectives));
       // Training goes on: every parameter and moment changes in place.
       at::NoGradGuard no_grad;
       for (Unit* unit : stages[r]->Units()) {

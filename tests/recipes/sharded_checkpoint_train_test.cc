@@ -295,7 +295,7 @@ TEST(SlowShardedCheckpointTest, AsyncSavesOfAPipelineJobAreTheSynchronousOnes) {
                              "checkpoint of iteration ", iteration, ": training waited")));
     EXPECT_THAT(printed, ::testing::ContainsRegex(absl::StrCat(
                              "checkpoint of iteration ", iteration,
-                             " committed after iteration [0-9]+ \\(written in the background\\)")));
+                             " committed after iteration [0-9]+ \\(written in the background;")));
   }
   ShardedLosses(2, flags + dir + "/sync", dir, "sync");
   for (const int iteration : {5, 10, 15, 20}) {

@@ -91,6 +91,16 @@ RankRoles StageRoles(int stage, int stages) {
   return roles;
 }
 
+// The save of iteration 3 into `dir`, written through `fs`: what every test here saves.
+CheckpointSave SaveOfIterationThree(FileSystem* fs, const std::string& dir) {
+  CheckpointSave save;
+  save.fs = fs;
+  save.dir = dir;
+  save.iteration = 3;
+  save.manifest_fields = {{"iteration", 3}};
+  return save;
+}
+
 // Saves iteration 3 of a model of two layers per stage into `dir` on one thread-rank per
 // stage, rank r writing through `fs[r]`; each rank's status.
 std::vector<absl::Status> SaveOnRanks(const std::string& dir, const std::vector<FileSystem*>& fs) {
@@ -105,11 +115,7 @@ std::vector<absl::Status> SaveOnRanks(const std::string& dir, const std::vector<
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r) {
     ranks.emplace_back([&, r] {
-      CheckpointSave save;
-      save.fs = fs[r];
-      save.dir = dir;
-      save.iteration = 3;
-      save.manifest_fields = {{"iteration", 3}};
+      const CheckpointSave save = SaveOfIterationThree(fs[r], dir);
       status[r] = SaveCheckpoint(save, stages[r]->Units(), StageRoles(r, n), job.Collectives());
     });
   }
@@ -194,11 +200,7 @@ TEST(DistributedCheckpointTest, ABackgroundSaveWritesItsStartAndCommitsAfterTheS
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
-      CheckpointSave save;
-      save.fs = fs[r];
-      save.dir = dir;
-      save.iteration = 3;
-      save.manifest_fields = {{"iteration", 3}};
+      CheckpointSave save = SaveOfIterationThree(fs[r], dir);
       save.snapshot = true;
       const CheckpointCollectives collectives = job.Collectives();
       BackgroundSave background(StartSave(save, stages[r]->Units(), StageRoles(r, 2), collectives));

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "core/gpt_model.h"
 #include "core/parallel_context.h"
 
 namespace fulcrum {
@@ -30,6 +31,19 @@ void PluginContext::SumOverModel(std::vector<double>& values) {
 
 void PluginContext::SumOverExperts(std::vector<double>& values) {
   if (parallel_ != nullptr) parallel_->SumOverExpertParallel(values);
+}
+
+ReducedGradients& PluginContext::gradients() {
+  if (gradients_ != nullptr) return *gradients_;
+  if (own_gradients_ == nullptr) {
+    own_gradients_ = std::make_shared<ReducedGradients>(WholeGradientParts(model_.Units()));
+  }
+  return *own_gradients_;
+}
+
+absl::StatusOr<std::vector<MomentSlice>> PluginContext::OptimizerStateParts() {
+  if (state_parts_) return state_parts_();
+  return WholeStateParts(model_.Units());
 }
 
 int PluginContext::model_parallel_rank() const { return roles_.model_parallel_rank; }

@@ -13,7 +13,8 @@
 //    say how much of the layer's work runs (TransformerLayer::AddLoadFraction, SetLoadReporter;
 //    NOTE [layer load composition]);
 //  - act at fixed points of each iteration (BeforeIteration, AfterBackward — gradients
-//    complete and reduced over data parallelism, before clipping — and AfterOptimizerStep),
+//    complete and reduced over data parallelism, before clipping, read and edited through
+//    PluginContext::gradients() — and AfterOptimizerStep),
 //    deciding over the whole distributed model through the PluginContext, and tell the
 //    balancer that the model changed (PluginContext::ModelChanged);
 //  - add fields to the metrics file and the log line;
@@ -42,7 +43,9 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/feed_forward.h"
+#include "core/optimizer/parameter_parts.h"
 #include "core/rank_roles.h"
 
 namespace fulcrum {
@@ -146,6 +149,22 @@ class PluginContext {
   void ModelChanged(const std::string& reason) {
     if (model_changed_) model_changed_(reason);
   }
+  /// In AfterBackward: this rank's parts of the reduced gradients (NOTE [reduced
+  /// gradients] in core/optimizer/optimizer.h) — whole gradients under AdamW, the owned
+  /// slices under the distributed optimizer. Read and edit gradients here, not through
+  /// Parameter grads (which the distributed optimizer does not reduce), and the plugin runs
+  /// under both. In a context the trainer did not give gradients (a test's, one process):
+  /// the model's Parameter grads, whole.
+  ReducedGradients& gradients();
+  /// This rank's parts of the optimizer state of its model (Optimizer::StateParts):
+  /// writable 1-D views, whole per parameter or the distributed optimizer's owned slices.
+  /// Not collective. Without an optimizer (a context a test built): the Parameters' state.
+  absl::StatusOr<std::vector<MomentSlice>> OptimizerStateParts();
+
+  /// Set by the trainer.
+  void set_gradients(ReducedGradients* gradients) { gradients_ = gradients; }
+  using StatePartsSource = std::function<absl::StatusOr<std::vector<MomentSlice>>()>;
+  void set_optimizer_state_parts(StatePartsSource source) { state_parts_ = std::move(source); }
 
  private:
   int64_t iteration_;
@@ -153,6 +172,9 @@ class PluginContext {
   ParallelContext* parallel_;
   std::function<void(const std::string&)> model_changed_;
   RankRoles roles_;
+  ReducedGradients* gradients_ = nullptr;
+  std::shared_ptr<ReducedGradients> own_gradients_;  // gradients() without the trainer's
+  StatePartsSource state_parts_;
 };
 
 /// A dynamism plugin. Every method has a default that does nothing.
@@ -171,16 +193,18 @@ class Plugin : public LayerCustomizer {
   virtual absl::Status BeforeIteration(PluginContext& ctx) { return absl::OkStatus(); }
   /// After the backward passes and the data-parallel reduction: the gradients are complete
   /// and equal on every replica; before the gradient norm, clipping and the optimizer step.
-  /// Under the distributed optimizer (core/optimizer/distributed_adamw.h) no rank holds
-  /// the reduced gradients whole: a plugin that reads or edits them here, or edits the
-  /// optimizer's moments, says so with ReadsWholeGradients.
+  /// Read or edit them through PluginContext::gradients(): under the distributed optimizer
+  /// (core/optimizer/distributed_adamw.h) no rank holds them whole, and Parameter grads
+  /// are not the reduced ones.
   virtual absl::Status AfterBackward(PluginContext& ctx) { return absl::OkStatus(); }
   /// True when the plugin's blocks honour ForwardContext::recomputing (record nothing and
   /// compute the same again): --recompute_granularity=full refuses a plugin that says false
   /// (NOTE [activation recomputation] in core/transformer_layer.h).
   virtual bool SupportsRecompute() const { return false; }
-  /// True when AfterBackward reads or edits whole reduced gradients, or the plugin edits
-  /// the optimizer state (Parameter::optimizer_state): --use_distributed_optimizer refuses it.
+  /// True when the plugin reads or edits reduced gradients through Parameter grads, or
+  /// the optimizer state through Parameter::optimizer_state, instead of through
+  /// PluginContext::gradients() and OptimizerStateParts(): --use_distributed_optimizer
+  /// refuses it (neither is there under that optimizer).
   virtual bool ReadsWholeGradients() const { return false; }
   /// True when the plugin works on sequence-parallel layers (NOTE [sequence parallelism] in
   /// core/tensor_parallel.h): between the tensor-parallel regions a layer holds only its

@@ -175,8 +175,10 @@ absl::Status RefuseUnsupportedPlugins(const TrainerConfig& config, const PluginS
     if (config.optimizer.use_distributed_optimizer && plugin->ReadsWholeGradients()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--use_distributed_optimizer: plugin '", plugin->name(),
-          "' reads or edits whole reduced gradients or the Adam moments, which the "
-          "distributed optimizer keeps only in slices; not supported yet"));
+          "' reads or edits reduced gradients or optimizer state through the Parameters "
+          "(ReadsWholeGradients), which the distributed optimizer does not reduce into or "
+          "keeps only in slices; a plugin that uses PluginContext::gradients() and "
+          "OptimizerStateParts() runs under it"));
     }
   }
   return absl::OkStatus();
@@ -370,9 +372,10 @@ absl::StatusOr<IterationStats> Trainer::TrainIteration() {
   request.lr = schedule_.At(iteration);
   request.data_parallel_sums = {loss_sum};
   request.job_sums = {stop_request_ && stop_request_() ? 1.0 : 0.0};
-  request.after_reduce = [&] {
+  request.after_reduce = [&](ReducedGradients& gradients) {
     // The gradients are complete and agree over the replicas (e.g. masked by pruning).
     PluginContext ctx = MakePluginContext(iteration);
+    ctx.set_gradients(&gradients);
     return plugins_->AfterBackward(ctx);
   };
   FULCRUM_ASSIGN_OR_RETURN(const StepResult step,
@@ -416,12 +419,14 @@ void Trainer::NotifyModelChanged(const std::string& reason) {
 
 PluginContext Trainer::MakePluginContext(int64_t iteration) {
   ForwardBackwardRunner* pipeline = layout_.runner;
-  return PluginContext(
+  PluginContext ctx(
       iteration, *model_, layout_.parallel,
       [pipeline, iteration](const std::string& reason) {
         if (pipeline != nullptr) pipeline->ModelChanged(iteration, reason);
       },
       layout_.roles);
+  ctx.set_optimizer_state_parts([this] { return optimizer_->StateParts(model_->Units(), collectives()); });
+  return ctx;
 }
 
 nlohmann::json Trainer::LayerLoads() {

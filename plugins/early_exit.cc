@@ -25,8 +25,9 @@
 // step (and a checkpoint load) the last stage's values are summed over the pipeline into
 // the copies (the others contribute zeros), and after the backward pass the copies'
 // gradients are summed over the pipeline and the data-parallel replicas and added to the
-// real head's — and, for a tied output weight, to the word embeddings on the first stage,
-// so the tied pair stay equal. Cost: one output weight more per rank, two all-reduces of
+// real head's reduced gradient (this rank's parts of it: NOTE [reduced gradients], so the
+// distributed optimizer's slices too) — and, for a tied output weight, to the word
+// embeddings on the first stage, so the tied pair stay equal. Cost: one output weight more per rank, two all-reduces of
 // it per iteration.
 //
 // Confidence (--early_exit_confidence): `softmax`, the exit's largest next-token
@@ -340,9 +341,6 @@ class EarlyExitPlugin final : public Plugin {
     return absl::OkStatus();
   }
 
-  // It adds the exit heads' gradients into the owners' reduced gradients (core/plugin.h).
-  bool ReadsWholeGradients() const override { return true; }
-
   absl::Status AfterBackward(PluginContext& ctx) override {
     ReturnHeadGradients(ctx);
     return absl::OkStatus();
@@ -461,24 +459,31 @@ class EarlyExitPlugin final : public Plugin {
     shared_->synced = true;
   }
 
-  // The copy's gradients → the real head (and tied word embeddings), then cleared.
+  // The copy's gradients → the real head (and tied word embeddings), then cleared: added
+  // into this rank's parts of the owners' reduced gradients (NOTE [reduced gradients]; the
+  // owned slices under the distributed optimizer).
   void ReturnHeadGradients(PluginContext& ctx) {
     at::NoGradGuard no_grad;
     const auto owners = Owners(ctx.model());
+    ReducedGradients& reduced = ctx.gradients();
     for (Parameter& p : HeadCopy(*shared_).parameters()) {
       at::Tensor grad = p.value.grad().defined() ? p.value.grad() : at::zeros_like(p.value);
       if (shared_->parallel != nullptr) {
         shared_->parallel->AllReduceSum(ParallelContext::GroupRole::kPipeline, grad);
         shared_->parallel->AllReduceSum(ParallelContext::GroupRole::kData, grad);
       }
+      const at::Tensor flat = grad.reshape({-1});
       for (const auto& [name, tensor] : owners) {
         if (name != p.name) continue;
-        at::Tensor& slot = const_cast<at::Tensor&>(tensor).mutable_grad();
-        if (slot.defined()) {
-          slot.add_(grad);
-        } else {
-          slot = grad.clone();
+        bool found = false;
+        for (const GradientPart& part : reduced.parts()) {
+          if (!part.param->value.is_same(tensor)) continue;
+          part.grad.add_(flat.narrow(0, part.begin, part.end - part.begin));
+          found = true;
         }
+        // Whole gradients, and the owner has none (the main loss always reaches the head,
+        // so only a test's context): the exits' is its gradient.
+        if (!found && !reduced.sliced()) const_cast<at::Tensor&>(tensor).mutable_grad() = grad.clone();
       }
       p.value.mutable_grad() = at::Tensor();
     }

@@ -124,26 +124,36 @@ class FreezePlugin final : public Plugin {
     layer.OnStateLoaded(ApplyFrozenFlag);
   }
 
-  // It reads each layer's reduced gradient norm (core/plugin.h).
-  bool ReadsWholeGradients() const override { return true; }
-
   absl::Status AfterBackward(PluginContext& ctx) override {
     if (!options_.schedule.empty() || AtMaximum()) return absl::OkStatus();
-    // Every layer's gradient norm this iteration (NOTE [freeze decisions]).
-    std::vector<double> squares(num_layers_, 0.0);
-    for (const auto& [index, layer] : ctx.model().layers()) {
-      for (const Parameter& p : layer->parameters()) {
-        const at::Tensor& g = p.value.grad();
-        if (!g.defined()) continue;
-        // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
-        if (p.sharding.CountedOn(layer->tp_rank(), layer->tp_size())) {
-          squares[index] += g.to(at::kDouble).pow(2).sum().item<double>();
-        }
+    // Every layer's gradient norm this iteration (NOTE [freeze decisions]), as the global
+    // norm sums it: this rank's parts of the reduced gradients (NOTE [reduced gradients]),
+    // summed over their holders, the experts' over the expert-parallel ranks too (each
+    // holds other experts), then over the stages and tensor-parallel shards.
+    std::map<const Unit*, int64_t> layer_of;
+    for (const auto& [index, layer] : ctx.model().layers()) layer_of[layer.get()] = index;
+    std::vector<double> squares(num_layers_, 0.0), expert_squares(num_layers_, 0.0);
+    for (const GradientPart& part : ctx.gradients().parts()) {
+      auto it = layer_of.find(part.unit);
+      // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
+      if (it == layer_of.end() ||
+          !part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
+        continue;
       }
+      (part.expert ? expert_squares : squares)[it->second] +=
+          part.grad.to(at::kDouble).pow(2).sum().item<double>();
     }
+    ctx.gradients().SumOverHolders(false, squares);
+    ctx.gradients().SumOverHolders(true, expert_squares);
+    ctx.SumOverExperts(expert_squares);
+    for (int64_t l = 0; l < num_layers_; ++l) squares[l] += expert_squares[l];
     ctx.SumOverModel(squares);
     if (norm_sums_.empty()) norm_sums_.assign(num_layers_, 0.0);
-    for (int64_t l = 0; l < num_layers_; ++l) norm_sums_[l] += std::sqrt(squares[l]);
+    last_norms_.assign(num_layers_, 0.0);
+    for (int64_t l = 0; l < num_layers_; ++l) {
+      last_norms_[l] = std::sqrt(squares[l]);
+      norm_sums_[l] += last_norms_[l];
+    }
     ++iterations_summed_;
     return absl::OkStatus();
   }
@@ -194,6 +204,9 @@ class FreezePlugin final : public Plugin {
 
   absl::Status Metrics(PluginContext& ctx, nlohmann::json* record, std::string* log_line) override {
     (*record)["frozen_layers"] = static_cast<int64_t>(frozen_.size());
+    // This iteration's gradient norm of each layer, when the gradient rule measured it.
+    if (!last_norms_.empty()) (*record)["layer_grad_norms"] = last_norms_;
+    last_norms_.clear();
     (*record)["frozen_prefix"] = ctx.model().frozen_prefix();
     if (!frozen_.empty()) absl::StrAppend(log_line, " | frozen ", frozen_.size());
     return absl::OkStatus();
@@ -267,6 +280,7 @@ class FreezePlugin final : public Plugin {
   int64_t num_layers_;
   std::set<int64_t> frozen_;           // Every frozen layer of the model (all stages).
   std::vector<double> norm_sums_;      // Per layer: Σ gradient norms this interval.
+  std::vector<double> last_norms_;     // Per layer: this iteration's norm (for Metrics).
   int64_t iterations_summed_ = 0;
   std::vector<double> previous_means_; // Per layer: the last interval's mean norm.
   std::string last_rates_;             // For the log.

@@ -41,6 +41,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -210,19 +211,23 @@ class PrunePlugin final : public Plugin {
     return absl::OkStatus();
   }
 
-  // It masks the reduced gradients and zeroes pruned weights' Adam moments (core/plugin.h).
-  bool ReadsWholeGradients() const override { return true; }
-
   absl::Status AfterBackward(PluginContext& ctx) override {
-    // NOTE [masks]: pruned weights get no gradient.
+    // NOTE [masks]: pruned weights get no gradient. Each part of a reduced gradient this
+    // rank holds (whole, or the distributed optimizer's slice) takes its part of the mask.
     at::NoGradGuard no_grad;
+    std::map<const Parameter*, at::Tensor> masks;
     for (const auto& [index, layer] : ctx.model().layers()) {
       LayerPrune* state = StateOf(*layer);
-      for (size_t i = 0; i < kSlots.size(); ++i) {
-        if (state == nullptr || !state->mask[i].defined()) continue;
-        const at::Tensor& g = layer->weight(kSlots[i]).grad();
-        if (g.defined()) g.mul_(state->mask[i]);
+      for (size_t i = 0; state != nullptr && i < kSlots.size(); ++i) {
+        if (!state->mask[i].defined()) continue;
+        if (const Parameter* p = layer->FindParameter(LinearSlotName(kSlots[i]))) {
+          masks[p] = state->mask[i].reshape({-1});
+        }
       }
+    }
+    for (const GradientPart& part : ctx.gradients().parts()) {
+      auto it = masks.find(part.param);
+      if (it != masks.end()) part.grad.mul_(it->second.narrow(0, part.begin, part.end - part.begin));
     }
     return absl::OkStatus();
   }
@@ -372,8 +377,12 @@ class PrunePlugin final : public Plugin {
     for (int r = 0; r < ctx.model_parallel_rank(); ++r) before += ties[r];
     int64_t allowance = std::max<int64_t>(0, std::min<int64_t>(rank - static_cast<int64_t>(before),
                                                                 static_cast<int64_t>(ties[ctx.model_parallel_rank()])));
-    // Masks, weights and moments.
+    // Masks, weights and moments (this rank's parts of them: whole, or the distributed
+    // optimizer's slices; every slot of the state is per element of the weight).
     at::NoGradGuard no_grad;
+    FULCRUM_ASSIGN_OR_RETURN(std::vector<MomentSlice> state_parts, ctx.OptimizerStateParts());
+    std::multimap<const Parameter*, const MomentSlice*> parts_of;
+    for (const MomentSlice& part : state_parts) parts_of.emplace(part.param, &part);
     for (const auto& [index, layer] : ctx.model().layers()) {
       LayerPrune* state = StateOf(*layer);
       if (state == nullptr) continue;
@@ -396,10 +405,14 @@ class PrunePlugin final : public Plugin {
         mask = mask.to(w.device());
         const at::Tensor keep = mask.to(w.scalar_type());
         w.mul_(keep);
-        if (Parameter* p = layer->FindParameter(LinearSlotName(kSlots[i]))) {
-          // Every slot of the optimizer's state is per element of the weight.
-          for (auto& [slot, state] : p->optimizer_state) {
-            if (state.defined()) state.mul_(keep);
+        if (const Parameter* p = layer->FindParameter(LinearSlotName(kSlots[i]))) {
+          const at::Tensor flat_keep = keep.reshape({-1});
+          const auto [first, last] = parts_of.equal_range(p);
+          for (auto it = first; it != last; ++it) {
+            const MomentSlice& part = *it->second;
+            for (const auto& [slot, state] : part.state) {
+              state.mul_(flat_keep.narrow(0, part.begin, part.end - part.begin));
+            }
           }
         }
         masks[i] = mask;

@@ -184,7 +184,10 @@ absl::StatusOr<StepResult> AdamW::ReduceAndStep(const std::vector<Unit*>& units,
   const double reduce_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   collectives.SumOverDataParallel(sums);
-  if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
+  if (request.after_reduce) {
+    ReducedGradients whole(WholeGradientParts(units));
+    FULCRUM_RETURN_IF_ERROR(request.after_reduce(whole));
+  }
   // Sums of squared gradients: sharded parameters on every tensor-parallel rank, replicated
   // ones (identical on all ranks of the group) once (NOTE [parameter sharding]).
   std::vector<double> expert_sq{GradSquaredSum(units, true)};

@@ -131,6 +131,37 @@ absl::Status DistributedAdamW::BeginGradientReduction(const std::vector<Unit*>& 
   return absl::OkStatus();
 }
 
+std::vector<GradientPart> DistributedAdamW::OwnedGradients(
+    const std::vector<at::Tensor>& grad_slices, const std::vector<std::vector<bool>>& present) const {
+  std::vector<GradientPart> parts;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const Bucket& b = buckets_[i];
+    for (size_t j = 0; j < b.cut.members.size(); ++j) {
+      const Member& m = b.cut.members[j];
+      const auto [begin, end] = OwnedPart(b, m);
+      if (!present[i][j] || begin >= end) continue;
+      parts.push_back(GradientPart{m.unit, m.param, begin - m.offset, end - m.offset,
+                                   grad_slices[i].narrow(0, begin - b.shard_begin, end - begin),
+                                   b.cut.group == GroupRole::kExpertData});
+    }
+  }
+  return parts;
+}
+
+void DistributedAdamW::SumOverHolders(ParallelContext& collectives, bool expert,
+                                      std::vector<double>& values) const {
+  if (!expert) {
+    collectives.SumOverDataParallel(values);
+    return;
+  }
+  // Every rank of an expert-data-parallel group is on one stage: all hold experts or none.
+  if (!expert_device_ || values.empty()) return;
+  at::Tensor t = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(*expert_device_);
+  collectives.AllReduceSum(GroupRole::kExpertData, t);
+  t = t.cpu();
+  for (size_t i = 0; i < values.size(); ++i) values[i] = t.data_ptr<double>()[i];
+}
+
 absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Unit*>& units,
                                                            ParallelContext& collectives,
                                                            const StepRequest& request) {
@@ -165,7 +196,12 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   FULCRUM_ASSIGN_OR_RETURN(std::vector<at::Tensor> grad_slices, overlap_.Finish(collectives));
   const double reduce_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  if (request.after_reduce) FULCRUM_RETURN_IF_ERROR(request.after_reduce());
+  if (request.after_reduce) {
+    ReducedGradients owned(OwnedGradients(grad_slices, present), [&](bool expert, std::vector<double>& values) {
+      SumOverHolders(collectives, expert, values);
+    });
+    FULCRUM_RETURN_IF_ERROR(request.after_reduce(owned));
+  }
 
   // The norm from the owned slices (NOTE [parameter sharding]: slices of tensor-parallel
   // parameters on every tensor-parallel rank, replicas once).

@@ -20,8 +20,9 @@
 //   2. per bucket, the gradients flattened (zeros where a rank has none) and
 //      reduce-scattered: each rank gets the sum of its own slice only (with
 //      --overlap_grad_reduce, the buckets started during the backward are waited for);
-//   3. the plugins' after-reduce hook (which therefore must not read whole gradients:
-//      Plugin::ReadsWholeGradients plugins are refused with this optimizer);
+//   3. the plugins' after-reduce hook, given the owned slices as the parts of the reduced
+//      gradients (NOTE [reduced gradients] in core/optimizer/optimizer.h; a plugin that
+//      reads Parameter grads instead says Plugin::ReadsWholeGradients and is refused);
 //   4. the global norm from the owned slices, summed over the data-parallel group (dense)
 //      and the expert-data and expert-parallel groups (experts), then over the model;
 //   5. clip, then AdamW (the same per-tensor kernel as AdamW::Update) on the owned slices
@@ -47,7 +48,9 @@
 // iterations that move layers. A live shrink (recipes/elastic.cc) gathers the same way
 // before the state exchange (Trainer::GatherOptimizerState), and the survivors' next step
 // cuts the layout of their new model.
-// Not yet: plugins that read whole gradients (refused), the fused kernel on a device (the
+// Plugins that edit the moments per element (pruning) reach the owned slices through
+// Optimizer::StateParts.
+// Not yet: plugins that read Parameter grads directly (refused), the fused kernel on a device (the
 // per-tensor kernel runs everywhere), a gather
 // of only the moving layers (all of a stage's state is made whole).
 //
@@ -113,6 +116,13 @@ class DistributedAdamW final : public Optimizer {
   // The part of member `m` inside bucket `b`'s owned slice: [begin, end) in bucket
   // coordinates, empty when begin ≥ end.
   static std::pair<int64_t, int64_t> OwnedPart(const Bucket& b, const Member& m);
+  // This rank's parts of the reduced gradients (NOTE [reduced gradients]): the owned part
+  // of every member some rank has a gradient for (`present`), viewed in `grad_slices`.
+  std::vector<GradientPart> OwnedGradients(const std::vector<at::Tensor>& grad_slices,
+                                           const std::vector<std::vector<bool>>& present) const;
+  // ReducedGradients::SumOverHolders: over the data-parallel group, or the expert-data-
+  // parallel one.
+  void SumOverHolders(ParallelContext& collectives, bool expert, std::vector<double>& values) const;
   // The buckets' reductions, for OverlappedReduction::Begin.
   std::vector<OverlappedReduction::Bucket> Reductions() const;
 

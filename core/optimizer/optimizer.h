@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/optimizer/overlapped_reduction.h"
+#include "core/optimizer/parameter_parts.h"
 #include "core/parallel_context.h"
 #include "core/unit.h"
 
@@ -30,9 +31,10 @@ struct StepRequest {
   /// NOTE [graceful stop] in core/trainer.h).
   std::vector<double> job_sums;
   /// Runs once the gradients are complete and agree over the replicas, before the norm is
-  /// taken (the plugins' AfterBackward, which may mask gradients); may be empty. Its error
-  /// ends the step before any update.
-  std::function<absl::Status()> after_reduce;
+  /// taken (the plugins' AfterBackward, which may mask gradients), given this rank's parts
+  /// of them (NOTE [reduced gradients]); may be empty. Its error ends the step before any
+  /// update.
+  std::function<absl::Status(ReducedGradients&)> after_reduce;
 };
 
 /// What a step measured.
@@ -57,18 +59,6 @@ struct StepResult {
 /// ranks. Fills every field of StepResult but `stepped`. Collective (SumOverModelParallel).
 StepResult FinishNorm(double local_sq, const std::vector<double>& sums, size_t dp_count,
                       ParallelContext& collectives);
-
-/// A slice of one parameter's Adam moments that this rank owns (the distributed
-/// optimizer): elements [begin, end) of the parameter's row-major elements on this rank.
-struct MomentSlice {
-  const Unit* unit = nullptr;
-  const Parameter* param = nullptr;
-  int64_t begin = 0;
-  int64_t end = 0;
-  /// The optimizer's own state of the slice, by slot (StateSlots): 1-D, end − begin
-  /// elements each.
-  std::vector<std::pair<std::string, at::Tensor>> state;
-};
 
 class Optimizer {
  public:
@@ -129,6 +119,13 @@ class Optimizer {
                                                                 ParallelContext& collectives) {
     return std::vector<MomentSlice>{};
   }
+  /// This rank's parts of the optimizer state of `units`' parameters, as writable views:
+  /// for a plugin that edits state per element (pruning zeroes a pruned weight's moments)
+  /// under any optimizer. This default: each Parameter's whole state (slots that are
+  /// defined; none before the first step); a SlicesState optimizer: its MomentSlices. Not
+  /// collective.
+  virtual absl::StatusOr<std::vector<MomentSlice>> StateParts(const std::vector<Unit*>& units,
+                                                              ParallelContext& collectives);
   /// Bytes of optimizer state (moments) this rank holds.
   virtual int64_t StateBytes(const std::vector<Unit*>& units) const = 0;
 

@@ -7,6 +7,7 @@
 #include <gflags/gflags.h>
 
 #include <cmath>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -33,18 +34,26 @@ class GradEmaPlugin final : public Plugin {
     layer.SetLoadReporter([ema] { return ema.item<float>(); });
   }
 
-  // 3. After the backward every gradient is complete and equal on every replica.
+  // 3. After the backward every gradient is complete and equal on every replica. This
+  //    rank's parts of them (whole, or its slices under the distributed optimizer):
   absl::Status AfterBackward(PluginContext& ctx) override {
-    std::vector<double> squares(num_layers_, 0.0);
-    for (const auto& [index, layer] : ctx.model().layers()) {
-      for (const Parameter& p : layer->parameters()) {
-        // Slices count on every tensor-parallel rank, replicas once (ShardingSpec::CountedOn).
-        if (p.value.grad().defined() && p.sharding.CountedOn(layer->tp_rank(), layer->tp_size())) {
-          squares[index] += p.value.grad().to(at::kDouble).pow(2).sum().item<double>();
-        }
+    std::map<const Unit*, int64_t> layer_of;
+    for (const auto& [index, layer] : ctx.model().layers()) layer_of[layer.get()] = index;
+    std::vector<double> squares(num_layers_, 0.0), expert_squares(num_layers_, 0.0);
+    for (const GradientPart& part : ctx.gradients().parts()) {
+      auto it = layer_of.find(part.unit);
+      // Slices count on every tensor-parallel rank, replicas once (ShardingSpec::CountedOn).
+      if (it != layer_of.end() && part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
+        (part.expert ? expert_squares : squares)[it->second] +=
+            part.grad.to(at::kDouble).pow(2).sum().item<double>();
       }
     }
-    // 4. Decisions over the whole model: every stage and shard adds its part.
+    // 4. Decisions over the whole model: the parts' holders, the expert-parallel ranks
+    //    (other experts), then every stage and shard add theirs.
+    ctx.gradients().SumOverHolders(false, squares);
+    ctx.gradients().SumOverHolders(true, expert_squares);
+    ctx.SumOverExperts(expert_squares);
+    for (int64_t l = 0; l < num_layers_; ++l) squares[l] += expert_squares[l];
     ctx.SumOverModel(squares);
     largest_ = 0;
     for (const auto& [index, layer] : ctx.model().layers()) {

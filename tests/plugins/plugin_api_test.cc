@@ -234,5 +234,86 @@ TEST(PluginApiTest, TheTrainerGivesThePluginsTheLayoutBeforeBuildingLayers) {
   EXPECT_EQ(std::count(log.begin(), log.end(), "layout: one process"), 1);
 }
 
+// A plugin that edits gradients only through the door (NOTE [reduced gradients]): it zeroes
+// every part it is given and counts their elements.
+class ZeroGradients final : public Plugin {
+ public:
+  explicit ZeroGradients(bool reads_parameter_grads) : reads_(reads_parameter_grads) {}
+  const char* name() const override { return "zero_gradients"; }
+  bool ReadsWholeGradients() const override { return reads_; }
+  absl::Status AfterBackward(PluginContext& ctx) override {
+    for (const GradientPart& part : ctx.gradients().parts()) {
+      elements += part.end - part.begin;
+      part.grad.zero_();
+    }
+    sliced = ctx.gradients().sliced();
+    return absl::OkStatus();
+  }
+  int64_t elements = 0;
+  bool sliced = false;
+
+ private:
+  bool reads_;
+};
+
+// The parts are what the step reads, under AdamW (whole gradients) and the distributed
+// optimizer (its slices, here of a group of one): zeroed, the norm is 0 and, without weight
+// decay, Adam's first update (0 / (0 + ε)) leaves every weight as it was. A part that was a
+// copy would leave the real gradients, and the weights would move.
+TEST(PluginApiTest, GradientPartsAreWhatTheStepReadsUnderEitherOptimizer) {
+  for (const bool distributed : {false, true}) {
+    TrainerConfig config = testing::SmallTrainerConfig();
+    config.optimizer.use_distributed_optimizer = distributed;
+    config.optimizer.weight_decay = 0;
+    auto set = std::make_shared<PluginSet>();
+    auto owned = std::make_unique<ZeroGradients>(false);
+    ZeroGradients* plugin = owned.get();
+    set->Add(std::move(owned));
+    auto trainer = Trainer::Create(config, testing::SyntheticCorpus(20, 100, config.model.vocab_size),
+                                   TrainerLayout(), DefaultFileSystem(), set);
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    std::vector<at::Tensor> before;
+    int64_t elements = 0;
+    for (Unit* unit : (*trainer)->model().Units()) {
+      for (const Parameter& p : unit->parameters()) {
+        before.push_back(p.value.clone());
+        elements += p.value.numel();
+      }
+    }
+    auto stats = (*trainer)->TrainIteration();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->grad_norm, 0.0) << distributed;
+    EXPECT_EQ(plugin->sliced, distributed);
+    EXPECT_EQ(plugin->elements, elements) << "every parameter's gradient, once";
+    size_t i = 0;
+    int64_t moved = 0;
+    for (Unit* unit : (*trainer)->model().Units()) {
+      for (const Parameter& p : unit->parameters()) moved += !at::equal(p.value, before[i++]);
+    }
+    EXPECT_EQ(moved, 0) << distributed;
+  }
+}
+
+// A plugin that reads Parameter grads (ReadsWholeGradients) is refused by the distributed
+// optimizer, by name, before any work; AdamW takes it.
+TEST(PluginApiTest, TheDistributedOptimizerRefusesAPluginThatReadsParameterGradients) {
+  for (const bool distributed : {false, true}) {
+    TrainerConfig config = testing::SmallTrainerConfig();
+    config.optimizer.use_distributed_optimizer = distributed;
+    auto set = std::make_shared<PluginSet>();
+    set->Add(std::make_unique<ZeroGradients>(true));
+    auto trainer = Trainer::Create(config, testing::SyntheticCorpus(20, 100, config.model.vocab_size),
+                                   TrainerLayout(), DefaultFileSystem(), set);
+    if (!distributed) {
+      EXPECT_TRUE(trainer.ok()) << trainer.status();
+      continue;
+    }
+    ASSERT_FALSE(trainer.ok());
+    EXPECT_EQ(trainer.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(trainer.status().message()),
+                ::testing::HasSubstr("--use_distributed_optimizer: plugin 'zero_gradients' reads"));
+  }
+}
+
 }  // namespace
 }  // namespace fulcrum::plugins

@@ -553,6 +553,9 @@ void SaveForRecompute(torch::autograd::AutogradContext* node, const TransformerL
   saved["token_positions"] = ctx.token_positions;
   saved["labels"] = ctx.labels;
   saved["rotary_positions"] = ctx.rotary_positions;
+  // The carried token state the layer received (NOTE [carried token state]): layers set a
+  // new tensor rather than edit this one, so the reference is the input.
+  saved["token_state"] = ctx.token_state;
 }
 
 // The context SaveForRecompute kept, marked as the recomputation's.
@@ -564,6 +567,7 @@ ForwardContext RestoreForRecompute(torch::autograd::AutogradContext* node) {
                      saved["epoch"].toInt()};
   ctx.labels = saved["labels"].toOptional<at::Tensor>().value_or(at::Tensor());
   ctx.rotary_positions = saved["rotary_positions"].toOptional<at::Tensor>().value_or(at::Tensor());
+  ctx.token_state = saved["token_state"].toOptional<at::Tensor>().value_or(at::Tensor());
   ctx.recomputing = true;
   return ctx;
 }

@@ -96,7 +96,9 @@ struct ForwardContext {
   /// active — and that the pipeline sends beside the activation to the next stage when the
   /// model carries them (GptModel::carries_token_state). Mutable because layers receive the
   /// context as const; undefined until a layer sets it. One micro-batch's forward starts
-  /// without it (GptModel::ForwardLoss, the stage executor).
+  /// without it (GptModel::ForwardLoss, the stage executor). A layer sets a new tensor and
+  /// never edits the one it received in place: a recomputed layer (NOTE [activation
+  /// recomputation]) is given that one again.
   mutable at::Tensor token_state;
   /// [n, b] int64: each token's position in its sequence, for the rotary positions of hidden
   /// states [n, b, h] that are not the sequence's tokens 0..n−1 (Mixture-of-Depths' routed

@@ -203,7 +203,11 @@ at::Tensor MaxProbability(const at::Tensor& logits, TensorParallelGroup* tp) {
 at::Tensor ExitForward(Shared& shared, ExitLayer& state, const TransformerLayer& layer,
                        const at::Tensor& hidden, const ForwardContext& ctx) {
   const int64_t s = hidden.size(0), b = hidden.size(1), h = hidden.size(2);
-  LayerCounts& counts = ctx.training ? state.train : state.eval;
+  // A recomputed layer (NOTE [activation recomputation]) decides the same exits from the
+  // same input token state and counts nothing again; only its graph carries the exit loss
+  // (the first forward ran without autograd).
+  LayerCounts recomputed;
+  LayerCounts& counts = ctx.recomputing ? recomputed : ctx.training ? state.train : state.eval;
   at::Tensor exit_state = ctx.token_state;
   at::Tensor out;
   at::Tensor index, valid;  // the active tokens, when some have exited
@@ -291,6 +295,8 @@ class EarlyExitPlugin final : public Plugin {
  public:
   explicit EarlyExitPlugin(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
   const char* name() const override { return "early_exit"; }
+  // ExitForward honours ForwardContext::recomputing; the input token state is restored.
+  bool SupportsRecompute() const override { return true; }
   bool NeedsLabels() const override { return true; }
   bool CarriesTokenState() const override { return true; }
   double InitialTokenState() const override { return kActive; }

@@ -118,6 +118,10 @@ class FreezePlugin final : public Plugin {
       : options_(std::move(options)), num_layers_(num_layers) {}
 
   const char* name() const override { return "freeze"; }
+  // No blocks of its own; a frozen layer's recomputation builds no weight gradients.
+  bool SupportsRecompute() const override { return true; }
+  // It reads no hidden states; a frozen prefix's shards build no graph as whole ones.
+  bool SupportsSequenceParallel() const override { return true; }
 
   void EditLayer(TransformerLayer& layer, bool initialize) override {
     layer.AddBuffer(kFrozenBuffer, at::zeros({1}, at::kBool));

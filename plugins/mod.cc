@@ -128,6 +128,10 @@ class ModPlugin final : public Plugin {
   ModPlugin(ModOptions options, const ModelOptions& model)
       : options_(options), model_(model), num_layers_(model.num_layers) {}
   const char* name() const override { return "mod"; }
+  // A recomputed layer routes the same tokens (a top-k of the same input through the same
+  // router), sets the same counts, and only the recomputation's graph carries the router
+  // loss (the first forward runs without autograd: WithAuxLoss adds nothing there).
+  bool SupportsRecompute() const override { return true; }
 
   static bool Routed(const ModOptions& o, int64_t layer) {
     return o.layers.empty() ? (layer + 1) % o.layer_freq == 0 : o.layers.count(layer) > 0;

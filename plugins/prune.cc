@@ -166,6 +166,10 @@ class PrunePlugin final : public Plugin {
  public:
   explicit PrunePlugin(PruneOptions options) : options_(options) {}
   const char* name() const override { return "prune"; }
+  // Its sparse products record nothing in the forward: a recomputed layer computes the same.
+  bool SupportsRecompute() const override { return true; }
+  // Its products run inside the tensor-parallel regions, on the whole sequence.
+  bool SupportsSequenceParallel() const override { return true; }
 
   void EditLayer(TransformerLayer& layer, bool initialize) override {
     auto state = std::make_shared<LayerPrune>();

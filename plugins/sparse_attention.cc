@@ -354,6 +354,8 @@ at::Tensor SparseAttentionCore::Forward(const at::Tensor& q, const at::Tensor& k
   }
   const at::Tensor context = (numerator / denominator.unsqueeze(-1)).view({b, heads, s, d});
 
+  // NOTE [activation recomputation]: a recomputed forward computed these blocks before.
+  if (ctx.recomputing) return context;
   double* counts = counts_.data_ptr<double>();
   counts[kLastEntries] =
       static_cast<double>(num_pairs * block * block + (band ? n * s * width : 0));
@@ -374,6 +376,11 @@ class SparseAttentionPlugin final : public Plugin {
   SparseAttentionPlugin(SparseAttentionOptions options, ModelOptions model)
       : options_(options), model_(std::move(model)) {}
   const char* name() const override { return "sparse_attention"; }
+  // Its core counts once: not while its layer is recomputed (the same blocks again).
+  bool SupportsRecompute() const override { return true; }
+  // The attention core runs inside the tensor-parallel region: q, k, v hold the whole
+  // sequence (this rank's heads).
+  bool SupportsSequenceParallel() const override { return true; }
 
   std::unique_ptr<AttentionCore> MakeAttentionCore(int64_t layer, Unit& unit,
                                                    bool initialize) override {

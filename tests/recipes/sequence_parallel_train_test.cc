@@ -1,8 +1,8 @@
 // --sequence_parallel (NOTE [sequence parallelism] in core/tensor_parallel.h) in real
 // multi-process runs: the losses against one process and against tensor parallelism
 // without it, with dropout (each rank keeps its rows of the whole mask), pipeline stages
-// moving layers, MoE layers, the distributed optimizer and recomputation together with a
-// checkpoint resumed in one process, and what it refuses. The layer-level checks (every
+// moving layers, MoE layers, the plugins that support it, the distributed optimizer and
+// recomputation together with a checkpoint resumed in one process, and what it refuses. The layer-level checks (every
 // gradient, the bytes a layer keeps) are TpWorker.SequenceParallel* in
 // tests/parallel/tensor_parallel_test.cc.
 #include <cstdint>
@@ -133,10 +133,41 @@ TEST(SlowSequenceParallelTest, RefusesWhatItCannotSplit) {
                                 &output),
             0);
   EXPECT_THAT(output, HasSubstr("--seq_length=127 is not a multiple of --tensor_model_parallel_size=2"));
-  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, SequenceParallelTiny(2) + kSequenceParallel + " --plugins=prune"),
+  // Mixture-of-Depths routes tokens by position: it needs the whole sequence in its layers.
+  EXPECT_NE(testing::RunCommand(testing::TrainCommand(2, SequenceParallelTiny(2) + kSequenceParallel + " --plugins=mod"),
                                 &output),
             0);
-  EXPECT_THAT(output, HasSubstr("plugin 'prune' does not support sequence-parallel layers"));
+  EXPECT_THAT(output, HasSubstr("plugin 'mod' does not support sequence-parallel layers"));
+}
+
+// The plugins whose work runs inside the tensor-parallel regions (prune's sparse products,
+// sparse attention's core) or reads no hidden state (freeze, layer 0 from iteration 3), at
+// tp=2 with sequence parallelism: the losses follow tp=2 without it within the fp64 layout
+// tolerance and the plugins' figures are the same (pruned to 50% on the same schedule, the
+// same blocks computed, the same layer frozen).
+TEST(SlowSequenceParallelTest, PruneSparseAttentionAndFreezeFollowTensorParallelism) {
+  const std::string dir = testing::MakeTempDir("sp_plugins");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"prune",
+       " --plugins=prune,freeze --prune_start_iter=2 --prune_end_iter=6 --prune_interval=2"
+       " --prune_final_sparsity=0.5"},
+      {"sparse_attention",
+       " --plugins=sparse_attention,freeze --sparse_attention_buckets=4 --sparse_attention_block=16"},
+  };
+  for (const auto& [name, plugin] : cases) {
+    const std::string flags = SequenceParallelTiny(8) + " --freeze_schedule=3:0" + plugin;
+    const auto plain = SequenceParallelTrain(2, flags + " --tensor_model_parallel_size=2", dir, name + "_tp2");
+    const auto sequence = SequenceParallelTrain(2, flags + kSequenceParallel, dir, name + "_sp");
+    ASSERT_EQ(sequence.size(), 8u) << name;
+    ExpectClose(testing::LossesOf(sequence), testing::LossesOf(plain), name + ": tp2 sequence-parallel vs tp2");
+    for (const char* field : {"sparsity", "sparse_attention_density", "frozen_layers"}) {
+      if (!plain.back().contains(field)) continue;
+      EXPECT_EQ(sequence.back()[field], plain.back()[field]) << name << ": " << field;
+    }
+    EXPECT_EQ(sequence.back()["frozen_layers"].get<int64_t>(), 1) << name;
+    if (name == "prune") EXPECT_NEAR(sequence.back()["sparsity"].get<double>(), 0.5, 1e-5);
+    if (name == "sparse_attention") EXPECT_LT(sequence.back()["sparse_attention_density"].get<double>(), 0.9);
+  }
 }
 
 }  // namespace

@@ -332,6 +332,42 @@ TEST(SlowDistributedOptimizerTest, PruneFreezeAndEarlyExitEqualTheReplicatedOpti
   }
 }
 
+// Continuing a dynamic run from its checkpoint under the distributed optimizer: prune,
+// early exit and freeze together at dp = 2 (sharded checkpoint: each rank's moment
+// slices), stopped at iteration 10 — pruned four times, layers 0 and 1 frozen at 8, tokens
+// exiting — and resumed: iterations 11–20 equal the straight run's bit for bit, and so do
+// the plugins' figures: the moment slices (pruned weights' zeroed) come back from the
+// ranks' files, the masks from the weights, the frozen flags from the layers' buffers.
+TEST(SlowDistributedOptimizerTest, ADynamicRunResumesBitForBit) {
+  const std::string dir = testing::MakeTempDir("zero_plugins_resume");
+  const std::string args =
+      ZeroCommon() + testing::kZero +
+      " --clip_grad=0 --plugins=prune,early_exit,freeze --prune_start_iter=2 --prune_end_iter=16"
+      " --prune_interval=2 --prune_final_sparsity=0.5 --freeze_interval=4 --freeze_threshold=10"
+      " --early_exit_confidence=state --early_exit_threshold=0.995";
+  const ZeroRun straight = ZeroTrain(2, args, dir, "straight");
+  ASSERT_EQ(straight.losses.size(), 20u);
+  std::string output;
+  ASSERT_EQ(testing::RunCommand(testing::TrainCommand(2, args + " --save=" + dir + "/ckpt --exit_interval=10"), &output), 0)
+      << output;
+  const ZeroRun resumed = ZeroTrain(2, args + " --load=" + dir + "/ckpt", dir, "resumed");
+  ASSERT_EQ(resumed.losses.size(), 10u);
+  EXPECT_EQ(resumed.losses, std::vector<double>(straight.losses.begin() + 10, straight.losses.end()))
+      << testing::MaxRelativeDifference(resumed.losses,
+                                        std::vector<double>(straight.losses.begin() + 10, straight.losses.end()));
+  const auto straight_records = testing::MetricsRecords(dir + "/straight.jsonl");
+  const auto resumed_records = testing::MetricsRecords(dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed_records.size(), 10u);
+  for (size_t i = 0; i < resumed_records.size(); ++i) {
+    for (const char* field : {"sparsity", "frozen_layers", "early_exit_avg_layers"}) {
+      EXPECT_EQ(resumed_records[i][field], straight_records[i + 10][field]) << field << ", iteration " << i + 11;
+    }
+  }
+  EXPECT_EQ(straight_records[9]["frozen_layers"].get<int64_t>(), 2) << "frozen before the save";
+  EXPECT_GT(straight_records[9]["sparsity"].get<double>(), 0.2) << "pruned before the save";
+  EXPECT_NEAR(straight_records.back()["sparsity"].get<double>(), 0.5, 1e-5);
+}
+
 // Freeze's norms over MoE layers with ep = 2 on 4 ranks (dp = 4 for the dense slices, the
 // experts' over their expert-data-parallel group of 2, each rank's experts summed over
 // the expert-parallel ranks, which hold the others). In iteration 1 (the same weights

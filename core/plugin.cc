@@ -1,10 +1,12 @@
 #include "core/plugin.h"
 
+#include <map>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "core/gpt_model.h"
 #include "core/parallel_context.h"
+#include "core/transformer_layer.h"
 
 namespace fulcrum {
 namespace {
@@ -35,10 +37,38 @@ void PluginContext::SumOverExperts(std::vector<double>& values) {
 
 ReducedGradients& PluginContext::gradients() {
   if (gradients_ != nullptr) return *gradients_;
+  if (state_parts_) {
+    throw std::logic_error(
+        "PluginContext::gradients() outside AfterBackward: the reduced gradients exist only "
+        "there (NOTE [reduced gradients] in core/optimizer/parameter_parts.h)");
+  }
   if (own_gradients_ == nullptr) {
     own_gradients_ = std::make_shared<ReducedGradients>(WholeGradientParts(model_.Units()));
   }
   return *own_gradients_;
+}
+
+std::vector<double> PluginContext::LayerGradientSquares() {
+  const int64_t num_layers = model_.options().num_layers;
+  std::map<const Unit*, int64_t> layer_of;
+  for (const auto& [index, layer] : model_.layers()) layer_of[layer.get()] = index;
+  std::vector<double> dense(num_layers, 0.0), experts(num_layers, 0.0);
+  ReducedGradients& reduced = gradients();
+  for (const GradientPart& part : reduced.parts()) {
+    auto it = layer_of.find(part.unit);
+    // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
+    if (it == layer_of.end() ||
+        !part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
+      continue;
+    }
+    (part.expert ? experts : dense)[it->second] += part.grad.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  reduced.SumOverHolders(false, dense);
+  reduced.SumOverHolders(true, experts);
+  SumOverExperts(experts);
+  for (int64_t l = 0; l < num_layers; ++l) dense[l] += experts[l];
+  SumOverModel(dense);
+  return dense;
 }
 
 absl::StatusOr<std::vector<MomentSlice>> PluginContext::OptimizerStateParts() {

@@ -150,21 +150,32 @@ class PluginContext {
     if (model_changed_) model_changed_(reason);
   }
   /// In AfterBackward: this rank's parts of the reduced gradients (NOTE [reduced
-  /// gradients] in core/optimizer/optimizer.h) — whole gradients under AdamW, the owned
+  /// gradients] in core/optimizer/parameter_parts.h) — whole gradients under AdamW, the owned
   /// slices under the distributed optimizer. Read and edit gradients here, not through
   /// Parameter grads (which the distributed optimizer does not reduce), and the plugin runs
-  /// under both. In a context the trainer did not give gradients (a test's, one process):
-  /// the model's Parameter grads, whole.
+  /// under both. Anywhere else in a trainer's hooks it throws std::logic_error (Parameter
+  /// grads are not the reduced gradients there, or already cleared). In a context a test
+  /// built by hand (one process): the model's Parameter grads, whole, as they are at the
+  /// first call.
   ReducedGradients& gradients();
+  /// In AfterBackward: each layer's squared gradient norm over the whole model (indexed by
+  /// layer, num_layers entries), summed as the global norm sums it — this rank's parts of
+  /// the reduced gradients, over their holders, the experts' over the expert-parallel ranks
+  /// (each holds other experts), tensor-parallel slices on every shard and replicas once,
+  /// every stage — so every rank gets the same values. Collective over the job.
+  std::vector<double> LayerGradientSquares();
   /// This rank's parts of the optimizer state of its model (Optimizer::StateParts):
   /// writable 1-D views, whole per parameter or the distributed optimizer's owned slices.
-  /// Not collective. Without an optimizer (a context a test built): the Parameters' state.
+  /// Not collective. Call it from the hooks (between iterations or in AfterBackward), never
+  /// from forward code: the distributed optimizer takes back state it gathered for moving
+  /// layers. Without an optimizer (a context a test built): the Parameters' state.
   absl::StatusOr<std::vector<MomentSlice>> OptimizerStateParts();
 
-  /// Set by the trainer.
-  void set_gradients(ReducedGradients* gradients) { gradients_ = gradients; }
+  /// Set by the trainer: where the optimizer state is (which also marks the context as the
+  /// trainer's), and the reduced gradients in AfterBackward.
   using StatePartsSource = std::function<absl::StatusOr<std::vector<MomentSlice>>()>;
   void set_optimizer_state_parts(StatePartsSource source) { state_parts_ = std::move(source); }
+  void set_gradients(ReducedGradients* gradients) { gradients_ = gradients; }
 
  private:
   int64_t iteration_;

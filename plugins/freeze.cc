@@ -10,9 +10,12 @@
 // |m_k − m_{k−1}| / m_{k−1}. From the first layer not yet frozen upwards, layers whose rate
 // is below --freeze_threshold freeze, stopping at the first that is not (a layer freezes
 // only after every layer before it), and never beyond --freeze_max_fraction of the layers.
-// Gradient norms are taken after the data-parallel reduction and summed over the model-
-// parallel ranks (tensor-parallel shards; replicated tensors once), so every rank of the job
-// sees every layer's norm and decides the same. --freeze_schedule=ITER:LAYERS[;...] freezes
+// Gradient norms are taken after the data-parallel reduction (PluginContext::
+// LayerGradientSquares: this rank's parts of the reduced gradients, whole or the distributed
+// optimizer's slices, over their holders) and summed as the global norm is — the experts'
+// over the expert-parallel ranks, then over the model-parallel ranks (tensor-parallel
+// shards; replicated tensors once) — so every rank of the job sees every layer's norm and
+// decides the same. --freeze_schedule=ITER:LAYERS[;...] freezes
 // given layers after given iterations instead (deterministic runs, tests).
 //
 // A layer is frozen after the optimizer step of the iteration that decided it. Its state is
@@ -130,28 +133,8 @@ class FreezePlugin final : public Plugin {
 
   absl::Status AfterBackward(PluginContext& ctx) override {
     if (!options_.schedule.empty() || AtMaximum()) return absl::OkStatus();
-    // Every layer's gradient norm this iteration (NOTE [freeze decisions]), as the global
-    // norm sums it: this rank's parts of the reduced gradients (NOTE [reduced gradients]),
-    // summed over their holders, the experts' over the expert-parallel ranks too (each
-    // holds other experts), then over the stages and tensor-parallel shards.
-    std::map<const Unit*, int64_t> layer_of;
-    for (const auto& [index, layer] : ctx.model().layers()) layer_of[layer.get()] = index;
-    std::vector<double> squares(num_layers_, 0.0), expert_squares(num_layers_, 0.0);
-    for (const GradientPart& part : ctx.gradients().parts()) {
-      auto it = layer_of.find(part.unit);
-      // NOTE [parameter sharding]: slices on every tensor-parallel rank, replicas once.
-      if (it == layer_of.end() ||
-          !part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
-        continue;
-      }
-      (part.expert ? expert_squares : squares)[it->second] +=
-          part.grad.to(at::kDouble).pow(2).sum().item<double>();
-    }
-    ctx.gradients().SumOverHolders(false, squares);
-    ctx.gradients().SumOverHolders(true, expert_squares);
-    ctx.SumOverExperts(expert_squares);
-    for (int64_t l = 0; l < num_layers_; ++l) squares[l] += expert_squares[l];
-    ctx.SumOverModel(squares);
+    // Every layer's gradient norm this iteration (NOTE [freeze decisions]).
+    const std::vector<double> squares = ctx.LayerGradientSquares();
     if (norm_sums_.empty()) norm_sums_.assign(num_layers_, 0.0);
     last_norms_.assign(num_layers_, 0.0);
     for (int64_t l = 0; l < num_layers_; ++l) {

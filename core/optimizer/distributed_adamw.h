@@ -21,7 +21,7 @@
 //      reduce-scattered: each rank gets the sum of its own slice only (with
 //      --overlap_grad_reduce, the buckets started during the backward are waited for);
 //   3. the plugins' after-reduce hook, given the owned slices as the parts of the reduced
-//      gradients (NOTE [reduced gradients] in core/optimizer/optimizer.h; a plugin that
+//      gradients (NOTE [reduced gradients] in core/optimizer/parameter_parts.h; a plugin that
 //      reads Parameter grads instead says Plugin::ReadsWholeGradients and is refused);
 //   4. the global norm from the owned slices, summed over the data-parallel group (dense)
 //      and the expert-data and expert-parallel groups (experts), then over the model;

@@ -7,7 +7,6 @@
 #include <gflags/gflags.h>
 
 #include <cmath>
-#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +22,7 @@ namespace {
 
 class GradEmaPlugin final : public Plugin {
  public:
-  GradEmaPlugin(double decay, int64_t num_layers) : decay_(decay), num_layers_(num_layers) {}
+  explicit GradEmaPlugin(double decay) : decay_(decay) {}
   const char* name() const override { return "grad_ema"; }
 
   // 2. Per-layer state is a buffer of the layer: it moves with the layer between pipeline
@@ -34,27 +33,13 @@ class GradEmaPlugin final : public Plugin {
     layer.SetLoadReporter([ema] { return ema.item<float>(); });
   }
 
-  // 3. After the backward every gradient is complete and equal on every replica. This
-  //    rank's parts of them (whole, or its slices under the distributed optimizer):
+  // 3. After the backward every gradient is complete and equal on every replica; read them
+  //    through ctx.gradients() (this rank's parts: whole, or its slices under the
+  //    distributed optimizer), here summed per layer for us.
   absl::Status AfterBackward(PluginContext& ctx) override {
-    std::map<const Unit*, int64_t> layer_of;
-    for (const auto& [index, layer] : ctx.model().layers()) layer_of[layer.get()] = index;
-    std::vector<double> squares(num_layers_, 0.0), expert_squares(num_layers_, 0.0);
-    for (const GradientPart& part : ctx.gradients().parts()) {
-      auto it = layer_of.find(part.unit);
-      // Slices count on every tensor-parallel rank, replicas once (ShardingSpec::CountedOn).
-      if (it != layer_of.end() && part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
-        (part.expert ? expert_squares : squares)[it->second] +=
-            part.grad.to(at::kDouble).pow(2).sum().item<double>();
-      }
-    }
-    // 4. Decisions over the whole model: the parts' holders, the expert-parallel ranks
-    //    (other experts), then every stage and shard add theirs.
-    ctx.gradients().SumOverHolders(false, squares);
-    ctx.gradients().SumOverHolders(true, expert_squares);
-    ctx.SumOverExperts(expert_squares);
-    for (int64_t l = 0; l < num_layers_; ++l) squares[l] += expert_squares[l];
-    ctx.SumOverModel(squares);
+    // 4. Decisions over the whole model: every stage, shard and slice adds its part, so
+    //    every rank gets the same squares.
+    const std::vector<double> squares = ctx.LayerGradientSquares();
     largest_ = 0;
     for (const auto& [index, layer] : ctx.model().layers()) {
       layer->FindBuffer("grad_ema.norm").mul_(decay_).add_((1 - decay_) * std::sqrt(squares[index]));
@@ -71,7 +56,6 @@ class GradEmaPlugin final : public Plugin {
 
  private:
   double decay_;
-  int64_t num_layers_;
   double largest_ = 0;
 };
 
@@ -89,8 +73,7 @@ FULCRUM_REGISTER_PLUGIN(
           return absl::OkStatus();
         },
         /*create=*/[](const PluginSetup& setup) -> absl::StatusOr<std::unique_ptr<Plugin>> {
-          return std::unique_ptr<Plugin>(
-              new GradEmaPlugin(FLAGS_grad_ema_decay, setup.model.num_layers));
+          return std::unique_ptr<Plugin>(new GradEmaPlugin(FLAGS_grad_ema_decay));
         }}));
 
 }  // namespace fulcrum::plugins

@@ -294,6 +294,19 @@ TEST(PluginApiTest, GradientPartsAreWhatTheStepReadsUnderEitherOptimizer) {
   }
 }
 
+// A trainer's context outside AfterBackward has no reduced gradients: asking for them is a
+// programming error, not Parameter grads that are unreduced or already cleared.
+TEST(PluginApiTest, GradientsOutsideAfterBackwardAreAnError) {
+  const TrainerConfig config = testing::SmallTrainerConfig();
+  GptModel model(config.model);
+  PluginContext ctx(1, model, nullptr, nullptr);
+  ctx.set_optimizer_state_parts([] { return std::vector<MomentSlice>{}; });
+  EXPECT_THROW(ctx.gradients(), std::logic_error);
+  ReducedGradients none({});
+  ctx.set_gradients(&none);
+  EXPECT_EQ(&ctx.gradients(), &none);
+}
+
 // A plugin that reads Parameter grads (ReadsWholeGradients) is refused by the distributed
 // optimizer, by name, before any work; AdamW takes it.
 TEST(PluginApiTest, TheDistributedOptimizerRefusesAPluginThatReadsParameterGradients) {

@@ -2,12 +2,14 @@
 // in real runs: the losses of the run without it, bit for bit — one process, and pp=2 under
 // ZB-H1 (the B/W split) with dropout on and layers moving — at a smaller activation peak;
 // every dynamism plugin under it; and what it refuses.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "core/sparse_linear.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/test_util.h"
@@ -124,8 +126,8 @@ TEST(SlowRecomputeTrainTest, EveryPluginTrainsThePlainRunsLossesAndFigures) {
   const std::vector<Case> cases = {
       {"prune",
        "--plugins=prune,freeze --prune_start_iter=2 --prune_end_iter=6 --prune_interval=2 "
-       "--prune_final_sparsity=0.5",
-       {"sparsity", "frozen_layers"}},
+       "--prune_final_sparsity=0.8",
+       {"sparsity", "prune_layer_density", "frozen_layers"}},
       {"sparse_attention",
        "--plugins=sparse_attention,freeze --sparse_attention_buckets=4 --sparse_attention_block=16",
        {"sparse_attention_density", "sparse_attention_blocks", "frozen_layers"}},
@@ -160,6 +162,18 @@ TEST(SlowRecomputeTrainTest, EveryPluginTrainsThePlainRunsLossesAndFigures) {
     }
     EXPECT_LT(again.back()["activation_peak_mb"].get<double>(), plain.back()["activation_peak_mb"].get<double>())
         << c.name;
+    // What each case exercises did happen: weights sparse enough for the sparse products
+    // (core/sparse_linear.h: below kSparseCrossoverDensity), tokens exiting.
+    if (c.name == "prune") {
+      double sparsest = 1;
+      for (const auto& [layer, density] : plain.back()["prune_layer_density"].items()) {
+        sparsest = std::min(sparsest, density.get<double>());
+      }
+      EXPECT_LT(sparsest, kSparseCrossoverDensity) << "some layer runs sparse products";
+    }
+    if (c.name == "mod_early_exit") {
+      EXPECT_LT(plain.back()["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/gpt_model.h"
+#include "core/optimizer/adamw.h"
 #include "core/parallel_context.h"
 #include "core/transformer_layer.h"
 
@@ -52,7 +53,8 @@ std::vector<double> PluginContext::LayerGradientSquares() {
   const int64_t num_layers = model_.options().num_layers;
   std::map<const Unit*, int64_t> layer_of;
   for (const auto& [index, layer] : model_.layers()) layer_of[layer.get()] = index;
-  std::vector<double> dense(num_layers, 0.0), experts(num_layers, 0.0);
+  // Per layer, its dense and its experts' pieces, each Σ x² as the global norm takes it.
+  std::vector<std::vector<at::Tensor>> dense_pieces(num_layers), expert_pieces(num_layers);
   ReducedGradients& reduced = gradients();
   for (const GradientPart& part : reduced.parts()) {
     auto it = layer_of.find(part.unit);
@@ -61,7 +63,12 @@ std::vector<double> PluginContext::LayerGradientSquares() {
         !part.param->sharding.CountedOn(part.unit->tp_rank(), part.unit->tp_size())) {
       continue;
     }
-    (part.expert ? experts : dense)[it->second] += part.grad.to(at::kDouble).pow(2).sum().item<double>();
+    (part.expert ? expert_pieces : dense_pieces)[it->second].push_back(part.grad);
+  }
+  std::vector<double> dense(num_layers, 0.0), experts(num_layers, 0.0);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    dense[l] = AdamW::SumOfSquares(dense_pieces[l]);
+    experts[l] = AdamW::SumOfSquares(expert_pieces[l]);
   }
   reduced.SumOverHolders(false, dense);
   reduced.SumOverHolders(true, experts);

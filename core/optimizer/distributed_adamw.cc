@@ -229,11 +229,7 @@ absl::StatusOr<StepResult> DistributedAdamW::ReduceAndStep(const std::vector<Uni
   // The experts' slices: summed over the ranks holding the same experts, then over the
   // ranks holding the others (AdamW sums whole expert gradients over the latter only).
   std::vector<double> expert_sq{AdamW::SumOfSquares(expert_pieces)};
-  if (expert_device_) {
-    at::Tensor t = at::full({1}, expert_sq[0], at::TensorOptions().dtype(at::kDouble)).to(*expert_device_);
-    collectives.AllReduceSum(GroupRole::kExpertData, t);
-    expert_sq[0] = t.cpu().item<double>();
-  }
+  SumOverHolders(collectives, /*expert=*/true, expert_sq);
   collectives.SumOverExpertParallel(expert_sq);
   StepResult result = FinishNorm(dense_sq + expert_sq[0], sums, dp_count, collectives);
   result.reduce_ms = reduce_ms;

@@ -36,6 +36,7 @@ struct ZeroRun {
   std::vector<double> losses;
   std::vector<double> grad_norms;
   int64_t state_bytes = 0;  // the logging rank's, at the last iteration
+  std::vector<nlohmann::json> records;  // the metrics file's
 };
 
 ZeroRun ZeroTrain(int n, const std::string& args, const std::string& dir, const std::string& name) {
@@ -44,7 +45,8 @@ ZeroRun ZeroTrain(int n, const std::string& args, const std::string& dir, const 
   const int code = testing::RunCommand(testing::TrainCommand(n, args + " --metrics_file=" + metrics), &output);
   EXPECT_EQ(code, 0) << output;
   ZeroRun run;
-  const auto records = testing::MetricsRecords(metrics);
+  run.records = testing::MetricsRecords(metrics);
+  const auto& records = run.records;
   for (const auto& r : records) {
     run.losses.push_back(r["loss"].get<double>());
     run.grad_norms.push_back(r["grad_norm"].get<double>());
@@ -169,7 +171,7 @@ std::vector<nlohmann::json> ExpectMovesFollowTheReplicatedOptimizer(const std::s
   EXPECT_EQ(sharded.losses, replicated.losses)
       << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
   EXPECT_LT(sharded.state_bytes, replicated.state_bytes);
-  const auto records = testing::MetricsRecords(dir + "/zero.jsonl");
+  const std::vector<nlohmann::json>& records = sharded.records;
   EXPECT_EQ(records.size(), iters);
   if (!records.empty()) {
     EXPECT_EQ(records.back()["layers_moved"].get<int64_t>(), 3);
@@ -317,8 +319,8 @@ TEST(SlowDistributedOptimizerTest, PruneFreezeAndEarlyExitEqualTheReplicatedOpti
         << c.name << ": max relative difference "
         << testing::MaxRelativeDifference(sharded.losses, replicated.losses);
     EXPECT_LT(sharded.state_bytes, replicated.state_bytes) << c.name;
-    const auto adamw_records = testing::MetricsRecords(dir + "/" + c.name + "_adamw.jsonl");
-    const auto zero_records = testing::MetricsRecords(dir + "/" + c.name + "_zero.jsonl");
+    const auto& adamw_records = replicated.records;
+    const auto& zero_records = sharded.records;
     ASSERT_EQ(zero_records.size(), 20u) << c.name;
     c.did_its_work(adamw_records);
     c.did_its_work(zero_records);
@@ -355,8 +357,8 @@ TEST(SlowDistributedOptimizerTest, ADynamicRunResumesBitForBit) {
   EXPECT_EQ(resumed.losses, std::vector<double>(straight.losses.begin() + 10, straight.losses.end()))
       << testing::MaxRelativeDifference(resumed.losses,
                                         std::vector<double>(straight.losses.begin() + 10, straight.losses.end()));
-  const auto straight_records = testing::MetricsRecords(dir + "/straight.jsonl");
-  const auto resumed_records = testing::MetricsRecords(dir + "/resumed.jsonl");
+  const auto& straight_records = straight.records;
+  const auto& resumed_records = resumed.records;
   ASSERT_EQ(resumed_records.size(), 10u);
   for (size_t i = 0; i < resumed_records.size(); ++i) {
     for (const char* field : {"sparsity", "frozen_layers", "early_exit_avg_layers"}) {
@@ -373,9 +375,10 @@ TEST(SlowDistributedOptimizerTest, ADynamicRunResumesBitForBit) {
 // the expert-parallel ranks, which hold the others). In iteration 1 (the same weights
 // everywhere) both optimizers' per-layer norms equal one process's to fp32 reduction
 // rounding (measured 1.2e-8 relative); a norm missing the other experts (no sum over the
-// expert-parallel ranks) was measured 3% off, one missing a holder's slice would be more. Later the runs drift apart within the layout
-// tolerance (experts reassociate at ep = 2; a loss spike at iteration 8 amplifies it to
-// 1.3e-5 in the norms), and the same layers freeze at the same iteration.
+// expert-parallel ranks) was measured 3% off, one missing a holder's slice would be more.
+// Later the runs drift apart within the layout tolerance (experts reassociate at ep = 2; a
+// loss spike at iteration 8 amplifies it to 1.3e-5 in the norms), and the same layers
+// freeze at the same iteration.
 TEST(SlowDistributedOptimizerTest, FreezeNormsOverExpertSlicesAreTheWholeModels) {
   const std::string dir = testing::MakeTempDir("zero_moe_freeze");
   const std::string args =
@@ -388,9 +391,9 @@ TEST(SlowDistributedOptimizerTest, FreezeNormsOverExpertSlicesAreTheWholeModels)
   const ZeroRun sharded = ZeroTrain(4, args + ep + testing::kZero, dir, "zero");
   ASSERT_EQ(sharded.losses.size(), 12u);
   EXPECT_LE(testing::MaxRelativeDifference(sharded.losses, replicated.losses), testing::kLayoutTolerance);
-  const std::vector<double> one = LayerGradNorms(testing::MetricsRecords(dir + "/single.jsonl"));
-  const auto adamw_records = testing::MetricsRecords(dir + "/adamw.jsonl");
-  const auto zero_records = testing::MetricsRecords(dir + "/zero.jsonl");
+  const std::vector<double> one = LayerGradNorms(single.records);
+  const auto& adamw_records = replicated.records;
+  const auto& zero_records = sharded.records;
   const std::vector<double> adamw = LayerGradNorms(adamw_records);
   const std::vector<double> zero = LayerGradNorms(zero_records);
   ASSERT_EQ(one.size(), 8u * 4u);

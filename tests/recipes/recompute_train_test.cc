@@ -165,11 +165,8 @@ TEST(SlowRecomputeTrainTest, EveryPluginTrainsThePlainRunsLossesAndFigures) {
     // What each case exercises did happen: weights sparse enough for the sparse products
     // (core/sparse_linear.h: below kSparseCrossoverDensity), tokens exiting.
     if (c.name == "prune") {
-      double sparsest = 1;
-      for (const auto& [layer, density] : plain.back()["prune_layer_density"].items()) {
-        sparsest = std::min(sparsest, density.get<double>());
-      }
-      EXPECT_LT(sparsest, kSparseCrossoverDensity) << "some layer runs sparse products";
+      EXPECT_LT(testing::SparsestLayerDensity(plain.back()), kSparseCrossoverDensity)
+          << "some layer runs sparse products";
     }
     if (c.name == "mod_early_exit") {
       EXPECT_LT(plain.back()["early_exit_avg_layers"].get<double>(), 4.0) << "tokens exited";

@@ -172,11 +172,8 @@ TEST(SlowSequenceParallelTest, PruneSparseAttentionAndFreezeFollowTensorParallel
     EXPECT_EQ(sequence.back()["frozen_layers"].get<int64_t>(), 1) << name;
     if (name == "prune") {
       EXPECT_NEAR(sequence.back()["sparsity"].get<double>(), 0.8, 1e-5);
-      double sparsest = 1;  // some layer below the crossover runs sparse products
-      for (const auto& [layer, density] : sequence.back()["prune_layer_density"].items()) {
-        sparsest = std::min(sparsest, density.get<double>());
-      }
-      EXPECT_LT(sparsest, kSparseCrossoverDensity);
+      EXPECT_LT(testing::SparsestLayerDensity(sequence.back()), kSparseCrossoverDensity)
+          << "some layer runs sparse products";
     }
     if (name == "sparse_attention") EXPECT_LT(sequence.back()["sparse_attention_density"].get<double>(), 0.9);
   }

@@ -49,6 +49,16 @@ inline std::vector<double> LossesOf(const std::vector<nlohmann::json>& records) 
 }
 
 /// The valid_loss of every record that evaluated, in order.
+/// The smallest kept fraction over the layers of a record's `prune_layer_density` (1 when
+/// none): below kSparseCrossoverDensity (core/sparse_linear.h) a weight runs sparse products.
+inline double SparsestLayerDensity(const nlohmann::json& record) {
+  double sparsest = 1;
+  for (const auto& [layer, density] : record["prune_layer_density"].items()) {
+    sparsest = std::min(sparsest, density.get<double>());
+  }
+  return sparsest;
+}
+
 inline std::vector<double> ValidLossesOf(const std::vector<nlohmann::json>& records) {
   std::vector<double> losses;
   for (const auto& r : records) {

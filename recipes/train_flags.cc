@@ -84,17 +84,16 @@ DEFINE_string(recompute_granularity, "",
               "Activation recomputation: 'full' keeps only each recomputed layer's input in "
               "the forward pass and runs the layer again in the backward; 'selective' does "
               "that for every layer's attention core alone (q·kᵀ, softmax, attention dropout, "
-              "·v: the s×s tensors, kept only with --attention_dropout); empty: none. With "
-              "full, of the plugins moe supports it (without "
-              "--moe_assignment_cache_threshold); selective leaves plugins' attention cores "
-              "alone.");
+              "·v: the s×s tensors, kept only with --attention_dropout); empty: none. Full "
+              "runs every plugin (moe without --moe_assignment_cache_threshold); selective "
+              "leaves plugins' attention cores alone.");
 DEFINE_int64(recompute_num_layers, 0,
              "With --recompute_granularity=full: how many layers of each pipeline stage (each "
              "model chunk), first ones first, are recomputed; 0: all of them.");
 DEFINE_bool(use_distributed_optimizer, false,
             "Shard the Adam moments over the data-parallel group (the expert-data-parallel "
             "group for experts; ZeRO-1): gradients reduce-scattered, updated weights "
-            "all-gathered. Not yet with the prune, freeze and early_exit plugins.");
+            "all-gathered. Every plugin runs under it.");
 DEFINE_bool(overlap_grad_reduce, false,
             "Start each bucket's data-parallel gradient reduction as soon as its gradients are "
             "final (after a layer's last weight-gradient pass), while the backward goes on; "
@@ -128,7 +127,7 @@ DEFINE_bool(sequence_parallel, false,
             "With --tensor_model_parallel_size > 1: split the norms, dropouts and residual adds "
             "along the sequence over the tensor-parallel ranks (Korthikanti et al. 2022); their "
             "activations shrink by that size, the losses stay the same. --seq_length must be a "
-            "multiple of the size.");
+            "multiple of the size. Not with the mod and early_exit plugins.");
 DEFINE_int32(pipeline_model_parallel_size, 1, "Pipeline stages (layers split evenly).");
 DEFINE_string(pipeline_schedule, "1f1b",
               "Pipeline schedule: 1f1b (interleaved 1F1B with virtual stages), zbh1 (interleaved "
